@@ -1,0 +1,182 @@
+"""The course's command line.
+
+    python main.py                      a short tour: the modules, then demos that run on CPU
+    python main.py list                 modules, with the TODOs left in your steps/
+    python main.py run NN [--nproc N]   run module NN's demo on N CPU ranks (your code: --impl steps)
+    python main.py grade NN             grade your steps/ for module NN: a scorecard
+    python main.py bench NN             measured-versus-theory tables
+
+`run` starts its own ranks (forked, gloo), or runs as one of them under
+`torchrun --nproc-per-node N main.py run NN`. Bad arguments are refused before any process starts.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent
+TOUR = ("00", "04")  # the baseline, then the latest module that reproduces it across ranks
+
+
+def modules() -> dict[str, dict]:
+    """Module number -> {stem, title, nproc}, read from solutions/ without importing anything."""
+    found = {}
+    for path in sorted((REPO / "solutions").glob("m[0-9][0-9]_*.py")):
+        values = {node.targets[0].id: node.value.value for node in ast.parse(path.read_text()).body
+                  if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name)
+                  and isinstance(node.value, ast.Constant)}
+        if "TITLE" in values:  # a module split over several files has one entry file
+            found[path.name[1:3]] = {"stem": path.stem, "title": values["TITLE"], "nproc": values.get("NPROC", 1)}
+    return found
+
+
+def todos_left(number: str) -> int:
+    pattern = re.compile(r"raise NotImplementedError\(['\"]TODO\(")
+    return sum(len(pattern.findall(p.read_text())) for p in (REPO / "steps").glob(f"m{number}_*.py"))
+
+
+def cmd_list(args=None):
+    print(f"{'module':<7} {'ranks':>5}  {'your TODOs':>10}  title")
+    for number, info in modules().items():
+        left = todos_left(number)
+        status = "given" if number == "00" else ("done" if left == 0 else f"{left} left")
+        print(f"{number:<7} {info['nproc']:>5}  {status:>10}  {info['title']}")
+
+
+def cmd_run(args):
+    from course.launch import RankFailed, RankTimeout, in_torchrun, run_ranks, run_under_torchrun
+
+    os.environ["COURSE_IMPL"] = args.impl
+    from course.impl import load
+
+    module = load(args.info["stem"])
+    try:
+        if in_torchrun():
+            return run_under_torchrun(module.demo, args, timeout=args.timeout)
+        if args.nproc == 1:
+            return module.demo(args)
+        run_ranks(module.demo, args.nproc, args, timeout=args.timeout)
+    except (RankFailed, RankTimeout, NotImplementedError) as exc:
+        first_line = str(exc).splitlines()[0]
+        print(f"error: {first_line}", file=sys.stderr)
+        if "TODO(" in first_line and args.impl == "steps":
+            print(f"hint: that TODO is yours to fill in steps/; `--impl solutions` runs the reference",
+                  file=sys.stderr)
+        sys.exit(1)
+
+
+def cmd_grade(args):
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "grades.json"
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", "tests", "-q", "-p", "no:cacheprovider",
+             "-m", f"m{args.number} and not given", f"--impl={args.impl}", f"--grading-json={report}"],
+            cwd=REPO, capture_output=True, text=True)
+        results = json.loads(report.read_text()) if report.exists() else []
+    if not results:
+        print((proc.stdout + proc.stderr)[-3000:])
+        print(f"module {args.number}: no graded test ran (see pytest's output above)")
+        sys.exit(1)
+    print(f"Grading {args.impl}/ for module {args.number}: {args.info['title']}\n")
+    for result in results:
+        name = result["test"].split("::", 1)[1]
+        mark = {"passed": "PASS", "failed": "FAIL", "skipped": "SKIP"}[result["outcome"]]
+        print(f"  {mark}  {name}")
+        if result["reason"] and mark != "PASS":
+            print(f"        {result['reason'][:300]}")
+    passed = sum(r["outcome"] == "passed" for r in results)
+    print(f"\n{passed}/{len(results)} checks pass")
+    sys.exit(0 if passed == len(results) else 1)
+
+
+def cmd_bench(args):
+    try:
+        bench = importlib.import_module(f"course.bench.m{args.number}")
+    except ModuleNotFoundError:
+        sys.exit(f"error: module {args.number} has no benchmark")
+    bench.main(args.rest)
+
+
+def cmd_tour(args):
+    print(__doc__.split("\n\n")[0] + "\n")
+    cmd_list()
+    for number in TOUR:
+        info = modules()[number]
+        nproc = info["nproc"]
+        print(f"\n=== module {number}: {info['title']} ({nproc} rank{'s' * (nproc > 1)}, reference solution)")
+        cmd_run(parse(["run", number, "--impl", "solutions"]))
+    print("\nNext: read docs/, fill in the TODOs in steps/, and `python main.py grade NN`.")
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="main.py", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command")
+    sub.add_parser("list")
+    for name in ("run", "grade", "bench"):
+        cmd = sub.add_parser(name)
+        cmd.add_argument("number", help="module number, e.g. 04")
+        if name == "run":
+            cmd.add_argument("--nproc", type=int, default=None, help="number of ranks (default: the module's)")
+            cmd.add_argument("--impl", choices=("steps", "solutions"), default="steps")
+            cmd.add_argument("--timeout", type=float, default=120.0, help="seconds before all ranks are stopped")
+        if name == "grade":
+            cmd.add_argument("--impl", choices=("steps", "solutions"), default="steps")
+        if name == "bench":
+            cmd.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own options")
+    args, extra = parser.parse_known_args(argv)
+    if args.command in ("run", "grade", "bench"):
+        known = modules()
+        args.number = args.number.zfill(2)
+        if args.number not in known:
+            parser.error(f"unknown module {args.number!r}; modules: {', '.join(known)}")
+        args.info = known[args.number]
+    if args.command == "run":
+        add_module_args(args, extra, parser)
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
+def add_module_args(args, extra, parser):
+    """Parse the module's own options and check everything before any process starts."""
+    from course.impl import load
+
+    module = load(args.info["stem"], "solutions")  # option parsing and checks are given code
+    own = argparse.ArgumentParser(prog=f"main.py run {args.number}")
+    if hasattr(module, "add_args"):
+        module.add_args(own)
+    try:
+        vars(args).update(vars(own.parse_args(extra)))
+    except SystemExit:
+        raise SystemExit(2)
+    if "WORLD_SIZE" in os.environ and args.nproc is None:
+        args.nproc = int(os.environ["WORLD_SIZE"])  # under torchrun
+    default = args.info["nproc"]
+    args.nproc = default if args.nproc is None else args.nproc
+    if default == 1 and args.nproc != 1:
+        parser.error(f"module {args.number} runs in a single process; drop --nproc")
+    if default > 1 and args.nproc < 2:
+        parser.error(f"module {args.number} is distributed: it needs --nproc of at least 2, got {args.nproc}")
+    try:
+        if hasattr(module, "check_args"):
+            module.check_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+
+
+def main(argv: list[str]) -> None:
+    args = parse(argv)
+    commands = {None: cmd_tour, "list": cmd_list, "run": cmd_run, "grade": cmd_grade, "bench": cmd_bench}
+    commands[args.command](args)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,1 @@
+"""Reference implementations of every module. steps/ is generated from these files."""

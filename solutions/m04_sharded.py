@@ -1,0 +1,110 @@
+"""Module 04 - the sharded model.
+
+Each rank holds only its own slice of the 16 layers (the last rank also holds the head and
+computes the loss), so the parameter memory per rank is divided by the number of ranks. A forward
+pass becomes a relay: rank 0 feeds the batch in, every rank runs its layers and sends the result
+on, and the last rank produces the logits.
+
+For the split to be an exact copy of the monolith, every rank must start from the monolith's
+weights for its layers. We get them by replaying the monolith's construction from the same seed:
+every rank creates every layer in order (one at a time, so at most one extra layer is alive) and
+keeps only its own. Approximating the random stream instead (say, seeding each rank differently)
+gives a different model, and the loss curves no longer agree.
+"""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .m00_monolith import MLPConfig, build_model, make_batch
+from .m02_comms import PipelineComms, init_distributed
+
+TITLE = "Sharded model: each rank holds its own layers; forward as a relay"
+NPROC = 4
+
+
+def check_world_size(cfg: MLPConfig, world_size: int):
+    if world_size < 1 or cfg.layers % world_size != 0:
+        raise ValueError(f"{cfg.layers} layers cannot be split evenly over {world_size} ranks; "
+                         f"use a world size that divides {cfg.layers}")
+
+
+def check_args(args):
+    """Called by main.py before any process starts."""
+    check_world_size(MLPConfig(), args.nproc)
+
+
+def layer_range(cfg: MLPConfig, rank: int, world_size: int) -> range:
+    """The indices of the layers that `rank` holds."""
+    check_world_size(cfg, world_size)
+    # >>> TODO(m04): return the contiguous block of layer indices owned by `rank`
+    per_rank = cfg.layers // world_size
+    return range(rank * per_rank, (rank + 1) * per_rank)
+    # <<<
+
+
+class ShardedMLP(nn.Module):
+    """This rank's layers of the monolith; the last rank also holds the head."""
+
+    def __init__(self, cfg: MLPConfig, rank: int, world_size: int):
+        super().__init__()
+        self.rank, self.world_size, self.hidden = rank, world_size, cfg.hidden
+        self.is_last = rank == world_size - 1
+        mine = layer_range(cfg, rank, world_size)
+        # >>> TODO(m04): build self.layers (an nn.ModuleList of this rank's layers) and self.head
+        # Hint: torch.manual_seed(cfg.seed), then create all cfg.layers Linear(hidden, hidden)
+        # Hint: layers in order, keeping those whose index is in `mine`: the random stream then
+        # Hint: matches the monolith's. The last rank then creates the head (others: self.head = None).
+        torch.manual_seed(cfg.seed)
+        kept = []
+        for index in range(cfg.layers):
+            layer = nn.Linear(cfg.hidden, cfg.hidden)  # every rank draws every layer's weights
+            if index in mine:
+                kept.append(layer)
+        self.layers = nn.ModuleList(kept)
+        self.head = nn.Linear(cfg.hidden, cfg.classes) if self.is_last else None
+        # <<<
+
+    def forward(self, x):
+        """This rank's part of the forward pass: hidden activations, or logits on the last rank."""
+        for layer in self.layers:
+            x = F.relu(layer(x))
+        return self.head(x) if self.is_last else x
+
+    def loss(self, logits, targets):
+        if not self.is_last:
+            raise RuntimeError(f"rank {self.rank} has no head: only the last rank computes the loss")
+        return F.cross_entropy(logits, targets)
+
+
+def sharded_forward(model: ShardedMLP, comms: PipelineComms, x: torch.Tensor) -> torch.Tensor:
+    """Relay the batch `x` through all ranks; return this rank's output (logits on the last rank).
+
+    Every rank passes the same batch: the first rank feeds it in, the others only use its batch
+    size to allocate their receive buffer, shape (batch, hidden).
+    """
+    # >>> TODO(m04): receive the input (unless first rank), run this rank's layers, send (unless last)
+    # Hint: comms.prev is None on the first rank and comms.next is None on the last.
+    # Hint: the receive buffer's shape is (x.shape[0], model.hidden).
+    if comms.prev is not None:
+        x = comms.recv_forward((x.shape[0], model.hidden))
+    out = model(x)
+    if comms.next is not None:
+        comms.send_forward(out)
+    return out
+    # <<<
+
+
+def demo(args):
+    """Forward the batch through the sharded model; the last rank checks the monolith's logits."""
+    rank, world_size, device = init_distributed()
+    cfg = MLPConfig()
+    model = ShardedMLP(cfg, rank, world_size).to(device)
+    x, y = make_batch(cfg)
+    out = sharded_forward(model, PipelineComms(rank, world_size, device), x.to(device))
+    params = sum(p.numel() for p in model.parameters())
+    print(f"rank {rank}: layers {list(layer_range(cfg, rank, world_size))}, {params} parameters")
+    if model.is_last:
+        expected = build_model(cfg)(x)
+        same = torch.equal(out.cpu(), expected)
+        print(f"rank {rank}: logits equal the monolith's bit for bit: {same}; "
+              f"loss {model.loss(out, y.to(device)).item():.6f}")

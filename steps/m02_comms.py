@@ -1,0 +1,105 @@
+# Generated from solutions/m02_comms.py by `python -m course.skeleton`: fill in the TODOs.
+# Grade your work with `python main.py grade 02`.
+"""Module 02 - communication primitives.
+
+Every pipeline stage talks to two neighbours: it receives activations from the previous rank and
+sends its own to the next one (forward), then receives gradients from the next rank and sends
+gradients to the previous one (backward). This file wraps torch.distributed's point-to-point calls
+in exactly those four verbs, plus non-blocking sends for the schedules of module 05.
+
+A receive needs a buffer of the right shape, dtype and device before the data arrives: the
+sender's tensor is not transferred with its metadata, only its bytes.
+"""
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+TITLE = "Communication primitives: init_distributed and PipelineComms"
+NPROC = 4
+
+
+def init_distributed(timeout_s: float = 120.0):
+    """Join the process group described by torchrun's environment; return (rank, world_size, device).
+
+    If a group already exists (course.launch creates one for its forked ranks) it is reused. The
+    device follows the backend: gloo works on CPU tensors, nccl on this rank's GPU.
+    """
+    # TODO(m02): read RANK, WORLD_SIZE, LOCAL_RANK; join the group if needed; pick the device
+    # Hint: torchrun sets RANK, WORLD_SIZE and LOCAL_RANK as environment variables (strings).
+    # Hint: if not dist.is_initialized(): dist.init_process_group(backend, rank=..., world_size=...,
+    # Hint:     timeout=timedelta(seconds=timeout_s)) with backend "nccl" if CUDA is available, else "gloo".
+    # Hint: then look at dist.get_backend(): nccl -> torch.device("cuda", local_rank) (and
+    # Hint: torch.cuda.set_device it); gloo -> torch.device("cpu").
+    raise NotImplementedError('TODO(m02): read RANK, WORLD_SIZE, LOCAL_RANK; join the group if needed; pick the device')
+
+
+class PipelineComms:
+    """Point-to-point messages between neighbouring pipeline stages.
+
+    `prev` and `next` are the neighbouring ranks, or None at the ends of the pipeline.
+    """
+
+    def __init__(self, rank: int, world_size: int, device=torch.device("cpu"), dtype=torch.float32):
+        self.rank, self.world_size = rank, world_size
+        self.device, self.dtype = torch.device(device), dtype
+        # TODO(m02): set self.prev and self.next (None where there is no neighbour)
+        raise NotImplementedError('TODO(m02): set self.prev and self.next (None where there is no neighbour)')
+
+    # Forward: activations flow from rank r to rank r + 1.
+    def send_forward(self, tensor: torch.Tensor):
+        # TODO(m02): send `tensor` to the next rank (blocking)
+        # Hint: dist.send(tensor, dst). Send a contiguous tensor: the bytes are sent as they lie.
+        # Hint: self._peer(self.next, "send_forward") gives dst, or a clear error on the last rank.
+        raise NotImplementedError('TODO(m02): send `tensor` to the next rank (blocking)')
+
+    def recv_forward(self, shape, dtype=None) -> torch.Tensor:
+        # TODO(m02): allocate a buffer (shape, dtype or self.dtype, self.device), fill it from prev
+        # Hint: torch.empty(...) then dist.recv(buffer, src); return the buffer.
+        raise NotImplementedError('TODO(m02): allocate a buffer (shape, dtype or self.dtype, self.device), fill it from prev')
+
+    # Backward: gradients flow from rank r + 1 back to rank r.
+    def send_backward(self, tensor: torch.Tensor):
+        # TODO(m02): send the gradient `tensor` to the previous rank (blocking)
+        raise NotImplementedError('TODO(m02): send the gradient `tensor` to the previous rank (blocking)')
+
+    def recv_backward(self, shape, dtype=None) -> torch.Tensor:
+        # TODO(m02): allocate a buffer and fill it with the gradient from the next rank
+        raise NotImplementedError('TODO(m02): allocate a buffer and fill it with the gradient from the next rank')
+
+    # Non-blocking sends return a Work handle: call .wait() on it before the tensor is reused or
+    # freed, and before the process exits. Schedules that both send and receive in one step need
+    # them: two neighbours that both block in send wait for each other forever.
+    def isend_forward(self, tensor: torch.Tensor):
+        # TODO(m02): start sending `tensor` to the next rank; return the handle from dist.isend
+        raise NotImplementedError('TODO(m02): start sending `tensor` to the next rank; return the handle from dist.isend')
+
+    def isend_backward(self, tensor: torch.Tensor):
+        # TODO(m02): start sending the gradient `tensor` to the previous rank; return the handle
+        raise NotImplementedError('TODO(m02): start sending the gradient `tensor` to the previous rank; return the handle')
+
+    def _peer(self, peer, verb):
+        if peer is None:
+            end = "first" if verb in ("recv_forward", "send_backward", "isend_backward") else "last"
+            raise RuntimeError(f"rank {self.rank} is the {end} stage: it has no neighbour to {verb} with")
+        return peer
+
+
+def demo(args):
+    """A tensor goes down the pipeline (each rank adds its rank) and back up (each rank doubles it)."""
+    rank, world_size, device = init_distributed()
+    comms = PipelineComms(rank, world_size, device)
+    x = torch.zeros(4, device=device) if comms.prev is None else comms.recv_forward((4,))
+    x = x + rank
+    if comms.next is None:
+        print(f"rank {rank}: forward pass arrived as {x.tolist()}, expected {sum(range(world_size))}")
+    else:
+        comms.send_forward(x)
+        x = comms.recv_backward((4,))
+    x = x * 2
+    if comms.prev is None:
+        expected = sum(range(world_size)) * 2 ** world_size
+        print(f"rank {rank}: backward pass arrived as {x.tolist()}, expected {expected}")
+    else:
+        comms.send_backward(x)

@@ -1,0 +1,110 @@
+"""Module 02: neighbours, the process-group setup, and the four send/receive verbs."""
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from course.impl import load
+from course.launch import run_ranks
+
+m02 = load("m02_comms")
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_neighbours(world_size):
+    for rank in range(world_size):
+        comms = m02.PipelineComms(rank, world_size)
+        assert comms.prev == (rank - 1 if rank > 0 else None), f"rank {rank} of {world_size}: prev"
+        assert comms.next == (rank + 1 if rank < world_size - 1 else None), f"rank {rank} of {world_size}: next"
+
+
+def _init_in_existing_group():
+    rank, world_size, device = m02.init_distributed()
+    return rank, world_size, str(device), dist.get_rank(), dist.get_world_size()
+
+
+def test_init_distributed_reports_rank_world_size_and_device():
+    assert run_ranks(_init_in_existing_group, 2, timeout=20) == [
+        (0, 2, "cpu", 0, 2), (1, 2, "cpu", 1, 2)]
+
+
+def _init_from_environment():
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="0")  # port 0: a free one (one rank)
+    rank, world_size, device = m02.init_distributed()
+    return rank, world_size, str(device), dist.get_backend()
+
+
+def test_init_distributed_creates_the_group_from_torchrun_variables():
+    assert run_ranks(_init_from_environment, 1, timeout=20, init_process_group=False) == [
+        (0, 1, "cpu", "gloo")]
+
+
+def _relay(world_size):
+    """Down the pipeline adding the rank, back up multiplying by 2; float64 to check the dtype."""
+    comms = m02.PipelineComms(dist.get_rank(), world_size)
+    shape = (3, 5)
+    x = torch.arange(15, dtype=torch.float64).reshape(shape) if comms.prev is None \
+        else comms.recv_forward(shape, torch.float64)
+    seen = [(tuple(x.shape), x.dtype, x.device.type)]
+    x = x + comms.rank
+    if comms.next is not None:
+        comms.send_forward(x)
+        x = comms.recv_backward(shape, torch.float64)
+        seen.append((tuple(x.shape), x.dtype, x.device.type))
+    x = x * 2
+    if comms.prev is not None:
+        comms.send_backward(x)
+    return x, seen
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_forward_and_backward_relays_deliver_every_value(world_size):
+    results = run_ranks(_relay, world_size, world_size, timeout=20)
+    start = torch.arange(15, dtype=torch.float64).reshape(3, 5)
+    after_forward = start + sum(range(world_size))
+    for rank, (value, seen) in enumerate(results):
+        # rank r ends with the forward sum doubled once by each rank from the last down to r
+        expected = after_forward * 2 ** (world_size - rank)
+        assert torch.equal(value, expected), f"rank {rank}: expected {expected[0].tolist()}..., got {value[0].tolist()}..."
+        assert all(s == ((3, 5), torch.float64, "cpu") for s in seen), f"rank {rank} receive buffers: {seen}"
+
+
+def test_receive_uses_the_comms_default_dtype():
+    def relay_default_dtype():
+        comms = m02.PipelineComms(dist.get_rank(), 2, dtype=torch.float16)
+        if comms.rank == 0:
+            comms.send_forward(torch.full((2,), 1.5, dtype=torch.float16))
+            return None
+        return comms.recv_forward((2,))
+    _, got = run_ranks(relay_default_dtype, 2, timeout=20)
+    assert got.dtype == torch.float16 and got.tolist() == [1.5, 1.5]
+
+
+def _exchange_both_ways():
+    """Every rank sends forward and backward at once, without blocking, then receives both."""
+    comms = m02.PipelineComms(dist.get_rank(), dist.get_world_size())
+    mine = torch.full((4,), float(comms.rank))
+    handles = []
+    if comms.next is not None:
+        handles.append(comms.isend_forward(mine))
+    if comms.prev is not None:
+        handles.append(comms.isend_backward(mine))
+    from_prev = comms.recv_forward((4,)) if comms.prev is not None else None
+    from_next = comms.recv_backward((4,)) if comms.next is not None else None
+    for handle in handles:
+        handle.wait()
+    return [None if t is None else t.tolist() for t in (from_prev, from_next)]
+
+
+def test_non_blocking_sends_in_both_directions():
+    results = run_ranks(_exchange_both_ways, 3, timeout=20)
+    assert results == [[None, [1.0] * 4], [[0.0] * 4, [2.0] * 4], [[1.0] * 4, None]]
+
+
+def test_sending_past_either_end_is_a_clear_error():
+    first, last = m02.PipelineComms(0, 2), m02.PipelineComms(1, 2)
+    with pytest.raises(RuntimeError, match="last stage"):
+        last.send_forward(torch.zeros(1))
+    with pytest.raises(RuntimeError, match="first stage"):
+        first.send_backward(torch.zeros(1))
