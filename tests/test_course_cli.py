@@ -1,0 +1,51 @@
+"""main.py: bad arguments are refused before any process starts; run works with and without torchrun."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+import main
+from course.skeleton import REPO
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["run", "99"], "unknown module '99'"),
+    (["run", "04", "--nproc", "3"], "16 layers cannot be split evenly over 3 ranks"),
+    (["run", "02", "--nproc", "1"], "needs --nproc of at least 2"),
+    (["run", "00", "--nproc", "2"], "runs in a single process"),
+    (["run", "03", "--nproc", "4"], "exactly 2 ranks"),
+    (["run", "04", "--no-such-option"], "unrecognized arguments"),
+    (["grade", "7x"], "unknown module"),
+])
+def test_bad_arguments_give_one_clear_error(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main.parse(argv)
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_run_launches_its_own_ranks(capfd):
+    main.main(["run", "04", "--nproc", "2", "--impl", "solutions"])
+    assert "logits equal the monolith's bit for bit: True" in capfd.readouterr().out
+
+
+def test_run_reports_an_unfinished_todo_in_one_line(tmp_path):
+    from course.skeleton import generate
+    steps = tmp_path / "steps"
+    steps.mkdir()
+    for name, text in generate().items():
+        (steps / name).write_text(text)
+    run = subprocess.run([sys.executable, "main.py", "run", "02", "--nproc", "2"], cwd=REPO,
+                         env={**os.environ, "COURSE_STEPS_DIR": str(steps)}, capture_output=True, text=True)
+    assert run.returncode == 1
+    assert "raised NotImplementedError: TODO(m02)" in run.stderr and "--impl solutions" in run.stderr
+
+
+def test_list_and_torchrun():
+    listing = subprocess.run([sys.executable, "main.py", "list"], cwd=REPO, capture_output=True, text=True)
+    assert listing.returncode == 0 and "04" in listing.stdout
+    run = subprocess.run(["torchrun", "--standalone", "--nproc-per-node", "2", "main.py", "run", "04",
+                          "--impl", "solutions"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "logits equal the monolith's bit for bit: True" in run.stdout

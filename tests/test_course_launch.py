@@ -1,0 +1,90 @@
+"""The launcher every multi-rank test and demo relies on: results, fast failure, timeouts, cleanup."""
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from course.launch import RankFailed, RankTimeout, run_ranks
+
+
+def _child_pids() -> set[int]:
+    """Live (non-zombie) processes whose parent is this process (Linux /proc)."""
+    pids = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == os.getpid() and fields[0] != "Z":
+            pids.add(int(stat.parent.name))
+    return pids
+
+
+def _identify(offset):
+    return dist.get_rank(), dist.get_world_size(), os.environ["RANK"], torch.get_num_threads(), offset
+
+
+def test_results_come_back_in_rank_order():
+    assert run_ranks(_identify, 3, 7, timeout=20) == [(r, 3, str(r), 1, 7) for r in range(3)]
+
+
+def _raise_on_rank_one():
+    if dist.get_rank() == 1:
+        raise NotImplementedError("TODO(m99): something")
+    dist.recv(torch.empty(1), src=1)  # rank 0 would wait for ever: the launcher must not
+
+
+def test_a_raising_rank_fails_the_run_at_once_and_says_where():
+    start = time.monotonic()
+    with pytest.raises(RankFailed) as failure:
+        run_ranks(_raise_on_rank_one, 2, timeout=30)
+    elapsed = time.monotonic() - start
+    first_line = str(failure.value).splitlines()[0]
+    assert first_line.startswith("rank 1 of 2 raised NotImplementedError: TODO(m99): something")
+    assert "test_course_launch.py" in first_line and "_raise_on_rank_one" in first_line
+    assert elapsed < 1.0, f"took {elapsed:.2f} s: a failing rank must not wait for the timeout"
+
+
+def _receive_from_each_other():
+    dist.recv(torch.empty(1), src=1 - dist.get_rank())  # both ranks receive: a deadlock
+
+
+def test_a_deadlock_times_out_naming_every_stuck_rank_and_line():
+    with pytest.raises(RankTimeout) as timeout:
+        run_ranks(_receive_from_each_other, 2, timeout=1.0)
+    message = str(timeout.value)
+    first_line = message.splitlines()[0]
+    assert "still running: rank 0, 1" in first_line
+    for rank in (0, 1):
+        assert f"rank {rank} at tests/test_course_launch.py:" in first_line
+    assert "in _receive_from_each_other" in first_line
+    assert "--- rank 1 ---" in message, "the full stack dumps follow the summary"
+
+
+def test_no_rank_outlives_the_run():
+    with pytest.raises(RankTimeout):
+        run_ranks(_receive_from_each_other, 2, timeout=0.5)
+    with pytest.raises(RankFailed):
+        run_ranks(_raise_on_rank_one, 2, timeout=30)
+    assert _child_pids() == set()
+
+
+def _exit_abruptly():
+    if dist.get_rank() == 0:
+        os._exit(3)
+    return "fine"
+
+
+def test_a_rank_that_dies_without_a_word_is_reported():
+    with pytest.raises(RankFailed, match=r"rank 0 of 2 died without a result \(exit code 3\)"):
+        run_ranks(_exit_abruptly, 2, timeout=20)
+
+
+def test_without_a_group_ranks_get_torchrun_variables_only():
+    def environment():
+        return dist.is_initialized(), os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"]
+    assert run_ranks(environment, 2, timeout=20, init_process_group=False) == [
+        (False, "0", "2", "0"), (False, "1", "2", "1")]
