@@ -1,0 +1,112 @@
+"""The learner-facing docs must not lie about the repository, and the notebooks must run.
+
+(a) every backticked path in README.md and the chapters docs/NN-*.md exists;
+(b) every backticked `name()` is defined (def or class) in the repo's Python, or is allow-listed;
+(c) every notebooks/*.ipynb executes top to bottom on CPU (one test per notebook).
+
+Only inline code spans are checked (fenced blocks hold commands and output). The maintainers'
+page is not a chapter and may name files that are still planned, so it is not checked here.
+"""
+from __future__ import annotations
+
+import ast
+import re
+from functools import lru_cache
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("[0-9][0-9]-*.md"))]
+NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
+
+PATH_SUFFIXES = (".py", ".md", ".ipynb", ".json", ".txt", ".toml")
+GENERATED = ("results/",)  # written by `python main.py bench NN`, git-ignored
+# Names the docs may call that are PyTorch's or Python's own, not the course's.
+KNOWN_CALLS = {
+    "send", "recv", "isend", "irecv", "wait", "init_process_group", "destroy_process_group",
+    "is_initialized", "get_backend", "backward", "detach", "requires_grad_", "manual_seed",
+    "empty", "perf_counter", "median",
+}
+FENCE = re.compile(r"^```.*?^```", re.M | re.S)
+CODE_SPAN = re.compile(r"`([^`\n]+)`")
+CALL = re.compile(r"(?:[A-Za-z_]\w*\.)*([A-Za-z_]\w*)\(\)")
+
+
+def code_spans(doc: Path) -> list[str]:
+    return CODE_SPAN.findall(FENCE.sub("", doc.read_text()))
+
+
+def is_path(token: str) -> bool:
+    if " " in token or "://" in token or "(" in token:
+        return False
+    return "/" in token or token.endswith(PATH_SUFFIXES)
+
+
+def path_exists(token: str) -> bool:
+    token = re.sub(r":\d+$", "", token.removeprefix("./"))  # steps/m02_comms.py:35 -> the file
+    if token.startswith(GENERATED):
+        return True
+    if "NN" in token or "*" in token:
+        pattern = token.replace("NN", "[0-9][0-9]").rstrip("/")
+        return any(REPO.glob(pattern))
+    if (REPO / token).exists():
+        return True
+    return "/" not in token and any(REPO.rglob(token))  # a bare file name, e.g. `launch.py`
+
+
+@lru_cache(maxsize=None)
+def defined_names() -> frozenset[str]:
+    names = set()
+    for path in REPO.rglob("*.py"):
+        if any(part.startswith(".") or part == "__pycache__" for part in path.relative_to(REPO).parts):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+    return frozenset(names)
+
+
+def bad_paths(doc: Path) -> list[str]:
+    return [t for t in code_spans(doc) if is_path(t) and not path_exists(t)]
+
+
+def bad_calls(doc: Path) -> list[str]:
+    calls = [CALL.fullmatch(t) for t in code_spans(doc)]
+    return [m.group(0) for m in calls if m and m.group(1) not in defined_names() | KNOWN_CALLS]
+
+
+def test_there_are_docs_to_check():
+    assert (REPO / "README.md").exists() and len(DOCS) > 1, f"found only {DOCS}"
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(REPO)))
+def test_backticked_paths_exist(doc):
+    missing = bad_paths(doc)
+    assert not missing, f"{doc.name} names paths that do not exist: {missing}"
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(REPO)))
+def test_backticked_calls_are_defined(doc):
+    undefined = bad_calls(doc)
+    assert not undefined, f"{doc.name} names functions defined nowhere in the repo: {undefined}"
+
+
+def test_the_checks_catch_bad_references(tmp_path):
+    doc = tmp_path / "bad.md"
+    doc.write_text("See `steps/m99_nothing.py`, `docs/NN-nothing.md` and `comms.teleport_forward()`;\n"
+                   "but `steps/m04_sharded.py:57`, `results/bench-03.json`, `launch.py`,\n"
+                   "`comms.send_forward()` and `dist.send()` are fine.\n"
+                   "```\nnot/checked.py inside a fence: `fenced/path.py`\n```\n")
+    assert bad_paths(doc) == ["steps/m99_nothing.py", "docs/NN-nothing.md"]
+    assert bad_calls(doc) == ["comms.teleport_forward()"]
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_executes(notebook):
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    nb = nbformat.read(notebook, as_version=4)
+    client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
+                                     resources={"metadata": {"path": str(notebook.parent)}})
+    client.execute()  # raises CellExecutionError, naming the cell, if any cell fails
