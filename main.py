@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import faulthandler
 import importlib
 import json
 import os
@@ -62,7 +63,11 @@ def cmd_run(args):
         if in_torchrun():
             return run_under_torchrun(module.demo, args, timeout=args.timeout)
         if args.nproc == 1:
-            return module.demo(args)
+            faulthandler.dump_traceback_later(args.timeout, exit=True)  # a watchdog here too
+            try:
+                return module.demo(args)
+            finally:
+                faulthandler.cancel_dump_traceback_later()
         run_ranks(module.demo, args.nproc, args, timeout=args.timeout)
     except (RankFailed, RankTimeout, NotImplementedError) as exc:
         first_line = str(exc).splitlines()[0]

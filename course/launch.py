@@ -184,6 +184,8 @@ def _innermost_course_frames(dump: str, depth: int = 3) -> str:
         if line.startswith("File "):
             filename = line.split('"')[1]
             lineno, func = line.rsplit("line ", 1)[1].split(" in ", 1)
+            if func == "_rank_main":
+                break  # older frames belong to the parent the rank was forked from
             if _is_course_file(filename):
                 frames.append(f"{_short(filename)}:{lineno} in {func}")
     return " <- ".join(frames[:depth]) or "(no course frame on the stack)"
