@@ -106,12 +106,13 @@ class FP8Matmul:
 
     compile_quantize=True hands `quantize` to torch.compile, which fuses its float32 multiply,
     clamp and cast into one kernel; eager mode runs them as separate passes over memory. It needs
-    a GPU toolchain (Triton) and costs a compile on first use of each shape family.
+    a GPU toolchain (Triton) and costs a compile on first use (shapes are left dynamic, so one
+    compile per FP8 format serves every size).
     """
 
     def __init__(self, min_dim: int = DEFAULT_MIN_DIM, compile_quantize: bool = False):
         self.min_dim = min_dim
-        self.quantize_fn = torch.compile(quantize) if compile_quantize else quantize
+        self.quantize_fn = torch.compile(quantize, dynamic=True) if compile_quantize else quantize
 
     def uses_fp8(self, tokens: int, in_features: int, out_features: int) -> bool:
         dims = (tokens, in_features, out_features)

@@ -11,6 +11,12 @@ A product of two rounded values errs by at most e_a |b| + |a| e_b + e_a e_b, and
 these over the inner dimension; fp32 accumulation of K terms adds at most K * 2^-24 * sum |a||b|.
 References are float64 matmuls of the unrounded inputs.
 """
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -35,13 +41,17 @@ def rounding_bound(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (U[dtype] + SLACK) * t.abs() + SUBNORMAL_STEP[dtype] / 2 * unscale * (1 + SLACK)
 
 
-def matmul_bound(a, a_dtype, b, b_dtype) -> torch.Tensor:
-    """Largest |fp8 a @ b - a @ b| elementwise, for a (m, k) and b (k, n) each rounded to its format."""
+def matmul_bound(a, a_dtype, b, b_dtype, accumulation_unit=2 ** -24, output_unit=0.0) -> torch.Tensor:
+    """Largest |fp8 a @ b - a @ b| elementwise, for a (m, k) and b (k, n) each rounded to its format.
+
+    accumulation_unit: relative rounding of each addition (fp32: 2^-24). output_unit: relative
+    rounding of the result (0 for fp32 outputs compared in fp32, 2^-9 for bf16).
+    """
     ea, eb = rounding_bound(a, a_dtype), rounding_bound(b, b_dtype)
     a, b = a.double().abs(), b.double().abs()
     products = ea @ b + a @ eb + ea @ eb
-    accumulation = a.shape[1] * 2 ** -24 * ((a + ea) @ (b + eb))
-    return products + accumulation
+    sum_of_magnitudes = (a + ea) @ (b + eb)
+    return products + (a.shape[1] * accumulation_unit + output_unit) * sum_of_magnitudes
 
 
 def assert_within(got, expected, bound, what):
@@ -230,3 +240,29 @@ def test_fp8_training_tracks_fp32():
     assert reference[-1] < 0.1 * reference[0], f"fp32 run did not learn: {reference[0]:.4f} -> {reference[-1]:.4f}"
     assert abs(fp8[-1] - reference[-1]) <= 0.25 * reference[-1], \
         f"FP8 final loss {fp8[-1]:.5f} is not within 25% of fp32's {reference[-1]:.5f}"
+
+
+# --- on a GPU (skipped without one) -----------------------------------------------------------
+
+def cuda_forward_backward_check():
+    """Run in a child process: the FP8 linear on CUDA, where _scaled_mm enforces the layout rules."""
+    x, w, dy = (t.detach().cuda().bfloat16() for t in linear_inputs(tokens=256, in_features=512, out_features=1024))
+    y, dx, dw = fp8_forward_backward(x, w, dy)
+    x, w, dy = x.cpu(), w.cpu(), dy.cpu()
+    # The forward uses fast accumulation: H100 FP8 tensor cores keep about 14 mantissa bits while
+    # adding, so allow 2^-13 per addition; outputs are bf16 (2^-9).
+    assert_within(y.cpu(), x.double() @ w.double().T,
+                  matmul_bound(x, E4M3, w.T, E4M3, accumulation_unit=2 ** -13, output_unit=2 ** -9), "CUDA y")
+    assert_within(dx.cpu(), dy.double() @ w.double(), matmul_bound(dy, E5M2, w, E4M3, output_unit=2 ** -9), "CUDA dx")
+    assert_within(dw.cpu(), dy.double().T @ x.double(), matmul_bound(dy.T, E5M2, x, E4M3, output_unit=2 ** -9), "CUDA dW")
+
+
+@pytest.mark.skipif(shutil.which("nvidia-smi") is None, reason="needs an NVIDIA GPU")
+def test_fp8_linear_on_cuda_is_within_the_bounds():
+    # A child process, because the pytest process must never touch CUDA (forked ranks could not use it).
+    here = Path(__file__).resolve().parent
+    code = f"import sys; sys.path.insert(0, {str(here)!r}); import test_09_fp8; test_09_fp8.cuda_forward_backward_check()"
+    child = subprocess.run([sys.executable, "-c", code], cwd=here.parent, env=dict(os.environ),
+                           capture_output=True, text=True, timeout=300)
+    last_line = (child.stderr.strip().splitlines() or ["no error output"])[-1]
+    assert child.returncode == 0, f"CUDA check failed: {last_line}"
