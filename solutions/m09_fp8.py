@@ -28,7 +28,7 @@ class StackConfig:
     hidden: int = 256
     blocks: int = 4
     classes: int = 16
-    tokens: int = 512    # one fixed batch of token vectors
+    tokens: int = 256    # one fixed batch of token vectors
     steps: int = 100
     lr: float = 1e-3
     seed: int = 0
