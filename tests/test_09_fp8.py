@@ -257,6 +257,9 @@ def cuda_forward_backward_check():
     assert_within(dw.cpu(), dy.double().T @ x.double(), matmul_bound(dy.T, E5M2, x, E4M3, output_unit=2 ** -9), "CUDA dW")
 
 
+# Marked `given` so it is not graded: most learners have no GPU, and a skipped check would keep
+# their scorecard short of full marks. Maintainers run it on a GPU machine with `pytest -m m09`.
+@pytest.mark.given
 @pytest.mark.skipif(shutil.which("nvidia-smi") is None, reason="needs an NVIDIA GPU")
 def test_fp8_linear_on_cuda_is_within_the_bounds():
     # A child process, because the pytest process must never touch CUDA (forked ranks could not use it).
@@ -269,7 +272,8 @@ def test_fp8_linear_on_cuda_is_within_the_bounds():
 
 
 @pytest.mark.given
-def test_notebook_executes():
+def test_notebook_executes(monkeypatch):
+    monkeypatch.setenv("COURSE_IMPL", "solutions")  # the kernel inherits it: draw with the reference
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
     notebooks = Path(__file__).resolve().parent.parent / "notebooks"
