@@ -98,8 +98,10 @@ def cmd_grade(args):
         if result["reason"] and mark != "PASS":
             print(f"        {result['reason'][:300]}")
     passed = sum(r["outcome"] == "passed" for r in results)
-    print(f"\n{passed}/{len(results)} checks pass")
-    sys.exit(0 if passed == len(results) else 1)
+    skipped = sum(r["outcome"] == "skipped" for r in results)
+    graded = len(results) - skipped  # e.g. GPU checks on a machine without one
+    print(f"\n{passed}/{graded} checks pass" + (f" ({skipped} skipped)" if skipped else ""))
+    sys.exit(0 if passed == graded else 1)
 
 
 def cmd_bench(args):

@@ -269,14 +269,3 @@ def test_fp8_linear_on_cuda_is_within_the_bounds():
                            capture_output=True, text=True, timeout=300)
     last_line = (child.stderr.strip().splitlines() or ["no error output"])[-1]
     assert child.returncode == 0, f"CUDA check failed: {last_line}"
-
-
-@pytest.mark.given
-def test_notebook_executes(monkeypatch):
-    monkeypatch.setenv("COURSE_IMPL", "solutions")  # the kernel inherits it: draw with the reference
-    nbformat = pytest.importorskip("nbformat")
-    nbclient = pytest.importorskip("nbclient")
-    notebooks = Path(__file__).resolve().parent.parent / "notebooks"
-    notebook = nbformat.read(notebooks / "09-fp8.ipynb", as_version=4)
-    nbclient.NotebookClient(notebook, timeout=120, kernel_name="python3",
-                            resources={"metadata": {"path": str(notebooks)}}).execute()
