@@ -31,6 +31,7 @@ def test_init_distributed_reports_rank_world_size_and_device():
 
 def _init_from_environment():
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="0")  # port 0: a free one (one rank)
+    torch.cuda.is_available = lambda: False  # as on a CPU-only machine (forked ranks cannot use CUDA)
     rank, world_size, device = m02.init_distributed()
     return rank, world_size, str(device), dist.get_backend()
 
