@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from course.impl import load
-from llama_reference import ReferenceBlock
+from course.reference_llama import ReferenceBlock
 
 block_module = load("m06_llama_block")
 ops = load("m06_llama_ops")

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from course.impl import load
-from llama_reference import ReferenceLlama
+from course.reference_llama import ReferenceLlama
 
 model_module = load("m06_llama_model")
 LlamaConfig = load("m06_llama_block").LlamaConfig

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from course.impl import load
-from llama_reference import rope as reference_rope
+from course.reference_llama import rope as reference_rope
 
 ops = load("m06_llama_ops")
 f64 = torch.float64

@@ -1,7 +1,8 @@
 """An independent Llama written the straightforward way (nn.Module, autograd, PyTorch's attention).
 
-Modules 06 and 10 compare the hand-written forward and backward against it. It shares nothing
-with the code under test but the names of the weights (ln1, wq, ..., w_down).
+The tests of modules 06 and 10 compare the hand-written forward and backward against it, and
+module 10's benchmark wraps its blocks in torch.utils.checkpoint. It shares nothing with the
+course's Llama (solutions/m06_*) but the names of the weights (ln1, wq, ..., w_down).
 """
 import torch
 import torch.nn as nn
@@ -76,9 +77,14 @@ class ReferenceLlama(nn.Module):
         self.final_norm = nn.Parameter(torch.ones(cfg.dim, dtype=dtype))
         self.lm_head = nn.Parameter(torch.zeros(cfg.vocab_size, cfg.dim, dtype=dtype))
 
-    def loss(self, tokens, targets):
+    def final_hidden(self, tokens, run_block=None):
+        """The normed output of the last block; `run_block(block, x)` may wrap each block's call
+        (e.g. in torch.utils.checkpoint)."""
         x = self.embedding[tokens]
         for block in self.blocks:
-            x = block(x)
-        logits = rms_norm(x, self.final_norm, self.eps) @ self.lm_head.t()
+            x = run_block(block, x) if run_block else block(x)
+        return rms_norm(x, self.final_norm, self.eps)
+
+    def loss(self, tokens, targets):
+        logits = self.final_hidden(tokens) @ self.lm_head.t()
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
