@@ -1,0 +1,90 @@
+"""An independent Llama written the straightforward way (nn.Module, autograd, PyTorch's attention).
+
+The tests of modules 06 and 10 compare the hand-written forward and backward against it, and
+module 10's benchmark wraps its blocks in torch.utils.checkpoint. It shares nothing with the
+course's Llama (solutions/m06_*) but the names of the weights (ln1, wq, ..., w_down).
+"""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def rope(x: torch.Tensor, theta: float) -> torch.Tensor:
+    """RoPE as a complex multiplication: the pair (x[i], x[i + D/2]) is the number x[i] + j x[i + D/2],
+    turned by the angle t * theta^(-2i/D) at position t. x is (B, T, heads, D)."""
+    T, D = x.shape[1], x.shape[-1]
+    freqs = 1.0 / theta ** (torch.arange(0, D // 2, dtype=torch.float64) * 2 / D)
+    turn = torch.polar(torch.ones(T, D // 2, dtype=torch.float64), torch.arange(T, dtype=torch.float64)[:, None] * freqs)
+    z = torch.complex(x[..., :D // 2].double(), x[..., D // 2:].double()) * turn[:, None, :]
+    return torch.cat((z.real, z.imag), dim=-1).to(x.dtype)
+
+
+def rms_norm(x, weight, eps):
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+class ReferenceBlock(nn.Module):
+    def __init__(self, dim, n_heads, n_kv_heads, head_dim, ffn_dim, rope_theta, norm_eps, dtype=torch.float64):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.theta, self.eps = rope_theta, norm_eps
+        self.ln1 = nn.Parameter(torch.ones(dim, dtype=dtype))
+        self.wq = nn.Linear(dim, n_heads * head_dim, bias=False, dtype=dtype)
+        self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=False, dtype=dtype)
+        self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=False, dtype=dtype)
+        self.wo = nn.Linear(n_heads * head_dim, dim, bias=False, dtype=dtype)
+        self.ln2 = nn.Parameter(torch.ones(dim, dtype=dtype))
+        self.w_gate = nn.Linear(dim, ffn_dim, bias=False, dtype=dtype)
+        self.w_up = nn.Linear(dim, ffn_dim, bias=False, dtype=dtype)
+        self.w_down = nn.Linear(ffn_dim, dim, bias=False, dtype=dtype)
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        n = rms_norm(x, self.ln1, self.eps)
+        q = rope(self.wq(n).view(B, T, self.n_heads, self.head_dim), self.theta)
+        k = rope(self.wk(n).view(B, T, self.n_kv_heads, self.head_dim), self.theta)
+        v = self.wv(n).view(B, T, self.n_kv_heads, self.head_dim)
+        group = self.n_heads // self.n_kv_heads  # query head h reads key/value head h // group
+        k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        h = x + self.wo(o.transpose(1, 2).reshape(B, T, -1))
+        n = rms_norm(h, self.ln2, self.eps)
+        return h + self.w_down(F.silu(self.w_gate(n)) * self.w_up(n))
+
+    def load(self, weights):
+        """Copy a BlockWeights-like object's tensors (same names, nn.Linear layout) into this block."""
+        with torch.no_grad():
+            for name in ("ln1", "ln2"):
+                getattr(self, name).copy_(getattr(weights, name))
+            for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"):
+                getattr(self, name).weight.copy_(getattr(weights, name))
+        return self
+
+    def grads(self) -> dict:
+        out = {name: getattr(self, name).grad for name in ("ln1", "ln2")}
+        out.update({name: getattr(self, name).weight.grad for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")})
+        return out
+
+
+class ReferenceLlama(nn.Module):
+    def __init__(self, cfg, dtype=torch.float64):
+        super().__init__()
+        self.eps = cfg.norm_eps
+        self.embedding = nn.Parameter(torch.zeros(cfg.vocab_size, cfg.dim, dtype=dtype))
+        self.blocks = nn.ModuleList(
+            ReferenceBlock(cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim, cfg.rope_theta,
+                           cfg.norm_eps, dtype) for _ in range(cfg.n_layers))
+        self.final_norm = nn.Parameter(torch.ones(cfg.dim, dtype=dtype))
+        self.lm_head = nn.Parameter(torch.zeros(cfg.vocab_size, cfg.dim, dtype=dtype))
+
+    def final_hidden(self, tokens, run_block=None):
+        """The normed output of the last block; `run_block(block, x)` may wrap each block's call
+        (e.g. in torch.utils.checkpoint)."""
+        x = self.embedding[tokens]
+        for block in self.blocks:
+            x = run_block(block, x) if run_block else block(x)
+        return rms_norm(x, self.final_norm, self.eps)
+
+    def loss(self, tokens, targets):
+        logits = self.final_hidden(tokens) @ self.lm_head.t()
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))

@@ -1,0 +1,202 @@
+"""Module 06, part 2 - the transformer block: a forward sequence and its backward in reverse.
+
+    x -> RMSNorm(ln1) -> q, k, v projections -> RoPE(q, k) -> causal GQA attention -> o projection
+      -> h = x + attention out, RMSNorm(ln2) -> gate, up projections -> SwiGLU -> down projection
+      -> y = h + FFN out
+
+`LlamaBlock.forward(w, x, store)` runs the ops of m06_llama_ops in that order and saves what their
+backwards need in `store`; `LlamaBlock.backward(w, dy, store)` runs the backwards in reverse and
+returns (dx, grads). The block holds no weights: they are passed in, so a weight source can
+gather them just in time (modules 07, 08). Its linears all go through `self.matmul` (module 09),
+and the store decides what is kept (module 10).
+"""
+from dataclasses import dataclass, fields
+
+import torch
+
+from .m06_llama_ops import (ATTENTION_CHUNK, Matmul, attention_backward, attention_forward, linear_backward,
+                            linear_forward, residual_rmsnorm_backward, residual_rmsnorm_forward,
+                            rmsnorm_backward, rmsnorm_forward, rope_backward, rope_forward, rope_tables,
+                            swiglu_backward, swiglu_forward)
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    dim: int = 64            # width of the residual stream
+    n_heads: int = 4         # query heads
+    n_kv_heads: int = 2      # key/value heads (grouped-query attention: n_heads is a multiple)
+    head_dim: int = 16       # n_heads * head_dim == dim
+    ffn_dim: int = 176       # hidden width of the SwiGLU feed-forward
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    vocab_size: int = 256    # bytes
+    n_layers: int = 2
+    max_seq_len: int = 64
+
+    def __post_init__(self):
+        for name in ("dim", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "vocab_size", "n_layers", "max_seq_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"LlamaConfig.{name} must be a positive integer, got {getattr(self, name)}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}: "
+                             "each key/value head must serve the same number of query heads")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even: RoPE rotates pairs of dimensions")
+        if self.n_heads * self.head_dim != self.dim:
+            raise ValueError(f"n_heads * head_dim = {self.n_heads} * {self.head_dim} = "
+                             f"{self.n_heads * self.head_dim} must equal dim={self.dim}")
+        if self.rope_theta <= 0 or self.norm_eps <= 0:
+            raise ValueError(f"rope_theta and norm_eps must be positive, got {self.rope_theta} and {self.norm_eps}")
+
+    def check_seq_len(self, seq_len: int):
+        if not 1 <= seq_len <= self.max_seq_len:
+            raise ValueError(f"sequence length {seq_len} is outside 1..max_seq_len={self.max_seq_len}")
+
+
+@dataclass
+class BlockWeights:
+    """One block's weights (linears are (out, in) like nn.Linear). Also used for their gradients."""
+    ln1: torch.Tensor     # (dim,)
+    wq: torch.Tensor      # (n_heads * head_dim, dim)
+    wk: torch.Tensor      # (n_kv_heads * head_dim, dim)
+    wv: torch.Tensor      # (n_kv_heads * head_dim, dim)
+    wo: torch.Tensor      # (dim, n_heads * head_dim)
+    ln2: torch.Tensor     # (dim,)
+    w_gate: torch.Tensor  # (ffn_dim, dim)
+    w_up: torch.Tensor    # (ffn_dim, dim)
+    w_down: torch.Tensor  # (dim, ffn_dim)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [getattr(self, f.name) for f in fields(self)]
+
+
+def init_block_weights(cfg: LlamaConfig, generator: torch.Generator, dtype=torch.float32) -> BlockWeights:
+    """Norm weights at 1, linears drawn from N(0, 1/in_features) so activations keep their scale."""
+    def linear(out_features, in_features):
+        return (torch.randn(out_features, in_features, generator=generator, dtype=torch.float64)
+                / in_features ** 0.5).to(dtype)
+    kv = cfg.n_kv_heads * cfg.head_dim
+    return BlockWeights(ln1=torch.ones(cfg.dim, dtype=dtype), wq=linear(cfg.dim, cfg.dim), wk=linear(kv, cfg.dim),
+                        wv=linear(kv, cfg.dim), wo=linear(cfg.dim, cfg.dim), ln2=torch.ones(cfg.dim, dtype=dtype),
+                        w_gate=linear(cfg.ffn_dim, cfg.dim), w_up=linear(cfg.ffn_dim, cfg.dim),
+                        w_down=linear(cfg.dim, cfg.ffn_dim))
+
+
+class ActivationStore:
+    """The activations one block saves in its forward for its backward, by name.
+
+    `keep` is the set of names to keep (None: all of them). A name that is not kept is dropped at
+    once, so its memory is freed when the forward moves on; module 10's backward recomputes it and
+    puts it back with `restore` before the normal backward reads it.
+    """
+
+    def __init__(self, keep: frozenset | None = None):
+        self.keep, self.tensors = keep, {}
+
+    def save(self, name: str, tensor: torch.Tensor):
+        if self.keep is None or name in self.keep:
+            self.tensors[name] = tensor
+
+    def restore(self, name: str, tensor: torch.Tensor):
+        self.tensors[name] = tensor
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self.tensors:
+            raise KeyError(f"activation {name!r} was not kept by this store; recompute it before the backward")
+        return self.tensors[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def clear(self):
+        self.tensors.clear()
+
+    def nbytes(self) -> int:
+        """Bytes of memory the store holds alive: each distinct storage once, whole (a small view
+        of a big tensor keeps all of it alive)."""
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self.tensors.values()}
+        return sum(storages.values())
+
+
+class LlamaBlock:
+    """The block's computation, without its weights: forward and backward over an activation store."""
+
+    def __init__(self, cfg: LlamaConfig, matmul: Matmul | None = None, attention_chunk: int = ATTENTION_CHUNK):
+        self.cfg, self.matmul, self.attention_chunk = cfg, matmul or Matmul(), attention_chunk
+        self._rope = {}
+
+    def new_store(self) -> ActivationStore:
+        """An empty store for one layer's activations (module 10 overrides what it keeps)."""
+        return ActivationStore()
+
+    def rope(self, seq_len: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin tables for this sequence length, built once per dtype and device."""
+        key = (seq_len, dtype, str(device))
+        if key not in self._rope:
+            self._rope[key] = rope_tables(seq_len, self.cfg.head_dim, self.cfg.rope_theta, dtype, device)
+        return self._rope[key]
+
+    def attention_half(self, w: BlockWeights, x: torch.Tensor, store: ActivationStore) -> torch.Tensor:
+        """x -> attention output (B, T, heads * head_dim), before the o projection."""
+        cfg, mm = self.cfg, self.matmul
+        B, T, _ = x.shape
+        cos, sin = self.rope(T, x.dtype, x.device)
+        # >>> TODO(m06): forward of the attention half: norm, q/k/v projections, RoPE, attention
+        # Hint: save 'x', 'n1', 'r1', 'q', 'k', 'v' (after RoPE), 'o' and 'lse' in the store; those
+        # Hint: are exactly what the backwards need. q is (B, T, n_heads, head_dim), k and v use n_kv_heads.
+        n1, r1 = rmsnorm_forward(x, w.ln1, cfg.norm_eps)
+        q = rope_forward(linear_forward(n1, w.wq, mm).view(B, T, cfg.n_heads, cfg.head_dim), cos, sin)
+        k = rope_forward(linear_forward(n1, w.wk, mm).view(B, T, cfg.n_kv_heads, cfg.head_dim), cos, sin)
+        v = linear_forward(n1, w.wv, mm).view(B, T, cfg.n_kv_heads, cfg.head_dim)
+        o, lse = attention_forward(q, k, v, self.attention_chunk)
+        for name, tensor in (("x", x), ("n1", n1), ("r1", r1), ("q", q), ("k", k), ("v", v), ("o", o), ("lse", lse)):
+            store.save(name, tensor)
+        return o
+        # <<<
+
+    def ffn_half(self, w: BlockWeights, x: torch.Tensor, o: torch.Tensor, store: ActivationStore):
+        """(block input x, attention output o) -> (h, s): the residual stream after attention and
+        the SwiGLU output, before the down projection."""
+        cfg, mm = self.cfg, self.matmul
+        # >>> TODO(m06): forward of the FFN half up to SwiGLU: o projection, residual + norm, gate/up, SwiGLU
+        # Hint: save 'h', 'n2', 'r2', 'g', 'u' and 's'.
+        h, n2, r2 = residual_rmsnorm_forward(x, linear_forward(o, w.wo, mm), w.ln2, cfg.norm_eps)
+        g, u = linear_forward(n2, w.w_gate, mm), linear_forward(n2, w.w_up, mm)
+        s = swiglu_forward(g, u)
+        for name, tensor in (("h", h), ("n2", n2), ("r2", r2), ("g", g), ("u", u), ("s", s)):
+            store.save(name, tensor)
+        return h, s
+        # <<<
+
+    def forward(self, w: BlockWeights, x: torch.Tensor, store: ActivationStore) -> torch.Tensor:
+        """y = block(x) for x of shape (B, T, dim); fills `store` for the backward."""
+        o = self.attention_half(w, x, store)
+        h, s = self.ffn_half(w, x, o, store)
+        # The last residual add saves nothing: its backward passes dy through to both sides.
+        return h + linear_forward(s, w.w_down, self.matmul)
+
+    def backward(self, w: BlockWeights, dy: torch.Tensor, store: ActivationStore):
+        """(dx, grads) given dy = dL/dy, from what the forward saved; grads is a BlockWeights."""
+        cfg, mm, a = self.cfg, self.matmul, store
+        B, T, _ = dy.shape
+        cos, sin = self.rope(T, dy.dtype, dy.device)
+        # >>> TODO(m06): the block's backward: the forward's ops in reverse order
+        # Hint: y = h + down(s): dh starts as dy. Then down, SwiGLU, gate + up (their dn2 add up),
+        # Hint: residual_rmsnorm_backward gives the gradient of h's inputs x and the attention output,
+        # Hint: then o, attention, RoPE (q and k), q/k/v (their dn1 add up), ln1; dx = dh + dx_norm.
+        ds, d_down = linear_backward(dy, a["s"], w.w_down, mm)
+        dg, du = swiglu_backward(ds, a["g"], a["u"])
+        dn2_gate, d_gate = linear_backward(dg, a["n2"], w.w_gate, mm)
+        dn2_up, d_up = linear_backward(du, a["n2"], w.w_up, mm)
+        dh, d_ln2 = residual_rmsnorm_backward(dy, dn2_gate + dn2_up, a["h"], a["r2"], w.ln2)
+        do, d_wo = linear_backward(dh, a["o"], w.wo, mm)
+        dq, dk, dv = attention_backward(do, a["q"], a["k"], a["v"], a["o"], a["lse"], self.attention_chunk)
+        dq, dk = rope_backward(dq, cos, sin), rope_backward(dk, cos, sin)
+        dn1_q, d_wq = linear_backward(dq.reshape(B, T, -1), a["n1"], w.wq, mm)
+        dn1_k, d_wk = linear_backward(dk.reshape(B, T, -1), a["n1"], w.wk, mm)
+        dn1_v, d_wv = linear_backward(dv.reshape(B, T, -1), a["n1"], w.wv, mm)
+        dx_norm, d_ln1 = rmsnorm_backward(dn1_q + dn1_k + dn1_v, a["x"], a["r1"], w.ln1)
+        grads = BlockWeights(ln1=d_ln1, wq=d_wq, wk=d_wk, wv=d_wv, wo=d_wo, ln2=d_ln2,
+                             w_gate=d_gate, w_up=d_up, w_down=d_down)
+        return dh + dx_norm, grads
+        # <<<

@@ -1,0 +1,251 @@
+"""Module 06 - a tiny Llama trained with a hand-written backward.
+
+Embedding -> n_layers blocks (m06_llama_block) -> final RMSNorm -> LM head and cross-entropy.
+The model loop asks a *weight source* for each layer's weights just before it needs them and
+hands them back just after, so later modules can keep the weights elsewhere (sharded across
+ranks in 07, in host memory in 08) without changing the loop. Here every weight is resident.
+
+The LM head computes its loss and gradient a chunk of tokens at a time: with a real vocabulary,
+the (tokens, vocab) logits are the largest tensor of the whole step, and no chunk needs another's.
+"""
+import argparse
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from .m06_llama_block import ActivationStore, BlockWeights, LlamaBlock, LlamaConfig, init_block_weights
+from .m06_llama_ops import compute_dtype, rmsnorm_backward, rmsnorm_forward
+
+TITLE = "Llama block: explicit forward and backward, trained on Shakespeare"
+NPROC = 1
+TEXT = Path(__file__).resolve().parent.parent / "course" / "data" / "tinyshakespeare.txt"
+LOSS_CHUNK = 1024  # tokens per LM-head chunk
+
+
+class WeightSource(Protocol):
+    """Where the model loop gets each layer's weights. The loop calls, for every layer l in order:
+
+        gather(l)   start making layer l's weights available (may return before they are);
+                    called one layer ahead, so fetching l+1 overlaps computing l
+        get(l)      wait until they are, and return them as a BlockWeights
+        release(l)  the loop is done with them for now: their buffer may be reused
+
+    and invalidate() after the optimizer changed the weights, so no stale copy is served.
+    """
+
+    def gather(self, layer: int) -> None: ...
+    def get(self, layer: int) -> BlockWeights: ...
+    def release(self, layer: int) -> None: ...
+    def invalidate(self) -> None: ...
+
+
+class ResidentWeights:
+    """The trivial weight source: every layer's weights are always in memory."""
+
+    def __init__(self, blocks: list[BlockWeights]):
+        self.blocks = blocks
+
+    def gather(self, layer: int) -> None:
+        pass  # nothing to fetch
+
+    def get(self, layer: int) -> BlockWeights:
+        return self.blocks[layer]
+
+    def release(self, layer: int) -> None:
+        pass  # nothing to free
+
+    def invalidate(self) -> None:
+        pass  # the optimizer updated the only copy in place
+
+
+def chunked_cross_entropy(x: torch.Tensor, w_head: torch.Tensor, targets: torch.Tensor, chunk: int = LOSS_CHUNK):
+    """Mean cross-entropy of logits = x @ w_head.T against targets, with its gradients.
+
+    Returns (loss, dx, dw_head). Tokens are processed `chunk` at a time: for each chunk, the
+    logits, their log-sum-exp, the loss and dlogits = (softmax - onehot) / N exist only while
+    that chunk is processed.
+    """
+    xs, ts = x.reshape(-1, x.shape[-1]), targets.reshape(-1)
+    n_tokens = xs.shape[0]
+    loss = torch.zeros((), dtype=compute_dtype(x.dtype), device=x.device)
+    dx = torch.empty_like(xs)
+    dw = torch.zeros(w_head.shape, dtype=compute_dtype(w_head.dtype), device=w_head.device)
+    for start in range(0, n_tokens, chunk):
+        # >>> TODO(m06): loss and gradients of one chunk of tokens
+        # Hint: logits in compute_dtype; loss += sum(lse - logit of the target);
+        # Hint: dlogits = (softmax - onehot(target)) / n_tokens; dx[chunk] = dlogits w; dw += dlogits^T x.
+        stop = min(start + chunk, n_tokens)
+        x_chunk, t_chunk = xs[start:stop], ts[start:stop]
+        logits = (x_chunk @ w_head.t()).to(loss.dtype)
+        lse = torch.logsumexp(logits, dim=-1)
+        loss += (lse - logits.gather(1, t_chunk.unsqueeze(1)).squeeze(1)).sum()
+        dlogits = torch.exp(logits - lse.unsqueeze(1))
+        dlogits[torch.arange(stop - start, device=x.device), t_chunk] -= 1
+        dlogits = (dlogits / n_tokens).to(x.dtype)
+        dx[start:stop] = dlogits @ w_head
+        dw += dlogits.t() @ x_chunk
+        # <<<
+    return loss / n_tokens, dx.reshape(x.shape), dw.to(w_head.dtype)
+
+
+@dataclass
+class LlamaGrads:
+    embedding: torch.Tensor
+    blocks: list[BlockWeights]
+    final_norm: torch.Tensor
+    lm_head: torch.Tensor
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.embedding, *(t for b in self.blocks for t in b.tensors()), self.final_norm, self.lm_head]
+
+
+class LlamaModel:
+    """Weights as plain tensors, a LlamaBlock to run them, and a weight source for the blocks."""
+
+    def __init__(self, cfg: LlamaConfig, seed: int = 0, dtype=torch.float32, block: LlamaBlock | None = None,
+                 loss_chunk: int = LOSS_CHUNK):
+        generator = torch.Generator().manual_seed(seed)
+        self.cfg, self.block, self.loss_chunk = cfg, block or LlamaBlock(cfg), loss_chunk
+        self.embedding = torch.randn(cfg.vocab_size, cfg.dim, generator=generator, dtype=torch.float64).to(dtype)
+        self.blocks = [init_block_weights(cfg, generator, dtype) for _ in range(cfg.n_layers)]
+        self.final_norm = torch.ones(cfg.dim, dtype=dtype)
+        self.lm_head = (torch.randn(cfg.vocab_size, cfg.dim, generator=generator, dtype=torch.float64)
+                        / cfg.dim ** 0.5).to(dtype)
+        self.weights: WeightSource = ResidentWeights(self.blocks)
+
+    def parameters(self) -> list[torch.Tensor]:
+        """In the same order as LlamaGrads.tensors()."""
+        return [self.embedding, *(t for b in self.blocks for t in b.tensors()), self.final_norm, self.lm_head]
+
+    def to(self, device) -> "LlamaModel":
+        self.embedding, self.final_norm, self.lm_head = (t.to(device) for t in
+                                                         (self.embedding, self.final_norm, self.lm_head))
+        self.blocks[:] = [BlockWeights(*(t.to(device) for t in b.tensors())) for b in self.blocks]
+        return self
+
+    def forward_blocks(self, x: torch.Tensor, stores: list[ActivationStore]) -> torch.Tensor:
+        """Run every block in order, each with its weights from the weight source and its own store."""
+        n_layers = self.cfg.n_layers
+        # >>> TODO(m06): the forward loop over the layers, using the weight source
+        # Hint: gather(0) first; then for each layer: gather(l + 1) (if any) so its fetch overlaps this
+        # Hint: layer, w = get(l), x = block.forward(w, x, stores[l]), release(l).
+        self.weights.gather(0)
+        for layer in range(n_layers):
+            if layer + 1 < n_layers:
+                self.weights.gather(layer + 1)
+            w = self.weights.get(layer)
+            x = self.block.forward(w, x, stores[layer])
+            self.weights.release(layer)
+        return x
+        # <<<
+
+    def backward_blocks(self, dx: torch.Tensor, stores: list[ActivationStore]):
+        """The blocks' backward in reverse order; returns (d_embedded_input, per-layer grads)."""
+        n_layers = self.cfg.n_layers
+        grads = [None] * n_layers
+        # >>> TODO(m06): the backward loop, last layer first, using the weight source
+        # Hint: the same gather-ahead pattern as forward_blocks, in reverse. Clear each layer's store
+        # Hint: after its backward: its activations are not needed again and their memory is freed.
+        self.weights.gather(n_layers - 1)
+        for layer in reversed(range(n_layers)):
+            if layer > 0:
+                self.weights.gather(layer - 1)
+            w = self.weights.get(layer)
+            dx, grads[layer] = self.block.backward(w, dx, stores[layer])
+            stores[layer].clear()
+            self.weights.release(layer)
+        return dx, grads
+        # <<<
+
+    def forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor):
+        """(loss, LlamaGrads) for next-token prediction on tokens (B, T) with targets (B, T)."""
+        self.cfg.check_seq_len(tokens.shape[1])
+        stores = [self.block.new_store() for _ in range(self.cfg.n_layers)]
+        x = self.forward_blocks(self.embedding[tokens], stores)
+        n, r = rmsnorm_forward(x, self.final_norm, self.cfg.norm_eps)
+        loss, dn, d_head = chunked_cross_entropy(n, self.lm_head, targets, self.loss_chunk)
+        dx, d_final = rmsnorm_backward(dn, x, r, self.final_norm)
+        dx, block_grads = self.backward_blocks(dx, stores)
+        # The embedding is a lookup: its gradient adds each token's dx into that token's row.
+        d_embedding = torch.zeros_like(self.embedding).index_add_(0, tokens.reshape(-1), dx.reshape(-1, self.cfg.dim))
+        return loss, LlamaGrads(d_embedding, block_grads, d_final, d_head)
+
+    @torch.no_grad()
+    def next_token_logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits for the token after each sequence of tokens (B, T): a forward that keeps nothing."""
+        self.cfg.check_seq_len(tokens.shape[1])
+        stores = [ActivationStore(keep=frozenset()) for _ in range(self.cfg.n_layers)]
+        x = self.forward_blocks(self.embedding[tokens], stores)
+        n, _ = rmsnorm_forward(x[:, -1], self.final_norm, self.cfg.norm_eps)
+        return n @ self.lm_head.t()
+
+
+# ---------------------------------------------------------------------------------------------
+# Training on a byte-level text
+# ---------------------------------------------------------------------------------------------
+def load_text(path: Path = TEXT) -> torch.Tensor:
+    """The text as a 1-D tensor of byte values (vocabulary 256)."""
+    return torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8).long()
+
+
+def random_batch(data: torch.Tensor, batch: int, seq_len: int, generator: torch.Generator):
+    """`batch` random windows of the text: tokens and the same windows shifted by one (targets)."""
+    starts = torch.randint(0, len(data) - seq_len - 1, (batch,), generator=generator)
+    windows = torch.stack([data[s:s + seq_len + 1] for s in starts.tolist()])
+    return windows[:, :-1], windows[:, 1:]
+
+
+def train(cfg: LlamaConfig, steps: int, batch: int = 16, lr: float = 3e-3, seed: int = 0, log_every: int = 0):
+    """Train with AdamW on random windows of the text; returns (model, losses)."""
+    model, data = LlamaModel(cfg, seed), load_text()
+    generator = torch.Generator().manual_seed(seed)
+    params = model.parameters()
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    losses = []
+    for step in range(steps):
+        tokens, targets = random_batch(data, batch, cfg.max_seq_len, generator)
+        loss, grads = model.forward_backward(tokens, targets)
+        for p, g in zip(params, grads.tensors()):
+            p.grad = g
+        optimizer.step()
+        model.weights.invalidate()  # the weights changed: a weight source must not serve old copies
+        losses.append(loss.item())
+        if log_every and (step % log_every == 0 or step == steps - 1):
+            print(f"  step {step:4d}  loss {losses[-1]:.4f}")
+    return model, losses
+
+
+def sample(model: LlamaModel, prompt: str, length: int, temperature: float = 0.8, seed: int = 0) -> str:
+    generator = torch.Generator().manual_seed(seed)
+    tokens = list(prompt.encode())
+    for _ in range(length):
+        context = torch.tensor([tokens[-model.cfg.max_seq_len:]])
+        probs = torch.softmax(model.next_token_logits(context)[0] / temperature, dim=-1)
+        tokens.append(torch.multinomial(probs, 1, generator=generator).item())
+    return bytes(tokens).decode(errors="replace")
+
+
+def add_args(parser: argparse.ArgumentParser):
+    parser.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
+    parser.add_argument("--sample", type=int, default=200, help="bytes to sample after training")
+
+
+def check_args(args):
+    if args.steps < 1 or args.sample < 0:
+        raise ValueError(f"--steps must be at least 1 and --sample at least 0, got {args.steps} and {args.sample}")
+
+
+def demo(args):
+    torch.set_num_threads(1)  # tensors this small run faster on one thread than split across several
+    cfg = LlamaConfig()
+    print(f"Training a {cfg.n_layers}-layer Llama (dim {cfg.dim}, {cfg.n_heads} query / {cfg.n_kv_heads} "
+          f"key-value heads) on {TEXT.name}, bytes as tokens:")
+    began = time.perf_counter()
+    model, losses = train(cfg, args.steps, log_every=max(1, args.steps // 10))
+    print(f"  {args.steps} steps in {time.perf_counter() - began:.1f} s; "
+          f"loss {losses[0]:.3f} -> {sum(losses[-10:]) / len(losses[-10:]):.3f} (mean of the last 10)")
+    if args.sample:
+        print("\nSample (temperature 0.8):\n" + sample(model, "MENENIUS:\n", args.sample))

@@ -1,0 +1,117 @@
+"""Module 06 model: the chunked LM head against full cross-entropy, the whole model against an
+nn.Module Llama, the weight-source protocol as the model loop uses it, and a short training run."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from course.impl import load
+from course.reference_llama import ReferenceLlama
+
+model_module = load("m06_llama_model")
+LlamaConfig = load("m06_llama_block").LlamaConfig
+f64 = torch.float64
+CFG = LlamaConfig(dim=32, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=48, vocab_size=50, n_layers=3, max_seq_len=12)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 1000])
+def test_chunked_cross_entropy_matches_full_cross_entropy(chunk):
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(3, 10, 16, dtype=f64, generator=g), torch.randn(50, 16, dtype=f64, generator=g)
+    targets = torch.randint(0, 50, (3, 10), generator=g)
+    loss, dx, dw = model_module.chunked_cross_entropy(x, w, targets, chunk)
+    x_ref, w_ref = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    expected = F.cross_entropy((x_ref @ w_ref.t()).reshape(-1, 50), targets.reshape(-1))
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-12, atol=1e-12, msg=lambda m: f"loss: {m}")
+    torch.testing.assert_close(dx, x_ref.grad, rtol=1e-10, atol=1e-12, msg=lambda m: f"dx: {m}")
+    torch.testing.assert_close(dw, w_ref.grad, rtol=1e-10, atol=1e-12, msg=lambda m: f"dw_head: {m}")
+
+
+def reference_for(model):
+    reference = ReferenceLlama(model.cfg)
+    with torch.no_grad():
+        reference.embedding.copy_(model.embedding)
+        reference.final_norm.copy_(model.final_norm)
+        reference.lm_head.copy_(model.lm_head)
+    for ref_block, weights in zip(reference.blocks, model.blocks):
+        ref_block.load(weights)
+    return reference
+
+
+def test_model_loss_and_every_gradient_match_an_nn_module_llama():
+    model = model_module.LlamaModel(CFG, seed=3, dtype=f64, loss_chunk=7)
+    g = torch.Generator().manual_seed(1)
+    tokens, targets = torch.randint(0, 50, (2, 12), generator=g), torch.randint(0, 50, (2, 12), generator=g)
+    loss, grads = model.forward_backward(tokens, targets)
+    reference = reference_for(model)
+    expected = reference.loss(tokens, targets)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-10, atol=1e-12, msg=lambda m: f"loss: {m}")
+    for what, got, want in [("embedding", grads.embedding, reference.embedding.grad),
+                            ("final_norm", grads.final_norm, reference.final_norm.grad),
+                            ("lm_head", grads.lm_head, reference.lm_head.grad)]:
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-11, msg=lambda m: f"gradient of {what}: {m}")
+    for layer, (block_grads, ref_block) in enumerate(zip(grads.blocks, reference.blocks)):
+        for name, want in ref_block.grads().items():
+            torch.testing.assert_close(getattr(block_grads, name), want, rtol=1e-9, atol=1e-11,
+                                       msg=lambda m: f"layer {layer}, gradient of {name}: {m}")
+
+
+class RecordingWeights:
+    """A weight source that checks the protocol: get(l) only after gather(l), release after get,
+    and at most two layers gathered and not yet released (double buffering)."""
+
+    def __init__(self, blocks):
+        self.blocks, self.calls, self.pending = blocks, [], set()
+
+    def gather(self, layer):
+        self.calls.append(("gather", layer))
+        self.pending.add(layer)
+        assert len(self.pending) <= 2, f"gather({layer}) with layers {sorted(self.pending)} not yet released"
+
+    def get(self, layer):
+        self.calls.append(("get", layer))
+        assert layer in self.pending, f"get({layer}) before gather({layer})"
+        return self.blocks[layer]
+
+    def release(self, layer):
+        self.calls.append(("release", layer))
+        assert ("get", layer) in self.calls, f"release({layer}) before get({layer})"
+        self.pending.discard(layer)
+
+    def invalidate(self):
+        self.calls.append(("invalidate", None))
+
+
+def test_the_model_loop_follows_the_weight_source_protocol():
+    model = model_module.LlamaModel(CFG, seed=0)
+    model.weights = source = RecordingWeights(model.blocks)
+    tokens = torch.randint(0, 50, (1, 12))
+    model.forward_backward(tokens, tokens)
+    gets = [layer for call, layer in source.calls if call == "get"]
+    assert gets == [0, 1, 2, 2, 1, 0], f"layers were fetched in the order {gets}; expected forward then reverse"
+    assert not source.pending, f"layers {sorted(source.pending)} were gathered and never released"
+
+
+def test_activation_stores_are_emptied_by_the_backward():
+    model = model_module.LlamaModel(CFG, seed=0)
+    stores = []
+    new_store = model.block.new_store
+    model.block.new_store = lambda: stores.append(new_store()) or stores[-1]
+    tokens = torch.randint(0, 50, (1, 12))
+    model.forward_backward(tokens, tokens)
+    assert len(stores) == CFG.n_layers and all(not s.tensors for s in stores), \
+        "each layer's store must be cleared after its backward, so its activations are freed"
+
+
+def test_training_on_the_text_lowers_the_loss():
+    torch.manual_seed(0)
+    _, losses = model_module.train(LlamaConfig(n_layers=1, max_seq_len=32), steps=40, batch=8)
+    first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+    assert last < first - 1.5, f"mean loss of the first 5 steps {first:.3f}, of the last 5 {last:.3f}"
+
+
+@pytest.mark.given
+def test_the_training_text_is_small_and_present():
+    data = model_module.load_text()
+    assert 10_000 < len(data) <= 200_000 and int(data.max()) < 256

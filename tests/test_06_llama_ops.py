@@ -1,0 +1,172 @@
+"""Module 06 ops: each forward against a straightforward PyTorch version, each hand-written backward
+against autograd (float64), and torch.autograd.gradcheck through the hand-written backward."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from course.impl import load
+from course.reference_llama import rope as reference_rope
+
+ops = load("m06_llama_ops")
+f64 = torch.float64
+
+
+def randn(*shape, seed=0):
+    return torch.randn(*shape, dtype=f64, generator=torch.Generator().manual_seed(seed))
+
+
+def autograd_grads(fn, inputs, grad_outputs):
+    """Gradients of sum(out * grad_out) with respect to `inputs`, by autograd on fn."""
+    leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
+    outputs = fn(*leaves)
+    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+    torch.autograd.backward(outputs, grad_outputs)
+    return [leaf.grad for leaf in leaves]
+
+
+def close(got, expected, what):
+    torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-10, msg=lambda m: f"{what}: {m}")
+
+
+def gradcheck_through(forward, backward, inputs):
+    """gradcheck an autograd.Function whose backward is the hand-written one."""
+    class Op(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *xs):
+            out, ctx.saved = forward(*xs)
+            return out
+
+        @staticmethod
+        def backward(ctx, dout):
+            return backward(dout, *ctx.saved)
+
+    leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
+    assert torch.autograd.gradcheck(Op.apply, leaves, eps=1e-6, atol=1e-6), "gradcheck failed"
+
+
+# --- linear (the matmul policy) ------------------------------------------------------------------
+def test_linear_forward_and_backward_match_autograd():
+    x, w, dy = randn(2, 5, 7, seed=1), randn(3, 7, seed=2), randn(2, 5, 3, seed=3)
+    mm = ops.Matmul()
+    close(ops.linear_forward(x, w, mm), F.linear(x, w), "linear forward")
+    dx, dw = ops.linear_backward(dy, x, w, mm)
+    ex, ew = autograd_grads(F.linear, [x, w], [dy])
+    close(dx, ex, "dx")
+    close(dw, ew, "dw")
+
+
+def test_linear_gradcheck():
+    mm = ops.Matmul()
+    gradcheck_through(lambda x, w: (ops.linear_forward(x, w, mm), (x, w)),
+                      lambda dy, x, w: ops.linear_backward(dy, x, w, mm), [randn(2, 3, 4), randn(5, 4, seed=1)])
+
+
+# --- RMSNorm and the fused residual-add + RMSNorm ------------------------------------------------
+def test_rmsnorm_forward_saves_the_reciprocal_rms_and_backward_matches_autograd():
+    x, w, dn = randn(3, 4, 8, seed=1), randn(8, seed=2), randn(3, 4, 8, seed=3)
+    n, r = ops.rmsnorm_forward(x, w, 1e-5)
+    close(n, F.rms_norm(x, (8,), w, 1e-5), "rmsnorm forward")
+    assert r.shape == (3, 4), f"r must hold one value per token, shape (3, 4); got {tuple(r.shape)}"
+    close(r, 1 / torch.sqrt(x.pow(2).mean(-1) + 1e-5), "saved reciprocal RMS")
+    dx, dw = ops.rmsnorm_backward(dn, x, r, w)
+    ex, ew = autograd_grads(lambda x, w: F.rms_norm(x, (8,), w, 1e-5), [x, w], [dn])
+    close(dx, ex, "dx")
+    close(dw, ew, "dweight")
+
+
+def test_rmsnorm_gradcheck():
+    def forward(x, w):
+        n, r = ops.rmsnorm_forward(x, w, 1e-5)
+        return n, (x, r, w)
+    gradcheck_through(forward, ops.rmsnorm_backward, [randn(2, 3, 6), randn(6, seed=1)])
+
+
+def test_residual_rmsnorm_matches_autograd():
+    x, a, w = randn(2, 5, 8, seed=1), randn(2, 5, 8, seed=2), randn(8, seed=3)
+    dh, dn = randn(2, 5, 8, seed=4), randn(2, 5, 8, seed=5)
+    h, n, r = ops.residual_rmsnorm_forward(x, a, w, 1e-5)
+    close(h, x + a, "h")
+    close(n, F.rms_norm(x + a, (8,), w, 1e-5), "normed h")
+
+    def reference(x, a, w):
+        h = x + a
+        return h, F.rms_norm(h, (8,), w, 1e-5)
+    ex, ea, ew = autograd_grads(reference, [x, a, w], [dh, dn])
+    d_residual, dw = ops.residual_rmsnorm_backward(dh, dn, h, r, w)
+    close(d_residual, ex, "gradient of the residual input x")
+    close(d_residual, ea, "gradient of the added branch a")
+    close(dw, ew, "dweight")
+
+
+# --- RoPE ---------------------------------------------------------------------------------------
+def test_rope_matches_a_complex_rotation_and_backward_is_the_inverse():
+    x, dy = randn(2, 6, 3, 8, seed=1), randn(2, 6, 3, 8, seed=2)
+    cos, sin = ops.rope_tables(6, 8, 500.0, dtype=f64)
+    close(ops.rope_forward(x, cos, sin), reference_rope(x, 500.0), "rope forward")
+    (expected,) = autograd_grads(lambda x: reference_rope(x, 500.0), [x], [dy])
+    close(ops.rope_backward(dy, cos, sin), expected, "rope backward")
+    close(ops.rope_backward(ops.rope_forward(x, cos, sin), cos, sin), x, "backward(forward(x)) must give x back")
+
+
+def test_rope_gradcheck():
+    cos, sin = ops.rope_tables(4, 6, 10000.0, dtype=f64)
+    gradcheck_through(lambda x: (ops.rope_forward(x, cos, sin), ()),
+                      lambda dy: (ops.rope_backward(dy, cos, sin),), [randn(1, 4, 2, 6)])
+
+
+# --- causal grouped-query attention -------------------------------------------------------------
+def reference_attention(q, k, v):
+    group = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+    return o.transpose(1, 2).flatten(2)
+
+
+@pytest.mark.parametrize("heads, kv_heads, chunk", [(4, 2, 4), (4, 4, 256), (3, 1, 5)])
+def test_attention_forward_and_lse(heads, kv_heads, chunk):
+    B, T, D = 2, 11, 8
+    q, k, v = randn(B, T, heads, D, seed=1), randn(B, T, kv_heads, D, seed=2), randn(B, T, kv_heads, D, seed=3)
+    o, lse = ops.attention_forward(q, k, v, chunk)
+    close(o, reference_attention(q, k, v), "attention output (B, T, heads * head_dim)")
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(heads // kv_heads, dim=2)) / math.sqrt(D)
+    scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    expected_lse = torch.logsumexp(scores, dim=-1)  # (B, heads, T)
+    close(lse.reshape(B, heads, T), expected_lse, "log-sum-exp of each query's scores")
+
+
+@pytest.mark.parametrize("heads, kv_heads, chunk", [(4, 2, 4), (4, 4, 256), (3, 1, 5)])
+def test_attention_backward_matches_autograd(heads, kv_heads, chunk):
+    B, T, D = 2, 11, 8
+    q, k, v = randn(B, T, heads, D, seed=1), randn(B, T, kv_heads, D, seed=2), randn(B, T, kv_heads, D, seed=3)
+    do = randn(B, T, heads * D, seed=4)
+    o, lse = ops.attention_forward(q, k, v, chunk)
+    dq, dk, dv = ops.attention_backward(do, q, k, v, o, lse, chunk)
+    eq, ek, ev = autograd_grads(reference_attention, [q, k, v], [do])
+    close(dq, eq, "dq")
+    close(dk, ek, "dk (summed over the query heads of each group)")
+    close(dv, ev, "dv (summed over the query heads of each group)")
+
+
+def test_attention_gradcheck():
+    def forward(q, k, v):
+        o, lse = ops.attention_forward(q, k, v, 2)
+        return o, (q, k, v, o, lse)
+    gradcheck_through(forward, lambda do, q, k, v, o, lse: ops.attention_backward(do, q, k, v, o, lse, 2),
+                      [randn(1, 5, 2, 4, seed=1), randn(1, 5, 1, 4, seed=2), randn(1, 5, 1, 4, seed=3)])
+
+
+# --- SwiGLU -------------------------------------------------------------------------------------
+def test_swiglu_matches_autograd():
+    g, u, ds = randn(3, 10, seed=1), randn(3, 10, seed=2), randn(3, 10, seed=3)
+    close(ops.swiglu_forward(g, u), F.silu(g) * u, "swiglu forward")
+    dg, du = ops.swiglu_backward(ds, g, u)
+    eg, eu = autograd_grads(lambda g, u: F.silu(g) * u, [g, u], [ds])
+    close(dg, eg, "dg")
+    close(du, eu, "du")
+
+
+def test_swiglu_gradcheck():
+    gradcheck_through(lambda g, u: (ops.swiglu_forward(g, u), (g, u)), ops.swiglu_backward,
+                      [randn(2, 5, seed=1), randn(2, 5, seed=2)])
