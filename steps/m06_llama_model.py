@@ -18,12 +18,13 @@ from typing import Protocol
 
 import torch
 
+import course
 from .m06_llama_block import ActivationStore, BlockWeights, LlamaBlock, LlamaConfig, init_block_weights
 from .m06_llama_ops import compute_dtype, rmsnorm_backward, rmsnorm_forward
 
 TITLE = "Llama block: explicit forward and backward, trained on Shakespeare"
 NPROC = 1
-TEXT = Path(__file__).resolve().parent.parent / "course" / "data" / "tinyshakespeare.txt"
+TEXT = Path(course.__file__).resolve().parent / "data" / "tinyshakespeare.txt"
 LOSS_CHUNK = 1024  # tokens per LM-head chunk
 
 

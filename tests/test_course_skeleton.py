@@ -1,6 +1,7 @@
 """steps/ is generated from solutions/: the generator's rules, freshness, and matching APIs."""
 import importlib
 import inspect
+import re
 import subprocess
 from pathlib import Path
 
@@ -82,7 +83,7 @@ def _public_api(module) -> dict[str, str]:
             for method, member in vars(obj).items():
                 if not method.startswith("_") and callable(member):
                     api[f"{name}.{method}"] = str(inspect.signature(member))
-    return {name: text.replace(package, "") for name, text in api.items()}
+    return {name: re.sub(r" at 0x[0-9a-f]+", "", text.replace(package, "")) for name, text in api.items()}
 
 
 @pytest.mark.parametrize("stem", sorted(p.stem for p in (REPO / "solutions").glob("m[0-9][0-9]_*.py")))
