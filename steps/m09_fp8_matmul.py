@@ -26,10 +26,12 @@ import torch.nn.functional as F
 from .m09_fp8_scaling import E4M3, E5M2, FP8_MAX, Quantized, quantize
 
 # Smallest matmul dimension (tokens, in_features, out_features) at which FP8Matmul uses FP8 by
-# default. Below it the GEMM is too short to repay quantizing its operands; on an H100 FP8 is
-# slower than bf16 even for the bare GEMM at 1024^3. Re-measure with `python main.py bench 09
-# --device cuda` (the `fp8 selected` column) and move it if the table says so.
-DEFAULT_MIN_DIM = 4096
+# default. Measured on an H100 with torch 2.11 (notebooks/data/bench-09-gpu.json): the bare FP8
+# GEMM is 1.4-2.0x bf16 from 4096 up, but forward + backward including this module's quantization
+# (abs-max, scale, cast, transposed copies) was slower than bf16 at every shape below 16384^3
+# (0.63x at 8192 x 4096 x 14336) and 1.03x at 16384^3. Re-measure with
+# `python main.py bench 09 --device cuda` (the `fp8 selected` column) after changing `quantize`.
+DEFAULT_MIN_DIM = 16384
 
 
 def row_major(q: Quantized) -> Quantized:
