@@ -104,6 +104,7 @@ def test_an_unknown_option_is_rejected():
 def test_the_benchmark_runs_on_cpu(tmp_path, monkeypatch):
     import course.bench as bench
     from course.bench import m10 as bench_m10
+    monkeypatch.setenv("COURSE_IMPL", "solutions")  # given code: it must run whatever is being graded
     monkeypatch.setattr(bench, "RESULTS", tmp_path)
     bench_m10.main(["--dim", "32", "--heads", "4", "--kv-heads", "2", "--ffn", "48", "--layers", "2",
                     "--seq-len", "16", "--batch", "2", "--vocab", "64", "--steps", "1"])
@@ -111,8 +112,9 @@ def test_the_benchmark_runs_on_cpu(tmp_path, monkeypatch):
 
 
 @pytest.mark.given
-def test_the_notebook_executes():
+def test_the_notebook_executes(monkeypatch):
     import nbformat
     from nbclient import NotebookClient
+    monkeypatch.setenv("COURSE_IMPL", "solutions")  # the kernel inherits it
     notebook = nbformat.read(REPO / "notebooks" / "10-recompute.ipynb", as_version=4)
     NotebookClient(notebook, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(REPO)}}).execute()
