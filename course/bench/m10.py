@@ -122,8 +122,8 @@ def main(argv):
         def step():
             model.forward_backward(tokens, targets)  # the gradients are dropped at once
 
+        seconds = median_seconds(step, device, args.steps, args.warmup)  # warms up first
         held = held_after_mib(forward, device)
-        seconds = median_seconds(step, device, args.steps, args.warmup)
         peak = peak_mib(step, device)
         base.setdefault("ours", (formula, held, peak, seconds))
         rows.append(row("hand-written", option, formula, measured, held, peak, seconds, base["ours"]))
@@ -144,8 +144,8 @@ def main(argv):
             _, d_hidden, _ = chunked_ce(hidden.detach(), reference.lm_head.detach(), targets)
             hidden.backward(d_hidden)
 
-        held = held_after_mib(lambda: reference.final_hidden(tokens, run_block), device)
         seconds = median_seconds(step, device, args.steps, args.warmup)
+        held = held_after_mib(lambda: reference.final_hidden(tokens, run_block), device)
         peak = peak_mib(step, device)
         base.setdefault("reference", (None, held, peak, seconds))
         rows.append(row("nn.Module", name, None, None, held, peak, seconds, base["reference"]))
