@@ -13,9 +13,11 @@ def rope(x: torch.Tensor, theta: float) -> torch.Tensor:
     """RoPE as a complex multiplication: the pair (x[i], x[i + D/2]) is the number x[i] + j x[i + D/2],
     turned by the angle t * theta^(-2i/D) at position t. x is (B, T, heads, D)."""
     T, D = x.shape[1], x.shape[-1]
-    freqs = 1.0 / theta ** (torch.arange(0, D // 2, dtype=torch.float64) * 2 / D)
-    turn = torch.polar(torch.ones(T, D // 2, dtype=torch.float64), torch.arange(T, dtype=torch.float64)[:, None] * freqs)
-    z = torch.complex(x[..., :D // 2].double(), x[..., D // 2:].double()) * turn[:, None, :]
+    real = torch.promote_types(x.dtype, torch.float32)  # complex64 for bf16 and float32, complex128 for float64
+    freqs = 1.0 / theta ** (torch.arange(0, D // 2, dtype=torch.float64, device=x.device) * 2 / D)
+    angles = torch.arange(T, dtype=torch.float64, device=x.device)[:, None] * freqs
+    turn = torch.polar(torch.ones_like(angles), angles).to(torch.complex128 if real == torch.float64 else torch.complex64)
+    z = torch.complex(x[..., :D // 2].to(real), x[..., D // 2:].to(real)) * turn[:, None, :]
     return torch.cat((z.real, z.imag), dim=-1).to(x.dtype)
 
 

@@ -133,9 +133,10 @@ def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
 def _causal_scores(q_chunk, k, start: int, scale: float) -> torch.Tensor:
     """Scores of queries start..start+len against keys 0..start+len, future keys masked to -inf."""
     stop = start + q_chunk.shape[-2]
-    scores = (q_chunk @ k[..., :stop, :].transpose(-1, -2)).to(compute_dtype(q_chunk.dtype)) * scale
+    scores = (q_chunk @ k[..., :stop, :].transpose(-1, -2)).to(compute_dtype(q_chunk.dtype))
     future = torch.arange(stop, device=k.device) > torch.arange(start, stop, device=k.device).unsqueeze(1)
-    return scores.masked_fill(future, float("-inf"))
+    # In place: the score block is the largest temporary of attention; no need for a second copy.
+    return scores.mul_(scale).masked_fill_(future, float("-inf"))
 
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: int = ATTENTION_CHUNK):

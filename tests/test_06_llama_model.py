@@ -115,3 +115,11 @@ def test_training_on_the_text_lowers_the_loss():
 def test_the_training_text_is_small_and_present():
     data = model_module.load_text()
     assert 10_000 < len(data) <= 200_000 and int(data.max()) < 256
+
+
+@pytest.mark.given
+def test_a_batch_longer_than_max_seq_len_is_rejected_before_any_work():
+    model = model_module.LlamaModel(CFG, seed=0)
+    tokens = torch.zeros(1, CFG.max_seq_len + 1, dtype=torch.long)
+    with pytest.raises(ValueError, match="sequence length 13 is outside 1..max_seq_len=12"):
+        model.forward_backward(tokens, tokens)

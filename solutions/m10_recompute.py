@@ -1,0 +1,153 @@
+"""Module 10 - recompute: keep fewer activations in the forward, recompute them in the backward.
+
+The activation store of module 06 keeps, for every layer, everything the block's backward reads:
+about a dozen tensors of (B, T, dim) or (B, T, ffn_dim) each. Across all layers this is often the
+largest item in GPU memory. A recompute option names the activations a store does *not* keep;
+`RecomputeBlock.backward` first rebuilds them from those it kept, by running the same forward ops
+again, then runs the unchanged backward of module 06. The ops are the same and run in the same
+order, so the gradients are the same bit for bit; the price is the extra forward work.
+
+The options follow the llm.q trainer:
+
+    none       keep everything
+    swiglu     drop s = silu(g) u                         recompute: one elementwise op
+    norms      drop the RMSNorm outputs n1, n2 (and r)    recompute: two norms
+    ffn        drop n2, g, u, s                           recompute: norm, gate and up matmuls, SwiGLU
+    attention  drop n1, q, k, v, o, lse                   recompute: norm, q/k/v matmuls, RoPE, attention
+    block      keep only the block input x                recompute: the whole block but the down matmul
+"""
+import torch
+
+from .m06_llama_block import ActivationStore, BlockWeights, LlamaBlock, LlamaConfig
+from .m06_llama_model import LlamaModel, load_text, random_batch
+from .m06_llama_ops import compute_dtype, linear_forward, rmsnorm_forward, swiglu_forward
+
+TITLE = "Recompute: trade activation memory for forward work in the backward"
+NPROC = 1
+
+ACTIVATIONS = frozenset({"x", "n1", "r1", "q", "k", "v", "o", "lse", "h", "n2", "r2", "g", "u", "s"})
+DROPPED = {
+    "none": frozenset(),
+    "swiglu": frozenset({"s"}),
+    "norms": frozenset({"n1", "r1", "n2", "r2"}),
+    "ffn": frozenset({"n2", "r2", "g", "u", "s"}),
+    "attention": frozenset({"n1", "r1", "q", "k", "v", "o", "lse"}),
+    "block": ACTIVATIONS - {"x"},
+}
+OPTIONS = tuple(DROPPED)
+
+
+def check_option(option: str):
+    if option not in DROPPED:
+        raise ValueError(f"unknown recompute option {option!r}; choose one of {', '.join(OPTIONS)}")
+
+
+def activation_bytes(cfg: LlamaConfig, batch: int, seq_len: int, dtype: torch.dtype) -> dict[str, int]:
+    """Bytes of each activation one block saves, by name, for a (batch, seq_len) input of `dtype`.
+
+    The per-token statistics r1, r2 and lse are kept in compute_dtype(dtype) (float32 for bf16).
+    """
+    act = torch.tensor([], dtype=dtype).element_size()
+    stat = torch.tensor([], dtype=compute_dtype(dtype)).element_size()
+    tokens = batch * seq_len
+    # >>> TODO(m10): the size of every activation in ACTIVATIONS, in bytes
+    # Hint: x, n1, o, h, n2 have dim values per token; q has n_heads * head_dim, k and v
+    # Hint: n_kv_heads * head_dim; g, u, s have ffn_dim; r1 and r2 one, lse one per query head.
+    dim, q, kv, ffn = cfg.dim, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.ffn_dim
+    per_token = {"x": dim * act, "n1": dim * act, "r1": stat, "q": q * act, "k": kv * act, "v": kv * act,
+                 "o": q * act, "lse": cfg.n_heads * stat, "h": dim * act, "n2": dim * act, "r2": stat,
+                 "g": ffn * act, "u": ffn * act, "s": ffn * act}
+    return {name: tokens * size for name, size in per_token.items()}
+    # <<<
+
+
+def kept_bytes(cfg: LlamaConfig, batch: int, seq_len: int, dtype: torch.dtype, option: str) -> int:
+    """Activation bytes one layer's store keeps with this recompute option (the formula)."""
+    check_option(option)
+    sizes = activation_bytes(cfg, batch, seq_len, dtype)
+    return sum(size for name, size in sizes.items() if name not in DROPPED[option])
+
+
+class RecomputeBlock(LlamaBlock):
+    """A LlamaBlock whose stores drop the activations of a recompute option, and whose backward
+    recomputes them first."""
+
+    def __init__(self, cfg: LlamaConfig, option: str = "none", **block_args):
+        check_option(option)
+        super().__init__(cfg, **block_args)
+        self.option = option
+
+    def new_store(self) -> ActivationStore:
+        # >>> TODO(m10): a store that keeps every activation this option does not drop
+        return ActivationStore(keep=ACTIVATIONS - DROPPED[self.option])
+        # <<<
+
+    def recompute(self, w: BlockWeights, store: ActivationStore):
+        """Put back into `store` every activation the forward dropped, computed from what it kept
+        by the forward's own ops in the forward's order (so the values are identical)."""
+        missing = ACTIVATIONS - set(store.tensors)
+        if not missing:
+            return
+        cfg, mm = self.cfg, self.matmul
+        fresh = ActivationStore()  # keeps everything recomputed here
+
+        def kept_or_fresh(name):
+            return fresh[name] if name in fresh else store[name]
+
+        # >>> TODO(m10): recompute the missing activations into `fresh`, earliest first
+        # Hint: q, k, v, o or lse missing: rerun self.attention_half from x (it also gives n1, r1);
+        # Hint: else n1/r1 missing: rmsnorm_forward(x). h missing: rerun self.ffn_half from x and o.
+        # Hint: else, in forward order: n2/r2 from rmsnorm_forward(h), g/u from n2, s from g and u.
+        x = store["x"]
+        if missing & {"q", "k", "v", "o", "lse"}:
+            self.attention_half(w, x, fresh)
+        elif missing & {"n1", "r1"}:
+            n1, r1 = rmsnorm_forward(x, w.ln1, cfg.norm_eps)
+            fresh.save("n1", n1)
+            fresh.save("r1", r1)
+        if "h" in missing:
+            self.ffn_half(w, x, kept_or_fresh("o"), fresh)
+        else:
+            if missing & {"n2", "r2"}:
+                n2, r2 = rmsnorm_forward(kept_or_fresh("h"), w.ln2, cfg.norm_eps)
+                fresh.save("n2", n2)
+                fresh.save("r2", r2)
+            if missing & {"g", "u"}:
+                fresh.save("g", linear_forward(kept_or_fresh("n2"), w.w_gate, mm))
+                fresh.save("u", linear_forward(kept_or_fresh("n2"), w.w_up, mm))
+            if "s" in missing:
+                fresh.save("s", swiglu_forward(kept_or_fresh("g"), kept_or_fresh("u")))
+        # <<<
+        for name in missing:
+            store.restore(name, fresh[name])
+
+    def backward(self, w: BlockWeights, dy: torch.Tensor, store: ActivationStore):
+        self.recompute(w, store)
+        return super().backward(w, dy, store)
+
+
+def measure_store_bytes(model: LlamaModel, tokens: torch.Tensor) -> int:
+    """Bytes held by the first layer's store after a forward (what the formula predicts)."""
+    stores = [model.block.new_store() for _ in range(model.cfg.n_layers)]
+    model.forward_blocks(model.embedding[tokens], stores)
+    return stores[0].nbytes()
+
+
+def demo(args):
+    torch.set_num_threads(1)  # tensors this small run faster on one thread than split across several
+    cfg, batch = LlamaConfig(), 16
+    model = LlamaModel(cfg, seed=0)
+    tokens, targets = random_batch(load_text(), batch, cfg.max_seq_len, torch.Generator().manual_seed(0))
+    print(f"One {cfg.n_layers}-layer Llama step (batch {batch}, {cfg.max_seq_len} tokens, dim {cfg.dim}) "
+          f"with each recompute option:\n")
+    print(f"{'option':>10} {'kept KiB/layer':>15} {'store KiB':>10}  gradients vs none")
+    baseline = None
+    for option in OPTIONS:
+        model.block = RecomputeBlock(cfg, option)  # the model loop does not change, only the block
+        measured = measure_store_bytes(model, tokens)
+        grads = model.forward_backward(tokens, targets)[1].tensors()
+        baseline = baseline or grads
+        same = all(torch.equal(a, b) for a, b in zip(grads, baseline))
+        print(f"{option:>10} {kept_bytes(cfg, batch, cfg.max_seq_len, torch.float32, option) / 1024:15.1f} "
+              f"{measured / 1024:10.1f}  {'identical, bit for bit' if same else 'DIFFERENT'}")
+    print("\nStep time and peak memory, next to torch.utils.checkpoint: python main.py bench 10 [--device cuda]")

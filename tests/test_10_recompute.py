@@ -1,0 +1,120 @@
+"""Module 10: every recompute option gives the no-recompute gradients bit for bit, keeps exactly the
+bytes its formula says (and frees the rest), and agrees with torch.utils.checkpoint."""
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from course.impl import load
+from course.reference_llama import ReferenceBlock
+
+m10 = load("m10_recompute")
+m06_block = load("m06_llama_block")
+m06_model = load("m06_llama_model")
+m06_ops = load("m06_llama_ops")
+CFG = m06_block.LlamaConfig(dim=32, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=48, vocab_size=64, n_layers=3,
+                            max_seq_len=16)
+REPO = Path(__file__).resolve().parent.parent
+
+
+def hand_counted_bytes(cfg, tokens, act, stat):
+    """Bytes of all fourteen saved activations, counted by hand from the block's equations."""
+    wide = 5 * cfg.dim + cfg.n_heads * cfg.head_dim + 2 * cfg.n_kv_heads * cfg.head_dim + 3 * cfg.ffn_dim
+    return tokens * (wide * act + (2 + cfg.n_heads) * stat)
+
+
+@pytest.mark.parametrize("dtype, act, stat", [(torch.float32, 4, 4), (torch.bfloat16, 2, 4), (torch.float64, 8, 8)])
+def test_keeping_everything_costs_the_hand_counted_bytes(dtype, act, stat):
+    got = m10.kept_bytes(CFG, 3, 10, dtype, "none")
+    assert got == hand_counted_bytes(CFG, 30, act, stat), f"{dtype}: formula gives {got} bytes"
+    assert m10.kept_bytes(CFG, 3, 10, dtype, "block") == 30 * CFG.dim * act, "'block' keeps only the block input x"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("option", ["none", "swiglu", "norms", "ffn", "attention", "block"])
+def test_the_store_holds_exactly_the_bytes_of_the_formula(option, dtype):
+    block, x = m10.RecomputeBlock(CFG, option), torch.randn(2, 9, CFG.dim).to(dtype)
+    weights = m06_block.init_block_weights(CFG, torch.Generator().manual_seed(0), dtype)
+    store = block.new_store()
+    block.forward(weights, x, store)
+    expected = m10.kept_bytes(CFG, 2, 9, dtype, option)
+    assert set(store.tensors) == m10.ACTIVATIONS - m10.DROPPED[option], f"kept {sorted(store.tensors)}"
+    assert store.nbytes() == expected, f"{option}: the store holds {store.nbytes()} bytes, the formula says {expected}"
+
+
+@pytest.mark.parametrize("option", ["swiglu", "norms", "ffn", "attention", "block"])
+def test_gradients_equal_the_no_recompute_gradients_bit_for_bit(option):
+    g = torch.Generator().manual_seed(1)
+    tokens, targets = torch.randint(0, 64, (2, 16), generator=g), torch.randint(0, 64, (2, 16), generator=g)
+    plain = m06_model.LlamaModel(CFG, seed=2, block=m06_block.LlamaBlock(CFG, attention_chunk=5))
+    recomputing = m06_model.LlamaModel(CFG, seed=2, block=m10.RecomputeBlock(CFG, option, attention_chunk=5))
+    loss, grads = plain.forward_backward(tokens, targets)
+    loss_r, grads_r = recomputing.forward_backward(tokens, targets)
+    assert torch.equal(loss, loss_r), f"loss {loss_r.item()!r} != {loss.item()!r}"
+    for i, (a, b) in enumerate(zip(grads.tensors(), grads_r.tensors())):
+        assert torch.equal(a, b), f"{option}: gradient tensor {i} differs, max |diff| {(a - b).abs().max().item():.3e}"
+
+
+def test_dropped_activations_are_really_freed():
+    class WatchingMatmul(m06_ops.Matmul):
+        outputs = []
+
+        def forward(self, x, w):
+            y = super().forward(x, w)
+            self.outputs.append(weakref.ref(y))
+            return y
+
+    matmul = WatchingMatmul()
+    block = m10.RecomputeBlock(CFG, "block", matmul=matmul)
+    weights = m06_block.init_block_weights(CFG, torch.Generator().manual_seed(0))
+    store = block.new_store()
+    block.forward(weights, torch.randn(2, 9, CFG.dim), store)
+    alive = sum(ref() is not None for ref in matmul.outputs)
+    assert len(matmul.outputs) == 7 and alive == 0, \
+        f"with whole-block recompute no projection output may outlive the forward; {alive} of 7 still alive"
+
+
+def test_whole_block_recompute_matches_torch_utils_checkpoint():
+    f64 = torch.float64
+    weights = m06_block.init_block_weights(CFG, torch.Generator().manual_seed(3), f64)
+    reference = ReferenceBlock(CFG.dim, CFG.n_heads, CFG.n_kv_heads, CFG.head_dim, CFG.ffn_dim, CFG.rope_theta,
+                               CFG.norm_eps).load(weights)
+    x, dy = torch.randn(2, 11, CFG.dim, dtype=f64), torch.randn(2, 11, CFG.dim, dtype=f64)
+    x_ref = x.clone().requires_grad_(True)
+    checkpoint(reference, x_ref, use_reentrant=False).backward(dy)
+    block = m10.RecomputeBlock(CFG, "block", attention_chunk=4)
+    store = block.new_store()
+    block.forward(weights, x, store)
+    dx, grads = block.backward(weights, dy, store)
+    torch.testing.assert_close(dx, x_ref.grad, rtol=1e-9, atol=1e-10, msg=lambda m: f"dx: {m}")
+    for name, expected in reference.grads().items():
+        torch.testing.assert_close(getattr(grads, name), expected, rtol=1e-9, atol=1e-10,
+                                   msg=lambda m: f"gradient of {name}: {m}")
+
+
+@pytest.mark.given
+def test_an_unknown_option_is_rejected():
+    with pytest.raises(ValueError, match="unknown recompute option 'everything'; choose one of none, swiglu"):
+        m10.RecomputeBlock(CFG, "everything")
+
+
+@pytest.mark.given
+def test_the_benchmark_runs_on_cpu(tmp_path, monkeypatch):
+    import course.bench as bench
+    from course.bench import m10 as bench_m10
+    monkeypatch.setenv("COURSE_IMPL", "solutions")  # given code: it must run whatever is being graded
+    monkeypatch.setattr(bench, "RESULTS", tmp_path)
+    bench_m10.main(["--dim", "32", "--heads", "4", "--kv-heads", "2", "--ffn", "48", "--layers", "2",
+                    "--seq-len", "16", "--batch", "2", "--vocab", "64", "--steps", "1"])
+    assert (tmp_path / "bench-10.json").exists()
+
+
+@pytest.mark.given
+def test_the_notebook_executes(monkeypatch):
+    import nbformat
+    from nbclient import NotebookClient
+    monkeypatch.setenv("COURSE_IMPL", "solutions")  # the kernel inherits it
+    notebook = nbformat.read(REPO / "notebooks" / "10-recompute.ipynb", as_version=4)
+    NotebookClient(notebook, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(REPO)}}).execute()
