@@ -1,8 +1,8 @@
 """Module 05 benchmark: the measured bubble of GPipe and 1F1B against (P-1)/(M+P-1), and our
 schedules against PyTorch's own (torch.distributed.pipelining ScheduleGPipe / Schedule1F1B).
 
-    python main.py bench 05                      # P in {2,4}, M in {1,2,4,8,16}, ~2 minutes on 2 cores
-    python main.py bench 05 --emulate-ms 5 --steps 5 --nproc 2 4   # slower, closer to theory
+    python main.py bench 05                      # P in {2,4}, M in {1,2,4,8,16}: ~2 minutes on 2 cores
+    python main.py bench 05 --emulate-ms 12 --steps 4   # slower, overheads relatively smaller
 
 Runs on CPU ranks in emulated-device mode (course.profiler.EmulatedStage: each layer's forward
 sleeps --emulate-ms, its backward twice that), so that 4 ranks on 2 cores behave like 4 devices.
@@ -119,8 +119,8 @@ def main(argv):
     parser.add_argument("--nproc", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--chunks", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b"], choices=["gpipe", "1f1b"])
-    parser.add_argument("--steps", type=int, default=3, help="steps per run; the first is not timed")
-    parser.add_argument("--emulate-ms", type=float, default=2.0, help="emulated ms per layer forward")
+    parser.add_argument("--steps", type=int, default=2, help="steps per run; the first is not timed")
+    parser.add_argument("--emulate-ms", type=float, default=6.0, help="emulated ms per layer forward")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     torch.optim.Adam([torch.zeros(1, requires_grad=True)])  # import torch._dynamo once, not per rank
