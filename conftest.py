@@ -26,9 +26,11 @@ def pytest_report_header(config):
 def pytest_sessionstart(session):
     # Do once in the parent what every forked rank would otherwise pay for: one thread (ranks
     # share the cores, and forking after a multi-threaded matmul can hang the child), the
-    # distributed module, and the ~500 imports of the first assert_close.
+    # distributed module, the ~500 imports of the first assert_close, and torch._dynamo, which the
+    # first optimizer imports (4-9 s per rank when two ranks import it at once on 2 cores).
     import torch
     import torch.distributed  # noqa: F401
 
     torch.set_num_threads(1)
     torch.testing.assert_close(torch.ones(2) @ torch.ones(2), torch.tensor(2.0))
+    torch.optim.Adam([torch.zeros(1, requires_grad=True)])

@@ -99,7 +99,8 @@ def run_under_torchrun(fn, *args, timeout: float = 300.0):
 def _rank_main(fn, args, rank, world_size, tmp, timeout, init_process_group, conn):
     _die_with_parent()
     torch.set_num_threads(1)  # N ranks share the cores; also avoids a fork-after-OpenMP hang
-    sys.stdout.reconfigure(line_buffering=True)  # whole lines, so ranks' prints do not interleave
+    if hasattr(sys.stdout, "reconfigure"):  # not in a Jupyter kernel, whose stdout is its own
+        sys.stdout.reconfigure(line_buffering=True)  # whole lines, so ranks' prints do not interleave
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size))
     stack_file = open(Path(tmp) / f"stack-{rank}.txt", "w")

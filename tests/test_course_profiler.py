@@ -1,0 +1,107 @@
+"""The profiler, the emulated device and the unit-cost simulator (given infrastructure)."""
+import json
+import time
+from fractions import Fraction
+
+import pytest
+import torch
+import torch.nn as nn
+
+from course.profiler import (EmulatedStage, Profiler, chrome_trace, export, simulate, summarize,
+                             theoretical_bubble)
+
+
+def _gpipe_orders(world_size, chunks):
+    return [[("F", m) for m in range(chunks)] + [("B", m) for m in range(chunks)]] * world_size
+
+
+def _1f1b_orders(world_size, chunks):
+    orders = []
+    for rank in range(world_size):
+        warmup = min(world_size - rank - 1, chunks)
+        order = [("F", m) for m in range(warmup)]
+        for m in range(chunks - warmup):
+            order += [("F", m + warmup), ("B", m)]
+        orders.append(order + [("B", m) for m in range(chunks - warmup, chunks)])
+    return orders
+
+
+@pytest.mark.parametrize("orders", [_gpipe_orders, _1f1b_orders])
+@pytest.mark.parametrize("world_size,chunks", [(2, 1), (2, 8), (4, 1), (4, 4), (4, 16), (8, 3)])
+def test_simulator_reproduces_the_textbook_bubble(orders, world_size, chunks):
+    result = simulate(orders(world_size, chunks))
+    assert result["bubble"] == Fraction(world_size - 1, chunks + world_size - 1)
+    assert result["makespan"] == 3 * (chunks + world_size - 1)  # F = 1, B = 2
+    assert theoretical_bubble(world_size, chunks) == pytest.approx(float(result["bubble"]))
+
+
+def test_simulator_reports_a_deadlocking_order():
+    with pytest.raises(ValueError, match="deadlocks"):
+        simulate([[("F", 0), ("B", 1)], [("F", 0), ("B", 0), ("F", 1), ("B", 1)]])
+
+
+class _Stage(nn.Module):
+    def __init__(self, layers=2, hidden=8):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(hidden, hidden) for _ in range(layers))
+        self.hidden, self.is_last = hidden, False
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x
+
+
+def test_profiled_stage_records_compute_order_and_live_activations():
+    profiler = Profiler(rank=0)
+    stage = profiler.wrap_stage(_Stage())
+    with profiler.step():
+        outs = [stage(torch.randn(4, 8)) for _ in range(3)]  # three alive at once
+        for out in outs[::-1]:
+            out.sum().backward()
+        del outs
+        again = stage(torch.randn(4, 8))
+        again.sum().backward()
+    assert profiler.ops() == [("F", 0), ("F", 1), ("F", 2), ("B", 2), ("B", 1), ("B", 0), ("F", 3), ("B", 3)]
+    assert profiler.peak_live == [3]
+    assert stage.hidden == 8  # everything else is the stage's
+
+
+def test_emulated_stage_sleeps_per_layer_forward_and_twice_in_backward():
+    stage = EmulatedStage(_Stage(layers=2), ms_per_layer=10)
+    start = time.perf_counter()
+    out = stage(torch.randn(4, 8))
+    forward = time.perf_counter() - start
+    out.sum().backward()
+    backward = time.perf_counter() - start - forward
+    assert 0.020 <= forward < 0.035 and 0.040 <= backward < 0.060, (forward, backward)
+    reference = _Stage(layers=2)
+    reference.load_state_dict(stage.stage.state_dict())
+    x = torch.randn(4, 8)
+    assert torch.equal(stage(x), reference(x))  # emulation changes time, never values
+
+
+def _fake_profile(rank, compute):
+    """A rank that computes `compute` seconds out of a 1-second step, two steps."""
+    spans = [{"rank": rank, "kind": "forward", "microbatch": 0, "start": s + 0.1, "end": s + 0.1 + compute,
+              "step": i} for i, s in enumerate((0.0, 1.0))]
+    return {"rank": rank, "steps": [(0.0, 1.0), (1.0, 2.0)], "peak_live": [1, 1], "spans": spans}
+
+
+def test_summary_and_chrome_trace(tmp_path):
+    profiles = [_fake_profile(0, 0.5), _fake_profile(1, 0.25)]
+    summary = summarize(profiles)
+    assert summary["step_s"] == pytest.approx(1.0)
+    assert [r["idle"] for r in summary["ranks"]] == pytest.approx([0.5, 0.75])
+    assert summary["idle"] == pytest.approx(0.625)
+    chrome_trace(profiles, tmp_path / "trace.json")
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    assert {e["tid"] for e in events if e["ph"] == "X"} == {0, 1}
+    assert export(Profiler(3))["rank"] == 3
+
+
+def test_timeline_png(tmp_path):
+    from course.plotting import plot_timeline
+
+    plot_timeline([_fake_profile(0, 0.5), _fake_profile(1, 0.25)], tmp_path / "t.png", title="t")
+    assert (tmp_path / "t.png").stat().st_size > 1000
