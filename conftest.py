@@ -5,8 +5,6 @@ the learner's steps/. The option must live in the root conftest for a bare `pyte
 """
 import os
 
-import pytest
-
 pytest_plugins = ["course.grading"]
 
 

@@ -73,7 +73,7 @@ def cmd_run(args):
         first_line = str(exc).splitlines()[0]
         print(f"error: {first_line}", file=sys.stderr)
         if "TODO(" in first_line and args.impl == "steps":
-            print(f"hint: that TODO is yours to fill in steps/; `--impl solutions` runs the reference",
+            print("hint: that TODO is yours to fill in steps/; `--impl solutions` runs the reference",
                   file=sys.stderr)
         sys.exit(1)
 

@@ -9,8 +9,6 @@ from __future__ import annotations
 import json
 import re
 
-import pytest
-
 GIVEN = "given"  # marker for tests of given code: not graded, not expected to fail on skeletons
 
 

@@ -27,14 +27,18 @@ def init_distributed(timeout_s: float = 120.0):
     # >>> TODO(m02): read RANK, WORLD_SIZE, LOCAL_RANK; join the group if needed; pick the device
     # Hint: torchrun sets RANK, WORLD_SIZE and LOCAL_RANK as environment variables (strings).
     # Hint: if not dist.is_initialized(): dist.init_process_group(backend, rank=..., world_size=...,
-    # Hint:     timeout=timedelta(seconds=timeout_s)) with backend "nccl" if CUDA is available, else "gloo".
+    # Hint:     timeout=timedelta(seconds=timeout_s)) with backend "nccl" if every local rank
+    # Hint:     (LOCAL_WORLD_SIZE of them) can have a GPU of its own, else "gloo".
     # Hint: then look at dist.get_backend(): nccl -> torch.device("cuda", local_rank) (and
     # Hint: torch.cuda.set_device it); gloo -> torch.device("cpu").
     rank = int(os.environ["RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        # nccl needs a GPU of its own for every rank on this machine; otherwise use gloo on CPU.
+        gpus_for_everyone = torch.cuda.is_available() and \
+            torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        backend = "nccl" if gpus_for_everyone else "gloo"
         dist.init_process_group(backend, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout_s))
     if dist.get_backend() == "nccl":

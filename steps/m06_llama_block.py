@@ -165,7 +165,7 @@ class LlamaBlock:
 
     def backward(self, w: BlockWeights, dy: torch.Tensor, store: ActivationStore):
         """(dx, grads) given dy = dL/dy, from what the forward saved; grads is a BlockWeights."""
-        cfg, mm, a = self.cfg, self.matmul, store
+        mm, a = self.matmul, store
         B, T, _ = dy.shape
         cos, sin = self.rope(T, dy.dtype, dy.device)
         # TODO(m06): the block's backward: the forward's ops in reverse order

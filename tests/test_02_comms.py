@@ -29,15 +29,19 @@ def test_init_distributed_reports_rank_world_size_and_device():
         (0, 2, "cpu", 0, 2), (1, 2, "cpu", 1, 2)]
 
 
-def _init_from_environment():
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="0")  # port 0: a free one (one rank)
-    torch.cuda.is_available = lambda: False  # as on a CPU-only machine (forked ranks cannot use CUDA)
+def _init_from_environment(gpus, local_world_size):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="0", LOCAL_WORLD_SIZE=str(local_world_size))
+    # Pretend to have `gpus` GPUs (forked ranks cannot really use CUDA): too few for one per rank
+    # means gloo on CPU.
+    torch.cuda.is_available = lambda: gpus > 0
+    torch.cuda.device_count = lambda: gpus
     rank, world_size, device = m02.init_distributed()
     return rank, world_size, str(device), dist.get_backend()
 
 
-def test_init_distributed_creates_the_group_from_torchrun_variables():
-    assert run_ranks(_init_from_environment, 1, timeout=20, init_process_group=False) == [
+@pytest.mark.parametrize("gpus, local_world_size", [(0, 1), (1, 2)], ids=["no GPU", "1 GPU for 2 ranks"])
+def test_init_distributed_creates_the_group_from_torchrun_variables(gpus, local_world_size):
+    assert run_ranks(_init_from_environment, 1, gpus, local_world_size, timeout=20, init_process_group=False) == [
         (0, 1, "cpu", "gloo")]
 
 

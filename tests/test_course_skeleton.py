@@ -3,7 +3,6 @@ import importlib
 import inspect
 import re
 import subprocess
-from pathlib import Path
 
 import pytest
 
