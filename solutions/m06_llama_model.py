@@ -199,9 +199,11 @@ def random_batch(data: torch.Tensor, batch: int, seq_len: int, generator: torch.
     return windows[:, :-1], windows[:, 1:]
 
 
-def train(cfg: LlamaConfig, steps: int, batch: int = 16, lr: float = 3e-3, seed: int = 0, log_every: int = 0):
-    """Train with AdamW on random windows of the text; returns (model, losses)."""
-    model, data = LlamaModel(cfg, seed), load_text()
+def train(cfg: LlamaConfig, steps: int, batch: int = 16, lr: float = 3e-3, seed: int = 0, log_every: int = 0,
+          block: LlamaBlock | None = None):
+    """Train with AdamW on random windows of the text; returns (model, losses). `block` runs the
+    layers (default LlamaBlock(cfg)); the initial weights and the batches depend only on `seed`."""
+    model, data = LlamaModel(cfg, seed, block=block), load_text()
     generator = torch.Generator().manual_seed(seed)
     params = model.parameters()
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)

@@ -27,9 +27,17 @@ class Matmul:
     """The matrix product behind every linear layer of the block: y = x @ w.T.
 
     `x` is (tokens, in_features), `w` is (out_features, in_features) like nn.Linear's weight.
-    This is the seam module 09 uses: an FP8 policy subclasses Matmul and overrides `forward` and
-    `backward` (quantising x, w and dy with their scales); the block and the ops do not change.
+    This is the seam module 09 uses. The block first hands each linear input to `prepare`, which
+    saves what the backward will need in the store and returns what forward multiplies; linears
+    that read the same input (q, k and v; gate and up) share one prepared input. Here that is x
+    itself. Module 09's FP8 policy subclasses Matmul: its `prepare` quantizes x once (the store
+    keeps 1 byte a value) and its `forward` and `backward` multiply FP8 operands.
     """
+
+    def prepare(self, x: torch.Tensor, store, name: str) -> torch.Tensor:
+        """x as this policy's forward and backward take it, saved in `store` under `name`."""
+        store.save(name, x)
+        return x
 
     def forward(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         # >>> TODO(m06): the linear layer's forward product, y = x w^T
@@ -44,7 +52,9 @@ class Matmul:
 
 
 def linear_forward(x: torch.Tensor, w: torch.Tensor, matmul: Matmul) -> torch.Tensor:
-    """y = x @ w.T over the last dimension of x (any leading shape); its backward needs x."""
+    """y = x @ w.T over the last dimension of x (any leading shape); its backward needs x.
+
+    x is a tensor, or what `matmul.prepare` made of one (anything with shape and reshape)."""
     return matmul.forward(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[0])
 
 

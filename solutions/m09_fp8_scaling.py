@@ -44,6 +44,14 @@ class Quantized(NamedTuple):
         """The transpose: a view of the same bytes, same scale."""
         return Quantized(self.data.t(), self.scale)
 
+    # shape and reshape, so module 06's linear_forward/backward handle a Quantized input like a tensor
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    def reshape(self, *shape) -> "Quantized":
+        return Quantized(self.data.reshape(*shape), self.scale)
+
 
 def abs_max(t: torch.Tensor) -> torch.Tensor:
     """max |t| as a float32 scalar tensor on t's device, in one pass (no copy of |t|, no host sync).

@@ -15,12 +15,17 @@ The options follow the llm.q trainer:
     ffn        drop n2, g, u, s                           recompute: norm, gate and up matmuls, SwiGLU
     attention  drop n1, q, k, v, o, lse                   recompute: norm, q/k/v matmuls, RoPE, attention
     block      keep only the block input x                recompute: the whole block but the down matmul
+
+With module 09's FP8Matmul the linear inputs n1, n2 and s are kept as e4m3 with their abs-maxes.
+The abs-maxes (4 bytes each) are kept whatever the option, so the recompute quantizes with the
+forward's scales (skipping the abs-max pass) and gives the same FP8 values, bit for bit.
 """
 import torch
 
 from .m06_llama_block import ActivationStore, BlockWeights, LlamaBlock, LlamaConfig
 from .m06_llama_model import LlamaModel, load_text, random_batch
 from .m06_llama_ops import compute_dtype, linear_forward, rmsnorm_forward, swiglu_forward
+from .m09_fp8_matmul import abs_max_name
 
 TITLE = "Recompute: trade activation memory for forward work in the backward"
 NPROC = 1
@@ -35,6 +40,8 @@ DROPPED = {
     "block": ACTIVATIONS - {"x"},
 }
 OPTIONS = tuple(DROPPED)
+LINEAR_INPUTS = ("n1", "n2", "s")  # what the block hands to matmul.prepare
+ABS_MAXES = frozenset(abs_max_name(name) for name in LINEAR_INPUTS)  # saved by FP8Matmul only; always kept
 
 
 def check_option(option: str):
@@ -61,11 +68,20 @@ def activation_bytes(cfg: LlamaConfig, batch: int, seq_len: int, dtype: torch.dt
     # <<<
 
 
-def kept_bytes(cfg: LlamaConfig, batch: int, seq_len: int, dtype: torch.dtype, option: str) -> int:
-    """Activation bytes one layer's store keeps with this recompute option (the formula)."""
+def kept_bytes(cfg: LlamaConfig, batch: int, seq_len: int, dtype: torch.dtype, option: str,
+               fp8: bool = False) -> int:
+    """Activation bytes one layer's store keeps with this recompute option (the formula).
+
+    fp8: the block runs FP8Matmul(min_dim=0) (module 09): n1, n2 and s are kept as e4m3, one byte
+    a value plus a float32 scale, and the three float32 abs-maxes are kept always.
+    """
     check_option(option)
     sizes = activation_bytes(cfg, batch, seq_len, dtype)
-    return sum(size for name, size in sizes.items() if name not in DROPPED[option])
+    if fp8:
+        width = {"n1": cfg.dim, "n2": cfg.dim, "s": cfg.ffn_dim}
+        sizes.update({name: batch * seq_len * width[name] + 4 for name in LINEAR_INPUTS})
+    always = 4 * len(ABS_MAXES) if fp8 else 0
+    return always + sum(size for name, size in sizes.items() if name not in DROPPED[option])
 
 
 class RecomputeBlock(LlamaBlock):
@@ -78,8 +94,8 @@ class RecomputeBlock(LlamaBlock):
         self.option = option
 
     def new_store(self) -> ActivationStore:
-        # >>> TODO(m10): a store that keeps every activation this option does not drop
-        return ActivationStore(keep=ACTIVATIONS - DROPPED[self.option])
+        # >>> TODO(m10): a store that keeps every activation this option does not drop, and ABS_MAXES
+        return ActivationStore(keep=(ACTIVATIONS - DROPPED[self.option]) | ABS_MAXES)
         # <<<
 
     def recompute(self, w: BlockWeights, store: ActivationStore):
@@ -89,34 +105,34 @@ class RecomputeBlock(LlamaBlock):
         if not missing:
             return
         cfg, mm = self.cfg, self.matmul
-        fresh = ActivationStore()  # keeps everything recomputed here
-
-        def kept_or_fresh(name):
-            return fresh[name] if name in fresh else store[name]
-
+        # Keeps everything; starts with what the store kept, so the recompute reads kept tensors and
+        # kept abs-maxes from it (FP8Matmul.prepare then quantizes with the forward's abs-max).
+        fresh = ActivationStore()
+        fresh.tensors.update(store.tensors)
         # >>> TODO(m10): recompute the missing activations into `fresh`, earliest first
         # Hint: q, k, v, o or lse missing: rerun self.attention_half from x (it also gives n1, r1);
         # Hint: else n1/r1 missing: rmsnorm_forward(x). h missing: rerun self.ffn_half from x and o.
         # Hint: else, in forward order: n2/r2 from rmsnorm_forward(h), g/u from n2, s from g and u.
+        # Hint: n1, n2 and s go into `fresh` through mm.prepare(tensor, fresh, name), as in the forward.
         x = store["x"]
         if missing & {"q", "k", "v", "o", "lse"}:
             self.attention_half(w, x, fresh)
         elif missing & {"n1", "r1"}:
             n1, r1 = rmsnorm_forward(x, w.ln1, cfg.norm_eps)
-            fresh.save("n1", n1)
+            mm.prepare(n1, fresh, "n1")
             fresh.save("r1", r1)
         if "h" in missing:
-            self.ffn_half(w, x, kept_or_fresh("o"), fresh)
+            self.ffn_half(w, x, fresh["o"], fresh)
         else:
             if missing & {"n2", "r2"}:
-                n2, r2 = rmsnorm_forward(kept_or_fresh("h"), w.ln2, cfg.norm_eps)
-                fresh.save("n2", n2)
+                n2, r2 = rmsnorm_forward(fresh["h"], w.ln2, cfg.norm_eps)
+                mm.prepare(n2, fresh, "n2")
                 fresh.save("r2", r2)
             if missing & {"g", "u"}:
-                fresh.save("g", linear_forward(kept_or_fresh("n2"), w.w_gate, mm))
-                fresh.save("u", linear_forward(kept_or_fresh("n2"), w.w_up, mm))
+                fresh.save("g", linear_forward(fresh["n2"], w.w_gate, mm))
+                fresh.save("u", linear_forward(fresh["n2"], w.w_up, mm))
             if "s" in missing:
-                fresh.save("s", swiglu_forward(kept_or_fresh("g"), kept_or_fresh("u")))
+                mm.prepare(swiglu_forward(fresh["g"], fresh["u"]), fresh, "s")
         # <<<
         for name in missing:
             store.restore(name, fresh[name])

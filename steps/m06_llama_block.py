@@ -85,7 +85,8 @@ def init_block_weights(cfg: LlamaConfig, generator: torch.Generator, dtype=torch
 
 
 class ActivationStore:
-    """The activations one block saves in its forward for its backward, by name.
+    """The activations one block saves in its forward for its backward, by name. A value is a
+    tensor, or a tuple of tensors (module 09 keeps an FP8 tensor with its scale).
 
     `keep` is the set of names to keep (None: all of them). A name that is not kept is dropped at
     once, so its memory is freed when the forward moves on; module 10's backward recomputes it and
@@ -116,7 +117,8 @@ class ActivationStore:
     def nbytes(self) -> int:
         """Bytes of memory the store holds alive: each distinct storage once, whole (a small view
         of a big tensor keeps all of it alive)."""
-        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self.tensors.values()}
+        tensors = [t for value in self.tensors.values() for t in (value if isinstance(value, tuple) else (value,))]
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
         return sum(storages.values())
 
 
@@ -144,16 +146,18 @@ class LlamaBlock:
         B, T, _ = x.shape
         cos, sin = self.rope(T, x.dtype, x.device)
         # TODO(m06): forward of the attention half: norm, q/k/v projections, RoPE, attention
-        # Hint: save 'x', 'n1', 'r1', 'q', 'k', 'v' (after RoPE), 'o' and 'lse' in the store; those
+        # Hint: n1 = mm.prepare(norm output, store, 'n1') once: q, k and v multiply that (it saves 'n1').
+        # Hint: save 'x', 'r1', 'q', 'k', 'v' (after RoPE), 'o' and 'lse' in the store; with 'n1' those
         # Hint: are exactly what the backwards need. q is (B, T, n_heads, head_dim), k and v use n_kv_heads.
         raise NotImplementedError('TODO(m06): forward of the attention half: norm, q/k/v projections, RoPE, attention')
 
     def ffn_half(self, w: BlockWeights, x: torch.Tensor, o: torch.Tensor, store: ActivationStore):
         """(block input x, attention output o) -> (h, s): the residual stream after attention and
-        the SwiGLU output, before the down projection."""
+        the SwiGLU output (prepared for the down projection). o is not prepared: attention's backward
+        needs it as it is, so the o projection takes o itself (an FP8 policy converts it when it multiplies)."""
         cfg, mm = self.cfg, self.matmul
         # TODO(m06): forward of the FFN half up to SwiGLU: o projection, residual + norm, gate/up, SwiGLU
-        # Hint: save 'h', 'n2', 'r2', 'g', 'u' and 's'.
+        # Hint: prepare the inputs of gate/up ('n2') and of down ('s') with mm.prepare; save 'h', 'r2', 'g', 'u'.
         raise NotImplementedError('TODO(m06): forward of the FFN half up to SwiGLU: o projection, residual + norm, gate/up, SwiGLU')
 
     def forward(self, w: BlockWeights, x: torch.Tensor, store: ActivationStore) -> torch.Tensor:

@@ -1,13 +1,13 @@
 # Generated from solutions/m09_fp8_matmul.py by `python -m course.skeleton`: fill in the TODOs.
 # Grade your work with `python main.py grade 09`.
-"""Module 09, part 2 - an FP8 linear layer, and the matmul policy a model's linears call.
+"""Module 09, part 2 - FP8 linears: module 06's matmul policy with FP8 operands.
 
 A linear layer computes y = x W^T (x: tokens x in_features, W: out_features x in_features) and
 in backward two more matmuls of the same size:
 
     forward        y  = x  W^T      x: e4m3, W: e4m3
     input grad     dx = dy W        dy: e5m2, W: e4m3
-    weight grad    dW = dy^T x      dy: e5m2, x: e4m3
+    weight grad    dW = dy^T x      dy: e5m2, x: e4m3 (the one quantized in forward, kept in the store)
 
 Each runs through torch._scaled_mm(a, b, scale_a, scale_b, out_dtype), which multiplies FP8
 matrices, applies both scales in its fp32 accumulator and writes out_dtype (bf16 or fp32).
@@ -16,17 +16,17 @@ On CUDA it has layout rules (CPU is laxer, so we check them ourselves):
   - every dimension is a multiple of 16,
   - at most one operand is e5m2 (there is no e5m2 x e5m2 kernel).
 
-A model does not call any of this directly. Its linears call `policy.linear(x, w)`, where the
-policy is `HighPrecisionMatmul()` (the reference) or `FP8Matmul(...)`; swapping the policy swaps
-the forward and the backward of every linear, and nothing else.
+The Llama block of module 06 sends every linear through a `Matmul` policy: `prepare(x, store,
+name)` once per linear input (saving what backward needs), then `forward(x, w)` and
+`backward(dy, x, w)`. `FP8Matmul` overrides these three; `LlamaBlock(cfg, matmul=FP8Matmul())`
+runs all seven linears in FP8, and nothing else in the block changes.
 """
 import torch
-import torch.nn.functional as F
 
-from .m09_fp8_scaling import E4M3, E5M2, FP8_MAX, Quantized, quantize
+from .m06_llama_ops import Matmul
+from .m09_fp8_scaling import E4M3, E5M2, FP8_MAX, Quantized, abs_max, quantize
 
-# Smallest matmul dimension (tokens, in_features, out_features) at which FP8Matmul uses FP8 by
-# default. Measured on an H100 with torch 2.11 (notebooks/data/bench-09-gpu.json): the bare FP8
+# Smallest linear input (tokens and in_features) that FP8Matmul quantizes by default. Measured on an H100 with torch 2.11 (notebooks/data/bench-09-gpu.json): the bare FP8
 # GEMM is 1.4-2.0x bf16 from 4096 up, but forward + backward including this module's quantization
 # (abs-max, scale, cast, transposed copies) was slower than bf16 at every shape below 16384^3
 # (0.63x at 8192 x 4096 x 14336) and 1.03x at 16384^3. Re-measure with
@@ -64,47 +64,19 @@ def scaled_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype, fast_accum: bo
                             out_dtype=out_dtype, use_fast_accum=fast_accum)
 
 
-class FP8Linear(torch.autograd.Function):
-    """y = x W^T with FP8 operands in forward and backward. x is 2-D: (tokens, in_features)."""
-
-    @staticmethod
-    def forward(ctx, x, w, x_amax, x_fp8, quantize_fn):
-        # TODO(m09): forward: y = x W^T from e4m3 x and W; save the FP8 operands for backward
-        # Hint: use x_fp8 if the caller already quantized x (several linears reading the same x),
-        #       else quantize x with x_amax (None: computed here). Quantize W too.
-        # Hint: W is (out, in) row-major, so W^T is (in, out) column-major as it stands.
-        # Hint: save the FP8 x (1 byte per value), not x: backward needs only that.
-        raise NotImplementedError('TODO(m09): forward: y = x W^T from e4m3 x and W; save the FP8 operands for backward')
-
-    @staticmethod
-    def backward(ctx, dy):
-        # TODO(m09): backward: dx = dy W and dW = dy^T x, with dy in e5m2
-        # Hint: rebuild the saved Quantized x and W; quantize dy to e5m2.
-        # Hint: dW sums over tokens, which neither dy nor x stores contiguously: both need a copy.
-        raise NotImplementedError('TODO(m09): backward: dx = dy W and dW = dy^T x, with dy in e5m2')
+def abs_max_name(name: str) -> str:
+    """Where FP8Matmul keeps the abs-max of the linear input saved under `name`."""
+    return name + "_amax"
 
 
-def fp8_linear(x, w, x_amax=None, x_fp8=None, quantize_fn=quantize):
-    """x W^T for 2-D x, differentiable, with FP8 matmuls in forward and backward.
+class FP8Matmul(Matmul):
+    """The FP8 policy: linear inputs of at least `min_dim` tokens and features (both multiples of
+    16) are multiplied in FP8; smaller ones stay in high precision (module 06's Matmul).
 
-    x_amax: x's abs-max if a previous op already computed it (skips one pass over x).
-    x_fp8: x already quantized (when several linears read the same x, quantize it once).
-    quantize_fn: `quantize`, or a compiled version of it (see FP8Matmul).
-    """
-    return FP8Linear.apply(x, w, x_amax, x_fp8, quantize_fn)
-
-
-class HighPrecisionMatmul:
-    """The reference policy: y = x W^T in the inputs' own dtype (fp32, or bf16 on a GPU)."""
-
-    def linear(self, x: torch.Tensor, w: torch.Tensor, x_amax: torch.Tensor | None = None) -> torch.Tensor:
-        # x_amax is accepted so that a model can call any policy the same way; this one has no use for it.
-        return F.linear(x, w)
-
-
-class FP8Matmul:
-    """The FP8 policy: linears at least `min_dim` in every dimension run `fp8_linear`; the rest
-    (and any whose dimensions are not multiples of 16) stay in high precision.
+    An input goes through `prepare` once, however many linears read it (q, k and v; gate and up),
+    and its e4m3 copy is what the store keeps for the weight gradient. Its abs-max is kept too
+    (4 bytes): when module 10 drops the input and recomputes it, `prepare` finds that abs-max in
+    the store instead of computing it again, so the recomputed FP8 values are the same bits.
 
     compile_quantize=True hands `quantize` to torch.compile, which fuses its float32 multiply,
     clamp and cast into one kernel; eager mode runs them as separate passes over memory. It needs
@@ -114,16 +86,40 @@ class FP8Matmul:
 
     def __init__(self, min_dim: int = DEFAULT_MIN_DIM, compile_quantize: bool = False):
         self.min_dim = min_dim
-        self.quantize_fn = torch.compile(quantize, dynamic=True) if compile_quantize else quantize
+        self.quantize = torch.compile(quantize, dynamic=True) if compile_quantize else quantize
 
-    def uses_fp8(self, tokens: int, in_features: int, out_features: int) -> bool:
-        dims = (tokens, in_features, out_features)
-        return min(dims) >= self.min_dim and all(d % 16 == 0 for d in dims)
+    def uses_fp8(self, tokens: int, in_features: int) -> bool:
+        return min(tokens, in_features) >= self.min_dim and tokens % 16 == 0 and in_features % 16 == 0
 
-    def linear(self, x: torch.Tensor, w: torch.Tensor, x_amax: torch.Tensor | None = None) -> torch.Tensor:
-        """x W^T for x of shape (..., in_features) and w of shape (out_features, in_features)."""
-        x2d = x.reshape(-1, x.shape[-1])
-        if not self.uses_fp8(x2d.shape[0], w.shape[1], w.shape[0]):
-            return F.linear(x, w)
-        y = fp8_linear(x2d, w, x_amax, quantize_fn=self.quantize_fn)
-        return y.reshape(*x.shape[:-1], w.shape[0])
+    def prepare(self, x: torch.Tensor, store, name: str):
+        # TODO(m09): quantize a linear input once; keep it and its abs-max in the store
+        # Hint: an input too small for FP8 (uses_fp8 on its tokens and features) goes to Matmul.prepare.
+        # Hint: its abs-max: the one under abs_max_name(name) if the store has it (a recompute), else abs_max(x);
+        #       save it there, then save and return self.quantize(x, E4M3, amax) under `name`.
+        raise NotImplementedError('TODO(m09): quantize a linear input once; keep it and its abs-max in the store')
+
+    def fp8_input(self, x) -> Quantized | None:
+        """The 2-D input x in e4m3, or None where this linear stays in high precision. Inputs the
+        store keeps as they are (attention's o) are quantized here, in forward and again in backward."""
+        if isinstance(x, Quantized):
+            return x
+        return self.quantize(x, E4M3) if self.uses_fp8(*x.shape) else None
+
+    def forward(self, x, w: torch.Tensor) -> torch.Tensor:
+        x_fp8 = self.fp8_input(x)
+        if x_fp8 is None:
+            return super().forward(x, w)
+        # TODO(m09): y = x W^T from the e4m3 x and W, in w's dtype
+        # Hint: W is (out, in) row-major, so W^T is (in, out) column-major as it stands.
+        # Hint: the forward output tolerates fast accumulation (fast_accum=True).
+        raise NotImplementedError("TODO(m09): y = x W^T from the e4m3 x and W, in w's dtype")
+
+    def backward(self, dy: torch.Tensor, x, w: torch.Tensor):
+        x_fp8 = self.fp8_input(x)
+        if x_fp8 is None:
+            return super().backward(dy, x, w)
+        # TODO(m09): dx = dy W and dW = dy^T x, with dy in e5m2
+        # Hint: quantize dy to e5m2 and W to e4m3 (again: production recipes keep one FP8 copy of each
+        #       weight per optimizer step; we keep the policy stateless).
+        # Hint: dW sums over tokens, which neither dy nor x stores contiguously: both need a copy.
+        raise NotImplementedError('TODO(m09): dx = dy W and dW = dy^T x, with dy in e5m2')

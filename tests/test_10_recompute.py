@@ -7,13 +7,14 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from course.impl import load
+from course.impl import load, reference
 from course.reference_llama import ReferenceBlock
 
 m10 = load("m10_recompute")
 m06_block = load("m06_llama_block")
 m06_model = load("m06_llama_model")
 m06_ops = load("m06_llama_ops")
+fp8_matmul = reference("m09_fp8_matmul")  # module 09's FP8 policy, a trusted helper here
 CFG = m06_block.LlamaConfig(dim=32, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=48, vocab_size=64, n_layers=3,
                             max_seq_len=16)
 REPO = Path(__file__).resolve().parent.parent
@@ -44,12 +45,29 @@ def test_the_store_holds_exactly_the_bytes_of_the_formula(option, dtype):
     assert store.nbytes() == expected, f"{option}: the store holds {store.nbytes()} bytes, the formula says {expected}"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("option", ["none", "ffn", "block"])
+def test_with_fp8_linears_the_store_holds_the_bytes_of_the_formula(option, dtype):
+    # FP8Matmul keeps n1, n2 and s as e4m3 with a scale, and their abs-maxes whatever the option.
+    block = m10.RecomputeBlock(CFG, option, matmul=fp8_matmul.FP8Matmul(min_dim=0))
+    weights = m06_block.init_block_weights(CFG, torch.Generator().manual_seed(0), dtype)
+    store = block.new_store()
+    block.forward(weights, torch.randn(2, 8, CFG.dim).to(dtype), store)
+    expected = m10.kept_bytes(CFG, 2, 8, dtype, option, fp8=True)
+    assert set(store.tensors) == (m10.ACTIVATIONS - m10.DROPPED[option]) | m10.ABS_MAXES, f"kept {sorted(store.tensors)}"
+    assert store.nbytes() == expected, f"{option}: the store holds {store.nbytes()} bytes, the formula says {expected}"
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["fp32", "fp8"])
 @pytest.mark.parametrize("option", ["swiglu", "norms", "ffn", "attention", "block"])
-def test_gradients_equal_the_no_recompute_gradients_bit_for_bit(option):
+def test_gradients_equal_the_no_recompute_gradients_bit_for_bit(option, fp8):
+    # With FP8 linears the recompute must quantize n1, n2 and s exactly as the forward did.
     g = torch.Generator().manual_seed(1)
     tokens, targets = torch.randint(0, 64, (2, 16), generator=g), torch.randint(0, 64, (2, 16), generator=g)
-    plain = m06_model.LlamaModel(CFG, seed=2, block=m06_block.LlamaBlock(CFG, attention_chunk=5))
-    recomputing = m06_model.LlamaModel(CFG, seed=2, block=m10.RecomputeBlock(CFG, option, attention_chunk=5))
+    policy = {"matmul": fp8_matmul.FP8Matmul(min_dim=0)} if fp8 else {}
+    plain = m06_model.LlamaModel(CFG, seed=2, block=m06_block.LlamaBlock(CFG, attention_chunk=5, **policy))
+    recomputing = m06_model.LlamaModel(CFG, seed=2,
+                                       block=m10.RecomputeBlock(CFG, option, attention_chunk=5, **policy))
     loss, grads = plain.forward_backward(tokens, targets)
     loss_r, grads_r = recomputing.forward_backward(tokens, targets)
     assert torch.equal(loss, loss_r), f"loss {loss_r.item()!r} != {loss.item()!r}"

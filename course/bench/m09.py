@@ -1,17 +1,23 @@
-"""Module 09 benchmark: the FP8 linear against a bf16 linear, forward + backward.
+"""Module 09 benchmark: FP8 linears against bf16 ones, forward + backward, alone and in the Llama.
 
     python main.py bench 09 --device cuda   timings on a GPU (H100-class: FP8 tensor cores)
     python main.py bench 09                 CPU: correctness only (errors vs float64), no timings
 
-On a GPU, for each (tokens, in_features, out_features):
-  bf16 ms            F.linear in bf16, forward + backward (dx and dW)
-  fp8 ms             fp8_linear, forward + backward, quantization included (eager: several passes)
+Table 1, on a GPU, for each (tokens, in_features, out_features), one linear as the Llama block
+runs it (prepare, forward, backward):
+  bf16 ms            module 06's Matmul in bf16, forward + backward (dx and dW)
+  fp8 ms             FP8Matmul(min_dim=0), quantization included (eager: several passes)
   fp8+compile ms     the same with `quantize` fused by torch.compile (one kernel per pass)
   quantize ms        quantizing x, W (e4m3) and dy (e5m2) alone, eager and compiled
   gemm speedup       one bare GEMM, bf16 time / FP8 time (operands already quantized)
   fp8 selected       whether FP8Matmul() with its default min_dim would use FP8 for this shape
 The rule to check: where `fp8 selected` is yes, fp8 must not be more than 5% slower than bf16.
 The GPU table is saved as results/bench-09-gpu.json; copy it to notebooks/data/ for the notebook.
+
+Table 2: one training step (forward_backward) of module 06's Llama with each policy, from the
+same weights and tokens. On a GPU at a size where the linears dominate (dim 4096, ffn 14336,
+2 layers, 4 x 2048 tokens, bf16; FP8 forced with min_dim=0); on a CPU a tiny fp32 model, for the
+losses only.
 """
 from __future__ import annotations
 
@@ -20,7 +26,6 @@ import statistics
 import time
 
 import torch
-import torch.nn.functional as F
 
 from course.bench import report
 from course.impl import load
@@ -30,6 +35,9 @@ GPU_SHAPES = [  # (tokens, in_features, out_features)
     (1024, 4096, 14336), (4096, 4096, 14336), (8192, 4096, 14336), (8192, 14336, 4096), (16384, 4096, 14336),
 ]
 CPU_SHAPES = [(64, 128, 96), (256, 512, 1024), (1024, 1024, 512)]
+GPU_LLAMA = dict(dim=4096, n_heads=32, n_kv_heads=8, head_dim=128, ffn_dim=14336, n_layers=2, max_seq_len=2048)
+GPU_BATCH = 4  # x 2048 = 8192 tokens
+CPU_BATCH = 4  # x 64 tokens, the default tiny LlamaConfig
 
 
 def main(argv: list[str]) -> None:
@@ -42,6 +50,14 @@ def main(argv: list[str]) -> None:
         gpu_timings(args)
     else:
         cpu_errors()
+    llama_steps(args)
+
+
+def linear_step(policy, x, w, dy):
+    """y, (dx, dW) of one linear through a matmul policy, the way the Llama block calls it."""
+    store = load("m06_llama_block").ActivationStore()
+    y = policy.forward(policy.prepare(x, store, "x"), w)
+    return y, policy.backward(dy, store["x"], w)
 
 
 # --- CPU: correctness at small sizes ---------------------------------------------------------
@@ -51,17 +67,16 @@ def cpu_errors():
     rows = []
     for tokens, d_in, d_out in CPU_SHAPES:
         g = torch.Generator().manual_seed(0)
-        x = torch.randn(tokens, d_in, generator=g, requires_grad=True)
-        w = (torch.randn(d_out, d_in, generator=g) / d_in ** 0.5).requires_grad_()
+        x = torch.randn(tokens, d_in, generator=g)
+        w = torch.randn(d_out, d_in, generator=g) / d_in ** 0.5
         dy = torch.randn(tokens, d_out, generator=g)
-        y = matmul.fp8_linear(x, w)
-        y.backward(dy)
-        x64, w64, dy64 = x.detach().double(), w.detach().double(), dy.double()
-        bf16_y = F.linear(x.detach().bfloat16(), w.detach().bfloat16())
+        y, (dx, dw) = linear_step(matmul.FP8Matmul(min_dim=0), x, w, dy)
+        x64, w64, dy64 = x.double(), w.double(), dy.double()
+        bf16_y = x.bfloat16() @ w.bfloat16().T
         rows.append({"tokens": tokens, "in": d_in, "out": d_out,
                      "y rel err": relative_error(y, x64 @ w64.T),
-                     "dx rel err": relative_error(x.grad, dy64 @ w64),
-                     "dW rel err": relative_error(w.grad, dy64.T @ x64),
+                     "dx rel err": relative_error(dx, dy64 @ w64),
+                     "dW rel err": relative_error(dw, dy64.T @ x64),
                      "bf16 y rel err": relative_error(bf16_y, x64 @ w64.T)})
     report("bench-09-cpu", "FP8 linear vs float64 (CPU: correctness only, no timings)", rows, "cpu",
            notes="rel err = ||result - float64|| / ||float64|| (Frobenius). y uses two e4m3 operands; dx "
@@ -75,45 +90,77 @@ def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
 # --- GPU: timings ----------------------------------------------------------------------------
 
 def gpu_timings(args):
-    scaling, matmul = load("m09_fp8_scaling"), load("m09_fp8_matmul")
+    scaling, matmul, ops = load("m09_fp8_scaling"), load("m09_fp8_matmul"), load("m06_llama_ops")
     device = torch.device(args.device)
     default_policy = matmul.FP8Matmul()
-    variants = {"fp8": scaling.quantize}
+    variants = {"fp8": matmul.FP8Matmul(min_dim=0)}
     if not args.no_compile:
-        variants["fp8+compile"] = torch.compile(scaling.quantize, dynamic=True)
+        variants["fp8+compile"] = matmul.FP8Matmul(min_dim=0, compile_quantize=True)
     rows = []
     for tokens, d_in, d_out in GPU_SHAPES:
-        x = torch.randn(tokens, d_in, device=device, dtype=torch.bfloat16, requires_grad=True)
-        w = (torch.randn(d_out, d_in, device=device) / d_in ** 0.5).bfloat16().requires_grad_()
+        x = torch.randn(tokens, d_in, device=device, dtype=torch.bfloat16)
+        w = (torch.randn(d_out, d_in, device=device) / d_in ** 0.5).bfloat16()
         dy = torch.randn(tokens, d_out, device=device, dtype=torch.bfloat16)
-
-        def forward_backward(linear):
-            return lambda: torch.autograd.grad(linear(x, w), (x, w), dy)
-
         row = {"tokens": tokens, "in": d_in, "out": d_out}
-        bf16 = gpu_ms(forward_backward(F.linear), args.reps)
+        bf16 = gpu_ms(lambda: linear_step(ops.Matmul(), x, w, dy), args.reps)
         row["bf16 ms"] = bf16
-        for name, quantize_fn in variants.items():
-            fp8 = gpu_ms(forward_backward(lambda a, b: matmul.fp8_linear(a, b, quantize_fn=quantize_fn)), args.reps)
+        for name, policy in variants.items():
+            fp8 = gpu_ms(lambda: linear_step(policy, x, w, dy), args.reps)
             row[f"{name} ms"] = fp8
             row[f"{name} speedup"] = bf16 / fp8
-        xd, wd = x.detach(), w.detach()
-        for name, quantize_fn in variants.items():
+        for name, policy in variants.items():
             row[f"quantize ms ({name})"] = gpu_ms(
-                lambda: (quantize_fn(xd, scaling.E4M3), quantize_fn(wd, scaling.E4M3), quantize_fn(dy, scaling.E5M2)),
-                args.reps)
-        x8, w8 = scaling.quantize(xd, scaling.E4M3), scaling.quantize(wd, scaling.E4M3)
-        gemm_bf16 = gpu_ms(lambda: torch.mm(xd, wd.t()), args.reps)
+                lambda: (policy.quantize(x, scaling.E4M3), policy.quantize(w, scaling.E4M3),
+                         policy.quantize(dy, scaling.E5M2)), args.reps)
+        x8, w8 = scaling.quantize(x, scaling.E4M3), scaling.quantize(w, scaling.E4M3)
+        gemm_bf16 = gpu_ms(lambda: torch.mm(x, w.t()), args.reps)
         gemm_fp8 = gpu_ms(lambda: matmul.scaled_mm(x8, w8.t(), torch.bfloat16, fast_accum=True), args.reps)
         row["gemm speedup"] = gemm_bf16 / gemm_fp8
-        row["fp8 selected"] = "yes" if default_policy.uses_fp8(tokens, d_in, d_out) else "no"
+        row["fp8 selected"] = "yes" if default_policy.uses_fp8(tokens, d_in) else "no"
         rows.append(row)
-        del x, w, dy, xd, wd, x8, w8
+        del x, w, dy, x8, w8
         torch.cuda.empty_cache()
     report("bench-09-gpu", "FP8 linear vs bf16 linear, forward + backward (median ms)", rows, args.device,
-           notes=f"speedup = bf16 ms / fp8 ms; FP8Matmul() selects FP8 when every dimension is at least "
+           notes=f"speedup = bf16 ms / fp8 ms; FP8Matmul() selects FP8 when tokens and in_features are at least "
                  f"{default_policy.min_dim} (DEFAULT_MIN_DIM). Copy results/bench-09-gpu.json to "
                  f"notebooks/data/ for the notebook.")
+
+
+# --- the Llama, one training step with each policy ----------------------------------------------
+
+def llama_steps(args):
+    block_module, model_module = load("m06_llama_block"), load("m06_llama_model")
+    ops, matmul = load("m06_llama_ops"), load("m09_fp8_matmul")
+    on_gpu = args.device.startswith("cuda")
+    cfg = block_module.LlamaConfig(**GPU_LLAMA) if on_gpu else block_module.LlamaConfig()
+    dtype, batch = (torch.bfloat16, GPU_BATCH) if on_gpu else (torch.float32, CPU_BATCH)
+    high = "bf16" if on_gpu else "fp32"
+    g = torch.Generator().manual_seed(0)
+    tokens, targets = (torch.randint(0, cfg.vocab_size, (batch, cfg.max_seq_len), generator=g).to(args.device)
+                       for _ in range(2))
+    rows, baseline = [], None
+    if on_gpu:
+        torch.cuda.reset_peak_memory_stats()
+    for name, policy in ((high, ops.Matmul()), ("fp8", matmul.FP8Matmul(min_dim=0))):
+        block = block_module.LlamaBlock(cfg, matmul=policy)
+        model = model_module.LlamaModel(cfg, seed=0, dtype=dtype, block=block).to(args.device)
+        row = {"policy": name, "loss": model.forward_backward(tokens, targets)[0].item()}
+        if on_gpu:
+            row["step ms"] = gpu_ms(lambda: model.forward_backward(tokens, targets), args.reps)
+            baseline = baseline or row["step ms"]
+            row["speedup"] = baseline / row["step ms"]
+            row["peak GiB"] = torch.cuda.max_memory_allocated() / 2 ** 30
+            del model
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        rows.append(row)
+    size = (f"dim {cfg.dim}, ffn {cfg.ffn_dim}, {cfg.n_layers} layers, {batch} x {cfg.max_seq_len} tokens, "
+            f"{str(dtype).removeprefix('torch.')}")
+    report(f"bench-09-llama-{'gpu' if on_gpu else 'cpu'}",
+           f"Llama training step (forward_backward), {high} vs FP8 linears ({size})", rows, args.device,
+           notes="FP8 forced on all seven linears of every block (min_dim=0); embedding and LM head stay "
+                 "high precision. Same weights and tokens: the losses differ only by FP8 rounding."
+                 + ("" if on_gpu else " CPU: no timings (FP8 matmuls on a CPU are emulated)."))
 
 
 def gpu_ms(fn, reps: int, warmup: int = 3) -> float:
