@@ -55,10 +55,9 @@ def cmd_list(args=None):
 def cmd_run(args):
     from course.launch import RankFailed, RankTimeout, in_torchrun, run_ranks, run_under_torchrun
 
-    os.environ["COURSE_IMPL"] = args.impl
     from course.impl import load
 
-    module = load(args.info["stem"])
+    module = load(args.info["stem"], args.impl)
     try:
         if in_torchrun():
             return run_under_torchrun(module.demo, args, timeout=args.timeout)
@@ -69,7 +68,10 @@ def cmd_run(args):
             finally:
                 faulthandler.cancel_dump_traceback_later()
         run_ranks(module.demo, args.nproc, args, timeout=args.timeout)
-    except (RankFailed, RankTimeout, NotImplementedError) as exc:
+    except RankTimeout as exc:
+        print(f"error: {exc}", file=sys.stderr)  # the summary line, then every stuck rank's stack
+        sys.exit(1)
+    except (RankFailed, NotImplementedError) as exc:
         first_line = str(exc).splitlines()[0]
         print(f"error: {first_line}", file=sys.stderr)
         if "TODO(" in first_line and args.impl == "steps":
@@ -81,10 +83,11 @@ def cmd_run(args):
 def cmd_grade(args):
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "grades.json"
+        test_files = [str(p) for p in sorted((REPO / "tests").glob(f"test_{args.number}_*.py"))]
         proc = subprocess.run(
-            [sys.executable, "-m", "pytest", "tests", "-q", "-p", "no:cacheprovider",
-             "-m", f"m{args.number} and not given", f"--impl={args.impl}", f"--grading-json={report}"],
-            cwd=REPO, capture_output=True, text=True)
+            [sys.executable, "-m", "pytest", *test_files, "-q", "-p", "no:cacheprovider",
+             "-m", "not given", f"--impl={args.impl}", f"--grading-json={report}"],
+            cwd=REPO, capture_output=True, text=True, timeout=1800)
         results = json.loads(report.read_text()) if report.exists() else []
     if not results:
         print((proc.stdout + proc.stderr)[-3000:])
@@ -133,7 +136,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
         if name == "run":
             cmd.add_argument("--nproc", type=int, default=None, help="number of ranks (default: the module's)")
             cmd.add_argument("--impl", choices=("steps", "solutions"), default="steps")
-            cmd.add_argument("--timeout", type=float, default=120.0, help="seconds before all ranks are stopped")
+            cmd.add_argument("--timeout", type=float, default=None,
+                             help="seconds before the run is stopped (default: 60 with ranks, 600 without)")
         if name == "grade":
             cmd.add_argument("--impl", choices=("steps", "solutions"), default="steps")
         if name == "bench":
@@ -164,10 +168,14 @@ def add_module_args(args, extra, parser):
         vars(args).update(vars(own.parse_args(extra)))
     except SystemExit:
         raise SystemExit(2)
-    if "WORLD_SIZE" in os.environ and args.nproc is None:
-        args.nproc = int(os.environ["WORLD_SIZE"])  # under torchrun
+    if "WORLD_SIZE" in os.environ:  # under torchrun, which decides the number of ranks
+        if args.nproc not in (None, int(os.environ["WORLD_SIZE"])):
+            parser.error(f"--nproc {args.nproc} disagrees with torchrun's {os.environ['WORLD_SIZE']} ranks; drop --nproc")
+        args.nproc = int(os.environ["WORLD_SIZE"])
     default = args.info["nproc"]
     args.nproc = default if args.nproc is None else args.nproc
+    if args.timeout is None:
+        args.timeout = 60.0 if args.nproc > 1 else 600.0
     if default == 1 and args.nproc != 1:
         parser.error(f"module {args.number} runs in a single process; drop --nproc")
     if default > 1 and args.nproc < 2:

@@ -8,7 +8,10 @@ failed and where:
 * a rank raises        -> `RankFailed` at once; the other ranks (maybe blocked in a `recv` that
                           will never complete) are killed, so a TODO fails in milliseconds;
 * the timeout expires  -> every live rank dumps its Python stack (faulthandler, on SIGUSR1), all
-                          ranks are killed, and `RankTimeout` names each stuck rank and its line.
+  (or Ctrl-C)             ranks are killed, and `RankTimeout` names each stuck rank and its line.
+
+A rank that has finished waits (without exiting) until every rank has, so a peer still blocked on
+it shows up as stuck where it is, not as a "connection closed" error from a rank that left.
 
 Under `torchrun` there is no parent to watch the ranks, so `run_under_torchrun` arms a per-rank
 watchdog instead: on expiry the rank prints its stack and exits, and torchrun stops the rest.
@@ -59,12 +62,14 @@ def run_ranks(fn, nproc: int, *args, timeout: float = 60.0, init_process_group: 
     ctx = mp.get_context("fork")
     with tempfile.TemporaryDirectory(prefix="course-ranks-") as tmp:
         procs, conns = [], []
+        # Finished ranks block reading `hold` until the parent closes its end (EOF) at the end.
+        hold, hold_writer = ctx.Pipe(duplex=False)
         try:
             for rank in range(nproc):
                 reader, writer = ctx.Pipe(duplex=False)
                 proc = ctx.Process(
                     target=_rank_main,
-                    args=(fn, args, rank, nproc, tmp, timeout, init_process_group, writer),
+                    args=(fn, args, rank, nproc, tmp, timeout, init_process_group, writer, hold, hold_writer),
                     name=f"rank{rank}",
                     daemon=True,
                 )
@@ -72,12 +77,16 @@ def run_ranks(fn, nproc: int, *args, timeout: float = 60.0, init_process_group: 
                 writer.close()  # keep only the child's copy, so its exit reads as EOF here
                 procs.append(proc)
                 conns.append(reader)
-            return _collect(procs, conns, tmp, timeout)
-        finally:
+            results = _collect(procs, conns, tmp, timeout)
+            hold_writer.close()  # every rank is done: let them leave the group and exit
             for proc in procs:
+                proc.join(timeout=5.0)
+            return results
+        finally:
+            hold_writer.close()
+            for proc in procs:  # after a failure or timeout, or a rank slow to exit
                 if proc.is_alive():
                     proc.kill()
-            for proc in procs:
                 proc.join()
 
 
@@ -96,8 +105,10 @@ def run_under_torchrun(fn, *args, timeout: float = 300.0):
 
 # --- inside a forked rank ---------------------------------------------------------------------
 
-def _rank_main(fn, args, rank, world_size, tmp, timeout, init_process_group, conn):
+def _rank_main(fn, args, rank, world_size, tmp, timeout, init_process_group, conn, hold, hold_writer):
     _die_with_parent()
+    hold_writer.close()  # only the parent may keep it open, or `hold` would never see EOF
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle (it reports)
     torch.set_num_threads(1)  # N ranks share the cores; also avoids a fork-after-OpenMP hang
     if hasattr(sys.stdout, "reconfigure"):  # not in a Jupyter kernel, whose stdout is its own
         sys.stdout.reconfigure(line_buffering=True)  # whole lines, so ranks' prints do not interleave
@@ -119,6 +130,10 @@ def _rank_main(fn, args, rank, world_size, tmp, timeout, init_process_group, con
         payload = pickle.dumps(("error", f"rank {rank} returned a value that cannot be pickled: {exc}"))
     conn.send_bytes(payload)
     conn.close()
+    try:
+        hold.recv_bytes()
+    except EOFError:
+        pass
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -145,9 +160,12 @@ def _collect(procs, conns, tmp, timeout):
     waiting = {conn: rank for rank, conn in enumerate(conns)}
     deadline = time.monotonic() + timeout
     while waiting:
-        ready = wait(list(waiting), timeout=max(0.0, deadline - time.monotonic()))
+        try:
+            ready = wait(list(waiting), timeout=max(0.0, deadline - time.monotonic()))
+        except KeyboardInterrupt:
+            raise RankTimeout(_stuck_report(procs, sorted(waiting.values()), tmp, "interrupted (Ctrl-C)")) from None
         if not ready:
-            raise RankTimeout(_timeout_report(procs, sorted(waiting.values()), tmp, timeout))
+            raise RankTimeout(_stuck_report(procs, sorted(waiting.values()), tmp, f"timed out after {timeout:g} s"))
         for conn in ready:
             rank = waiting.pop(conn)
             try:
@@ -162,7 +180,7 @@ def _collect(procs, conns, tmp, timeout):
     return results
 
 
-def _timeout_report(procs, stuck, tmp, timeout) -> str:
+def _stuck_report(procs, stuck, tmp, what) -> str:
     for rank in stuck:
         if procs[rank].is_alive():
             os.kill(procs[rank].pid, signal.SIGUSR1)
@@ -173,7 +191,7 @@ def _timeout_report(procs, stuck, tmp, timeout) -> str:
         summary.append(f"rank {rank} at {_innermost_course_frames(dump)}")
         details.append(f"--- rank {rank} ---\n{dump.strip()}")
     ranks = ", ".join(str(r) for r in stuck)
-    return (f"timed out after {timeout:g} s; still running: rank {ranks}. "
+    return (f"{what}; still running: rank {ranks}. "
             + "; ".join(summary) + "\n\n" + "\n".join(details))
 
 

@@ -68,28 +68,28 @@ class PipelineComms:
     def send_forward(self, tensor: torch.Tensor):
         # >>> TODO(m02): send `tensor` to the next rank (blocking)
         # Hint: dist.send(tensor, dst). Send a contiguous tensor: the bytes are sent as they lie.
-        # Hint: self._peer(self.next, "send_forward") gives dst, or a clear error on the last rank.
-        dist.send(tensor.contiguous(), self._peer(self.next, "send_forward"))
+        # Hint: self._peer("next", "send_forward") gives dst, or a clear error on the last rank.
+        dist.send(tensor.contiguous(), self._peer("next", "send_forward"))
         # <<<
 
     def recv_forward(self, shape, dtype=None) -> torch.Tensor:
         # >>> TODO(m02): allocate a buffer (shape, dtype or self.dtype, self.device), fill it from prev
         # Hint: torch.empty(...) then dist.recv(buffer, src); return the buffer.
         buffer = torch.empty(shape, dtype=dtype or self.dtype, device=self.device)
-        dist.recv(buffer, self._peer(self.prev, "recv_forward"))
+        dist.recv(buffer, self._peer("prev", "recv_forward"))
         return buffer
         # <<<
 
     # Backward: gradients flow from rank r + 1 back to rank r.
     def send_backward(self, tensor: torch.Tensor):
         # >>> TODO(m02): send the gradient `tensor` to the previous rank (blocking)
-        dist.send(tensor.contiguous(), self._peer(self.prev, "send_backward"))
+        dist.send(tensor.contiguous(), self._peer("prev", "send_backward"))
         # <<<
 
     def recv_backward(self, shape, dtype=None) -> torch.Tensor:
         # >>> TODO(m02): allocate a buffer and fill it with the gradient from the next rank
         buffer = torch.empty(shape, dtype=dtype or self.dtype, device=self.device)
-        dist.recv(buffer, self._peer(self.next, "recv_backward"))
+        dist.recv(buffer, self._peer("next", "recv_backward"))
         return buffer
         # <<<
 
@@ -98,18 +98,20 @@ class PipelineComms:
     # them: two neighbours that both block in send wait for each other forever.
     def isend_forward(self, tensor: torch.Tensor):
         # >>> TODO(m02): start sending `tensor` to the next rank; return the handle from dist.isend
-        return dist.isend(tensor.contiguous(), self._peer(self.next, "isend_forward"))
+        return dist.isend(tensor.contiguous(), self._peer("next", "isend_forward"))
         # <<<
 
     def isend_backward(self, tensor: torch.Tensor):
         # >>> TODO(m02): start sending the gradient `tensor` to the previous rank; return the handle
-        return dist.isend(tensor.contiguous(), self._peer(self.prev, "isend_backward"))
+        return dist.isend(tensor.contiguous(), self._peer("prev", "isend_backward"))
         # <<<
 
-    def _peer(self, peer, verb):
+    def _peer(self, side: str, verb: str) -> int:
+        """The rank on `side` ("prev" or "next"), or a clear error if this rank has none there."""
+        peer = getattr(self, side)
         if peer is None:
-            end = "first" if verb in ("recv_forward", "send_backward", "isend_backward") else "last"
-            raise RuntimeError(f"rank {self.rank} is the {end} stage: it has no neighbour to {verb} with")
+            end = "first" if side == "prev" else "last"
+            raise RuntimeError(f"rank {self.rank} is the {end} stage: it has no {side} rank to {verb} with")
         return peer
 
 

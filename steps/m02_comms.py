@@ -52,7 +52,7 @@ class PipelineComms:
     def send_forward(self, tensor: torch.Tensor):
         # TODO(m02): send `tensor` to the next rank (blocking)
         # Hint: dist.send(tensor, dst). Send a contiguous tensor: the bytes are sent as they lie.
-        # Hint: self._peer(self.next, "send_forward") gives dst, or a clear error on the last rank.
+        # Hint: self._peer("next", "send_forward") gives dst, or a clear error on the last rank.
         raise NotImplementedError('TODO(m02): send `tensor` to the next rank (blocking)')
 
     def recv_forward(self, shape, dtype=None) -> torch.Tensor:
@@ -80,10 +80,12 @@ class PipelineComms:
         # TODO(m02): start sending the gradient `tensor` to the previous rank; return the handle
         raise NotImplementedError('TODO(m02): start sending the gradient `tensor` to the previous rank; return the handle')
 
-    def _peer(self, peer, verb):
+    def _peer(self, side: str, verb: str) -> int:
+        """The rank on `side` ("prev" or "next"), or a clear error if this rank has none there."""
+        peer = getattr(self, side)
         if peer is None:
-            end = "first" if verb in ("recv_forward", "send_backward", "isend_backward") else "last"
-            raise RuntimeError(f"rank {self.rank} is the {end} stage: it has no neighbour to {verb} with")
+            end = "first" if side == "prev" else "last"
+            raise RuntimeError(f"rank {self.rank} is the {end} stage: it has no {side} rank to {verb} with")
         return peer
 
 

@@ -18,12 +18,18 @@ def test_parts_start_from_the_monolith_weights():
         assert torch.equal(layer.weight, monolith.layers[i].weight), f"layer {i} weight differs"
         assert torch.equal(layer.bias, monolith.layers[i].bias), f"layer {i} bias differs"
     assert torch.equal(part_two.head.weight, monolith.head.weight), "head weight differs"
+    assert torch.equal(part_two.head.bias, monolith.head.bias), "head bias differs"
 
 
 def test_gradients_cross_the_boundary_exactly():
     part_one, part_two = m01.build_parts(cfg)
     received = []
-    part_two.register_forward_pre_hook(lambda module, args: received.append(args[0]))
+
+    def check_boundary(module, args):  # before part two runs, so the message comes before any crash
+        assert args[0].grad_fn is None and args[0].requires_grad, \
+            "part two must receive a leaf that requires grad: hidden.detach().requires_grad_()"
+        received.append(args[0])
+    part_two.register_forward_pre_hook(check_boundary)
     frozen = torch.optim.SGD([*part_one.parameters(), *part_two.parameters()], lr=0.0)
     x, y = m00.make_batch(cfg)
     m01.train_step(part_one, part_two, frozen, x, y)
@@ -40,11 +46,9 @@ def test_gradients_cross_the_boundary_exactly():
     F.cross_entropy(monolith.head(out), y).backward()
 
     (boundary,) = received
-    assert boundary.grad_fn is None and boundary.requires_grad, \
-        "part two must receive a leaf that requires grad (detach().requires_grad_())"
     assert torch.equal(boundary.grad, hidden.grad), "gradient at the boundary differs from the monolith's"
     mine = [*part_one.parameters(), *part_two.parameters()]
-    for i, (p, q) in enumerate(zip(mine, monolith.parameters())):
+    for i, (p, q) in enumerate(zip(mine, monolith.parameters(), strict=True)):
         assert p.grad is not None, f"parameter {i} got no gradient: did part one's backward run?"
         assert torch.equal(p.grad, q.grad), f"gradient of parameter {i} differs from the monolith's"
 

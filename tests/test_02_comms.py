@@ -107,9 +107,14 @@ def test_non_blocking_sends_in_both_directions():
     assert results == [[None, [1.0] * 4], [[0.0] * 4, [2.0] * 4], [[1.0] * 4, None]]
 
 
-def test_sending_past_either_end_is_a_clear_error():
-    first, last = m02.PipelineComms(0, 2), m02.PipelineComms(1, 2)
-    with pytest.raises(RuntimeError, match="last stage"):
-        last.send_forward(torch.zeros(1))
-    with pytest.raises(RuntimeError, match="first stage"):
-        first.send_backward(torch.zeros(1))
+@pytest.mark.parametrize("rank, verb, end", [
+    (1, "send_forward", "last"), (1, "isend_forward", "last"), (1, "recv_backward", "last"),
+    (0, "recv_forward", "first"), (0, "send_backward", "first"), (0, "isend_backward", "first"),
+])
+def test_talking_past_either_end_is_a_clear_error(rank, verb, end):
+    # No process group is needed: the error must come before any message (a receive from
+    # "None" would otherwise accept a message from any rank).
+    comms = m02.PipelineComms(rank, 2)
+    method = getattr(comms, verb)
+    with pytest.raises(RuntimeError, match=f"rank {rank} is the {end} stage"):
+        method((1,)) if verb.startswith("recv") else method(torch.zeros(1))

@@ -39,7 +39,8 @@ def test_every_rank_starts_from_its_slice_of_the_monolith(world_size):
             assert torch.equal(layer.weight, reference_layer.weight) and torch.equal(layer.bias, reference_layer.bias), \
                 f"world {world_size}, rank {rank}: layer {first + i} does not equal the monolith's"
         if rank == world_size - 1:
-            assert torch.equal(shard.head.weight, monolith.head.weight), "last rank's head differs"
+            assert torch.equal(shard.head.weight, monolith.head.weight) and torch.equal(shard.head.bias, monolith.head.bias), \
+                "last rank's head differs from the monolith's"
         else:
             assert shard.head is None, f"rank {rank} must not hold the head"
     total = sum(p.numel() for p in monolith.parameters())

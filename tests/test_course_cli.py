@@ -37,15 +37,23 @@ def test_run_reports_an_unfinished_todo_in_one_line(tmp_path):
     for name, text in generate().items():
         (steps / name).write_text(text)
     run = subprocess.run([sys.executable, "main.py", "run", "02", "--nproc", "2"], cwd=REPO,
-                         env={**os.environ, "COURSE_STEPS_DIR": str(steps)}, capture_output=True, text=True)
+                         env={**os.environ, "COURSE_STEPS_DIR": str(steps)}, capture_output=True, text=True, timeout=120)
     assert run.returncode == 1
     assert "raised NotImplementedError: TODO(m02)" in run.stderr and "--impl solutions" in run.stderr
 
 
 def test_list_and_torchrun():
-    listing = subprocess.run([sys.executable, "main.py", "list"], cwd=REPO, capture_output=True, text=True)
+    listing = subprocess.run([sys.executable, "main.py", "list"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert listing.returncode == 0 and "04" in listing.stdout
     run = subprocess.run(["torchrun", "--standalone", "--nproc-per-node", "2", "main.py", "run", "04",
                           "--impl", "solutions"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "logits equal the monolith's bit for bit: True" in run.stdout
+
+
+def test_nproc_must_agree_with_torchrun(monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "4")  # as torchrun --nproc-per-node 4 sets it
+    with pytest.raises(SystemExit):
+        main.parse(["run", "04", "--nproc", "2"])
+    assert "disagrees with torchrun's 4 ranks" in capsys.readouterr().err
+    assert main.parse(["run", "04"]).nproc == 4
