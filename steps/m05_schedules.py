@@ -72,8 +72,10 @@ def backward_step(stage, comms, inp, out, sends):
 
 
 def wait_all(sends):
-    """A send handle must be waited on before its tensor may be freed (gloo otherwise fails with
-    "Cannot lock pointer to unbound buffer"), and before the step ends."""
+    """Wait for every non-blocking send of the step. Until then the tensor being sent must stay
+    untouched, and its handle must be kept (gloo fails with "Cannot lock pointer to unbound
+    buffer" if a pending send's handle is dropped); a step that ends with sends in flight could
+    also overwrite what the next step sends."""
     for handle in sends:
         handle.wait()
 
