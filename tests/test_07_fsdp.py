@@ -21,7 +21,7 @@ import torch.distributed as dist
 from course.collectives import Collectives
 from course.impl import load, reference
 from course.launch import RankFailed, run_ranks
-from course.reference_llama import ReferenceLlama
+from course.bench.m07 import fsdp2_llama
 
 m07 = load("m07_fsdp")
 flat_shards = load("m07_flat_shards")
@@ -272,37 +272,8 @@ def test_misuse_raises_a_clear_error_instead_of_hanging(mistake, message):
 
 # --- PyTorch's FSDP2 on the nn.Module reference -----------------------------------------------
 
-def fully_shard_api():
-    try:
-        from torch.distributed.fsdp import fully_shard  # torch >= 2.6
-    except ImportError:
-        from torch.distributed._composable.fsdp import fully_shard
-    return fully_shard
-
-
-class LossModule(torch.nn.Module):
-    """FSDP2 gathers a root's weights in its forward hook: make the loss the forward."""
-
-    def __init__(self, llama):
-        super().__init__()
-        self.llama = llama
-
-    def forward(self, tokens, targets):
-        return self.llama.loss(tokens, targets)
-
-
 def _train_fsdp2(steps):
-    fully_shard = fully_shard_api()
-    model = m06.LlamaModel(CFG, 0, f64)
-    llama = ReferenceLlama(CFG)
-    with torch.no_grad():
-        for name in ("embedding", "final_norm", "lm_head"):
-            getattr(llama, name).copy_(getattr(model, name))
-    for ref_block, weights in zip(llama.blocks, model.blocks):
-        ref_block.load(weights)
-        fully_shard(ref_block)
-    root = LossModule(llama)
-    fully_shard(root)
+    root = fsdp2_llama(m06.LlamaModel(CFG, 0, f64))  # fully_shard per block and at the root
     optimizer = torch.optim.AdamW(root.parameters(), lr=LR, weight_decay=0.0)
     data, generator = m06.load_text(), torch.Generator().manual_seed(0)
     rank, rows = dist.get_rank(), BATCH // dist.get_world_size()
