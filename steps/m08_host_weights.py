@@ -99,16 +99,22 @@ class HostWeights:
 
 
 class NoPrefetch:
-    """Wraps a weight source so each block is fetched only when needed: gather at get time, so the
-    copy cannot overlap the previous block's compute (the benchmark's "without prefetch")."""
+    """Wraps a HostWeights so each block is copied only when needed and only after all compute queued
+    before it, as if the copy ran on the compute stream: no overlap (the benchmark's baseline).
 
-    def __init__(self, source):
+    Merely issuing the copy late would not do: the host runs ahead of the GPU, so a copy issued after
+    block l's kernels still overlaps them unless the copy stream is told to wait for them."""
+
+    def __init__(self, source: HostWeights):
         self.source = source
+        self.compute_done = source.rt.new_event()
 
     def gather(self, layer: int) -> None:
         pass
 
     def get(self, layer: int) -> BlockWeights:
+        self.compute_done.record(self.source.compute_stream)
+        self.source.copy_stream.wait_event(self.compute_done)
         self.source.gather(layer)
         return self.source.get(layer)
 
