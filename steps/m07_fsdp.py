@@ -129,12 +129,13 @@ def add_args(parser: argparse.ArgumentParser):
     parser.add_argument("--steps", type=int, default=30, help="training steps (default 30)")
     parser.add_argument("--batch", type=int, default=16, help="global batch, split over the ranks (default 16)")
     parser.add_argument("--micro-steps", type=int, default=1, help="gradient accumulation steps (default 1)")
+    parser.add_argument("--layers", type=int, default=4, help="blocks (default 4)")
 
 
 def check_args(args):
-    if args.steps < 1 or args.batch < 1 or args.micro_steps < 1:
-        raise ValueError(f"--steps, --batch and --micro-steps must be positive, got {args.steps}, "
-                         f"{args.batch}, {args.micro_steps}")
+    if min(args.steps, args.batch, args.micro_steps, args.layers) < 1:
+        raise ValueError(f"--steps, --batch, --micro-steps and --layers must be positive, got {args.steps}, "
+                         f"{args.batch}, {args.micro_steps}, {args.layers}")
     if args.batch % (args.nproc * args.micro_steps):
         raise ValueError(f"--batch {args.batch} must be divisible by nproc * micro-steps = "
                          f"{args.nproc} * {args.micro_steps}: every rank and micro-step gets the same number of rows")
@@ -143,7 +144,7 @@ def check_args(args):
 def demo(args):
     rank, world_size, _ = init_distributed()
     torch.set_num_threads(1)
-    cfg, comm = LlamaConfig(), Collectives()
+    cfg, comm = LlamaConfig(n_layers=args.layers), Collectives()
     if rank == 0:
         print(f"FSDP over {world_size} ranks: {cfg.n_layers} blocks, global batch {args.batch} "
               f"({args.batch // world_size} rows per rank, {args.micro_steps} micro-step(s)), {args.steps} steps")
