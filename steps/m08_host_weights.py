@@ -56,11 +56,11 @@ class HostWeights:
         self.rt, self.layout, self.version = runtime, FlatLayout(blocks[0], world_size=1), 0
         self.compute_stream = runtime.current_stream()
         dtype = blocks[0].wq.dtype
+        self.copies = 0  # block copies issued (the benchmark's transfer count)
         # TODO(m08): pinned host copies of the blocks, a side stream, two device buffers with two events each
         # Hint: rt.pin(layout.flatten(block)) per block; rt.new_stream(); rt.empty(layout.padded_numel, dtype),
         # Hint: rt.new_event() for `ready` and for `released`.
         raise NotImplementedError('TODO(m08): pinned host copies of the blocks, a side stream, two device buffers with two events each')
-        self.copies = 0  # block copies issued (the benchmark's transfer count)
 
     def gather(self, layer: int) -> None:
         buf = self.buffers[layer % 2]
