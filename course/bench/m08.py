@@ -12,8 +12,11 @@ step the weights are invalidated, as an optimizer step would, so every step copi
   streamed, prefetch    HostWeights as the model loop drives it: copy l+1 while computing l
 Target: prefetch <= 1.15 x max(compute only, copy only); no prefetch ~ their sum.
 
-The batch is chosen so that compute and copies take about as long (--batch 0, the default): one
-resident step at batch 1 is timed, then the batch is scaled by copy time / compute time.
+The batch (--batch 0, the default) is chosen so that a block's forward takes about as long as its
+copy; its backward, about twice as long, then hides the copies too. A step computes L forwards and
+L backwards (~3L copy times) and copies 2L - 2 blocks, so compute ~ 3L / (2L - 2) x copies (2x for
+L = 4): comparable, and prefetch can approach the bound. One resident step at batch 1 is timed,
+and the batch is scaled to that target.
 Peak GB is torch.cuda.max_memory_allocated during the variant's steps.
 """
 from __future__ import annotations
@@ -111,9 +114,10 @@ def gpu_timings(args):
     batch = args.batch
     if batch == 0:
         one, _ = time_steps(resident, 1, 2)
-        batch = max(1, min(64, round(copy_s / one)))
-        print(f"Compute at batch 1: {one * 1e3:.1f} ms per step -> batch {batch} to balance compute and copies",
-              flush=True)
+        target = copy_s / copies_per_step * 3 * cfg.n_layers  # a block's forward ~ its copy
+        batch = max(1, min(32, round(target / one)))
+        print(f"Compute at batch 1: {one * 1e3:.1f} ms per step -> batch {batch}, so that a block's forward "
+              f"takes about as long as its copy", flush=True)
     compute_s, compute_gb = time_steps(resident, batch, args.reps)
     model.weights = resident = None  # free the resident copies before measuring the streamed runs
     torch.cuda.empty_cache()
