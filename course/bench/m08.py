@@ -15,7 +15,7 @@ Target: prefetch <= 1.15 x max(compute only, copy only); no prefetch ~ their sum
 The batch (--batch 0, the default) is chosen so that a block's forward takes about as long as its
 copy; its backward, about twice as long, then hides the copies too. A step computes L forwards and
 L backwards (~3L copy times) and copies 2L - 2 blocks, so compute ~ 3L / (2L - 2) x copies (2x for
-L = 4): comparable, and prefetch can approach the bound. One resident step at batch 1 is timed,
+L = 4, 1.8x for the default L = 6): comparable, and prefetch can approach the bound. One resident step at batch 1 is timed,
 and the batch is scaled to that target.
 Peak GB is torch.cuda.max_memory_allocated during the variant's steps.
 """
@@ -34,7 +34,7 @@ from course.impl import load
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="main.py bench 08", description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu", help="cuda (timings); on cpu the benchmark only explains itself")
-    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--dim", type=int, default=4096)
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)
