@@ -149,9 +149,11 @@ def cuda_poisoned_buffers_check():
     for step in range(3):
         got_loss, got = model.forward_backward(tokens, tokens)
         torch.cuda.synchronize()
-        assert torch.equal(got_loss, loss), f"step {step}: loss {got_loss.item()} vs resident {loss.item()}"
+        # Not bit for bit: views into a flat buffer may be aligned differently from separate tensors,
+        # and cuBLAS may pick another kernel for them. A NaN or a stale block fails by far.
+        torch.testing.assert_close(got_loss, loss, rtol=1e-5, atol=1e-6, msg=lambda m: f"step {step}, loss: {m}")
         for i, (a, b) in enumerate(zip(got.tensors(), grads.tensors())):
-            assert torch.equal(a, b), f"step {step}: gradient tensor {i} differs from the resident run's"
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=lambda m: f"step {step}, gradient {i}: {m}")
         model.weights.invalidate()
 
 
