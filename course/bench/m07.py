@@ -1,0 +1,142 @@
+"""Module 07 benchmark: our FSDP against the formulas and against PyTorch's FSDP2, on CPU ranks.
+
+    python main.py bench 07 [--nproc 2] [--steps 5] [--layers 4] [--dim 128]
+
+Both train module 06's Llama (float32) on the same global batches over the same forked gloo ranks:
+ours (solutions/m07_fsdp.py) and `fully_shard` applied to each block and to the root of the
+nn.Module reference (course/reference_llama.py). Columns:
+  step ms              median wall time of one optimizer step (after one warm-up step)
+  param bytes/rank     parameter memory one rank keeps between steps (FSDP2 also shards the
+                       embedding and LM head; ours keeps them replicated)
+  all-gathers, reduce-scatters, payload bytes: measured per step / per collective (logged by
+                       course/collectives.py), then the formula of solutions/m07_payload.py
+  final loss           mean over ranks at the last step
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from course.bench import report
+from course.collectives import Collectives
+from course.impl import load
+from course.launch import run_ranks
+from course.reference_llama import ReferenceLlama
+
+
+def fully_shard_api():
+    """FSDP2's entry point: public in torch.distributed.fsdp since 2.6, earlier under _composable."""
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:
+        from torch.distributed._composable.fsdp import fully_shard
+    return fully_shard
+
+
+class LossModule(torch.nn.Module):
+    """FSDP2 gathers a root's weights in the root's forward hook, so the loss must be the forward."""
+
+    def __init__(self, llama: ReferenceLlama):
+        super().__init__()
+        self.llama = llama
+
+    def forward(self, tokens, targets):
+        return self.llama.loss(tokens, targets)
+
+
+def fsdp2_llama(model) -> LossModule:
+    """The nn.Module reference with module 06 `model`'s weights, fully_shard-ed per block and at the root."""
+    fully_shard = fully_shard_api()
+    llama = ReferenceLlama(model.cfg, dtype=model.embedding.dtype)
+    with torch.no_grad():
+        for name in ("embedding", "final_norm", "lm_head"):
+            getattr(llama, name).copy_(getattr(model, name))
+    for block, weights in zip(llama.blocks, model.blocks):
+        block.load(weights)
+        fully_shard(block)
+    root = LossModule(llama)
+    fully_shard(root)
+    return root
+
+
+def _run(cfg, steps, batch, lr, which):
+    torch.manual_seed(0)
+    m06, m07 = load("m06_llama_model", "solutions"), load("m07_fsdp", "solutions")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    rows = batch // world_size
+    data, generator = m06.load_text(), torch.Generator().manual_seed(0)
+    comm, block_params = Collectives(), None
+    if which == "ours":
+        model = m07.FSDPLlama(cfg, comm)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+        param_bytes = sum(p.nbytes for p in model.parameters())
+        block_params = model.layout.numel
+
+        def step(tokens, targets):
+            return model.train_step(tokens, targets, 1, optimizer)
+    else:
+        root = fsdp2_llama(m06.LlamaModel(cfg))
+        optimizer = torch.optim.AdamW(root.parameters(), lr=lr, weight_decay=0.0)
+        param_bytes = sum(p.to_local().nbytes for p in root.parameters())
+
+        def step(tokens, targets):
+            loss = root(tokens, targets)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            return loss.item()
+    times, losses = [], []
+    for _ in range(steps + 1):
+        tokens, targets = m06.random_batch(data, batch, cfg.max_seq_len, generator)
+        mine = slice(rank * rows, (rank + 1) * rows)
+        dist.barrier()
+        began = time.perf_counter()
+        loss = step(tokens[mine], targets[mine])
+        times.append(time.perf_counter() - began)
+        losses.append(m07.global_mean(loss))
+    log = comm.log
+    return {"times": times[1:], "loss": losses[-1], "param_bytes": param_bytes,
+            "all_gathers": sum(c.op == "all_gather" for c in log) / (steps + 1),
+            "reduce_scatters": sum(c.op == "reduce_scatter" for c in log) / (steps + 1),
+            "payloads": sorted({c.payload_bytes for c in log if c.op != "all_reduce"}),
+            "block_params": block_params}
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="main.py bench 07", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5, help="timed steps (after one warm-up)")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=8)
+    args = parser.parse_args(argv)
+    if args.batch % args.nproc:
+        parser.error(f"--batch {args.batch} must be divisible by --nproc {args.nproc}")
+    payload = load("m07_payload", "solutions")
+    LlamaConfig = load("m06_llama_block", "solutions").LlamaConfig
+    cfg = LlamaConfig(dim=args.dim, n_heads=args.dim // 16, n_kv_heads=args.dim // 32, head_dim=16,
+                      ffn_dim=args.dim * 8 // 3 // 16 * 16, n_layers=args.layers, max_seq_len=64)
+    torch.set_num_threads(1)
+    rows = []
+    for which in ("ours", "FSDP2"):
+        result = run_ranks(_run, args.nproc, cfg, args.steps, args.batch, 3e-3, which, timeout=300)[0]
+        row = {"impl": which, "ranks": args.nproc, "step ms": 1e3 * statistics.median(result["times"]),
+               "param bytes/rank": result["param_bytes"]}
+        if which == "ours":
+            t = payload.fsdp_traffic(result["block_params"], 4, args.nproc, cfg.n_layers, 1, kept=min(2, cfg.n_layers))
+            row.update({"all-gathers": result["all_gathers"], "formula AG": t.all_gathers,
+                        "reduce-scatters": result["reduce_scatters"], "formula RS": t.reduce_scatters,
+                        "payload bytes": "/".join(map(str, result["payloads"])), "formula payload": t.payload_bytes})
+        else:
+            row.update({"all-gathers": "-", "formula AG": "-", "reduce-scatters": "-", "formula RS": "-",
+                        "payload bytes": "-", "formula payload": "-"})
+        row["final loss"] = result["loss"]
+        rows.append(row)
+    report("bench-07", f"FSDP on {args.nproc} CPU ranks: {cfg.n_layers} blocks of dim {cfg.dim}, "
+                       f"batch {args.batch} x {cfg.max_seq_len} tokens, float32", rows,
+           notes="Per step, after the first: the all-gathers of blocks still in the two buffers are skipped "
+                 "(kept = 2). FSDP2's collectives are not logged (its own process-group calls).")

@@ -1,0 +1,51 @@
+"""Module 07, part 2 - FSDP's communication and buffer arithmetic, before running anything.
+
+For blocks of P parameters of b bytes each, sharded over N ranks (padded to a multiple of N):
+
+  payload per collective  = ceil(P / N) * b       one rank's shard, all-gathers and reduce-scatters alike
+  per block and micro-step: an all-gather in the forward, another in the backward, a reduce-scatter
+                            of its gradient: 3 collectives, 3 payloads
+  buffers                 = 2 full blocks (N * ceil(P / N) * b each: one in use, one being gathered)
+                          + 2 shard-sized communication buffers (ceil(P / N) * b each)
+
+A block that is still in a buffer when it is needed again (same layer, weights unchanged since it
+was gathered) is reused without a collective: `kept` such blocks at each turn between a forward
+and a backward save `kept` all-gathers per turn. Our double buffer keeps the last two layers, so
+kept = min(2, blocks); PyTorch's notes count with kept = 0.
+"""
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class FSDPTraffic:
+    payload_bytes: int       # one collective, one rank
+    all_gathers: int         # per optimizer step
+    reduce_scatters: int     # per optimizer step
+    collectives: int         # all_gathers + reduce_scatters
+    traffic_bytes: int       # collectives * payload_bytes, one rank, per optimizer step
+    full_buffer_bytes: int   # the two unsharded block buffers
+    comm_buffer_bytes: int   # the two shard-sized communication buffers
+    buffer_bytes: int        # both together
+
+
+def fsdp_traffic(block_params: int, dtype_bytes: int, world_size: int, blocks: int,
+                 micro_steps: int = 1, kept: int = 0) -> FSDPTraffic:
+    """The collectives and buffers of one optimizer step of FSDP over `blocks` equal blocks.
+
+    `micro_steps` forward+backward passes per optimizer step (gradient accumulation); `kept` blocks
+    reused from the buffers at each forward/backward turn (see the module docstring).
+    """
+    if not 0 <= kept <= min(2, blocks):
+        raise ValueError(f"kept must be between 0 and min(2, blocks) = {min(2, blocks)}, got {kept}")
+    # >>> TODO(m07): the payload, the number of collectives and the buffer sizes
+    # Hint: turns: 2 * micro_steps - 1 (forward -> backward, and backward -> next forward);
+    # Hint: all-gathers = 2 * blocks * micro_steps - kept * turns; one reduce-scatter per block and micro-step.
+    shard_bytes = -(-block_params // world_size) * dtype_bytes
+    turns = 2 * micro_steps - 1
+    all_gathers = 2 * blocks * micro_steps - kept * turns
+    reduce_scatters = blocks * micro_steps
+    collectives = all_gathers + reduce_scatters
+    full, comm = 2 * world_size * shard_bytes, 2 * shard_bytes  # a full buffer holds N shards
+    return FSDPTraffic(shard_bytes, all_gathers, reduce_scatters, collectives, collectives * shard_bytes,
+                       full, comm, full + comm)
+    # <<<

@@ -1,0 +1,170 @@
+"""Module 08 - weights streamed from host memory on a side stream, overlapping compute.
+
+The same gather/get/release protocol as module 07, but a "gather" is a copy of the block from
+page-locked (pinned) host memory into one of two device buffers, on a *side stream*, so it runs
+while the compute stream works on the previous block (llm.q's "gather from CPU" path). One GPU is
+enough to see communication overlap compute.
+
+Streams run their work in order; work on different streams may run at the same time. Events say
+what must wait for what:
+
+    gather(l)   the copy stream waits for buffer l % 2's *released* event (the compute that read
+                its old contents is done), copies block l in without blocking the host, and
+                records the buffer's *ready* event after the copy
+    get(l)      the compute stream waits for the ready event: block l's kernels start after the copy
+    release(l)  record the released event on the compute stream, after the kernels that read it
+
+The host never waits in gather/get/release: it only queues work and dependencies. (PyTorch's
+`record_stream` would instead tie the buffer's memory to the compute stream through the caching
+allocator; an explicit event says exactly when the buffer may be overwritten.)
+
+The stream calls go through a runtime (course/streams.py): torch.cuda on a GPU, or a recorder on
+CPU whose event graph the tests check for read-before-copy and overwrite-before-release hazards.
+"""
+import argparse
+import time
+from dataclasses import dataclass
+
+import torch
+
+from course.streams import FakeRuntime, find_hazards, record_compute
+from .m06_llama_block import BlockWeights, LlamaConfig
+from .m06_llama_model import LlamaModel, ResidentWeights
+from .m07_flat_shards import FlatLayout
+
+TITLE = "CUDA streams: weights streamed from pinned host memory, overlapping compute"
+NPROC = 1
+FREE, GATHERING, IN_USE = "free", "gathering", "in use"
+
+
+@dataclass
+class DeviceBuffer:
+    flat: torch.Tensor   # one block, on the device
+    ready: object        # event: the copy into `flat` has finished
+    released: object     # event: the compute that read `flat` has finished
+    layer: int = -1
+    version: int = -1
+    state: str = FREE
+
+
+class HostWeights:
+    """Every block in pinned host memory; two device buffers filled on a side stream."""
+
+    def __init__(self, blocks: list[BlockWeights], runtime):
+        self.rt, self.layout, self.version = runtime, FlatLayout(blocks[0], world_size=1), 0
+        self.compute_stream = runtime.current_stream()
+        dtype = blocks[0].wq.dtype
+        self.copies = 0  # block copies issued (the benchmark's transfer count)
+        # >>> TODO(m08): pinned host copies of the blocks, a side stream, two device buffers with two events each
+        # Hint: rt.pin(layout.flatten(block)) per block; rt.new_stream(); rt.empty(layout.padded_numel, dtype),
+        # Hint: rt.new_event() for `ready` and for `released`.
+        self.host = [runtime.pin(self.layout.flatten(b)) for b in blocks]
+        self.copy_stream = runtime.new_stream()
+        self.buffers = [DeviceBuffer(runtime.empty(self.layout.padded_numel, dtype), runtime.new_event(),
+                                     runtime.new_event()) for _ in range(2)]
+        # <<<
+
+    def gather(self, layer: int) -> None:
+        buf = self.buffers[layer % 2]
+        if buf.state != FREE:
+            raise RuntimeError(f"gather({layer}): its buffer still holds layer {buf.layer} ({buf.state}); "
+                               f"call release({buf.layer}) before gathering another layer into it")
+        if buf.layer != layer or buf.version != self.version:  # else: still there, nothing to copy
+            # >>> TODO(m08): once the buffer is released, copy the block in on the side stream; mark it ready
+            # Hint: copy_stream.wait_event(buf.released); `with rt.stream(copy_stream):` rt.copy(buf.flat, host[layer]);
+            # Hint: buf.ready.record(copy_stream). The host does not wait for any of it.
+            self.copy_stream.wait_event(buf.released)
+            with self.rt.stream(self.copy_stream):
+                self.rt.copy(buf.flat, self.host[layer])
+            buf.ready.record(self.copy_stream)
+            # <<<
+            buf.layer, buf.version = layer, self.version
+            self.copies += 1
+        buf.state = GATHERING
+
+    def get(self, layer: int) -> BlockWeights:
+        buf = self.buffers[layer % 2]
+        if buf.layer != layer or buf.state != GATHERING:
+            raise RuntimeError(f"get({layer}) without a gather({layer}) before it "
+                               f"(its buffer holds layer {buf.layer}, {buf.state})")
+        # >>> TODO(m08): make the compute stream wait for the copy; return the block as views
+        self.compute_stream.wait_event(buf.ready)
+        buf.state = IN_USE
+        return self.layout.views(buf.flat)
+        # <<<
+
+    def release(self, layer: int) -> None:
+        buf = self.buffers[layer % 2]
+        if buf.layer != layer or buf.state != IN_USE:
+            raise RuntimeError(f"release({layer}) but layer {layer} is not in use "
+                               f"(its buffer holds layer {buf.layer}, {buf.state})")
+        # >>> TODO(m08): record that the compute queued so far is the last to read this buffer
+        buf.released.record(self.compute_stream)
+        buf.state = FREE
+        # <<<
+
+    def invalidate(self) -> None:
+        """The host weights are about to change (or have): no copy may still be reading them."""
+        # >>> TODO(m08): wait (on the host) for the copies in flight, then bump the version
+        self.copy_stream.synchronize()
+        self.version += 1
+        # <<<
+
+
+class NoPrefetch:
+    """Wraps a HostWeights so each block is copied only when needed and only after all compute queued
+    before it, as if the copy ran on the compute stream: no overlap (the benchmark's baseline).
+
+    Merely issuing the copy late would not do: the host runs ahead of the GPU, so a copy issued after
+    block l's kernels still overlaps them unless the copy stream is told to wait for them."""
+
+    def __init__(self, source: HostWeights):
+        self.source = source
+        self.compute_done = source.rt.new_event()
+
+    def gather(self, layer: int) -> None:
+        pass
+
+    def get(self, layer: int) -> BlockWeights:
+        self.compute_done.record(self.source.compute_stream)
+        self.source.copy_stream.wait_event(self.compute_done)
+        self.source.gather(layer)
+        return self.source.get(layer)
+
+    def release(self, layer: int) -> None:
+        self.source.release(layer)
+
+    def invalidate(self) -> None:
+        self.source.invalidate()
+
+
+def add_args(parser: argparse.ArgumentParser):
+    parser.add_argument("--layers", type=int, default=4, help="blocks (default 4)")
+
+
+def check_args(args):
+    if args.layers < 1:
+        raise ValueError(f"--layers must be at least 1, got {args.layers}")
+
+
+def demo(args):
+    torch.set_num_threads(1)
+    cfg = LlamaConfig(n_layers=args.layers)
+    tokens = torch.randint(0, cfg.vocab_size, (4, cfg.max_seq_len), generator=torch.Generator().manual_seed(0))
+    resident = LlamaModel(cfg)
+    loss, grads = resident.forward_backward(tokens, tokens)
+    streamed = LlamaModel(cfg)
+    runtime = FakeRuntime()  # on CPU: copies run at once, and the event graph is recorded
+    streamed.weights = record_compute(HostWeights(streamed.blocks, runtime), runtime)
+    streamed.blocks = []  # from here on, the blocks live only in (pinned) host memory
+    began = time.perf_counter()
+    loss_streamed, grads_streamed = streamed.forward_backward(tokens, tokens)
+    same = torch.equal(loss, loss_streamed) and all(torch.equal(a, b) for a, b in
+                                                     zip(grads.tensors(), grads_streamed.tensors()))
+    print(f"{cfg.n_layers} blocks streamed from host memory through 2 buffers: "
+          f"{streamed.weights.copies} block copies in one step ({time.perf_counter() - began:.2f} s on CPU)")
+    print(f"Loss and gradients equal the all-resident model's bit for bit: {same}")
+    hazards = find_hazards(runtime.nodes)
+    print(f"Event graph: {len(runtime.nodes)} operations on the compute and copy streams, "
+          f"{len(hazards)} hazards (two accesses to the same buffer, one a write, in no fixed order)")
+    print("On a GPU, `python main.py bench 08 --device cuda` measures the overlap.")

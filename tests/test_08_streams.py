@@ -1,0 +1,169 @@
+"""Module 08: weights streamed from host memory on a side stream.
+
+On CPU the weight source runs against course/streams.py's recorder: copies happen at once (so the
+numbers are real) and every stream operation is recorded in an event graph. The rules checked:
+no compute reads a buffer before the copy into it has finished, no copy overwrites a buffer before
+the compute reading it has finished, and no host write to the weights before the copies reading
+them have finished (`find_hazards`). The reference is module 06's all-resident model.
+
+On a GPU (skipped without one; run in a child process, because the pytest process must never touch
+CUDA) copies are slowed down and poison the buffer with NaN first, so a missing wait shows up as a
+wrong or NaN result.
+"""
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from course.impl import load, reference
+from course.streams import FakeRuntime, find_hazards, record_compute
+
+m08 = load("m08_host_weights")
+m06 = reference("m06_llama_model")
+LlamaConfig = reference("m06_llama_block").LlamaConfig
+CFG = LlamaConfig(dim=32, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=48, n_layers=4, max_seq_len=16)
+
+
+def batch(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, CFG.vocab_size, (2, CFG.max_seq_len), generator=g), \
+        torch.randint(0, CFG.vocab_size, (2, CFG.max_seq_len), generator=g)
+
+
+def streamed_model(source_class=None):
+    """Module 06's model with its blocks moved into a HostWeights on a recording runtime."""
+    model, runtime = m06.LlamaModel(CFG, 0), FakeRuntime()
+    source = (source_class or m08.HostWeights)(model.blocks, runtime)
+    model.weights, model.blocks = record_compute(source, runtime), []
+    return model, runtime
+
+
+def run_steps(model, runtime, steps=2):
+    """forward_backward, then what an optimizer step does: invalidate, and the host writes the weights."""
+    for step in range(steps):
+        model.forward_backward(*batch(step))
+        model.weights.invalidate()
+        runtime.host_writes(model.weights.host, "optimizer step")
+
+
+def describe(hazards):
+    a, b = hazards[0]
+    return (f"{len(hazards)} hazards; first: '{a.label}' on {a.stream} (op {a.index}) and '{b.label}' on "
+            f"{b.stream} (op {b.index}) touch the same memory in no fixed order")
+
+
+def test_streamed_step_equals_the_resident_step_bit_for_bit():
+    tokens, targets = batch()
+    loss, grads = m06.LlamaModel(CFG, 0).forward_backward(tokens, targets)
+    model, _ = streamed_model()
+    for _ in range(2):  # the second step reuses the buffers
+        got_loss, got = model.forward_backward(tokens, targets)
+        assert torch.equal(got_loss, loss), f"loss {got_loss.item()} vs resident {loss.item()}"
+        for i, (a, b) in enumerate(zip(got.tensors(), grads.tensors())):
+            assert torch.equal(a, b), f"gradient tensor {i} differs from the all-resident model's"
+
+
+def test_the_event_graph_has_no_hazards():
+    model, runtime = streamed_model()
+    run_steps(model, runtime)
+    hazards = find_hazards(runtime.nodes)
+    assert not hazards, describe(hazards)
+
+
+def test_copies_run_on_a_side_stream_and_the_host_never_waits_inside_a_step():
+    model, runtime = streamed_model()
+    model.forward_backward(*batch())
+    copies = [n for n in runtime.nodes if n.label == "copy"]
+    assert copies and all(n.stream != "compute" for n in copies), \
+        f"copies ran on {sorted({n.stream for n in copies})}; they belong on a side stream"
+    assert len(copies) == 2 * CFG.n_layers - 2, \
+        f"{len(copies)} copies in a step; expected {2 * CFG.n_layers - 2} (the last two blocks stay for the backward)"
+    assert not runtime.host.waits, "the host waited for a stream during the step: gather/get/release must only queue work"
+
+
+@pytest.mark.parametrize("mistake, message", [("forgotten release", "release(0)"),
+                                              ("get without gather", "get(1) without a gather(1)")])
+def test_misuse_raises_a_clear_error(mistake, message):
+    source = m08.HostWeights(m06.LlamaModel(CFG, 0).blocks, FakeRuntime())
+    with pytest.raises(RuntimeError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        if mistake == "forgotten release":
+            source.gather(0), source.get(0), source.gather(1), source.get(1), source.gather(2)
+        else:
+            source.gather(0), source.get(0), source.release(0), source.get(1)
+
+
+# --- the checker catches each missing wait (given: it checks course/streams.py) -----------------
+
+Solution = reference("m08_host_weights").HostWeights
+
+
+class NoWaitForRelease(Solution):
+    def gather(self, layer):
+        self.copy_stream.wait_event = lambda event: None  # forget: the copy may overwrite a buffer in use
+        super().gather(layer)
+
+
+class NoWaitForCopy(Solution):
+    def get(self, layer):
+        self.compute_stream.wait_event = lambda event: None  # forget: compute may read before the copy
+        return super().get(layer)
+
+
+class NoSynchronize(Solution):
+    def invalidate(self):
+        self.version += 1  # forget: the optimizer may write host weights a copy is still reading
+
+
+@pytest.mark.given
+@pytest.mark.parametrize("broken", [NoWaitForRelease, NoWaitForCopy, NoSynchronize], ids=lambda c: c.__name__)
+def test_the_hazard_checker_catches_a_missing_wait(broken):
+    model, runtime = streamed_model(broken)
+    run_steps(model, runtime)
+    assert find_hazards(runtime.nodes), f"{broken.__name__} should leave a hazard in the event graph"
+
+
+# --- on a GPU (skipped without one) -----------------------------------------------------------
+
+def cuda_poisoned_buffers_check():
+    """Run in a child process: streamed on CUDA with slow, poisoning copies == all resident."""
+    from course.streams import CudaRuntime
+
+    class SlowPoisoningRuntime(CudaRuntime):
+        def copy(self, dst, src):
+            torch.cuda._sleep(2_000_000)  # ~1 ms: a missing wait now reads or overwrites too early
+            dst.fill_(float("nan"))
+            super().copy(dst, src)
+
+    cfg = LlamaConfig(dim=256, n_heads=4, n_kv_heads=2, head_dim=64, ffn_dim=704, n_layers=4, max_seq_len=128)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, cfg.vocab_size, (4, cfg.max_seq_len), generator=g).cuda()
+    loss, grads = m06.LlamaModel(cfg, 0).to("cuda").forward_backward(tokens, tokens)
+    model = m06.LlamaModel(cfg, 0)
+    model.weights = m08.HostWeights(model.blocks, SlowPoisoningRuntime())
+    model.blocks = []
+    model.to("cuda")
+    for step in range(3):
+        got_loss, got = model.forward_backward(tokens, tokens)
+        torch.cuda.synchronize()
+        # Not bit for bit: views into a flat buffer may be aligned differently from separate tensors,
+        # and cuBLAS may pick another kernel for them. A NaN or a stale block fails by far.
+        torch.testing.assert_close(got_loss, loss, rtol=1e-5, atol=1e-6, msg=lambda m: f"step {step}, loss: {m}")
+        for i, (a, b) in enumerate(zip(got.tensors(), grads.tensors())):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=lambda m: f"step {step}, gradient {i}: {m}")
+        model.weights.invalidate()
+
+
+# Given (not graded), like module 09's GPU check: most learners have no GPU.
+@pytest.mark.given
+@pytest.mark.skipif(shutil.which("nvidia-smi") is None, reason="needs an NVIDIA GPU")
+def test_streamed_weights_on_cuda_survive_poisoned_buffers():
+    here = Path(__file__).resolve().parent
+    code = f"import sys; sys.path.insert(0, {str(here)!r}); import test_08_streams; test_08_streams.cuda_poisoned_buffers_check()"
+    child = subprocess.run([sys.executable, "-c", code], cwd=here.parent, env=dict(os.environ),
+                           capture_output=True, text=True, timeout=300)
+    last_line = (child.stderr.strip().splitlines() or ["no error output"])[-1]
+    assert child.returncode == 0, f"CUDA check failed: {last_line}"
