@@ -29,7 +29,7 @@ import torch
 
 from course.streams import FakeRuntime, find_hazards, record_compute
 from .m06_llama_block import BlockWeights, LlamaConfig
-from .m06_llama_model import LlamaModel, ResidentWeights
+from .m06_llama_model import LlamaModel
 from .m07_flat_shards import FlatLayout
 
 TITLE = "CUDA streams: weights streamed from pinned host memory, overlapping compute"

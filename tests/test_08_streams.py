@@ -10,15 +10,10 @@ On a GPU (skipped without one; run in a child process, because the pytest proces
 CUDA) copies are slowed down and poison the buffer with NaN first, so a missing wait shows up as a
 wrong or NaN result.
 """
-import os
-import shutil
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
+from course.gpu_check import needs_gpu, run_cuda_check
 from course.impl import load, reference
 from course.streams import FakeRuntime, find_hazards, record_compute
 
@@ -159,11 +154,6 @@ def cuda_poisoned_buffers_check():
 
 # Given (not graded), like module 09's GPU check: most learners have no GPU.
 @pytest.mark.given
-@pytest.mark.skipif(shutil.which("nvidia-smi") is None, reason="needs an NVIDIA GPU")
+@needs_gpu
 def test_streamed_weights_on_cuda_survive_poisoned_buffers():
-    here = Path(__file__).resolve().parent
-    code = f"import sys; sys.path.insert(0, {str(here)!r}); import test_08_streams; test_08_streams.cuda_poisoned_buffers_check()"
-    child = subprocess.run([sys.executable, "-c", code], cwd=here.parent, env=dict(os.environ),
-                           capture_output=True, text=True, timeout=300)
-    last_line = (child.stderr.strip().splitlines() or ["no error output"])[-1]
-    assert child.returncode == 0, f"CUDA check failed: {last_line}"
+    run_cuda_check(__file__, "cuda_poisoned_buffers_check")

@@ -11,15 +11,10 @@ A product of two rounded values errs by at most e_a |b| + |a| e_b + e_a e_b, and
 these over the inner dimension; fp32 accumulation of K terms adds at most K * 2^-24 * sum |a||b|.
 References are float64 matmuls of the unrounded inputs.
 """
-import os
-import shutil
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
+from course.gpu_check import needs_gpu, run_cuda_check
 from course.impl import load
 
 scaling = load("m09_fp8_scaling")
@@ -291,12 +286,6 @@ def cuda_forward_backward_check():
 # Marked `given` so it is not graded: most learners have no GPU, and a skipped check would keep
 # their scorecard short of full marks. Maintainers run it on a GPU machine with `pytest -m m09`.
 @pytest.mark.given
-@pytest.mark.skipif(shutil.which("nvidia-smi") is None, reason="needs an NVIDIA GPU")
+@needs_gpu
 def test_fp8_linear_on_cuda_is_within_the_bounds():
-    # A child process, because the pytest process must never touch CUDA (forked ranks could not use it).
-    here = Path(__file__).resolve().parent
-    code = f"import sys; sys.path.insert(0, {str(here)!r}); import test_09_fp8; test_09_fp8.cuda_forward_backward_check()"
-    child = subprocess.run([sys.executable, "-c", code], cwd=here.parent, env=dict(os.environ),
-                           capture_output=True, text=True, timeout=300)
-    last_line = (child.stderr.strip().splitlines() or ["no error output"])[-1]
-    assert child.returncode == 0, f"CUDA check failed: {last_line}"
+    run_cuda_check(__file__, "cuda_forward_backward_check")
