@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from .m06_llama_ops import (ATTENTION_CHUNK, Matmul, attention_backward, attention_forward, linear_backward,
+from .m06_llama_ops import (ATTENTION_CHUNK, ChunkedAttention, Matmul, linear_backward,
                             linear_forward, residual_rmsnorm_backward, residual_rmsnorm_forward,
                             rmsnorm_backward, rmsnorm_forward, rope_backward, rope_forward, rope_tables,
                             swiglu_backward, swiglu_forward)
@@ -123,8 +123,10 @@ class ActivationStore:
 class LlamaBlock:
     """The block's computation, without its weights: forward and backward over an activation store."""
 
-    def __init__(self, cfg: LlamaConfig, matmul: Matmul | None = None, attention_chunk: int = ATTENTION_CHUNK):
-        self.cfg, self.matmul, self.attention_chunk = cfg, matmul or Matmul(), attention_chunk
+    def __init__(self, cfg: LlamaConfig, matmul: Matmul | None = None, attention_chunk: int = ATTENTION_CHUNK,
+                 attention=None):
+        self.cfg, self.matmul = cfg, matmul or Matmul()
+        self.attention = attention or ChunkedAttention(attention_chunk)  # forward / backward pair
         self._rope = {}
 
     def new_store(self) -> ActivationStore:
@@ -147,12 +149,13 @@ class LlamaBlock:
         # Hint: n1 = mm.prepare(norm output, store, 'n1') once: q, k and v multiply that (it saves 'n1').
         # Hint: save 'x', 'r1', 'q', 'k', 'v' (after RoPE), 'o' and 'lse' in the store; with 'n1' those
         # Hint: are exactly what the backwards need. q is (B, T, n_heads, head_dim), k and v use n_kv_heads.
+        # Hint: attention itself is o, lse = self.attention.forward(q, k, v) (your attention_forward).
         n1, r1 = rmsnorm_forward(x, w.ln1, cfg.norm_eps)
         n1 = mm.prepare(n1, store, "n1")
         q = rope_forward(linear_forward(n1, w.wq, mm).view(B, T, cfg.n_heads, cfg.head_dim), cos, sin)
         k = rope_forward(linear_forward(n1, w.wk, mm).view(B, T, cfg.n_kv_heads, cfg.head_dim), cos, sin)
         v = linear_forward(n1, w.wv, mm).view(B, T, cfg.n_kv_heads, cfg.head_dim)
-        o, lse = attention_forward(q, k, v, self.attention_chunk)
+        o, lse = self.attention.forward(q, k, v)
         for name, tensor in (("x", x), ("r1", r1), ("q", q), ("k", k), ("v", v), ("o", o), ("lse", lse)):
             store.save(name, tensor)
         return o
@@ -189,14 +192,15 @@ class LlamaBlock:
         # >>> TODO(m06): the block's backward: the forward's ops in reverse order
         # Hint: y = h + down(s): dh starts as dy. Then down, SwiGLU, gate + up (their dn2 add up),
         # Hint: residual_rmsnorm_backward gives the gradient of h's inputs x and the attention output,
-        # Hint: then o, attention, RoPE (q and k), q/k/v (their dn1 add up), ln1; dx = dh + dx_norm.
+        # Hint: then o, attention (self.attention.backward), RoPE (q and k), q/k/v (their dn1 add up),
+        # Hint: ln1; dx = dh + dx_norm.
         ds, d_down = linear_backward(dy, a["s"], w.w_down, mm)
         dg, du = swiglu_backward(ds, a["g"], a["u"])
         dn2_gate, d_gate = linear_backward(dg, a["n2"], w.w_gate, mm)
         dn2_up, d_up = linear_backward(du, a["n2"], w.w_up, mm)
         dh, d_ln2 = residual_rmsnorm_backward(dy, dn2_gate + dn2_up, a["h"], a["r2"], w.ln2)
         do, d_wo = linear_backward(dh, a["o"], w.wo, mm)
-        dq, dk, dv = attention_backward(do, a["q"], a["k"], a["v"], a["o"], a["lse"], self.attention_chunk)
+        dq, dk, dv = self.attention.backward(do, a["q"], a["k"], a["v"], a["o"], a["lse"])
         dq, dk = rope_backward(dq, cos, sin), rope_backward(dk, cos, sin)
         dn1_q, d_wq = linear_backward(dq.reshape(B, T, -1), a["n1"], w.wq, mm)
         dn1_k, d_wk = linear_backward(dk.reshape(B, T, -1), a["n1"], w.wk, mm)

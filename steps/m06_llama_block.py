@@ -16,7 +16,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from .m06_llama_ops import (ATTENTION_CHUNK, Matmul, attention_backward, attention_forward, linear_backward,
+from .m06_llama_ops import (ATTENTION_CHUNK, ChunkedAttention, Matmul, linear_backward,
                             linear_forward, residual_rmsnorm_backward, residual_rmsnorm_forward,
                             rmsnorm_backward, rmsnorm_forward, rope_backward, rope_forward, rope_tables,
                             swiglu_backward, swiglu_forward)
@@ -125,8 +125,10 @@ class ActivationStore:
 class LlamaBlock:
     """The block's computation, without its weights: forward and backward over an activation store."""
 
-    def __init__(self, cfg: LlamaConfig, matmul: Matmul | None = None, attention_chunk: int = ATTENTION_CHUNK):
-        self.cfg, self.matmul, self.attention_chunk = cfg, matmul or Matmul(), attention_chunk
+    def __init__(self, cfg: LlamaConfig, matmul: Matmul | None = None, attention_chunk: int = ATTENTION_CHUNK,
+                 attention=None):
+        self.cfg, self.matmul = cfg, matmul or Matmul()
+        self.attention = attention or ChunkedAttention(attention_chunk)  # forward / backward pair
         self._rope = {}
 
     def new_store(self) -> ActivationStore:
@@ -149,6 +151,7 @@ class LlamaBlock:
         # Hint: n1 = mm.prepare(norm output, store, 'n1') once: q, k and v multiply that (it saves 'n1').
         # Hint: save 'x', 'r1', 'q', 'k', 'v' (after RoPE), 'o' and 'lse' in the store; with 'n1' those
         # Hint: are exactly what the backwards need. q is (B, T, n_heads, head_dim), k and v use n_kv_heads.
+        # Hint: attention itself is o, lse = self.attention.forward(q, k, v) (your attention_forward).
         raise NotImplementedError('TODO(m06): forward of the attention half: norm, q/k/v projections, RoPE, attention')
 
     def ffn_half(self, w: BlockWeights, x: torch.Tensor, o: torch.Tensor, store: ActivationStore):
@@ -175,5 +178,6 @@ class LlamaBlock:
         # TODO(m06): the block's backward: the forward's ops in reverse order
         # Hint: y = h + down(s): dh starts as dy. Then down, SwiGLU, gate + up (their dn2 add up),
         # Hint: residual_rmsnorm_backward gives the gradient of h's inputs x and the attention output,
-        # Hint: then o, attention, RoPE (q and k), q/k/v (their dn1 add up), ln1; dx = dh + dx_norm.
+        # Hint: then o, attention (self.attention.backward), RoPE (q and k), q/k/v (their dn1 add up),
+        # Hint: ln1; dx = dh + dx_norm.
         raise NotImplementedError("TODO(m06): the block's backward: the forward's ops in reverse order")

@@ -200,6 +200,23 @@ def attention_backward(do: torch.Tensor, q, k, v, o, lse, chunk: int = ATTENTION
     return dq, dk, dv
 
 
+class ChunkedAttention:
+    """The attention above, as the block calls it: forward -> (o, lse), backward -> (dq, dk, dv).
+
+    course/fused_attention.py has the same two methods on PyTorch's fused flash-attention kernels,
+    for speed on a GPU: `LlamaBlock(cfg, attention=FusedAttention())`.
+    """
+
+    def __init__(self, chunk: int = ATTENTION_CHUNK):
+        self.chunk = chunk
+
+    def forward(self, q, k, v):
+        return attention_forward(q, k, v, self.chunk)
+
+    def backward(self, do, q, k, v, o, lse):
+        return attention_backward(do, q, k, v, o, lse, self.chunk)
+
+
 # ---------------------------------------------------------------------------------------------
 # SwiGLU
 # ---------------------------------------------------------------------------------------------

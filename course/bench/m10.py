@@ -21,6 +21,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from course.bench import report
+from course.fused_attention import FusedAttention
 from course.impl import load
 from course.reference_llama import ReferenceLlama
 
@@ -42,7 +43,11 @@ def parse(argv):
     parser.add_argument("--steps", type=int, default=5, help="timed steps per row (median reported)")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (default 1)")
+    parser.add_argument("--attention", choices=("chunked", "fused"), default=None,
+                        help="the hand-written block's attention: module 06's chunked one, or the fused "
+                             "flash kernel of course/fused_attention.py (default: fused on cuda, else chunked)")
     args = parser.parse_args(argv)
+    args.attention = args.attention or ("fused" if args.device.startswith("cuda") else "chunked")
     preset = PRESETS[args.preset or ("gpu" if args.device.startswith("cuda") else "cpu")]
     for name, value in preset.items():
         if getattr(args, name) is None:
@@ -111,7 +116,8 @@ def main(argv):
     rows, base = [], {}
     model = m06_model.LlamaModel(cfg, seed=0, dtype=dtype).to(device)
     for option in m10.OPTIONS:
-        model.block = m10.RecomputeBlock(cfg, option)  # the model loop is unchanged; only the block differs
+        # The model loop is unchanged; only the block differs.
+        model.block = m10.RecomputeBlock(cfg, option, attention=FusedAttention() if args.attention == "fused" else None)
         measured = m10.measure_store_bytes(model, tokens)
         formula = m10.kept_bytes(cfg, args.batch, args.seq_len, dtype, option)
 
@@ -151,7 +157,8 @@ def main(argv):
         rows.append(row("nn.Module", name, None, None, held, peak, seconds, base["reference"]))
 
     title = (f"bench 10: recompute options, {cfg.n_layers} layers, dim {cfg.dim}, {cfg.n_heads}/{cfg.n_kv_heads} "
-             f"heads, ffn {cfg.ffn_dim}, vocab {cfg.vocab_size}, batch {args.batch} x {args.seq_len} tokens, {args.dtype}")
+             f"heads, ffn {cfg.ffn_dim}, vocab {cfg.vocab_size}, batch {args.batch} x {args.seq_len} tokens, {args.dtype}, "
+             f"{args.attention} attention in the hand-written block")
     notes = ("kept = activation bytes one layer's store keeps (formula / measured in the store); held_after_fwd =\n"
              "CUDA memory a forward of all layers leaves allocated for the backward; peak = max CUDA memory of a\n"
              "whole step above what was allocated before it (weights excluded; the step's gradients, about one\n"
