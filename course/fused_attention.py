@@ -4,8 +4,10 @@ contract as module 06's hand-written `attention_forward` / `attention_backward`.
 Module 06 writes attention out in chunks of queries so you can see every step; a fused kernel does
 the same maths (including saving only the log-sum-exp of each query's scores) without ever writing
 a score block to memory, which is what makes it fast on a GPU. `LlamaBlock(cfg, attention=FusedAttention())`
-swaps it in; nothing else in the block changes. Given code: the benchmarks use it on CUDA so the
-hand-written block is compared with autograd + `F.scaled_dot_product_attention` on equal terms.
+swaps it in; nothing else in the block changes. Given code: `python main.py bench 10 --attention
+fused` uses it, so the hand-written block can be compared with autograd +
+`F.scaled_dot_product_attention` on equal terms. (Checked against autograd on CPU; its CUDA path
+has not yet run on a GPU.)
 
 The kernels take (batch, heads, time, head_dim) and equal numbers of query and key/value heads, so
 key/value heads are repeated for their group of query heads, and their gradients summed back.

@@ -43,11 +43,10 @@ def parse(argv):
     parser.add_argument("--steps", type=int, default=5, help="timed steps per row (median reported)")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (default 1)")
-    parser.add_argument("--attention", choices=("chunked", "fused"), default=None,
-                        help="the hand-written block's attention: module 06's chunked one, or the fused "
-                             "flash kernel of course/fused_attention.py (default: fused on cuda, else chunked)")
+    parser.add_argument("--attention", choices=("chunked", "fused"), default="chunked",
+                        help="the hand-written block's attention: module 06's chunked one (default), or the "
+                             "fused flash kernel of course/fused_attention.py")
     args = parser.parse_args(argv)
-    args.attention = args.attention or ("fused" if args.device.startswith("cuda") else "chunked")
     preset = PRESETS[args.preset or ("gpu" if args.device.startswith("cuda") else "cpu")]
     for name, value in preset.items():
         if getattr(args, name) is None:
