@@ -29,6 +29,26 @@ from .m07_flat_shards import FlatLayout
 FREE, GATHERING, IN_USE = "free", "gathering", "in use"
 
 
+# The protocol's misuse checks, shared with module 08's weight source: each buffer has a `layer`
+# and a `state`, and a call in the wrong state fails at once with the fix, instead of hanging.
+def check_gather(buf, layer: int):
+    if buf.state != FREE:
+        raise RuntimeError(f"gather({layer}): its buffer still holds layer {buf.layer} ({buf.state}); "
+                           f"call release({buf.layer}) before gathering another layer into it")
+
+
+def check_get(buf, layer: int):
+    if buf.layer != layer or buf.state != GATHERING:
+        raise RuntimeError(f"get({layer}) without a gather({layer}) before it "
+                           f"(its buffer holds layer {buf.layer}, {buf.state})")
+
+
+def check_release(buf, layer: int):
+    if buf.layer != layer or buf.state != IN_USE:
+        raise RuntimeError(f"release({layer}) but layer {layer} is not in use "
+                           f"(its buffer holds layer {buf.layer}, {buf.state})")
+
+
 @dataclass
 class GatherBuffer:
     flat: torch.Tensor        # one padded block, all ranks' shards
@@ -51,9 +71,7 @@ class ShardedWeights:
 
     def gather(self, layer: int) -> None:
         buf = self.buffer_for(layer)
-        if buf.state != FREE:
-            raise RuntimeError(f"gather({layer}): its buffer still holds layer {buf.layer} ({buf.state}); "
-                               f"call release({buf.layer}) before gathering another layer into it")
+        check_gather(buf, layer)
         # >>> TODO(m07): start the all-gather of this layer's shards into the buffer, unless it is already there
         # Hint: a hit needs the same layer *and* the current version (the optimizer has not changed it since).
         # Hint: otherwise comm.all_gather(buf.flat, self.shards[layer], label=..., async_op=True) -> keep the work
@@ -68,9 +86,7 @@ class ShardedWeights:
 
     def get(self, layer: int) -> BlockWeights:
         buf = self.buffer_for(layer)
-        if buf.layer != layer or buf.state != GATHERING:
-            raise RuntimeError(f"get({layer}) without a gather({layer}) before it "
-                               f"(its buffer holds layer {buf.layer}, {buf.state})")
+        check_get(buf, layer)
         # >>> TODO(m07): wait for the gather if one is in flight; mark the buffer in use; return views
         if buf.pending is not None:
             buf.pending.wait()
@@ -81,9 +97,7 @@ class ShardedWeights:
 
     def release(self, layer: int) -> None:
         buf = self.buffer_for(layer)
-        if buf.layer != layer or buf.state != IN_USE:
-            raise RuntimeError(f"release({layer}) but layer {layer} is not in use "
-                               f"(its buffer holds layer {buf.layer}, {buf.state})")
+        check_release(buf, layer)
         # >>> TODO(m07): the buffer may now be overwritten (its contents stay valid for a later hit)
         buf.state = FREE
         # <<<

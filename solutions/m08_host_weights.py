@@ -31,10 +31,10 @@ from course.streams import FakeRuntime, find_hazards, record_compute
 from .m06_llama_block import BlockWeights, LlamaConfig
 from .m06_llama_model import LlamaModel
 from .m07_flat_shards import FlatLayout
+from .m07_sharded_weights import FREE, GATHERING, IN_USE, check_gather, check_get, check_release
 
 TITLE = "CUDA streams: weights streamed from pinned host memory, overlapping compute"
 NPROC = 1
-FREE, GATHERING, IN_USE = "free", "gathering", "in use"
 
 
 @dataclass
@@ -66,9 +66,7 @@ class HostWeights:
 
     def gather(self, layer: int) -> None:
         buf = self.buffers[layer % 2]
-        if buf.state != FREE:
-            raise RuntimeError(f"gather({layer}): its buffer still holds layer {buf.layer} ({buf.state}); "
-                               f"call release({buf.layer}) before gathering another layer into it")
+        check_gather(buf, layer)
         if buf.layer != layer or buf.version != self.version:  # else: still there, nothing to copy
             # >>> TODO(m08): once the buffer is released, copy the block in on the side stream; mark it ready
             # Hint: copy_stream.wait_event(buf.released); `with rt.stream(copy_stream):` rt.copy(buf.flat, host[layer]);
@@ -84,9 +82,7 @@ class HostWeights:
 
     def get(self, layer: int) -> BlockWeights:
         buf = self.buffers[layer % 2]
-        if buf.layer != layer or buf.state != GATHERING:
-            raise RuntimeError(f"get({layer}) without a gather({layer}) before it "
-                               f"(its buffer holds layer {buf.layer}, {buf.state})")
+        check_get(buf, layer)
         # >>> TODO(m08): make the compute stream wait for the copy; return the block as views
         self.compute_stream.wait_event(buf.ready)
         buf.state = IN_USE
@@ -95,9 +91,7 @@ class HostWeights:
 
     def release(self, layer: int) -> None:
         buf = self.buffers[layer % 2]
-        if buf.layer != layer or buf.state != IN_USE:
-            raise RuntimeError(f"release({layer}) but layer {layer} is not in use "
-                               f"(its buffer holds layer {buf.layer}, {buf.state})")
+        check_release(buf, layer)
         # >>> TODO(m08): record that the compute queued so far is the last to read this buffer
         buf.released.record(self.compute_stream)
         buf.state = FREE
