@@ -19,6 +19,9 @@ name)` once per linear input (saving what backward needs), then `forward(x, w)` 
 `backward(dy, x, w)`. `FP8Matmul` overrides these three; `LlamaBlock(cfg, matmul=FP8Matmul())`
 runs all seven linears in FP8, and nothing else in the block changes.
 """
+import weakref
+from dataclasses import dataclass
+
 import torch
 
 from .m06_llama_ops import Matmul
@@ -79,6 +82,58 @@ def scaled_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype, fast_accum: bo
                             out_dtype=out_dtype, use_fast_accum=fast_accum)
 
 
+@dataclass
+class CachedWeight:
+    version: int               # the weight's version counter when it was quantized
+    row_major: Quantized       # W itself: forward multiplies by its transpose, W^T (column-major)
+    column_major: Quantized | None = None  # a transposed copy for dx = dy W, made on first use
+    dropper: weakref.ref | None = None     # removes this entry when the weight is freed
+
+
+class FP8WeightCache:
+    """Each weight's e4m3 copies, quantized once per optimizer step.
+
+    One training step reads every weight in forward (y = x W^T) and in backward (dx = dy W), and
+    again for every microbatch when gradients accumulate. Its values change only when the optimizer
+    writes it, so production FP8 recipes quantize each weight once per change and reuse the copy.
+
+    Entries are keyed by the weight tensor. A copy is valid while the weight's `_version` is the
+    one it was made at: PyTorch bumps that counter on every in-place write (an optimizer step,
+    `copy_`), and autograd uses it to notice a saved tensor changed under it. Writes through
+    `w.data` or into storage from outside autograd (a collective filling a buffer) do not bump it;
+    modules 07 and 08 hand out new views after each such write, and a new tensor is a miss. An
+    entry goes when its weight is freed, so those temporary views leave nothing behind.
+    Cost: up to 2 bytes per parameter.
+    """
+
+    def __init__(self, quantize):
+        self.quantize = quantize
+        self.entries: dict[int, CachedWeight] = {}  # id(weight) -> its copies
+
+    def row_major(self, w: torch.Tensor) -> Quantized:
+        return self.lookup(w).row_major
+
+    def column_major(self, w: torch.Tensor) -> Quantized:
+        entry = self.lookup(w)
+        if entry.column_major is None:
+            entry.column_major = column_major(entry.row_major)
+        return entry.column_major
+
+    def lookup(self, w: torch.Tensor) -> CachedWeight:
+        entry = self.entries.get(id(w))
+        # >>> TODO(m09): serve the cached copy only while the weight is unchanged since it was made
+        # Hint: w._version counts the in-place writes to w; the entry recorded it at quantization.
+        if entry is not None and entry.version == w._version:
+            return entry
+        # <<<
+        entry = CachedWeight(w._version, self.quantize(w, E4M3))
+        # A weak reference does not keep w alive; its callback runs when w is freed, before its
+        # id can be reused by another tensor.
+        entry.dropper = weakref.ref(w, lambda _, key=id(w): self.entries.pop(key, None))
+        self.entries[id(w)] = entry
+        return entry
+
+
 def abs_max_name(name: str) -> str:
     """Where FP8Matmul keeps the abs-max of the linear input saved under `name`."""
     return name + "_amax"
@@ -97,11 +152,14 @@ class FP8Matmul(Matmul):
     clamp and cast into one kernel; eager mode runs them as separate passes over memory. It needs
     a GPU toolchain (Triton) and costs a compile on first use (shapes are left dynamic, so one
     compile per FP8 format serves every size).
+
+    Weights are quantized through an FP8WeightCache: once per optimizer step, not per matmul.
     """
 
     def __init__(self, min_dim: int = DEFAULT_MIN_DIM, compile_quantize: bool = False):
         self.min_dim = min_dim
         self.quantize = torch.compile(quantize, dynamic=True) if compile_quantize else quantize
+        self.weights = FP8WeightCache(self.quantize)
 
     def uses_fp8(self, tokens: int, in_features: int) -> bool:
         return min(tokens, in_features) >= self.min_dim and tokens % 16 == 0 and in_features % 16 == 0
@@ -133,9 +191,10 @@ class FP8Matmul(Matmul):
         if x_fp8 is None:
             return super().forward(x, w)
         # >>> TODO(m09): y = x W^T from the e4m3 x and W, in w's dtype
-        # Hint: W is (out, in) row-major, so W^T is (in, out) column-major as it stands.
+        # Hint: self.weights.row_major(w) is W in e4m3, (out, in) row-major, so its .t() is W^T (in, out)
+        #       column-major as it stands.
         # Hint: the forward output tolerates fast accumulation (fast_accum=True).
-        return scaled_mm(row_major(x_fp8), self.quantize(w, E4M3).t(), out_dtype=w.dtype, fast_accum=True)
+        return scaled_mm(row_major(x_fp8), self.weights.row_major(w).t(), out_dtype=w.dtype, fast_accum=True)
         # <<<
 
     def backward(self, dy: torch.Tensor, x, w: torch.Tensor):
@@ -143,11 +202,10 @@ class FP8Matmul(Matmul):
         if x_fp8 is None:
             return super().backward(dy, x, w)
         # >>> TODO(m09): dx = dy W and dW = dy^T x, with dy in e5m2
-        # Hint: quantize dy to e5m2 and W to e4m3 (again: production recipes keep one FP8 copy of each
-        #       weight per optimizer step; we keep the policy stateless).
+        # Hint: quantize dy to e5m2; W in e4m3, column-major, is self.weights.column_major(w).
         # Hint: dW sums over tokens, which neither dy nor x stores contiguously: both need a copy.
-        dy_fp8, w_fp8 = self.quantize(dy, E5M2), self.quantize(w, E4M3)
-        dx = scaled_mm(row_major(dy_fp8), column_major(w_fp8), out_dtype=dy.dtype)
+        dy_fp8 = self.quantize(dy, E5M2)
+        dx = scaled_mm(row_major(dy_fp8), self.weights.column_major(w), out_dtype=dy.dtype)
         dw = scaled_mm(row_major(dy_fp8.t()), column_major(x_fp8), out_dtype=w.dtype)
         return dx, dw
         # <<<

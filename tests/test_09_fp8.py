@@ -194,6 +194,45 @@ def test_a_kept_abs_max_is_reused_and_gives_bit_identical_results():
         "an abs-max already in the store must be used, not computed again"
 
 
+def counting_weight_quantizations(policy, w):
+    """A list that grows by one each time `policy` quantizes the tensor w."""
+    calls, quantize = [], policy.weights.quantize
+    policy.weights.quantize = lambda t, dtype: (calls.append(dtype) if t is w else None) or quantize(t, dtype)
+    return calls
+
+
+def test_a_weight_is_quantized_once_per_optimizer_step():
+    # Two microbatches (forward + backward each) read W four times: one quantization serves them
+    # all. An in-place write (what an optimizer step does) must make the next read quantize again.
+    x, w, dy = linear_inputs()
+    policy = matmul.FP8Matmul(min_dim=0)
+    calls = counting_weight_quantizations(policy, w)
+    first = fp8_forward_backward(x, w, dy, policy=policy)
+    second = fp8_forward_backward(x, w, dy, policy=policy)
+    assert calls == [E4M3], f"W should be quantized once (to e4m3) for two microbatches, got {calls}"
+    for name, a, b in zip(("y", "dx", "dW"), first, second):
+        assert torch.equal(a, b), f"{name} differs between two microbatches with the same W"
+    with torch.no_grad():
+        w.mul_(1.5)  # the optimizer's in-place update
+    updated = fp8_forward_backward(x, w, dy, policy=policy)
+    assert len(calls) == 2, "after an in-place update of W the stale FP8 copy was served"
+    for name, a, b in zip(("y", "dx", "dW"), updated, fp8_forward_backward(x, w, dy)):
+        assert torch.equal(a, b), f"{name} after the update differs from a fresh policy's"
+
+
+def test_a_new_tensor_is_a_miss_and_freed_weights_leave_the_cache():
+    # Modules 07 and 08 serve each layer as new views of a reused buffer: never take one for another.
+    x, w, dy = linear_inputs()
+    policy = matmul.FP8Matmul(min_dim=0)
+    fp8_forward_backward(x, w, dy, policy=policy)
+    other = w.clone() * 2
+    assert torch.equal(fp8_forward_backward(x, other, dy, policy=policy)[0], fp8_forward_backward(x, other, dy)[0]), \
+        "a different weight tensor was served another weight's FP8 copy"
+    del other
+    assert len(policy.weights.entries) == 1, \
+        f"a freed weight's FP8 copies should be dropped; the cache holds {len(policy.weights.entries)} entries"
+
+
 # --- the CUDA layout rules -----------------------------------------------------------------
 
 def fp8(rows, cols, dtype=E4M3):
