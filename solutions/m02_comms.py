@@ -27,10 +27,10 @@ def init_distributed(timeout_s: float = 120.0):
     # >>> TODO(m02): read RANK, WORLD_SIZE, LOCAL_RANK; join the group if needed; pick the device
     # Hint: torchrun sets RANK, WORLD_SIZE and LOCAL_RANK as environment variables (strings).
     # Hint: if not dist.is_initialized(): dist.init_process_group(backend, rank=..., world_size=...,
-    # Hint:     timeout=timedelta(seconds=timeout_s)) with backend "nccl" if every local rank
-    # Hint:     (LOCAL_WORLD_SIZE of them) can have a GPU of its own, else "gloo".
+    #           timeout=timedelta(seconds=timeout_s)) with backend "nccl" if every local rank
+    #           (LOCAL_WORLD_SIZE of them) can have a GPU of its own, else "gloo".
     # Hint: then look at dist.get_backend(): nccl -> torch.device("cuda", local_rank) (and
-    # Hint: torch.cuda.set_device it); gloo -> torch.device("cpu").
+    #       torch.cuda.set_device it); gloo -> torch.device("cpu").
     rank = int(os.environ["RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))

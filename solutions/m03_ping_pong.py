@@ -31,7 +31,7 @@ def ping_pong(comms: PipelineComms, x: torch.Tensor, round_trips: int) -> torch.
     """
     # >>> TODO(m03): rank 0 sends then receives; rank 1 receives then sends; +1 on every receipt
     # Hint: rank 0 is the first stage (send_forward / recv_backward), rank 1 the last
-    # Hint: (recv_forward / send_backward); x.shape and x.dtype size the receive buffers.
+    #       (recv_forward / send_backward); x.shape and x.dtype size the receive buffers.
     # Hint: rank 1 must return what it last *received* plus 1 (the ball it sent back).
     ball = x
     for _ in range(round_trips):

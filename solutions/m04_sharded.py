@@ -52,8 +52,8 @@ class ShardedMLP(nn.Module):
         mine = layer_range(cfg, rank, world_size)
         # >>> TODO(m04): build self.layers (an nn.ModuleList of this rank's layers) and self.head
         # Hint: torch.manual_seed(cfg.seed), then create all cfg.layers Linear(hidden, hidden)
-        # Hint: layers in order, keeping those whose index is in `mine`: the random stream then
-        # Hint: matches the monolith's. The last rank then creates the head (others: self.head = None).
+        #       layers in order, keeping those whose index is in `mine`: the random stream then
+        #       matches the monolith's. The last rank then creates the head (others: self.head = None).
         torch.manual_seed(cfg.seed)
         kept = []
         for index in range(cfg.layers):

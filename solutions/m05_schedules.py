@@ -74,7 +74,7 @@ def backward_step(stage, comms, inp, out, sends):
     last rank), backpropagate, send the input's gradient back (unless first rank)."""
     # >>> TODO(m05): backpropagate this microbatch and pass the input gradient to the previous rank
     # Hint: the last rank's output is a loss: out.backward(). Elsewhere the gradient arrives from
-    # Hint: the next rank: comms.recv_backward(out.shape), then out.backward(that gradient).
+    #       the next rank: comms.recv_backward(out.shape), then out.backward(that gradient).
     # Hint: sends.append(comms.isend_backward(inp.grad)) unless this is the first rank.
     if comms.next is None:
         out.backward()
@@ -109,7 +109,7 @@ def gpipe(stage, comms, x, y, chunks):
     """All forwards, then all backwards; returns the batch loss on the last rank."""
     # >>> TODO(m05): split x and y; forward every microbatch, then backward every one; wait the sends
     # Hint: keep each microbatch's (input, output) until its backward. Any backward order gives
-    # Hint: the same gradients (they are summed); the loss is the sum of the shares, detached.
+    #       the same gradients (they are summed); the loss is the sum of the shares, detached.
     xs, ys = split_microbatches(x, chunks), split_microbatches(y, chunks)
     sends = []
     saved = [forward_step(stage, comms, xs[m], ys[m], chunks, sends) for m in range(chunks)]

@@ -148,7 +148,7 @@ class LlamaBlock:
         # >>> TODO(m06): forward of the attention half: norm, q/k/v projections, RoPE, attention
         # Hint: n1 = mm.prepare(norm output, store, 'n1') once: q, k and v multiply that (it saves 'n1').
         # Hint: save 'x', 'r1', 'q', 'k', 'v' (after RoPE), 'o' and 'lse' in the store; with 'n1' those
-        # Hint: are exactly what the backwards need. q is (B, T, n_heads, head_dim), k and v use n_kv_heads.
+        #       are exactly what the backwards need. q is (B, T, n_heads, head_dim), k and v use n_kv_heads.
         # Hint: attention itself is o, lse = self.attention.forward(q, k, v) (your attention_forward).
         n1, r1 = rmsnorm_forward(x, w.ln1, cfg.norm_eps)
         n1 = mm.prepare(n1, store, "n1")
@@ -191,9 +191,9 @@ class LlamaBlock:
         cos, sin = self.rope(T, dy.dtype, dy.device)
         # >>> TODO(m06): the block's backward: the forward's ops in reverse order
         # Hint: y = h + down(s): dh starts as dy. Then down, SwiGLU, gate + up (their dn2 add up),
-        # Hint: residual_rmsnorm_backward gives the gradient of h's inputs x and the attention output,
-        # Hint: then o, attention (self.attention.backward), RoPE (q and k), q/k/v (their dn1 add up),
-        # Hint: ln1; dx = dh + dx_norm.
+        #       residual_rmsnorm_backward gives the gradient of h's inputs x and the attention output,
+        #       then o, attention (self.attention.backward), RoPE (q and k), q/k/v (their dn1 add up),
+        #       ln1; dx = dh + dx_norm.
         ds, d_down = linear_backward(dy, a["s"], w.w_down, mm)
         dg, du = swiglu_backward(ds, a["g"], a["u"])
         dn2_gate, d_gate = linear_backward(dg, a["n2"], w.w_gate, mm)

@@ -132,7 +132,7 @@ class LlamaModel:
         n_layers = self.cfg.n_layers
         # >>> TODO(m06): the forward loop over the layers, using the weight source
         # Hint: gather(0) first; then for each layer: gather(l + 1) (if any) so its fetch overlaps this
-        # Hint: layer, w = get(l), x = block.forward(w, x, stores[l]), release(l).
+        #       layer, w = get(l), x = block.forward(w, x, stores[l]), release(l).
         self.weights.gather(0)
         for layer in range(n_layers):
             if layer + 1 < n_layers:
@@ -149,7 +149,7 @@ class LlamaModel:
         grads = [None] * n_layers
         # >>> TODO(m06): the backward loop, last layer first, using the weight source
         # Hint: the same gather-ahead pattern as forward_blocks, in reverse. Clear each layer's store
-        # Hint: after its backward: its activations are not needed again and their memory is freed.
+        #       after its backward: its activations are not needed again and their memory is freed.
         self.weights.gather(n_layers - 1)
         for layer in reversed(range(n_layers)):
             if layer > 0:

@@ -86,7 +86,7 @@ def rmsnorm_backward(dn: torch.Tensor, x: torch.Tensor, r: torch.Tensor, weight:
     """(dx, dweight) for rmsnorm_forward, from the saved x and r."""
     # >>> TODO(m06): RMSNorm backward
     # Hint: with xhat = x r and g = dn * weight:  dweight = sum over tokens of dn * xhat,
-    # Hint: dx = r * (g - xhat * mean(g * xhat)) over the last dimension.
+    #       dx = r * (g - xhat * mean(g * xhat)) over the last dimension.
     xf = x.to(r.dtype)
     xhat = xf * r.unsqueeze(-1)
     dnf = dn.to(r.dtype)
@@ -182,7 +182,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: 
     for start in range(0, T, chunk):
         # >>> TODO(m06): attention for queries start..start+chunk: append their output and lse
         # Hint: s = _causal_scores(qg[..., start:start+chunk, :], kg, start, 1/sqrt(D)) has the
-        # Hint: keys 0..stop in its last axis; lse = logsumexp(s); o = exp(s - lse) @ v[..., :stop, :].
+        #       keys 0..stop in its last axis; lse = logsumexp(s); o = exp(s - lse) @ v[..., :stop, :].
         stop = min(start + chunk, T)
         scores = _causal_scores(qg[..., start:stop, :], kg, start, 1.0 / math.sqrt(D))
         lse = torch.logsumexp(scores, dim=-1)

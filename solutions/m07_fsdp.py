@@ -70,7 +70,7 @@ class FSDPLlama(LlamaModel):
         n_layers = self.cfg.n_layers
         # >>> TODO(m07): the backward loop with explicit prefetch and a reduce-scatter per block
         # Hint: as in module 06: gather(last); for each layer from the last: gather(layer - 1) if any,
-        # Hint: get, block.backward, clear the store, release; then reduce_scatter_grad(layer, grads).
+        #       get, block.backward, clear the store, release; then reduce_scatter_grad(layer, grads).
         self.weights.gather(n_layers - 1)
         for layer in reversed(range(n_layers)):
             if layer > 0:
@@ -108,7 +108,7 @@ class FSDPLlama(LlamaModel):
             # <<<
         # >>> TODO(m07): sum the replicated gradients over ranks (one all-reduce), then step and invalidate
         # Hint: torch.cat the flattened gradients, comm.all_reduce them, copy the pieces back; set each
-        # Hint: p.grad, optimizer.step(), and weights.invalidate(): the gathered copies are now stale.
+        #       p.grad, optimizer.step(), and weights.invalidate(): the gathered copies are now stale.
         flat = torch.cat([g.reshape(-1) for g in self.replicated_grads])
         self.comm.all_reduce(flat, label="replicated grads")
         for g, summed in zip(self.replicated_grads, flat.split([g.numel() for g in self.replicated_grads])):

@@ -57,7 +57,7 @@ class HostWeights:
         self.copies = 0  # block copies issued (the benchmark's transfer count)
         # >>> TODO(m08): pinned host copies of the blocks, a side stream, two device buffers with two events each
         # Hint: rt.pin(layout.flatten(block)) per block; rt.new_stream(); rt.empty(layout.padded_numel, dtype),
-        # Hint: rt.new_event() for `ready` and for `released`.
+        #       rt.new_event() for `ready` and for `released`.
         self.host = [runtime.pin(self.layout.flatten(b)) for b in blocks]
         self.copy_stream = runtime.new_stream()
         self.buffers = [DeviceBuffer(runtime.empty(self.layout.padded_numel, dtype), runtime.new_event(),

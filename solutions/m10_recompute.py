@@ -59,7 +59,7 @@ def activation_bytes(cfg: LlamaConfig, batch: int, seq_len: int, dtype: torch.dt
     tokens = batch * seq_len
     # >>> TODO(m10): the size of every activation in ACTIVATIONS, in bytes
     # Hint: x, n1, o, h, n2 have dim values per token; q has n_heads * head_dim, k and v
-    # Hint: n_kv_heads * head_dim; g, u, s have ffn_dim; r1 and r2 one, lse one per query head.
+    #       n_kv_heads * head_dim; g, u, s have ffn_dim; r1 and r2 one, lse one per query head.
     dim, q, kv, ffn = cfg.dim, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.ffn_dim
     per_token = {"x": dim * act, "n1": dim * act, "r1": stat, "q": q * act, "k": kv * act, "v": kv * act,
                  "o": q * act, "lse": cfg.n_heads * stat, "h": dim * act, "n2": dim * act, "r2": stat,

@@ -60,7 +60,7 @@ def train_step(part_one: PartOne, part_two: PartTwo, optimizer, x, y) -> float:
     optimizer.zero_grad()
     # TODO(m01): forward through both parts and backward through both, across the boundary
     # Hint: what part two receives must be a *leaf*: hidden.detach().requires_grad_(), just as
-    # Hint: a tensor arriving from another device has no autograd history.
+    #       a tensor arriving from another device has no autograd history.
     # Hint: after loss.backward(), that leaf's .grad is what part one needs:
     # Hint: hidden.backward(received.grad) continues the backward pass inside part one.
     raise NotImplementedError('TODO(m01): forward through both parts and backward through both, across the boundary')

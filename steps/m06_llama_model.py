@@ -124,7 +124,7 @@ class LlamaModel:
         n_layers = self.cfg.n_layers
         # TODO(m06): the forward loop over the layers, using the weight source
         # Hint: gather(0) first; then for each layer: gather(l + 1) (if any) so its fetch overlaps this
-        # Hint: layer, w = get(l), x = block.forward(w, x, stores[l]), release(l).
+        #       layer, w = get(l), x = block.forward(w, x, stores[l]), release(l).
         raise NotImplementedError('TODO(m06): the forward loop over the layers, using the weight source')
 
     def backward_blocks(self, dx: torch.Tensor, stores: list[ActivationStore]):
@@ -133,7 +133,7 @@ class LlamaModel:
         grads = [None] * n_layers
         # TODO(m06): the backward loop, last layer first, using the weight source
         # Hint: the same gather-ahead pattern as forward_blocks, in reverse. Clear each layer's store
-        # Hint: after its backward: its activations are not needed again and their memory is freed.
+        #       after its backward: its activations are not needed again and their memory is freed.
         raise NotImplementedError('TODO(m06): the backward loop, last layer first, using the weight source')
 
     def forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor):

@@ -82,7 +82,7 @@ def rmsnorm_backward(dn: torch.Tensor, x: torch.Tensor, r: torch.Tensor, weight:
     """(dx, dweight) for rmsnorm_forward, from the saved x and r."""
     # TODO(m06): RMSNorm backward
     # Hint: with xhat = x r and g = dn * weight:  dweight = sum over tokens of dn * xhat,
-    # Hint: dx = r * (g - xhat * mean(g * xhat)) over the last dimension.
+    #       dx = r * (g - xhat * mean(g * xhat)) over the last dimension.
     raise NotImplementedError('TODO(m06): RMSNorm backward')
 
 
@@ -165,7 +165,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: 
     for start in range(0, T, chunk):
         # TODO(m06): attention for queries start..start+chunk: append their output and lse
         # Hint: s = _causal_scores(qg[..., start:start+chunk, :], kg, start, 1/sqrt(D)) has the
-        # Hint: keys 0..stop in its last axis; lse = logsumexp(s); o = exp(s - lse) @ v[..., :stop, :].
+        #       keys 0..stop in its last axis; lse = logsumexp(s); o = exp(s - lse) @ v[..., :stop, :].
         raise NotImplementedError('TODO(m06): attention for queries start..start+chunk: append their output and lse')
     o = torch.cat(outputs, dim=-2)  # (B, kv_heads, group, T, D)
     return o.flatten(1, 2).transpose(1, 2).reshape(B, T, heads * D), torch.cat(lses, dim=-1)

@@ -71,7 +71,7 @@ class FSDPLlama(LlamaModel):
         n_layers = self.cfg.n_layers
         # TODO(m07): the backward loop with explicit prefetch and a reduce-scatter per block
         # Hint: as in module 06: gather(last); for each layer from the last: gather(layer - 1) if any,
-        # Hint: get, block.backward, clear the store, release; then reduce_scatter_grad(layer, grads).
+        #       get, block.backward, clear the store, release; then reduce_scatter_grad(layer, grads).
         raise NotImplementedError('TODO(m07): the backward loop with explicit prefetch and a reduce-scatter per block')
 
     def reduce_scatter_grad(self, layer: int, grads):
@@ -93,7 +93,7 @@ class FSDPLlama(LlamaModel):
             raise NotImplementedError("TODO(m07): accumulate the replicated weights' gradients (embedding, final norm, LM head)")
         # TODO(m07): sum the replicated gradients over ranks (one all-reduce), then step and invalidate
         # Hint: torch.cat the flattened gradients, comm.all_reduce them, copy the pieces back; set each
-        # Hint: p.grad, optimizer.step(), and weights.invalidate(): the gathered copies are now stale.
+        #       p.grad, optimizer.step(), and weights.invalidate(): the gathered copies are now stale.
         raise NotImplementedError('TODO(m07): sum the replicated gradients over ranks (one all-reduce), then step and invalidate')
         return total / micro_steps
 

@@ -61,7 +61,7 @@ def activation_bytes(cfg: LlamaConfig, batch: int, seq_len: int, dtype: torch.dt
     tokens = batch * seq_len
     # TODO(m10): the size of every activation in ACTIVATIONS, in bytes
     # Hint: x, n1, o, h, n2 have dim values per token; q has n_heads * head_dim, k and v
-    # Hint: n_kv_heads * head_dim; g, u, s have ffn_dim; r1 and r2 one, lse one per query head.
+    #       n_kv_heads * head_dim; g, u, s have ffn_dim; r1 and r2 one, lse one per query head.
     raise NotImplementedError('TODO(m10): the size of every activation in ACTIVATIONS, in bytes')
 
 
