@@ -17,6 +17,11 @@ runs it (prepare, forward, backward):
 The rule to check: where `fp8 selected` is yes, fp8 must not be more than 5% slower than bf16.
 The GPU table is saved as results/bench-09-gpu.json; copy it to notebooks/data/ for the notebook.
 
+Table 1b, on a GPU: where the time of one FP8 forward + backward goes, at the Llama MLP shape
+8192 x 4096 -> 14336, one row per pass the policy makes. Passes over memory are measured against
+the time a plain copy of the same number of bytes takes (the GPU's achievable bandwidth), so a
+row far above its `at copy speed` time is a slow kernel, not a necessary cost.
+
 Table 2: one training step (forward_backward) of module 06's Llama with each policy, from the
 same weights and tokens. On a GPU at a size where the linears dominate (dim 4096, ffn 14336,
 2 layers, 4 x 2048 tokens, bf16; FP8 forced with min_dim=0); on a CPU a tiny fp32 model, for the
@@ -51,6 +56,7 @@ def main(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     if args.device.startswith("cuda"):
         gpu_timings(args)
+        overhead_breakdown(args)
     else:
         cpu_errors()
     llama_steps(args)
@@ -137,6 +143,63 @@ def gpu_timings(args):
                  f"FP8Matmul() selects FP8 when tokens and in_features are at least "
                  f"{default_policy.min_dim} (DEFAULT_MIN_DIM). Copy results/bench-09-gpu.json to "
                  f"notebooks/data/ for the notebook.")
+
+
+BREAKDOWN_SHAPE = (8192, 4096, 14336)  # tokens, in_features, out_features: the issue's target shape
+
+
+def overhead_breakdown(args):
+    scaling, matmul = load("m09_fp8_scaling"), load("m09_fp8_matmul")
+    E4M3, E5M2 = scaling.E4M3, scaling.E5M2
+    device = torch.device(args.device)
+    tokens, d_in, d_out = BREAKDOWN_SHAPE
+    x = torch.randn(tokens, d_in, device=device, dtype=torch.bfloat16)
+    w = (torch.randn(d_out, d_in, device=device) / d_in ** 0.5).bfloat16()
+    dy = torch.randn(tokens, d_out, device=device, dtype=torch.bfloat16)
+    amax = {name: scaling.abs_max(t) for name, t in (("x", x), ("w", w), ("dy", dy))}
+    x8, w8, dy8 = (scaling.quantize(x, E4M3, amax["x"]), scaling.quantize(w, E4M3, amax["w"]),
+                   scaling.quantize(dy, E5M2, amax["dy"]))
+    w8_col, dy8_t, x8_col = matmul.column_major(w8), matmul.row_major(dy8.t()), matmul.column_major(x8)
+    compiled = None if args.no_compile else torch.compile(scaling.quantize, dynamic=True)
+    # The bandwidth a pass over memory can reach: a plain copy of 1 GiB (read + write).
+    big = torch.empty(2 ** 30, dtype=torch.uint8, device=device)
+    copy_bytes_per_ms = 2 * big.numel() / gpu_ms(lambda: torch.empty_like(big).copy_(big), args.reps)
+    del big
+    bf16, fp8 = 2, 1  # bytes per value
+    passes = [  # (pass, eager fn, compiled fn or None, bytes read + written)
+        ("abs_max(x)", lambda: scaling.abs_max(x), None, x.numel() * bf16),
+        ("quantize x -> e4m3", lambda: scaling.quantize(x, E4M3, amax["x"]),
+         compiled and (lambda: compiled(x, E4M3, amax["x"])), x.numel() * (bf16 + fp8)),
+        ("abs_max(W)", lambda: scaling.abs_max(w), None, w.numel() * bf16),
+        ("quantize W -> e4m3", lambda: scaling.quantize(w, E4M3, amax["w"]),
+         compiled and (lambda: compiled(w, E4M3, amax["w"])), w.numel() * (bf16 + fp8)),
+        ("W e4m3 column-major copy", lambda: matmul.column_major(w8), None, w.numel() * 2 * fp8),
+        ("abs_max(dy)", lambda: scaling.abs_max(dy), None, dy.numel() * bf16),
+        ("quantize dy -> e5m2", lambda: scaling.quantize(dy, E5M2, amax["dy"]),
+         compiled and (lambda: compiled(dy, E5M2, amax["dy"])), dy.numel() * (bf16 + fp8)),
+        ("dy^T e5m2 row-major copy", lambda: matmul.row_major(dy8.t()), None, dy.numel() * 2 * fp8),
+        ("x e4m3 column-major copy", lambda: matmul.column_major(x8), None, x.numel() * 2 * fp8),
+    ]
+    rows = []
+    for name, eager, fused, nbytes in passes:
+        row = {"pass": name, "MB moved": nbytes / 1e6, "at copy speed ms": nbytes / copy_bytes_per_ms,
+               "eager ms": gpu_ms(eager, args.reps)}
+        row["compiled ms"] = gpu_ms(fused, args.reps) if fused else "-"
+        rows.append(row)
+    gemms = [("GEMM y = x W^T (fast accum)", lambda: matmul.scaled_mm(x8, w8.t(), torch.bfloat16, fast_accum=True),
+              lambda: torch.mm(x, w.t())),
+             ("GEMM dx = dy W", lambda: matmul.scaled_mm(dy8, w8_col, torch.bfloat16), lambda: torch.mm(dy, w)),
+             ("GEMM dW = dy^T x", lambda: matmul.scaled_mm(dy8_t, x8_col, torch.bfloat16), lambda: torch.mm(dy.t(), x))]
+    for name, fp8_gemm, bf16_gemm in gemms:
+        rows.append({"pass": name, "MB moved": "-", "at copy speed ms": "-", "eager ms": gpu_ms(fp8_gemm, args.reps),
+                     "compiled ms": "-", "bf16 ms": gpu_ms(bf16_gemm, args.reps)})
+    for row in rows:
+        row.setdefault("bf16 ms", "-")
+    report("bench-09-gpu-breakdown", f"Where one FP8 linear's forward + backward goes, {tokens} x {d_in} -> {d_out} "
+           f"(median ms per pass)", rows, args.device,
+           notes=f"at copy speed = MB moved / the bandwidth of a plain 1 GiB copy "
+                 f"({copy_bytes_per_ms / 1e6:.0f} GB/s here). The policy runs each pass once per forward + backward "
+                 f"(W's only when the optimizer changed W); bf16 ms: the same GEMM in bf16, for comparison.")
 
 
 # --- the Llama, one training step with each policy ----------------------------------------------
