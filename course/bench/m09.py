@@ -161,10 +161,7 @@ def overhead_breakdown(args):
                    scaling.quantize(dy, E5M2, amax["dy"]))
     w8_col, dy8_t, x8_col = matmul.column_major(w8), matmul.row_major(dy8.t()), matmul.column_major(x8)
     compiled = None if args.no_compile else torch.compile(scaling.quantize, dynamic=True)
-    # The bandwidth a pass over memory can reach: a plain copy of 1 GiB (read + write).
-    big = torch.empty(2 ** 30, dtype=torch.uint8, device=device)
-    copy_bytes_per_ms = 2 * big.numel() / gpu_ms(lambda: torch.empty_like(big).copy_(big), args.reps)
-    del big
+    copy_bytes_per_ms = copy_bandwidth(device, args.reps)
     bf16, fp8 = 2, 1  # bytes per value
     passes = [  # (pass, eager fn, compiled fn or None, bytes read + written)
         ("abs_max(x)", lambda: scaling.abs_max(x), None, x.numel() * bf16),
@@ -200,6 +197,12 @@ def overhead_breakdown(args):
            notes=f"at copy speed = MB moved / the bandwidth of a plain 1 GiB copy "
                  f"({copy_bytes_per_ms / 1e6:.0f} GB/s here). The policy runs each pass once per forward + backward "
                  f"(W's only when the optimizer changed W); bf16 ms: the same GEMM in bf16, for comparison.")
+
+
+def copy_bandwidth(device, reps: int) -> float:
+    """Bytes per millisecond a pass over memory can reach: a plain copy of 1 GiB (read + write)."""
+    big = torch.empty(2 ** 30, dtype=torch.uint8, device=device)
+    return 2 * big.numel() / gpu_ms(lambda: torch.empty_like(big).copy_(big), reps)
 
 
 # --- the Llama, one training step with each policy ----------------------------------------------
