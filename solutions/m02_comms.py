@@ -75,6 +75,7 @@ class PipelineComms:
     def recv_forward(self, shape, dtype=None) -> torch.Tensor:
         # >>> TODO(m02): allocate a buffer (shape, dtype or self.dtype, self.device), fill it from prev
         # Hint: torch.empty(...) then dist.recv(buffer, src); return the buffer.
+        # Hint: src = self._peer("prev", "recv_forward"): on the first rank it raises the clear error.
         buffer = torch.empty(shape, dtype=dtype or self.dtype, device=self.device)
         dist.recv(buffer, self._peer("prev", "recv_forward"))
         return buffer
@@ -83,11 +84,13 @@ class PipelineComms:
     # Backward: gradients flow from rank r + 1 back to rank r.
     def send_backward(self, tensor: torch.Tensor):
         # >>> TODO(m02): send the gradient `tensor` to the previous rank (blocking)
+        # Hint: as send_forward, with self._peer("prev", "send_backward").
         dist.send(tensor.contiguous(), self._peer("prev", "send_backward"))
         # <<<
 
     def recv_backward(self, shape, dtype=None) -> torch.Tensor:
         # >>> TODO(m02): allocate a buffer and fill it with the gradient from the next rank
+        # Hint: as recv_forward, with self._peer("next", "recv_backward").
         buffer = torch.empty(shape, dtype=dtype or self.dtype, device=self.device)
         dist.recv(buffer, self._peer("next", "recv_backward"))
         return buffer
@@ -98,11 +101,13 @@ class PipelineComms:
     # them: two neighbours that both block in send wait for each other forever.
     def isend_forward(self, tensor: torch.Tensor):
         # >>> TODO(m02): start sending `tensor` to the next rank; return the handle from dist.isend
+        # Hint: dist.isend(contiguous tensor, self._peer("next", "isend_forward")).
         return dist.isend(tensor.contiguous(), self._peer("next", "isend_forward"))
         # <<<
 
     def isend_backward(self, tensor: torch.Tensor):
         # >>> TODO(m02): start sending the gradient `tensor` to the previous rank; return the handle
+        # Hint: as isend_forward, with self._peer("prev", "isend_backward").
         return dist.isend(tensor.contiguous(), self._peer("prev", "isend_backward"))
         # <<<
 

@@ -189,16 +189,20 @@ class LlamaBlock:
         mm, a = self.matmul, store
         B, T, _ = dy.shape
         cos, sin = self.rope(T, dy.dtype, dy.device)
-        # >>> TODO(m06): the block's backward: the forward's ops in reverse order
-        # Hint: y = h + down(s): dh starts as dy. Then down, SwiGLU, gate + up (their dn2 add up),
-        #       residual_rmsnorm_backward gives the gradient of h's inputs x and the attention output,
-        #       then o, attention (self.attention.backward), RoPE (q and k), q/k/v (their dn1 add up),
-        #       ln1; dx = dh + dx_norm.
+        # >>> TODO(m06): backward of the FFN half: down, SwiGLU, gate and up, then the residual + norm
+        # Hint: y = h + down(s), so dy reaches both h and the down projection. Go down, SwiGLU, gate
+        #       and up (both read n2: their dn2 add up), then residual_rmsnorm_backward(dy, dn2, ...)
+        #       gives dh, the gradient of h = x + o W_o^T. Keep d_down, d_gate, d_up, d_ln2 for grads.
         ds, d_down = linear_backward(dy, a["s"], w.w_down, mm)
         dg, du = swiglu_backward(ds, a["g"], a["u"])
         dn2_gate, d_gate = linear_backward(dg, a["n2"], w.w_gate, mm)
         dn2_up, d_up = linear_backward(du, a["n2"], w.w_up, mm)
         dh, d_ln2 = residual_rmsnorm_backward(dy, dn2_gate + dn2_up, a["h"], a["r2"], w.ln2)
+        # <<<
+        # >>> TODO(m06): backward of the attention half: o projection, attention, RoPE, q/k/v, norm
+        # Hint: dh reaches x directly and through o W_o^T: o, then self.attention.backward, RoPE's
+        #       backward on dq and dk, the q/k/v projections (all read n1: their dn1 add up), then
+        #       rmsnorm_backward gives dx_norm. Return dh + dx_norm and a BlockWeights of the grads.
         do, d_wo = linear_backward(dh, a["o"], w.wo, mm)
         dq, dk, dv = self.attention.backward(do, a["q"], a["k"], a["v"], a["o"], a["lse"])
         dq, dk = rope_backward(dq, cos, sin), rope_backward(dk, cos, sin)

@@ -71,6 +71,7 @@ class FSDPLlama(LlamaModel):
         # >>> TODO(m07): the backward loop with explicit prefetch and a reduce-scatter per block
         # Hint: as in module 06: gather(last); for each layer from the last: gather(layer - 1) if any,
         #       get, block.backward, clear the store, release; then reduce_scatter_grad(layer, grads).
+        # Hint: return (dx, self.grad_shards).
         self.weights.gather(n_layers - 1)
         for layer in reversed(range(n_layers)):
             if layer > 0:
@@ -86,7 +87,8 @@ class FSDPLlama(LlamaModel):
     def reduce_scatter_grad(self, layer: int, grads):
         """Add this rank's slice of the block's gradient, summed over ranks and scaled, to its shard."""
         # >>> TODO(m07): flatten the block's gradient, reduce-scatter it, accumulate into grad_shards[layer]
-        # Hint: comm.reduce_scatter(shard_out, full_flat, label=...) sums over ranks; then add with alpha=grad_scale.
+        # Hint: comm.reduce_scatter(shard_out, full_flat, label=f"block {layer}") sums over ranks; then add
+        #       with alpha=grad_scale.
         full = self.layout.flatten(grads)
         mine = torch.empty_like(self.grad_shards[layer])
         self.comm.reduce_scatter(mine, full, label=f"block {layer}")

@@ -74,8 +74,9 @@ class ShardedWeights:
         check_gather(buf, layer)
         # >>> TODO(m07): start the all-gather of this layer's shards into the buffer, unless it is already there
         # Hint: a hit needs the same layer *and* the current version (the optimizer has not changed it since).
-        # Hint: otherwise comm.all_gather(buf.flat, self.shards[layer], label=..., async_op=True) -> keep the work
-        #       in buf.pending, and record layer and version. Either way the buffer is now GATHERING.
+        # Hint: otherwise comm.all_gather(buf.flat, self.shards[layer], label=f"block {layer}", async_op=True)
+        #       (the label names the layer in the log) -> keep the work in buf.pending, and record layer and
+        #       version. Either way the buffer is now GATHERING.
         if buf.layer == layer and buf.version == self.version:
             buf.pending = None  # still resident and current: nothing to send
         else:

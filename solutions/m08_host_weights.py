@@ -56,8 +56,9 @@ class HostWeights:
         dtype = blocks[0].wq.dtype
         self.copies = 0  # block copies issued (the benchmark's transfer count)
         # >>> TODO(m08): pinned host copies of the blocks, a side stream, two device buffers with two events each
-        # Hint: rt.pin(layout.flatten(block)) per block; rt.new_stream(); rt.empty(layout.padded_numel, dtype),
-        #       rt.new_event() for `ready` and for `released`.
+        # Hint: self.host = [rt.pin(layout.flatten(block)) per block]; self.copy_stream = rt.new_stream();
+        #       self.buffers = two DeviceBuffer(rt.empty(layout.padded_numel, dtype), ready=rt.new_event(),
+        #       released=rt.new_event()). The tests and the given code use these three names.
         self.host = [runtime.pin(self.layout.flatten(b)) for b in blocks]
         self.copy_stream = runtime.new_stream()
         self.buffers = [DeviceBuffer(runtime.empty(self.layout.padded_numel, dtype), runtime.new_event(),
@@ -83,7 +84,7 @@ class HostWeights:
     def get(self, layer: int) -> BlockWeights:
         buf = self.buffers[layer % 2]
         check_get(buf, layer)
-        # >>> TODO(m08): make the compute stream wait for the copy; return the block as views
+        # >>> TODO(m08): make the compute stream wait for the copy; mark the buffer IN_USE; return the block as views
         self.compute_stream.wait_event(buf.ready)
         buf.state = IN_USE
         return self.layout.views(buf.flat)
@@ -92,7 +93,7 @@ class HostWeights:
     def release(self, layer: int) -> None:
         buf = self.buffers[layer % 2]
         check_release(buf, layer)
-        # >>> TODO(m08): record that the compute queued so far is the last to read this buffer
+        # >>> TODO(m08): record that the compute queued so far is the last to read this buffer; mark it FREE
         buf.released.record(self.compute_stream)
         buf.state = FREE
         # <<<

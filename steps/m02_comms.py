@@ -58,15 +58,18 @@ class PipelineComms:
     def recv_forward(self, shape, dtype=None) -> torch.Tensor:
         # TODO(m02): allocate a buffer (shape, dtype or self.dtype, self.device), fill it from prev
         # Hint: torch.empty(...) then dist.recv(buffer, src); return the buffer.
+        # Hint: src = self._peer("prev", "recv_forward"): on the first rank it raises the clear error.
         raise NotImplementedError('TODO(m02): allocate a buffer (shape, dtype or self.dtype, self.device), fill it from prev')
 
     # Backward: gradients flow from rank r + 1 back to rank r.
     def send_backward(self, tensor: torch.Tensor):
         # TODO(m02): send the gradient `tensor` to the previous rank (blocking)
+        # Hint: as send_forward, with self._peer("prev", "send_backward").
         raise NotImplementedError('TODO(m02): send the gradient `tensor` to the previous rank (blocking)')
 
     def recv_backward(self, shape, dtype=None) -> torch.Tensor:
         # TODO(m02): allocate a buffer and fill it with the gradient from the next rank
+        # Hint: as recv_forward, with self._peer("next", "recv_backward").
         raise NotImplementedError('TODO(m02): allocate a buffer and fill it with the gradient from the next rank')
 
     # Non-blocking sends return a Work handle: call .wait() on it before the tensor is reused or
@@ -74,10 +77,12 @@ class PipelineComms:
     # them: two neighbours that both block in send wait for each other forever.
     def isend_forward(self, tensor: torch.Tensor):
         # TODO(m02): start sending `tensor` to the next rank; return the handle from dist.isend
+        # Hint: dist.isend(contiguous tensor, self._peer("next", "isend_forward")).
         raise NotImplementedError('TODO(m02): start sending `tensor` to the next rank; return the handle from dist.isend')
 
     def isend_backward(self, tensor: torch.Tensor):
         # TODO(m02): start sending the gradient `tensor` to the previous rank; return the handle
+        # Hint: as isend_forward, with self._peer("prev", "isend_backward").
         raise NotImplementedError('TODO(m02): start sending the gradient `tensor` to the previous rank; return the handle')
 
     def _peer(self, side: str, verb: str) -> int:

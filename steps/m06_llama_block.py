@@ -175,9 +175,13 @@ class LlamaBlock:
         mm, a = self.matmul, store
         B, T, _ = dy.shape
         cos, sin = self.rope(T, dy.dtype, dy.device)
-        # TODO(m06): the block's backward: the forward's ops in reverse order
-        # Hint: y = h + down(s): dh starts as dy. Then down, SwiGLU, gate + up (their dn2 add up),
-        #       residual_rmsnorm_backward gives the gradient of h's inputs x and the attention output,
-        #       then o, attention (self.attention.backward), RoPE (q and k), q/k/v (their dn1 add up),
-        #       ln1; dx = dh + dx_norm.
-        raise NotImplementedError("TODO(m06): the block's backward: the forward's ops in reverse order")
+        # TODO(m06): backward of the FFN half: down, SwiGLU, gate and up, then the residual + norm
+        # Hint: y = h + down(s), so dy reaches both h and the down projection. Go down, SwiGLU, gate
+        #       and up (both read n2: their dn2 add up), then residual_rmsnorm_backward(dy, dn2, ...)
+        #       gives dh, the gradient of h = x + o W_o^T. Keep d_down, d_gate, d_up, d_ln2 for grads.
+        raise NotImplementedError('TODO(m06): backward of the FFN half: down, SwiGLU, gate and up, then the residual + norm')
+        # TODO(m06): backward of the attention half: o projection, attention, RoPE, q/k/v, norm
+        # Hint: dh reaches x directly and through o W_o^T: o, then self.attention.backward, RoPE's
+        #       backward on dq and dk, the q/k/v projections (all read n1: their dn1 add up), then
+        #       rmsnorm_backward gives dx_norm. Return dh + dx_norm and a BlockWeights of the grads.
+        raise NotImplementedError('TODO(m06): backward of the attention half: o projection, attention, RoPE, q/k/v, norm')

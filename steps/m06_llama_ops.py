@@ -70,11 +70,12 @@ def linear_backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, matmul: 
 def rmsnorm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float):
     """n = x * r * weight with r = 1 / sqrt(mean(x^2) + eps) over the last dimension.
 
-    Returns (n, r). The backward needs x and r (r has one value per token, kept in float32):
-    saving r instead of recomputing it is cheap and spares a reduction over dim.
+    Returns (n, r): n in x's dtype, r (one value per token) in compute_dtype(x.dtype), float32 at
+    least. The backward needs x and r: saving r instead of recomputing it is cheap and spares a
+    reduction over dim.
     """
     # TODO(m06): RMSNorm forward; return (n, r) with r of shape x.shape[:-1]
-    # Hint: compute in compute_dtype(x.dtype) and cast n back to x.dtype.
+    # Hint: compute in compute_dtype(x.dtype), keep r in it, and cast n back to x.dtype.
     raise NotImplementedError('TODO(m06): RMSNorm forward; return (n, r) with r of shape x.shape[:-1]')
 
 
@@ -153,8 +154,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: 
     """Causal softmax(q k^T / sqrt(D)) v, with kv_heads <= heads (grouped-query attention).
 
     q is (B, T, heads, D), k and v are (B, T, kv_heads, D). Returns (o, lse): o is
-    (B, T, heads * D), ready for the output projection, and lse (B, kv_heads, group, T, float32)
-    is the log-sum-exp of each query's scores. Saving lse (one number per query and head)
+    (B, T, heads * D) in q's dtype, ready for the output projection, and lse (B, kv_heads, group, T,
+    in compute_dtype: float32 at least) is the log-sum-exp of each query's scores. Saving lse (one number per query and head)
     instead of the (T, T) probabilities lets the backward rebuild them exactly: p = exp(s - lse).
     Queries are processed `chunk` at a time, so only a (chunk, T) block of scores ever exists.
     """
@@ -164,8 +165,9 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: 
     outputs, lses = [], []
     for start in range(0, T, chunk):
         # TODO(m06): attention for queries start..start+chunk: append their output and lse
-        # Hint: s = _causal_scores(qg[..., start:start+chunk, :], kg, start, 1/sqrt(D)) has the
-        #       keys 0..stop in its last axis; lse = logsumexp(s); o = exp(s - lse) @ v[..., :stop, :].
+        # Hint: stop = min(start + chunk, T); s = _causal_scores(qg[..., start:stop, :], kg, start, 1/sqrt(D))
+        #       has the keys 0..stop in its last axis; lse = logsumexp(s, dim=-1);
+        #       p = exp(s - lse), cast to v's dtype; the chunk's output is p @ vg[..., :stop, :].
         raise NotImplementedError('TODO(m06): attention for queries start..start+chunk: append their output and lse')
     o = torch.cat(outputs, dim=-2)  # (B, kv_heads, group, T, D)
     return o.flatten(1, 2).transpose(1, 2).reshape(B, T, heads * D), torch.cat(lses, dim=-1)
@@ -192,6 +194,7 @@ def attention_backward(do: torch.Tensor, q, k, v, o, lse, chunk: int = ATTENTION
         # TODO(m06): backward of one query chunk: append its dq, accumulate dk and dv
         # Hint: recompute s and p = exp(s - lse) for the chunk; dv[:stop] += p^T do;
         # Hint: dp = do v^T; ds = p (dp - delta); dq = ds k * scale; dk[:stop] += ds^T q * scale.
+        # Hint: p, dp and ds are in lse's dtype; cast p and ds to q's dtype before they multiply q, k, v or do.
         raise NotImplementedError('TODO(m06): backward of one query chunk: append its dq, accumulate dk and dv')
     dq = torch.cat(dqs, dim=-2).flatten(1, 2).transpose(1, 2)
     # Sum over the group of query heads that shared each key/value head.

@@ -58,8 +58,9 @@ class HostWeights:
         dtype = blocks[0].wq.dtype
         self.copies = 0  # block copies issued (the benchmark's transfer count)
         # TODO(m08): pinned host copies of the blocks, a side stream, two device buffers with two events each
-        # Hint: rt.pin(layout.flatten(block)) per block; rt.new_stream(); rt.empty(layout.padded_numel, dtype),
-        #       rt.new_event() for `ready` and for `released`.
+        # Hint: self.host = [rt.pin(layout.flatten(block)) per block]; self.copy_stream = rt.new_stream();
+        #       self.buffers = two DeviceBuffer(rt.empty(layout.padded_numel, dtype), ready=rt.new_event(),
+        #       released=rt.new_event()). The tests and the given code use these three names.
         raise NotImplementedError('TODO(m08): pinned host copies of the blocks, a side stream, two device buffers with two events each')
 
     def gather(self, layer: int) -> None:
@@ -77,14 +78,14 @@ class HostWeights:
     def get(self, layer: int) -> BlockWeights:
         buf = self.buffers[layer % 2]
         check_get(buf, layer)
-        # TODO(m08): make the compute stream wait for the copy; return the block as views
-        raise NotImplementedError('TODO(m08): make the compute stream wait for the copy; return the block as views')
+        # TODO(m08): make the compute stream wait for the copy; mark the buffer IN_USE; return the block as views
+        raise NotImplementedError('TODO(m08): make the compute stream wait for the copy; mark the buffer IN_USE; return the block as views')
 
     def release(self, layer: int) -> None:
         buf = self.buffers[layer % 2]
         check_release(buf, layer)
-        # TODO(m08): record that the compute queued so far is the last to read this buffer
-        raise NotImplementedError('TODO(m08): record that the compute queued so far is the last to read this buffer')
+        # TODO(m08): record that the compute queued so far is the last to read this buffer; mark it FREE
+        raise NotImplementedError('TODO(m08): record that the compute queued so far is the last to read this buffer; mark it FREE')
 
     def invalidate(self) -> None:
         """The host weights are about to change (or have): no copy may still be reading them."""

@@ -54,6 +54,8 @@ def check_scaled_mm_operands(a: torch.Tensor, b: torch.Tensor) -> None:
     # Hint: check, in order: 2-D operands with matching inner dimension; FP8 dtypes and not both
     #       e5m2; every dimension a multiple of 16; a.stride(1) == 1 (row-major); b.stride(0) == 1
     #       (column-major).
+    # Hint: each message names the rule it checks ("2-D", "inner dimension", "FP8", "e5m2", "16",
+    #       "row-major", "column-major"): the tests look for those words.
     raise NotImplementedError('TODO(m09): check the CUDA rules for torch._scaled_mm')
 
 
@@ -179,4 +181,5 @@ class FP8Matmul(Matmul):
         # TODO(m09): dx = dy W and dW = dy^T x, with dy in e5m2
         # Hint: quantize dy to e5m2; W in e4m3, column-major, is self.weights.column_major(w).
         # Hint: dW sums over tokens, which neither dy nor x stores contiguously: both need a copy.
+        # Hint: dx comes out in dy's dtype, dW in w's dtype (bf16 in, bf16 out).
         raise NotImplementedError('TODO(m09): dx = dy W and dW = dy^T x, with dy in e5m2')

@@ -13,9 +13,9 @@ The options follow the llm.q trainer:
 
     none       keep everything
     swiglu     drop s = silu(g) u                         recompute: one elementwise op
-    norms      drop the RMSNorm outputs n1, n2 (and r)    recompute: two norms
-    ffn        drop n2, g, u, s                           recompute: norm, gate and up matmuls, SwiGLU
-    attention  drop n1, q, k, v, o, lse                   recompute: norm, q/k/v matmuls, RoPE, attention
+    norms      drop the RMSNorm outputs n1, n2, r1, r2    recompute: two norms
+    ffn        drop n2, r2, g, u, s                       recompute: norm, gate and up matmuls, SwiGLU
+    attention  drop n1, r1, q, k, v, o, lse               recompute: norm, q/k/v matmuls, RoPE, attention
     block      keep only the block input x                recompute: the whole block but the down matmul
 
 With module 09's FP8Matmul the linear inputs n1, n2 and s are kept as e4m3 with their abs-maxes.

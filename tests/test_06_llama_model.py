@@ -91,6 +91,14 @@ def test_the_model_loop_follows_the_weight_source_protocol():
     gets = [layer for call, layer in source.calls if call == "get"]
     assert gets == [0, 1, 2, 2, 1, 0], f"layers were fetched in the order {gets}; expected forward then reverse"
     assert not source.pending, f"layers {sorted(source.pending)} were gathered and never released"
+    # Prefetch: the next layer's gather is issued before this layer's get, so the fetch of l + 1
+    # (l - 1 in backward) can run while layer l computes. Modules 07 and 08 depend on this order.
+    forward = [("gather", 0), ("gather", 1), ("get", 0), ("release", 0), ("gather", 2), ("get", 1),
+               ("release", 1), ("get", 2), ("release", 2)]
+    backward = [("gather", 2), ("gather", 1), ("get", 2), ("release", 2), ("gather", 0), ("get", 1),
+                ("release", 1), ("get", 0), ("release", 0)]
+    assert source.calls == forward + backward, \
+        f"expected the calls\n  {forward}\n  {backward}\ngot\n  {source.calls}"
 
 
 def test_activation_stores_are_emptied_by_the_backward():

@@ -170,3 +170,28 @@ def test_swiglu_matches_autograd():
 def test_swiglu_gradcheck():
     gradcheck_through(lambda g, u: (ops.swiglu_forward(g, u), (g, u)), ops.swiglu_backward,
                       [randn(2, 5, seed=1), randn(2, 5, seed=2)])
+
+
+# --- bf16: activations in the input's dtype, per-token statistics in float32 --------------------
+
+def test_bf16_keeps_activations_in_bf16_and_statistics_in_float32():
+    # Module 10 counts the bytes a block keeps and the GPU benchmarks train in bf16: every
+    # activation and gradient must come back in the input's dtype, and only the per-token
+    # statistics (r, lse) in float32, where their sums are accurate.
+    bf16, f32 = torch.bfloat16, torch.float32
+    x, a, weight = (randn(2, 5, 16, seed=s).to(bf16) for s in (1, 2, 3))
+    n, r = ops.rmsnorm_forward(x, weight, 1e-5)
+    h, n2, r2 = ops.residual_rmsnorm_forward(x, a, weight, 1e-5)
+    q, k, v = randn(2, 5, 4, 8, seed=4).to(bf16), randn(2, 5, 2, 8, seed=5).to(bf16), randn(2, 5, 2, 8, seed=6).to(bf16)
+    cos, sin = ops.rope_tables(5, 8, 10000.0, dtype=bf16)  # the block makes its tables in x's dtype
+    o, lse = ops.attention_forward(q, k, v, 2)
+    got = {"rmsnorm n": n, "rmsnorm r": r, "residual h": h, "residual n": n2, "residual r": r2,
+           "rope": ops.rope_forward(q, cos, sin), "attention o": o, "attention lse": lse,
+           "swiglu": ops.swiglu_forward(x, a),
+           **dict(zip(("rmsnorm dx", "rmsnorm dweight"), ops.rmsnorm_backward(n, x, r, weight))),
+           **dict(zip(("attention dq", "attention dk", "attention dv"), ops.attention_backward(o, q, k, v, o, lse, 2)))}
+    for name, t in got.items():
+        expected = f32 if name.endswith((" r", " lse")) else bf16
+        assert t.dtype == expected, f"{name}: expected {expected}, got {t.dtype}"
+    reference = reference_attention(q.double(), k.double(), v.double())
+    assert (o.double() - reference).abs().max() < 0.05, "bf16 attention output is far from the float64 one"

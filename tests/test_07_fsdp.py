@@ -150,12 +150,19 @@ class RecordingCollectives(Collectives):
         self.events = events
 
     def all_gather(self, output, shard, label="", async_op=False):
-        self.events.append(("all_gather", int(label.split()[-1])))
+        self.events.append(("all_gather", layer_of(label)))
         return super().all_gather(output, shard, label, async_op)
 
     def reduce_scatter(self, shard, full, label="", async_op=False):
-        self.events.append(("reduce_scatter", int(label.split()[-1])))
+        self.events.append(("reduce_scatter", layer_of(label)))
         return super().reduce_scatter(shard, full, label, async_op)
+
+
+def layer_of(label: str) -> int:
+    """The layer a collective's label names ("block 3" -> 3), as the hints ask."""
+    words = label.split()
+    assert words and words[-1].isdigit(), f'a block\'s collective needs label=f"block {{layer}}", got label={label!r}'
+    return int(words[-1])
 
 
 def _record_steps(steps, micro_steps):
