@@ -38,8 +38,10 @@ def fsdp_traffic(block_params: int, dtype_bytes: int, world_size: int, blocks: i
     if not 0 <= kept <= min(2, blocks):
         raise ValueError(f"kept must be between 0 and min(2, blocks) = {min(2, blocks)}, got {kept}")
     # >>> TODO(m07): the payload, the number of collectives and the buffer sizes
-    # Hint: turns: 2 * micro_steps - 1 (forward -> backward, and backward -> next forward);
-    # Hint: all-gathers = 2 * blocks * micro_steps - kept * turns; one reduce-scatter per block and micro-step.
+    # Hint: each forward and each backward gathers every block, except that at a *turn* (forward ->
+    #       backward, or backward -> next forward within the step) the `kept` blocks still in the
+    #       buffers are reused. How many turns does one optimizer step have?
+    # Hint: every payload is one shard: block_params / world_size rounded up, times dtype_bytes.
     shard_bytes = -(-block_params // world_size) * dtype_bytes
     turns = 2 * micro_steps - 1
     all_gathers = 2 * blocks * micro_steps - kept * turns
