@@ -146,10 +146,14 @@ def _die_with_parent():
         ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def _describe_exception(exc, rank, world_size) -> str:
+def where_raised(exc: BaseException) -> str:
+    """' (at steps/m06_llama_model.py:141 in forward_blocks)': the innermost course frame, or ''."""
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if _is_course_file(f.filename)]
-    where = f" (at {_short(frames[-1].filename)}:{frames[-1].lineno} in {frames[-1].name})" if frames else ""
-    first_line = f"rank {rank} of {world_size} raised {type(exc).__name__}: {exc}{where}"
+    return f" (at {_short(frames[-1].filename)}:{frames[-1].lineno} in {frames[-1].name})" if frames else ""
+
+
+def _describe_exception(exc, rank, world_size) -> str:
+    first_line = f"rank {rank} of {world_size} raised {type(exc).__name__}: {exc}{where_raised(exc)}"
     return first_line + "\n\n" + "".join(traceback.format_exception(exc))
 
 

@@ -26,6 +26,8 @@ BEGIN = re.compile(r"^(?P<indent>\s*)# >>> (?P<title>TODO\((?P<module>m\d\d)\): 
 END = re.compile(r"^\s*# <<<\s*$")
 HEADER = ("# Generated from solutions/{name} by `python -m course.skeleton`: fill in the TODOs.\n"
           "# Grade your work with `python main.py grade {number}`.\n")
+GIVEN_HEADER = ("# Generated from solutions/{name} by `python -m course.skeleton`. Given code: nothing\n"
+                "# to fill in here; read it, then run it with `python main.py run {number}`.\n")
 
 
 class MarkerError(ValueError):
@@ -66,10 +68,12 @@ def generate(solutions: Path = REPO / "solutions") -> dict[str, str]:
     """File name -> skeleton text, for every Python file in solutions/."""
     files = {}
     for path in sorted(solutions.glob("*.py")):
-        text = skeletonize(path.read_text(), path.name)
+        source = path.read_text()
+        text = skeletonize(source, path.name)
         number = path.name[1:3] if re.match(r"m\d\d_", path.name) else None
         if number is not None:
-            text = HEADER.format(name=path.name, number=number) + text
+            header = HEADER if text != source else GIVEN_HEADER
+            text = header.format(name=path.name, number=number) + text
         files[path.name] = text
     return files
 

@@ -1,5 +1,5 @@
-# Generated from solutions/m00_monolith.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 00`.
+# Generated from solutions/m00_monolith.py by `python -m course.skeleton`. Given code: nothing
+# to fill in here; read it, then run it with `python main.py run 00`.
 """Module 00 - the monolith.
 
 A 16-layer MLP (Linear + ReLU, width 128) with a 2-class head, trained with Adam on one fixed

@@ -1,5 +1,5 @@
-# Generated from solutions/m09_fp8.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 09`.
+# Generated from solutions/m09_fp8.py by `python -m course.skeleton`. Given code: nothing
+# to fill in here; read it, then run it with `python main.py run 09`.
 """Module 09 - FP8 matmuls: train module 06's Llama with FP8 linears beside the fp32 run.
 
 Both runs start from the same weights and see the same batches; they differ only in the matmul

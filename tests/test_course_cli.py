@@ -42,6 +42,19 @@ def test_run_reports_an_unfinished_todo_in_one_line(tmp_path):
     assert "raised NotImplementedError: TODO(m02)" in run.stderr and "--impl solutions" in run.stderr
 
 
+def test_run_help_lists_the_modules_own_options(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main.parse(["run", "05", "--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert "--nproc" in out and "--schedule" in out and "--chunks" in out, out
+
+
+def test_grading_a_given_module_says_so(capsys):
+    main.main(["grade", "00"])  # no graded test and nothing to fill in: not a failure
+    assert "module 00 is given" in capsys.readouterr().out
+
+
 def test_list_and_torchrun():
     listing = subprocess.run([sys.executable, "main.py", "list"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert listing.returncode == 0 and "04" in listing.stdout

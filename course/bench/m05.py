@@ -104,7 +104,9 @@ def run(world_size, chunks, schedule, steps, emulate_ms) -> dict:
     try:
         theirs = run_ranks(_theirs, world_size, schedule, world_size, chunks, steps, emulate_ms, timeout=300)
     except Exception as exc:  # e.g. a configuration PyTorch refuses: report it, keep the table
-        row.update(torch_step_ms="n/a", ours_over_torch="n/a", same_as_torch=str(exc).splitlines()[0][:60])
+        reason = str(exc).splitlines()[0].split(" raised ", 1)[-1]
+        print(f"  (torch.distributed.pipelining refused P={world_size}, M={chunks}, {schedule}: {reason})")
+        row.update(torch_step_ms="n/a", ours_over_torch="n/a", same_as_torch="n/a (refused)")
         return row
     mine = [(p["steps"], None, None) for p in profiles]
     ours_time = _step_time([m[0] for m in mine])
