@@ -13,7 +13,7 @@ For blocks of P parameters of b bytes each, sharded over N ranks (padded to a mu
 A block that is still in a buffer when it is needed again (same layer, weights unchanged since it
 was gathered) is reused without a collective: `kept` such blocks at each turn between a forward
 and a backward save `kept` all-gathers per turn. Our double buffer keeps the last two layers, so
-kept = min(2, blocks); PyTorch's notes count with kept = 0.
+kept = min(2, blocks); PyTorch's FSDP Notes (its worked example of buffer sizes) count with kept = 0.
 """
 from dataclasses import dataclass
 
