@@ -7,7 +7,7 @@ on, and the last rank produces the logits.
 
 For the split to be an exact copy of the monolith, every rank must start from the monolith's
 weights for its layers. We get them by replaying the monolith's construction from the same seed:
-every rank creates every layer in order (one at a time, so at most one extra layer is alive) and
+every rank creates every layer in order (one at a time, so at most two extra layers are alive) and
 keeps only its own. Approximating the random stream instead (say, seeding each rank differently)
 gives a different model, and the loss curves no longer agree.
 """
