@@ -88,10 +88,19 @@ def cmd_run(args):
         sys.exit(1)
 
 
+def test_files_in_build_order(number: str) -> list[str]:
+    """Module NN's test files, those of the files it builds on first (06: ops, block, model), so a
+    scorecard's first failure is the root cause, not a symptom further up."""
+    def builds_on(test: Path) -> int:  # how many files of the same module its solution imports
+        solution = REPO / "solutions" / f"m{test.stem.removeprefix('test_')}.py"
+        return solution.read_text().count(f"from .m{number}_") if solution.exists() else 0
+    return [str(p) for p in sorted((REPO / "tests").glob(f"test_{number}_*.py"), key=lambda p: (builds_on(p), p.name))]
+
+
 def cmd_grade(args):
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "grades.json"
-        test_files = [str(p) for p in sorted((REPO / "tests").glob(f"test_{args.number}_*.py"))]
+        test_files = test_files_in_build_order(args.number)
         proc = subprocess.run(
             [sys.executable, "-m", "pytest", *test_files, "-q", "-p", "no:cacheprovider",
              "-m", "not given", f"--impl={args.impl}", f"--grading-json={report}"],

@@ -63,9 +63,10 @@ class ReferenceBlock(nn.Module):
         return self
 
     def grads(self) -> dict:
-        out = {name: getattr(self, name).grad for name in ("ln1", "ln2")}
-        out.update({name: getattr(self, name).weight.grad for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")})
-        return out
+        """Every weight's gradient, in the order a backward produces them (the last op's first)."""
+        order = ("w_down", "w_gate", "w_up", "ln2", "wo", "wq", "wk", "wv", "ln1")
+        return {name: (getattr(self, name).grad if name.startswith("ln") else getattr(self, name).weight.grad)
+                for name in order}
 
 
 class ReferenceLlama(nn.Module):

@@ -201,8 +201,9 @@ class LlamaBlock:
         # <<<
         # >>> TODO(m06): backward of the attention half: o projection, attention, RoPE, q/k/v, norm
         # Hint: dh reaches x directly and through o W_o^T: o, then self.attention.backward, RoPE's
-        #       backward on dq and dk, the q/k/v projections (all read n1: their dn1 add up), then
-        #       rmsnorm_backward gives dx_norm. Return dh + dx_norm and a BlockWeights of the grads.
+        #       backward on dq and dk, the q/k/v projections (all read n1: their dn1 add up; reshape
+        #       dq, dk, dv from (B, T, heads, D) to (B, T, -1) first), then rmsnorm_backward gives
+        #       dx_norm. Return dh + dx_norm and a BlockWeights of the grads.
         do, d_wo = linear_backward(dh, a["o"], w.wo, mm)
         dq, dk, dv = self.attention.backward(do, a["q"], a["k"], a["v"], a["o"], a["lse"])
         dq, dk = rope_backward(dq, cos, sin), rope_backward(dk, cos, sin)

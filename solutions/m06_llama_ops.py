@@ -87,7 +87,8 @@ def rmsnorm_backward(dn: torch.Tensor, x: torch.Tensor, r: torch.Tensor, weight:
     """(dx, dweight) for rmsnorm_forward, from the saved x and r."""
     # >>> TODO(m06): RMSNorm backward
     # Hint: with xhat = x r and g = dn * weight:  dweight = sum over tokens of dn * xhat,
-    #       dx = r * (g - xhat * mean(g * xhat)) over the last dimension.
+    #       dx = r * (g - xhat * mean(g * xhat)) over the last dimension. Compute in r's dtype;
+    #       return dx in x's dtype and dweight in weight's dtype.
     xf = x.to(r.dtype)
     xhat = xf * r.unsqueeze(-1)
     dnf = dn.to(r.dtype)
@@ -171,9 +172,10 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: 
     """Causal softmax(q k^T / sqrt(D)) v, with kv_heads <= heads (grouped-query attention).
 
     q is (B, T, heads, D), k and v are (B, T, kv_heads, D). Returns (o, lse): o is
-    (B, T, heads * D) in q's dtype, ready for the output projection, and lse (B, kv_heads, group, T,
-    in compute_dtype: float32 at least) is the log-sum-exp of each query's scores. Saving lse (one number per query and head)
-    instead of the (T, T) probabilities lets the backward rebuild them exactly: p = exp(s - lse).
+    (B, T, heads * D) in q's dtype, ready for the output projection, and lse, shaped
+    (B, kv_heads, group, T) in compute_dtype (float32 at least), is the log-sum-exp of each
+    query's scores. Saving lse (one number per query and head) instead of the (T, T)
+    probabilities lets the backward rebuild them exactly: p = exp(s - lse).
     Queries are processed `chunk` at a time, so only a (chunk, T) block of scores ever exists.
     """
     B, T, heads, D = q.shape
@@ -182,9 +184,9 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: 
     outputs, lses = [], []
     for start in range(0, T, chunk):
         # >>> TODO(m06): attention for queries start..start+chunk: append their output and lse
-        # Hint: stop = min(start + chunk, T); s = _causal_scores(qg[..., start:stop, :], kg, start, 1/sqrt(D))
-        #       has the keys 0..stop in its last axis; lse = logsumexp(s, dim=-1);
-        #       p = exp(s - lse), cast to v's dtype; the chunk's output is p @ vg[..., :stop, :].
+        # Hint: stop = min(start + chunk, T); s = _causal_scores(qg[..., start:stop, :], kg, start,
+        #       1/sqrt(D)) has the keys 0..stop in its last axis; lse = logsumexp(s, dim=-1);
+        #       p = exp(s - lse[..., None]), cast to v's dtype; the chunk's output is p @ vg[..., :stop, :].
         stop = min(start + chunk, T)
         scores = _causal_scores(qg[..., start:stop, :], kg, start, 1.0 / math.sqrt(D))
         lse = torch.logsumexp(scores, dim=-1)
@@ -215,8 +217,9 @@ def attention_backward(do: torch.Tensor, q, k, v, o, lse, chunk: int = ATTENTION
     dv = torch.zeros_like(dk)
     for start in range(0, T, chunk):
         # >>> TODO(m06): backward of one query chunk: append its dq, accumulate dk and dv
-        # Hint: recompute s and p = exp(s - lse) for the chunk; dv[:stop] += p^T do;
-        # Hint: dp = do v^T; ds = p (dp - delta); dq = ds k * scale; dk[:stop] += ds^T q * scale.
+        # Hint: for the chunk's queries (the time axis is -2; slice lse and delta with [..., start:stop]):
+        #       recompute s and p = exp(s - lse[..., None]); dv[..., :stop, :] += p^T do;
+        # Hint: dp = do v^T; ds = p (dp - delta[..., None]); dq = ds k * scale; dk[..., :stop, :] += ds^T q * scale.
         # Hint: p, dp and ds are in lse's dtype; cast p and ds to q's dtype before they multiply q, k, v or do.
         stop = min(start + chunk, T)
         q_chunk, do_chunk = qg[..., start:stop, :], dog[..., start:stop, :]

@@ -182,6 +182,7 @@ class LlamaBlock:
         raise NotImplementedError('TODO(m06): backward of the FFN half: down, SwiGLU, gate and up, then the residual + norm')
         # TODO(m06): backward of the attention half: o projection, attention, RoPE, q/k/v, norm
         # Hint: dh reaches x directly and through o W_o^T: o, then self.attention.backward, RoPE's
-        #       backward on dq and dk, the q/k/v projections (all read n1: their dn1 add up), then
-        #       rmsnorm_backward gives dx_norm. Return dh + dx_norm and a BlockWeights of the grads.
+        #       backward on dq and dk, the q/k/v projections (all read n1: their dn1 add up; reshape
+        #       dq, dk, dv from (B, T, heads, D) to (B, T, -1) first), then rmsnorm_backward gives
+        #       dx_norm. Return dh + dx_norm and a BlockWeights of the grads.
         raise NotImplementedError('TODO(m06): backward of the attention half: o projection, attention, RoPE, q/k/v, norm')

@@ -79,7 +79,8 @@ def chunked_cross_entropy(x: torch.Tensor, w_head: torch.Tensor, targets: torch.
     for start in range(0, n_tokens, chunk):
         # TODO(m06): loss and gradients of one chunk of tokens
         # Hint: logits in compute_dtype; loss += sum(lse - logit of the target);
-        # Hint: dlogits = (softmax - onehot(target)) / n_tokens; dx[chunk] = dlogits w; dw += dlogits^T x.
+        # Hint: dlogits = (softmax - onehot(target)) / n_tokens, cast to x's dtype (bf16 models multiply
+        #       in bf16); dx[chunk] = dlogits w; dw += dlogits^T x.
         raise NotImplementedError('TODO(m06): loss and gradients of one chunk of tokens')
     return loss / n_tokens, dx.reshape(x.shape), dw.to(w_head.dtype)
 

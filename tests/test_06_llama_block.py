@@ -4,6 +4,7 @@ import dataclasses
 import pytest
 import torch
 
+from course.compare import assert_all_close
 from course.impl import load
 from course.reference_llama import ReferenceBlock
 
@@ -44,10 +45,8 @@ def test_block_backward_gives_every_gradient_of_the_reference_block(name):
     dx, grads = block.backward(weights, dy, store)
     x_ref = x.clone().requires_grad_(True)
     reference(x_ref).backward(dy)
-    torch.testing.assert_close(dx, x_ref.grad, rtol=1e-9, atol=1e-10, msg=lambda m: f"dx: {m}")
-    for name, expected in reference.grads().items():
-        torch.testing.assert_close(getattr(grads, name), expected, rtol=1e-9, atol=1e-10,
-                                   msg=lambda m: f"gradient of {name}: {m}")
+    assert_all_close([*((f"d{name}", getattr(grads, name), want) for name, want in reference.grads().items()),
+                      ("dx", dx, x_ref.grad)], rtol=1e-9, atol=1e-10)
 
 
 def test_every_linear_goes_through_the_matmul_policy():
