@@ -177,11 +177,24 @@ def _collect(procs, conns, tmp, timeout):
             except EOFError:
                 procs[rank].join(1.0)
                 raise RankFailed(f"rank {rank} of {len(procs)} died without a result "
-                                 f"(exit code {procs[rank].exitcode})") from None
+                                 f"({_why_it_died(procs[rank].exitcode)})") from None
             if status == "error":
                 raise RankFailed(value)
             results[rank] = value
     return results
+
+
+def _why_it_died(exitcode) -> str:
+    """A dead rank's exit code in words; a negative code is the signal that killed it."""
+    if exitcode is None or exitcode >= 0:
+        return f"exit code {exitcode}"
+    name = signal.Signals(-exitcode).name
+    causes = {"SIGABRT": "the C++ runtime aborted, often gloo on collectives that differ between ranks "
+                         "(sizes, order, or one rank skipping one); its own message went to stderr "
+                         "(pytest shows it under 'Captured stderr')",
+              "SIGKILL": "killed from outside, often for running out of memory",
+              "SIGSEGV": "a crash in native code"}
+    return f"killed by {name}" + (f": {causes[name]}" if name in causes else "")
 
 
 def _stuck_report(procs, stuck, tmp, what) -> str:

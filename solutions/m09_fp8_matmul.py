@@ -7,11 +7,11 @@ in backward two more matmuls of the same size:
     input grad     dx = dy W        dy: e5m2, W: e4m3
     weight grad    dW = dy^T x      dy: e5m2, x: e4m3 (the one quantized in forward, kept in the store)
 
-Each runs through torch._scaled_mm(a, b, scale_a, scale_b, out_dtype), which multiplies FP8
-matrices, applies both scales in its fp32 accumulator and writes out_dtype (bf16 or fp32).
-On CUDA it has layout rules (CPU is laxer, so we check them ourselves):
+Each runs through torch._scaled_mm(a, b, scale_a=..., scale_b=..., out_dtype=...), which multiplies
+FP8 matrices, applies both scales in its fp32 accumulator and writes out_dtype (bf16 or fp32).
+On an H100 it has layout rules (CPU is laxer, so we check them ourselves):
   - a is row-major and b is column-major,
-  - every dimension is a multiple of 16,
+  - K and N are multiples of 16 (we also require M: the forward's tokens are K in dW = dy^T x),
   - at most one operand is e5m2 (there is no e5m2 x e5m2 kernel).
 
 The Llama block of module 06 sends every linear through a `Matmul` policy: `prepare(x, store,
@@ -168,7 +168,8 @@ class FP8Matmul(Matmul):
 
     def prepare(self, x: torch.Tensor, store, name: str):
         # >>> TODO(m09): quantize a linear input once; keep it and its abs-max in the store
-        # Hint: an input too small for FP8 (uses_fp8 on its tokens and features) goes to Matmul.prepare.
+        # Hint: an input too small for FP8 goes to Matmul.prepare. x may be (B, T, features): ask
+        #       uses_fp8(tokens, features) with tokens = x.numel() // x.shape[-1].
         # Hint: its abs-max: the one under abs_max_name(name) if the store has it (a recompute), else abs_max(x);
         #       save it there, then save and return self.quantize(x, E4M3, amax) under `name`.
         if not self.uses_fp8(x.numel() // x.shape[-1], x.shape[-1]):

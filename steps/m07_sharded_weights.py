@@ -40,6 +40,9 @@ def check_gather(buf, layer: int):
 
 
 def check_get(buf, layer: int):
+    if buf.layer == layer and buf.state == FREE:
+        raise RuntimeError(f"get({layer}): its buffer holds layer {layer} but is {FREE}; gather({layer}) must "
+                           f"mark it {GATHERING}, also when the layer is still there")
     if buf.layer != layer or buf.state != GATHERING:
         raise RuntimeError(f"get({layer}) without a gather({layer}) before it "
                            f"(its buffer holds layer {buf.layer}, {buf.state})")

@@ -1,5 +1,6 @@
 """The launcher every multi-rank test and demo relies on: results, fast failure, timeouts, cleanup."""
 import os
+import resource
 import time
 from pathlib import Path
 
@@ -94,6 +95,18 @@ def _exit_abruptly():
 def test_a_rank_that_dies_without_a_word_is_reported():
     with pytest.raises(RankFailed, match=r"rank 0 of 2 died without a result \(exit code 3\)"):
         run_ranks(_exit_abruptly, 2, timeout=20)
+
+
+def _abort():
+    if dist.get_rank() == 1:
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core file left behind
+        os.abort()  # what the C++ runtime does on, e.g., mismatched gloo collectives
+    return "fine"
+
+
+def test_a_rank_killed_by_a_signal_is_reported_with_the_likely_cause():
+    with pytest.raises(RankFailed, match=r"rank 1 of 2 died without a result \(killed by SIGABRT: .*gloo"):
+        run_ranks(_abort, 2, timeout=20)
 
 
 def test_without_a_group_ranks_get_torchrun_variables_only():
