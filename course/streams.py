@@ -130,6 +130,7 @@ class FakeRuntime:
         self.host = HostTimeline(self, "host")
         self._current = self.compute
         self.streams = 0
+        self.pinned: set[int] = set()  # addresses of the host memory pin() returned
 
     def current_stream(self) -> FakeStream:
         return self._current
@@ -150,11 +151,16 @@ class FakeRuntime:
             self._current = previous
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor):
+        if address(src) not in self.pinned:  # a GPU would make the host wait: no overlap
+            raise RuntimeError("copy from host memory that is not pinned: the copy would block the host "
+                               "instead of running beside compute; keep the host copies made by rt.pin()")
         self._current.add("copy", reads=[address(src)], writes=[address(dst)])
         dst.copy_(src)
 
     def pin(self, t: torch.Tensor) -> torch.Tensor:
-        return t.clone()  # no page-locked memory without a GPU; the graph is what we check
+        pinned = t.clone()  # no page-locked memory without a GPU; the graph is what we check
+        self.pinned.add(address(pinned))
+        return pinned
 
     def empty(self, n: int, dtype) -> torch.Tensor:
         return torch.empty(n, dtype=dtype)

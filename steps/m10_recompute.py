@@ -20,7 +20,7 @@ The options follow the llm.q trainer:
 
 With module 09's FP8Matmul the linear inputs n1, n2 and s are kept as e4m3 with their abs-maxes.
 The abs-maxes (4 bytes each) are kept whatever the option, so the recompute quantizes with the
-forward's scales (skipping the abs-max pass) and gives the same FP8 values, bit for bit.
+forward's scales and skips the abs-max pass (an exact recompute would find the same ones).
 """
 import torch
 

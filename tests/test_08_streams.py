@@ -15,7 +15,7 @@ import torch
 
 from course.gpu_check import needs_gpu, run_cuda_check
 from course.impl import load, reference
-from course.streams import FakeRuntime, find_hazards, record_compute
+from course.streams import FakeRuntime, find_hazards, record_compute, schedule
 
 m08 = load("m08_host_weights")
 m06 = reference("m06_llama_model")
@@ -47,8 +47,20 @@ def run_steps(model, runtime, steps=2):
 
 def describe(hazards):
     a, b = hazards[0]
-    return (f"{len(hazards)} hazards; first: '{a.label}' on {a.stream} (op {a.index}) and '{b.label}' on "
-            f"{b.stream} (op {b.index}) touch the same memory in no fixed order")
+    found = (f"{len(hazards)} hazards; first: '{a.label}' on {a.stream} (op {a.index}) and '{b.label}' on "
+             f"{b.stream} (op {b.index}) touch the same memory in no fixed order")
+    if a.label.startswith("block") and b.label == "copy":
+        why = ("a copy may overwrite a buffer that compute still reads: in gather(), the copy stream must wait "
+               "for buf.released, which release() records on the compute stream")
+    elif a.label == "copy" and b.label.startswith("block"):
+        why = ("compute may read a buffer before the copy into it has finished: get() must make the compute "
+               "stream wait for buf.ready, which gather() records on the copy stream after the copy")
+    elif a.label == "copy":
+        why = ("the host may write weights that a copy is still reading: invalidate() must wait for the "
+               "copies (synchronize) before the optimizer writes")
+    else:
+        why = "two operations on the same memory need an event between them"
+    return f"{found}: {why}"
 
 
 def test_streamed_step_equals_the_resident_step_bit_for_bit():
@@ -78,6 +90,48 @@ def test_copies_run_on_a_side_stream_and_the_host_never_waits_inside_a_step():
     assert len(copies) == 2 * CFG.n_layers - 2, \
         f"{len(copies)} copies in a step; expected {2 * CFG.n_layers - 2} (the last two blocks stay for the backward)"
     assert not runtime.host.waits, "the host waited for a stream during the step: gather/get/release must only queue work"
+
+
+def test_after_invalidate_every_block_is_copied_again():
+    # The optimizer changed the host weights: a block still in a buffer is stale and must not be reused.
+    model, runtime = streamed_model()
+    run_steps(model, runtime, steps=2)
+    copies = sum(n.label == "copy" for n in runtime.nodes)
+    assert copies == 2 * (2 * CFG.n_layers - 2), \
+        (f"{copies} copies in 2 steps; expected {2 * (2 * CFG.n_layers - 2)}: after invalidate() no buffer may "
+         f"count as holding a current block (bump the version)")
+
+
+def step_time(source_wrapper=None) -> float:
+    """The step's length if the recorded graph ran on a GPU where a block copy takes 1, a block's
+    forward 1 and its backward 2 (about the notebook's proportions)."""
+    model, runtime = streamed_model()
+    if source_wrapper:
+        model.weights = source_wrapper(model.weights)
+    model.forward_backward(*batch())
+    seen = set()
+
+    def seconds(node):
+        if node.label == "copy":
+            return 1.0
+        if node.label.startswith("block"):
+            first = node.label not in seen
+            seen.add(node.label)
+            return 1.0 if first else 2.0
+        return 0.0  # recording an event takes no time
+    return max(end for _, _, end in schedule(runtime.nodes, seconds))
+
+
+def test_prefetch_hides_the_copies_under_compute():
+    # Compute alone is 3 units a block; only the first block's copy cannot hide under compute.
+    # Without prefetch every copy waits for the compute before it: 3L + (2L - 2).
+    compute, copies = 3 * CFG.n_layers, 2 * CFG.n_layers - 2
+    prefetch, serial = step_time(), step_time(m08.NoPrefetch)
+    assert serial == compute + copies, f"without prefetch the step takes {serial}, expected {compute + copies}"
+    assert prefetch <= compute + 1, \
+        (f"with prefetch the step takes {prefetch} units, expected at most {compute + 1} (compute {compute} + the "
+         f"first copy): a copy waits for more than the buffer it overwrites (one `ready` and one `released` event "
+         f"per buffer, each recorded where its work is queued)")
 
 
 @pytest.mark.parametrize("mistake, message", [("forgotten release", "release(0)"),

@@ -20,6 +20,21 @@ CFG = m06_block.LlamaConfig(dim=32, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim
 REPO = Path(__file__).resolve().parent.parent
 
 
+def block_weights(seed: int, dtype=torch.float32):
+    """A block's weights with norm weights away from 1 (they start at 1), so a recompute that uses
+    the wrong norm weight, or none, cannot give the same numbers by luck."""
+    weights = m06_block.init_block_weights(CFG, torch.Generator().manual_seed(seed), dtype)
+    g = torch.Generator().manual_seed(seed + 100)
+    for norm in (weights.ln1, weights.ln2):
+        norm.copy_(1 + 0.1 * torch.randn(norm.shape, generator=g))
+    return weights
+
+
+def kept_names_message(kept, expected) -> str:
+    extra, missing = sorted(set(kept) - set(expected)), sorted(set(expected) - set(kept))
+    return f"the store keeps {extra or 'nothing'} it should drop and misses {missing or 'nothing'} it should keep"
+
+
 def hand_counted_bytes(cfg, tokens, act, stat):
     """Bytes of all fourteen saved activations, counted by hand from the block's equations."""
     wide = 5 * cfg.dim + cfg.n_heads * cfg.head_dim + 2 * cfg.n_kv_heads * cfg.head_dim + 3 * cfg.ffn_dim
@@ -41,7 +56,8 @@ def test_the_store_holds_exactly_the_bytes_of_the_formula(option, dtype):
     store = block.new_store()
     block.forward(weights, x, store)
     expected = m10.kept_bytes(CFG, 2, 9, dtype, option)
-    assert set(store.tensors) == m10.ACTIVATIONS - m10.DROPPED[option], f"kept {sorted(store.tensors)}"
+    expected_names = m10.ACTIVATIONS - m10.DROPPED[option]
+    assert set(store.tensors) == expected_names, f"{option}: " + kept_names_message(store.tensors, expected_names)
     assert store.nbytes() == expected, f"{option}: the store holds {store.nbytes()} bytes, the formula says {expected}"
 
 
@@ -54,7 +70,8 @@ def test_with_fp8_linears_the_store_holds_the_bytes_of_the_formula(option, dtype
     store = block.new_store()
     block.forward(weights, torch.randn(2, 8, CFG.dim).to(dtype), store)
     expected = m10.kept_bytes(CFG, 2, 8, dtype, option, fp8=True)
-    assert set(store.tensors) == (m10.ACTIVATIONS - m10.DROPPED[option]) | m10.ABS_MAXES, f"kept {sorted(store.tensors)}"
+    expected_names = (m10.ACTIVATIONS - m10.DROPPED[option]) | m10.ABS_MAXES
+    assert set(store.tensors) == expected_names, f"{option}: " + kept_names_message(store.tensors, expected_names)
     assert store.nbytes() == expected, f"{option}: the store holds {store.nbytes()} bytes, the formula says {expected}"
 
 
@@ -68,11 +85,61 @@ def test_gradients_equal_the_no_recompute_gradients_bit_for_bit(option, fp8):
     plain = m06_model.LlamaModel(CFG, seed=2, block=m06_block.LlamaBlock(CFG, attention_chunk=5, **policy))
     recomputing = m06_model.LlamaModel(CFG, seed=2,
                                        block=m10.RecomputeBlock(CFG, option, attention_chunk=5, **policy))
+    for layer, (a, b) in enumerate(zip(plain.blocks, recomputing.blocks)):
+        a.ln1.copy_(block_weights(layer).ln1), a.ln2.copy_(block_weights(layer).ln2)
+        b.ln1.copy_(a.ln1), b.ln2.copy_(a.ln2)
     loss, grads = plain.forward_backward(tokens, targets)
     loss_r, grads_r = recomputing.forward_backward(tokens, targets)
     assert torch.equal(loss, loss_r), f"loss {loss_r.item()!r} != {loss.item()!r}"
     for i, (a, b) in enumerate(zip(grads.tensors(), grads_r.tensors())):
         assert torch.equal(a, b), f"{option}: gradient tensor {i} differs, max |diff| {(a - b).abs().max().item():.3e}"
+
+
+def same(a, b) -> bool:
+    if isinstance(a, fp8_matmul.Quantized) or isinstance(b, fp8_matmul.Quantized):
+        return type(a) is type(b) and torch.equal(a.data.float(), b.data.float()) and torch.equal(a.scale, b.scale)
+    return torch.equal(a, b)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["fp32", "fp8"])
+@pytest.mark.parametrize("option", ["swiglu", "norms", "ffn", "attention", "block"])
+def test_recompute_restores_exactly_what_the_forward_kept(option, fp8):
+    policy = {"matmul": fp8_matmul.FP8Matmul(min_dim=0)} if fp8 else {}
+    weights, x = block_weights(0), torch.randn(2, 16, CFG.dim, generator=torch.Generator().manual_seed(1))
+    everything = m06_block.ActivationStore()
+    m06_block.LlamaBlock(CFG, **policy).forward(weights, x, everything)
+    block = m10.RecomputeBlock(CFG, option, **policy)
+    store = block.new_store()
+    block.forward(weights, x, store)
+    block.recompute(weights, store)
+    wrong = sorted(name for name in m10.ACTIVATIONS if name not in store.tensors
+                   or not same(store[name], everything[name]))
+    assert not wrong, (f"{option}: after recompute {wrong} differ from the forward's values (or are missing); "
+                       f"rebuild each from what was kept, with the forward's own ops, inputs and norm weights")
+
+
+class CountingMatmul(m06_ops.Matmul):
+    def __init__(self):
+        self.forwards = 0
+
+    def forward(self, x, w):
+        self.forwards += 1
+        return super().forward(x, w)
+
+
+@pytest.mark.parametrize("option, matmuls", [("none", 0), ("swiglu", 0), ("norms", 0), ("ffn", 2), ("attention", 3),
+                                             ("block", 6)])
+def test_recompute_reruns_only_the_matmuls_it_needs(option, matmuls):
+    # ffn: gate and up; attention: q, k, v; block: all but down (its input s is recomputed, its
+    # output is not needed by the backward).
+    counting = CountingMatmul()
+    block = m10.RecomputeBlock(CFG, option, matmul=counting)
+    weights, store = block_weights(0), block.new_store()
+    block.forward(weights, torch.randn(2, 8, CFG.dim), store)
+    counting.forwards = 0
+    block.recompute(weights, store)
+    assert counting.forwards == matmuls, \
+        f"{option}: the recompute ran {counting.forwards} linear layers, it needs {matmuls}"
 
 
 def test_dropped_activations_are_really_freed():

@@ -41,7 +41,7 @@ def parse(argv):
         parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=None,
                             help=f"override the preset's {name}")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per row (median reported)")
-    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps before each row (default 2)")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (default 1)")
     parser.add_argument("--attention", choices=("chunked", "fused"), default="chunked",
                         help="the hand-written block's attention: module 06's chunked one (default), or the "
@@ -162,7 +162,10 @@ def main(argv):
              "CUDA memory a forward of all layers leaves allocated for the backward; peak = max CUDA memory of a\n"
              "whole step above what was allocated before it (weights excluded; the step's gradients, about one\n"
              "copy of the weights, included); *_vs_base: relative to no recompute (hand-written) or to plain\n"
-             "autograd (nn.Module). CUDA columns are '-' on CPU.")
+             "autograd (nn.Module). CUDA columns are '-' on CPU." +
+             ("\nOn a CPU at this size step times move by tens of percent from run to run (caches, the allocator,\n"
+              "other processes), so a recompute option can look faster than none: read the byte columns here and\n"
+              "the time trade-off from a GPU run (notebooks/data/bench-10-gpu.json)." if not device.startswith("cuda") else ""))
     report("bench-10", title, rows, device, notes)
 
 
