@@ -120,7 +120,7 @@ def cmd_grade(args):
         mark = {"passed": "PASS", "failed": "FAIL", "skipped": "SKIP"}[result["outcome"]]
         print(f"  {mark}  {name}")
         if result["reason"] and mark != "PASS":
-            print(f"        {result['reason'][:300]}")
+            print(f"        {result['reason'][:800]}")
     passed = sum(r["outcome"] == "passed" for r in results)
     skipped = sum(r["outcome"] == "skipped" for r in results)
     graded = len(results) - skipped  # e.g. GPU checks on a machine without one
@@ -129,11 +129,20 @@ def cmd_grade(args):
 
 
 def cmd_bench(args):
+    rest, impl = list(args.rest), "solutions"  # the published tables measure the reference
+    if "--impl" in rest:
+        at = rest.index("--impl")
+        impl = rest[at + 1] if at + 1 < len(rest) else ""
+        del rest[at:at + 2]
+        if impl not in ("steps", "solutions"):
+            sys.exit(f"error: --impl must be steps or solutions, got {impl!r}")
+    os.environ["COURSE_IMPL"] = impl  # read by course.impl.load, here and in forked ranks
     try:
         bench = importlib.import_module(f"course.bench.m{args.number}")
     except ModuleNotFoundError:
         sys.exit(f"error: module {args.number} has no benchmark")
-    bench.main(args.rest)
+    print(f"Benchmarking {impl}/" + (" (`--impl steps` benchmarks your code)" if impl == "solutions" else ""))
+    bench.main(rest)
 
 
 def cmd_tour(args):
@@ -165,7 +174,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
         if name == "grade":
             cmd.add_argument("--impl", choices=("steps", "solutions"), default="steps")
         if name == "bench":
-            cmd.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own options")
+            cmd.add_argument("rest", nargs=argparse.REMAINDER,
+                             help="the benchmark's own options, and --impl steps|solutions (default solutions)")
     args, extra = parser.parse_known_args(argv)
     if args.command in ("run", "grade", "bench"):
         known = modules()

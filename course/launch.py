@@ -147,9 +147,16 @@ def _die_with_parent():
 
 
 def where_raised(exc: BaseException) -> str:
-    """' (at steps/m06_llama_model.py:141 in forward_blocks)': the innermost course frame, or ''."""
+    """' (at steps/m02_comms.py:107 in isend_backward <- steps/m05_schedules.py:80 in backward_step)':
+    the innermost course frame, and the innermost one in another file that led there (the bug is
+    often in the caller), or ''."""
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if _is_course_file(f.filename)]
-    return f" (at {_short(frames[-1].filename)}:{frames[-1].lineno} in {frames[-1].name})" if frames else ""
+    if not frames:
+        return ""
+    callers = [f for f in reversed(frames) if f.filename != frames[-1].filename
+               and _short(f.filename).startswith(("steps/", "solutions/"))]
+    shown = [frames[-1], *callers[:1]]
+    return " (at " + " <- ".join(f"{_short(f.filename)}:{f.lineno} in {f.name}" for f in shown) + ")"
 
 
 def _describe_exception(exc, rank, world_size) -> str:
@@ -189,8 +196,9 @@ def _why_it_died(exitcode) -> str:
     if exitcode is None or exitcode >= 0:
         return f"exit code {exitcode}"
     name = signal.Signals(-exitcode).name
-    causes = {"SIGABRT": "the C++ runtime aborted, often gloo on collectives that differ between ranks "
-                         "(sizes, order, or one rank skipping one); its own message went to stderr "
+    causes = {"SIGABRT": "the C++ runtime aborted, often gloo on messages that differ between ranks "
+                         "(a recv buffer whose size or dtype is not what the peer sends, collectives in "
+                         "another order, or one rank skipping one); its own message went to stderr "
                          "(pytest shows it under 'Captured stderr')",
               "SIGKILL": "killed from outside, often for running out of memory",
               "SIGSEGV": "a crash in native code"}
@@ -208,7 +216,9 @@ def _stuck_report(procs, stuck, tmp, what) -> str:
         summary.append(f"rank {rank} at {_innermost_course_frames(dump)}")
         details.append(f"--- rank {rank} ---\n{dump.strip()}")
     ranks = ", ".join(str(r) for r in stuck)
-    return (f"{what}; still running: rank {ranks}. "
+    finished = [str(r) for r in range(len(procs)) if r not in stuck]
+    done = f" (finished: rank {', '.join(finished)})" if finished else ""
+    return (f"{what}; still running: rank {ranks}{done}. "
             + "; ".join(summary) + "\n\n" + "\n".join(details))
 
 

@@ -57,7 +57,8 @@ def forward_step(stage, comms, x_mb, y_mb, chunks, sends):
     # TODO(m05): receive (unless first), run the stage, send (unless last) or compute the loss share
     # Hint: a received input is a fresh leaf: .requires_grad_() so backward fills its .grad.
     # Hint: the receive buffer's shape is (x_mb.shape[0], stage.hidden).
-    # Hint: sends.append(comms.isend_forward(output)): a blocking send here deadlocks 1F1B.
+    # Hint: sends.append(comms.isend_forward(output)): with blocking sends in both directions (here
+    #       and in backward_step) 1F1B deadlocks.
     raise NotImplementedError('TODO(m05): receive (unless first), run the stage, send (unless last) or compute the loss share')
 
 
@@ -73,9 +74,9 @@ def backward_step(stage, comms, inp, out, sends):
 
 def wait_all(sends):
     """Wait for every non-blocking send of the step. Until then the tensor being sent must stay
-    untouched, and its handle must be kept (gloo fails with "Cannot lock pointer to unbound
-    buffer" if a pending send's handle is dropped); a step that ends with sends in flight could
-    also overwrite what the next step sends."""
+    untouched, and its handle must be kept: on gloo a send whose handle is dropped is usually lost
+    (the peer then hangs in recv) or fails with "Cannot lock pointer to unbound buffer"; a step that
+    ends with sends in flight could also overwrite what the next step sends."""
     for handle in sends:
         handle.wait()
 
@@ -159,10 +160,11 @@ def demo(args):
     rank, world_size, device = init_distributed()
     cfg = MLPConfig(steps=args.steps)
     profiler = Profiler(rank)
+    chunks = 1 if args.schedule == "naive" else args.chunks  # naive runs the whole batch at once
     losses, _ = train(args.schedule, rank, world_size, args.chunks, cfg, profiler, args.emulate_ms, device)
     if rank == world_size - 1:
         expected = train_monolith(cfg)
-        print(f"{args.schedule} on {world_size} ranks, {args.chunks} microbatches, {cfg.steps} steps:")
+        print(f"{args.schedule} on {world_size} ranks, {chunks} microbatch{'es' * (chunks > 1)}, {cfg.steps} steps:")
         for step in range(0, cfg.steps, 5):
             print(f"  step {step:3d}  loss {losses[step]:.6f}   monolith {expected[step]:.6f}")
         print(f"  final     loss {losses[-1]:.6f}   monolith {expected[-1]:.6f}")
@@ -174,13 +176,14 @@ def demo(args):
     dist.all_gather_object(profiles, export(profiler))
     if rank == 0:
         mode = f"emulated device, {args.emulate_ms:g} ms per layer forward" if args.emulate_ms else "CPU compute only"
-        print(f"\nBubble report ({mode}; mean over steps 2..{cfg.steps}):")
-        print(format_report(profiles, args.chunks))
+        steps = f"mean over steps 2..{cfg.steps}" if cfg.steps > 1 else "one step, warm-up included"
+        print(f"\nBubble report ({mode}; {steps}):")
+        print(format_report(profiles, chunks))
         if args.trace:
             from course.plotting import plot_timeline
 
             os.makedirs(os.path.dirname(args.trace) or ".", exist_ok=True)
             chrome_trace(profiles, args.trace + ".json")
             plot_timeline(profiles, args.trace + ".png", step=-1,
-                          title=f"{args.schedule}, P={world_size}, M={args.chunks}")
+                          title=f"{args.schedule}, P={world_size}, M={chunks}")
             print(f"trace: {args.trace}.json (open in ui.perfetto.dev), timeline: {args.trace}.png")

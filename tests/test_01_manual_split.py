@@ -13,7 +13,8 @@ def test_parts_start_from_the_monolith_weights():
     part_one, part_two = m01.build_parts(cfg)
     monolith = m00.build_model(cfg)
     half = cfg.layers // 2
-    assert len(part_one.layers) == half and len(part_two.layers) == cfg.layers - half
+    assert len(part_one.layers) == half and len(part_two.layers) == cfg.layers - half, \
+        f"PartOne holds {len(part_one.layers)} layers and PartTwo {len(part_two.layers)}, expected {half} and {cfg.layers - half}"
     for i, layer in enumerate([*part_one.layers, *part_two.layers]):
         assert torch.equal(layer.weight, monolith.layers[i].weight), f"layer {i} weight differs"
         assert torch.equal(layer.bias, monolith.layers[i].bias), f"layer {i} bias differs"

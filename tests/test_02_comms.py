@@ -86,6 +86,23 @@ def test_receive_uses_the_comms_default_dtype():
     assert got.dtype == torch.float16 and got.tolist() == [1.5, 1.5]
 
 
+def test_a_non_contiguous_tensor_arrives_with_its_values():
+    # A transposed view's bytes are not in its logical order; gloo refuses such a tensor, so the
+    # sending side must hand over a contiguous copy (the values, not the memory as it lies).
+    def send_transposed():
+        comms = m02.PipelineComms(dist.get_rank(), 2, dtype=torch.float64)
+        sent = torch.arange(12, dtype=torch.float64).reshape(3, 4).t()
+        if comms.rank == 0:
+            comms.send_forward(sent)
+            comms.isend_forward(sent * 2).wait()
+            return None
+        return comms.recv_forward((4, 3)), comms.recv_forward((4, 3))
+    _, (got, got_async) = run_ranks(send_transposed, 2, timeout=20)
+    expected = torch.arange(12, dtype=torch.float64).reshape(3, 4).t()
+    assert torch.equal(got, expected), f"send_forward of a transposed tensor delivered {got.tolist()}"
+    assert torch.equal(got_async, expected * 2), f"isend_forward of a transposed tensor delivered {got_async.tolist()}"
+
+
 def _exchange_both_ways():
     """Every rank sends forward and backward at once, without blocking, then receives both."""
     comms = m02.PipelineComms(dist.get_rank(), dist.get_world_size())

@@ -75,7 +75,7 @@ def test_a_rank_stuck_on_a_finished_peer_is_reported_stuck():
     with pytest.raises(RankTimeout) as timeout:
         run_ranks(_rank_zero_leaves_early, 2, timeout=1.0)
     first_line = str(timeout.value).splitlines()[0]
-    assert "still running: rank 1." in first_line and "in _rank_zero_leaves_early" in first_line
+    assert "still running: rank 1 (finished: rank 0)." in first_line and "in _rank_zero_leaves_early" in first_line
 
 
 def test_no_rank_outlives_the_run():
