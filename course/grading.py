@@ -3,6 +3,8 @@ says what went wrong (the first line of the error), not the whole traceback.
 
 Loaded by the root conftest.py. `--grading-json PATH` writes the outcomes for tools:
 `python main.py grade NN` and the grader's self-check (tests/test_course_grader.py).
+`--grading-live` prints each check's line as soon as it finishes, in place of pytest's progress
+dots, so a learner sees which check is running when one is slow or stuck.
 """
 from __future__ import annotations
 
@@ -15,13 +17,15 @@ GIVEN = "given"  # marker for tests of given code: not graded, not expected to f
 def pytest_addoption(parser):
     parser.addoption("--grading-json", metavar="PATH", default=None,
                      help="write each test's outcome and one-line reason to PATH (JSON)")
+    parser.addoption("--grading-live", action="store_true",
+                     help="print a PASS/FAIL/SKIP line per test as it finishes (main.py grade)")
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", f"{GIVEN}: tests of given code (not graded)")
     for number in range(100):
         config.addinivalue_line("markers", f"m{number:02d}: tests of module {number:02d}")
-    config.pluginmanager.register(Scorecard(config.getoption("--grading-json")), "course-scorecard")
+    config.pluginmanager.register(Scorecard(config), "course-scorecard")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -38,18 +42,44 @@ def pytest_collection_modifyitems(config, items):
 class Scorecard:
     """Collects one result per test: its call phase, or the setup phase that failed or skipped it."""
 
-    def __init__(self, path):
-        self.path, self.results = path, []
+    def __init__(self, config):
+        self.config, self.results = config, []
+        self.path, self.live = config.getoption("--grading-json"), config.getoption("--grading-live")
 
     def pytest_runtest_logreport(self, report):
         if report.when == "call" or report.outcome != "passed":
-            self.results.append({"test": report.nodeid, "outcome": report.outcome,
-                                 "reason": one_line_reason(report)})
+            result = {"test": report.nodeid, "outcome": report.outcome, "reason": one_line_reason(report)}
+            self.results.append(result)
+            if self.live:
+                self.write(scorecard_line(result))
+
+    def pytest_report_teststatus(self, report, config):
+        """Live: no progress letter (the scorecard line replaces it); the outcome still counts."""
+        if self.live and (report.when == "call" or report.outcome != "passed"):
+            return report.outcome, "", ""
+
+    def pytest_collectreport(self, report):
+        """Live: a test file that cannot even be imported (a syntax error in your code) runs no check;
+        the end of the error says where and why."""
+        if self.live and report.failed:
+            where_and_why = "\n".join(report.longreprtext.strip().splitlines()[-8:])
+            self.write(f"  cannot import {report.nodeid}:\n{where_and_why}")
+
+    def write(self, text: str):
+        # pytest's terminal writer is the one stream its output capturing leaves alone.
+        self.config.pluginmanager.get_plugin("terminalreporter").write_line(text, flush=True)
 
     def pytest_sessionfinish(self, session):
         if self.path:
             with open(self.path, "w") as f:
                 json.dump(self.results, f, indent=1)
+
+
+def scorecard_line(result: dict) -> str:
+    """'  PASS  test_name', and for a failure or skip its reason on the next line."""
+    mark = {"passed": "PASS", "failed": "FAIL", "skipped": "SKIP"}[result["outcome"]]
+    line = f"  {mark}  {result['test'].split('::', 1)[-1]}"
+    return line + (f"\n        {result['reason'][:800]}" if result["reason"] and mark != "PASS" else "")
 
 
 def one_line_reason(report) -> str:

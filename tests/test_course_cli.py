@@ -30,14 +30,20 @@ def test_run_launches_its_own_ranks(capfd):
     assert "logits equal the monolith's bit for bit: True" in capfd.readouterr().out
 
 
-def test_run_reports_an_unfinished_todo_in_one_line(tmp_path):
+@pytest.fixture
+def skeleton_steps(tmp_path):
+    """A freshly generated steps/ (a learner's starting point), whatever this checkout's steps/ holds."""
     from course.skeleton import generate
     steps = tmp_path / "steps"
     steps.mkdir()
     for name, text in generate().items():
         (steps / name).write_text(text)
+    return {**os.environ, "COURSE_STEPS_DIR": str(steps)}
+
+
+def test_run_reports_an_unfinished_todo_in_one_line(skeleton_steps):
     run = subprocess.run([sys.executable, "main.py", "run", "02", "--nproc", "2"], cwd=REPO,
-                         env={**os.environ, "COURSE_STEPS_DIR": str(steps)}, capture_output=True, text=True, timeout=120)
+                         env=skeleton_steps, capture_output=True, text=True, timeout=120)
     assert run.returncode == 1
     assert "raised NotImplementedError: TODO(m02)" in run.stderr and "--impl solutions" in run.stderr
 
@@ -48,6 +54,17 @@ def test_run_help_lists_the_modules_own_options(capsys):
     assert exit_.value.code == 0
     out = capsys.readouterr().out
     assert "--nproc" in out and "--schedule" in out and "--chunks" in out, out
+
+
+def test_grade_prints_one_line_per_check_and_the_todo_that_failed_it(skeleton_steps):
+    grade = subprocess.run([sys.executable, "main.py", "grade", "03"], cwd=REPO, env=skeleton_steps,
+                           capture_output=True, text=True, timeout=120)
+    assert grade.returncode == 1, grade.stdout + grade.stderr
+    lines = grade.stdout.splitlines()
+    checks = [line for line in lines if line.startswith("  FAIL  ")]
+    assert len(checks) == 3, grade.stdout  # the three checks of tests/test_03_ping_pong.py
+    assert all("NotImplementedError: TODO(m03)" in lines[lines.index(c) + 1] for c in checks), grade.stdout
+    assert lines[-1] == "0/3 checks pass", grade.stdout
 
 
 def test_grading_a_given_module_says_so(capsys):
