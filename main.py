@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import faulthandler
 import importlib
 import json
@@ -58,12 +59,12 @@ def cmd_list(args=None):
 
 
 def cmd_run(args):
-    from course.launch import RankFailed, RankTimeout, in_torchrun, run_ranks, run_under_torchrun, where_raised
+    from course.launch import in_torchrun, run_ranks, run_under_torchrun
 
     from course.impl import load
 
     module = load(args.info["stem"], args.impl)
-    try:
+    with failures_explained(args.number, args.impl):
         if in_torchrun():
             return run_under_torchrun(module.demo, args, timeout=args.timeout)
         if args.nproc == 1:
@@ -73,6 +74,15 @@ def cmd_run(args):
             finally:
                 faulthandler.cancel_dump_traceback_later()
         run_ranks(module.demo, args.nproc, args, timeout=args.timeout)
+
+
+@contextlib.contextmanager
+def failures_explained(number: str, impl: str):
+    """A rank that raised or got stuck, or an unfinished TODO, ends `run` and `bench` with a short
+    error (and the stuck ranks' stacks) and a hint, instead of a long traceback."""
+    from course.launch import RankFailed, RankTimeout, where_raised
+    try:
+        yield
     except RankTimeout as exc:
         print(f"error: {exc}", file=sys.stderr)  # the summary line, then every stuck rank's stack
         sys.exit(1)
@@ -82,10 +92,10 @@ def cmd_run(args):
             first_line += where_raised(exc)
         print(f"error: {first_line}", file=sys.stderr)
         todo = re.search(r"TODO\(m(\d\d)\)", first_line)
-        if todo and args.impl == "steps":
+        if todo and impl == "steps":
             owner = todo.group(1)
-            if owner != args.number:
-                print(f"hint: module {args.number} builds on your module {owner}: fill that TODO in first "
+            if owner != number:
+                print(f"hint: module {number} builds on your module {owner}: fill that TODO in first "
                       f"(`python main.py grade {owner}`); `--impl solutions` runs the reference", file=sys.stderr)
             else:
                 print("hint: that TODO is yours to fill in steps/; `--impl solutions` runs the reference",
@@ -142,7 +152,8 @@ def cmd_bench(args):
     except ModuleNotFoundError:
         sys.exit(f"error: module {args.number} has no benchmark")
     print(f"Benchmarking {impl}/" + (" (`--impl steps` benchmarks your code)" if impl == "solutions" else ""))
-    bench.main(rest)
+    with failures_explained(args.number, impl):
+        bench.main(rest)
 
 
 def cmd_tour(args):

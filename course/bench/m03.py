@@ -10,14 +10,16 @@ import argparse
 import torch.distributed as dist
 
 from course.bench import report
-from course.impl import reference
+from course.impl import load
 from course.launch import run_ranks
 
 SIZES = [1 << k for k in range(0, 23, 2)]  # float32 elements: 4 B .. 16 MiB
 
 
-def _measure(sizes, repeats):
-    m02, m03 = reference("m02_comms"), reference("m03_ping_pong")
+def measure(sizes, repeats):
+    """On each of 2 ranks: the median seconds per round trip for each size (float32 elements), with
+    the selected implementation (`main.py bench 03 --impl`, or COURSE_IMPL in the notebook)."""
+    m02, m03 = load("m02_comms"), load("m03_ping_pong")
     comms = m02.PipelineComms(dist.get_rank(), 2)
     return [m03.time_round_trip(comms, numel, repeats=repeats) for numel in sizes]
 
@@ -37,7 +39,7 @@ def main(argv):
     parser = argparse.ArgumentParser(prog="main.py bench 03", description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=30)
     args = parser.parse_args(argv)
-    seconds = run_ranks(_measure, 2, SIZES, args.repeats, timeout=300)[0]
+    seconds = run_ranks(measure, 2, SIZES, args.repeats, timeout=300)[0]
     nbytes = [4 * s for s in SIZES]
     one_way = [t / 2 for t in seconds]
     alpha, beta = fit_alpha_beta(nbytes, one_way)
