@@ -56,6 +56,13 @@ def test_run_help_lists_the_modules_own_options(capsys):
     assert "--nproc" in out and "--schedule" in out and "--chunks" in out, out
 
 
+def test_bench_of_unfinished_code_says_which_todo_without_a_traceback(skeleton_steps):
+    bench = subprocess.run([sys.executable, "main.py", "bench", "03", "--repeats", "1", "--impl", "steps"], cwd=REPO,
+                           env=skeleton_steps, capture_output=True, text=True, timeout=120)
+    assert bench.returncode == 1
+    assert "raised NotImplementedError: TODO(m02)" in bench.stderr and "Traceback" not in bench.stderr, bench.stderr
+
+
 def test_grade_prints_one_line_per_check_and_the_todo_that_failed_it(skeleton_steps):
     grade = subprocess.run([sys.executable, "main.py", "grade", "03"], cwd=REPO, env=skeleton_steps,
                            capture_output=True, text=True, timeout=120)
