@@ -147,7 +147,7 @@ class LlamaBlock:
         cos, sin = self.rope(T, x.dtype, x.device)
         # >>> TODO(m06): forward of the attention half: norm, q/k/v projections, RoPE, attention
         # Hint: n1 = mm.prepare(norm output, store, 'n1') once: q, k and v multiply that (it saves 'n1').
-        # Hint: save 'x', 'r1', 'q', 'k', 'v' (after RoPE), 'o' and 'lse' in the store; with 'n1' those
+        # Hint: save 'x', 'r1', 'q', 'k' (after RoPE), 'v', 'o' and 'lse' in the store; with 'n1' those
         #       are exactly what the backwards need. q is (B, T, n_heads, head_dim), k and v use n_kv_heads.
         # Hint: attention itself is o, lse = self.attention.forward(q, k, v) (your attention_forward).
         n1, r1 = rmsnorm_forward(x, w.ln1, cfg.norm_eps)
@@ -190,9 +190,10 @@ class LlamaBlock:
         B, T, _ = dy.shape
         cos, sin = self.rope(T, dy.dtype, dy.device)
         # >>> TODO(m06): backward of the FFN half: down, SwiGLU, gate and up, then the residual + norm
-        # Hint: y = h + down(s), so dy reaches both h and the down projection. Go down, SwiGLU, gate
-        #       and up (both read n2: their dn2 add up), then residual_rmsnorm_backward(dy, dn2, ...)
-        #       gives dh, the gradient of h = x + o W_o^T. Keep d_down, d_gate, d_up, d_ln2 for grads.
+        # Hint: y = h + down(s), so dy reaches both h and the down projection. Undo the FFN's ops in
+        #       reverse order; gate and up both read n2, so their two dn2 add up. residual_rmsnorm_backward
+        #       then sums h's two gradients (dy along the residual, dn2 through the norm) into dh.
+        # Hint: name the results dh, d_down, d_gate, d_up and d_ln2: the attention half's TODO uses them.
         ds, d_down = linear_backward(dy, a["s"], w.w_down, mm)
         dg, du = swiglu_backward(ds, a["g"], a["u"])
         dn2_gate, d_gate = linear_backward(dg, a["n2"], w.w_gate, mm)
@@ -200,10 +201,13 @@ class LlamaBlock:
         dh, d_ln2 = residual_rmsnorm_backward(dy, dn2_gate + dn2_up, a["h"], a["r2"], w.ln2)
         # <<<
         # >>> TODO(m06): backward of the attention half: o projection, attention, RoPE, q/k/v, norm
-        # Hint: dh reaches x directly and through o W_o^T: o, then self.attention.backward, RoPE's
-        #       backward on dq and dk, the q/k/v projections (all read n1: their dn1 add up; reshape
-        #       dq, dk, dv from (B, T, heads, D) to (B, T, -1) first), then rmsnorm_backward gives
-        #       dx_norm. Return dh + dx_norm and a BlockWeights of the grads.
+        # Hint: h = x + o W_o^T, so dh reaches x directly and through the attention half: undo its ops in
+        #       reverse (self.attention.backward for attention, RoPE's backward where the forward rotated).
+        #       q, k and v all read n1, so their three dn1 add up before the norm's backward.
+        # Hint: attention's gradients come back with a head axis, (B, T, heads, D), maybe not contiguous;
+        #       the projections made (B, T, heads * D) (k and v: kv_heads): reshape them (not view) before
+        #       the projections' backward.
+        # Hint: return (dx, grads): dx sums both paths to x; grads is a BlockWeights of all nine gradients.
         do, d_wo = linear_backward(dh, a["o"], w.wo, mm)
         dq, dk, dv = self.attention.backward(do, a["q"], a["k"], a["v"], a["o"], a["lse"])
         dq, dk = rope_backward(dq, cos, sin), rope_backward(dk, cos, sin)

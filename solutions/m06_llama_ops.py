@@ -184,9 +184,12 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: 
     outputs, lses = [], []
     for start in range(0, T, chunk):
         # >>> TODO(m06): attention for queries start..start+chunk: append their output and lse
-        # Hint: stop = min(start + chunk, T); s = _causal_scores(qg[..., start:stop, :], kg, start,
-        #       1/sqrt(D)) has the keys 0..stop in its last axis; lse = logsumexp(s, dim=-1);
-        #       p = exp(s - lse[..., None]), cast to v's dtype; the chunk's output is p @ vg[..., :stop, :].
+        # Hint: qg, kg, vg are (B, kv_heads, group, T, D), time on axis -2 (k and v have a group of 1, which
+        #       broadcasts). The last chunk may be shorter than `chunk`. No query of the chunk sees a key
+        #       after its last query: _causal_scores returns the scores of exactly those keys, scaled and
+        #       masked.
+        # Hint: lse is the log-sum-exp of each query's scores over the keys, kept in the scores' dtype; the
+        #       probabilities p = exp(s - lse), cast to v's dtype, weight the values of those same keys.
         stop = min(start + chunk, T)
         scores = _causal_scores(qg[..., start:stop, :], kg, start, 1.0 / math.sqrt(D))
         lse = torch.logsumexp(scores, dim=-1)
@@ -217,9 +220,12 @@ def attention_backward(do: torch.Tensor, q, k, v, o, lse, chunk: int = ATTENTION
     dv = torch.zeros_like(dk)
     for start in range(0, T, chunk):
         # >>> TODO(m06): backward of one query chunk: append its dq, accumulate dk and dv
-        # Hint: for the chunk's queries (the time axis is -2; slice lse and delta with [..., start:stop]):
-        #       recompute s and p = exp(s - lse[..., None]); dv[..., :stop, :] += p^T do;
-        # Hint: dp = do v^T; ds = p (dp - delta[..., None]); dq = ds k * scale; dk[..., :stop, :] += ds^T q * scale.
+        # Hint: the docstring's equations (the chapter has all of them), one query chunk at a time: the
+        #       chunk's rows of q and do (time is axis -2) and of lse and delta (time is their last axis; one
+        #       number per query, so they broadcast over the keys), against the keys the forward's chunk saw.
+        #       Rebuild p from the saved lse exactly as the forward did. Mind where `scale` enters.
+        # Hint: the chunk's dq is complete: append it. dk and dv get a contribution from every chunk whose
+        #       queries see their keys: add it into those key rows of the accumulators.
         # Hint: p, dp and ds are in lse's dtype; cast p and ds to q's dtype before they multiply q, k, v or do.
         stop = min(start + chunk, T)
         q_chunk, do_chunk = qg[..., start:stop, :], dog[..., start:stop, :]

@@ -25,7 +25,8 @@ class FlatLayout:
         self.numels = [prod(s) for s in self.shapes]
         self.numel = sum(self.numels)  # the block's parameters, without padding
         # >>> TODO(m07): pad the flat size up to a multiple of world_size; each rank holds one shard
-        # Hint: shard_numel = ceil(numel / world_size); padded_numel = shard_numel * world_size.
+        # Hint: all shards have the same size, the smallest that lets world_size of them cover numel (integer
+        #       ceiling division, no floats); padded_numel is what the shards hold together.
         self.shard_numel = -(-self.numel // world_size)
         self.padded_numel = self.shard_numel * world_size
         # <<<
@@ -47,7 +48,8 @@ class FlatLayout:
     def views(self, flat: torch.Tensor) -> BlockWeights:
         """The block's tensors as views into `flat` (writing through them writes the buffer)."""
         # >>> TODO(m07): split the flat buffer (without its padding) and view each piece in its shape
-        # Hint: torch.split(flat[:self.numel], self.numels) gives 1-D views; .view(shape) keeps them views.
+        # Hint: torch.split cuts a tensor into pieces of given lengths, as views; leave the padding out. Give
+        #       each piece its shape with .view, which never copies: writing through it writes the buffer.
         pieces = torch.split(flat[:self.numel], self.numels)
         return BlockWeights(**{name: p.view(shape) for name, p, shape in zip(NAMES, pieces, self.shapes)})
         # <<<

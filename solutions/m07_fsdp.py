@@ -47,7 +47,8 @@ class FSDPLlama(LlamaModel):
         self.rank, self.world_size, self.comm = dist.get_rank(), dist.get_world_size(), comm
         self.layout = FlatLayout(self.blocks[0], self.world_size)
         # >>> TODO(m07): keep this rank's shard of every block (a copy: the full blocks are dropped next)
-        # Hint: layout.flatten(block), then layout.shard(flat, rank), then .clone() so the full buffer can be freed.
+        # Hint: your FlatLayout flattens a block and cuts out this rank's shard. A shard is a view, which
+        #       keeps the whole flat buffer alive: keep a copy (.clone()) so the full buffer can be freed.
         self.shards = [self.layout.shard(self.layout.flatten(b), self.rank).clone() for b in self.blocks]
         # <<<
         self.blocks = []  # from here on, whole blocks exist only in the weight source's two buffers
@@ -69,8 +70,9 @@ class FSDPLlama(LlamaModel):
         """Module 06's backward loop, plus a reduce-scatter of each block's gradient as soon as it exists."""
         n_layers = self.cfg.n_layers
         # >>> TODO(m07): the backward loop with explicit prefetch and a reduce-scatter per block
-        # Hint: as in module 06: gather(last); for each layer from the last: gather(layer - 1) if any,
-        #       get, block.backward, clear the store, release; then reduce_scatter_grad(layer, grads).
+        # Hint: module 06's backward loop, plus reduce_scatter_grad(layer, grads) as soon as the layer's
+        #       gradient exists, after its release. The next layer's gather thus goes out *before* this
+        #       layer's reduce-scatter (see the module docstring); the tests check that order of calls.
         # Hint: return (dx, self.grad_shards).
         self.weights.gather(n_layers - 1)
         for layer in reversed(range(n_layers)):
@@ -109,8 +111,10 @@ class FSDPLlama(LlamaModel):
                 acc.add_(g, alpha=self.grad_scale)
             # <<<
         # >>> TODO(m07): sum the replicated gradients over ranks (one all-reduce), then step and invalidate
-        # Hint: torch.cat the flattened gradients, comm.all_reduce them, copy the pieces back; set each
-        #       p.grad, optimizer.step(), and weights.invalidate(): the gathered copies are now stale.
+        # Hint: one collective for all three (the tests count one all-reduce per step): pack them into one
+        #       flat buffer, all-reduce it (comm.all_reduce sums in place), and unpack the sums into them.
+        # Hint: the optimizer reads each parameter's .grad (grads() is in parameters()' order); after its
+        #       step, invalidate the weight source: the gathered copies of the blocks are now stale.
         flat = torch.cat([g.reshape(-1) for g in self.replicated_grads])
         self.comm.all_reduce(flat, label="replicated grads")
         for g, summed in zip(self.replicated_grads, flat.split([g.numel() for g in self.replicated_grads])):

@@ -77,9 +77,11 @@ class ShardedWeights:
         check_gather(buf, layer)
         # >>> TODO(m07): start the all-gather of this layer's shards into the buffer, unless it is already there
         # Hint: a hit needs the same layer *and* the current version (the optimizer has not changed it since).
-        # Hint: otherwise comm.all_gather(buf.flat, self.shards[layer], label=f"block {layer}", async_op=True)
-        #       (the label names the layer in the log) -> keep the work in buf.pending, and record layer and
-        #       version. Either way the buffer is now GATHERING.
+        # Hint: otherwise all-gather every rank's shard of this layer into buf.flat (comm.all_gather, see
+        #       course/collectives.py) without waiting: async_op=True, so gather() returns at once and the
+        #       transfer overlaps compute. Label it f"block {layer}" (the log and the tests read the layer
+        #       from it). get() must wait for the transfer: keep the work all_gather returns in buf.pending,
+        #       and record the layer and version the buffer now holds. Either way the buffer is now GATHERING.
         if buf.layer == layer and buf.version == self.version:
             buf.pending = None  # still resident and current: nothing to send
         else:

@@ -78,9 +78,12 @@ def chunked_cross_entropy(x: torch.Tensor, w_head: torch.Tensor, targets: torch.
     dw = torch.zeros(w_head.shape, dtype=compute_dtype(w_head.dtype), device=w_head.device)
     for start in range(0, n_tokens, chunk):
         # TODO(m06): loss and gradients of one chunk of tokens
-        # Hint: logits in compute_dtype; loss += sum(lse - logit of the target);
-        # Hint: dlogits = (softmax - onehot(target)) / n_tokens, cast to x's dtype (bf16 models multiply
-        #       in bf16); dx[chunk] = dlogits w; dw += dlogits^T x.
+        # Hint: the chunk is rows start..start + chunk of xs and ts (fewer in the last one). A token's loss
+        #       is lse(logits) - its target's logit, computed in compute_dtype; add the chunk's sum to loss
+        #       (the mean is taken once, at the end).
+        # Hint: dlogits = (softmax - onehot(target)) / n_tokens (all the tokens, not the chunk's), cast to x's
+        #       dtype (bf16 models multiply in bf16). The head is a linear layer: its backward gives the
+        #       chunk's rows of dx, and a contribution to dw that adds up over the chunks.
         raise NotImplementedError('TODO(m06): loss and gradients of one chunk of tokens')
     return loss / n_tokens, dx.reshape(x.shape), dw.to(w_head.dtype)
 
@@ -124,8 +127,9 @@ class LlamaModel:
         """Run every block in order, each with its weights from the weight source and its own store."""
         n_layers = self.cfg.n_layers
         # TODO(m06): the forward loop over the layers, using the weight source
-        # Hint: gather(0) first; then for each layer: gather(l + 1) (if any) so its fetch overlaps this
-        #       layer, w = get(l), x = block.forward(w, x, stores[l]), release(l).
+        # Hint: prefetch one layer ahead (the WeightSource protocol above): layer l + 1, if there is one, is
+        #       gathered before get(l), so its fetch overlaps layer l's compute; layer 0 is gathered before
+        #       the loop. Release each layer once it has run. The tests check this order of calls.
         raise NotImplementedError('TODO(m06): the forward loop over the layers, using the weight source')
 
     def backward_blocks(self, dx: torch.Tensor, stores: list[ActivationStore]):

@@ -27,7 +27,8 @@ class FlatLayout:
         self.numels = [prod(s) for s in self.shapes]
         self.numel = sum(self.numels)  # the block's parameters, without padding
         # TODO(m07): pad the flat size up to a multiple of world_size; each rank holds one shard
-        # Hint: shard_numel = ceil(numel / world_size); padded_numel = shard_numel * world_size.
+        # Hint: all shards have the same size, the smallest that lets world_size of them cover numel (integer
+        #       ceiling division, no floats); padded_numel is what the shards hold together.
         raise NotImplementedError('TODO(m07): pad the flat size up to a multiple of world_size; each rank holds one shard')
         self.world_size = world_size
 
@@ -43,7 +44,8 @@ class FlatLayout:
     def views(self, flat: torch.Tensor) -> BlockWeights:
         """The block's tensors as views into `flat` (writing through them writes the buffer)."""
         # TODO(m07): split the flat buffer (without its padding) and view each piece in its shape
-        # Hint: torch.split(flat[:self.numel], self.numels) gives 1-D views; .view(shape) keeps them views.
+        # Hint: torch.split cuts a tensor into pieces of given lengths, as views; leave the padding out. Give
+        #       each piece its shape with .view, which never copies: writing through it writes the buffer.
         raise NotImplementedError('TODO(m07): split the flat buffer (without its padding) and view each piece in its shape')
 
     def shard(self, flat: torch.Tensor, rank: int) -> torch.Tensor:

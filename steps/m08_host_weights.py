@@ -58,9 +58,10 @@ class HostWeights:
         dtype = blocks[0].wq.dtype
         self.copies = 0  # block copies issued (the benchmark's transfer count)
         # TODO(m08): pinned host copies of the blocks, a side stream, two device buffers with two events each
-        # Hint: self.host = [rt.pin(layout.flatten(block)) per block]; self.copy_stream = rt.new_stream();
-        #       self.buffers = two DeviceBuffer(rt.empty(layout.padded_numel, dtype), ready=rt.new_event(),
-        #       released=rt.new_event()). The tests and the given code use these three names.
+        # Hint: three attributes, by these names (the tests and the given code use them): self.host, every
+        #       block flattened by self.layout, in pinned memory; self.copy_stream, a side stream;
+        #       self.buffers, two DeviceBuffers, each room for one padded block on the device, with its own
+        #       two events. The runtime makes all of these (course/streams.py lists its calls).
         raise NotImplementedError('TODO(m08): pinned host copies of the blocks, a side stream, two device buffers with two events each')
 
     def gather(self, layer: int) -> None:
@@ -68,8 +69,10 @@ class HostWeights:
         check_gather(buf, layer)
         if buf.layer != layer or buf.version != self.version:  # else: still there, nothing to copy
             # TODO(m08): once the buffer is released, copy the block in on the side stream; mark it ready
-            # Hint: copy_stream.wait_event(buf.released); `with rt.stream(copy_stream):` rt.copy(buf.flat, host[layer]);
-            # Hint: buf.ready.record(copy_stream). The host does not wait for any of it.
+            # Hint: all on the copy stream, and the host waits for none of it: first the stream waits for the
+            #       buffer's released event (compute may still be reading the old block), then the copy runs
+            #       there (rt.stream is a context manager; rt.copy(dst, src)), then the ready event records it
+            #       for get() to wait on.
             raise NotImplementedError('TODO(m08): once the buffer is released, copy the block in on the side stream; mark it ready')
             buf.layer, buf.version = layer, self.version
             self.copies += 1

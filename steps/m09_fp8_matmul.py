@@ -154,8 +154,11 @@ class FP8Matmul(Matmul):
         # TODO(m09): quantize a linear input once; keep it and its abs-max in the store
         # Hint: an input too small for FP8 goes to Matmul.prepare. x may be (B, T, features): ask
         #       uses_fp8(tokens, features) with tokens = x.numel() // x.shape[-1].
-        # Hint: its abs-max: the one under abs_max_name(name) if the store has it (a recompute), else abs_max(x);
-        #       save it there, then save and return self.quantize(x, E4M3, amax) under `name`.
+        # Hint: the abs-max lives in the store under abs_max_name(name). If it is already there (module
+        #       10's recompute), reuse it, so the recomputed FP8 bits equal the forward's; else compute and
+        #       save it.
+        # Hint: the store keeps, under `name`, x quantized to e4m3 with that abs-max by self.quantize (which
+        #       may be compiled); that is also what forward multiplies, so return it.
         raise NotImplementedError('TODO(m09): quantize a linear input once; keep it and its abs-max in the store')
 
     def fp8_input(self, x) -> Quantized | None:

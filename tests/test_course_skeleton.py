@@ -70,6 +70,15 @@ def test_committed_steps_are_up_to_date_with_solutions():
         f"out of date: {stale + sorted(extra)}; run `python -m course.skeleton` and commit steps/"
 
 
+def _stable_repr(value) -> str:
+    """repr, with sets sorted: a set's order can differ between two imports of the same code."""
+    if isinstance(value, (set, frozenset)):
+        return f"{type(value).__name__}({sorted(map(_stable_repr, value))})"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{_stable_repr(k)}: {_stable_repr(v)}" for k, v in value.items()) + "}"
+    return repr(value)
+
+
 def _public_api(module) -> dict[str, str]:
     """Public functions, classes (with their public methods) and constants defined in `module`."""
     package = module.__name__.split(".")[0] + "."
@@ -77,7 +86,7 @@ def _public_api(module) -> dict[str, str]:
     for name, obj in vars(module).items():
         if name.startswith("_") or inspect.ismodule(obj) or getattr(obj, "__module__", module.__name__) != module.__name__:
             continue
-        api[name] = str(inspect.signature(obj)) if callable(obj) else repr(obj)
+        api[name] = str(inspect.signature(obj)) if callable(obj) else _stable_repr(obj)
         if inspect.isclass(obj):
             for method, member in vars(obj).items():
                 if not method.startswith("_") and callable(member):
