@@ -6,21 +6,22 @@ white and grey between the blocks.
 from __future__ import annotations
 
 import matplotlib
-
-matplotlib.use("Agg")  # files only: no display needed (CI, forked ranks)
-import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.figure import Figure
 
 
 def plot_timeline(profiles: list[dict], path=None, step: int = -1, title: str = "", ax=None):
-    """Draw one step of every rank's profile (`course.profiler.export` dicts); save to `path`."""
+    """Draw one step of every rank's profile (`course.profiler.export` dicts) on `ax` (a notebook's
+    axes), or on a figure of its own saved to `path`. The own figure is a bare `Figure`, not pyplot's:
+    it needs no display and leaves the backend alone, so a notebook importing this still shows plots."""
     n_steps = len(profiles[0]["steps"])
     step = step % n_steps
     origin = min(p["steps"][step][0] for p in profiles)
     n_microbatches = 1 + max((s["microbatch"] or 0) for p in profiles for s in p["spans"])
-    colours = plt.get_cmap("tab20" if n_microbatches > 10 else "tab10")
+    colours = matplotlib.colormaps["tab20" if n_microbatches > 10 else "tab10"]
     own_figure = ax is None
     if own_figure:
-        _, ax = plt.subplots(figsize=(11, 0.6 * len(profiles) + 1.2))
+        figure = Figure(figsize=(11, 0.6 * len(profiles) + 1.2))
+        ax = figure.add_subplot()
     for p in profiles:
         row = p["rank"]
         for s in p["spans"]:
@@ -38,9 +39,7 @@ def plot_timeline(profiles: list[dict], path=None, step: int = -1, title: str = 
     ax.invert_yaxis()
     ax.set_xlabel("ms since the step started (solid: forward, hatched: backward, grey: waiting)")
     ax.set_title(title)
-    if own_figure:
-        plt.tight_layout()
-        if path is not None:
-            plt.savefig(path, dpi=110)
-        plt.close()
+    if own_figure and path is not None:
+        figure.tight_layout()
+        figure.savefig(path, dpi=110)
     return ax

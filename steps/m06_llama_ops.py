@@ -169,8 +169,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: 
         # TODO(m06): attention for queries start..start+chunk: append their output and lse
         # Hint: qg, kg, vg are (B, kv_heads, group, T, D), time on axis -2 (k and v have a group of 1, which
         #       broadcasts). The last chunk may be shorter than `chunk`. No query of the chunk sees a key
-        #       after its last query: _causal_scores returns the scores of exactly those keys, scaled and
-        #       masked.
+        #       after its last query: _causal_scores returns the scores of exactly those keys, masked, and
+        #       scaled by the scale you pass it (1/sqrt(D)).
         # Hint: lse is the log-sum-exp of each query's scores over the keys, kept in the scores' dtype; the
         #       probabilities p = exp(s - lse), cast to v's dtype, weight the values of those same keys.
         raise NotImplementedError('TODO(m06): attention for queries start..start+chunk: append their output and lse')

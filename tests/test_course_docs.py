@@ -111,3 +111,9 @@ def test_notebook_executes(notebook, monkeypatch):
     client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
                                      resources={"metadata": {"path": str(notebook.parent)}})
     client.execute()  # raises CellExecutionError, naming the cell, if any cell fails
+    # A picture that silently fails to show (e.g. an import switched matplotlib to a file-only
+    # backend) would still execute: every cell that shows a plot must have produced an image.
+    blank = [cell.source.splitlines()[0] for cell in nb.cells
+             if cell.cell_type == "code" and "plt.show()" in cell.source
+             and not any("image/png" in out.get("data", {}) for out in cell.outputs)]
+    assert not blank, f"cells that call plt.show() but display no image: {blank}"
