@@ -10,13 +10,16 @@ solutions/ is the one source of truth. A solution block is written between two m
 In steps/ the block becomes its comment lines followed by
 `raise NotImplementedError("TODO(m04): build this rank's layers")`, at the marker's indentation,
 so an unfinished TODO fails at once (and never leaves a peer rank waiting). Everything outside
-the markers is copied unchanged.
+the markers is copied unchanged. The header of each skeleton records a fingerprint of the text
+generated, so a test can tell that steps/ is up to date with solutions/ without comparing the
+learner's code line by line.
 
     python -m course.skeleton          # rewrite steps/ (maintainers; overwrites learners' edits)
     python -m course.skeleton --check  # exit 1 if steps/ differs from what would be generated
 """
 from __future__ import annotations
 
+import hashlib
 import re
 import sys
 from pathlib import Path
@@ -25,9 +28,10 @@ REPO = Path(__file__).resolve().parent.parent
 BEGIN = re.compile(r"^(?P<indent>\s*)# >>> (?P<title>TODO\((?P<module>m\d\d)\): .+)$")
 END = re.compile(r"^\s*# <<<\s*$")
 HEADER = ("# Generated from solutions/{name} by `python -m course.skeleton`: fill in the TODOs.\n"
-          "# Grade your work with `python main.py grade {number}`.\n")
+          "# Grade your work with `python main.py grade {number}`. (skeleton {fingerprint})\n")
 GIVEN_HEADER = ("# Generated from solutions/{name} by `python -m course.skeleton`. Given code: nothing\n"
-                "# to fill in here; read it, then run it with `python main.py run {number}`.\n")
+                "# to fill in here; read it, then run it with `python main.py run {number}`. (skeleton {fingerprint})\n")
+HEADER_LINES = 2
 
 
 class MarkerError(ValueError):
@@ -64,18 +68,20 @@ def skeletonize(source: str, filename: str = "<source>") -> str:
     return "".join(out)
 
 
+def skeleton_file(source: str, name: str) -> str:
+    """The steps/ file for solutions/`name`: its skeleton under a header (modules' files only)."""
+    text = skeletonize(source, name)
+    number = name[1:3] if re.match(r"m\d\d_", name) else None
+    if number is None:
+        return text
+    header = HEADER if text != source else GIVEN_HEADER
+    fingerprint = hashlib.sha256(text.encode()).hexdigest()[:12]
+    return header.format(name=name, number=number, fingerprint=fingerprint) + text
+
+
 def generate(solutions: Path = REPO / "solutions") -> dict[str, str]:
     """File name -> skeleton text, for every Python file in solutions/."""
-    files = {}
-    for path in sorted(solutions.glob("*.py")):
-        source = path.read_text()
-        text = skeletonize(source, path.name)
-        number = path.name[1:3] if re.match(r"m\d\d_", path.name) else None
-        if number is not None:
-            header = HEADER if text != source else GIVEN_HEADER
-            text = header.format(name=path.name, number=number) + text
-        files[path.name] = text
-    return files
+    return {path.name: skeleton_file(path.read_text(), path.name) for path in sorted(solutions.glob("*.py"))}
 
 
 def write(steps: Path = REPO / "steps") -> list[str]:

@@ -1,5 +1,5 @@
 # Generated from solutions/m00_monolith.py by `python -m course.skeleton`. Given code: nothing
-# to fill in here; read it, then run it with `python main.py run 00`.
+# to fill in here; read it, then run it with `python main.py run 00`. (skeleton 8c0360e06deb)
 """Module 00 - the monolith.
 
 A 16-layer MLP (Linear + ReLU, width 128) with a 2-class head, trained with Adam on one fixed

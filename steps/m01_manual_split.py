@@ -1,5 +1,5 @@
 # Generated from solutions/m01_manual_split.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 01`.
+# Grade your work with `python main.py grade 01`. (skeleton 8333c6c4e93f)
 """Module 01 - a manual split.
 
 The monolith cut in two: part one holds layers 0-7, part two holds layers 8-15 and the head. Both

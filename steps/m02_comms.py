@@ -1,5 +1,5 @@
 # Generated from solutions/m02_comms.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 02`.
+# Grade your work with `python main.py grade 02`. (skeleton 510757a96193)
 """Module 02 - communication primitives.
 
 Every pipeline stage talks to two neighbours: it receives activations from the previous rank and

@@ -1,5 +1,5 @@
 # Generated from solutions/m03_ping_pong.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 03`.
+# Grade your work with `python main.py grade 03`. (skeleton 3e5b53202ed9)
 """Module 03 - ping-pong.
 
 Two ranks bounce one tensor back and forth. Rank 0 serves; whoever receives the ball adds 1 and

@@ -1,5 +1,5 @@
 # Generated from solutions/m04_sharded.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 04`.
+# Grade your work with `python main.py grade 04`. (skeleton ea4fa4b6d033)
 """Module 04 - the sharded model.
 
 Each rank holds only its own slice of the 16 layers (the last rank also holds the head and

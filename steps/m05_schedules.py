@@ -1,5 +1,5 @@
 # Generated from solutions/m05_schedules.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 05`.
+# Grade your work with `python main.py grade 05`. (skeleton 237a827d2e4c)
 """Module 05 - pipeline schedules.
 
 Module 04 relayed the whole batch through the ranks; while one rank computes, all the others wait.

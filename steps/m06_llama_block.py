@@ -1,5 +1,5 @@
 # Generated from solutions/m06_llama_block.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 06`.
+# Grade your work with `python main.py grade 06`. (skeleton 5c0eea9c6e23)
 """Module 06, part 2 - the transformer block: a forward sequence and its backward in reverse.
 
     x -> RMSNorm(ln1) -> q, k, v projections -> RoPE(q, k) -> causal GQA attention -> o projection

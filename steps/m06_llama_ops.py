@@ -1,5 +1,5 @@
 # Generated from solutions/m06_llama_ops.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 06`.
+# Grade your work with `python main.py grade 06`. (skeleton 91cbb52ae823)
 """Module 06, part 1 - the operations of a Llama block, each with an explicit backward.
 
 Every op is a pair of plain functions: `*_forward` returns its output and the few tensors its

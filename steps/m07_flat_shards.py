@@ -1,5 +1,5 @@
 # Generated from solutions/m07_flat_shards.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 07`.
+# Grade your work with `python main.py grade 07`. (skeleton 14e96a1a4d68)
 """Module 07, part 1 - one block's weights as one flat buffer, cut into equal shards.
 
 An all-gather moves one contiguous tensor, so FSDP lays all of a block's weights end to end in a

@@ -1,5 +1,5 @@
 # Generated from solutions/m07_fsdp.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 07`.
+# Grade your work with `python main.py grade 07`. (skeleton 9043a0f0a919)
 """Module 07 - FSDP: every rank keeps 1/N of each block; whole blocks exist only while in use.
 
 Data parallel: each rank trains on its own rows of the global batch. Sharded: each rank keeps only

@@ -1,5 +1,5 @@
 # Generated from solutions/m07_payload.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 07`.
+# Grade your work with `python main.py grade 07`. (skeleton 400fbda2597d)
 """Module 07, part 2 - FSDP's communication and buffer arithmetic, before running anything.
 
 For blocks of P parameters of b bytes each, sharded over N ranks (padded to a multiple of N):

@@ -1,5 +1,5 @@
 # Generated from solutions/m07_sharded_weights.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 07`.
+# Grade your work with `python main.py grade 07`. (skeleton dd025f267a64)
 """Module 07, part 3 - a weight source that all-gathers each block from its shards, just in time.
 
 It implements module 06's WeightSource protocol, so the model loop does not change:

@@ -1,5 +1,5 @@
 # Generated from solutions/m08_host_weights.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 08`.
+# Grade your work with `python main.py grade 08`. (skeleton 12e281ab7264)
 """Module 08 - weights streamed from host memory on a side stream, overlapping compute.
 
 The same gather/get/release protocol as module 07, but a "gather" is a copy of the block from

@@ -1,5 +1,5 @@
 # Generated from solutions/m09_fp8.py by `python -m course.skeleton`. Given code: nothing
-# to fill in here; read it, then run it with `python main.py run 09`.
+# to fill in here; read it, then run it with `python main.py run 09`. (skeleton 28fc773f3006)
 """Module 09 - FP8 matmuls: train module 06's Llama with FP8 linears beside the fp32 run.
 
 Both runs start from the same weights and see the same batches; they differ only in the matmul
@@ -48,7 +48,7 @@ def demo(args):
     began = time.perf_counter()
     reference, fp8 = train_both(cfg, args.steps)
     print(f"  {'step':>4}  {'fp32 loss':>10}  {'fp8 loss':>10}  {'difference':>10}")
-    for step in [*range(0, args.steps, max(1, args.steps // 10)), args.steps - 1]:
+    for step in sorted({*range(0, args.steps, max(1, args.steps // 10)), args.steps - 1}):  # the last once
         print(f"  {step:4d}  {reference[step]:10.4f}  {fp8[step]:10.4f}  {fp8[step] - reference[step]:+10.4f}")
     last = min(10, args.steps)
     mean = lambda losses: sum(losses[-last:]) / last  # noqa: E731

@@ -1,5 +1,5 @@
 # Generated from solutions/m09_fp8_matmul.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 09`.
+# Grade your work with `python main.py grade 09`. (skeleton 8e6ce9bdc894)
 """Module 09, part 2 - FP8 linears: module 06's matmul policy with FP8 operands.
 
 A linear layer computes y = x W^T (x: tokens x in_features, W: out_features x in_features) and

@@ -1,5 +1,5 @@
 # Generated from solutions/m09_fp8_scaling.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 09`.
+# Grade your work with `python main.py grade 09`. (skeleton 4dd3a2e1686e)
 """Module 09, part 1 - FP8 numbers and per-tensor abs-max scaling.
 
 An FP8 number has 8 bits: a sign, some exponent bits and some mantissa bits. Two layouts are used

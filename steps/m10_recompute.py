@@ -1,5 +1,5 @@
 # Generated from solutions/m10_recompute.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 10`.
+# Grade your work with `python main.py grade 10`. (skeleton 5e07125eb41b)
 """Module 10 - recompute: keep fewer activations in the forward, recompute them in the backward.
 
 The activation store of module 06 keeps, for every layer, everything the block's backward reads:
