@@ -122,11 +122,15 @@ def cmd_grade(args):
         report = Path(tmp) / "grades.json"
         # pytest prints each check's line as it finishes (--grading-live), so a slow or stuck
         # check shows which one it is; the summary comes from the report.
-        proc = subprocess.run(
-            [sys.executable, "-m", "pytest", *test_files_in_build_order(args.number), "-qq", "--no-header",
-             "--no-summary", "--tb=no", "-p", "no:cacheprovider", "-m", "not given", f"--impl={args.impl}",
-             "--grading-live", f"--grading-json={report}"],
-            cwd=REPO, timeout=1800)
+        try:  # each check has its own timeout (course/grading.py); this one is a last resort
+            proc = subprocess.run(
+                [sys.executable, "-m", "pytest", *test_files_in_build_order(args.number), "-qq", "--no-header",
+                 "--no-summary", "--tb=no", "-p", "no:cacheprovider", "-m", "not given", f"--impl={args.impl}",
+                 "--grading-live", f"--grading-json={report}"],
+                cwd=REPO, timeout=1800)
+        except subprocess.TimeoutExpired:
+            sys.exit(f"module {args.number}: grading was stopped after 30 minutes; the last check shown is "
+                     "the one after which it got stuck")
         results = json.loads(report.read_text()) if report.exists() else []
     if not results:
         print(f"module {args.number}: no graded test ran (see pytest's output above; exit code {proc.returncode})")

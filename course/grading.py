@@ -9,9 +9,22 @@ dots, so a learner sees which check is running when one is slow or stuck.
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
+from pathlib import Path
+
+import pytest
 
 GIVEN = "given"  # marker for tests of given code: not graded, not expected to fail on skeletons
+# A graded check running longer than this is stuck (the slowest takes about 20 s on 2 cores). Checks
+# that start ranks stop them sooner, with their own timeout; this one catches a loop in one process.
+CHECK_TIMEOUT_S = float(os.environ.get("COURSE_CHECK_TIMEOUT_S", 180))
+REPO = Path(__file__).resolve().parent.parent
+
+
+class CheckTimeout(Exception):
+    pass
 
 
 def pytest_addoption(parser):
@@ -37,6 +50,29 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(f"m{match.group(1)}")
         if name.startswith("test_course_") or name.startswith("test_00_"):
             item.add_marker(GIVEN)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    """Stop a graded check that runs too long, naming the line it was stuck on (SIGALRM interrupts
+    Python code in the main thread; forked ranks do not inherit the timer)."""
+    if item.get_closest_marker(GIVEN) or not hasattr(signal, "setitimer"):
+        yield
+        return
+
+    def stuck(signum, frame):
+        where = Path(frame.f_code.co_filename)
+        where = where.relative_to(REPO) if where.is_relative_to(REPO) else where
+        raise CheckTimeout(f"this check ran for over {CHECK_TIMEOUT_S:g} s and was stopped at "
+                           f"{where}:{frame.f_lineno} in {frame.f_code.co_name} (an endless loop?)")
+
+    previous = signal.signal(signal.SIGALRM, stuck)
+    signal.setitimer(signal.ITIMER_REAL, CHECK_TIMEOUT_S)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 class Scorecard:
