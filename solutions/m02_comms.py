@@ -18,17 +18,19 @@ TITLE = "Communication primitives: init_distributed and PipelineComms"
 NPROC = 4
 
 
-def init_distributed(timeout_s: float = 120.0):
+def init_distributed(timeout_s: float = 120.0, backend: str | None = None):
     """Join the process group described by torchrun's environment; return (rank, world_size, device).
 
     If a group already exists (course.launch creates one for its forked ranks) it is reused. The
-    device follows the backend: gloo works on CPU tensors, nccl on this rank's GPU.
+    backend is `backend` if given (a module whose tensors live in CPU memory asks for "gloo"), else
+    chosen from the machine. The device follows the backend: gloo works on CPU tensors, nccl on
+    this rank's GPU.
     """
     # >>> TODO(m02): read RANK, WORLD_SIZE, LOCAL_RANK; join the group if needed; pick the device
     # Hint: torchrun sets RANK, WORLD_SIZE and LOCAL_RANK as environment variables (strings).
     # Hint: if not dist.is_initialized(): dist.init_process_group(backend, rank=..., world_size=...,
-    #           timeout=timedelta(seconds=timeout_s)) with backend "nccl" if every local rank
-    #           (LOCAL_WORLD_SIZE of them) can have a GPU of its own, else "gloo".
+    #           timeout=timedelta(seconds=timeout_s)) with the backend asked for, else "nccl" if every
+    #           local rank (LOCAL_WORLD_SIZE of them) can have a GPU of its own, else "gloo".
     # Hint: then look at dist.get_backend(): nccl -> torch.device("cuda", local_rank) (and
     #       torch.cuda.set_device it); gloo -> torch.device("cpu").
     rank = int(os.environ["RANK"])
@@ -38,7 +40,7 @@ def init_distributed(timeout_s: float = 120.0):
         # nccl needs a GPU of its own for every rank on this machine; otherwise use gloo on CPU.
         gpus_for_everyone = torch.cuda.is_available() and \
             torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        backend = "nccl" if gpus_for_everyone else "gloo"
+        backend = backend or ("nccl" if gpus_for_everyone else "gloo")
         dist.init_process_group(backend, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout_s))
     if dist.get_backend() == "nccl":

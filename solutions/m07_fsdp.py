@@ -171,7 +171,8 @@ def check_args(args):
 
 
 def demo(args):
-    rank, world_size, _ = init_distributed()
+    # This module's shards, buffers and collectives are CPU tensors: gloo, even on a machine with GPUs.
+    rank, world_size, _ = init_distributed(backend="gloo")
     torch.set_num_threads(1)
     cfg, comm = LlamaConfig(n_layers=args.layers), Collectives()
     if rank == 0:

@@ -1,5 +1,5 @@
 # Generated from solutions/m02_comms.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 02`. (skeleton 510757a96193)
+# Grade your work with `python main.py grade 02`. (skeleton baa1a0608935)
 """Module 02 - communication primitives.
 
 Every pipeline stage talks to two neighbours: it receives activations from the previous rank and
@@ -20,17 +20,19 @@ TITLE = "Communication primitives: init_distributed and PipelineComms"
 NPROC = 4
 
 
-def init_distributed(timeout_s: float = 120.0):
+def init_distributed(timeout_s: float = 120.0, backend: str | None = None):
     """Join the process group described by torchrun's environment; return (rank, world_size, device).
 
     If a group already exists (course.launch creates one for its forked ranks) it is reused. The
-    device follows the backend: gloo works on CPU tensors, nccl on this rank's GPU.
+    backend is `backend` if given (a module whose tensors live in CPU memory asks for "gloo"), else
+    chosen from the machine. The device follows the backend: gloo works on CPU tensors, nccl on
+    this rank's GPU.
     """
     # TODO(m02): read RANK, WORLD_SIZE, LOCAL_RANK; join the group if needed; pick the device
     # Hint: torchrun sets RANK, WORLD_SIZE and LOCAL_RANK as environment variables (strings).
     # Hint: if not dist.is_initialized(): dist.init_process_group(backend, rank=..., world_size=...,
-    #           timeout=timedelta(seconds=timeout_s)) with backend "nccl" if every local rank
-    #           (LOCAL_WORLD_SIZE of them) can have a GPU of its own, else "gloo".
+    #           timeout=timedelta(seconds=timeout_s)) with the backend asked for, else "nccl" if every
+    #           local rank (LOCAL_WORLD_SIZE of them) can have a GPU of its own, else "gloo".
     # Hint: then look at dist.get_backend(): nccl -> torch.device("cuda", local_rank) (and
     #       torch.cuda.set_device it); gloo -> torch.device("cpu").
     raise NotImplementedError('TODO(m02): read RANK, WORLD_SIZE, LOCAL_RANK; join the group if needed; pick the device')

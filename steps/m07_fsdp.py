@@ -1,5 +1,5 @@
 # Generated from solutions/m07_fsdp.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 07`. (skeleton 9043a0f0a919)
+# Grade your work with `python main.py grade 07`. (skeleton 47151f52c1f4)
 """Module 07 - FSDP: every rank keeps 1/N of each block; whole blocks exist only while in use.
 
 Data parallel: each rank trains on its own rows of the global batch. Sharded: each rank keeps only
@@ -148,7 +148,8 @@ def check_args(args):
 
 
 def demo(args):
-    rank, world_size, _ = init_distributed()
+    # This module's shards, buffers and collectives are CPU tensors: gloo, even on a machine with GPUs.
+    rank, world_size, _ = init_distributed(backend="gloo")
     torch.set_num_threads(1)
     cfg, comm = LlamaConfig(n_layers=args.layers), Collectives()
     if rank == 0:
