@@ -46,8 +46,8 @@ def test_a_raising_rank_fails_the_run_at_once_and_says_where():
     first_line = str(failure.value).splitlines()[0]
     assert first_line.startswith("rank 1 of 2 raised NotImplementedError: TODO(m99): something")
     assert "test_course_launch.py" in first_line and "_raise_on_rank_one" in first_line
-    # Typically 0.1-0.3 s; the bound only separates failing at once from waiting for the timeout.
-    assert elapsed < 2.0, f"took {elapsed:.2f} s: a failing rank must not wait for the timeout"
+    # Typically 0.1-0.3 s; the bound only separates failing at once from waiting for the 30 s timeout.
+    assert elapsed < 10.0, f"took {elapsed:.2f} s: a failing rank must not wait for the timeout"
 
 
 def _receive_from_each_other():
