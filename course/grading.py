@@ -125,4 +125,9 @@ def one_line_reason(report) -> str:
         return str(report.longrepr[2]) if isinstance(report.longrepr, tuple) else "skipped"
     crash = getattr(report.longrepr, "reprcrash", None)
     text = crash.message if crash is not None else str(report.longrepr)
-    return text.strip().splitlines()[0] if text.strip() else "failed"
+    lines = text.strip().splitlines()
+    if not lines:
+        return "failed"
+    # torch.testing.assert_close says how far off on later lines: keep how many and how much.
+    details = [line.strip() for line in lines[1:] if line.strip().startswith(("Mismatched elements", "Greatest absolute"))]
+    return lines[0] + (f" ({'; '.join(details)})" if details else "")
