@@ -253,7 +253,8 @@ def demo(args):
           f"key-value heads) on {TEXT.name}, bytes as tokens:")
     began = time.perf_counter()
     model, losses = train(cfg, args.steps, log_every=max(1, args.steps // 10))
+    last = losses[-10:]  # fewer when fewer steps ran
     print(f"  {args.steps} steps in {time.perf_counter() - began:.1f} s; "
-          f"loss {losses[0]:.3f} -> {sum(losses[-10:]) / len(losses[-10:]):.3f} (mean of the last 10)")
+          f"loss {losses[0]:.3f} -> {sum(last) / len(last):.3f} (mean of the last {len(last)})")
     if args.sample:
         print("\nSample (temperature 0.8):\n" + sample(model, "MENENIUS:\n", args.sample))

@@ -46,7 +46,7 @@ def demo(args):
     began = time.perf_counter()
     reference, fp8 = train_both(cfg, args.steps)
     print(f"  {'step':>4}  {'fp32 loss':>10}  {'fp8 loss':>10}  {'difference':>10}")
-    for step in [*range(0, args.steps, max(1, args.steps // 10)), args.steps - 1]:
+    for step in sorted({*range(0, args.steps, max(1, args.steps // 10)), args.steps - 1}):  # the last once
         print(f"  {step:4d}  {reference[step]:10.4f}  {fp8[step]:10.4f}  {fp8[step] - reference[step]:+10.4f}")
     last = min(10, args.steps)
     mean = lambda losses: sum(losses[-last:]) / last  # noqa: E731

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from course.bench import report
-from course.impl import load
+from course.impl import load, reference
 from course.launch import run_ranks
 from course.profiler import EmulatedStage, Profiler, export, summarize, theoretical_bubble
 
@@ -124,6 +124,7 @@ def main(argv):
     parser.add_argument("--steps", type=int, default=2, help="steps per run; the first is not timed")
     parser.add_argument("--emulate-ms", type=float, default=6.0, help="emulated ms per layer forward")
     args = parser.parse_args(argv)
+    check(parser, args)
     torch.set_num_threads(1)
     torch.optim.Adam([torch.zeros(1, requires_grad=True)])  # import torch._dynamo once, not per rank
     rows = []
@@ -137,3 +138,20 @@ def main(argv):
              "theory = (P-1)/(M+P-1). same_as_torch: losses within 1e-6 and gradients within 1e-5 relative.")
     report("bench-05", "Module 05: pipeline bubble, measured vs theory, and ours vs torch.distributed.pipelining",
            rows, notes=notes)
+
+
+def check(parser, args):
+    """Refuse bad arguments before any rank starts, with `run 05`'s own checks (given code, so from
+    the reference) for every P and M the table will run."""
+    if args.emulate_ms < 0 or args.steps < 1:
+        parser.error(f"--steps must be at least 1 and --emulate-ms at least 0, got {args.steps} and {args.emulate_ms:g}")
+    for world_size in args.nproc:
+        if world_size < 1:  # 1 runs (no bubble; PyTorch's schedules refuse it, the row says so)
+            parser.error(f"--nproc must be at least 1, got {world_size}")
+        for chunks in args.chunks:
+            try:
+                reference("m05_schedules").check_args(argparse.Namespace(
+                    schedule=args.schedules[0], nproc=world_size, chunks=chunks, steps=args.steps,
+                    emulate_ms=args.emulate_ms))
+            except ValueError as exc:
+                parser.error(str(exc))

@@ -3,8 +3,9 @@
     python main.py bench 07 [--nproc 2] [--steps 5] [--layers 4] [--dim 128]
 
 Both train module 06's Llama (float32) on the same global batches over the same forked gloo ranks:
-ours (solutions/m07_fsdp.py) and `fully_shard` applied to each block and to the root of the
-nn.Module reference (course/reference_llama.py). Columns:
+ours (m07_fsdp.py of the selected implementation: solutions/, or steps/ with --impl steps) and
+`fully_shard` applied to each block and to the root of the nn.Module reference
+(course/reference_llama.py), from the same initial weights. Columns:
   step ms              median wall time of one optimizer step (after one warm-up step)
   param bytes/rank     parameter memory one rank keeps between steps (FSDP2 also shards the
                        embedding and LM head; ours keeps them replicated)
@@ -23,7 +24,7 @@ import torch.distributed as dist
 
 from course.bench import report
 from course.collectives import Collectives
-from course.impl import load
+from course.impl import load, reference
 from course.launch import run_ranks
 from course.reference_llama import ReferenceLlama
 
@@ -65,13 +66,15 @@ def fsdp2_llama(model) -> LossModule:
 
 def _run(cfg, steps, batch, lr, which):
     torch.manual_seed(0)
-    m06, m07 = load("m06_llama_model", "solutions"), load("m07_fsdp", "solutions")
+    # The batches, the FSDP2 row's initial weights and the loss averaging come from the reference
+    # (given code either way): what ours is compared with must not change with the code measured.
+    ref06, ref07 = reference("m06_llama_model"), reference("m07_fsdp")
     rank, world_size = dist.get_rank(), dist.get_world_size()
     rows = batch // world_size
-    data, generator = m06.load_text(), torch.Generator().manual_seed(0)
+    data, generator = ref06.load_text(), torch.Generator().manual_seed(0)
     comm, block_params = Collectives(), None
     if which == "ours":
-        model = m07.FSDPLlama(cfg, comm)
+        model = load("m07_fsdp").FSDPLlama(cfg, comm)  # the implementation measured
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
         param_bytes = sum(p.nbytes for p in model.parameters())
         block_params = model.layout.numel
@@ -79,7 +82,7 @@ def _run(cfg, steps, batch, lr, which):
         def step(tokens, targets):
             return model.train_step(tokens, targets, 1, optimizer)
     else:
-        root = fsdp2_llama(m06.LlamaModel(cfg))
+        root = fsdp2_llama(ref06.LlamaModel(cfg))
         optimizer = torch.optim.AdamW(root.parameters(), lr=lr, weight_decay=0.0)
         param_bytes = sum(p.to_local().nbytes for p in root.parameters())
 
@@ -91,13 +94,13 @@ def _run(cfg, steps, batch, lr, which):
             return loss.item()
     times, losses = [], []
     for _ in range(steps + 1):
-        tokens, targets = m06.random_batch(data, batch, cfg.max_seq_len, generator)
+        tokens, targets = ref06.random_batch(data, batch, cfg.max_seq_len, generator)
         mine = slice(rank * rows, (rank + 1) * rows)
         dist.barrier()
         began = time.perf_counter()
         loss = step(tokens[mine], targets[mine])
         times.append(time.perf_counter() - began)
-        losses.append(m07.global_mean(loss))
+        losses.append(ref07.global_mean(loss))
     log = comm.log
     return {"times": times[1:], "loss": losses[-1], "param_bytes": param_bytes,
             "all_gathers": sum(c.op == "all_gather" for c in log) / (steps + 1),
@@ -111,15 +114,14 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5, help="timed steps (after one warm-up)")
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--dim", type=int, default=128,
+                        help="model width: dim // 16 query heads of 16, dim // 32 key/value heads (default 128)")
     parser.add_argument("--batch", type=int, default=8)
     args = parser.parse_args(argv)
-    if args.batch % args.nproc:
-        parser.error(f"--batch {args.batch} must be divisible by --nproc {args.nproc}")
-    payload = load("m07_payload", "solutions")
-    LlamaConfig = load("m06_llama_block", "solutions").LlamaConfig
-    cfg = LlamaConfig(dim=args.dim, n_heads=args.dim // 16, n_kv_heads=args.dim // 32, head_dim=16,
-                      ffn_dim=args.dim * 8 // 3 // 16 * 16, n_layers=args.layers, max_seq_len=64)
+    cfg = check(parser, args)
+    # The formula columns are the theory the measurement is checked against: the reference's
+    # formula, so that a wrong formula cannot agree with a wrong implementation.
+    payload = reference("m07_payload")
     torch.set_num_threads(1)
     rows = []
     for which in ("ours", "FSDP2"):
@@ -140,3 +142,22 @@ def main(argv: list[str]) -> None:
                        f"batch {args.batch} x {cfg.max_seq_len} tokens, float32", rows,
            notes="Per step, after the first: the all-gathers of blocks still in the two buffers are skipped "
                  "(kept = 2). FSDP2's collectives are not logged (its own process-group calls).")
+
+
+def check(parser, args):
+    """Refuse bad arguments before any rank starts; returns the model's LlamaConfig (a given class,
+    from the reference like every option check)."""
+    for name in ("nproc", "steps", "layers", "batch"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if args.batch % args.nproc:
+        parser.error(f"--batch {args.batch} must be divisible by --nproc {args.nproc}")
+    if args.dim < 32 or args.dim % 16:
+        parser.error(f"--dim must be a multiple of 16 and at least 32 (dim // 16 query heads of 16, "
+                     f"dim // 32 key/value heads), got {args.dim}")
+    try:
+        return reference("m06_llama_block").LlamaConfig(
+            dim=args.dim, n_heads=args.dim // 16, n_kv_heads=args.dim // 32, head_dim=16,
+            ffn_dim=args.dim * 8 // 3 // 16 * 16, n_layers=args.layers, max_seq_len=64)
+    except ValueError as exc:  # e.g. --dim 80: 5 query heads cannot share 2 key/value heads evenly
+        parser.error(f"--dim {args.dim}: {exc}")

@@ -28,7 +28,7 @@ import time
 import torch
 
 from course.bench import report
-from course.impl import load
+from course.impl import load, reference
 
 
 def main(argv: list[str]) -> None:
@@ -43,6 +43,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--batch", type=int, default=0, help="sequences per step (0: balance compute and copies)")
     parser.add_argument("--reps", type=int, default=5, help="timed steps per variant (after one warm-up)")
     args = parser.parse_args(argv)
+    cfg = check(parser, args)
     if not args.device.startswith("cuda"):
         print("bench 08 needs CUDA: it times copies from pinned host memory overlapping GPU compute.\n"
               "Run `python main.py bench 08 --device cuda` on a GPU machine; on CPU, "
@@ -51,18 +52,34 @@ def main(argv: list[str]) -> None:
     if not torch.cuda.is_available():
         print("bench 08 needs CUDA, and torch.cuda.is_available() is False here.")
         return
-    gpu_timings(args)
+    gpu_timings(args, cfg)
 
 
-def gpu_timings(args):
-    m06 = load("m06_llama_model", "solutions")
-    m08 = load("m08_host_weights", "solutions")
+def check(parser, args):
+    """Refuse bad arguments before anything is built; returns the model's LlamaConfig (a given class,
+    from the reference like every option check)."""
+    for name in ("layers", "dim", "heads", "kv_heads", "ffn", "seq", "reps"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.batch < 0:
+        parser.error(f"--batch must be at least 0 (0: balance compute and copies), got {args.batch}")
+    if args.dim % args.heads:
+        parser.error(f"--dim {args.dim} must be divisible by --heads {args.heads} (head_dim = dim // heads)")
+    try:
+        return reference("m06_llama_block").LlamaConfig(
+            dim=args.dim, n_heads=args.heads, n_kv_heads=args.kv_heads, head_dim=args.dim // args.heads,
+            ffn_dim=args.ffn, n_layers=args.layers, max_seq_len=args.seq)
+    except ValueError as exc:  # e.g. query heads that key/value heads cannot share evenly
+        parser.error(f"--dim {args.dim} --heads {args.heads} --kv-heads {args.kv_heads}: {exc}")
+
+
+def gpu_timings(args, cfg):
+    # The selected implementation (--impl): module 08's weight source, and module 06's model loop,
+    # which drives it (the prefetch order is the loop's) and also runs the all-resident baseline.
+    m06, m08 = load("m06_llama_model"), load("m08_host_weights")
     from course.streams import CudaRuntime
 
-    block_module = load("m06_llama_block", "solutions")
-    LlamaConfig, BlockWeights = block_module.LlamaConfig, block_module.BlockWeights
-    cfg = LlamaConfig(dim=args.dim, n_heads=args.heads, n_kv_heads=args.kv_heads, head_dim=args.dim // args.heads,
-                      ffn_dim=args.ffn, n_layers=args.layers, max_seq_len=args.seq)
+    BlockWeights = load("m06_llama_block").BlockWeights
     print(f"Building {cfg.n_layers} blocks of dim {cfg.dim}, FFN {cfg.ffn_dim} in bf16 on the host ...", flush=True)
     model = m06.LlamaModel(cfg, dtype=torch.bfloat16)
     host_blocks, model.blocks = model.blocks, []

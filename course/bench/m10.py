@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint
 
 from course.bench import report
 from course.fused_attention import FusedAttention
-from course.impl import load
+from course.impl import load, reference
 from course.reference_llama import ReferenceLlama
 
 PRESETS = {
@@ -51,9 +51,31 @@ def parse(argv):
     for name, value in preset.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    check(parser, args)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error("--device cuda, but torch sees no CUDA device")
     return args
+
+
+def check(parser, args):
+    """Refuse bad sizes with one line before anything is built (LlamaConfig's own checks: a given
+    class, from the reference like every option check)."""
+    for name in ("dim", "heads", "kv_heads", "ffn", "layers", "seq_len", "batch", "vocab", "steps", "threads"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.warmup < 0:
+        parser.error(f"--warmup must be at least 0, got {args.warmup}")
+    dtype = getattr(torch, args.dtype, None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        parser.error(f"--dtype {args.dtype!r} is not a floating-point torch dtype (e.g. float32, bfloat16)")
+    if args.dim % args.heads:
+        parser.error(f"--dim {args.dim} must be divisible by --heads {args.heads} (head_dim = dim // heads)")
+    try:
+        reference("m06_llama_block").LlamaConfig(
+            dim=args.dim, n_heads=args.heads, n_kv_heads=args.kv_heads, head_dim=args.dim // args.heads,
+            ffn_dim=args.ffn, vocab_size=args.vocab, n_layers=args.layers, max_seq_len=args.seq_len)
+    except ValueError as exc:  # e.g. query heads that key/value heads cannot share evenly
+        parser.error(f"--dim {args.dim} --heads {args.heads} --kv-heads {args.kv_heads}: {exc}")
 
 
 def synchronize(device):
@@ -75,7 +97,9 @@ def median_seconds(step, device, steps, warmup) -> float:
 
 
 def peak_mib(step, device):
-    """Peak CUDA memory of one step above what was allocated before it; None on CPU."""
+    """Peak CUDA memory of one step above what was allocated before it; None on CPU. Every step
+    measured here drops its gradients before it returns, so the baseline never holds an earlier
+    step's gradients and every row's peak includes its own (comparable rows)."""
     if not device.startswith("cuda"):
         return None
     synchronize(device)
@@ -143,11 +167,13 @@ def main(argv):
     for name, run_block in (("autograd", None),
                             ("torch.utils.checkpoint", lambda block, x: checkpoint(block, x, use_reentrant=False))):
         def step():
-            for p in reference.parameters():
-                p.grad = None
             hidden = reference.final_hidden(tokens, run_block)
-            _, d_hidden, _ = chunked_ce(hidden.detach(), reference.lm_head.detach(), targets)
+            # d_head is kept through the backward, as the hand-written model keeps its LM head's gradient
+            _, d_hidden, d_head = chunked_ce(hidden.detach(), reference.lm_head.detach(), targets)
             hidden.backward(d_hidden)
+            del d_head
+            for p in reference.parameters():  # dropped at once, as the hand-written model's are: so
+                p.grad = None                 # no step starts with gradients allocated (see peak_mib)
 
         seconds = median_seconds(step, device, args.steps, args.warmup)
         held = held_after_mib(lambda: reference.final_hidden(tokens, run_block), device)
@@ -160,8 +186,9 @@ def main(argv):
              f"{args.attention} attention in the hand-written block")
     notes = ("kept = activation bytes one layer's store keeps (formula / measured in the store); held_after_fwd =\n"
              "CUDA memory a forward of all layers leaves allocated for the backward; peak = max CUDA memory of a\n"
-             "whole step above what was allocated before it (weights excluded; the step's gradients, about one\n"
-             "copy of the weights, included); *_vs_base: relative to no recompute (hand-written) or to plain\n"
+             "whole step above what was allocated before it (weights excluded; the step's own gradients, about\n"
+             "one copy of the weights, included in every row: each step drops them before it ends, so none are\n"
+             "allocated before the next); *_vs_base: relative to no recompute (hand-written) or to plain\n"
              "autograd (nn.Module). CUDA columns are '-' on CPU." +
              ("\nOn a CPU at this size step times move by tens of percent from run to run (caches, the allocator,\n"
               "other processes), so a recompute option can look faster than none: read the byte columns here and\n"
