@@ -45,6 +45,36 @@ def test_init_distributed_creates_the_group_from_torchrun_variables(gpus, local_
         (0, 1, "cpu", "gloo")]
 
 
+def _init_with_a_gpu_per_local_rank():
+    # Rank 3 of 4, the second of 2 ranks on this machine, with 2 GPUs: one GPU per local rank, so
+    # nccl, on this rank's local GPU cuda:1 (not cuda:3, its global rank). Nothing here may touch
+    # CUDA (this is a forked rank, maybe on a machine without it): the GPUs are pretended, and the
+    # group and set_device are recorders.
+    os.environ.update(RANK="3", WORLD_SIZE="4", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2")
+    torch.cuda.is_available = lambda: True
+    torch.cuda.device_count = lambda: 2
+    group, set_device = {}, []
+
+    def init_process_group(backend=None, *args, **kwargs):
+        group["backend"] = backend
+
+    def record_set_device(device):
+        set_device.append(str(torch.device("cuda", device) if isinstance(device, int) else torch.device(device)))
+    dist.init_process_group, torch.cuda.set_device = init_process_group, record_set_device
+    dist.get_backend = lambda *args, **kwargs: group["backend"]  # the recorded group's backend
+    rank, world_size, device = m02.init_distributed()
+    return rank, world_size, str(device), group.get("backend"), set_device
+
+
+def test_init_distributed_picks_nccl_and_the_local_gpu_when_every_local_rank_has_one():
+    [(rank, world_size, device, backend, set_device)] = run_ranks(
+        _init_with_a_gpu_per_local_rank, 1, timeout=20, init_process_group=False)
+    assert (rank, world_size) == (3, 4), f"RANK=3, WORLD_SIZE=4 but init_distributed returned {rank}, {world_size}"
+    assert backend == "nccl", f"2 GPUs for 2 local ranks: the group must use nccl, got {backend!r}"
+    assert device == "cuda:1" and set_device == ["cuda:1"], \
+        f"LOCAL_RANK=1: expected device cuda:1 and set_device(cuda:1), got {device} and set_device calls {set_device}"
+
+
 def _relay(world_size):
     """Down the pipeline adding the rank, back up multiplying by 2; float64 to check the dtype."""
     comms = m02.PipelineComms(dist.get_rank(), world_size)

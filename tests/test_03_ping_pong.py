@@ -50,3 +50,56 @@ def test_timer_runs_warmup_plus_timed_round_trips():
     for rank, (seconds, sent) in enumerate(results):
         assert sent == 2 + 7, f"rank {rank} sent {sent} messages, expected warmup + repeats = 9"
         assert 0 < seconds < 1, f"rank {rank}: {seconds} s per round trip is not a plausible median"
+
+
+class ScriptedClock:
+    """A stand-in for the time module whose perf_counter() moves only when the comms tick it, once
+    per round trip: round trip i takes exactly durations[i] seconds, however often the clock is read."""
+
+    def __init__(self, durations):
+        self.now, self.durations = 1000.0, list(durations)
+
+    def perf_counter(self):
+        return self.now
+
+    time = monotonic = perf_counter  # whichever clock the timer reads
+
+    def tick(self):
+        assert self.durations, "more round trips than warmup + repeats"
+        self.now += self.durations.pop(0)
+
+
+class ClockedComms:
+    """One side of a ping-pong without a peer: each round trip advances the clock by its scripted
+    duration (rank 0 sends once per round trip, rank 1 receives once), and every receive returns a ball."""
+
+    def __init__(self, rank, clock):
+        self.rank, self.world_size, self.device, self.clock = rank, 2, torch.device("cpu"), clock
+        self.prev, self.next = (None, 1) if rank == 0 else (0, None)
+
+    def send_forward(self, tensor):
+        self.clock.tick()
+
+    def recv_backward(self, shape, dtype=None):
+        return torch.zeros(shape, dtype=dtype or torch.float32)
+
+    def recv_forward(self, shape, dtype=None):
+        self.clock.tick()
+        return torch.zeros(shape, dtype=dtype or torch.float32)
+
+    def send_backward(self, tensor):
+        pass
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_timer_returns_the_median_of_the_timed_round_trips(rank, monkeypatch):
+    # Two slow warm-ups, then seven timed round trips whose median (1.0) differs from their mean
+    # (3.98), their sum (27.875), the median with the warm-ups timed too (2.0) and the median of the
+    # first seven round trips (8.0). Powers of two: every difference of clock readings is exact.
+    warmups, timed = [64.0, 32.0], [0.5, 8.0, 0.25, 1.0, 16.0, 0.125, 2.0]
+    clock = ScriptedClock(warmups + timed)
+    monkeypatch.setattr(m03, "time", clock)  # the module reads time.perf_counter through its global `time`
+    seconds = m03.time_round_trip(ClockedComms(rank, clock), 10, repeats=7, warmup=2)
+    assert not clock.durations, f"{len(clock.durations)} of the 9 round trips were not played"
+    assert seconds == 1.0, \
+        f"rank {rank}: got {seconds}; the median of the timed round trips {sorted(timed)} is 1.0 (warm-ups excluded)"

@@ -108,9 +108,11 @@ def test_fifty_steps_reproduce_the_monolith(schedule, world_size, chunks):
 
 
 @pytest.mark.parametrize("schedule,world_size,chunks", [
-    ("naive", 2, 1), ("gpipe", 2, 2), ("gpipe", 2, 8), ("gpipe", 4, 1), ("gpipe", 4, 16),
+    ("naive", 2, 1), ("gpipe", 2, 1), ("gpipe", 2, 2), ("gpipe", 2, 8), ("gpipe", 4, 1), ("gpipe", 4, 16),
     ("1f1b", 2, 1), ("1f1b", 2, 8), ("1f1b", 4, 2), ("1f1b", 4, 8), ("1f1b", 4, 32)])
 def test_three_steps_reproduce_the_monolith(schedule, world_size, chunks):
+    # With one microbatch (M = 1) nothing is summed in another order: the results must be the
+    # monolith's bit for bit, whatever the schedule.
     _check_against_monolith(schedule, world_size, chunks, steps=3)
 
 
@@ -163,13 +165,6 @@ def test_gpipe_runs_all_forwards_then_all_backwards_holding_m_microbatches(world
         assert ops[:chunks] == [("F", m) for m in range(chunks)], f"rank {rank}: forwards {ops[:chunks]}"
         assert sorted(ops[chunks:]) == [("B", m) for m in range(chunks)], f"rank {rank}: then {ops[chunks:]}"
         assert peak == [chunks], f"rank {rank}: peak {peak[0]} live microbatches, expected all {chunks}"
-
-
-def test_gpipe_with_one_microbatch_is_naive_bit_for_bit():
-    naive = run_ranks(_train, 2, "naive", 2, 1, 3, timeout=20)
-    gpipe = run_ranks(_train, 2, "gpipe", 2, 1, 3, timeout=20)
-    assert naive[-1][0] == gpipe[-1][0], f"losses {naive[-1][0]} vs {gpipe[-1][0]}"
-    assert all(torch.equal(a, b) for rank in range(2) for a, b in zip(naive[rank][1], gpipe[rank][1]))
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])

@@ -251,12 +251,14 @@ def test_layout_checker_accepts_the_three_linear_matmuls():
 @pytest.mark.parametrize("a, b, message", [
     (fp8(32, 32).T, fp8(32, 32).T, r"(?i)row.?major"),
     (fp8(32, 32), fp8(32, 32), r"(?i)column.?major"),
-    (fp8(32, 24), fp8(16, 24).T, r"16"),
+    (fp8(32, 24), fp8(16, 24).T, r"16"),  # K = 24
+    (fp8(24, 32), fp8(16, 32).T, r"16"),  # M = 24: the tokens, K of the backward's dW = dy^T x
+    (fp8(32, 32), fp8(24, 32).T, r"16"),  # N = 24
     (fp8(32, 32, E5M2), fp8(32, 32, E5M2).T, r"(?i)e5m2"),
     (torch.randn(32, 32).bfloat16(), fp8(32, 32).T, r"(?i)float8|fp8"),
     (fp8(32, 32)[None], fp8(32, 32).T, r"(?i)2-?d"),
     (fp8(32, 64), fp8(32, 32).T, r"(?i)inner"),
-], ids=["a-column-major", "b-row-major", "not-16", "e5m2-e5m2", "bf16", "3-d", "inner-mismatch"])
+], ids=["a-column-major", "b-row-major", "k-not-16", "m-not-16", "n-not-16", "e5m2-e5m2", "bf16", "3-d", "inner-mismatch"])
 def test_layout_checker_rejects_with_a_clear_message(a, b, message):
     with pytest.raises(ValueError, match=message):
         matmul.check_scaled_mm_operands(a, b)

@@ -15,6 +15,7 @@ m06_block = load("m06_llama_block")
 m06_model = load("m06_llama_model")
 m06_ops = load("m06_llama_ops")
 fp8_matmul = reference("m09_fp8_matmul")  # module 09's FP8 policy, a trusted helper here
+reference_block = reference("m06_llama_block")  # what a block really saves, to size activation_bytes
 CFG = m06_block.LlamaConfig(dim=32, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=48, vocab_size=64, n_layers=3,
                             max_seq_len=16)
 REPO = Path(__file__).resolve().parent.parent
@@ -46,6 +47,20 @@ def test_keeping_everything_costs_the_hand_counted_bytes(dtype, act, stat):
     got = m10.kept_bytes(CFG, 3, 10, dtype, "none")
     assert got == hand_counted_bytes(CFG, 30, act, stat), f"{dtype}: formula gives {got} bytes"
     assert m10.kept_bytes(CFG, 3, 10, dtype, "block") == 30 * CFG.dim * act, "'block' keeps only the block input x"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_activation_has_the_bytes_the_block_saves_for_it(dtype):
+    # Name by name, against what the reference block (module 06's solution, not the code graded
+    # here) really saves: a swap of two sizes (q and k, say) leaves every total above unchanged.
+    store = reference_block.ActivationStore()
+    weights = reference_block.init_block_weights(CFG, torch.Generator().manual_seed(0), dtype)
+    reference_block.LlamaBlock(CFG).forward(weights, torch.randn(2, 9, CFG.dim).to(dtype), store)
+    saved = {name: t.untyped_storage().nbytes() for name, t in store.tensors.items()}
+    got = m10.activation_bytes(CFG, 2, 9, dtype)
+    assert set(got) == set(saved), f"names: the formula gives {sorted(got)}, the block saves {sorted(saved)}"
+    wrong = {name: f"formula {got[name]}, saved {saved[name]}" for name in saved if got[name] != saved[name]}
+    assert not wrong, f"{dtype}: bytes by name that differ from what the block saves: {wrong}"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
