@@ -45,7 +45,7 @@ def test_init_distributed_creates_the_group_from_torchrun_variables(gpus, local_
         (0, 1, "cpu", "gloo")]
 
 
-def _init_with_a_gpu_per_local_rank():
+def _init_with_a_gpu_per_local_rank(backend=None):
     # Rank 3 of 4, the second of 2 ranks on this machine, with 2 GPUs: one GPU per local rank, so
     # nccl, on this rank's local GPU cuda:1 (not cuda:3, its global rank). Nothing here may touch
     # CUDA (this is a forked rank, maybe on a machine without it): the GPUs are pretended, and the
@@ -62,7 +62,7 @@ def _init_with_a_gpu_per_local_rank():
         set_device.append(str(torch.device("cuda", device) if isinstance(device, int) else torch.device(device)))
     dist.init_process_group, torch.cuda.set_device = init_process_group, record_set_device
     dist.get_backend = lambda *args, **kwargs: group["backend"]  # the recorded group's backend
-    rank, world_size, device = m02.init_distributed()
+    rank, world_size, device = m02.init_distributed(backend=backend)
     return rank, world_size, str(device), group.get("backend"), set_device
 
 
@@ -73,6 +73,14 @@ def test_init_distributed_picks_nccl_and_the_local_gpu_when_every_local_rank_has
     assert backend == "nccl", f"2 GPUs for 2 local ranks: the group must use nccl, got {backend!r}"
     assert device == "cuda:1" and set_device == ["cuda:1"], \
         f"LOCAL_RANK=1: expected device cuda:1 and set_device(cuda:1), got {device} and set_device calls {set_device}"
+
+
+def test_init_distributed_uses_the_backend_asked_for():
+    # Module 07 keeps its tensors in CPU memory and asks for gloo, even where nccl would be chosen.
+    [(_, _, device, backend, set_device)] = run_ranks(
+        _init_with_a_gpu_per_local_rank, 1, "gloo", timeout=20, init_process_group=False)
+    assert backend == "gloo" and device == "cpu" and set_device == [], \
+        f"init_distributed(backend='gloo'): expected gloo on the CPU, got {backend!r} on {device} (set_device {set_device})"
 
 
 def _relay(world_size):
