@@ -30,6 +30,7 @@ losses only.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
 
@@ -91,14 +92,29 @@ def cpu_errors():
         y, (dx, dw) = linear_step(matmul.FP8Matmul(min_dim=0), x, w, dy)
         x64, w64, dy64 = x.double(), w.double(), dy.double()
         bf16_y = x.bfloat16() @ w.bfloat16().T
+        e4m3, e5m2, bf16 = torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16
         rows.append({"tokens": tokens, "in": d_in, "out": d_out,
-                     "y rel err": relative_error(y, x64 @ w64.T),
-                     "dx rel err": relative_error(dx, dy64 @ w64),
-                     "dW rel err": relative_error(dw, dy64.T @ x64),
-                     "bf16 y rel err": relative_error(bf16_y, x64 @ w64.T)})
+                     "y rel err": relative_error(y, x64 @ w64.T), "y theory": rounding_noise(e4m3, e4m3),
+                     "dx rel err": relative_error(dx, dy64 @ w64), "dx theory": rounding_noise(e5m2, e4m3),
+                     "dW rel err": relative_error(dw, dy64.T @ x64), "dW theory": rounding_noise(e5m2, e4m3),
+                     "bf16 y rel err": relative_error(bf16_y, x64 @ w64.T),
+                     "bf16 theory": rounding_noise(bf16, bf16, bf16)})
     report("bench-09-cpu", "FP8 linear vs float64 (CPU: correctness only, no timings)", rows, "cpu",
-           notes="rel err = ||result - float64|| / ||float64|| (Frobenius). y uses two e4m3 operands; dx "
-                 "and dW one e5m2 and one e4m3, hence larger errors. bf16 (8 mantissa bits) for comparison.")
+           notes="rel err = ||result - float64|| / ||float64|| (Frobenius). theory = the root-sum-square of\n"
+                 "rounding_noise over the roundings: y rounds two e4m3 operands; dx and dW one e5m2 and one e4m3\n"
+                 "(fp32 outputs, accumulation error negligible); bf16 rounds both operands and its output.")
+
+
+def rounding_noise(*dtypes: torch.dtype) -> float:
+    """Expected relative (Frobenius) error of a matmul whose operands, and maybe output, are rounded
+    to `dtypes`: each rounding adds independent noise, so their RMS relative errors add in squares.
+
+    One rounding to a format with significand spacing eps (torch.finfo(dtype).eps) errs uniformly
+    within +-eps/2 on a significand m in [1, 2); for m spread log-uniformly (random data, abs-max
+    scaled so nothing saturates or underflows much), E[1/m^2] = 3 / (8 ln 2), so the RMS relative
+    error is eps * sqrt(E[1/m^2] / 12) = 0.21 eps. A matmul of random matrices keeps that relative size."""
+    per_rounding = [torch.finfo(dtype).eps * math.sqrt(3 / (8 * math.log(2)) / 12) for dtype in dtypes]
+    return math.sqrt(sum(e * e for e in per_rounding))
 
 
 def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
