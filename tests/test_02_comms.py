@@ -55,13 +55,18 @@ def _init_with_a_gpu_per_local_rank(backend=None):
     torch.cuda.device_count = lambda: 2
     group, set_device = {}, []
 
-    def init_process_group(backend=None, *args, **kwargs):
-        group["backend"] = backend
+    def init_process_group(backend=None, *args, rank=None, world_size=None, **kwargs):
+        group.update(backend=backend, rank=rank, world_size=world_size)
 
     def record_set_device(device):
         set_device.append(str(torch.device("cuda", device) if isinstance(device, int) else torch.device(device)))
     dist.init_process_group, torch.cuda.set_device = init_process_group, record_set_device
-    dist.get_backend = lambda *args, **kwargs: group["backend"]  # the recorded group's backend
+    # The recorded group answers the questions a real one would (None where init did not say).
+    dist.is_initialized = lambda: bool(group)
+    dist.get_backend = lambda *args, **kwargs: group["backend"]
+    dist.get_rank = lambda *args, **kwargs: group["rank"] if group.get("rank") is not None else int(os.environ["RANK"])
+    dist.get_world_size = lambda *args, **kwargs: (group["world_size"] if group.get("world_size") is not None
+                                                   else int(os.environ["WORLD_SIZE"]))
     rank, world_size, device = m02.init_distributed(backend=backend)
     return rank, world_size, str(device), group.get("backend"), set_device
 
