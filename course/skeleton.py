@@ -31,7 +31,7 @@ HEADER = ("# Generated from solutions/{name} by `python -m course.skeleton`: fil
           "# Grade your work with `python main.py grade {number}`. (skeleton {fingerprint})\n")
 GIVEN_HEADER = ("# Generated from solutions/{name} by `python -m course.skeleton`. Given code: nothing\n"
                 "# to fill in here; read it, then run it with `python main.py run {number}`. (skeleton {fingerprint})\n")
-HEADER_LINES = 2
+FINGERPRINT = re.compile(r"\(skeleton [0-9a-f]{12}\)")  # in the header: which generated text this is
 
 
 class MarkerError(ValueError):
