@@ -118,20 +118,26 @@ def cmd_grade(args):
               f"`python -m pytest -m m{args.number}`; `python main.py run {args.number}` shows it.")
         return
     print(f"Grading {args.impl}/ for module {args.number}: {args.info['title']}\n", flush=True)
+    test_files = test_files_in_build_order(args.number)
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "grades.json"
         # pytest prints each check's line as it finishes (--grading-live), so a slow or stuck
         # check shows which one it is; the summary comes from the report.
         try:  # each check has its own timeout (course/grading.py); this one is a last resort
             proc = subprocess.run(
-                [sys.executable, "-m", "pytest", *test_files_in_build_order(args.number), "-qq", "--no-header",
-                 "--no-summary", "--tb=no", "-p", "no:cacheprovider", "-m", "not given", f"--impl={args.impl}",
-                 "--grading-live", f"--grading-json={report}"],
+                [sys.executable, "-m", "pytest", *test_files, "-qq", "--no-header", "--no-summary", "--tb=no",
+                 "--continue-on-collection-errors", "-p", "no:cacheprovider", "-m", "not given",
+                 f"--impl={args.impl}", "--grading-live", f"--grading-json={report}"],
                 cwd=REPO, timeout=1800)
         except subprocess.TimeoutExpired:
             sys.exit(f"module {args.number}: grading was stopped after 30 minutes; the last check shown is "
                      "the one after which it got stuck")
+        except KeyboardInterrupt:
+            sys.exit(f"\nmodule {args.number}: grading interrupted")
         results = json.loads(report.read_text()) if report.exists() else []
+    if proc.returncode not in (0, 1):  # 1: some checks failed; anything else: pytest itself stopped
+        sys.exit(f"module {args.number}: pytest stopped early (exit code {proc.returncode}); "
+                 "the checks shown above ran, the others did not")
     if not results:
         print(f"module {args.number}: no graded test ran (see pytest's output above; exit code {proc.returncode})")
         sys.exit(1)
@@ -139,6 +145,9 @@ def cmd_grade(args):
     skipped = sum(r["outcome"] == "skipped" for r in results)
     graded = len(results) - skipped  # e.g. GPU checks on a machine without one
     print(f"{passed}/{graded} checks pass" + (f" ({skipped} skipped)" if skipped else ""))
+    if passed < graded:
+        print(f"A check's whole output (tracebacks, your prints): python -m pytest --impl {args.impl} "
+              f"{' '.join(os.path.relpath(f, REPO) for f in test_files)} -k NAME")
     sys.exit(0 if passed == graded else 1)
 
 

@@ -12,19 +12,21 @@ import json
 import os
 import re
 import signal
-from pathlib import Path
+import threading
 
 import pytest
 
+from course.launch import where_running
+
 GIVEN = "given"  # marker for tests of given code: not graded, not expected to fail on skeletons
-# A graded check running longer than this is stuck (the slowest takes about 20 s on 2 cores). Checks
-# that start ranks stop them sooner, with their own timeout; this one catches a loop in one process.
+# A graded check running longer than this is stuck (the slowest take a few seconds on 2 cores).
+# Checks that start ranks stop them sooner, with their own timeout; this one catches a loop in one
+# process.
 CHECK_TIMEOUT_S = float(os.environ.get("COURSE_CHECK_TIMEOUT_S", 180))
-REPO = Path(__file__).resolve().parent.parent
 
 
-class CheckTimeout(Exception):
-    pass
+class CheckTimeout(BaseException):
+    """Not an Exception, so a learner's `except Exception` cannot swallow it (like KeyboardInterrupt)."""
 
 
 def pytest_addoption(parser):
@@ -54,17 +56,15 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_call(item):
-    """Stop a graded check that runs too long, naming the line it was stuck on (SIGALRM interrupts
-    Python code in the main thread; forked ranks do not inherit the timer)."""
-    if item.get_closest_marker(GIVEN) or not hasattr(signal, "setitimer"):
+    """Stop a graded check that runs too long, naming the line it was stuck on. SIGALRM interrupts
+    Python code of the main thread (not a blocking C++ call); forked ranks do not inherit the timer."""
+    if item.get_closest_marker(GIVEN) or threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def stuck(signum, frame):
-        where = Path(frame.f_code.co_filename)
-        where = where.relative_to(REPO) if where.is_relative_to(REPO) else where
         raise CheckTimeout(f"this check ran for over {CHECK_TIMEOUT_S:g} s and was stopped at "
-                           f"{where}:{frame.f_lineno} in {frame.f_code.co_name} (an endless loop?)")
+                           f"{where_running(frame)} (an endless loop?)")
 
     previous = signal.signal(signal.SIGALRM, stuck)
     signal.setitimer(signal.ITIMER_REAL, CHECK_TIMEOUT_S)
@@ -72,7 +72,7 @@ def pytest_runtest_call(item):
         yield
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+        signal.signal(signal.SIGALRM, previous if previous is not None else signal.SIG_DFL)
 
 
 class Scorecard:
@@ -85,6 +85,11 @@ class Scorecard:
     def pytest_runtest_logreport(self, report):
         if report.when == "call" or report.outcome != "passed":
             result = {"test": report.nodeid, "outcome": report.outcome, "reason": one_line_reason(report)}
+            if self.results and self.results[-1]["test"] == report.nodeid:  # a teardown that failed too
+                if self.results[-1]["outcome"] != "passed":
+                    return  # the first failure is the one to read
+                result["reason"] = f"(in teardown) {result['reason']}"
+                self.results.pop()
             self.results.append(result)
             if self.live:
                 self.write(scorecard_line(result))
@@ -98,7 +103,9 @@ class Scorecard:
         """Live: a test file that cannot even be imported (a syntax error in your code) runs no check;
         the end of the error says where and why."""
         if self.live and report.failed:
-            where_and_why = "\n".join(report.longreprtext.strip().splitlines()[-8:])
+            lines = [line for line in report.longreprtext.strip().splitlines()
+                     if not line.startswith("Hint: make sure your test modules")]  # pytest's, misleading here
+            where_and_why = "\n".join(lines[-8:])
             self.write(f"  cannot import {report.nodeid}:\n{where_and_why}")
 
     def write(self, text: str):
@@ -128,6 +135,11 @@ def one_line_reason(report) -> str:
     lines = text.strip().splitlines()
     if not lines:
         return "failed"
-    # torch.testing.assert_close says how far off on later lines: keep how many and how much.
-    details = [line.strip() for line in lines[1:] if line.strip().startswith(("Mismatched elements", "Greatest absolute"))]
-    return lines[0] + (f" ({'; '.join(details)})" if details else "")
+    # torch.testing.assert_close says how far off on later lines: keep how many and how much (once:
+    # a rank's error repeats its message in the traceback that follows).
+    details = {}
+    for line in lines[1:]:
+        for what in ("Mismatched elements", "Greatest absolute"):
+            if line.strip().startswith(what):
+                details.setdefault(what, line.strip())
+    return lines[0] + (f" ({'; '.join(details.values())})" if details else "")

@@ -160,8 +160,10 @@ def where_raised(exc: BaseException) -> str:
 
 
 def _describe_exception(exc, rank, world_size) -> str:
-    first_line = f"rank {rank} of {world_size} raised {type(exc).__name__}: {exc}{where_raised(exc)}"
-    return first_line + "\n\n" + "".join(traceback.format_exception(exc))
+    # Where it was raised goes on the first line, which is all a scorecard shows of a long message.
+    first, *rest = str(exc).splitlines() or [""]
+    summary = "\n".join([f"rank {rank} of {world_size} raised {type(exc).__name__}: {first}{where_raised(exc)}", *rest])
+    return summary + "\n\n" + "".join(traceback.format_exception(exc))
 
 
 # --- in the parent -----------------------------------------------------------------------------
@@ -235,6 +237,14 @@ def _innermost_course_frames(dump: str, depth: int = 3) -> str:
             if _is_course_file(filename):
                 frames.append(f"{_short(filename)}:{lineno} in {func}")
     return " <- ".join(frames[:depth]) or "(no course frame on the stack)"
+
+
+def where_running(frame) -> str:
+    """'file:line in func' of the innermost course frame of a running stack (`frame` is its innermost
+    frame, e.g. the one a signal interrupted), so the learner sees their line, not torch's."""
+    while frame is not None and not _is_course_file(frame.f_code.co_filename):
+        frame = frame.f_back
+    return f"{_short(frame.f_code.co_filename)}:{frame.f_lineno} in {frame.f_code.co_name}" if frame else "?"
 
 
 def _is_course_file(filename: str) -> bool:
