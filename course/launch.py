@@ -111,7 +111,9 @@ def _rank_main(fn, args, rank, world_size, tmp, timeout, init_process_group, con
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle (it reports)
     torch.set_num_threads(1)  # N ranks share the cores; also avoids a fork-after-OpenMP hang
     if hasattr(sys.stdout, "reconfigure"):  # not in a Jupyter kernel, whose stdout is its own
-        sys.stdout.reconfigure(line_buffering=True)  # whole lines, so ranks' prints do not interleave
+        # A print is two writes (text, then "\n"); buffered until the newline they leave as one
+        # write of the whole line, so ranks' lines do not interleave (even under python -u).
+        sys.stdout.reconfigure(line_buffering=True, write_through=False)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size))
     stack_file = open(Path(tmp) / f"stack-{rank}.txt", "w")
