@@ -48,10 +48,11 @@ def test_gradients_cross_the_boundary_exactly():
 
     (boundary,) = received
     assert torch.equal(boundary.grad, hidden.grad), "gradient at the boundary differs from the monolith's"
-    mine = [*part_one.parameters(), *part_two.parameters()]
-    for i, (p, q) in enumerate(zip(mine, monolith.parameters(), strict=True)):
-        assert p.grad is not None, f"parameter {i} got no gradient: did part one's backward run?"
-        assert torch.equal(p.grad, q.grad), f"gradient of parameter {i} differs from the monolith's"
+    mine = [*(("part_one." + n, p) for n, p in part_one.named_parameters()),
+            *(("part_two." + n, p) for n, p in part_two.named_parameters())]
+    for (name, p), q in zip(mine, monolith.parameters(), strict=True):
+        assert p.grad is not None, f"{name} got no gradient: did part one's backward run?"
+        assert torch.equal(p.grad, q.grad), f"the gradient of {name} differs from the monolith's"
 
 
 def test_loss_curve_equals_the_monolith_bit_for_bit():

@@ -64,6 +64,11 @@ class ScriptedClock:
 
     time = monotonic = perf_counter  # whichever clock the timer reads
 
+    def perf_counter_ns(self):
+        return round(self.now * 1e9)
+
+    time_ns = monotonic_ns = perf_counter_ns
+
     def tick(self):
         assert self.durations, "more round trips than warmup + repeats"
         self.now += self.durations.pop(0)

@@ -110,7 +110,7 @@ def test_gradients_equal_the_no_recompute_gradients_bit_for_bit(option, fp8):
     names = ["embedding", *(f"layer {layer} {f.name}" for layer in range(CFG.n_layers) for f in fields(m06_block.BlockWeights)),
              "final_norm", "lm_head"]  # the order of LlamaGrads.tensors()
     wrong = [f"{name} (max |diff| {(a - b).abs().max().item():.3e})"
-             for name, a, b in zip(names, grads.tensors(), grads_r.tensors()) if not torch.equal(a, b)]
+             for name, a, b in zip(names, grads.tensors(), grads_r.tensors(), strict=True) if not torch.equal(a, b)]
     assert not wrong, f"{option}: gradients that differ from no recompute's: {', '.join(wrong)}"
 
 
