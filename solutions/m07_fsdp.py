@@ -7,7 +7,9 @@ block from the shards just in time, into one of two buffers.
 
     forward   gather(0); for l: gather(l + 1), get(l), block l, release(l)
     backward  for l from the last: gather(l - 1), get(l), block l's backward, release(l),
-              reduce-scatter l's gradient (summed over ranks) to the shard owners
+              reduce-scatter l's gradient (summed over ranks) to the shard owners, without
+              waiting: it is finished (waited for, added to the shard's gradient) just before the
+              next one starts, so it travels while block l - 1's backward computes
 
 In the backward the next all-gather is issued *before* the current reduce-scatter (explicit
 backward prefetch): with one communication queue, a reduce-scatter issued first would delay the
@@ -57,6 +59,7 @@ class FSDPLlama(LlamaModel):
         self.grad_shards = [torch.zeros_like(s) for s in self.shards]
         self.replicated_grads = [torch.zeros_like(p) for p in self.replicated]
         self.grad_scale = 1.0  # set per optimizer step: 1 / (micro_steps * world_size)
+        self.in_flight = None  # (work, full gradient, slice received, layer) of a started reduce-scatter
 
     def parameters(self) -> list[torch.Tensor]:
         """What this rank's optimizer updates: its block shards and the replicated weights."""
@@ -73,7 +76,8 @@ class FSDPLlama(LlamaModel):
         # Hint: module 06's backward loop, plus reduce_scatter_grad(layer, grads) as soon as the layer's
         #       gradient exists, after its release. The next layer's gather thus goes out *before* this
         #       layer's reduce-scatter (see the module docstring); the tests check that order of calls.
-        # Hint: return (dx, self.grad_shards).
+        # Hint: the last reduce-scatter is still in flight after the loop: finish it before returning
+        #       (dx, self.grad_shards).
         self.weights.gather(n_layers - 1)
         for layer in reversed(range(n_layers)):
             if layer > 0:
@@ -83,18 +87,36 @@ class FSDPLlama(LlamaModel):
             stores[layer].clear()
             self.weights.release(layer)
             self.reduce_scatter_grad(layer, grads)
+        self.finish_reduce_scatter()
         return dx, self.grad_shards
         # <<<
 
     def reduce_scatter_grad(self, layer: int, grads):
-        """Add this rank's slice of the block's gradient, summed over ranks and scaled, to its shard."""
-        # >>> TODO(m07): flatten the block's gradient, reduce-scatter it, accumulate into grad_shards[layer]
-        # Hint: comm.reduce_scatter(shard_out, full_flat, label=f"block {layer}") sums over ranks; then add
-        #       with alpha=grad_scale.
+        """Start summing the block's gradient over ranks, each rank receiving its own slice, without
+        waiting: it travels while the next block's backward computes. The one started for the block
+        before is finished first, so at most one is in flight (and at most two full gradients exist)."""
+        # >>> TODO(m07): finish the reduce-scatter in flight, then start this block's without waiting
+        # Hint: comm.reduce_scatter(shard_out, full_flat, label=f"block {layer}", async_op=True) returns
+        #       at once with a work to wait on; the sum over ranks lands in shard_out once it is done.
+        # Hint: keep in self.in_flight what finish_reduce_scatter needs, and the flat gradient too: the
+        #       collective reads it until it is done.
+        self.finish_reduce_scatter()
         full = self.layout.flatten(grads)
         mine = torch.empty_like(self.grad_shards[layer])
-        self.comm.reduce_scatter(mine, full, label=f"block {layer}")
+        work = self.comm.reduce_scatter(mine, full, label=f"block {layer}", async_op=True)
+        self.in_flight = (work, full, mine, layer)
+        # <<<
+
+    def finish_reduce_scatter(self):
+        """Wait for the reduce-scatter in flight, if any, and add its slice, scaled, to the shard's gradient."""
+        if self.in_flight is None:
+            return
+        # >>> TODO(m07): wait for the reduce-scatter in flight and accumulate its slice into grad_shards
+        # Hint: add with alpha=grad_scale; then nothing is in flight (None).
+        work, _, mine, layer = self.in_flight
+        work.wait()
         self.grad_shards[layer].add_(mine, alpha=self.grad_scale)
+        self.in_flight = None
         # <<<
 
     def train_step(self, tokens: torch.Tensor, targets: torch.Tensor, micro_steps: int, optimizer) -> float:

@@ -1,5 +1,5 @@
 # Generated from solutions/m07_fsdp.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 07`. (skeleton 47151f52c1f4)
+# Grade your work with `python main.py grade 07`. (skeleton 3a40ab83577c)
 """Module 07 - FSDP: every rank keeps 1/N of each block; whole blocks exist only while in use.
 
 Data parallel: each rank trains on its own rows of the global batch. Sharded: each rank keeps only
@@ -9,7 +9,9 @@ block from the shards just in time, into one of two buffers.
 
     forward   gather(0); for l: gather(l + 1), get(l), block l, release(l)
     backward  for l from the last: gather(l - 1), get(l), block l's backward, release(l),
-              reduce-scatter l's gradient (summed over ranks) to the shard owners
+              reduce-scatter l's gradient (summed over ranks) to the shard owners, without
+              waiting: it is finished (waited for, added to the shard's gradient) just before the
+              next one starts, so it travels while block l - 1's backward computes
 
 In the backward the next all-gather is issued *before* the current reduce-scatter (explicit
 backward prefetch): with one communication queue, a reduce-scatter issued first would delay the
@@ -58,6 +60,7 @@ class FSDPLlama(LlamaModel):
         self.grad_shards = [torch.zeros_like(s) for s in self.shards]
         self.replicated_grads = [torch.zeros_like(p) for p in self.replicated]
         self.grad_scale = 1.0  # set per optimizer step: 1 / (micro_steps * world_size)
+        self.in_flight = None  # (work, full gradient, slice received, layer) of a started reduce-scatter
 
     def parameters(self) -> list[torch.Tensor]:
         """What this rank's optimizer updates: its block shards and the replicated weights."""
@@ -74,15 +77,28 @@ class FSDPLlama(LlamaModel):
         # Hint: module 06's backward loop, plus reduce_scatter_grad(layer, grads) as soon as the layer's
         #       gradient exists, after its release. The next layer's gather thus goes out *before* this
         #       layer's reduce-scatter (see the module docstring); the tests check that order of calls.
-        # Hint: return (dx, self.grad_shards).
+        # Hint: the last reduce-scatter is still in flight after the loop: finish it before returning
+        #       (dx, self.grad_shards).
         raise NotImplementedError('TODO(m07): the backward loop with explicit prefetch and a reduce-scatter per block')
 
     def reduce_scatter_grad(self, layer: int, grads):
-        """Add this rank's slice of the block's gradient, summed over ranks and scaled, to its shard."""
-        # TODO(m07): flatten the block's gradient, reduce-scatter it, accumulate into grad_shards[layer]
-        # Hint: comm.reduce_scatter(shard_out, full_flat, label=f"block {layer}") sums over ranks; then add
-        #       with alpha=grad_scale.
-        raise NotImplementedError("TODO(m07): flatten the block's gradient, reduce-scatter it, accumulate into grad_shards[layer]")
+        """Start summing the block's gradient over ranks, each rank receiving its own slice, without
+        waiting: it travels while the next block's backward computes. The one started for the block
+        before is finished first, so at most one is in flight (and at most two full gradients exist)."""
+        # TODO(m07): finish the reduce-scatter in flight, then start this block's without waiting
+        # Hint: comm.reduce_scatter(shard_out, full_flat, label=f"block {layer}", async_op=True) returns
+        #       at once with a work to wait on; the sum over ranks lands in shard_out once it is done.
+        # Hint: keep in self.in_flight what finish_reduce_scatter needs, and the flat gradient too: the
+        #       collective reads it until it is done.
+        raise NotImplementedError("TODO(m07): finish the reduce-scatter in flight, then start this block's without waiting")
+
+    def finish_reduce_scatter(self):
+        """Wait for the reduce-scatter in flight, if any, and add its slice, scaled, to the shard's gradient."""
+        if self.in_flight is None:
+            return
+        # TODO(m07): wait for the reduce-scatter in flight and accumulate its slice into grad_shards
+        # Hint: add with alpha=grad_scale; then nothing is in flight (None).
+        raise NotImplementedError('TODO(m07): wait for the reduce-scatter in flight and accumulate its slice into grad_shards')
 
     def train_step(self, tokens: torch.Tensor, targets: torch.Tensor, micro_steps: int, optimizer) -> float:
         """One optimizer step on this rank's rows (split into micro_steps); returns their mean loss."""

@@ -165,8 +165,24 @@ class RecordingCollectives(Collectives):
         return super().all_gather(output, shard, label, async_op)
 
     def reduce_scatter(self, shard, full, label="", async_op=False):
-        self.events.append(("reduce_scatter", layer_of(label)))
-        return super().reduce_scatter(shard, full, label, async_op)
+        layer = layer_of(label)
+        self.events.append(("reduce_scatter", layer))
+        assert async_op, (f"{label}: a blocking reduce-scatter; start it with async_op=True so it travels "
+                          f"while the next block's backward computes, and wait for it later")
+        return WaitRecorded(super().reduce_scatter(shard, full, label, async_op), self.events, layer)
+
+
+class WaitRecorded:
+    """A collective's work whose wait() is written into the event list (once: later waits are no-ops)."""
+
+    def __init__(self, work, events, layer):
+        self.work, self.events, self.layer, self.waited = work, events, layer, False
+
+    def wait(self):
+        if not self.waited:
+            self.events.append(("wait reduce_scatter", self.layer))
+            self.waited = True
+        return self.work.wait()
 
 
 def layer_of(label: str) -> int:
@@ -226,7 +242,11 @@ def expected_events(layers, micro_steps, steps):
             for layer in reversed(range(layers)):
                 if layer > 0:
                     gather(layer - 1)  # the next all-gather goes out before this layer's reduce-scatter
-                events += [("get", layer), ("release", layer), ("reduce_scatter", layer)]
+                events += [("get", layer), ("release", layer)]
+                if layer < layers - 1:  # at most one reduce-scatter in flight: the previous one ends first
+                    events.append(("wait reduce_scatter", layer + 1))
+                events.append(("reduce_scatter", layer))
+            events.append(("wait reduce_scatter", 0))  # none left in flight when the backward returns
         events.append(("step", None))
     return events
 
