@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from course.impl import reference
+
 RESULTS = Path(__file__).resolve().parent.parent.parent / "results"
 
 
@@ -44,6 +46,22 @@ def report(name: str, title: str, rows: list[dict], device: str = "cpu", notes: 
             writer.writerows(rows)
     print(f"(saved results/{name}.json and .csv)")
     return RESULTS / f"{name}.json"
+
+
+def require_positive(parser, args, *names: str):
+    """parser.error, naming the option, unless every one of `names` is at least 1."""
+    for name in names:
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+
+
+def llama_config(parser, what: str, **fields):
+    """Module 06's LlamaConfig for a benchmark's options, or parser.error with its own reason (the
+    given class, from the reference like every option check). `what` names the options involved."""
+    try:
+        return reference("m06_llama_block").LlamaConfig(**fields)
+    except ValueError as exc:  # e.g. query heads that key/value heads cannot share evenly
+        parser.error(f"{what}: {exc}")
 
 
 def _fmt(value) -> str:

@@ -9,7 +9,7 @@ import argparse
 
 import torch.distributed as dist
 
-from course.bench import report
+from course.bench import report, require_positive
 from course.impl import load
 from course.launch import run_ranks
 
@@ -39,8 +39,7 @@ def main(argv):
     parser = argparse.ArgumentParser(prog="main.py bench 03", description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=30)
     args = parser.parse_args(argv)
-    if args.repeats < 1:
-        parser.error(f"--repeats must be at least 1, got {args.repeats}")
+    require_positive(parser, args, "repeats")
     seconds = run_ranks(measure, 2, SIZES, args.repeats, timeout=300)[0]
     nbytes = [4 * s for s in SIZES]
     one_way = [t / 2 for t in seconds]

@@ -22,7 +22,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from course.bench import report
+from course.bench import llama_config, report, require_positive
 from course.collectives import Collectives
 from course.impl import load, reference
 from course.launch import run_ranks
@@ -147,17 +147,12 @@ def main(argv: list[str]) -> None:
 def check(parser, args):
     """Refuse bad arguments before any rank starts; returns the model's LlamaConfig (a given class,
     from the reference like every option check)."""
-    for name in ("nproc", "steps", "layers", "batch"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    require_positive(parser, args, "nproc", "steps", "layers", "batch")
     if args.batch % args.nproc:
         parser.error(f"--batch {args.batch} must be divisible by --nproc {args.nproc}")
     if args.dim < 32 or args.dim % 16:
         parser.error(f"--dim must be a multiple of 16 and at least 32 (dim // 16 query heads of 16, "
                      f"dim // 32 key/value heads), got {args.dim}")
-    try:
-        return reference("m06_llama_block").LlamaConfig(
-            dim=args.dim, n_heads=args.dim // 16, n_kv_heads=args.dim // 32, head_dim=16,
-            ffn_dim=args.dim * 8 // 3 // 16 * 16, n_layers=args.layers, max_seq_len=64)
-    except ValueError as exc:  # e.g. --dim 80: 5 query heads cannot share 2 key/value heads evenly
-        parser.error(f"--dim {args.dim}: {exc}")
+    return llama_config(parser, f"--dim {args.dim}", dim=args.dim, n_heads=args.dim // 16,
+                        n_kv_heads=args.dim // 32, head_dim=16, ffn_dim=args.dim * 8 // 3 // 16 * 16,
+                        n_layers=args.layers, max_seq_len=64)

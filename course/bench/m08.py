@@ -27,8 +27,8 @@ import time
 
 import torch
 
-from course.bench import report
-from course.impl import load, reference
+from course.bench import llama_config, report, require_positive
+from course.impl import load
 
 
 def main(argv: list[str]) -> None:
@@ -58,19 +58,14 @@ def main(argv: list[str]) -> None:
 def check(parser, args):
     """Refuse bad arguments before anything is built; returns the model's LlamaConfig (a given class,
     from the reference like every option check)."""
-    for name in ("layers", "dim", "heads", "kv_heads", "ffn", "seq", "reps"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    require_positive(parser, args, "layers", "dim", "heads", "kv_heads", "ffn", "seq", "reps")
     if args.batch < 0:
         parser.error(f"--batch must be at least 0 (0: balance compute and copies), got {args.batch}")
     if args.dim % args.heads:
         parser.error(f"--dim {args.dim} must be divisible by --heads {args.heads} (head_dim = dim // heads)")
-    try:
-        return reference("m06_llama_block").LlamaConfig(
-            dim=args.dim, n_heads=args.heads, n_kv_heads=args.kv_heads, head_dim=args.dim // args.heads,
-            ffn_dim=args.ffn, n_layers=args.layers, max_seq_len=args.seq)
-    except ValueError as exc:  # e.g. query heads that key/value heads cannot share evenly
-        parser.error(f"--dim {args.dim} --heads {args.heads} --kv-heads {args.kv_heads}: {exc}")
+    return llama_config(parser, f"--dim {args.dim} --heads {args.heads} --kv-heads {args.kv_heads}",
+                        dim=args.dim, n_heads=args.heads, n_kv_heads=args.kv_heads, head_dim=args.dim // args.heads,
+                        ffn_dim=args.ffn, n_layers=args.layers, max_seq_len=args.seq)
 
 
 def gpu_timings(args, cfg):

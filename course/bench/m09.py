@@ -36,7 +36,7 @@ import time
 
 import torch
 
-from course.bench import report
+from course.bench import report, require_positive
 from course.impl import load
 
 GPU_SHAPES = [  # (tokens, in_features, out_features)
@@ -55,8 +55,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--reps", type=int, default=10, help="timed repetitions per measurement (GPU)")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile variants (GPU)")
     args = parser.parse_args(argv)
-    if args.reps < 1:
-        parser.error(f"--reps must be at least 1, got {args.reps}")
+    require_positive(parser, args, "reps")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error("--device cuda, but torch sees no CUDA device")
     if args.device.startswith("cuda"):

@@ -20,9 +20,9 @@ import time
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from course.bench import report
+from course.bench import llama_config, report, require_positive
 from course.fused_attention import FusedAttention
-from course.impl import load, reference
+from course.impl import load
 from course.reference_llama import ReferenceLlama
 
 PRESETS = {
@@ -60,9 +60,8 @@ def parse(argv):
 def check(parser, args):
     """Refuse bad sizes with one line before anything is built (LlamaConfig's own checks: a given
     class, from the reference like every option check)."""
-    for name in ("dim", "heads", "kv_heads", "ffn", "layers", "seq_len", "batch", "vocab", "steps", "threads"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    require_positive(parser, args, "dim", "heads", "kv_heads", "ffn", "layers", "seq_len", "batch", "vocab",
+                     "steps", "threads")
     if args.warmup < 0:
         parser.error(f"--warmup must be at least 0, got {args.warmup}")
     dtype = getattr(torch, args.dtype, None)
@@ -70,12 +69,9 @@ def check(parser, args):
         parser.error(f"--dtype {args.dtype!r} is not a floating-point torch dtype (e.g. float32, bfloat16)")
     if args.dim % args.heads:
         parser.error(f"--dim {args.dim} must be divisible by --heads {args.heads} (head_dim = dim // heads)")
-    try:
-        reference("m06_llama_block").LlamaConfig(
-            dim=args.dim, n_heads=args.heads, n_kv_heads=args.kv_heads, head_dim=args.dim // args.heads,
-            ffn_dim=args.ffn, vocab_size=args.vocab, n_layers=args.layers, max_seq_len=args.seq_len)
-    except ValueError as exc:  # e.g. query heads that key/value heads cannot share evenly
-        parser.error(f"--dim {args.dim} --heads {args.heads} --kv-heads {args.kv_heads}: {exc}")
+    llama_config(parser, f"--dim {args.dim} --heads {args.heads} --kv-heads {args.kv_heads}",
+                 dim=args.dim, n_heads=args.heads, n_kv_heads=args.kv_heads, head_dim=args.dim // args.heads,
+                 ffn_dim=args.ffn, vocab_size=args.vocab, n_layers=args.layers, max_seq_len=args.seq_len)
 
 
 def synchronize(device):
