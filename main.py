@@ -152,15 +152,12 @@ def cmd_grade(args):
 
 
 def cmd_bench(args):
-    # --impl=steps is --impl steps; by default the published tables measure the reference
-    rest = [part for arg in args.rest for part in (arg.split("=", 1) if arg.startswith("--impl=") else [arg])]
-    impl = "solutions"
-    if "--impl" in rest:
-        at = rest.index("--impl")
-        impl = rest[at + 1] if at + 1 < len(rest) else ""
-        del rest[at:at + 2]
-        if impl not in ("steps", "solutions"):
-            sys.exit(f"error: --impl must be steps or solutions, got {impl!r}")
+    # --impl is main.py's; everything else is the benchmark's. By default the published tables
+    # measure the reference.
+    impl_parser = argparse.ArgumentParser(prog=f"main.py bench {args.number}", add_help=False)
+    impl_parser.add_argument("--impl", choices=("steps", "solutions"), default="solutions")
+    known, rest = impl_parser.parse_known_args(args.rest)
+    impl = known.impl
     os.environ["COURSE_IMPL"] = impl  # read by course.impl.load, here and in forked ranks
     try:
         bench = importlib.import_module(f"course.bench.m{args.number}")
