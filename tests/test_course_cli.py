@@ -69,12 +69,9 @@ def test_the_tour_runs_the_reference_of_smoke_tested_demos(monkeypatch, capsys):
 @pytest.fixture
 def skeleton_steps(tmp_path):
     """A freshly generated steps/ (a learner's starting point), whatever this checkout's steps/ holds."""
-    from course.skeleton import generate
-    steps = tmp_path / "steps"
-    steps.mkdir()
-    for name, text in generate().items():
-        (steps / name).write_text(text)
-    return {**os.environ, "COURSE_STEPS_DIR": str(steps)}
+    from course.skeleton import write
+    write(tmp_path / "steps")
+    return {**os.environ, "COURSE_STEPS_DIR": str(tmp_path / "steps")}
 
 
 def test_run_reports_an_unfinished_todo_in_one_line(skeleton_steps):

@@ -9,8 +9,9 @@ runs it (prepare, forward, backward):
   fp8 ms             FP8Matmul(min_dim=0), quantization included (eager: several passes), with an
                      optimizer step between calls: W is quantized again every time
   fp8+compile ms     the same with `quantize` fused by torch.compile (one kernel per pass)
-  W cached ms        fp8+compile (fp8 with --no-compile) with W unchanged between calls, so its FP8 copies are reused: the
-                     limit of gradient accumulation over many microbatches per optimizer step
+  W cached ms        fp8+compile (fp8 with --no-compile) with W unchanged between calls, so its
+                     FP8 copies are reused: the limit of gradient accumulation over many
+                     microbatches per optimizer step
   quantize ms        quantizing x, W (e4m3) and dy (e5m2) alone, eager and compiled
   gemm speedup       one bare GEMM, bf16 time / FP8 time (operands already quantized)
   fp8 selected       whether FP8Matmul() with its default min_dim would use FP8 for this shape
