@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 IMPLS = ("solutions", "steps")
-REPO = Path(__file__).resolve().parent.parent
+from course import REPO
 
 
 def selected() -> str:

@@ -15,9 +15,13 @@ it shows up as stuck where it is, not as a "connection closed" error from a rank
 
 Under `torchrun` there is no parent to watch the ranks, so `run_under_torchrun` arms a per-rank
 watchdog instead: on expiry the rank prints its stack and exits, and torchrun stops the rest.
+
+`run_demo` picks one of these for `python main.py run`, and `failures_explained` turns what a
+rank raised into the short error and hint a learner reads.
 """
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import multiprocessing as mp
 import os
@@ -34,7 +38,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-REPO = Path(__file__).resolve().parent.parent
+from course import REPO
+from course.skeleton import todo_owner
+
 STACK_DUMP_GRACE_S = 0.5  # time a rank gets to write its stack after SIGUSR1
 
 
@@ -51,25 +57,25 @@ def in_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ
 
 
-def run_ranks(fn, nproc: int, *args, timeout: float = 60.0, init_process_group: bool = True):
-    """Run `fn(*args)` on `nproc` forked gloo ranks; return the list of their results by rank.
+def run_ranks(fn, world_size: int, *args, timeout: float = 60.0, init_process_group: bool = True):
+    """Run `fn(*args)` on `world_size` forked gloo ranks; return the list of their results by rank.
 
     With `init_process_group=False` the ranks only get torchrun's environment variables (RANK,
     WORLD_SIZE, LOCAL_RANK, ...) and must join a group themselves.
     """
-    if nproc < 1:
-        raise ValueError(f"nproc must be at least 1, got {nproc}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}")
     ctx = mp.get_context("fork")
     with tempfile.TemporaryDirectory(prefix="course-ranks-") as tmp:
         procs, conns = [], []
         # Finished ranks block reading `hold` until the parent closes its end (EOF) at the end.
         hold, hold_writer = ctx.Pipe(duplex=False)
         try:
-            for rank in range(nproc):
+            for rank in range(world_size):
                 reader, writer = ctx.Pipe(duplex=False)
                 proc = ctx.Process(
                     target=_rank_main,
-                    args=(fn, args, rank, nproc, tmp, timeout, init_process_group, writer, hold, hold_writer),
+                    args=(fn, args, rank, world_size, tmp, timeout, init_process_group, writer, hold, hold_writer),
                     name=f"rank{rank}",
                     daemon=True,
                 )
@@ -91,16 +97,61 @@ def run_ranks(fn, nproc: int, *args, timeout: float = 60.0, init_process_group: 
 
 
 def run_under_torchrun(fn, *args, timeout: float = 300.0):
-    """Run `fn(*args)` in this torchrun-started rank with a watchdog that dumps the stack and
-    exits if the rank is still running after `timeout` seconds."""
+    """Run `fn(*args)` in this torchrun-started rank, under a watchdog."""
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
-    faulthandler.dump_traceback_later(timeout, exit=True)
     try:
-        return fn(*args)
+        with watchdog(timeout):
+            return fn(*args)
     finally:
-        faulthandler.cancel_dump_traceback_later()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def watchdog(timeout: float):
+    """For a process no parent watches (one rank under torchrun, or a single-process demo): if it is
+    still running after `timeout` seconds, it prints its stack and exits."""
+    faulthandler.dump_traceback_later(timeout, exit=True)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
+def run_demo(demo, args):
+    """`python main.py run`: `demo(args)` as one rank of torchrun's, in this process (one rank), or
+    on `args.world_size` forked ranks; each way stops after `args.timeout` seconds."""
+    if in_torchrun():
+        return run_under_torchrun(demo, args, timeout=args.timeout)
+    if args.world_size == 1:
+        with watchdog(args.timeout):
+            return demo(args)
+    run_ranks(demo, args.world_size, args, timeout=args.timeout)
+
+
+@contextlib.contextmanager
+def failures_explained(number: str, impl: str):
+    """A rank that raised or got stuck, or an unfinished TODO, ends `run` and `bench` with a short
+    error (and the stuck ranks' stacks) and a hint, instead of a long traceback."""
+    try:
+        yield
+    except RankTimeout as exc:
+        print(f"error: {exc}", file=sys.stderr)  # the summary line, then every stuck rank's stack
+        sys.exit(1)
+    except (RankFailed, NotImplementedError) as exc:
+        first_line = str(exc).splitlines()[0]
+        if isinstance(exc, NotImplementedError):  # raised here, in the one process: say where
+            first_line += where_raised(exc)
+        print(f"error: {first_line}", file=sys.stderr)
+        owner = todo_owner(first_line)
+        if owner and impl == "steps":
+            if owner != number:
+                print(f"hint: module {number} builds on your module {owner}: fill that TODO in first "
+                      f"(`python main.py grade {owner}`); `--impl solutions` runs the reference", file=sys.stderr)
+            else:
+                print("hint: that TODO is yours to fill in steps/; `--impl solutions` runs the reference",
+                      file=sys.stderr)
+        sys.exit(1)
 
 
 # --- inside a forked rank ---------------------------------------------------------------------

@@ -5,8 +5,8 @@ stage and comms once, and every call is timed.
 
     profiler = Profiler(rank)
     stage, comms = profiler.wrap_stage(stage), profiler.wrap_comms(comms)
-    with profiler.step():
-        loss = schedule(stage, comms, x, y, chunks)
+    schedule = profiler.wrap_schedule(schedule)   # each call is one profiled step
+    loss = schedule(stage, comms, x, y, n_microbatches)
 
 Recorded spans, per rank, each with a microbatch id:
   forward / backward  compute of this rank's layers (backward: from the moment the gradient of
@@ -20,21 +20,20 @@ Live activations are counted from autograd itself: every tensor the stage's forw
 backward is tagged with its microbatch, and a microbatch is alive until autograd has released all
 of its saved tensors (which happens as its backward runs). No cooperation from the schedule.
 
-`EmulatedStage` makes each layer's forward/backward take a fixed extra time (time.sleep), an
-*emulated device*: sleeping ranks do not compete for the CPU, so 4 ranks on 2 cores show the
-bubble a real pipeline of 4 devices would have. `simulate` computes a schedule's exact timeline
-with unit costs (F = 1, B = 2): the textbook numbers, with no noise at all.
+What a profile says is read elsewhere: course/bubble.py (idle fractions against theory),
+course/trace.py (Chrome trace), course/plotting.py (timeline picture). course/emulated.py makes a
+stage run like a device; course/simulate.py computes the timeline theory predicts.
 """
 from __future__ import annotations
 
 import contextlib
-import json
+import functools
 import time
 import weakref
 from dataclasses import asdict, dataclass
-from fractions import Fraction
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 COMPUTE = ("forward", "backward")
@@ -70,6 +69,16 @@ class Profiler:
         self.steps.append((start, time.perf_counter()))
         self._label_messages(len(self.steps) - 1)
         self.peak_live.append(peak[0])
+
+    def wrap_schedule(self, schedule):
+        """The schedule, each call of it one profiled step. All ranks start the step together
+        (a barrier), so the step time is the pipeline's, not a straggler's."""
+        @functools.wraps(schedule)
+        def profiled(*args, **kwargs):
+            dist.barrier()
+            with self.step():
+                return schedule(*args, **kwargs)
+        return profiled
 
     def wrap_stage(self, stage: nn.Module) -> "ProfiledStage":
         return ProfiledStage(stage, self)
@@ -205,139 +214,7 @@ class _ProfiledHandle:
             return self._handle.wait()
 
 
-# --- emulated device ---------------------------------------------------------------------------
-
-class _SleepInBackward(torch.autograd.Function):
-    """Identity whose backward first sleeps: the emulated cost of the stage's backward."""
-
-    @staticmethod
-    def forward(ctx, x, seconds):
-        ctx.seconds = seconds
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        time.sleep(ctx.seconds)
-        return grad, None
-
-
-class EmulatedStage(nn.Module):
-    """A stage whose layers each take `ms_per_layer` more in forward and twice that in backward.
-
-    Emulation, not measurement of a device: the sleep stands for the compute a real device would
-    do, so that the schedule's shape (not CPU contention between ranks) decides the step time.
-    """
-
-    def __init__(self, stage: nn.Module, ms_per_layer: float):
-        super().__init__()
-        self.stage = stage
-        self.hidden, self.is_last = stage.hidden, stage.is_last
-        self.seconds = ms_per_layer * len(stage.layers) / 1000
-
-    def forward(self, x):
-        out = self.stage(x)
-        time.sleep(self.seconds)
-        return _SleepInBackward.apply(out, 2 * self.seconds)
-
-    def loss(self, logits, targets):
-        return self.stage.loss(logits, targets)
-
-
-# --- summaries -----------------------------------------------------------------------------------
-
-def theoretical_bubble(world_size: int, chunks: int) -> float:
-    """Idle fraction of a GPipe or 1F1B step with equal stages and free messages: (P-1)/(M+P-1)."""
-    return (world_size - 1) / (chunks + world_size - 1)
-
-
-def summarize(profilers: list[dict], skip_first: bool = True) -> dict:
-    """Per-rank and overall step time, compute and idle fraction, averaged over the steps.
-
-    `profilers` are the ranks' `export()` dicts. A step lasts from the first rank's start to the
-    last rank's end; a rank's idle fraction is 1 - its compute / that step time.
-    """
-    n_steps = len(profilers[0]["steps"])
-    steps = range(1 if skip_first and n_steps > 1 else 0, n_steps)  # the first pays for warm-up
-    ranks = []
-    step_times = [max(p["steps"][s][1] for p in profilers) - min(p["steps"][s][0] for p in profilers)
-                  for s in steps]
-    step_time = sum(step_times) / len(step_times)
-    for p in profilers:
-        compute = sum(s["end"] - s["start"] for s in p["spans"] if s["kind"] in COMPUTE
-                      and s["step"] in steps) / len(steps)
-        ranks.append({"rank": p["rank"], "step_s": step_time, "compute_s": compute,
-                      "idle": 1 - compute / step_time, "peak_live": max(p["peak_live"])})
-    return {"step_s": step_time, "ranks": ranks,
-            "idle": sum(r["idle"] for r in ranks) / len(ranks)}
-
-
 def export(profiler: Profiler) -> dict:
     """Plain data (picklable, JSON-able) for gathering every rank's profile on one rank."""
     return {"rank": profiler.rank, "steps": profiler.steps, "peak_live": profiler.peak_live,
             "spans": [asdict(s) for s in profiler.spans]}
-
-
-def format_report(profilers: list[dict], chunks: int) -> str:
-    summary = summarize(profilers)
-    world_size = len(profilers)
-    lines = [f"{'rank':>4}  {'step ms':>8}  {'compute ms':>10}  {'idle':>6}  {'peak live microbatches':>22}"]
-    for r in summary["ranks"]:
-        lines.append(f"{r['rank']:>4}  {r['step_s'] * 1e3:8.2f}  {r['compute_s'] * 1e3:10.2f}  "
-                     f"{r['idle']:6.1%}  {r['peak_live']:>22}")
-    lines.append(f" all  {summary['step_s'] * 1e3:8.2f}  {'':>10}  {summary['idle']:6.1%}  "
-                 f"(theory (P-1)/(M+P-1) = {theoretical_bubble(world_size, chunks):.1%})")
-    return "\n".join(lines)
-
-
-def chrome_trace(profilers: list[dict], path) -> None:
-    """One Chrome-trace JSON for all ranks (open in https://ui.perfetto.dev or chrome://tracing)."""
-    origin = min(p["steps"][0][0] for p in profilers)
-    events = []
-    for p in profilers:
-        events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": p["rank"],
-                       "args": {"name": f"rank {p['rank']}"}})
-        for s in p["spans"]:
-            label = s["kind"] if s["microbatch"] is None else f"{s['kind']} {s['microbatch']}"
-            events.append({"name": label, "cat": s["kind"], "ph": "X", "pid": 0, "tid": p["rank"],
-                           "ts": (s["start"] - origin) * 1e6, "dur": (s["end"] - s["start"]) * 1e6,
-                           "args": {"microbatch": s["microbatch"], "step": s["step"]}})
-    with open(path, "w") as f:
-        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
-
-
-# --- the unit-cost simulator ---------------------------------------------------------------------
-
-def simulate(orders: list[list[tuple[str, int]]], forward=Fraction(1), backward=Fraction(2)) -> dict:
-    """Exact timeline of a schedule: `orders[r]` is rank r's compute in order, ("F", m) / ("B", m).
-
-    F(r, m) starts when rank r is free and F(r-1, m) has finished; B(r, m) when rank r is free and
-    B(r+1, m) has finished (the last rank's B(m) needs its own F(m)). Messages are free. Returns
-    each rank's spans (kind, microbatch, start, end), the makespan and the bubble fraction.
-    """
-    world_size = len(orders)
-    done: dict[tuple[str, int, int], Fraction] = {}
-    position, free = [0] * world_size, [Fraction(0)] * world_size
-    spans = [[] for _ in range(world_size)]
-    progressed = True
-    while progressed:
-        progressed = False
-        for rank in range(world_size):
-            if position[rank] == len(orders[rank]):
-                continue
-            kind, mb = orders[rank][position[rank]]
-            needs = (("F", rank - 1, mb) if rank > 0 else None) if kind == "F" else \
-                (("B", rank + 1, mb) if rank < world_size - 1 else ("F", rank, mb))
-            if needs is not None and needs not in done:
-                continue
-            start = max(free[rank], done[needs]) if needs else free[rank]
-            end = start + (forward if kind == "F" else backward)
-            done[(kind, rank, mb)], free[rank] = end, end
-            spans[rank].append((kind, mb, start, end))
-            position[rank] += 1
-            progressed = True
-    stuck = [r for r in range(world_size) if position[r] < len(orders[r])]
-    if stuck:
-        raise ValueError(f"the schedule deadlocks: rank {stuck[0]} waits forever at {orders[stuck[0]][position[stuck[0]]]}")
-    makespan = max(free)
-    busy = sum(end - start for rank_spans in spans for _, _, start, end in rank_spans)
-    return {"spans": spans, "makespan": makespan, "bubble": 1 - busy / (world_size * makespan)}

@@ -24,9 +24,13 @@ import re
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-BEGIN = re.compile(r"^(?P<indent>\s*)# >>> (?P<title>TODO\((?P<module>m\d\d)\): .+)$")
+from course import REPO
+
+# The TODO marker format, defined here once: a tag names the module that owns a TODO.
+TODO_TAG = r"TODO\((?P<module>m\d\d)\)"
+BEGIN = re.compile(rf"^(?P<indent>\s*)# >>> (?P<title>{TODO_TAG}: .+)$")
 END = re.compile(r"^\s*# <<<\s*$")
+RAISED_TODO = re.compile(rf"raise NotImplementedError\(['\"]{TODO_TAG}")  # an unfinished TODO in steps/
 HEADER = ("# Generated from solutions/{name} by `python -m course.skeleton`: fill in the TODOs.\n"
           "# Grade your work with `python main.py grade {number}`. (skeleton {fingerprint})\n")
 GIVEN_HEADER = ("# Generated from solutions/{name} by `python -m course.skeleton`. Given code: nothing\n"
@@ -36,6 +40,22 @@ FINGERPRINT = re.compile(r"\(skeleton [0-9a-f]{12}\)")  # in the header: which g
 
 class MarkerError(ValueError):
     pass
+
+
+def todo_owner(text: str) -> str | None:
+    """'06' for an error message or line that names TODO(m06), else None."""
+    tag = re.search(TODO_TAG, text)
+    return tag["module"][1:] if tag else None
+
+
+def count_todos(text: str) -> int:
+    """How many unfinished TODOs (raises) a steps/ file still has."""
+    return len(RAISED_TODO.findall(text))
+
+
+def has_solution_blocks(text: str) -> bool:
+    """Whether a solutions/ file has anything for a learner to fill in."""
+    return any(BEGIN.match(line) for line in text.splitlines())
 
 
 def skeletonize(source: str, filename: str = "<source>") -> str:

@@ -9,11 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .m00_monolith import MLPConfig, make_batch, print_losses
-from .m00_monolith import train as train_monolith
-
-TITLE = "Manual split: two halves and a hand-made backward hand-off"
-NPROC = 1
+from .m00_monolith import MLPConfig, make_batch
 
 
 class PartOne(nn.Module):
@@ -75,16 +71,11 @@ def train_step(part_one: PartOne, part_two: PartTwo, optimizer, x, y) -> float:
     return loss.item()
 
 
-def train(cfg: MLPConfig = MLPConfig()) -> list[float]:
+def train(cfg: MLPConfig = MLPConfig()) -> tuple[nn.Sequential, list[float]]:
+    """Train the two parts; return (the trained model, the loss of every step). The model is the
+    two parts in a row: the same function as the monolith, cut in two."""
     part_one, part_two = build_parts(cfg)
     optimizer = torch.optim.Adam([*part_one.parameters(), *part_two.parameters()], lr=cfg.lr)
     x, y = make_batch(cfg)
-    return [train_step(part_one, part_two, optimizer, x, y) for _ in range(cfg.steps)]
-
-
-def demo(args):
-    print("Training the model as two hand-driven parts:")
-    losses = train()
-    print_losses(losses)
-    same = losses == train_monolith()
-    print(f"Loss curve identical to the monolith's, bit for bit: {same}")
+    losses = [train_step(part_one, part_two, optimizer, x, y) for _ in range(cfg.steps)]
+    return nn.Sequential(part_one, part_two), losses

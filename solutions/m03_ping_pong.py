@@ -12,16 +12,7 @@ import time
 
 import torch
 
-from .m02_comms import PipelineComms, init_distributed
-
-TITLE = "Ping-pong: message order, latency and bandwidth between two ranks"
-NPROC = 2
-
-
-def check_args(args):
-    """Called by main.py before any process starts."""
-    if args.nproc != 2:
-        raise ValueError(f"ping-pong is a game for exactly 2 ranks, not {args.nproc}")
+from .m02_comms import PipelineComms
 
 
 def ping_pong(comms: PipelineComms, x: torch.Tensor, round_trips: int) -> torch.Tensor:
@@ -65,14 +56,3 @@ def time_round_trip(comms: PipelineComms, numel: int, repeats: int = 20, warmup:
     return statistics.median(times)
     # <<<
 
-
-def demo(args):
-    rank, world_size, device = init_distributed()
-    comms = PipelineComms(rank, world_size, device)
-    ball = ping_pong(comms, torch.zeros(3, device=device), round_trips=5)
-    print(f"rank {rank}: after 5 round trips holds {ball.tolist()} (expected {10 - rank})")
-    for numel in (1, 1 << 20):
-        seconds = time_round_trip(comms, numel)
-        if rank == 0:
-            megabytes = numel * 4 / 1e6
-            print(f"rank 0: {megabytes:8.3f} MB round trip {seconds * 1e6:9.1f} us")

@@ -186,7 +186,7 @@ class LlamaBlock:
 
     def backward(self, w: BlockWeights, dy: torch.Tensor, store: ActivationStore):
         """(dx, grads) given dy = dL/dy, from what the forward saved; grads is a BlockWeights."""
-        mm, a = self.matmul, store
+        mm = self.matmul
         B, T, _ = dy.shape
         cos, sin = self.rope(T, dy.dtype, dy.device)
         # >>> TODO(m06): backward of the FFN half: down, SwiGLU, gate and up, then the residual + norm
@@ -194,11 +194,11 @@ class LlamaBlock:
         #       reverse order; gate and up both read n2, so their two dn2 add up. residual_rmsnorm_backward
         #       then sums h's two gradients (dy along the residual, dn2 through the norm) into dh.
         # Hint: name the results dh, d_down, d_gate, d_up and d_ln2: the attention half's TODO uses them.
-        ds, d_down = linear_backward(dy, a["s"], w.w_down, mm)
-        dg, du = swiglu_backward(ds, a["g"], a["u"])
-        dn2_gate, d_gate = linear_backward(dg, a["n2"], w.w_gate, mm)
-        dn2_up, d_up = linear_backward(du, a["n2"], w.w_up, mm)
-        dh, d_ln2 = residual_rmsnorm_backward(dy, dn2_gate + dn2_up, a["h"], a["r2"], w.ln2)
+        ds, d_down = linear_backward(dy, store["s"], w.w_down, mm)
+        dg, du = swiglu_backward(ds, store["g"], store["u"])
+        dn2_gate, d_gate = linear_backward(dg, store["n2"], w.w_gate, mm)
+        dn2_up, d_up = linear_backward(du, store["n2"], w.w_up, mm)
+        dh, d_ln2 = residual_rmsnorm_backward(dy, dn2_gate + dn2_up, store["h"], store["r2"], w.ln2)
         # <<<
         # >>> TODO(m06): backward of the attention half: o projection, attention, RoPE, q/k/v, norm
         # Hint: h = x + o W_o^T, so dh reaches x directly and through the attention half: undo its ops in
@@ -208,13 +208,13 @@ class LlamaBlock:
         #       the projections made (B, T, heads * D) (k and v: kv_heads): reshape them (not view) before
         #       the projections' backward.
         # Hint: return (dx, grads): dx sums both paths to x; grads is a BlockWeights of all nine gradients.
-        do, d_wo = linear_backward(dh, a["o"], w.wo, mm)
-        dq, dk, dv = self.attention.backward(do, a["q"], a["k"], a["v"], a["o"], a["lse"])
+        do, d_wo = linear_backward(dh, store["o"], w.wo, mm)
+        dq, dk, dv = self.attention.backward(do, store["q"], store["k"], store["v"], store["o"], store["lse"])
         dq, dk = rope_backward(dq, cos, sin), rope_backward(dk, cos, sin)
-        dn1_q, d_wq = linear_backward(dq.reshape(B, T, -1), a["n1"], w.wq, mm)
-        dn1_k, d_wk = linear_backward(dk.reshape(B, T, -1), a["n1"], w.wk, mm)
-        dn1_v, d_wv = linear_backward(dv.reshape(B, T, -1), a["n1"], w.wv, mm)
-        dx_norm, d_ln1 = rmsnorm_backward(dn1_q + dn1_k + dn1_v, a["x"], a["r1"], w.ln1)
+        dn1_q, d_wq = linear_backward(dq.reshape(B, T, -1), store["n1"], w.wq, mm)
+        dn1_k, d_wk = linear_backward(dk.reshape(B, T, -1), store["n1"], w.wk, mm)
+        dn1_v, d_wv = linear_backward(dv.reshape(B, T, -1), store["n1"], w.wv, mm)
+        dx_norm, d_ln1 = rmsnorm_backward(dn1_q + dn1_k + dn1_v, store["x"], store["r1"], w.ln1)
         grads = BlockWeights(ln1=d_ln1, wq=d_wq, wk=d_wk, wv=d_wv, wo=d_wo, ln2=d_ln2,
                              w_gate=d_gate, w_up=d_up, w_down=d_down)
         return dh + dx_norm, grads

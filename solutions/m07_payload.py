@@ -29,10 +29,10 @@ class FSDPTraffic:
 
 
 def fsdp_traffic(block_params: int, dtype_bytes: int, world_size: int, blocks: int,
-                 micro_steps: int = 1, kept: int = 0) -> FSDPTraffic:
+                 n_microbatches: int = 1, kept: int = 0) -> FSDPTraffic:
     """The collectives and buffers of one optimizer step of FSDP over `blocks` equal blocks.
 
-    `micro_steps` forward+backward passes per optimizer step (gradient accumulation); `kept` blocks
+    `n_microbatches` forward+backward passes per optimizer step (gradient accumulation); `kept` blocks
     reused from the buffers at each forward/backward turn (see the module docstring).
     """
     if not 0 <= kept <= min(2, blocks):
@@ -43,11 +43,11 @@ def fsdp_traffic(block_params: int, dtype_bytes: int, world_size: int, blocks: i
     #       buffers are reused. How many turns does one optimizer step have?
     # Hint: every payload is one shard: block_params / world_size rounded up, times dtype_bytes.
     shard_bytes = -(-block_params // world_size) * dtype_bytes
-    turns = 2 * micro_steps - 1
-    all_gathers = 2 * blocks * micro_steps - kept * turns
-    reduce_scatters = blocks * micro_steps
+    turns = 2 * n_microbatches - 1
+    all_gathers = 2 * blocks * n_microbatches - kept * turns
+    reduce_scatters = blocks * n_microbatches
     collectives = all_gathers + reduce_scatters
-    full, comm = 2 * world_size * shard_bytes, 2 * shard_bytes  # a full buffer holds N shards
+    full_buffers, comm_buffers = 2 * world_size * shard_bytes, 2 * shard_bytes  # a full buffer holds N shards
     return FSDPTraffic(shard_bytes, all_gathers, reduce_scatters, collectives, collectives * shard_bytes,
-                       full, comm, full + comm)
+                       full_buffers, comm_buffers, full_buffers + comm_buffers)
     # <<<

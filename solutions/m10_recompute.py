@@ -23,12 +23,9 @@ forward's scales and skips the abs-max pass (an exact recompute would find the s
 import torch
 
 from .m06_llama_block import ActivationStore, BlockWeights, LlamaBlock, LlamaConfig
-from .m06_llama_model import LlamaModel, load_text, random_batch
+from .m06_llama_model import LlamaModel
 from .m06_llama_ops import compute_dtype, linear_forward, rmsnorm_forward, swiglu_forward
 from .m09_fp8_matmul import abs_max_name
-
-TITLE = "Recompute: trade activation memory for forward work in the backward"
-NPROC = 1
 
 ACTIVATIONS = frozenset({"x", "n1", "r1", "q", "k", "v", "o", "lse", "h", "n2", "r2", "g", "u", "s"})
 DROPPED = {
@@ -150,22 +147,3 @@ def measure_store_bytes(model: LlamaModel, tokens: torch.Tensor) -> int:
     model.forward_blocks(model.embedding[tokens], stores)
     return stores[0].nbytes()
 
-
-def demo(args):
-    torch.set_num_threads(1)  # tensors this small run faster on one thread than split across several
-    cfg, batch = LlamaConfig(), 16
-    model = LlamaModel(cfg, seed=0)
-    tokens, targets = random_batch(load_text(), batch, cfg.max_seq_len, torch.Generator().manual_seed(0))
-    print(f"One {cfg.n_layers}-layer Llama step (batch {batch}, {cfg.max_seq_len} tokens, dim {cfg.dim}) "
-          f"with each recompute option:\n")
-    print(f"{'option':>10} {'kept KiB/layer':>15} {'store KiB':>10}  gradients vs none")
-    baseline = None
-    for option in OPTIONS:
-        model.block = RecomputeBlock(cfg, option)  # the model loop does not change, only the block
-        measured = measure_store_bytes(model, tokens)
-        grads = model.forward_backward(tokens, targets)[1].tensors()
-        baseline = baseline or grads
-        same = all(torch.equal(a, b) for a, b in zip(grads, baseline))
-        print(f"{option:>10} {kept_bytes(cfg, batch, cfg.max_seq_len, torch.float32, option) / 1024:15.1f} "
-              f"{measured / 1024:10.1f}  {'identical, bit for bit' if same else 'DIFFERENT'}")
-    print("\nStep time and peak memory, next to torch.utils.checkpoint: python main.py bench 10 [--device cuda]")

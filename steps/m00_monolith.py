@@ -1,5 +1,5 @@
 # Generated from solutions/m00_monolith.py by `python -m course.skeleton`. Given code: nothing
-# to fill in here; read it, then run it with `python main.py run 00`. (skeleton 8c0360e06deb)
+# to fill in here; read it, then run it with `python main.py run 00`. (skeleton f9d111691b8d)
 """Module 00 - the monolith.
 
 A 16-layer MLP (Linear + ReLU, width 128) with a 2-class head, trained with Adam on one fixed
@@ -12,9 +12,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
-TITLE = "Monolith: the 16-layer MLP that every split must reproduce"
-NPROC = 1
 
 
 @dataclass(frozen=True)
@@ -58,8 +55,8 @@ def make_batch(cfg: MLPConfig = MLPConfig()):
     return x, y
 
 
-def train(cfg: MLPConfig = MLPConfig()) -> list[float]:
-    """Train the monolith; return the loss of every step."""
+def train(cfg: MLPConfig = MLPConfig()) -> tuple[MonolithMLP, list[float]]:
+    """Train the monolith; return (the trained model, the loss of every step)."""
     model = build_model(cfg)
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     x, y = make_batch(cfg)
@@ -70,15 +67,4 @@ def train(cfg: MLPConfig = MLPConfig()) -> list[float]:
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
-    return losses
-
-
-def print_losses(losses: list[float], every: int = 5):
-    for step in range(0, len(losses), every):
-        print(f"  step {step:3d}  loss {losses[step]:.6f}")
-    print(f"  final     loss {losses[-1]:.6f}")
-
-
-def demo(args):
-    print("Training the monolith (one process, the whole model):")
-    print_losses(train())
+    return model, losses

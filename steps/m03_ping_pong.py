@@ -1,5 +1,5 @@
 # Generated from solutions/m03_ping_pong.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 03`. (skeleton 3e5b53202ed9)
+# Grade your work with `python main.py grade 03`. (skeleton eb427886b74b)
 """Module 03 - ping-pong.
 
 Two ranks bounce one tensor back and forth. Rank 0 serves; whoever receives the ball adds 1 and
@@ -14,16 +14,7 @@ import time
 
 import torch
 
-from .m02_comms import PipelineComms, init_distributed
-
-TITLE = "Ping-pong: message order, latency and bandwidth between two ranks"
-NPROC = 2
-
-
-def check_args(args):
-    """Called by main.py before any process starts."""
-    if args.nproc != 2:
-        raise ValueError(f"ping-pong is a game for exactly 2 ranks, not {args.nproc}")
+from .m02_comms import PipelineComms
 
 
 def ping_pong(comms: PipelineComms, x: torch.Tensor, round_trips: int) -> torch.Tensor:
@@ -49,14 +40,3 @@ def time_round_trip(comms: PipelineComms, numel: int, repeats: int = 20, warmup:
     # Hint: statistics.median of the per-round-trip times resists the odd slow one.
     raise NotImplementedError('TODO(m03): run warmup + repeats round trips; time each timed one; return the median')
 
-
-def demo(args):
-    rank, world_size, device = init_distributed()
-    comms = PipelineComms(rank, world_size, device)
-    ball = ping_pong(comms, torch.zeros(3, device=device), round_trips=5)
-    print(f"rank {rank}: after 5 round trips holds {ball.tolist()} (expected {10 - rank})")
-    for numel in (1, 1 << 20):
-        seconds = time_round_trip(comms, numel)
-        if rank == 0:
-            megabytes = numel * 4 / 1e6
-            print(f"rank 0: {megabytes:8.3f} MB round trip {seconds * 1e6:9.1f} us")

@@ -1,5 +1,5 @@
 # Generated from solutions/m04_sharded.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 04`. (skeleton ea4fa4b6d033)
+# Grade your work with `python main.py grade 04`. (skeleton 98fa46064f8a)
 """Module 04 - the sharded model.
 
 Each rank holds only its own slice of the 16 layers (the last rank also holds the head and
@@ -17,22 +17,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .m00_monolith import MLPConfig, build_model, make_batch
-from .m02_comms import PipelineComms, init_distributed
-
-TITLE = "Sharded model: each rank holds its own layers; forward as a relay"
-NPROC = 4
+from .m00_monolith import MLPConfig
+from .m02_comms import PipelineComms
 
 
 def check_world_size(cfg: MLPConfig, world_size: int):
     if world_size < 1 or cfg.layers % world_size != 0:
         raise ValueError(f"{cfg.layers} layers cannot be split evenly over {world_size} ranks; "
                          f"use a world size that divides {cfg.layers}")
-
-
-def check_args(args):
-    """Called by main.py before any process starts."""
-    check_world_size(MLPConfig(), args.nproc)
 
 
 def layer_range(cfg: MLPConfig, rank: int, world_size: int) -> range:
@@ -48,7 +40,8 @@ class ShardedMLP(nn.Module):
     def __init__(self, cfg: MLPConfig, rank: int, world_size: int):
         super().__init__()
         self.rank, self.world_size, self.hidden = rank, world_size, cfg.hidden
-        self.is_last = rank == world_size - 1
+        # Where this stage sits in the pipeline: the first takes the batch, the last computes the loss.
+        self.is_first, self.is_last = rank == 0, rank == world_size - 1
         mine = layer_range(cfg, rank, world_size)
         # TODO(m04): build self.layers (an nn.ModuleList of this rank's layers) and self.head
         # Hint: torch.manual_seed(cfg.seed), then create all cfg.layers Linear(hidden, hidden)
@@ -75,22 +68,7 @@ def sharded_forward(model: ShardedMLP, comms: PipelineComms, x: torch.Tensor) ->
     size to allocate their receive buffer, shape (batch, hidden).
     """
     # TODO(m04): receive the input (unless first rank), run this rank's layers, send (unless last)
-    # Hint: comms.prev is None on the first rank and comms.next is None on the last.
+    # Hint: model.is_first and model.is_last say where this rank's stage sits.
     # Hint: the receive buffer's shape is (x.shape[0], model.hidden).
     raise NotImplementedError("TODO(m04): receive the input (unless first rank), run this rank's layers, send (unless last)")
 
-
-def demo(args):
-    """Forward the batch through the sharded model; the last rank checks the monolith's logits."""
-    rank, world_size, device = init_distributed()
-    cfg = MLPConfig()
-    model = ShardedMLP(cfg, rank, world_size).to(device)
-    x, y = make_batch(cfg)
-    out = sharded_forward(model, PipelineComms(rank, world_size, device), x.to(device))
-    params = sum(p.numel() for p in model.parameters())
-    print(f"rank {rank}: layers {list(layer_range(cfg, rank, world_size))}, {params} parameters")
-    if model.is_last:
-        expected = build_model(cfg)(x)
-        same = torch.equal(out.cpu(), expected)
-        print(f"rank {rank}: logits equal the monolith's bit for bit: {same}; "
-              f"loss {model.loss(out, y.to(device)).item():.6f}")

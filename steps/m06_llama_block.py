@@ -1,5 +1,5 @@
 # Generated from solutions/m06_llama_block.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 06`. (skeleton 5c0eea9c6e23)
+# Grade your work with `python main.py grade 06`. (skeleton 9ef19667d124)
 """Module 06, part 2 - the transformer block: a forward sequence and its backward in reverse.
 
     x -> RMSNorm(ln1) -> q, k, v projections -> RoPE(q, k) -> causal GQA attention -> o projection
@@ -172,7 +172,7 @@ class LlamaBlock:
 
     def backward(self, w: BlockWeights, dy: torch.Tensor, store: ActivationStore):
         """(dx, grads) given dy = dL/dy, from what the forward saved; grads is a BlockWeights."""
-        mm, a = self.matmul, store
+        mm = self.matmul
         B, T, _ = dy.shape
         cos, sin = self.rope(T, dy.dtype, dy.device)
         # TODO(m06): backward of the FFN half: down, SwiGLU, gate and up, then the residual + norm

@@ -1,5 +1,5 @@
 # Generated from solutions/m06_llama_model.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 06`. (skeleton b7d29dd31a10)
+# Grade your work with `python main.py grade 06`. (skeleton 9568c846e106)
 """Module 06 - a tiny Llama trained with a hand-written backward.
 
 Embedding -> n_layers blocks (m06_llama_block) -> final RMSNorm -> LM head and cross-entropy.
@@ -10,21 +10,15 @@ ranks in 07, in host memory in 08) without changing the loop. Here every weight 
 The LM head computes its loss and gradient a chunk of tokens at a time: with a real vocabulary,
 the (tokens, vocab) logits are the largest tensor of the whole step, and no chunk needs another's.
 """
-import argparse
-import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Protocol
 
 import torch
 
-import course
+from course.dataset import load_text, random_batch
 from .m06_llama_block import ActivationStore, BlockWeights, LlamaBlock, LlamaConfig, init_block_weights
 from .m06_llama_ops import compute_dtype, rmsnorm_backward, rmsnorm_forward
 
-TITLE = "Llama block: explicit forward and backward, trained on Shakespeare"
-NPROC = 1
-TEXT = Path(course.__file__).resolve().parent / "data" / "tinyshakespeare.txt"
 LOSS_CHUNK = 1024  # tokens per LM-head chunk
 
 
@@ -165,25 +159,14 @@ class LlamaModel:
 
 
 # ---------------------------------------------------------------------------------------------
-# Training on a byte-level text
+# Training on a byte-level text (course/dataset.py: bytes of Shakespeare, random windows)
 # ---------------------------------------------------------------------------------------------
-def load_text(path: Path = TEXT) -> torch.Tensor:
-    """The text as a 1-D tensor of byte values (vocabulary 256)."""
-    return torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8).long()
-
-
-def random_batch(data: torch.Tensor, batch: int, seq_len: int, generator: torch.Generator):
-    """`batch` random windows of the text: tokens and the same windows shifted by one (targets)."""
-    starts = torch.randint(0, len(data) - seq_len - 1, (batch,), generator=generator)
-    windows = torch.stack([data[s:s + seq_len + 1] for s in starts.tolist()])
-    return windows[:, :-1], windows[:, 1:]
-
-
-def train(cfg: LlamaConfig, steps: int, batch: int = 16, lr: float = 3e-3, seed: int = 0, log_every: int = 0,
-          block: LlamaBlock | None = None):
+def train(cfg: LlamaConfig, steps: int, batch: int = 16, lr: float = 3e-3, seed: int = 0, dtype=torch.float32,
+          block: LlamaBlock | None = None, on_step=None):
     """Train with AdamW on random windows of the text; returns (model, losses). `block` runs the
-    layers (default LlamaBlock(cfg)); the initial weights and the batches depend only on `seed`."""
-    model, data = LlamaModel(cfg, seed, block=block), load_text()
+    layers (default LlamaBlock(cfg)); the initial weights and the batches depend only on `seed`.
+    `on_step(step, loss)`, if given, is called after every step (the demo shows progress with it)."""
+    model, data = LlamaModel(cfg, seed, dtype, block=block), load_text()
     generator = torch.Generator().manual_seed(seed)
     params = model.parameters()
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
@@ -196,40 +179,7 @@ def train(cfg: LlamaConfig, steps: int, batch: int = 16, lr: float = 3e-3, seed:
         optimizer.step()
         model.weights.invalidate()  # the weights changed: a weight source must not serve old copies
         losses.append(loss.item())
-        if log_every and (step % log_every == 0 or step == steps - 1):
-            print(f"  step {step:4d}  loss {losses[-1]:.4f}")
+        if on_step:
+            on_step(step, losses[-1])
     return model, losses
 
-
-def sample(model: LlamaModel, prompt: str, length: int, temperature: float = 0.8, seed: int = 0) -> str:
-    generator = torch.Generator().manual_seed(seed)
-    tokens = list(prompt.encode())
-    for _ in range(length):
-        context = torch.tensor([tokens[-model.cfg.max_seq_len:]])
-        probs = torch.softmax(model.next_token_logits(context)[0] / temperature, dim=-1)
-        tokens.append(torch.multinomial(probs, 1, generator=generator).item())
-    return bytes(tokens).decode(errors="replace")
-
-
-def add_args(parser: argparse.ArgumentParser):
-    parser.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
-    parser.add_argument("--sample", type=int, default=200, help="bytes to sample after training")
-
-
-def check_args(args):
-    if args.steps < 1 or args.sample < 0:
-        raise ValueError(f"--steps must be at least 1 and --sample at least 0, got {args.steps} and {args.sample}")
-
-
-def demo(args):
-    torch.set_num_threads(1)  # tensors this small run faster on one thread than split across several
-    cfg = LlamaConfig()
-    print(f"Training a {cfg.n_layers}-layer Llama (dim {cfg.dim}, {cfg.n_heads} query / {cfg.n_kv_heads} "
-          f"key-value heads) on {TEXT.name}, bytes as tokens:")
-    began = time.perf_counter()
-    model, losses = train(cfg, args.steps, log_every=max(1, args.steps // 10))
-    last = losses[-10:]  # fewer when fewer steps ran
-    print(f"  {args.steps} steps in {time.perf_counter() - began:.1f} s; "
-          f"loss {losses[0]:.3f} -> {sum(last) / len(last):.3f} (mean of the last {len(last)})")
-    if args.sample:
-        print("\nSample (temperature 0.8):\n" + sample(model, "MENENIUS:\n", args.sample))

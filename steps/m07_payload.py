@@ -1,5 +1,5 @@
 # Generated from solutions/m07_payload.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 07`. (skeleton 400fbda2597d)
+# Grade your work with `python main.py grade 07`. (skeleton 9b1b2237d6e6)
 """Module 07, part 2 - FSDP's communication and buffer arithmetic, before running anything.
 
 For blocks of P parameters of b bytes each, sharded over N ranks (padded to a multiple of N):
@@ -31,10 +31,10 @@ class FSDPTraffic:
 
 
 def fsdp_traffic(block_params: int, dtype_bytes: int, world_size: int, blocks: int,
-                 micro_steps: int = 1, kept: int = 0) -> FSDPTraffic:
+                 n_microbatches: int = 1, kept: int = 0) -> FSDPTraffic:
     """The collectives and buffers of one optimizer step of FSDP over `blocks` equal blocks.
 
-    `micro_steps` forward+backward passes per optimizer step (gradient accumulation); `kept` blocks
+    `n_microbatches` forward+backward passes per optimizer step (gradient accumulation); `kept` blocks
     reused from the buffers at each forward/backward turn (see the module docstring).
     """
     if not 0 <= kept <= min(2, blocks):

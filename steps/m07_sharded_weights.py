@@ -1,5 +1,5 @@
 # Generated from solutions/m07_sharded_weights.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 07`. (skeleton dd025f267a64)
+# Grade your work with `python main.py grade 07`. (skeleton 6958b20de38f)
 """Module 07, part 3 - a weight source that all-gathers each block from its shards, just in time.
 
 It implements module 06's WeightSource protocol, so the model loop does not change:
@@ -66,8 +66,8 @@ class GatherBuffer:
 class ShardedWeights:
     """Every block's shard on this rank, and two buffers to gather whole blocks into."""
 
-    def __init__(self, layout: FlatLayout, shards: list[torch.Tensor], comm: Collectives):
-        self.layout, self.shards, self.comm = layout, shards, comm
+    def __init__(self, layout: FlatLayout, shards: list[torch.Tensor], collectives: Collectives):
+        self.layout, self.shards, self.collectives = layout, shards, collectives
         self.buffers = [GatherBuffer(torch.empty(layout.padded_numel, dtype=shards[0].dtype)) for _ in range(2)]
         self.version = 0
 
@@ -79,7 +79,7 @@ class ShardedWeights:
         check_gather(buf, layer)
         # TODO(m07): start the all-gather of this layer's shards into the buffer, unless it is already there
         # Hint: a hit needs the same layer *and* the current version (the optimizer has not changed it since).
-        # Hint: otherwise all-gather every rank's shard of this layer into buf.flat (comm.all_gather, see
+        # Hint: otherwise all-gather every rank's shard of this layer into buf.flat (collectives.all_gather, see
         #       course/collectives.py) without waiting: async_op=True, so gather() returns at once and the
         #       transfer overlaps compute. Label it f"block {layer}" (the log and the tests read the layer
         #       from it). get() must wait for the transfer: keep the work all_gather returns in buf.pending,

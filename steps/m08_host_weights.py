@@ -1,5 +1,5 @@
 # Generated from solutions/m08_host_weights.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 08`. (skeleton 12e281ab7264)
+# Grade your work with `python main.py grade 08`. (skeleton 40eb35baab94)
 """Module 08 - weights streamed from host memory on a side stream, overlapping compute.
 
 The same gather/get/release protocol as module 07, but a "gather" is a copy of the block from
@@ -23,20 +23,13 @@ allocator; an explicit event says exactly when the buffer may be overwritten.)
 The stream calls go through a runtime (course/streams.py): torch.cuda on a GPU, or a recorder on
 CPU whose event graph the tests check for read-before-copy and overwrite-before-release hazards.
 """
-import argparse
-import time
 from dataclasses import dataclass
 
 import torch
 
-from course.streams import FakeRuntime, find_hazards, record_compute
-from .m06_llama_block import BlockWeights, LlamaConfig
-from .m06_llama_model import LlamaModel
+from .m06_llama_block import BlockWeights
 from .m07_flat_shards import FlatLayout
 from .m07_sharded_weights import FREE, GATHERING, IN_USE, check_gather, check_get, check_release
-
-TITLE = "CUDA streams: weights streamed from pinned host memory, overlapping compute"
-NPROC = 1
 
 
 @dataclass
@@ -122,34 +115,3 @@ class NoPrefetch:
     def invalidate(self) -> None:
         self.source.invalidate()
 
-
-def add_args(parser: argparse.ArgumentParser):
-    parser.add_argument("--layers", type=int, default=4, help="blocks (default 4)")
-
-
-def check_args(args):
-    if args.layers < 1:
-        raise ValueError(f"--layers must be at least 1, got {args.layers}")
-
-
-def demo(args):
-    torch.set_num_threads(1)
-    cfg = LlamaConfig(n_layers=args.layers)
-    tokens = torch.randint(0, cfg.vocab_size, (4, cfg.max_seq_len), generator=torch.Generator().manual_seed(0))
-    resident = LlamaModel(cfg)
-    loss, grads = resident.forward_backward(tokens, tokens)
-    streamed = LlamaModel(cfg)
-    runtime = FakeRuntime()  # on CPU: copies run at once, and the event graph is recorded
-    streamed.weights = record_compute(HostWeights(streamed.blocks, runtime), runtime)
-    streamed.blocks = []  # from here on, the blocks live only in (pinned) host memory
-    began = time.perf_counter()
-    loss_streamed, grads_streamed = streamed.forward_backward(tokens, tokens)
-    same = torch.equal(loss, loss_streamed) and all(torch.equal(a, b) for a, b in
-                                                     zip(grads.tensors(), grads_streamed.tensors()))
-    print(f"{cfg.n_layers} blocks streamed from host memory through 2 buffers: "
-          f"{streamed.weights.copies} block copies in one step ({time.perf_counter() - began:.2f} s on CPU)")
-    print(f"Loss and gradients equal the all-resident model's bit for bit: {same}")
-    hazards = find_hazards(runtime.nodes)
-    print(f"Event graph: {len(runtime.nodes)} operations on the compute and copy streams, "
-          f"{len(hazards)} hazards (two accesses to the same buffer, one a write, in no fixed order)")
-    print("On a GPU, `python main.py bench 08 --device cuda` measures the overlap.")

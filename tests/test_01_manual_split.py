@@ -56,7 +56,9 @@ def test_gradients_cross_the_boundary_exactly():
 
 
 def test_loss_curve_equals_the_monolith_bit_for_bit():
-    ours, monolith = m01.train(cfg), m00.train(cfg)
+    (model, ours), (monolith_model, monolith) = m01.train(cfg), m00.train(cfg)
     first_bad = next((i for i, (a, b) in enumerate(zip(ours, monolith)) if a != b), None)
     assert first_bad is None, \
         f"step {first_bad}: expected loss {monolith[first_bad]!r}, got {ours[first_bad]!r}"
+    x, y = m00.make_batch(cfg)
+    assert torch.equal(model(x), monolith_model(x)), "the trained parts, in a row, are the trained monolith"

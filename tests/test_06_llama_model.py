@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from course.compare import assert_all_close
+from course.dataset import load_text
 from course.impl import load
 from course.reference_llama import ReferenceLlama
 
@@ -150,7 +151,7 @@ def test_training_on_the_text_lowers_the_loss():
 
 @pytest.mark.given
 def test_the_training_text_is_small_and_present():
-    data = model_module.load_text()
+    data = load_text()
     assert 10_000 < len(data) <= 200_000 and int(data.max()) < 256
 
 

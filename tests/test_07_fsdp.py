@@ -10,7 +10,7 @@ lr * m / (sqrt(v) + eps) turns that into weight differences of ~1e-16 absolute p
 after 4 steps (torch 2.13 CPU; worst of 2 and 4 ranks, with and without accumulation): losses
 within 8.9e-16, block weights within 4.6e-16, replicated weights within 2.2e-16. We allow 1e-12.
 A wrong gradient *scale* is the subtle mistake: AdamW's update m / sqrt(v) barely changes when every
-gradient is multiplied by the same constant, so a missing 1/N or 1/micro_steps moves the losses by
+gradient is multiplied by the same constant, so a missing 1/N or 1/n_microbatches moves the losses by
 only ~1e-7..1e-6 (measured) - small to the eye, yet 10^5 times the tolerance. The messages say so.
 Where no sum is reordered the result must be exact: the weights gathered before training are the
 single-process weights bit for bit. 3 ranks make the shards need padding (7,744 parameters a block).
@@ -24,7 +24,8 @@ import torch.distributed as dist
 from course.collectives import Collectives
 from course.impl import load, reference
 from course.launch import RankFailed, run_ranks
-from course.bench.m07 import fsdp2_llama
+from course.dataset import load_text, random_batch
+from course.reference_fsdp import fsdp2_llama
 
 m07 = load("m07_fsdp")
 flat_shards = load("m07_flat_shards")
@@ -43,18 +44,7 @@ def flat(block) -> torch.Tensor:
 
 
 def single_process_training(steps, batch=BATCH, dtype=f64):
-    model, data = m06.LlamaModel(CFG, 0, dtype), m06.load_text()
-    generator = torch.Generator().manual_seed(0)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
-    losses = []
-    for _ in range(steps):
-        tokens, targets = m06.random_batch(data, batch, CFG.max_seq_len, generator)
-        loss, grads = model.forward_backward(tokens, targets)
-        for p, g in zip(model.parameters(), grads.tensors()):
-            p.grad = g
-        optimizer.step()
-        losses.append(loss.item())
-    return model, losses
+    return m06.train(CFG, steps, batch, lr=LR, dtype=dtype)
 
 
 # --- the flat layout and the arithmetic (one process) -----------------------------------------
@@ -87,33 +77,33 @@ def test_payload_reproduces_the_fsdp_notes_worked_example():
     assert got == want, f"(payload, collectives, traffic, buffers) = {got}; the notes give {want}"
 
 
-@pytest.mark.parametrize("blocks, micro_steps, kept, all_gathers", [
+@pytest.mark.parametrize("blocks, n_microbatches, kept, all_gathers", [
     (4, 1, 2, 6), (4, 3, 2, 14), (1, 2, 1, 1), (4, 2, 0, 16), (10, 1, 0, 20)])
-def test_payload_counts_reused_blocks_and_micro_steps(blocks, micro_steps, kept, all_gathers):
+def test_payload_counts_reused_blocks_and_n_microbatches(blocks, n_microbatches, kept, all_gathers):
     # Written out: micro-step 1 gathers every block forward and all but `kept` backward; each later
     # micro-step's forward starts with the `kept` blocks the last backward left in the buffers.
-    t = payload.fsdp_traffic(1001, 2, 4, blocks, micro_steps, kept)
-    assert (t.all_gathers, t.reduce_scatters) == (all_gathers, blocks * micro_steps), \
+    t = payload.fsdp_traffic(1001, 2, 4, blocks, n_microbatches, kept)
+    assert (t.all_gathers, t.reduce_scatters) == (all_gathers, blocks * n_microbatches), \
         f"got {t.all_gathers} all-gathers, {t.reduce_scatters} reduce-scatters"
     assert t.payload_bytes == 251 * 2, f"1001 parameters over 4 ranks pad to 4 x 251: payload {t.payload_bytes}"
 
 
 # --- training on 2 and 4 ranks ----------------------------------------------------------------
 
-def _train(steps, micro_steps, batch):
-    model, losses = m07.train_fsdp(CFG, steps, batch, micro_steps, lr=LR, dtype=f64)
+def _train(steps, n_microbatches, batch):
+    model, losses = m07.train_fsdp(CFG, steps, batch, n_microbatches, lr=LR, dtype=f64)
     return losses, model.shards, model.replicated
 
 
 def beyond_tolerance(what: str, worst: float) -> str:
     hint = (" (a gap of 1e-8..1e-5 is not rounding: a gradient is off by a constant factor; check the "
-            "1 / (micro_steps * world_size) scale of block and replicated gradients)") if worst < 1e-5 else ""
+            "1 / (n_microbatches * world_size) scale of block and replicated gradients)") if worst < 1e-5 else ""
     return f"{what} differs by {worst:.2e} from single-process training, tolerance {TOLERANCE:g}{hint}"
 
 
-@pytest.mark.parametrize("world_size, micro_steps, batch", [(2, 1, 8), (2, 2, 8), (3, 1, 12), (4, 1, 8), (4, 2, 8)])
-def test_training_matches_single_process_training(world_size, micro_steps, batch):
-    results = run_ranks(_train, world_size, STEPS, micro_steps, batch, timeout=60)
+@pytest.mark.parametrize("world_size, n_microbatches, batch", [(2, 1, 8), (2, 2, 8), (3, 1, 12), (4, 1, 8), (4, 2, 8)])
+def test_training_matches_single_process_training(world_size, n_microbatches, batch):
+    results = run_ranks(_train, world_size, STEPS, n_microbatches, batch, timeout=60)
     reference_model, reference_losses = single_process_training(STEPS, batch)
     for rank, (losses, _, _) in enumerate(results):
         worst = max(abs(a - b) for a, b in zip(losses, reference_losses))
@@ -133,7 +123,7 @@ def test_training_matches_single_process_training(world_size, micro_steps, batch
 
 
 def _gather_every_block():
-    model = m07.FSDPLlama(CFG, Collectives(), dtype=f64)
+    model = m07.FSDPLlama(CFG, dist.get_rank(), dist.get_world_size(), Collectives(), dtype=f64)
     blocks = []
     for layer in range(CFG.n_layers):
         model.weights.gather(layer)
@@ -192,10 +182,10 @@ def layer_of(label: str) -> int:
     return int(words[-1])
 
 
-def _record_steps(steps, micro_steps):
+def _record_steps(steps, n_microbatches):
     events = []
-    comm = RecordingCollectives(events)
-    model = m07.FSDPLlama(CFG, comm, dtype=f64)
+    collectives = RecordingCollectives(events)
+    model = m07.FSDPLlama(CFG, dist.get_rank(), dist.get_world_size(), collectives, dtype=f64)
     source, storages = model.weights, {}
     for name in ("gather", "get", "release"):
         method = getattr(source, name)
@@ -209,18 +199,18 @@ def _record_steps(steps, micro_steps):
             return result
         setattr(source, name, recorded)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    data, generator = m06.load_text(), torch.Generator().manual_seed(0)
+    data, generator = load_text(), torch.Generator().manual_seed(0)
     rows = BATCH // dist.get_world_size()
     for _ in range(steps):
-        tokens, targets = m06.random_batch(data, rows, CFG.max_seq_len, generator)
-        model.train_step(tokens, targets, micro_steps, optimizer)
+        tokens, targets = random_batch(data, rows, CFG.max_seq_len, generator)
+        model.train_step(tokens, targets, n_microbatches, optimizer)
         events.append(("step", None))
     # Bytes of the memory the shards live in: a shard that is a view of a full block keeps it alive.
     shard_storage = sum(t.untyped_storage().nbytes() for t in model.shards)
-    return events, storages, comm.log, model.layout.padded_numel, model.blocks, shard_storage
+    return events, storages, collectives.log, model.layout.padded_numel, model.blocks, shard_storage
 
 
-def expected_events(layers, micro_steps, steps):
+def expected_events(layers, n_microbatches, steps):
     """The protocol's calls written out, with an all-gather after each gather() unless the layer is
     still in its buffer (buffer l % 2) since this optimizer step began."""
     events = []
@@ -232,7 +222,7 @@ def expected_events(layers, micro_steps, steps):
             if resident.get(layer % 2) != layer:
                 events.append(("all_gather", layer))
                 resident[layer % 2] = layer
-        for _ in range(micro_steps):
+        for _ in range(n_microbatches):
             gather(0)
             for layer in range(layers):
                 if layer + 1 < layers:
@@ -251,10 +241,10 @@ def expected_events(layers, micro_steps, steps):
     return events
 
 
-@pytest.mark.parametrize("micro_steps", [1, 2])
-def test_calls_and_collectives_come_in_the_expected_order(micro_steps):
-    events = run_ranks(_record_steps, 2, 2, micro_steps, timeout=30)[0][0]
-    expected = expected_events(CFG.n_layers, micro_steps, 2)
+@pytest.mark.parametrize("n_microbatches", [1, 2])
+def test_calls_and_collectives_come_in_the_expected_order(n_microbatches):
+    events = run_ranks(_record_steps, 2, 2, n_microbatches, timeout=30)[0][0]
+    expected = expected_events(CFG.n_layers, n_microbatches, 2)
     first = next((i for i, (a, b) in enumerate(zip(events, expected)) if a != b), min(len(events), len(expected)))
     assert events == expected, (f"first difference at event {first}: got {events[first:first + 4]}, "
                                 f"expected {expected[first:first + 4]}")
@@ -274,15 +264,15 @@ def test_at_most_two_whole_blocks_exist():
 # 48x32; w_down 32x48; ln1, ln2 32 each: 2 * 1024 + 2 * 512 + 3 * 1536 + 64 = 7,744 parameters, so
 # one shard (the payload of every collective) is 7,744 / N parameters: 3,872 on 2 ranks, 1,936 on 4.
 # All-gathers per step: each of the 4 blocks forward and backward in every micro-step, less the 2
-# blocks still in the double buffer at each turn between passes (2 * micro_steps - 1 turns a step):
+# blocks still in the double buffer at each turn between passes (2 * n_microbatches - 1 turns a step):
 # 2 * 4 * 1 - 2 * 1 = 6 for one micro-step, 2 * 4 * 2 - 2 * 3 = 10 for two. Reduce-scatters: one a
 # block and micro-step, 4 and 8.
-@pytest.mark.parametrize("world_size, micro_steps, all_gathers, reduce_scatters, payload_bytes", [
+@pytest.mark.parametrize("world_size, n_microbatches, all_gathers, reduce_scatters, payload_bytes", [
     (2, 1, 6, 4, 3872 * 8), (4, 2, 10, 8, 1936 * 8)])
-def test_collectives_per_step_are_the_hand_counted_ones(world_size, micro_steps, all_gathers, reduce_scatters,
+def test_collectives_per_step_are_the_hand_counted_ones(world_size, n_microbatches, all_gathers, reduce_scatters,
                                                          payload_bytes):
     steps = 2
-    log = run_ranks(_record_steps, world_size, steps, micro_steps, timeout=30)[0][2]
+    log = run_ranks(_record_steps, world_size, steps, n_microbatches, timeout=30)[0][2]
     counts = {op: sum(c.op == op for c in log) / steps for op in ("all_gather", "reduce_scatter", "all_reduce")}
     assert (counts["all_gather"], counts["reduce_scatter"]) == (all_gathers, reduce_scatters), \
         f"per step: {counts}; expected {all_gathers} all-gathers, {reduce_scatters} reduce-scatters"
@@ -294,7 +284,7 @@ def test_collectives_per_step_are_the_hand_counted_ones(world_size, micro_steps,
 # --- misuse fails at once ---------------------------------------------------------------------
 
 def _misuse(mistake):
-    source = m07.FSDPLlama(CFG, Collectives()).weights
+    source = m07.FSDPLlama(CFG, dist.get_rank(), dist.get_world_size(), Collectives()).weights
     if mistake == "forgotten release":
         source.gather(0), source.get(0), source.gather(1), source.get(1)
         source.gather(2)  # buffer 0 still holds layer 0, in use
@@ -323,11 +313,11 @@ def test_misuse_raises_a_clear_error_instead_of_hanging(mistake, message):
 def _train_fsdp2(steps):
     root = fsdp2_llama(m06.LlamaModel(CFG, 0, f64))  # fully_shard per block and at the root
     optimizer = torch.optim.AdamW(root.parameters(), lr=LR, weight_decay=0.0)
-    data, generator = m06.load_text(), torch.Generator().manual_seed(0)
+    data, generator = load_text(), torch.Generator().manual_seed(0)
     rank, rows = dist.get_rank(), BATCH // dist.get_world_size()
     losses = []
     for _ in range(steps):
-        tokens, targets = m06.random_batch(data, BATCH, CFG.max_seq_len, generator)
+        tokens, targets = random_batch(data, BATCH, CFG.max_seq_len, generator)
         loss = root(tokens[rank * rows:(rank + 1) * rows], targets[rank * rows:(rank + 1) * rows])
         loss.backward()  # FSDP2 averages the gradient over ranks
         optimizer.step()

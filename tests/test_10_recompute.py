@@ -2,7 +2,6 @@
 bytes its formula says (and frees the rest), and agrees with torch.utils.checkpoint."""
 import weakref
 from dataclasses import fields
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +18,6 @@ fp8_matmul = reference("m09_fp8_matmul")  # module 09's FP8 policy, a trusted he
 reference_block = reference("m06_llama_block")  # what a block really saves, to size activation_bytes
 CFG = m06_block.LlamaConfig(dim=32, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=48, vocab_size=64, n_layers=3,
                             max_seq_len=16)
-REPO = Path(__file__).resolve().parent.parent
 
 
 def block_weights(seed: int, dtype=torch.float32):

@@ -1,11 +1,18 @@
 """Given benchmark code: the fits and simulators behind the measured-versus-theory tables, and
 argument checks that refuse bad options before any rank starts."""
 import importlib
+import os
 
 import pytest
 
 import main
 from course.bench.m03 import fit_alpha_beta
+
+
+@pytest.fixture(autouse=True)
+def keep_course_impl(monkeypatch):
+    """main.py's run and bench set COURSE_IMPL for the ranks they start: undo it after each test."""
+    monkeypatch.setenv("COURSE_IMPL", os.environ.get("COURSE_IMPL", "solutions"))
 
 
 def test_alpha_beta_fit_recovers_an_exact_model():
@@ -17,14 +24,13 @@ def test_alpha_beta_fit_recovers_an_exact_model():
 
 @pytest.mark.parametrize("argv, message", [
     (["05", "--nproc", "3"], "16 layers cannot be split evenly over 3 ranks"),
-    (["05", "--chunks", "5"], "cannot be split into 5 equal microbatches"),
+    (["05", "--microbatches", "5"], "cannot be split into 5 equal microbatches"),
     (["07", "--dim", "16"], "--dim must be a multiple of 16 and at least 32"),
     (["07", "--dim", "80"], "n_heads=5 is not divisible by n_kv_heads=2"),
     (["08", "--heads", "5"], "--dim 4096 must be divisible by --heads 5"),
     (["10", "--kv-heads", "3"], "n_heads=4 is not divisible by n_kv_heads=3"),
 ])
 def test_bad_bench_arguments_give_one_clear_error_before_any_rank_starts(argv, message, monkeypatch, capsys):
-    monkeypatch.setenv("COURSE_IMPL", "solutions")  # main.py's bench sets it; restored after the test
     bench = importlib.import_module(f"course.bench.m{argv[0]}")
     if hasattr(bench, "run_ranks"):
         monkeypatch.setattr(bench, "run_ranks", lambda *a, **k: pytest.fail("ranks started before the check"))

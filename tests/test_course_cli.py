@@ -10,6 +10,12 @@ import main
 from course.skeleton import REPO
 
 
+@pytest.fixture(autouse=True)
+def keep_course_impl(monkeypatch):
+    """main.py's run and bench set COURSE_IMPL for the ranks they start: undo it after each test."""
+    monkeypatch.setenv("COURSE_IMPL", os.environ.get("COURSE_IMPL", "solutions"))
+
+
 @pytest.mark.parametrize("argv, message", [
     (["run", "99"], "unknown module '99'"),
     (["run", "04", "--nproc", "3"], "16 layers cannot be split evenly over 3 ranks"),
@@ -17,6 +23,8 @@ from course.skeleton import REPO
     (["run", "00", "--nproc", "2"], "runs in a single process"),
     (["run", "03", "--nproc", "4"], "exactly 2 ranks"),
     (["run", "04", "--no-such-option"], "unrecognized arguments"),
+    (["run", "05", "--timeout", "0"], "--timeout must be a positive number of seconds, got 0"),
+    (["run", "05", "--timeout", "-3"], "--timeout must be a positive number of seconds, got -3"),
     (["grade", "7x"], "unknown module"),
 ])
 def test_bad_arguments_give_one_clear_error(argv, message, capsys):
@@ -86,7 +94,7 @@ def test_run_help_lists_the_modules_own_options(capsys):
         main.parse(["run", "05", "--help"])
     assert exit_.value.code == 0
     out = capsys.readouterr().out
-    assert "--nproc" in out and "--schedule" in out and "--chunks" in out, out
+    assert "--nproc" in out and "--schedule" in out and "--microbatches" in out, out
 
 
 def test_bench_of_unfinished_code_says_which_todo_without_a_traceback(skeleton_steps):
@@ -127,4 +135,4 @@ def test_nproc_must_agree_with_torchrun(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         main.parse(["run", "04", "--nproc", "2"])
     assert "disagrees with torchrun's 4 ranks" in capsys.readouterr().err
-    assert main.parse(["run", "04"]).nproc == 4
+    assert main.parse(["run", "04"]).world_size == 4

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
-DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("[0-9][0-9]-*.md"))]
+from course import REPO
+DOCS = [REPO / "README.md", REPO / "docs" / "glossary.md", *sorted((REPO / "docs").glob("[0-9][0-9]-*.md"))]
 NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
 
 PATH_SUFFIXES = (".py", ".md", ".ipynb", ".json", ".txt", ".toml")

@@ -7,32 +7,35 @@ import pytest
 import torch
 import torch.nn as nn
 
-from course.profiler import (EmulatedStage, Profiler, chrome_trace, export, simulate, summarize,
-                             theoretical_bubble)
+from course.bubble import summarize, theoretical_bubble
+from course.emulated import EmulatedStage
+from course.profiler import Profiler, export
+from course.simulate import simulate
+from course.trace import chrome_trace
 
 
-def _gpipe_orders(world_size, chunks):
-    return [[("F", m) for m in range(chunks)] + [("B", m) for m in range(chunks)]] * world_size
+def _gpipe_orders(world_size, n_microbatches):
+    return [[("F", m) for m in range(n_microbatches)] + [("B", m) for m in range(n_microbatches)]] * world_size
 
 
-def _1f1b_orders(world_size, chunks):
+def _1f1b_orders(world_size, n_microbatches):
     orders = []
     for rank in range(world_size):
-        warmup = min(world_size - rank - 1, chunks)
+        warmup = min(world_size - rank - 1, n_microbatches)
         order = [("F", m) for m in range(warmup)]
-        for m in range(chunks - warmup):
+        for m in range(n_microbatches - warmup):
             order += [("F", m + warmup), ("B", m)]
-        orders.append(order + [("B", m) for m in range(chunks - warmup, chunks)])
+        orders.append(order + [("B", m) for m in range(n_microbatches - warmup, n_microbatches)])
     return orders
 
 
 @pytest.mark.parametrize("orders", [_gpipe_orders, _1f1b_orders])
-@pytest.mark.parametrize("world_size,chunks", [(2, 1), (2, 8), (4, 1), (4, 4), (4, 16), (8, 3)])
-def test_simulator_reproduces_the_textbook_bubble(orders, world_size, chunks):
-    result = simulate(orders(world_size, chunks))
-    assert result["bubble"] == Fraction(world_size - 1, chunks + world_size - 1)
-    assert result["makespan"] == 3 * (chunks + world_size - 1)  # F = 1, B = 2
-    assert theoretical_bubble(world_size, chunks) == pytest.approx(float(result["bubble"]))
+@pytest.mark.parametrize("world_size,n_microbatches", [(2, 1), (2, 8), (4, 1), (4, 4), (4, 16), (8, 3)])
+def test_simulator_reproduces_the_textbook_bubble(orders, world_size, n_microbatches):
+    result = simulate(orders(world_size, n_microbatches))
+    assert result["bubble"] == Fraction(world_size - 1, n_microbatches + world_size - 1)
+    assert result["makespan"] == 3 * (n_microbatches + world_size - 1)  # F = 1, B = 2
+    assert theoretical_bubble(world_size, n_microbatches) == pytest.approx(float(result["bubble"]))
 
 
 def test_simulator_reports_a_deadlocking_order():
@@ -44,7 +47,7 @@ class _Stage(nn.Module):
     def __init__(self, layers=2, hidden=8):
         super().__init__()
         self.layers = nn.ModuleList(nn.Linear(hidden, hidden) for _ in range(layers))
-        self.hidden, self.is_last = hidden, False
+        self.hidden, self.is_first, self.is_last = hidden, True, False
 
     def forward(self, x):
         for layer in self.layers:

@@ -7,13 +7,10 @@ from __future__ import annotations
 import csv
 import json
 import platform
-from pathlib import Path
-
 import torch
 
+from course import RESULTS
 from course.impl import reference
-
-RESULTS = Path(__file__).resolve().parent.parent.parent / "results"
 
 
 def describe_device(device: str = "cpu") -> str:
@@ -22,7 +19,7 @@ def describe_device(device: str = "cpu") -> str:
     return f"CPU ({platform.machine()}, {torch.get_num_threads()} threads), torch {torch.__version__}"
 
 
-def report(name: str, title: str, rows: list[dict], device: str = "cpu", notes: str = "") -> Path:
+def report(name: str, title: str, rows: list[dict], device: str = "cpu", notes: str = ""):
     """Print `rows` as a table under a header naming the device; save them as JSON and CSV."""
     header = f"{title}\n{describe_device(device)}"
     print(header)

@@ -4,7 +4,7 @@ schedules against PyTorch's own (torch.distributed.pipelining ScheduleGPipe / Sc
     python main.py bench 05                      # P in {2,4}, M in {1,2,4,8,16}: ~2 minutes on 2 cores
     python main.py bench 05 --emulate-ms 12 --steps 4   # slower, overheads relatively smaller
 
-Runs on CPU ranks in emulated-device mode (course.profiler.EmulatedStage: each layer's forward
+Runs on CPU ranks in emulated-device mode (course.emulated.EmulatedStage: each layer's forward
 sleeps --emulate-ms, its backward twice that), so that 4 ranks on 2 cores behave like 4 devices.
 Both implementations run the same emulated stage on the same ranks. Step time is the mean over
 the steps after the first (which pays for warm-up), from the first rank's start to the last
@@ -14,20 +14,33 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from course.bench import report
-from course.impl import load, reference
+from course.bubble import step_time, summarize, theoretical_bubble
+from course.demos.m05 import check_args
+from course.emulated import EmulatedStage
+from course.impl import load
 from course.launch import run_ranks
-from course.profiler import EmulatedStage, Profiler, export, summarize, theoretical_bubble
+from course.profiler import Profiler, export
 
 m00, m02, m04, m05 = (load(s) for s in ("m00_monolith", "m02_comms", "m04_sharded", "m05_schedules"))
 
 
-def _ours(schedule, world_size, chunks, steps, emulate_ms):
+@dataclass
+class RankRun:
+    """What one rank of one implementation's run brings back."""
+    steps: list          # (start, end) of each step, perf_counter seconds
+    losses: list         # each step's loss on the last rank, None elsewhere
+    first_grads: list    # the gradients of the first step, to compare the two implementations
+    profile: dict | None = None  # ours only: the profiler's export
+
+
+def _ours(schedule, world_size, n_microbatches, steps, emulate_ms):
     rank = dist.get_rank()
     cfg = m00.MLPConfig(steps=steps)
     stage = m04.ShardedMLP(cfg, rank, world_size)
@@ -35,21 +48,21 @@ def _ours(schedule, world_size, chunks, steps, emulate_ms):
     profiler = Profiler(rank)
     model = profiler.wrap_stage(EmulatedStage(stage, emulate_ms))
     comms = profiler.wrap_comms(m02.PipelineComms(rank, world_size))
+    run_step = profiler.wrap_schedule(m05.SCHEDULES[schedule])
     x, y = m00.make_batch(cfg)
     losses, grads = [], None
-    for step in range(steps):
+    for step in range(steps):  # module 05's train, but keeping the first step's gradients to compare
         optimizer.zero_grad()
-        dist.barrier()
-        with profiler.step():
-            loss = m05.SCHEDULES[schedule](model, comms, x, y, chunks)
+        loss = run_step(model, comms, x, y, n_microbatches)
         losses.append(None if loss is None else loss.item())
         if step == 0:
             grads = [p.grad.clone() for p in stage.parameters()]
         optimizer.step()
-    return export(profiler), losses, grads
+    profile = export(profiler)
+    return RankRun(profile["steps"], losses, grads, profile)
 
 
-def _theirs(schedule, world_size, chunks, steps, emulate_ms):
+def _theirs(schedule, world_size, n_microbatches, steps, emulate_ms):
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     rank = dist.get_rank()
@@ -58,7 +71,7 @@ def _theirs(schedule, world_size, chunks, steps, emulate_ms):
     optimizer = torch.optim.Adam(stage.parameters(), lr=cfg.lr)
     pipe_stage = PipelineStage(EmulatedStage(stage, emulate_ms), rank, world_size, torch.device("cpu"))
     kind = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
-    pipe = kind(pipe_stage, chunks, loss_fn=F.cross_entropy)  # scales gradients by 1/M itself
+    pipe = kind(pipe_stage, n_microbatches, loss_fn=F.cross_entropy)  # scales gradients by 1/M itself
     x, y = m00.make_batch(cfg)
     losses, grads, steps_at = [], None, []
     for step in range(steps):
@@ -76,41 +89,35 @@ def _theirs(schedule, world_size, chunks, steps, emulate_ms):
         if step == 0:
             grads = [p.grad.clone() for p in stage.parameters()]
         optimizer.step()
-    return steps_at, losses, grads
+    return RankRun(steps_at, losses, grads)
 
 
-def _step_time(per_rank_steps):
-    steps = range(1 if len(per_rank_steps[0]) > 1 else 0, len(per_rank_steps[0]))
-    return sum(max(r[s][1] for r in per_rank_steps) - min(r[s][0] for r in per_rank_steps)
-               for s in steps) / len(steps)
-
-
-def _same(ours, theirs) -> bool:
+def _same(ours: RankRun, theirs: RankRun) -> bool:
     """Equal up to float32 summation order (the two accumulate microbatch gradients differently)."""
-    losses_equal = all(a is None or abs(a - b) <= 1e-6 for a, b in zip(ours[1][-1:], theirs[1][-1:]))
-    grads_equal = all(((a - b).norm() <= 1e-5 * b.norm()).item() for a, b in zip(ours[2], theirs[2]))
+    losses_equal = all(a is None or abs(a - b) <= 1e-6 for a, b in zip(ours.losses[-1:], theirs.losses[-1:]))
+    grads_equal = all(((a - b).norm() <= 1e-5 * b.norm()).item()
+                      for a, b in zip(ours.first_grads, theirs.first_grads, strict=True))
     return losses_equal and grads_equal
 
 
-def run(world_size, chunks, schedule, steps, emulate_ms) -> dict:
-    ours = run_ranks(_ours, world_size, schedule, world_size, chunks, steps, emulate_ms, timeout=300)
-    profiles = [r[0] for r in ours]
+def run(world_size, n_microbatches, schedule, steps, emulate_ms) -> dict:
+    ours = run_ranks(_ours, world_size, schedule, world_size, n_microbatches, steps, emulate_ms, timeout=300)
+    profiles = [r.profile for r in ours]
     summary = summarize(profiles)
-    row = {"P": world_size, "M": chunks, "schedule": schedule,
-           "bubble": summary["idle"], "theory": theoretical_bubble(world_size, chunks),
-           "diff_pp": 100 * (summary["idle"] - theoretical_bubble(world_size, chunks)),
+    theory = theoretical_bubble(world_size, n_microbatches)
+    row = {"P": world_size, "M": n_microbatches, "schedule": schedule,
+           "bubble": summary["idle"], "theory": theory, "diff_pp": 100 * (summary["idle"] - theory),
            "peak_live_per_rank": "/".join(str(max(p["peak_live"])) for p in profiles),
            "step_ms": 1e3 * summary["step_s"]}
     try:
-        theirs = run_ranks(_theirs, world_size, schedule, world_size, chunks, steps, emulate_ms, timeout=300)
+        theirs = run_ranks(_theirs, world_size, schedule, world_size, n_microbatches, steps, emulate_ms, timeout=300)
     except Exception as exc:  # e.g. a configuration PyTorch refuses: report it, keep the table
         reason = str(exc).splitlines()[0].split(" raised ", 1)[-1]
-        print(f"  (torch.distributed.pipelining refused P={world_size}, M={chunks}, {schedule}: {reason})")
+        print(f"  (torch.distributed.pipelining refused P={world_size}, M={n_microbatches}, {schedule}: {reason})")
         row.update(torch_step_ms="n/a", ours_over_torch="n/a", same_as_torch="n/a (refused)")
         return row
-    mine = [(p["steps"], None, None) for p in profiles]
-    ours_time = _step_time([m[0] for m in mine])
-    torch_time = _step_time([t[0] for t in theirs])
+    ours_time = summary["step_s"]
+    torch_time = step_time([t.steps for t in theirs])
     row.update(torch_step_ms=1e3 * torch_time, ours_over_torch=ours_time / torch_time,
                same_as_torch=all(_same(o, t) for o, t in zip(ours, theirs)))
     return row
@@ -118,8 +125,8 @@ def run(world_size, chunks, schedule, steps, emulate_ms) -> dict:
 
 def main(argv):
     parser = argparse.ArgumentParser(prog="main.py bench 05", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--nproc", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--chunks", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    parser.add_argument("--nproc", dest="world_sizes", type=int, nargs="+", default=[2, 4], help="ranks, P")
+    parser.add_argument("--microbatches", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="M")
     parser.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b"], choices=["gpipe", "1f1b"])
     parser.add_argument("--steps", type=int, default=2, help="steps per run; the first is not timed")
     parser.add_argument("--emulate-ms", type=float, default=6.0, help="emulated ms per layer forward")
@@ -128,11 +135,11 @@ def main(argv):
     torch.set_num_threads(1)
     torch.optim.Adam([torch.zeros(1, requires_grad=True)])  # import torch._dynamo once, not per rank
     rows = []
-    for world_size in args.nproc:
-        for chunks in args.chunks:
+    for world_size in args.world_sizes:
+        for n_microbatches in args.microbatches:
             for schedule in args.schedules:
-                rows.append(run(world_size, chunks, schedule, args.steps, args.emulate_ms))
-                print(f"  measured P={world_size} M={chunks} {schedule}", flush=True)
+                rows.append(run(world_size, n_microbatches, schedule, args.steps, args.emulate_ms))
+                print(f"  measured P={world_size} M={n_microbatches} {schedule}", flush=True)
     notes = (f"emulated device: {args.emulate_ms:g} ms per layer forward, twice that backward; "
              f"{args.steps} steps per run, the first not timed. bubble = mean idle fraction of the ranks; "
              "theory = (P-1)/(M+P-1). same_as_torch: losses within 1e-6 and gradients within 1e-5 relative.")
@@ -141,17 +148,13 @@ def main(argv):
 
 
 def check(parser, args):
-    """Refuse bad arguments before any rank starts, with `run 05`'s own checks (given code, so from
-    the reference) for every P and M the table will run."""
-    if args.emulate_ms < 0 or args.steps < 1:
-        parser.error(f"--steps must be at least 1 and --emulate-ms at least 0, got {args.steps} and {args.emulate_ms:g}")
-    for world_size in args.nproc:
-        if world_size < 1:  # 1 runs (no bubble; PyTorch's schedules refuse it, the row says so)
-            parser.error(f"--nproc must be at least 1, got {world_size}")
-        for chunks in args.chunks:
+    """Refuse bad arguments before any rank starts, with `run 05`'s own checks (given code) for
+    every P and M the table will run."""
+    for world_size in args.world_sizes:
+        for n_microbatches in args.microbatches:
             try:
-                reference("m05_schedules").check_args(argparse.Namespace(
-                    schedule=args.schedules[0], nproc=world_size, chunks=chunks, steps=args.steps,
-                    emulate_ms=args.emulate_ms))
+                check_args(argparse.Namespace(schedule=args.schedules[0], world_size=world_size,
+                                              microbatches=n_microbatches, steps=args.steps,
+                                              emulate_ms=args.emulate_ms))
             except ValueError as exc:
                 parser.error(str(exc))

@@ -24,44 +24,10 @@ import torch.distributed as dist
 
 from course.bench import llama_config, report, require_positive
 from course.collectives import Collectives
+from course.dataset import load_text, random_batch
 from course.impl import load, reference
 from course.launch import run_ranks
-from course.reference_llama import ReferenceLlama
-
-
-def fully_shard_api():
-    """FSDP2's entry point: public in torch.distributed.fsdp since 2.6, earlier under _composable."""
-    try:
-        from torch.distributed.fsdp import fully_shard
-    except ImportError:
-        from torch.distributed._composable.fsdp import fully_shard
-    return fully_shard
-
-
-class LossModule(torch.nn.Module):
-    """FSDP2 gathers a root's weights in the root's forward hook, so the loss must be the forward."""
-
-    def __init__(self, llama: ReferenceLlama):
-        super().__init__()
-        self.llama = llama
-
-    def forward(self, tokens, targets):
-        return self.llama.loss(tokens, targets)
-
-
-def fsdp2_llama(model) -> LossModule:
-    """The nn.Module reference with module 06 `model`'s weights, fully_shard-ed per block and at the root."""
-    fully_shard = fully_shard_api()
-    llama = ReferenceLlama(model.cfg, dtype=model.embedding.dtype)
-    with torch.no_grad():
-        for name in ("embedding", "final_norm", "lm_head"):
-            getattr(llama, name).copy_(getattr(model, name))
-    for block, weights in zip(llama.blocks, model.blocks):
-        block.load(weights)
-        fully_shard(block)
-    root = LossModule(llama)
-    fully_shard(root)
-    return root
+from course.reference_fsdp import fsdp2_llama
 
 
 def _run(cfg, steps, batch, lr, which):
@@ -71,10 +37,10 @@ def _run(cfg, steps, batch, lr, which):
     ref06, ref07 = reference("m06_llama_model"), reference("m07_fsdp")
     rank, world_size = dist.get_rank(), dist.get_world_size()
     rows = batch // world_size
-    data, generator = ref06.load_text(), torch.Generator().manual_seed(0)
-    comm, block_params = Collectives(), None
+    data, generator = load_text(), torch.Generator().manual_seed(0)
+    collectives, block_params = Collectives(), None
     if which == "ours":
-        model = load("m07_fsdp").FSDPLlama(cfg, comm)  # the implementation measured
+        model = load("m07_fsdp").FSDPLlama(cfg, rank, world_size, collectives)  # the implementation measured
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
         param_bytes = sum(p.nbytes for p in model.parameters())
         block_params = model.layout.numel
@@ -94,14 +60,14 @@ def _run(cfg, steps, batch, lr, which):
             return loss.item()
     times, losses = [], []
     for _ in range(steps + 1):
-        tokens, targets = ref06.random_batch(data, batch, cfg.max_seq_len, generator)
+        tokens, targets = random_batch(data, batch, cfg.max_seq_len, generator)
         mine = slice(rank * rows, (rank + 1) * rows)
         dist.barrier()
         began = time.perf_counter()
         loss = step(tokens[mine], targets[mine])
         times.append(time.perf_counter() - began)
         losses.append(ref07.global_mean(loss))
-    log = comm.log
+    log = collectives.log
     return {"times": times[1:], "loss": losses[-1], "param_bytes": param_bytes,
             "all_gathers": sum(c.op == "all_gather" for c in log) / (steps + 1),
             "reduce_scatters": sum(c.op == "reduce_scatter" for c in log) / (steps + 1),

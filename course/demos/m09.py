@@ -1,6 +1,4 @@
-# Generated from solutions/m09_fp8.py by `python -m course.skeleton`. Given code: nothing
-# to fill in here; read it, then run it with `python main.py run 09`. (skeleton 28fc773f3006)
-"""Module 09 - FP8 matmuls: train module 06's Llama with FP8 linears beside the fp32 run.
+"""`python main.py run 09`: train module 06's Llama with FP8 linears beside the fp32 run.
 
 Both runs start from the same weights and see the same batches; they differ only in the matmul
 policy their LlamaBlock gets: module 06's `Matmul` (fp32) or `FP8Matmul`. Every linear of every
@@ -15,19 +13,7 @@ import time
 
 import torch
 
-from .m06_llama_block import LlamaBlock, LlamaConfig
-from .m06_llama_model import train
-from .m09_fp8_matmul import FP8Matmul
-
-TITLE = "FP8 matmuls: scaled e4m3/e5m2 linears, forward and backward"
-NPROC = 1
-
-
-def train_both(cfg: LlamaConfig, steps: int, **train_args) -> tuple[list[float], list[float]]:
-    """(fp32 losses, FP8 losses) of two runs from the same initial weights and batches."""
-    _, reference = train(cfg, steps, **train_args)
-    _, fp8 = train(cfg, steps, block=LlamaBlock(cfg, matmul=FP8Matmul(min_dim=0)), **train_args)
-    return reference, fp8
+from course.impl import load
 
 
 def add_args(parser):
@@ -40,13 +26,16 @@ def check_args(args):
 
 
 def demo(args):
+    m06_block, m06_model, m09_matmul = load("m06_llama_block"), load("m06_llama_model"), load("m09_fp8_matmul")
     torch.set_num_threads(1)  # tensors this small run faster on one thread than split across several
-    cfg = LlamaConfig()
+    cfg = m06_block.LlamaConfig()
     print(f"Training module 06's {cfg.n_layers}-layer Llama (dim {cfg.dim}, ffn {cfg.ffn_dim}) on bytes of "
           f"Shakespeare, fp32 linears vs FP8 linears\n(FP8 forced on every block linear with min_dim=0: "
           f"at this size FP8 is slower, this shows that it trains):")
     began = time.perf_counter()
-    reference, fp8 = train_both(cfg, args.steps)
+    _, reference = m06_model.train(cfg, args.steps)
+    fp8_block = m06_block.LlamaBlock(cfg, matmul=m09_matmul.FP8Matmul(min_dim=0))
+    _, fp8 = m06_model.train(cfg, args.steps, block=fp8_block)
     print(f"  {'step':>4}  {'fp32 loss':>10}  {'fp8 loss':>10}  {'difference':>10}")
     for step in sorted({*range(0, args.steps, max(1, args.steps // 10)), args.steps - 1}):  # the last once
         print(f"  {step:4d}  {reference[step]:10.4f}  {fp8[step]:10.4f}  {fp8[step] - reference[step]:+10.4f}")

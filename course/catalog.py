@@ -1,0 +1,59 @@
+"""The course's modules, one row each (given). Adding a module is adding a row here, its files in
+solutions/ (steps/ is generated), its tests, its chapter and its demo in course/demos/mNN.py.
+
+Reading this file imports nothing heavy, so `python main.py list` answers at once.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from course import REPO
+from course.skeleton import count_todos, has_solution_blocks
+
+
+@dataclass(frozen=True)
+class Module:
+    number: str              # "05"
+    title: str
+    world_size: int          # ranks `run` starts by default; 1 is a single-process module
+    files: tuple[str, ...]   # its files in solutions/ and steps/, in reading (and build) order
+
+    @property
+    def demo(self) -> str:
+        """The given code behind `python main.py run NN`: options, checks and the demo itself."""
+        return f"course.demos.m{self.number}"
+
+    def is_given(self) -> bool:
+        """Nothing for the learner to write (module 00)."""
+        return not any(has_solution_blocks((REPO / "solutions" / f"{f}.py").read_text()) for f in self.files)
+
+    def todos_left(self, steps: Path = REPO / "steps") -> int:
+        return sum(count_todos((steps / f"{f}.py").read_text()) for f in self.files if (steps / f"{f}.py").exists())
+
+    def test_files(self) -> list[Path]:
+        """tests/test_NN_*.py, those of the files the others build on first (06: ops, block, model),
+        so a scorecard's first failure is the root cause, not a symptom further up."""
+        def build_order(test: Path) -> int:
+            stem = "m" + test.stem.removeprefix("test_")
+            return self.files.index(stem) if stem in self.files else len(self.files)
+        return sorted((REPO / "tests").glob(f"test_{self.number}_*.py"), key=lambda p: (build_order(p), p.name))
+
+
+MODULES = {m.number: m for m in [
+    Module("00", "Monolith: the 16-layer MLP that every split must reproduce", 1, ("m00_monolith",)),
+    Module("01", "Manual split: two halves and a hand-made backward hand-off", 1, ("m01_manual_split",)),
+    Module("02", "Communication primitives: init_distributed and PipelineComms", 4, ("m02_comms",)),
+    Module("03", "Ping-pong: message order, latency and bandwidth between two ranks", 2, ("m03_ping_pong",)),
+    Module("04", "Sharded model: each rank holds its own layers; forward as a relay", 4, ("m04_sharded",)),
+    Module("05", "Pipeline schedules: naive, GPipe and 1F1B, and the bubble they leave", 4, ("m05_schedules",)),
+    Module("06", "Llama block: explicit forward and backward, trained on Shakespeare", 1,
+           ("m06_llama_ops", "m06_llama_block", "m06_llama_model")),
+    Module("07", "FSDP: sharded blocks, all-gathered just in time, gradients reduce-scattered", 2,
+           ("m07_flat_shards", "m07_payload", "m07_sharded_weights", "m07_fsdp")),
+    Module("08", "CUDA streams: weights streamed from pinned host memory, overlapping compute", 1,
+           ("m08_host_weights",)),
+    Module("09", "FP8 matmuls: scaled e4m3/e5m2 linears, forward and backward", 1,
+           ("m09_fp8_scaling", "m09_fp8_matmul")),
+    Module("10", "Recompute: trade activation memory for forward work in the backward", 1, ("m10_recompute",)),
+]}

@@ -1,0 +1,74 @@
+"""The demos behind `python main.py run NN`: one file per module, course/demos/mNN.py (given code).
+
+A demo file may define `add_args(parser)` (the module's own `run` options) and `check_args(args)`
+(raise ValueError with a one-line message; main.py calls it before any process starts, with
+`args.world_size` set), and must define `demo(args)`, which runs once, or on every rank. A demo
+loads the code it shows with `course.impl.load`, so it runs the learner's steps/ or the reference
+solutions/ alike (`--impl`). What a module file teaches stays in solutions/; how it is shown
+(options, printing, tables, plots) lives here.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+
+
+def print_losses(losses: list[float], expected: list[float] | None = None, every: int = 5):
+    """Every `every`-th loss and the last, beside the `expected` curve if there is one."""
+    def line(label, step):
+        beside = f"   expected {expected[step]:.6f}" if expected else ""
+        return f"  {label}  loss {losses[step]:.6f}{beside}"
+    for step in range(0, len(losses), every):
+        print(line(f"step {step:3d}", step))
+    print(line("final   ", -1))
+
+
+def same_curve(losses: list[float], expected: list[float]) -> str:
+    """'bit for bit', 'up to float32 rounding (1.2e-07)' or 'NO: ...', for a demo's verdict line."""
+    if losses == expected:
+        return "bit for bit"
+    worst = max(abs(a - b) for a, b in zip(losses, expected, strict=True))
+    return f"up to float32 rounding ({worst:.1e})" if worst <= 1e-6 else f"NO: they differ by up to {worst:.1e}"
+
+
+def parse_run_options(args, run_parser, error):
+    """`run`'s options for `args.module`: the demo's own (`args.extra`), then every check, before
+    any process starts. `error` is the command line's (one line, exit code 2)."""
+    demo = importlib.import_module(args.module.demo)
+    own = argparse.ArgumentParser(prog=f"main.py run {args.number}", add_help=False,
+                                  description=f"module {args.number}'s own options")
+    if hasattr(demo, "add_args"):
+        demo.add_args(own)
+    if args.help:
+        run_parser.print_help()
+        print()
+        own.print_help()
+        raise SystemExit(0)
+    vars(args).update(vars(own.parse_args(args.extra)))
+    if "WORLD_SIZE" in os.environ:  # under torchrun, which decides the number of ranks
+        if args.world_size not in (None, int(os.environ["WORLD_SIZE"])):
+            error(f"--nproc {args.world_size} disagrees with torchrun's {os.environ['WORLD_SIZE']} ranks; drop --nproc")
+        args.world_size = int(os.environ["WORLD_SIZE"])
+    default = args.module.world_size
+    args.world_size = default if args.world_size is None else args.world_size
+    if default == 1 and args.world_size != 1:
+        error(f"module {args.number} runs in a single process; drop --nproc")
+    if default > 1 and args.world_size < 2:
+        error(f"module {args.number} is distributed: it needs --nproc of at least 2, got {args.world_size}")
+    args.timeout = args.timeout if args.timeout is not None else 60.0 if args.world_size > 1 else 600.0
+    if not args.timeout > 0:
+        error(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
+    try:
+        if hasattr(demo, "check_args"):
+            demo.check_args(args)
+    except ValueError as exc:
+        error(str(exc))
+
+
+def log_every(every: int, steps: int):
+    """An `on_step(step, loss)` for a training loop: prints every `every`-th step and the last."""
+    def on_step(step: int, loss: float):
+        if step % every == 0 or step == steps - 1:
+            print(f"  step {step:4d}  loss {loss:.4f}", flush=True)
+    return on_step

@@ -1,0 +1,45 @@
+"""An emulated device for pipeline stages (given): each layer's forward takes a fixed extra time
+(time.sleep), its backward twice that.
+
+Emulation, not measurement of a device: the sleep stands for the compute a real device would do.
+Sleeping ranks do not compete for the CPU, so 4 ranks on 2 cores show the bubble a pipeline of 4
+devices would have, decided by the schedule's shape rather than by CPU contention between ranks.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn as nn
+
+
+class _SleepInBackward(torch.autograd.Function):
+    """Identity whose backward first sleeps: the emulated cost of the stage's backward."""
+
+    @staticmethod
+    def forward(ctx, x, seconds):
+        ctx.seconds = seconds
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.seconds)
+        return grad, None
+
+
+class EmulatedStage(nn.Module):
+    """A stage whose layers each take `ms_per_layer` more in forward and twice that in backward."""
+
+    def __init__(self, stage: nn.Module, ms_per_layer: float):
+        super().__init__()
+        self.stage = stage
+        self.hidden, self.is_first, self.is_last = stage.hidden, stage.is_first, stage.is_last
+        self.seconds = ms_per_layer * len(stage.layers) / 1000
+
+    def forward(self, x):
+        out = self.stage(x)
+        time.sleep(self.seconds)
+        return _SleepInBackward.apply(out, 2 * self.seconds)
+
+    def loss(self, logits, targets):
+        return self.stage.loss(logits, targets)

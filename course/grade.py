@@ -1,0 +1,57 @@
+"""`python main.py grade NN`: run module NN's graded tests on the selected implementation and print
+a scorecard, one line per check as it finishes, then the total (given).
+
+The tests run in a pytest subprocess, with the scorecard plugin of course/grading.py printing each
+check's line live; the total comes from the plugin's JSON report.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from course import REPO
+from course.catalog import Module
+
+LAST_RESORT_TIMEOUT_S = 1800  # each check has its own timeout (course/grading.py); this catches the rest
+
+
+def grade(module: Module, impl: str) -> int:
+    """Grade `impl`/ for `module`; return the exit code (0: every check passes)."""
+    if module.is_given():
+        print(f"module {module.number} is given: nothing to fill in or grade. Its checks run with "
+              f"`python -m pytest -m m{module.number}`; `python main.py run {module.number}` shows it.")
+        return 0
+    print(f"Grading {impl}/ for module {module.number}: {module.title}\n", flush=True)
+    test_files = [str(p) for p in module.test_files()]
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "grades.json"
+        try:
+            proc = subprocess.run(
+                [sys.executable, "-m", "pytest", *test_files, "-qq", "--no-header", "--no-summary", "--tb=no",
+                 "--continue-on-collection-errors", "-p", "no:cacheprovider", "-m", "not given",
+                 f"--impl={impl}", "--grading-live", f"--grading-json={report}"],
+                cwd=REPO, timeout=LAST_RESORT_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            sys.exit(f"module {module.number}: grading was stopped after {LAST_RESORT_TIMEOUT_S // 60} minutes; "
+                     "the last check shown is the one after which it got stuck")
+        except KeyboardInterrupt:
+            sys.exit(f"\nmodule {module.number}: grading interrupted")
+        results = json.loads(report.read_text()) if report.exists() else []
+    if proc.returncode not in (0, 1):  # 1: some checks failed; anything else: pytest itself stopped
+        sys.exit(f"module {module.number}: pytest stopped early (exit code {proc.returncode}); "
+                 "the checks shown above ran, the others did not")
+    if not results:
+        print(f"module {module.number}: no graded test ran (see pytest's output above; exit code {proc.returncode})")
+        return 1
+    passed = sum(r["outcome"] == "passed" for r in results)
+    skipped = sum(r["outcome"] == "skipped" for r in results)
+    graded = len(results) - skipped  # e.g. GPU checks on a machine without one
+    print(f"{passed}/{graded} checks pass" + (f" ({skipped} skipped)" if skipped else ""))
+    if passed < graded:
+        print(f"A check's whole output (tracebacks, your prints): python -m pytest --impl {impl} "
+              f"{' '.join(os.path.relpath(f, REPO) for f in test_files)} -k NAME")
+    return 0 if passed == graded else 1
