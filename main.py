@@ -4,6 +4,7 @@
     python main.py list                 modules, with the TODOs left in your steps/
     python main.py run NN [--nproc N]   run module NN's demo on N CPU ranks
     python main.py grade NN             grade module NN: a scorecard
+    python main.py hint NN [TODO]       the next level of help with a TODO
     python main.py bench NN             measured-versus-theory tables
 
 Every command runs your steps/; add `--impl solutions` for the reference (the tour runs it).
@@ -56,6 +57,12 @@ def cmd_grade(args):
         sys.exit(1)
 
 
+def cmd_hint(args):
+    from course.hints import command
+
+    sys.exit(command(args.module, args.todo, args.all))
+
+
 def cmd_bench(args):
     from course.launch import failures_explained
 
@@ -72,11 +79,15 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="main.py", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command")
     sub.add_parser("list")
-    for name in ("run", "grade", "bench"):  # run's and bench's --help also show the module's options
-        cmd = sub.add_parser(name, add_help=name == "grade")
+    for name in ("run", "grade", "hint", "bench"):  # run's and bench's --help also show the module's options
+        cmd = sub.add_parser(name, add_help=name in ("grade", "hint"))
         cmd.add_argument("number", help="module number, e.g. 04")
-        cmd.add_argument("--impl", choices=("steps", "solutions"), default="steps",
-                         help="your steps/ (default) or the reference solutions/")
+        if name != "hint":
+            cmd.add_argument("--impl", choices=("steps", "solutions"), default="steps",
+                             help="your steps/ (default) or the reference solutions/")
+    hint = sub.choices["hint"]
+    hint.add_argument("todo", nargs="?", help="a TODO's number, or the function that holds it (default: list them)")
+    hint.add_argument("--all", action="store_true", help="every level at once")
     run = sub.choices["run"]
     run.add_argument("-h", "--help", action="store_true", help="show this help and the module's options")
     run.add_argument("--nproc", dest="world_size", type=int, default=None,
@@ -84,7 +95,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     run.add_argument("--timeout", type=float, default=None,
                      help="seconds before the run is stopped (default: 60 with ranks, 600 without)")
     args, args.extra = parser.parse_known_args(argv)
-    if args.command in ("run", "grade", "bench"):
+    if args.command in ("run", "grade", "hint", "bench"):
         args.number = args.number.zfill(2)
         if args.number not in MODULES:
             parser.error(f"unknown module {args.number!r}; modules: {', '.join(MODULES)}")
@@ -100,7 +111,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> None:
     args = parse(argv)
-    {None: cmd_tour, "list": cmd_list, "run": cmd_run, "grade": cmd_grade, "bench": cmd_bench}[args.command](args)
+    commands = {None: cmd_tour, "list": cmd_list, "run": cmd_run, "grade": cmd_grade, "hint": cmd_hint, "bench": cmd_bench}
+    commands[args.command](args)
 
 
 if __name__ == "__main__":

@@ -17,8 +17,10 @@ import threading
 import pytest
 
 from course.launch import where_running
+from course.skeleton import todo_owner
 
 GIVEN = "given"  # marker for tests of given code: not graded, not expected to fail on skeletons
+EXERCISES = "exercises"  # @pytest.mark.exercises("one_f_one_b", ...): the functions whose TODOs a check grades
 # A graded check running longer than this is stuck (the slowest take a few seconds on 2 cores).
 # Checks that start ranks stop them sooner, with their own timeout; this one catches a loop in one
 # process.
@@ -38,6 +40,7 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", f"{GIVEN}: tests of given code (not graded)")
+    config.addinivalue_line("markers", f"{EXERCISES}(*functions): the functions whose TODOs a graded check exercises")
     for number in range(100):
         config.addinivalue_line("markers", f"m{number:02d}: tests of module {number:02d}")
     config.pluginmanager.register(Scorecard(config), "course-scorecard")
@@ -52,6 +55,9 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(f"m{match.group(1)}")
         if name.startswith("test_course_") or name.startswith("test_00_"):
             item.add_marker(GIVEN)
+        exercised = [f for mark in item.iter_markers(EXERCISES) for f in mark.args]
+        if match and exercised:  # carried to the report, where the scorecard looks up the hint
+            item.user_properties.append((EXERCISES, ", ".join(exercised)))
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -85,6 +91,8 @@ class Scorecard:
     def pytest_runtest_logreport(self, report):
         if report.when == "call" or report.outcome != "passed":
             result = {"test": report.nodeid, "outcome": report.outcome, "reason": one_line_reason(report)}
+            if report.outcome == "failed":
+                result["hint"] = hint_for(report)
             if self.results and self.results[-1]["test"] == report.nodeid:  # a teardown that failed too
                 if self.results[-1]["outcome"] != "passed":
                     return  # the first failure is the one to read
@@ -119,10 +127,28 @@ class Scorecard:
 
 
 def scorecard_line(result: dict) -> str:
-    """'  PASS  test_name', and for a failure or skip its reason on the next line."""
+    """'  PASS  test_name', and for a failure or skip its reason on the next line, then for a
+    failure the hint command for the TODO it points at."""
     mark = {"passed": "PASS", "failed": "FAIL", "skipped": "SKIP"}[result["outcome"]]
     line = f"  {mark}  {result['test'].split('::', 1)[-1]}"
-    return line + (f"\n        {result['reason'][:800]}" if result["reason"] and mark != "PASS" else "")
+    line += f"\n        {result['reason'][:800]}" if result["reason"] and mark != "PASS" else ""
+    return line + (f"\n        help: {result['hint']}" if result.get("hint") else "")
+
+
+def hint_for(report) -> str | None:
+    """The `python main.py hint` command for a failed check: the TODO its error names (an unfinished
+    one), else the TODOs of the functions it exercises (its `exercises` marker)."""
+    from course.hints import hint_command_for
+
+    match = re.search(r"test_(\d\d)_", report.nodeid)
+    if not match:
+        return None
+    reason = one_line_reason(report)
+    owner = todo_owner(reason)
+    if owner:  # possibly another module's TODO that this one builds on
+        return hint_command_for(owner, reason)
+    exercised = dict(report.user_properties).get(EXERCISES)
+    return hint_command_for(match.group(1), exercised) if exercised else None
 
 
 def one_line_reason(report) -> str:

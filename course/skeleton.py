@@ -3,14 +3,19 @@
 solutions/ is the one source of truth. A solution block is written between two markers:
 
     # >>> TODO(m04): build this rank's layers
-    # Hint: every rank builds every layer in order, so the random stream matches the monolith.
+    # The contract, the maths and the pitfalls: what the skeleton shows (never the code).
+    # Hint 1: the idea in words.
+    # Hint 2: the primitives or formula to use; a hint's longer text goes on
+    #         in comment lines indented under it.
+    # Hint 3: pseudo-code.
     ...reference code...
     # <<<
 
-In steps/ the block becomes its comment lines followed by
+In steps/ the block becomes its title and visible comment lines followed by
 `raise NotImplementedError("TODO(m04): build this rank's layers")`, at the marker's indentation,
-so an unfinished TODO fails at once (and never leaves a peer rank waiting). Everything outside
-the markers is copied unchanged. The header of each skeleton records a fingerprint of the text
+so an unfinished TODO fails at once (and never leaves a peer rank waiting). The `Hint N:` levels
+stay out of the skeleton: `python main.py hint NN` shows them one at a time (course/hints.py).
+Everything outside the markers is copied unchanged. The header of each skeleton records a fingerprint of the text
 generated, so a test can tell that steps/ is up to date with solutions/ without comparing the
 learner's code line by line.
 
@@ -19,9 +24,11 @@ learner's code line by line.
 """
 from __future__ import annotations
 
+import ast
 import hashlib
 import re
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from course import REPO
@@ -31,6 +38,8 @@ TODO_TAG = r"TODO\((?P<module>m\d\d)\)"
 BEGIN = re.compile(rf"^(?P<indent>\s*)# >>> (?P<title>{TODO_TAG}: .+)$")
 END = re.compile(r"^\s*# <<<\s*$")
 RAISED_TODO = re.compile(rf"raise NotImplementedError\(['\"]{TODO_TAG}")  # an unfinished TODO in steps/
+HINT = re.compile(r"^\s*# Hint (?P<level>[1-9]): ")   # a level of help on request
+CONTINUATION = re.compile(r"^\s*#\s{2,}\S")         # a comment line indented under the one before
 HEADER = ("# Generated from solutions/{name} by `python -m course.skeleton`: fill in the TODOs.\n"
           "# Grade your work with `python main.py grade {number}`. (skeleton {fingerprint})\n")
 GIVEN_HEADER = ("# Generated from solutions/{name} by `python -m course.skeleton`. Given code: nothing\n"
@@ -58,33 +67,91 @@ def has_solution_blocks(text: str) -> bool:
     return any(BEGIN.match(line) for line in text.splitlines())
 
 
-def skeletonize(source: str, filename: str = "<source>") -> str:
-    """Replace every solution block in `source` with its TODO comments and a raise."""
-    out, block, in_hints = [], None, False
+@dataclass
+class TodoBlock:
+    """One solution block of a solutions/ file, as the generator and `python main.py hint` read it."""
+    title: str                 # "TODO(m05): warm up with ..."
+    file: str                  # "m05_schedules.py"
+    line: int                  # the marker's line in solutions/
+    function: str              # the def that holds it, e.g. "LlamaBlock.backward"
+    indent: str
+    visible: list[str] = field(default_factory=list)         # comment lines the skeleton keeps
+    hints: dict[int, list[str]] = field(default_factory=dict)  # level -> its comment lines
+    solution: list[str] = field(default_factory=list)        # the reference code
+    end: int = 0               # the line of its closing marker
+
+
+def todo_blocks(source: str, filename: str = "<source>") -> list[TodoBlock]:
+    """The solution blocks of `source`, in order; MarkerError for markers that do not pair up."""
+    blocks, block, in_header, level = [], None, False, None
     module = re.match(r"m\d\d", Path(filename).name)
-    for lineno, line in enumerate(source.splitlines(keepends=True), start=1):
-        begin, end = BEGIN.match(line.rstrip("\n")), END.match(line)
+    for lineno, line in enumerate(source.splitlines(), start=1):
+        begin, end = BEGIN.match(line), END.match(line)
         if begin:
             if block is not None:
                 raise MarkerError(f"{filename}:{lineno}: a TODO block opens inside another one")
             if module and begin["module"] != module.group(0):
                 raise MarkerError(f"{filename}:{lineno}: {begin['module']} marker in a {module.group(0)} file")
-            block, in_hints = begin, True
-            out.append(f"{begin['indent']}# {begin['title']}\n")
+            block = TodoBlock(begin["title"], Path(filename).name, lineno, "", begin["indent"])
+            in_header, level = True, None
         elif end:
             if block is None:
                 raise MarkerError(f"{filename}:{lineno}: '# <<<' without an opening '# >>> TODO(...)'")
-            out.append(f"{block['indent']}raise NotImplementedError({block['title']!r})\n")
+            block.end = lineno
+            blocks.append(block)
             block = None
         elif block is not None:
-            # Keep the hint comments that open the block; drop the reference code after them.
-            in_hints = in_hints and line.lstrip().startswith("#")
-            if in_hints:
-                out.append(line)
-        else:
-            out.append(line)
+            # The comments that open the block are its header; the reference code follows them.
+            in_header = in_header and line.lstrip().startswith("#")
+            hint = HINT.match(line)
+            if not in_header:
+                block.solution.append(line)
+            elif hint:
+                level = int(hint["level"])
+                block.hints.setdefault(level, []).append(line)
+            elif level is not None and CONTINUATION.match(line):
+                block.hints[level].append(line)
+            else:
+                level = None
+                block.visible.append(line)
     if block is not None:
-        raise MarkerError(f"{filename}: TODO block '{block['title']}' is never closed with '# <<<'")
+        raise MarkerError(f"{filename}: TODO block '{block.title}' is never closed with '# <<<'")
+    _name_enclosing_functions(blocks, source)
+    return blocks
+
+
+def _name_enclosing_functions(blocks: list[TodoBlock], source: str):
+    """Set each block's `function`: the innermost def around its marker ("Class.method" in a class)."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return  # a fragment (the generator's own tests): no functions to name
+    spans = []
+
+    def visit(node, prefix):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = f"{prefix}{child.name}"
+                if not isinstance(child, ast.ClassDef):
+                    spans.append((child.lineno, child.end_lineno, name))
+                visit(child, name + ".")
+    visit(tree, "")
+    for block in blocks:
+        around = [s for s in spans if s[0] < block.line <= s[1]]
+        block.function = max(around, key=lambda s: s[0])[2] if around else "<module>"
+
+
+def skeletonize(source: str, filename: str = "<source>") -> str:
+    """Replace every solution block in `source` with its title, its visible comments and a raise."""
+    lines = source.splitlines(keepends=True)
+    out, start = [], 1
+    for block in todo_blocks(source, filename):
+        out += lines[start - 1:block.line - 1]
+        out.append(f"{block.indent}# {block.title}\n")
+        out += [line + "\n" for line in block.visible]
+        out.append(f"{block.indent}raise NotImplementedError({block.title!r})\n")
+        start = block.end + 1
+    out += lines[start - 1:]
     return "".join(out)
 
 

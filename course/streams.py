@@ -184,17 +184,20 @@ def find_hazards(nodes: list[Node]) -> list[tuple[Node, Node]]:
     return hazards
 
 
-def record_compute(source, runtime: FakeRuntime):
-    """Wrap a weight source so each get(l) adds a node reading the block on the current stream:
-    the block's kernels, which run there between get(l) and release(l)."""
-    get = source.get
+def record_compute(model, runtime: FakeRuntime):
+    """Wrap `model`'s block so that each forward and each backward adds a node reading the block's
+    weights on the current stream ("block forward" / "block backward"): the block's kernels, booked
+    where the model loop issues them. A loop that releases a block before computing it then shows a
+    hazard: the next copy into that buffer waits only for work recorded before the release."""
+    block = model.block
+    for name in ("forward", "backward"):
+        run = getattr(block, name)
 
-    def get_and_compute(layer):
-        weights = get(layer)
-        runtime.compute_reads(weights.wq, f"block {layer}")
-        return weights
-    source.get = get_and_compute
-    return source
+        def issued(w, *args, run=run, name=name):
+            runtime.compute_reads(w.wq, f"block {name}")
+            return run(w, *args)
+        setattr(block, name, issued)
+    return model
 
 
 def schedule(nodes: list[Node], seconds) -> list[tuple[Node, float, float]]:

@@ -86,10 +86,20 @@ def test_model_loss_and_every_gradient_match_an_nn_module_llama():
 
 class RecordingWeights:
     """A weight source that checks the protocol: get(l) only after gather(l), release after get,
-    and at most two layers gathered and not yet released (double buffering)."""
+    and at most two layers gathered and not yet released (double buffering). `record_compute` adds
+    the block's forward and backward calls to the same log, so the log shows whether a layer's
+    weights were released before or after the block computed with them."""
 
     def __init__(self, blocks):
         self.blocks, self.calls, self.pending = blocks, [], set()
+
+    def record_compute(self, block):
+        for name in ("forward", "backward"):
+            def computed(w, *args, run=getattr(block, name), name=name):
+                layer = next(i for i, b in enumerate(self.blocks) if b is w)
+                self.calls.append((name, layer))
+                return run(w, *args)
+            setattr(block, name, computed)
 
     def gather(self, layer):
         self.calls.append(("gather", layer))
@@ -113,19 +123,28 @@ class RecordingWeights:
 def test_the_model_loop_follows_the_weight_source_protocol():
     model = model_module.LlamaModel(CFG, seed=0)
     model.weights = source = RecordingWeights(model.blocks)
+    source.record_compute(model.block)
     tokens = torch.randint(0, 50, (1, 12))
     model.forward_backward(tokens, tokens)
     gets = [layer for call, layer in source.calls if call == "get"]
     assert gets == [0, 1, 2, 2, 1, 0], f"layers were fetched in the order {gets}; expected forward then reverse"
     assert not source.pending, f"layers {sorted(source.pending)} were gathered and never released"
     # Prefetch: the next layer's gather is issued before this layer's get, so the fetch of l + 1
-    # (l - 1 in backward) can run while layer l computes. Modules 07 and 08 depend on this order.
-    forward = [("gather", 0), ("gather", 1), ("get", 0), ("release", 0), ("gather", 2), ("get", 1),
-               ("release", 1), ("get", 2), ("release", 2)]
-    backward = [("gather", 2), ("gather", 1), ("get", 2), ("release", 2), ("gather", 0), ("get", 1),
-                ("release", 1), ("get", 0), ("release", 0)]
+    # (l - 1 in backward) can run while layer l computes. A layer is released only after the block
+    # has computed with it: after release(l) its buffer may be overwritten (modules 07 and 08).
+    forward = [("gather", 0), ("gather", 1), ("get", 0), ("forward", 0), ("release", 0), ("gather", 2),
+               ("get", 1), ("forward", 1), ("release", 1), ("get", 2), ("forward", 2), ("release", 2)]
+    backward = [("gather", 2), ("gather", 1), ("get", 2), ("backward", 2), ("release", 2), ("gather", 0),
+                ("get", 1), ("backward", 1), ("release", 1), ("get", 0), ("backward", 0), ("release", 0)]
     expected = forward + backward
     first = next((i for i, (a, b) in enumerate(zip(source.calls, expected)) if a != b), min(len(source.calls), len(expected)))
+    def last_get(layer, before):
+        return max(j for j, call in enumerate(source.calls[:before]) if call == ("get", layer))
+    released_early = [(call, layer) for i, (call, layer) in enumerate(source.calls) if call in ("forward", "backward")
+                      and ("release", layer) in source.calls[last_get(layer, i):i]]
+    assert not released_early, (f"layer {released_early[0][1]} was released before its {released_early[0][0]} ran: "
+                                "after release(l) a weight source may overwrite l's buffer (07, 08), so release "
+                                "a layer only once the block has computed with it")
     assert source.calls == expected, \
         (f"call #{first}: expected {expected[first] if first < len(expected) else 'no more calls'}, got "
          f"{source.calls[first] if first < len(source.calls) else 'no more calls'} (expected in all: {expected})")

@@ -142,11 +142,12 @@ def test_gathered_weights_are_the_single_process_weights_bit_for_bit():
 # --- the order of calls, the buffers and the collectives --------------------------------------
 
 class RecordingCollectives(Collectives):
-    """Collectives that also write each call into a shared event list."""
+    """Collectives that also write each call into a shared event list, and keep the reduce-scatters'
+    works to check, at the end of each step, that each was waited for and at most one was in flight."""
 
     def __init__(self, events):
         super().__init__()
-        self.events = events
+        self.events, self.in_flight, self.most_in_flight = events, [], 0
 
     def all_gather(self, output, shard, label="", async_op=False):
         self.events.append(("all_gather", layer_of(label)))
@@ -159,7 +160,24 @@ class RecordingCollectives(Collectives):
         self.events.append(("reduce_scatter", layer))
         assert async_op, (f"{label}: a blocking reduce-scatter; start it with async_op=True so it travels "
                           f"while the next block's backward computes, and wait for it later")
-        return WaitRecorded(super().reduce_scatter(shard, full, label, async_op), self.events, layer)
+        work = WaitRecorded(super().reduce_scatter(shard, full, label, async_op), self.events, layer)
+        self.in_flight.append(work)
+        self.most_in_flight = max(self.most_in_flight, len(self.never_waited()))
+        return work
+
+    def never_waited(self) -> list[int]:
+        return [w.layer for w in self.in_flight if not w.waited]
+
+    def check_step(self):
+        """After a step: every reduce-scatter waited for, and never two in flight at once."""
+        lost = self.never_waited()
+        assert not lost, (f"the reduce-scatter of block {lost[0]} was never waited for: its sum over ranks may not "
+                          f"have arrived when it was added to the gradient shard (wait for the work first)")
+        assert self.most_in_flight <= 1, (
+            f"{self.most_in_flight} gradient reduce-scatters were in flight at once: each keeps a whole block's "
+            f"gradient alive until it is waited for, so leaving them in flight keeps up to one full gradient per "
+            f"block, what sharding set out to avoid. Finish the one in flight before starting the next: at most "
+            f"one in flight, at most two whole gradients alive")
 
 
 class WaitRecorded:
@@ -186,7 +204,7 @@ def _record_steps(steps, n_microbatches):
     events = []
     collectives = RecordingCollectives(events)
     model = m07.FSDPLlama(CFG, dist.get_rank(), dist.get_world_size(), collectives, dtype=f64)
-    source, storages = model.weights, {}
+    source, storages, handed_out = model.weights, {}, {}
     for name in ("gather", "get", "release"):
         method = getattr(source, name)
 
@@ -196,14 +214,21 @@ def _record_steps(steps, n_microbatches):
             if name == "get":  # which memory holds the whole block we were handed
                 storage = result.wq.untyped_storage()
                 storages[storage.data_ptr()] = storage.nbytes()
+                handed_out[id(result)] = layer
             return result
         setattr(source, name, recorded)
+    for name in ("forward", "backward"):  # the block's compute, in the same log
+        def computed(w, *args, run=getattr(model.block, name), name=name):
+            events.append((name, handed_out.get(id(w))))
+            return run(w, *args)
+        setattr(model.block, name, computed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     data, generator = load_text(), torch.Generator().manual_seed(0)
     rows = BATCH // dist.get_world_size()
     for _ in range(steps):
         tokens, targets = random_batch(data, rows, CFG.max_seq_len, generator)
         model.train_step(tokens, targets, n_microbatches, optimizer)
+        collectives.check_step()
         events.append(("step", None))
     # Bytes of the memory the shards live in: a shard that is a view of a full block keeps it alive.
     shard_storage = sum(t.untyped_storage().nbytes() for t in model.shards)
@@ -227,12 +252,12 @@ def expected_events(layers, n_microbatches, steps):
             for layer in range(layers):
                 if layer + 1 < layers:
                     gather(layer + 1)
-                events += [("get", layer), ("release", layer)]
+                events += [("get", layer), ("forward", layer), ("release", layer)]
             gather(layers - 1)
             for layer in reversed(range(layers)):
                 if layer > 0:
                     gather(layer - 1)  # the next all-gather goes out before this layer's reduce-scatter
-                events += [("get", layer), ("release", layer)]
+                events += [("get", layer), ("backward", layer), ("release", layer)]
                 if layer < layers - 1:  # at most one reduce-scatter in flight: the previous one ends first
                     events.append(("wait reduce_scatter", layer + 1))
                 events.append(("reduce_scatter", layer))

@@ -33,8 +33,8 @@ def streamed_model(source_class=None):
     """Module 06's model with its blocks moved into a HostWeights on a recording runtime."""
     model, runtime = m06.LlamaModel(CFG, 0), FakeRuntime()
     source = (source_class or m08.HostWeights)(model.blocks, runtime)
-    model.weights, model.blocks = record_compute(source, runtime), []
-    return model, runtime
+    model.weights, model.blocks = source, []
+    return record_compute(model, runtime), runtime
 
 
 def run_steps(model, runtime, steps=2):
@@ -109,16 +109,9 @@ def step_time(source_wrapper=None) -> float:
     if source_wrapper:
         model.weights = source_wrapper(model.weights)
     model.forward_backward(*batch())
-    seen = set()
 
-    def seconds(node):
-        if node.label == "copy":
-            return 1.0
-        if node.label.startswith("block"):
-            first = node.label not in seen
-            seen.add(node.label)
-            return 1.0 if first else 2.0
-        return 0.0  # recording an event takes no time
+    def seconds(node):  # recording an event takes no time
+        return {"copy": 1.0, "block forward": 1.0, "block backward": 2.0}.get(node.label, 0.0)
     return max(end for _, _, end in schedule(runtime.nodes, seconds))
 
 
@@ -127,6 +120,10 @@ def test_prefetch_hides_the_copies_under_compute():
     # Without prefetch every copy waits for the compute before it: 3L + (2L - 2).
     compute, copies = 3 * CFG.n_layers, 2 * CFG.n_layers - 2
     prefetch, serial = step_time(), step_time(m08.NoPrefetch)
+    assert serial >= compute + copies, \
+        (f"without prefetch (every copy after the compute before it) the step takes {serial} units, less than "
+         f"compute + copies = {compute + copies}: so compute did not wait for the copies it reads. get() must make "
+         f"the compute stream wait for buf.ready (test_the_event_graph_has_no_hazards names the first such read)")
     assert serial == compute + copies, f"without prefetch the step takes {serial}, expected {compute + copies}"
     assert prefetch <= compute + 1, \
         (f"with prefetch the step takes {prefetch} units, expected at most {compute + 1} (compute {compute} + the "
