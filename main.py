@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import os
 import sys
 
@@ -53,7 +54,7 @@ def cmd_run(args):
 def cmd_grade(args):
     from course.grade import grade
 
-    if grade(args.module, args.impl):
+    if grade(args.module, args.impl, args.keep_going):
         sys.exit(1)
 
 
@@ -85,6 +86,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
         if name != "hint":
             cmd.add_argument("--impl", choices=("steps", "solutions"), default="steps",
                              help="your steps/ (default) or the reference solutions/")
+    sub.choices["grade"].add_argument("--keep-going", action="store_true", help="run every check, also after one hangs")
     hint = sub.choices["hint"]
     hint.add_argument("todo", nargs="?", help="a TODO's number, or the function that holds it (default: list them)")
     hint.add_argument("--all", action="store_true", help="every level at once")
@@ -111,6 +113,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> None:
     args = parse(argv)
+    if args.command not in ("list", "hint") and importlib.util.find_spec("torch") is None:
+        sys.exit(f"error: this Python ({sys.executable}) has no torch; install the course's requirements into it "
+                 "(pip install -r requirements.txt) or run main.py with the Python that has them")
     commands = {None: cmd_tour, "list": cmd_list, "run": cmd_run, "grade": cmd_grade, "hint": cmd_hint, "bench": cmd_bench}
     commands[args.command](args)
 

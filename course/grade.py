@@ -15,12 +15,14 @@ from pathlib import Path
 
 from course import REPO
 from course.catalog import Module
+from course.grading import hung
 
 LAST_RESORT_TIMEOUT_S = 1800  # each check has its own timeout (course/grading.py); this catches the rest
 
 
-def grade(module: Module, impl: str) -> int:
-    """Grade `impl`/ for `module`; return the exit code (0: every check passes)."""
+def grade(module: Module, impl: str, keep_going: bool = False) -> int:
+    """Grade `impl`/ for `module`; return the exit code (0: every check passes). Grading stops after
+    the first check that hangs, unless `keep_going`."""
     if module.is_given():
         print(f"module {module.number} is given: nothing to fill in or grade. Its checks run with "
               f"`python -m pytest -m m{module.number}`; `python main.py run {module.number}` shows it.")
@@ -33,7 +35,8 @@ def grade(module: Module, impl: str) -> int:
             proc = subprocess.run(
                 [sys.executable, "-m", "pytest", *test_files, "-qq", "--no-header", "--no-summary", "--tb=no",
                  "--continue-on-collection-errors", "-p", "no:cacheprovider", "-m", "not given",
-                 f"--impl={impl}", "--grading-live", f"--grading-json={report}"],
+                 f"--impl={impl}", "--grading-live", f"--grading-json={report}",
+                 *([] if keep_going else ["--grading-stop-on-hang"])],
                 cwd=REPO, timeout=LAST_RESORT_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             sys.exit(f"module {module.number}: grading was stopped after {LAST_RESORT_TIMEOUT_S // 60} minutes; "
@@ -41,16 +44,23 @@ def grade(module: Module, impl: str) -> int:
         except KeyboardInterrupt:
             sys.exit(f"\nmodule {module.number}: grading interrupted")
         results = json.loads(report.read_text()) if report.exists() else []
-    if proc.returncode not in (0, 1):  # 1: some checks failed; anything else: pytest itself stopped
+    stopped_on_hang = proc.returncode == 2 and results and hung(results[-1]["reason"])
+    if stopped_on_hang:
+        print(f"Stopped after the check that hung: the next ones would likely hang too, each for its whole "
+              f"timeout. Fix it first, or run every check anyway: python main.py grade {module.number} --keep-going",
+              flush=True)
+    elif proc.returncode not in (0, 1):  # 1: some checks failed; anything else: pytest itself stopped
         sys.exit(f"module {module.number}: pytest stopped early (exit code {proc.returncode}); "
                  "the checks shown above ran, the others did not")
     if not results:
-        print(f"module {module.number}: no graded test ran (see pytest's output above; exit code {proc.returncode})")
+        print(f"module {module.number}: no graded test ran; pytest's own output, printed before this line, "
+              f"says why (exit code {proc.returncode})", flush=True)
         return 1
     passed = sum(r["outcome"] == "passed" for r in results)
     skipped = sum(r["outcome"] == "skipped" for r in results)
     graded = len(results) - skipped  # e.g. GPU checks on a machine without one
-    print(f"{passed}/{graded} checks pass" + (f" ({skipped} skipped)" if skipped else ""))
+    print(f"{passed}/{graded} checks pass" + (f" ({skipped} skipped)" if skipped else "")
+          + (" among those that ran before the one that hung" if stopped_on_hang else ""))
     if passed < graded:
         print(f"A check's whole output (tracebacks, your prints): python -m pytest --impl {impl} "
               f"{' '.join(os.path.relpath(f, REPO) for f in test_files)} -k NAME")

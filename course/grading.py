@@ -36,6 +36,8 @@ def pytest_addoption(parser):
                      help="write each test's outcome and one-line reason to PATH (JSON)")
     parser.addoption("--grading-live", action="store_true",
                      help="print a PASS/FAIL/SKIP line per test as it finishes (main.py grade)")
+    parser.addoption("--grading-stop-on-hang", action="store_true",
+                     help="stop after the first check that hung (main.py grade, unless --keep-going)")
 
 
 def pytest_configure(config):
@@ -85,8 +87,12 @@ class Scorecard:
     """Collects one result per test: its call phase, or the setup phase that failed or skipped it."""
 
     def __init__(self, config):
-        self.config, self.results = config, []
+        self.config, self.results, self.session = config, [], None
         self.path, self.live = config.getoption("--grading-json"), config.getoption("--grading-live")
+        self.stop_on_hang = config.getoption("--grading-stop-on-hang")
+
+    def pytest_sessionstart(self, session):
+        self.session = session
 
     def pytest_runtest_logreport(self, report):
         if report.when == "call" or report.outcome != "passed":
@@ -101,6 +107,10 @@ class Scorecard:
             self.results.append(result)
             if self.live:
                 self.write(scorecard_line(result))
+            if self.stop_on_hang and result["outcome"] == "failed" and hung(result["reason"]):
+                # A mistake that hangs one check (a deadlock, a lost message) usually hangs the next
+                # ones too, each costing its whole timeout: stop here, the learner fixes this first.
+                self.session.shouldstop = "a check hung"
 
     def pytest_report_teststatus(self, report, config):
         """Live: no progress letter (the scorecard line replaces it); the outcome still counts."""
@@ -149,6 +159,11 @@ def hint_for(report) -> str | None:
         return hint_command_for(owner, reason)
     exercised = dict(report.user_properties).get(EXERCISES)
     return hint_command_for(match.group(1), exercised) if exercised else None
+
+
+def hung(reason: str) -> bool:
+    """Whether a failed check's reason is a timeout (ranks stuck, or a check that ran too long)."""
+    return "timed out after" in reason or "was stopped at" in reason
 
 
 def one_line_reason(report) -> str:

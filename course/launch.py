@@ -169,6 +169,9 @@ def _rank_main(fn, args, rank, world_size, tmp, timeout, init_process_group, con
                       LOCAL_WORLD_SIZE=str(world_size))
     stack_file = open(Path(tmp) / f"stack-{rank}.txt", "w")
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=False)
+    # A fatal signal (SIGABRT from gloo, SIGSEGV) writes its stack here too, not into the terminal,
+    # where it would land in the middle of whatever the parent prints next: the parent reads it.
+    faulthandler.enable(file=stack_file, all_threads=False)
     try:
         if init_process_group:
             # The group's own timeout is a backstop; the parent's watchdog should fire first.
@@ -238,8 +241,10 @@ def _collect(procs, conns, tmp, timeout):
                 status, value = pickle.loads(conn.recv_bytes())
             except EOFError:
                 procs[rank].join(1.0)
+                dump = (Path(tmp) / f"stack-{rank}.txt").read_text()
+                where = f" at {_innermost_course_frames(dump)}" if "File " in dump else ""
                 raise RankFailed(f"rank {rank} of {len(procs)} died without a result "
-                                 f"({_why_it_died(procs[rank].exitcode)})") from None
+                                 f"({_why_it_died(procs[rank].exitcode)}){where}") from None
             if status == "error":
                 raise RankFailed(value)
             results[rank] = value
@@ -273,8 +278,14 @@ def _stuck_report(procs, stuck, tmp, what) -> str:
     ranks = ", ".join(str(r) for r in stuck)
     finished = [str(r) for r in range(len(procs)) if r not in stuck]
     done = f" (finished: rank {', '.join(finished)})" if finished else ""
+    hint = ""
+    if finished and any(" in recv" in line for line in summary):
+        # The peer returned without a matching send still owed: often a non-blocking send whose
+        # handle was dropped. On gloo such a message may never leave, and the receiver waits forever.
+        hint = (" A rank waits in a receive while a peer has finished: was a non-blocking send's handle "
+                "dropped (not kept and waited for)? Then its message may never be delivered.")
     return (f"{what}; still running: rank {ranks}{done}. "
-            + "; ".join(summary) + "\n\n" + "\n".join(details))
+            + "; ".join(summary) + hint + "\n\n" + "\n".join(details))
 
 
 def _innermost_course_frames(dump: str, depth: int = 3) -> str:

@@ -69,13 +69,28 @@ def chunked_cross_entropy(x: torch.Tensor, w_head: torch.Tensor, targets: torch.
     dx = torch.empty_like(xs)
     dw = torch.zeros(w_head.shape, dtype=compute_dtype(w_head.dtype), device=w_head.device)
     for start in range(0, n_tokens, chunk):
-        # >>> TODO(m06): loss and gradients of one chunk of tokens
-        # Hint: the chunk is rows start..start + chunk of xs and ts (fewer in the last one). A token's loss
-        #       is lse(logits) - its target's logit, computed in compute_dtype; add the chunk's sum to loss
-        #       (the mean is taken once, at the end).
-        # Hint: dlogits = (softmax - onehot(target)) / n_tokens (all the tokens, not the chunk's), cast to x's
-        #       dtype (bf16 models multiply in bf16). The head is a linear layer: its backward gives the
-        #       chunk's rows of dx, and a contribution to dw that adds up over the chunks.
+        # >>> TODO(m06): the cross-entropy loss of one chunk of tokens, and its gradients
+        # The chunk is the rows start .. start + chunk of xs (tokens, dim) and ts (tokens,), fewer in the last one.
+        # Add the chunk's summed loss to `loss` (the mean is taken once, after the loop), write the chunk's rows of
+        # dx, and add the chunk's contribution to dw (the head's gradient, (vocab, dim), summed over chunks).
+        # Maths, per token: logits = the head applied to x (a linear layer, w_head is (vocab, dim)); its loss is
+        # lse(logits) minus the target's logit; dlogits = (softmax(logits) - onehot(target)) / N, with N = n_tokens,
+        # all the tokens of the batch (the gradient of the mean), not the chunk's. From dlogits the head's linear
+        # backward gives dx's rows and dw's contribution.
+        # Precision: logits, lse and the loss in compute_dtype (loss's dtype); dlogits cast to x's dtype before it
+        # multiplies (a bf16 model multiplies in bf16; the bf16 test checks dx's and dw's dtypes).
+        # Pitfalls: dividing by the chunk's size (wrong unless one chunk covers everything: the tests use chunks of
+        # 1, 7 and 1000 tokens against F.cross_entropy); softmax by exp without subtracting lse overflows.
+        # Hint 1: per chunk: logits, their log-sum-exp, the loss from both; the softmax from the same lse, minus one
+        #         at each token's target; scale; then the two products of a linear layer's backward.
+        # Hint 2: torch.logsumexp(dim=-1); logits.gather(1, targets as a column) picks each target's logit;
+        #         torch.exp(logits - lse[:, None]) is the softmax; index [rows, targets] to subtract the one-hot;
+        #         dx rows = dlogits @ w_head; dw += dlogits^T @ x_chunk.
+        # Hint 3: stop = start + chunk, at most n_tokens;  x_c, t_c = rows start:stop of xs and ts
+        #         logits = x_c @ w_head^T in loss's dtype;  lse = log-sum-exp of each row
+        #         loss += sum over rows of (lse - the target's logit)
+        #         dlogits = softmax from lse, minus 1 at (row i, t_c[i]), divided by n_tokens, cast to x's dtype
+        #         the chunk's rows of dx = dlogits times w_head;  dw += dlogits^T times x_c
         stop = min(start + chunk, n_tokens)
         x_chunk, t_chunk = xs[start:stop], ts[start:stop]
         logits = (x_chunk @ w_head.t()).to(loss.dtype)
@@ -92,13 +107,16 @@ def chunked_cross_entropy(x: torch.Tensor, w_head: torch.Tensor, targets: torch.
 
 @dataclass
 class LlamaGrads:
+    """The gradients of one forward_backward. `blocks` has one entry per layer: a BlockWeights, or,
+    for a model that keeps only a shard of each block (module 07), this rank's flat gradient shard."""
     embedding: torch.Tensor
-    blocks: list[BlockWeights]
+    blocks: list[BlockWeights | torch.Tensor]
     final_norm: torch.Tensor
     lm_head: torch.Tensor
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.embedding, *(t for b in self.blocks for t in b.tensors()), self.final_norm, self.lm_head]
+        blocks = (t for b in self.blocks for t in (b.tensors() if isinstance(b, BlockWeights) else (b,)))
+        return [self.embedding, *blocks, self.final_norm, self.lm_head]
 
 
 class LlamaModel:
@@ -128,10 +146,21 @@ class LlamaModel:
     def forward_blocks(self, x: torch.Tensor, stores: list[ActivationStore]) -> torch.Tensor:
         """Run every block in order, each with its weights from the weight source and its own store."""
         n_layers = self.cfg.n_layers
-        # >>> TODO(m06): the forward loop over the layers, using the weight source
-        # Hint: prefetch one layer ahead (the WeightSource protocol above): layer l + 1, if there is one, is
-        #       gathered before get(l), so its fetch overlaps layer l's compute; layer 0 is gathered before
-        #       the loop. Release each layer once it has run. The tests check this order of calls.
+        # >>> TODO(m06): the forward loop over the layers, weights from the weight source
+        # Run the blocks in order, each with its weights from self.weights and its own store (stores[l]); return the
+        # last block's output. The WeightSource protocol (above): gather(l) starts making layer l available, get(l)
+        # returns it, release(l) says the loop is done with it.
+        # Invariant: one layer ahead. Layer l + 1 (if there is one) is gathered before layer l is fetched, so its
+        # transfer overlaps layer l's compute; layer 0 is gathered before the loop. Each layer is released once run.
+        # Pitfall: releasing a layer before its block has run: after release(l) a source may overwrite l's
+        # buffer (07, 08). The test records the calls, the block's included, and checks this exact order;
+        # modules 07 and 08 depend on it (two buffers: a gather two layers ahead, or a missing release, fails).
+        # Hint 1: gather the first layer before the loop; inside, gather the next, get this one, run it, release it.
+        # Hint 2: self.weights.gather / get / release; self.block.forward(w, x, store).
+        # Hint 3: gather 0
+        #         for each layer l: if l + 1 exists, gather it;  w = get(l);  x = block forward of (w, x, stores[l]);
+        #         release l
+        #         return x
         self.weights.gather(0)
         for layer in range(n_layers):
             if layer + 1 < n_layers:
@@ -146,9 +175,22 @@ class LlamaModel:
         """The blocks' backward in reverse order; returns (d_embedded_input, per-layer grads)."""
         n_layers = self.cfg.n_layers
         grads = [None] * n_layers
-        # >>> TODO(m06): the backward loop, last layer first, using the weight source
-        # Hint: the same gather-ahead pattern as forward_blocks, in reverse. Clear each layer's store
-        #       after its backward: its activations are not needed again and their memory is freed.
+        # >>> TODO(m06): the backward loop, last layer first, weights from the weight source
+        # dx is the gradient of the last block's output. Run the blocks' backwards from the last layer to the first,
+        # each with its weights and its store; return (dx, grads): the gradient of the first block's input and
+        # `grads`, one BlockWeights per layer, in layer order (grads[l] is layer l's).
+        # Invariant: the forward's gather-one-ahead pattern, mirrored: the last layer is gathered first, and layer
+        # l - 1 before layer l is fetched. Each layer's store is cleared after its backward (those activations are
+        # not needed again; the test checks every store is empty afterwards), and each layer released.
+        # Pitfall: as in the forward, the test checks the exact order of the calls, and that no layer is
+        # released before its backward has run.
+        # Hint 1: the forward loop run in reverse, with the block's backward instead of its forward and a clear of
+        #         the layer's store after it.
+        # Hint 2: reversed(range(n_layers)); self.block.backward(w, dx, store) returns (dx, grads); store.clear().
+        # Hint 3: gather the last layer
+        #         for l from last to first: if l > 0, gather l - 1;  w = get(l)
+        #             dx, grads[l] = block backward of (w, dx, stores[l]);  clear stores[l];  release l
+        #         return dx and grads
         self.weights.gather(n_layers - 1)
         for layer in reversed(range(n_layers)):
             if layer > 0:

@@ -24,9 +24,16 @@ class FlatLayout:
         self.shapes = [tuple(t.shape) for t in template.tensors()]
         self.numels = [prod(s) for s in self.shapes]
         self.numel = sum(self.numels)  # the block's parameters, without padding
-        # >>> TODO(m07): pad the flat size up to a multiple of world_size; each rank holds one shard
-        # Hint: all shards have the same size, the smallest that lets world_size of them cover numel (integer
-        #       ceiling division, no floats); padded_numel is what the shards hold together.
+        # >>> TODO(m07): the shard size and the padded size: equal shards that cover every parameter
+        # Set self.shard_numel and self.padded_numel (integers). The numel parameters are cut into world_size shards
+        # of one size, the smallest size that lets them cover all numel; padded_numel is what the shards hold
+        # together: numel plus fewer than world_size elements of zero padding.
+        # Pitfall: floor division drops the last parameters when world_size does not divide numel (the tests use 3
+        # and 7 ranks); float division or math.ceil on a float gives a float, or rounds wrongly for big counts.
+        # Hint 1: the shard size is numel divided by world_size, rounded *up*; the padding is what the rounding adds.
+        # Hint 2: integer ceiling division: (a + b - 1) // b, or -(-a // b).
+        # Hint 3: shard_numel = numel over world_size, rounded up (integers only)
+        #         padded_numel = shard_numel times world_size
         self.shard_numel = -(-self.numel // world_size)
         self.padded_numel = self.shard_numel * world_size
         # <<<
@@ -36,8 +43,18 @@ class FlatLayout:
         """A new padded flat buffer holding the block's tensors end to end (zeros in the padding)."""
         first = block.tensors()[0]
         flat = torch.zeros(self.padded_numel, dtype=first.dtype, device=first.device)
-        # >>> TODO(m07): copy each tensor, flattened, into its place
-        # Hint: the tensors go in order, each right after the previous one; reshape(-1) flattens.
+        # >>> TODO(m07): lay the block's tensors end to end in the flat buffer
+        # flat is a zeroed (padded_numel,) buffer. Write each of the block's tensors into it, flattened, in
+        # BlockWeights order (the order of block.tensors() and of self.numels), each right after the previous one;
+        # the padding at the end stays zero. The test compares with the tensors concatenated in that order,
+        # followed by zeros, for 1 to 7 ranks.
+        # Pitfall: view(-1) fails on a tensor that is not contiguous; a reshape copies only when it must.
+        # Hint 1: keep a running offset: each tensor fills its numel elements from there, and the next starts after.
+        # Hint 2: slice assignment (flat[a:b] = t) copies into the buffer; reshape(-1); zip(block.tensors(),
+        #         self.numels).
+        # Hint 3: offset = 0
+        #         for each tensor and its numel n: the flattened tensor goes into flat[offset : offset + n]
+        #             offset grows by n
         offset = 0
         for tensor, n in zip(block.tensors(), self.numels):
             flat[offset:offset + n] = tensor.reshape(-1)
@@ -47,16 +64,33 @@ class FlatLayout:
 
     def views(self, flat: torch.Tensor) -> BlockWeights:
         """The block's tensors as views into `flat` (writing through them writes the buffer)."""
-        # >>> TODO(m07): split the flat buffer (without its padding) and view each piece in its shape
-        # Hint: torch.split cuts a tensor into pieces of given lengths, as views; leave the padding out. Give
-        #       each piece its shape with .view, which never copies: writing through it writes the buffer.
+        # >>> TODO(m07): the block's tensors as views into the flat buffer, each in its shape
+        # Return a BlockWeights whose fields (NAMES, in order) are views of flat's first numel elements, each in its
+        # shape (self.shapes). Views, not copies: writing through a field writes the buffer, and an all-gather into
+        # the buffer changes what the fields show (that is how the gathered block reaches the loop). The padding
+        # belongs to no field.
+        # Pitfall: a copy (clone, cat, a reshape that had to copy) has the right values, but the test checks that
+        # every field shares the buffer's storage.
+        # Hint 1: cut the unpadded part of the buffer into consecutive pieces of the tensors' sizes, then give each
+        #         piece its shape.
+        # Hint 2: torch.split(tensor, list_of_sizes) returns views; .view(shape) never copies (it raises instead);
+        #         BlockWeights(**{name: tensor, ...}) builds the dataclass from a dict.
+        # Hint 3: pieces = flat's first numel elements split into self.numels
+        #         return a BlockWeights with, for each (name, piece, shape), the piece viewed in its shape
         pieces = torch.split(flat[:self.numel], self.numels)
         return BlockWeights(**{name: p.view(shape) for name, p, shape in zip(NAMES, pieces, self.shapes)})
         # <<<
 
     def shard(self, flat: torch.Tensor, rank: int) -> torch.Tensor:
         """Rank `rank`'s slice of a padded flat buffer (a view)."""
-        # >>> TODO(m07): the rank's contiguous slice of shard_numel elements
+        # >>> TODO(m07): the rank's shard: its slice of the padded buffer
+        # Return rank `rank`'s shard of a padded flat buffer: a view of shard_numel consecutive elements. Rank r's is
+        # the r-th of world_size equal consecutive pieces (the module docstring), so the shards of ranks 0 .. N - 1,
+        # in order, concatenate to the whole buffer (the test checks this).
+        # Pitfall: sizes computed from the unpadded numel leave a gap or an overlap when N does not divide it.
+        # Hint 1: the shard starts rank shards into the buffer and is one shard long.
+        # Hint 2: basic slicing (flat[a:b]) is a view.
+        # Hint 3: start = rank times the shard size; return the slice of that length from start
         start = rank * self.shard_numel
         return flat[start:start + self.shard_numel]
         # <<<

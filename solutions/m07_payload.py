@@ -37,11 +37,24 @@ def fsdp_traffic(block_params: int, dtype_bytes: int, world_size: int, blocks: i
     """
     if not 0 <= kept <= min(2, blocks):
         raise ValueError(f"kept must be between 0 and min(2, blocks) = {min(2, blocks)}, got {kept}")
-    # >>> TODO(m07): the payload, the number of collectives and the buffer sizes
-    # Hint: each forward and each backward gathers every block, except that at a *turn* (forward ->
-    #       backward, or backward -> next forward within the step) the `kept` blocks still in the
-    #       buffers are reused. How many turns does one optimizer step have?
-    # Hint: every payload is one shard: block_params / world_size rounded up, times dtype_bytes.
+    # >>> TODO(m07): one optimizer step's payload, collective counts and buffer bytes
+    # Return an FSDPTraffic with every field filled (see its comments): `blocks` blocks of block_params
+    # parameters of dtype_bytes bytes each, sharded over world_size ranks, n_microbatches forward+backward
+    # passes per optimizer step, and `kept` blocks reused at each turn between two passes (module docstring).
+    # Maths: a payload is one rank's shard, padded like FlatLayout's; every pass gathers every block, except the
+    # `kept` blocks still in the buffers at a turn; every block's gradient is reduce-scattered once per
+    # microbatch; a full buffer holds world_size shards.
+    # Pitfall: counting the turns: a step alternates forward, backward, forward, ..., backward, and the turns are
+    # the boundaries between consecutive passes. The tests check PyTorch's FSDP Notes' worked example (kept 0)
+    # and counts written out by hand for kept 1 and 2, several microbatches, and a payload that needs padding.
+    # Hint 1: count the passes (two per microbatch) and the turns between them (one fewer than the passes); each
+    #         turn saves `kept` all-gathers.
+    # Hint 2: payload = ceil(block_params / world_size) * dtype_bytes (integer ceiling); turns = 2M - 1;
+    #         all-gathers = 2 blocks M - kept turns; reduce-scatters = blocks M; full buffers 2 N payloads,
+    #         communication buffers 2 payloads; traffic = collectives times payload.
+    # Hint 3: shard_bytes = the padded shard's size in bytes;  turns, all-gathers, reduce-scatters as above
+    #         collectives = their sum;  full, comm = the two buffer totals
+    #         return FSDPTraffic's eight fields in its order: payload, the three counts, traffic, full, comm, total
     shard_bytes = -(-block_params // world_size) * dtype_bytes
     turns = 2 * n_microbatches - 1
     all_gathers = 2 * blocks * n_microbatches - kept * turns

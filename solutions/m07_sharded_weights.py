@@ -75,13 +75,26 @@ class ShardedWeights:
     def gather(self, layer: int) -> None:
         buf = self.buffer_for(layer)
         check_gather(buf, layer)
-        # >>> TODO(m07): start the all-gather of this layer's shards into the buffer, unless it is already there
-        # Hint: a hit needs the same layer *and* the current version (the optimizer has not changed it since).
-        # Hint: otherwise all-gather every rank's shard of this layer into buf.flat (collectives.all_gather, see
-        #       course/collectives.py) without waiting: async_op=True, so gather() returns at once and the
-        #       transfer overlaps compute. Label it f"block {layer}" (the log and the tests read the layer
-        #       from it). get() must wait for the transfer: keep the work all_gather returns in buf.pending,
-        #       and record the layer and version the buffer now holds. Either way the buffer is now GATHERING.
+        # >>> TODO(m07): start gathering the layer into its buffer, unless it is there and current
+        # After check_gather, buf (buffer layer % 2) is FREE. If it already holds this layer at the current version
+        # (the weights have not changed since it was gathered), nothing is sent. Otherwise start an all-gather of
+        # every rank's shard of this layer (self.shards[layer] is this rank's) into buf.flat, and record in buf the
+        # layer and version it will hold. Either way: buf.pending is what get() must wait for (None if nothing), and
+        # the buffer is now GATHERING.
+        # Contract with the tests: gather() returns at once (a blocking all-gather fails them: the next block's
+        # transfer must overlap this block's compute), and the collective is labelled "block <layer>" (the tests
+        # read the layer number from the label).
+        # Pitfalls: a hit needs the same layer *and* the current version: after invalidate() (an optimizer step) a
+        # stale copy must be gathered again. The tests count the all-gathers of a step: exactly the turns' hits
+        # are skipped. All ranks take the same branch; a rank that skipped a collective its peers ran would hang them.
+        # Hint 1: compare what the buffer remembers (layer, version) with what is asked; on a miss, start the
+        #         transfer without waiting and remember what the buffer will hold.
+        # Hint 2: self.collectives.all_gather(output, shard, label=..., async_op=True) returns a work with .wait()
+        #         (course/collectives.py); self.version is the current version; FREE/GATHERING/IN_USE are the states.
+        # Hint 3: if buf holds this layer at the current version: nothing pending
+        #         else: pending = the async all-gather of this layer's shard into buf.flat, labelled with the layer
+        #               buf remembers this layer and the current version
+        #         the buffer's state becomes GATHERING
         if buf.layer == layer and buf.version == self.version:
             buf.pending = None  # still resident and current: nothing to send
         else:
@@ -93,7 +106,16 @@ class ShardedWeights:
     def get(self, layer: int) -> BlockWeights:
         buf = self.buffer_for(layer)
         check_get(buf, layer)
-        # >>> TODO(m07): wait for the gather if one is in flight; mark the buffer in use; return views
+        # >>> TODO(m07): hand out the gathered layer once its transfer has arrived
+        # After check_get the buffer is GATHERING this layer. Return the block's weights as views into buf.flat
+        # (your FlatLayout.views), but only once the all-gather in flight, if any, has completed: until then the
+        # buffer holds the previous block or a partial one. Mark the buffer IN_USE; afterwards nothing is pending.
+        # Pitfall: a hit (gather sent nothing) has nothing to wait for. Waiting in gather() instead would give the
+        # same numbers, but gather(l + 1) comes before layer l computes: the transfer would no longer overlap it.
+        # Hint 1: wait if there is something to wait for, change the state, hand out views.
+        # Hint 2: the work's .wait(); self.layout.views(flat).
+        # Hint 3: if buf.pending is set: wait for it, then clear it
+        #         state IN_USE;  return the layout's views of buf.flat
         if buf.pending is not None:
             buf.pending.wait()
             buf.pending = None
@@ -104,7 +126,14 @@ class ShardedWeights:
     def release(self, layer: int) -> None:
         buf = self.buffer_for(layer)
         check_release(buf, layer)
-        # >>> TODO(m07): the buffer may now be overwritten (its contents stay valid for a later hit)
+        # >>> TODO(m07): free the buffer for the next gather (its contents stay valid for a hit)
+        # After check_release the buffer holds this layer, IN_USE. The loop is done with it: mark it so the next
+        # gather into this buffer may overwrite it. Keep the layer and version it remembers: if the same layer is
+        # gathered again before the weights change (the turn from forward to backward), that gather is a hit.
+        # Pitfall: resetting layer or version here turns every turn's hits into all-gathers (the tests count them).
+        # Hint 1: only the state changes.
+        # Hint 2: the three states are FREE, GATHERING and IN_USE (top of the file).
+        # Hint 3: the buffer's state becomes FREE, and nothing else changes
         buf.state = FREE
         # <<<
 

@@ -48,11 +48,23 @@ class HostWeights:
         self.compute_stream = runtime.current_stream()
         dtype = blocks[0].wq.dtype
         self.copies = 0  # block copies issued (the benchmark's transfer count)
-        # >>> TODO(m08): pinned host copies of the blocks, a side stream, two device buffers with two events each
-        # Hint: three attributes, by these names (the tests and the given code use them): self.host, every
-        #       block flattened by self.layout, in pinned memory; self.copy_stream, a side stream;
-        #       self.buffers, two DeviceBuffers, each room for one padded block on the device, with its own
-        #       two events. The runtime makes all of these (course/streams.py lists its calls).
+        # >>> TODO(m08): pinned host blocks, a side stream, two device buffers with their events
+        # Set three attributes, by these names (the tests and the given code read them):
+        #   self.host         every block, flattened by self.layout, in pinned (page-locked) host memory
+        #   self.copy_stream  a new side stream for the copies
+        #   self.buffers      two DeviceBuffers, each with room for one padded block on the device (in dtype) and
+        #                     its own two events, ready and released
+        # Everything comes from the runtime (course/streams.py lists its calls), never from torch.cuda directly: on
+        # CPU the tests hand you a recorder, and its event graph is what the hazard checker reads.
+        # Why pinned: only from page-locked memory does a host-to-device copy run without the host waiting for it.
+        # Pitfall: events shared between the buffers (or one event for both roles) make a copy wait for more than
+        # the buffer it overwrites: the prefetch test then finds the step longer than compute plus the first copy.
+        # Hint 1: one pinned flat copy per block; one new stream; two buffers, four events in all.
+        # Hint 2: runtime.pin(t), runtime.new_stream(), runtime.empty(n, dtype), runtime.new_event();
+        #         self.layout.flatten(block) and self.layout.padded_numel; DeviceBuffer(flat, ready, released).
+        # Hint 3: host = for each block: the pinned copy of the flattened block
+        #         copy_stream = a new stream from the runtime
+        #         buffers = two times: a DeviceBuffer of an empty padded block in dtype, a new event, a new event
         self.host = [runtime.pin(self.layout.flatten(b)) for b in blocks]
         self.copy_stream = runtime.new_stream()
         self.buffers = [DeviceBuffer(runtime.empty(self.layout.padded_numel, dtype), runtime.new_event(),
@@ -63,11 +75,23 @@ class HostWeights:
         buf = self.buffers[layer % 2]
         check_gather(buf, layer)
         if buf.layer != layer or buf.version != self.version:  # else: still there, nothing to copy
-            # >>> TODO(m08): once the buffer is released, copy the block in on the side stream; mark it ready
-            # Hint: all on the copy stream, and the host waits for none of it: first the stream waits for the
-            #       buffer's released event (compute may still be reading the old block), then the copy runs
-            #       there (rt.stream is a context manager; rt.copy(dst, src)), then the ready event records it
-            #       for get() to wait on.
+            # >>> TODO(m08): on the side stream, once the buffer is released: copy the block in, mark it ready
+            # Reached when buffer layer % 2 does not hold this layer, current. Queue on the copy stream, in this order:
+            # a wait for the buffer's released event (compute may still be reading the block it holds), the copy of
+            # self.host[layer] into buf.flat, and a record of buf.ready after the copy, for get() to wait on.
+            # The host waits for none of it: gather only queues work and dependencies (a host wait inside a step fails
+            # the tests).
+            # Invariants the event-graph hazard checker enforces: no copy overwrites a buffer that compute still reads,
+            # and the copies run on the side stream, never on the compute stream.
+            # Pitfalls: the copy must be *issued on* the copy stream, not only ordered after a wait there: a copy
+            # queued on the current (compute) stream serializes with compute and fails the side-stream test. ready is
+            # recorded on the stream the copy went to, after the copy: recorded before it, it says nothing about it.
+            # Hint 1: three things, all on the copy stream: a wait, the copy, a record.
+            # Hint 2: stream.wait_event(event); `with self.rt.stream(s):` sends the work issued inside it to s;
+            #         self.rt.copy(dst, src); event.record(stream).
+            # Hint 3: the copy stream waits for buf.released
+            #         with the copy stream current: copy this layer's host block into buf.flat
+            #         record buf.ready on the copy stream
             self.copy_stream.wait_event(buf.released)
             with self.rt.stream(self.copy_stream):
                 self.rt.copy(buf.flat, self.host[layer])
@@ -80,7 +104,17 @@ class HostWeights:
     def get(self, layer: int) -> BlockWeights:
         buf = self.buffers[layer % 2]
         check_get(buf, layer)
-        # >>> TODO(m08): make the compute stream wait for the copy; mark the buffer IN_USE; return the block as views
+        # >>> TODO(m08): make compute wait for the block's copy, and hand the block out
+        # After check_get, buffer layer % 2 is GATHERING this layer. Make the compute stream's later work (this
+        # block's kernels) wait for the copy into the buffer, without the host waiting. Then mark the buffer
+        # IN_USE and return the block as views into buf.flat (your FlatLayout's views).
+        # Pitfalls: a host-side wait (synchronize) gives the right numbers but no overlap, and a host wait inside a
+        # step fails the tests. A missing wait is the hazard "compute may read a buffer before the copy into it
+        # has finished" (on a GPU: old weights, or the NaN the GPU test poisons buffers with).
+        # A hit (gather copied nothing) may wait anyway: the event then refers to the last copy, long done.
+        # Hint 1: one dependency from the compute stream on the buffer's ready event, then module 07's bookkeeping.
+        # Hint 2: self.compute_stream.wait_event(event); buf.ready; self.layout.views(flat).
+        # Hint 3: the compute stream waits for buf.ready;  state IN_USE;  return the layout's views of buf.flat
         self.compute_stream.wait_event(buf.ready)
         buf.state = IN_USE
         return self.layout.views(buf.flat)
@@ -89,14 +123,33 @@ class HostWeights:
     def release(self, layer: int) -> None:
         buf = self.buffers[layer % 2]
         check_release(buf, layer)
-        # >>> TODO(m08): record that the compute queued so far is the last to read this buffer; mark it FREE
+        # >>> TODO(m08): mark the point after which the buffer may be overwritten, and free it
+        # After check_release the buffer is IN_USE with this layer, and the compute that reads it has been queued
+        # (not necessarily run: the host runs ahead of the GPU). Record the event a later gather into this buffer
+        # will wait for, at this point of the compute stream; then mark the buffer FREE (keeping its layer and
+        # version, for a later hit).
+        # Pitfall: recording it on the copy stream, or not at all, lets the next copy overwrite the buffer while
+        # compute still reads it: the hazard checker names the pair ("a copy may overwrite a buffer that compute
+        # still reads").
+        # Hint 1: an event recorded on a stream completes once everything queued on that stream so far is done.
+        # Hint 2: event.record(stream) with buf.released and self.compute_stream.
+        # Hint 3: record buf.released on the compute stream;  state FREE
         buf.released.record(self.compute_stream)
         buf.state = FREE
         # <<<
 
     def invalidate(self) -> None:
         """The host weights are about to change (or have): no copy may still be reading them."""
-        # >>> TODO(m08): wait (on the host) for the copies in flight, then bump the version
+        # >>> TODO(m08): make host weights safe to write, and forget every copy on the device
+        # The optimizer changes the host weights around this call, and copies still in flight read them: the host
+        # must wait until the copy stream's work is done (the one host wait, between steps). Then every block in a
+        # device buffer is stale: bump the version, so the next gather of any layer copies it again.
+        # Pitfalls: without the wait, the hazard checker reports that "the host may write weights that a copy is
+        # still reading"; without the bump, the next step reuses old blocks (the test counts the copies of two
+        # steps).
+        # Hint 1: one host-side wait for one stream, then the version counter.
+        # Hint 2: stream.synchronize() blocks the host until the stream's queued work is done; self.version.
+        # Hint 3: synchronize the copy stream;  version += 1
         self.copy_stream.synchronize()
         self.version += 1
         # <<<

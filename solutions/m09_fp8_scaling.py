@@ -68,14 +68,31 @@ def quantize(t: torch.Tensor, dtype: torch.dtype, amax: torch.Tensor | None = No
     it, it is computed here. An amax smaller than the true one (a stale or "delayed" scale) must not
     overflow: values beyond the format's range saturate at +-FP8_MAX[dtype].
     """
-    # >>> TODO(m09): per-tensor abs-max scaling and a saturating cast
-    # Hint: to_fp8 = FP8_MAX[dtype] / amax puts the largest |value| on the largest FP8 number;
-    #       floor amax at AMAX_FLOOR first so an all-zero tensor gets a finite scale.
-    # Hint: multiply in float32, clamp to [-FP8_MAX, FP8_MAX], then cast (e5m2 turns overflow into inf).
-    # Hint: return the inverse factor as the scale, so that data * scale gives the values back.
+    # >>> TODO(m09): per-tensor abs-max scaling and a saturating cast to FP8
+    # Contract: t (any shape and float dtype), an FP8 dtype (E4M3 or E5M2) and maybe a known abs-max (a float32
+    # scalar tensor). Return Quantized(data, scale): data in `dtype` with t's shape, scale a float32 scalar
+    # tensor such that data * scale gives t back (up to rounding). No host sync: amax stays a tensor.
+    # Maths: the factor FP8_MAX[dtype] / amax maps the largest |value| onto the format's largest number; scale is
+    # its inverse. amax is floored at AMAX_FLOOR first (an all-zero tensor would get an infinite factor, and
+    # 0 * inf = NaN). Values beyond the range (a given amax that is too small, a stale one) saturate at
+    # +-FP8_MAX[dtype] instead of overflowing (e5m2 turns overflow into inf).
+    # Pitfalls the tests catch: the abs-max must land exactly on +-FP8_MAX; the factor must be *one* correctly
+    # rounded float32 division: a Python float divided by a tensor computes 1 / amax and then multiplies (two
+    # roundings, 1 ulp off for about a quarter of abs-maxes), and the test compares the FP8 bytes with a
+    # single division. Scale in float32 (a bf16 t times the factor would round in bf16 before the cast).
+    # Hint 1: floor the abs-max, divide the format's max by it, multiply, clamp, cast; return the data and the
+    #         factor's inverse.
+    # Hint 2: abs_max(t) when no amax is given; .float() and .clamp(min=...); amax.new_tensor(number) makes a
+    #         float32 tensor on amax's device, so the division is tensor by tensor; .clamp(-m, m); .to(dtype);
+    #         .reciprocal().
+    # Hint 3: amax = the given abs-max, or abs_max(t); in float32, floored at AMAX_FLOOR
+    #         to_fp8 = FP8_MAX[dtype] as a float32 tensor, divided by amax
+    #         data = (t in float32 times to_fp8), clamped to +-FP8_MAX[dtype], cast to dtype
+    #         return Quantized(data, the reciprocal of to_fp8)
     if amax is None:
         amax = abs_max(t)
-    to_fp8 = FP8_MAX[dtype] / amax.float().clamp(min=AMAX_FLOOR)
+    amax = amax.float().clamp(min=AMAX_FLOOR)
+    to_fp8 = amax.new_tensor(FP8_MAX[dtype]) / amax  # tensor / tensor: one rounding (a float / tensor is 1/amax, then * FP8_MAX)
     data = (t.float() * to_fp8).clamp(-FP8_MAX[dtype], FP8_MAX[dtype]).to(dtype)
     return Quantized(data, to_fp8.reciprocal())
     # <<<

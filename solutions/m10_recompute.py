@@ -54,9 +54,22 @@ def activation_bytes(cfg: LlamaConfig, batch: int, seq_len: int, dtype: torch.dt
     act = torch.tensor([], dtype=dtype).element_size()
     stat = torch.tensor([], dtype=compute_dtype(dtype)).element_size()
     tokens = batch * seq_len
-    # >>> TODO(m10): the size of every activation in ACTIVATIONS, in bytes
-    # Hint: x, n1, o, h, n2 have dim values per token; q has n_heads * head_dim, k and v
-    #       n_kv_heads * head_dim; g, u, s have ffn_dim; r1 and r2 one, lse one per query head.
+    # >>> TODO(m10): the bytes of every activation one block saves, by name
+    # Return a dict with one entry per name in ACTIVATIONS: the bytes that activation takes for `tokens` tokens
+    # (batch * seq_len), with activations `act` bytes a value and the per-token statistics (r1, r2 and lse)
+    # `stat` bytes a value (compute_dtype: float32 for bf16 activations).
+    # Derive each entry from the shape the block saves that tensor in (module 06's attention_half and ffn_half;
+    # the chapter's first table): per token, the number of values along its other axes, times its element size.
+    # Pitfalls the tests catch (they compare every entry with the bytes module 06's block really saves, in
+    # float32 and in bf16, where act != stat): k and v have the kv heads' width, not the query heads'; o is
+    # attention's output before the o projection; lse holds one statistic per query head, r1 and r2 one per
+    # token. A swap of two sizes (q and k, say) leaves the totals unchanged but fails the by-name check.
+    # Hint 1: six widths cover all fourteen names: the residual width, the query width, the key/value width, the
+    #         FFN width, one statistic per token, one per query head.
+    # Hint 2: cfg.dim, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.ffn_dim, 1 and
+    #         cfg.n_heads; act for the activations, stat for r1, r2 and lse.
+    # Hint 3: per_token = {each name: its width times act (or stat, for r1, r2, lse)}
+    #         return {each name: tokens times its per-token bytes}
     dim, q, kv, ffn = cfg.dim, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.ffn_dim
     per_token = {"x": dim * act, "n1": dim * act, "r1": stat, "q": q * act, "k": kv * act, "v": kv * act,
                  "o": q * act, "lse": cfg.n_heads * stat, "h": dim * act, "n2": dim * act, "r2": stat,
@@ -91,7 +104,15 @@ class RecomputeBlock(LlamaBlock):
         self.option = option
 
     def new_store(self) -> ActivationStore:
-        # >>> TODO(m10): a store that keeps every activation this option does not drop, and ABS_MAXES
+        # >>> TODO(m10): a store that keeps what this option does not drop, and the FP8 abs-maxes
+        # Return an ActivationStore whose keep set (module 06's store saves only the names in it) is every name in
+        # ACTIVATIONS that the option does not drop (its entry in DROPPED), plus ABS_MAXES: module 09's abs-maxes
+        # (4 bytes each) are kept whatever the option, so a recompute quantizes with the forward's own.
+        # Pitfalls the tests catch: the store's names and real bytes must equal kept_bytes for every option, FP8 or
+        # not (the FP8 formula counts the abs-maxes); keep=None would keep everything.
+        # Hint 1: set algebra on frozensets.
+        # Hint 2: ActivationStore(keep=...); frozenset difference (-) and union (|).
+        # Hint 3: return a store keeping (ACTIVATIONS without the option's dropped names) together with ABS_MAXES
         return ActivationStore(keep=(ACTIVATIONS - DROPPED[self.option]) | ABS_MAXES)
         # <<<
 
@@ -106,13 +127,31 @@ class RecomputeBlock(LlamaBlock):
         # kept abs-maxes from it (FP8Matmul.prepare then quantizes with the forward's abs-max).
         fresh = ActivationStore()
         fresh.tensors.update(store.tensors)
-        # >>> TODO(m10): recompute the missing activations into `fresh`, earliest first
-        # Hint: in forward order, rerun the least that rebuilds what is missing (the tests count the rerun
-        #       linears). Only self.attention_half makes q, k, v, o and lse (it refills n1 and r1 too), and
-        #       only self.ffn_half makes h (and everything after it); any other missing activation is a
-        #       single op (a norm, the gate and up linears, SwiGLU) away from what is kept or recomputed.
-        # Hint: read inputs from `fresh`: the kept tensors plus those recomputed so far.
-        # Hint: n1, n2 and s go into `fresh` through mm.prepare(tensor, fresh, name), as in the forward.
+        # >>> TODO(m10): rebuild the dropped activations into `fresh`, earliest first, rerunning the least
+        # missing (not empty) names what the forward dropped; fresh starts with everything the store kept, abs-maxes
+        # included. Put every missing activation into fresh, computed by the forward's own ops, in the forward's
+        # order, from what was kept or already recomputed, so the values are the forward's bit for bit (the given
+        # lines after this block copy them into the store).
+        # Which ops: only the attention half makes q, k, v, o and lse (it refills n1 and r1 too), and only the FFN
+        # half makes h (and everything after it). Any other missing activation is one op away from what is kept or
+        # recomputed: the ln1 norm of x (n1, r1), the ln2 norm of h (n2, r2), the gate and up linears (g, u),
+        # SwiGLU (s). Linear inputs enter fresh as in the forward: n1, n2 and s go through the policy's prepare
+        # under their names (with FP8 it finds the kept abs-max in fresh and quantizes with it).
+        # Pitfalls the tests catch: rerunning more than needed (they count the rerun linears: ffn 2, attention 3,
+        # block 6); other ops, inputs or order (restored tensors and gradients are compared with torch.equal, with
+        # and without FP8 linears); reading a dropped input from `store` instead of from fresh.
+        # Hint 1: two stages, each a choice: the attention stage (the whole half if any of its outputs is missing,
+        #         else maybe just the norm), then the FFN stage (the whole half if h is missing, else the missing
+        #         pieces one by one, in forward order).
+        # Hint 2: self.attention_half(w, x, store) and self.ffn_half(w, x, o, store) save into the store you pass;
+        #         rmsnorm_forward; linear_forward(input, weight, mm); swiglu_forward; mm.prepare(t, fresh, name);
+        #         fresh.save(name, t); fresh[name]; set intersection (&) tests whether any of a group is missing.
+        # Hint 3: x = the kept block input
+        #         if any of q, k, v, o, lse is missing: the attention half into fresh
+        #         elif n1 or r1 is missing: norm x with ln1; prepare n1 into fresh; save r1
+        #         if h is missing: the FFN half into fresh (from x and fresh's o)
+        #         else, each only if missing: n2, r2 (norm of fresh's h, prepare n2); g, u (fresh's n2 through gate
+        #         and up); s (SwiGLU of fresh's g and u, prepared)
         x = store["x"]
         if missing & {"q", "k", "v", "o", "lse"}:
             self.attention_half(w, x, fresh)

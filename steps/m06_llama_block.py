@@ -1,5 +1,5 @@
 # Generated from solutions/m06_llama_block.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 06`. (skeleton 9ef19667d124)
+# Grade your work with `python main.py grade 06`. (skeleton b4f8fc24a68a)
 """Module 06, part 2 - the transformer block: a forward sequence and its backward in reverse.
 
     x -> RMSNorm(ln1) -> q, k, v projections -> RoPE(q, k) -> causal GQA attention -> o projection
@@ -147,21 +147,34 @@ class LlamaBlock:
         cfg, mm = self.cfg, self.matmul
         B, T, _ = x.shape
         cos, sin = self.rope(T, x.dtype, x.device)
-        # TODO(m06): forward of the attention half: norm, q/k/v projections, RoPE, attention
-        # Hint: n1 = mm.prepare(norm output, store, 'n1') once: q, k and v multiply that (it saves 'n1').
-        # Hint: save 'x', 'r1', 'q', 'k' (after RoPE), 'v', 'o' and 'lse' in the store; with 'n1' those
-        #       are exactly what the backwards need. q is (B, T, n_heads, head_dim), k and v use n_kv_heads.
-        # Hint: attention itself is o, lse = self.attention.forward(q, k, v) (your attention_forward).
-        raise NotImplementedError('TODO(m06): forward of the attention half: norm, q/k/v projections, RoPE, attention')
+        # TODO(m06): the attention half's forward, saving exactly what its backward reads
+        # x is (B, T, dim); w holds the block's weights; cos and sin (above) are the RoPE tables for this length.
+        # Return o, attention's output (B, T, n_heads * head_dim), before the o projection. The ops, in order:
+        # RMSNorm with ln1, the q, k and v projections, RoPE on q and k, causal attention.
+        # Afterwards the store holds 'x', 'n1', 'r1', 'q' and 'k' (after RoPE), 'v', 'o' and 'lse', and nothing
+        # else of this half: the test compares the store's names with the list the backward reads.
+        # The matmul seam: the norm's output goes through the policy's prepare once, under the name 'n1' (prepare
+        # saves it); q, k and v all multiply what prepare returned (module 09's FP8 policy quantizes it there).
+        # Shapes: a projection gives (B, T, heads * head_dim); RoPE and attention want a head axis: (B, T, n_heads,
+        # head_dim) for q, n_kv_heads for k and v.
+        # Pitfalls: RoPE rotates q and k, never v. Attention goes through self.attention (chunked, or the fused
+        # kernel), not attention_forward directly. Every linear goes through linear_forward with self.matmul: the
+        # grader counts the policy's calls (7 forward, 7 backward per block) and compares with an nn.Module block.
+        raise NotImplementedError("TODO(m06): the attention half's forward, saving exactly what its backward reads")
 
     def ffn_half(self, w: BlockWeights, x: torch.Tensor, o: torch.Tensor, store: ActivationStore):
         """(block input x, attention output o) -> (h, s): the residual stream after attention and
         the SwiGLU output (prepared for the down projection). o is not prepared: attention's backward
         needs it as it is, so the o projection takes o itself (an FP8 policy converts it when it multiplies)."""
         cfg, mm = self.cfg, self.matmul
-        # TODO(m06): forward of the FFN half up to SwiGLU: o projection, residual + norm, gate/up, SwiGLU
-        # Hint: prepare the inputs of gate/up ('n2') and of down ('s') with mm.prepare; save 'h', 'r2', 'g', 'u'.
-        raise NotImplementedError('TODO(m06): forward of the FFN half up to SwiGLU: o projection, residual + norm, gate/up, SwiGLU')
+        # TODO(m06): the FFN half's forward up to SwiGLU, saving what its backward reads
+        # x is the block input and o attention's output (B, T, n_heads * head_dim). Return (h, s): h = x plus the o
+        # projection of o (the residual stream after attention), and s, SwiGLU of the gate and up projections of
+        # RMSNorm(h) with ln2, as the policy's prepare returned it (the down projection multiplies it).
+        # Afterwards the store holds 'h', 'n2', 'r2', 'g', 'u' and 's'; 'n2' and 's' get there through prepare.
+        # Pitfall: o is not prepared (attention's backward needs it as it is): the o projection multiplies o itself.
+        # Pitfall: gate and up read one prepared n2; preparing it twice would quantize twice in module 09.
+        raise NotImplementedError("TODO(m06): the FFN half's forward up to SwiGLU, saving what its backward reads")
 
     def forward(self, w: BlockWeights, x: torch.Tensor, store: ActivationStore) -> torch.Tensor:
         """y = block(x) for x of shape (B, T, dim); fills `store` for the backward."""
@@ -175,18 +188,25 @@ class LlamaBlock:
         mm = self.matmul
         B, T, _ = dy.shape
         cos, sin = self.rope(T, dy.dtype, dy.device)
-        # TODO(m06): backward of the FFN half: down, SwiGLU, gate and up, then the residual + norm
-        # Hint: y = h + down(s), so dy reaches both h and the down projection. Undo the FFN's ops in
-        #       reverse order; gate and up both read n2, so their two dn2 add up. residual_rmsnorm_backward
-        #       then sums h's two gradients (dy along the residual, dn2 through the norm) into dh.
-        # Hint: name the results dh, d_down, d_gate, d_up and d_ln2: the attention half's TODO uses them.
-        raise NotImplementedError('TODO(m06): backward of the FFN half: down, SwiGLU, gate and up, then the residual + norm')
-        # TODO(m06): backward of the attention half: o projection, attention, RoPE, q/k/v, norm
-        # Hint: h = x + o W_o^T, so dh reaches x directly and through the attention half: undo its ops in
-        #       reverse (self.attention.backward for attention, RoPE's backward where the forward rotated).
-        #       q, k and v all read n1, so their three dn1 add up before the norm's backward.
-        # Hint: attention's gradients come back with a head axis, (B, T, heads, D), maybe not contiguous;
-        #       the projections made (B, T, heads * D) (k and v: kv_heads): reshape them (not view) before
-        #       the projections' backward.
-        # Hint: return (dx, grads): dx sums both paths to x; grads is a BlockWeights of all nine gradients.
-        raise NotImplementedError('TODO(m06): backward of the attention half: o projection, attention, RoPE, q/k/v, norm')
+        # TODO(m06): the FFN half's backward, from dy back to the residual stream's gradient dh
+        # The forward was y = h + down(s), s = SwiGLU(g, u), g and u the gate and up projections of n2 = norm(h).
+        # Produce dh (the gradient of h, (B, T, dim)) and the weight gradients d_down, d_gate, d_up and d_ln2, by
+        # these names: the attention half's TODO below uses them. Read the saved tensors from the store.
+        # Maths: dy reaches h twice, along the residual and through the FFN; gate and up both read n2, so the two
+        # gradients of n2 add up before the norm's backward.
+        # Pitfalls: undo the ops in reverse order, each backward with the inputs its forward saw (the prepared 's'
+        # and 'n2', not recomputed ones). Every linear backward goes through linear_backward with self.matmul (the
+        # grader counts the policy's calls). The residual's dy must reach dh exactly once.
+        raise NotImplementedError("TODO(m06): the FFN half's backward, from dy back to the residual stream's gradient dh")
+        # TODO(m06): the attention half's backward, and the block's gradients
+        # dh (from the FFN half) reaches x directly (the residual) and through the attention half: o projection,
+        # attention, RoPE, the q, k and v projections, the ln1 norm. Return (dx, grads): dx = dL/dx (B, T, dim) with
+        # both paths summed, grads a BlockWeights of all nine weight gradients (d_ln2, d_gate, d_up, d_down above).
+        # Maths: q, k and v all read n1, so their three gradients of n1 add up before the norm's backward; RoPE's
+        # backward undoes the rotation of q and k (v was not rotated).
+        # Shapes: attention's backward returns dq (B, T, n_heads, head_dim) and dk, dv with n_kv_heads, maybe not
+        # contiguous; the projections' backward wants (B, T, heads * head_dim): flatten the head axis with reshape
+        # (view fails on a non-contiguous tensor).
+        # Pitfalls: attention's backward goes through self.attention with the saved q, k, v, o and lse; the grader
+        # compares all nine gradients and dx with an nn.Module Llama block (grouped, multi-head and one kv head).
+        raise NotImplementedError("TODO(m06): the attention half's backward, and the block's gradients")

@@ -1,5 +1,5 @@
 # Generated from solutions/m06_llama_model.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 06`. (skeleton 9568c846e106)
+# Grade your work with `python main.py grade 06`. (skeleton 495fd31c3c9a)
 """Module 06 - a tiny Llama trained with a hand-written backward.
 
 Embedding -> n_layers blocks (m06_llama_block) -> final RMSNorm -> LM head and cross-entropy.
@@ -71,26 +71,34 @@ def chunked_cross_entropy(x: torch.Tensor, w_head: torch.Tensor, targets: torch.
     dx = torch.empty_like(xs)
     dw = torch.zeros(w_head.shape, dtype=compute_dtype(w_head.dtype), device=w_head.device)
     for start in range(0, n_tokens, chunk):
-        # TODO(m06): loss and gradients of one chunk of tokens
-        # Hint: the chunk is rows start..start + chunk of xs and ts (fewer in the last one). A token's loss
-        #       is lse(logits) - its target's logit, computed in compute_dtype; add the chunk's sum to loss
-        #       (the mean is taken once, at the end).
-        # Hint: dlogits = (softmax - onehot(target)) / n_tokens (all the tokens, not the chunk's), cast to x's
-        #       dtype (bf16 models multiply in bf16). The head is a linear layer: its backward gives the
-        #       chunk's rows of dx, and a contribution to dw that adds up over the chunks.
-        raise NotImplementedError('TODO(m06): loss and gradients of one chunk of tokens')
+        # TODO(m06): the cross-entropy loss of one chunk of tokens, and its gradients
+        # The chunk is the rows start .. start + chunk of xs (tokens, dim) and ts (tokens,), fewer in the last one.
+        # Add the chunk's summed loss to `loss` (the mean is taken once, after the loop), write the chunk's rows of
+        # dx, and add the chunk's contribution to dw (the head's gradient, (vocab, dim), summed over chunks).
+        # Maths, per token: logits = the head applied to x (a linear layer, w_head is (vocab, dim)); its loss is
+        # lse(logits) minus the target's logit; dlogits = (softmax(logits) - onehot(target)) / N, with N = n_tokens,
+        # all the tokens of the batch (the gradient of the mean), not the chunk's. From dlogits the head's linear
+        # backward gives dx's rows and dw's contribution.
+        # Precision: logits, lse and the loss in compute_dtype (loss's dtype); dlogits cast to x's dtype before it
+        # multiplies (a bf16 model multiplies in bf16; the bf16 test checks dx's and dw's dtypes).
+        # Pitfalls: dividing by the chunk's size (wrong unless one chunk covers everything: the tests use chunks of
+        # 1, 7 and 1000 tokens against F.cross_entropy); softmax by exp without subtracting lse overflows.
+        raise NotImplementedError('TODO(m06): the cross-entropy loss of one chunk of tokens, and its gradients')
     return loss / n_tokens, dx.reshape(x.shape), dw.to(w_head.dtype)
 
 
 @dataclass
 class LlamaGrads:
+    """The gradients of one forward_backward. `blocks` has one entry per layer: a BlockWeights, or,
+    for a model that keeps only a shard of each block (module 07), this rank's flat gradient shard."""
     embedding: torch.Tensor
-    blocks: list[BlockWeights]
+    blocks: list[BlockWeights | torch.Tensor]
     final_norm: torch.Tensor
     lm_head: torch.Tensor
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.embedding, *(t for b in self.blocks for t in b.tensors()), self.final_norm, self.lm_head]
+        blocks = (t for b in self.blocks for t in (b.tensors() if isinstance(b, BlockWeights) else (b,)))
+        return [self.embedding, *blocks, self.final_norm, self.lm_head]
 
 
 class LlamaModel:
@@ -120,20 +128,31 @@ class LlamaModel:
     def forward_blocks(self, x: torch.Tensor, stores: list[ActivationStore]) -> torch.Tensor:
         """Run every block in order, each with its weights from the weight source and its own store."""
         n_layers = self.cfg.n_layers
-        # TODO(m06): the forward loop over the layers, using the weight source
-        # Hint: prefetch one layer ahead (the WeightSource protocol above): layer l + 1, if there is one, is
-        #       gathered before get(l), so its fetch overlaps layer l's compute; layer 0 is gathered before
-        #       the loop. Release each layer once it has run. The tests check this order of calls.
-        raise NotImplementedError('TODO(m06): the forward loop over the layers, using the weight source')
+        # TODO(m06): the forward loop over the layers, weights from the weight source
+        # Run the blocks in order, each with its weights from self.weights and its own store (stores[l]); return the
+        # last block's output. The WeightSource protocol (above): gather(l) starts making layer l available, get(l)
+        # returns it, release(l) says the loop is done with it.
+        # Invariant: one layer ahead. Layer l + 1 (if there is one) is gathered before layer l is fetched, so its
+        # transfer overlaps layer l's compute; layer 0 is gathered before the loop. Each layer is released once run.
+        # Pitfall: releasing a layer before its block has run: after release(l) a source may overwrite l's
+        # buffer (07, 08). The test records the calls, the block's included, and checks this exact order;
+        # modules 07 and 08 depend on it (two buffers: a gather two layers ahead, or a missing release, fails).
+        raise NotImplementedError('TODO(m06): the forward loop over the layers, weights from the weight source')
 
     def backward_blocks(self, dx: torch.Tensor, stores: list[ActivationStore]):
         """The blocks' backward in reverse order; returns (d_embedded_input, per-layer grads)."""
         n_layers = self.cfg.n_layers
         grads = [None] * n_layers
-        # TODO(m06): the backward loop, last layer first, using the weight source
-        # Hint: the same gather-ahead pattern as forward_blocks, in reverse. Clear each layer's store
-        #       after its backward: its activations are not needed again and their memory is freed.
-        raise NotImplementedError('TODO(m06): the backward loop, last layer first, using the weight source')
+        # TODO(m06): the backward loop, last layer first, weights from the weight source
+        # dx is the gradient of the last block's output. Run the blocks' backwards from the last layer to the first,
+        # each with its weights and its store; return (dx, grads): the gradient of the first block's input and
+        # `grads`, one BlockWeights per layer, in layer order (grads[l] is layer l's).
+        # Invariant: the forward's gather-one-ahead pattern, mirrored: the last layer is gathered first, and layer
+        # l - 1 before layer l is fetched. Each layer's store is cleared after its backward (those activations are
+        # not needed again; the test checks every store is empty afterwards), and each layer released.
+        # Pitfall: as in the forward, the test checks the exact order of the calls, and that no layer is
+        # released before its backward has run.
+        raise NotImplementedError('TODO(m06): the backward loop, last layer first, weights from the weight source')
 
     def forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor):
         """(loss, LlamaGrads) for next-token prediction on tokens (B, T) with targets (B, T)."""

@@ -1,5 +1,5 @@
 # Generated from solutions/m06_llama_ops.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 06`. (skeleton 91cbb52ae823)
+# Grade your work with `python main.py grade 06`. (skeleton 88ec78b858b5)
 """Module 06, part 1 - the operations of a Llama block, each with an explicit backward.
 
 Every op is a pair of plain functions: `*_forward` returns its output and the few tensors its
@@ -42,13 +42,24 @@ class Matmul:
         return x
 
     def forward(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        # TODO(m06): the linear layer's forward product, y = x w^T
-        raise NotImplementedError("TODO(m06): the linear layer's forward product, y = x w^T")
+        # TODO(m06): the linear layer's forward product
+        # x is (tokens, in_features) and w is (out_features, in_features), stored like nn.Linear's weight.
+        # Return y of shape (tokens, out_features) with y[t, o] = sum over i of x[t, i] * w[o, i]: each output
+        # feature is the dot product of a token's row with one *row* of w.
+        # Pitfall: multiplying by w as it is stored pairs the wrong axes: a shape error when in != out, silently
+        # wrong numbers when they are equal. The tests use unequal sizes and compare with F.linear in float64.
+        raise NotImplementedError("TODO(m06): the linear layer's forward product")
 
     def backward(self, dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor):
         """Gradients (dx, dw) of y = x @ w.T, given dy = dL/dy of shape (tokens, out_features)."""
-        # TODO(m06): dx = dy w and dw = dy^T x (a sum over the tokens)
-        raise NotImplementedError('TODO(m06): dx = dy w and dw = dy^T x (a sum over the tokens)')
+        # TODO(m06): the linear layer's backward: the gradients of its input and of its weight
+        # dy = dL/dy is (tokens, out_features); x is the saved input (tokens, in_features); w is (out, in).
+        # Return (dx, dw): dx has x's shape, dw has w's shape. From y[t, o] = sum_i x[t, i] w[o, i]:
+        #     dL/dx[t, i] = sum over o of dy[t, o] w[o, i]        dL/dw[o, i] = sum over t of dy[t, o] x[t, i]
+        # dw adds up the contributions of every token: a sum, not a mean (the loss has already averaged).
+        # Pitfall: the shapes pin down which operand is transposed in each product: check them before the values.
+        # The tests compare both gradients with autograd in float64 and run gradcheck through your backward.
+        raise NotImplementedError("TODO(m06): the linear layer's backward: the gradients of its input and of its weight")
 
 
 def linear_forward(x: torch.Tensor, w: torch.Tensor, matmul: Matmul) -> torch.Tensor:
@@ -74,18 +85,27 @@ def rmsnorm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float):
     least. The backward needs x and r: saving r instead of recomputing it is cheap and spares a
     reduction over dim.
     """
-    # TODO(m06): RMSNorm forward; return (n, r) with r of shape x.shape[:-1]
-    # Hint: compute in compute_dtype(x.dtype), keep r in it, and cast n back to x.dtype.
-    raise NotImplementedError('TODO(m06): RMSNorm forward; return (n, r) with r of shape x.shape[:-1]')
+    # TODO(m06): RMSNorm forward: the normalized, weighted x and each token's reciprocal RMS
+    # Contract: the docstring's maths, over the last dimension of x (..., dim), with weight (dim,). Return
+    # (n, r): n has x's shape and dtype; r holds one value per token, shape x.shape[:-1], in compute_dtype(x.dtype).
+    # Precision: a bf16 x is squared, averaged and scaled in float32 (compute_dtype), else the mean of squares
+    # loses digits; only n goes back to x's dtype. The bf16 test checks the dtype of everything you return.
+    # Pitfall: r has one axis fewer than x, so it does not broadcast against a row as it stands: a shape error,
+    # or a silent broadcast along the wrong axis when two sizes happen to match.
+    raise NotImplementedError("TODO(m06): RMSNorm forward: the normalized, weighted x and each token's reciprocal RMS")
 
 
 def rmsnorm_backward(dn: torch.Tensor, x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor):
     """(dx, dweight) for rmsnorm_forward, from the saved x and r."""
-    # TODO(m06): RMSNorm backward
-    # Hint: with xhat = x r and g = dn * weight:  dweight = sum over tokens of dn * xhat,
-    #       dx = r * (g - xhat * mean(g * xhat)) over the last dimension. Compute in r's dtype;
-    #       return dx in x's dtype and dweight in weight's dtype.
-    raise NotImplementedError('TODO(m06): RMSNorm backward')
+    # TODO(m06): RMSNorm backward: the gradients of x and of the norm's weight
+    # dn = dL/dn has x's shape; x and r are what the forward saved; weight is (dim,). Return (dx, dweight): dx in
+    # x's shape and dtype, dweight in weight's shape and dtype. Compute in r's dtype (float32 at least).
+    # Maths, per row: with xhat = x r (the normalized row) and g = dn * weight (the gradient reaching xhat),
+    # dweight collects dn * xhat over every token, and dx is r times g minus a correction along xhat: r depends
+    # on the whole row, and scaling a row barely changes its normalized values (the chapter's table has it).
+    # Pitfall: dropping the correction would be right only if r were a constant; autograd and gradcheck catch it.
+    # Pitfall: dweight sums over all leading axes (batch and time alike), not over one of them.
+    raise NotImplementedError("TODO(m06): RMSNorm backward: the gradients of x and of the norm's weight")
 
 
 def residual_rmsnorm_forward(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, eps: float):
@@ -99,8 +119,13 @@ def residual_rmsnorm_backward(dh: torch.Tensor, dn: torch.Tensor, h: torch.Tenso
                               weight: torch.Tensor):
     """(d_residual, dweight): h feeds both the rest of the residual stream (gradient dh) and the
     norm (gradient dn), so its gradient is their sum; x and a both receive it unchanged."""
-    # TODO(m06): the fused residual-add + RMSNorm backward
-    raise NotImplementedError('TODO(m06): the fused residual-add + RMSNorm backward')
+    # TODO(m06): the backward of the residual add followed by RMSNorm
+    # h = x + a feeds two consumers: the rest of the residual stream (its gradient dh arrives here) and the norm
+    # (its gradient dn). Return (d_residual, dweight): d_residual = dL/dh, which is also dL/dx and dL/da (an add
+    # hands its gradient unchanged to both inputs), and dweight, the norm weight's gradient.
+    # Pitfall: forgetting one of h's two consumers; the test checks the gradients of x, of a and of the weight
+    # against autograd, with a dh and a dn that are both nonzero.
+    raise NotImplementedError('TODO(m06): the backward of the residual add followed by RMSNorm')
 
 
 # ---------------------------------------------------------------------------------------------
@@ -120,15 +145,26 @@ def rope_tables(seq_len: int, head_dim: int, theta: float, dtype=torch.float32, 
 
 def rope_forward(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate each pair (x1, x2) = (first half, second half) of the head dimension by its angle."""
-    # TODO(m06): RoPE forward on x of shape (B, T, heads, head_dim)
-    # Hint: out1 = x1 cos - x2 sin,  out2 = x1 sin + x2 cos.
-    raise NotImplementedError('TODO(m06): RoPE forward on x of shape (B, T, heads, head_dim)')
+    # TODO(m06): RoPE forward: rotate each pair of head dimensions by its position's angle
+    # x is (B, T, heads, head_dim); cos and sin are (T, 1, head_dim // 2) from rope_tables: they broadcast over
+    # the batch and the heads. Return a tensor of x's shape and dtype.
+    # The pairs are (x1[i], x2[i]) with x1 the first half of the head dimension and x2 the second half. Each pair
+    # is a point in the plane, turned by its angle t: multiplied by the rotation matrix [[cos t, -sin t],
+    # [sin t, cos t]].
+    # Pitfall: pairing neighbours (0, 1), (2, 3) is the other RoPE convention: still a rotation, so your forward
+    # and backward agree with each other, but the test against the reference rope (a complex rotation) fails.
+    raise NotImplementedError("TODO(m06): RoPE forward: rotate each pair of head dimensions by its position's angle")
 
 
 def rope_backward(dy: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """A rotation is orthogonal, so its backward is the inverse rotation (angle -t): no saved input."""
-    # TODO(m06): RoPE backward: rotate dy by the opposite angles
-    raise NotImplementedError('TODO(m06): RoPE backward: rotate dy by the opposite angles')
+    # TODO(m06): RoPE backward: the gradient through a rotation
+    # dy = dL/d(output) has x's shape; cos and sin as in the forward. Return dL/dx, of the same shape.
+    # Maths: the forward multiplies each pair by a rotation matrix R(t); the gradient goes back through its
+    # transpose, and for a rotation R(t)^T = R(-t), the rotation by the opposite angle. No saved input needed.
+    # Check: the backward undoes the forward exactly, backward(forward(x)) == x; the test checks that too.
+    # Pitfall: cos(-t) = cos t but sin(-t) = -sin t: only the sine terms change sign.
+    raise NotImplementedError('TODO(m06): RoPE backward: the gradient through a rotation')
 
 
 # ---------------------------------------------------------------------------------------------
@@ -166,14 +202,18 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: 
     qg, kg, vg = _grouped(q, kv_heads), _grouped(k, kv_heads), _grouped(v, kv_heads)
     outputs, lses = [], []
     for start in range(0, T, chunk):
-        # TODO(m06): attention for queries start..start+chunk: append their output and lse
-        # Hint: qg, kg, vg are (B, kv_heads, group, T, D), time on axis -2 (k and v have a group of 1, which
-        #       broadcasts). The last chunk may be shorter than `chunk`. No query of the chunk sees a key
-        #       after its last query: _causal_scores returns the scores of exactly those keys, masked, and
-        #       scaled by the scale you pass it (1/sqrt(D)).
-        # Hint: lse is the log-sum-exp of each query's scores over the keys, kept in the scores' dtype; the
-        #       probabilities p = exp(s - lse), cast to v's dtype, weight the values of those same keys.
-        raise NotImplementedError('TODO(m06): attention for queries start..start+chunk: append their output and lse')
+        # TODO(m06): causal attention for one chunk of queries: its output and its log-sum-exp
+        # qg, kg, vg are (B, kv_heads, group, T, D), time on axis -2 (k and v have a group axis of 1, which broadcasts
+        # over the query heads that share them). This iteration handles the queries start .. start + chunk (the last
+        # chunk may be shorter). Append to `outputs` the chunk's output (B, kv_heads, group, rows, D), in v's dtype,
+        # and to `lses` its log-sum-exp (B, kv_heads, group, rows), in the scores' dtype (float32 at least).
+        # Maths: s = q k^T / sqrt(D) against the keys the query may see (query i: keys 0..i); lse = log of the sum of
+        # exp(s) over those keys; the softmax is p = exp(s - lse); the output weights the values of those keys by p.
+        # Given: _causal_scores returns the chunk's scores, multiplied by the scale you pass, future keys at -inf.
+        # Pitfall: the scores cover keys 0 .. the chunk's last query, not all T: p multiplies the same rows of v.
+        # Pitfall: a max-and-divide softmax is right too, but the backward needs lse itself, not just p.
+        # The tests use chunks that do not divide T, and grouped heads, against F.scaled_dot_product_attention.
+        raise NotImplementedError('TODO(m06): causal attention for one chunk of queries: its output and its log-sum-exp')
     o = torch.cat(outputs, dim=-2)  # (B, kv_heads, group, T, D)
     return o.flatten(1, 2).transpose(1, 2).reshape(B, T, heads * D), torch.cat(lses, dim=-1)
 
@@ -196,15 +236,19 @@ def attention_backward(do: torch.Tensor, q, k, v, o, lse, chunk: int = ATTENTION
     dk = torch.zeros(qg.shape[:3] + (T, D), dtype=lse.dtype, device=q.device)
     dv = torch.zeros_like(dk)
     for start in range(0, T, chunk):
-        # TODO(m06): backward of one query chunk: append its dq, accumulate dk and dv
-        # Hint: the docstring's equations (the chapter has all of them), one query chunk at a time: the
-        #       chunk's rows of q and do (time is axis -2) and of lse and delta (time is their last axis; one
-        #       number per query, so they broadcast over the keys), against the keys the forward's chunk saw.
-        #       Rebuild p from the saved lse exactly as the forward did. Mind where `scale` enters.
-        # Hint: the chunk's dq is complete: append it. dk and dv get a contribution from every chunk whose
-        #       queries see their keys: add it into those key rows of the accumulators.
-        # Hint: p, dp and ds are in lse's dtype; cast p and ds to q's dtype before they multiply q, k, v or do.
-        raise NotImplementedError('TODO(m06): backward of one query chunk: append its dq, accumulate dk and dv')
+        # TODO(m06): attention backward for one chunk of queries: its dq, its share of dk and dv
+        # For the queries start .. start + chunk (the last chunk may be shorter): append the chunk's dq,
+        # (B, kv_heads, group, rows, D) in q's dtype, to `dqs`, and add the chunk's contributions into the float32
+        # accumulators dk and dv, (B, kv_heads, group, T, D), at the rows of the keys this chunk sees.
+        # Maths: the docstring's equations (the chapter derives them), restricted to this chunk's rows of q, do, lse
+        # and delta and to the keys 0 .. the chunk's last query. lse and delta hold one number per query (time on
+        # their last axis), so they broadcast over the keys once given a trailing axis.
+        # Invariants: p is rebuilt exactly as the forward made it (same scores, scale and mask); a chunk's dq is
+        # complete when the chunk is done, while dk and dv sum over every chunk whose queries see those keys.
+        # Pitfalls: the scale 1/sqrt(D) is inside s, so it comes back in the chain to q and to k (not to v):
+        # without it dq and dk are off by exactly sqrt(D). Assigning dk or dv instead of adding keeps only the last
+        # chunk's share (the tests use chunks smaller than T). Masked scores are -inf, so p is 0 there: no new mask.
+        raise NotImplementedError('TODO(m06): attention backward for one chunk of queries: its dq, its share of dk and dv')
     dq = torch.cat(dqs, dim=-2).flatten(1, 2).transpose(1, 2)
     # Sum over the group of query heads that shared each key/value head.
     dk = dk.sum(2).transpose(1, 2).to(k.dtype)
@@ -234,12 +278,20 @@ class ChunkedAttention:
 # ---------------------------------------------------------------------------------------------
 def swiglu_forward(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """s = silu(g) * u, with silu(g) = g * sigmoid(g); the backward needs g and u."""
-    # TODO(m06): SwiGLU forward
-    raise NotImplementedError('TODO(m06): SwiGLU forward')
+    # TODO(m06): SwiGLU forward: the FFN's gated activation
+    # g and u are the gate and up projections, of the same shape (..., ffn_dim). Return s of that shape: the
+    # docstring's maths, elementwise. The backward will need only g and u, so nothing else is saved.
+    # Pitfall: silu is the gate times its own sigmoid, not the sigmoid alone; the test compares with PyTorch's
+    # silu in float64.
+    raise NotImplementedError("TODO(m06): SwiGLU forward: the FFN's gated activation")
 
 
 def swiglu_backward(ds: torch.Tensor, g: torch.Tensor, u: torch.Tensor):
     """(dg, du) for swiglu_forward."""
-    # TODO(m06): SwiGLU backward
-    # Hint: d silu(g)/dg = sigmoid(g) * (1 + g * (1 - sigmoid(g))).
-    raise NotImplementedError('TODO(m06): SwiGLU backward')
+    # TODO(m06): SwiGLU backward: the gradients of the gate and of the up projection
+    # ds = dL/ds; g and u are the saved inputs. Return (dg, du), each of g's shape.
+    # Maths: s is a product of silu(g) and u, so du is ds times the other factor, and dg is ds times u times
+    # silu's derivative, which you get from silu(g) = g sigmoid(g) and sigmoid' = sigmoid (1 - sigmoid).
+    # Pitfall: the product rule gives silu' two terms; keeping only sigmoid(g) is wrong for every g != 0
+    # (autograd and gradcheck both compare).
+    raise NotImplementedError('TODO(m06): SwiGLU backward: the gradients of the gate and of the up projection')

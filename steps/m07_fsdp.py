@@ -1,5 +1,5 @@
 # Generated from solutions/m07_fsdp.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 07`. (skeleton 8d67d3dce4a2)
+# Grade your work with `python main.py grade 07`. (skeleton b2f2c3545c92)
 """Module 07 - FSDP: every rank keeps 1/N of each block; whole blocks exist only while in use.
 
 Data parallel: each rank trains on its own rows of the global batch. Sharded: each rank keeps only
@@ -54,10 +54,14 @@ class FSDPLlama(LlamaModel):
         super().__init__(cfg, seed, dtype, loss_chunk=loss_chunk)
         self.rank, self.world_size, self.collectives = rank, world_size, collectives
         self.layout = FlatLayout(self.blocks[0], self.world_size)
-        # TODO(m07): keep this rank's shard of every block (a copy: the full blocks are dropped next)
-        # Hint: your FlatLayout flattens a block and cuts out this rank's shard. A shard is a view, which
-        #       keeps the whole flat buffer alive: keep a copy (.clone()) so the full buffer can be freed.
-        raise NotImplementedError("TODO(m07): keep this rank's shard of every block (a copy: the full blocks are dropped next)")
+        # TODO(m07): keep this rank's shard of every block, and nothing of the full blocks
+        # self.blocks holds the full model's blocks (every rank built the same ones from the seed). Set self.shards:
+        # one tensor per layer, this rank's shard of that block's padded flat buffer (self.layout, your FlatLayout).
+        # The full blocks are dropped on the next line; afterwards a rank must hold only its shards, and the
+        # optimizer updates each shard in place.
+        # Pitfall: a shard is a view, and a view keeps its whole buffer alive: the test measures the memory behind
+        # self.shards and fails if it is one full block per layer instead of one shard.
+        raise NotImplementedError("TODO(m07): keep this rank's shard of every block, and nothing of the full blocks")
         self.blocks = []  # from here on, whole blocks exist only in the weight source's two buffers
         self.weights = ShardedWeights(self.layout, self.shards, collectives)
         self.replicated = [self.embedding, self.final_norm, self.lm_head]
@@ -77,32 +81,52 @@ class FSDPLlama(LlamaModel):
     def backward_blocks(self, dx: torch.Tensor, stores):
         """Module 06's backward loop, plus a reduce-scatter of each block's gradient as soon as it exists."""
         n_layers = self.cfg.n_layers
-        # TODO(m07): the backward loop with explicit prefetch and a reduce-scatter per block
-        # Hint: module 06's backward loop, plus reduce_scatter_grad(layer, grads) as soon as the layer's
-        #       gradient exists, after its release. The next layer's gather thus goes out *before* this
-        #       layer's reduce-scatter (see the module docstring); the tests check that order of calls.
-        # Hint: the last reduce-scatter is still in flight after the loop: finish it before returning
-        #       (dx, self.grad_shards).
-        raise NotImplementedError('TODO(m07): the backward loop with explicit prefetch and a reduce-scatter per block')
+        # TODO(m07): the backward loop, each block's gradient reduce-scattered as soon as it exists
+        # Module 06's backward loop (gather one layer ahead, get, the block's backward, clear the store, release),
+        # plus: right after a layer's release, start the reduce-scatter of its gradient (reduce_scatter_grad); after
+        # the loop, finish the last one still in flight, so that every layer's sum over ranks has landed in
+        # self.grad_shards when this returns.
+        # Returns (dx, this rank's gradient shards). dx, the gradient of the embedded input, is what forward_backward
+        # needs (it becomes the embedding's gradient). The second item becomes LlamaGrads.blocks: in FSDP no whole
+        # per-layer gradient may outlive the loop (L of them alive is what sharding avoids), so the blocks'
+        # gradients exist only as the shards in self.grad_shards (LlamaGrads takes a flat shard per layer in place
+        # of a BlockWeights). The optimizer reads them through grads(), in parameters()' order.
+        # Pitfalls the grader catches: the order of calls (the test records gather, get, backward, release and the
+        # collectives): the next layer's gather goes out *before* this layer's reduce-scatter (the module docstring:
+        # one communication queue), and a layer is released only after its backward ran. A reduce-scatter never
+        # waited for fails at the end of the step (its sum may not have arrived when the optimizer reads it).
+        raise NotImplementedError("TODO(m07): the backward loop, each block's gradient reduce-scattered as soon as it exists")
 
     def reduce_scatter_grad(self, layer: int, grads):
         """Start summing the block's gradient over ranks, each rank receiving its own slice, without
         waiting: it travels while the next block's backward computes. The one started for the block
         before is finished first, so at most one is in flight (and at most two full gradients exist)."""
         # TODO(m07): finish the reduce-scatter in flight, then start this block's without waiting
-        # Hint: collectives.reduce_scatter(shard_out, full_flat, label=f"block {layer}", async_op=True)
-        #       returns at once with a work to wait on; the sum over ranks lands in shard_out once it is done.
-        # Hint: keep in self.in_flight (a ReduceScatterInFlight) what finish_reduce_scatter needs, the flat
-        #       gradient included: the collective reads it until it is done.
+        # grads is the block's full gradient on this rank (a BlockWeights, from this rank's rows of the batch). Start
+        # summing it over ranks so that each rank receives its own shard_numel slice of the sum, in the layout of
+        # the weights' shards, without waiting for it. Before that, finish the one started for the previous block:
+        # at most one in flight, at most two whole gradients alive. Leave in self.in_flight (a
+        # ReduceScatterInFlight) everything finish_reduce_scatter needs.
+        # Contract with the tests: the collective is asynchronous and labelled "block <layer>"; starting one while
+        # another is still in flight fails at once (each keeps a whole block's gradient alive until waited for).
+        # Pitfalls: the collective reads the flat gradient until it completes, so self.in_flight keeps it alive.
+        # Receive into a fresh tensor, not into grad_shards: the slice is added, scaled, when it is finished
+        # (that is how microbatches accumulate).
         raise NotImplementedError("TODO(m07): finish the reduce-scatter in flight, then start this block's without waiting")
 
     def finish_reduce_scatter(self):
         """Wait for the reduce-scatter in flight, if any, and add its slice, scaled, to the shard's gradient."""
         if self.in_flight is None:
             return
-        # TODO(m07): wait for the reduce-scatter in flight and accumulate its slice into grad_shards
-        # Hint: add with alpha=grad_scale; then nothing is in flight (None).
-        raise NotImplementedError('TODO(m07): wait for the reduce-scatter in flight and accumulate its slice into grad_shards')
+        # TODO(m07): complete the reduce-scatter in flight; add its slice, scaled, to the gradient shard
+        # self.in_flight (not None here) holds the work, the flat gradient it reads, the slice it receives and the
+        # layer. Once the work has completed, add the received slice times self.grad_scale (1 / (n_microbatches *
+        # world_size): the gradient of the mean loss over the global batch) into self.grad_shards[layer]. Afterwards
+        # nothing is in flight.
+        # Pitfalls: a missing scale moves the losses by only ~1e-7 (AdamW barely notices a constant factor), yet
+        # that is 10^5 times the tests' tolerance against single-process training (their message names the scale).
+        # Assigning instead of adding loses the earlier microbatches' gradients.
+        raise NotImplementedError('TODO(m07): complete the reduce-scatter in flight; add its slice, scaled, to the gradient shard')
 
     def train_step(self, tokens: torch.Tensor, targets: torch.Tensor, n_microbatches: int, optimizer) -> float:
         """One optimizer step on this rank's rows (split into n_microbatches); returns their mean loss."""
@@ -118,18 +142,26 @@ class FSDPLlama(LlamaModel):
         """Forward and backward of one microbatch, its gradients added (times grad_scale) to this rank's
         accumulators: the blocks' by their reduce-scatters, the replicated weights' here. Returns its loss."""
         loss, grads = self.forward_backward(tokens, targets)  # block gradients land in grad_shards
-        # TODO(m07): accumulate the replicated weights' gradients (embedding, final norm, LM head)
-        raise NotImplementedError("TODO(m07): accumulate the replicated weights' gradients (embedding, final norm, LM head)")
+        # TODO(m07): add this microbatch's replicated-weight gradients to their accumulators
+        # grads is this microbatch's LlamaGrads on this rank. The blocks' gradients are already accumulated (by the
+        # reduce-scatters). Add the embedding's, the final norm's and the LM head's gradients, each times
+        # self.grad_scale, into self.replicated_grads (in the order of self.replicated). They are summed over ranks
+        # once per step, later (reduce_and_step).
+        # Pitfalls: assigning instead of adding loses the earlier microbatches; a missing scale is caught by the
+        # 1e-12 tolerance against single-process training (2 to 4 ranks, 1 and 2 microbatches).
+        raise NotImplementedError("TODO(m07): add this microbatch's replicated-weight gradients to their accumulators")
         return loss.item()
 
     def reduce_and_step(self, optimizer):
         """After the last microbatch: sum the replicated gradients over ranks, step, invalidate."""
-        # TODO(m07): sum the replicated gradients over ranks (one all-reduce), then step and invalidate
-        # Hint: one collective for all three (the tests count one all-reduce per step): pack them into one
-        #       flat buffer, all-reduce it (collectives.all_reduce sums in place), and unpack the sums into them.
-        # Hint: the optimizer reads each parameter's .grad (grads() is in parameters()' order); after its
-        #       step, invalidate the weight source: the gathered copies of the blocks are now stale.
-        raise NotImplementedError('TODO(m07): sum the replicated gradients over ranks (one all-reduce), then step and invalidate')
+        # TODO(m07): sum the replicated gradients over ranks in one collective; step; invalidate
+        # After the last microbatch each rank holds its own scaled sum of the replicated gradients. Make every rank
+        # hold the sum over ranks, with a single all-reduce for all three tensors (the tests count one per step).
+        # Then give the optimizer the gradients (it reads each parameter's .grad; grads() is in parameters()'
+        # order), step, and invalidate the weight source: the block shards changed, so gathered copies are stale.
+        # Pitfalls: three all-reduces give the right numbers but fail the count; without invalidate() the next step
+        # reuses stale blocks from the buffers (the losses drift from single-process training).
+        raise NotImplementedError('TODO(m07): sum the replicated gradients over ranks in one collective; step; invalidate')
 
 
 def global_mean(value: float) -> float:

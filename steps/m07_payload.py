@@ -1,5 +1,5 @@
 # Generated from solutions/m07_payload.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 07`. (skeleton 9b1b2237d6e6)
+# Grade your work with `python main.py grade 07`. (skeleton 07a4aaaa5369)
 """Module 07, part 2 - FSDP's communication and buffer arithmetic, before running anything.
 
 For blocks of P parameters of b bytes each, sharded over N ranks (padded to a multiple of N):
@@ -39,9 +39,14 @@ def fsdp_traffic(block_params: int, dtype_bytes: int, world_size: int, blocks: i
     """
     if not 0 <= kept <= min(2, blocks):
         raise ValueError(f"kept must be between 0 and min(2, blocks) = {min(2, blocks)}, got {kept}")
-    # TODO(m07): the payload, the number of collectives and the buffer sizes
-    # Hint: each forward and each backward gathers every block, except that at a *turn* (forward ->
-    #       backward, or backward -> next forward within the step) the `kept` blocks still in the
-    #       buffers are reused. How many turns does one optimizer step have?
-    # Hint: every payload is one shard: block_params / world_size rounded up, times dtype_bytes.
-    raise NotImplementedError('TODO(m07): the payload, the number of collectives and the buffer sizes')
+    # TODO(m07): one optimizer step's payload, collective counts and buffer bytes
+    # Return an FSDPTraffic with every field filled (see its comments): `blocks` blocks of block_params
+    # parameters of dtype_bytes bytes each, sharded over world_size ranks, n_microbatches forward+backward
+    # passes per optimizer step, and `kept` blocks reused at each turn between two passes (module docstring).
+    # Maths: a payload is one rank's shard, padded like FlatLayout's; every pass gathers every block, except the
+    # `kept` blocks still in the buffers at a turn; every block's gradient is reduce-scattered once per
+    # microbatch; a full buffer holds world_size shards.
+    # Pitfall: counting the turns: a step alternates forward, backward, forward, ..., backward, and the turns are
+    # the boundaries between consecutive passes. The tests check PyTorch's FSDP Notes' worked example (kept 0)
+    # and counts written out by hand for kept 1 and 2, several microbatches, and a payload that needs padding.
+    raise NotImplementedError("TODO(m07): one optimizer step's payload, collective counts and buffer bytes")

@@ -1,5 +1,5 @@
 # Generated from solutions/m09_fp8_matmul.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 09`. (skeleton 8e6ce9bdc894)
+# Grade your work with `python main.py grade 09`. (skeleton b73190618b58)
 """Module 09, part 2 - FP8 linears: module 06's matmul policy with FP8 operands.
 
 A linear layer computes y = x W^T (x: tokens x in_features, W: out_features x in_features) and
@@ -50,13 +50,19 @@ def column_major(q: Quantized) -> Quantized:
 
 def check_scaled_mm_operands(a: torch.Tensor, b: torch.Tensor) -> None:
     """Raise ValueError, saying what is wrong, unless a @ b meets CUDA's rules for torch._scaled_mm."""
-    # TODO(m09): check the CUDA rules for torch._scaled_mm
-    # Hint: check, in order: 2-D operands with matching inner dimension; FP8 dtypes and not both
-    #       e5m2; every dimension a multiple of 16; a.stride(1) == 1 (row-major); b.stride(0) == 1
-    #       (column-major).
-    # Hint: each message names the rule it checks ("2-D", "inner dimension", "FP8", "e5m2", "16",
-    #       "row-major", "column-major"): the tests look for those words.
-    raise NotImplementedError('TODO(m09): check the CUDA rules for torch._scaled_mm')
+    # TODO(m09): refuse operands CUDA's _scaled_mm would reject, naming the rule
+    # a @ b must meet the H100 kernel's rules (the module docstring; the chapter's "CUDA's layout rules"),
+    # checked on every device because the CPU kernel is laxer. Raise ValueError at the first rule broken, in
+    # this order: both 2-D; a's columns match b's rows (the inner dimension); both dtypes FP8; not both e5m2;
+    # every dimension (M, K and N) a multiple of 16; a row-major; b column-major. Return None if all hold.
+    # Each message names its rule in words the tests look for ("2-D", "inner", "float8" or "FP8", "e5m2", "16",
+    # "row-major", "column-major") and says what it found (shapes, dtype, strides).
+    # Layout in strides: row-major means a row's consecutive elements are adjacent in memory (step 1 along the
+    # columns), column-major the same for a column. A transpose is a view that swaps the strides, so the
+    # transpose of a row-major matrix is column-major without a copy.
+    # Pitfall: requiring is_contiguous() instead of the one stride that matters rejects the transposed views the
+    # forward uses; the tests pass the three linears' real operands and expect them accepted.
+    raise NotImplementedError("TODO(m09): refuse operands CUDA's _scaled_mm would reject, naming the rule")
 
 
 def scaled_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype, fast_accum: bool = False) -> torch.Tensor:
@@ -109,9 +115,16 @@ class FP8WeightCache:
 
     def lookup(self, w: torch.Tensor) -> CachedWeight:
         entry = self.entries.get(id(w))
-        # TODO(m09): serve the cached copy only while the weight is unchanged since it was made
-        # Hint: w._version counts the in-place writes to w; the entry recorded it at quantization.
-        raise NotImplementedError('TODO(m09): serve the cached copy only while the weight is unchanged since it was made')
+        # TODO(m09): serve the cached FP8 copy only while the weight is unchanged
+        # entry is w's cache entry, or None. Return it if it is still valid; otherwise fall through to the code
+        # below, which quantizes w again and replaces the entry.
+        # Valid means: w has not been written in place since the entry was made. PyTorch counts the in-place writes
+        # to a tensor (an optimizer step, mul_, copy_) in its version counter (the class docstring, the chapter);
+        # the entry recorded the counter's value when it quantized w.
+        # Pitfalls the tests catch: serving a stale copy after an in-place update (the test multiplies W in place,
+        # as an optimizer step would), and quantizing at every call (it counts one quantization for two
+        # microbatches).
+        raise NotImplementedError('TODO(m09): serve the cached FP8 copy only while the weight is unchanged')
         entry = CachedWeight(w._version, self.quantize(w, E4M3))
         # A weak reference does not keep w alive; its callback runs when w is freed, before its
         # id can be reused by another tensor.
@@ -151,15 +164,18 @@ class FP8Matmul(Matmul):
         return min(tokens, in_features) >= self.min_dim and tokens % 16 == 0 and in_features % 16 == 0
 
     def prepare(self, x: torch.Tensor, store, name: str):
-        # TODO(m09): quantize a linear input once; keep it and its abs-max in the store
-        # Hint: an input too small for FP8 goes to Matmul.prepare. x may be (B, T, features): ask
-        #       uses_fp8(tokens, features) with tokens = x.numel() // x.shape[-1].
-        # Hint: the abs-max lives in the store under abs_max_name(name). If it is already there (module
-        #       10's recompute), reuse it, so the recomputed FP8 bits equal the forward's; else compute and
-        #       save it.
-        # Hint: the store keeps, under `name`, x quantized to e4m3 with that abs-max by self.quantize (which
-        #       may be compiled); that is also what forward multiplies, so return it.
-        raise NotImplementedError('TODO(m09): quantize a linear input once; keep it and its abs-max in the store')
+        # TODO(m09): quantize a linear input once, and keep it and its abs-max in the store
+        # x is a linear input (any leading shape, features last); name is where the store keeps it ('n1', 'n2',
+        # 's'). An input too small for FP8 (uses_fp8 of its token and feature counts; the tokens are all leading
+        # dimensions together) goes to module 06's prepare unchanged. Otherwise the store keeps, under `name`, x
+        # quantized to e4m3 (a Quantized: 1 byte a value, for the weight gradient), and x's abs-max under
+        # abs_max_name(name); return that same Quantized: every linear that reads x multiplies it.
+        # Invariant (module 10): if the store already holds the abs-max (a recompute drops x and prepares it
+        # again), quantize with that one instead of computing it, so the recomputed FP8 bits equal the forward's.
+        # Pitfalls the tests catch: keeping x itself (they count the store's bytes: data, scale, abs-max); returning
+        # something other than what is kept; computing a new abs-max when one is kept (a test plants a different
+        # one); quantizing without self.quantize (which may be the compiled one).
+        raise NotImplementedError('TODO(m09): quantize a linear input once, and keep it and its abs-max in the store')
 
     def fp8_input(self, x) -> Quantized | None:
         """The 2-D input x in e4m3, or None where this linear stays in high precision. Inputs the
@@ -172,18 +188,30 @@ class FP8Matmul(Matmul):
         x_fp8 = self.fp8_input(x)
         if x_fp8 is None:
             return super().forward(x, w)
-        # TODO(m09): y = x W^T from the e4m3 x and W, in w's dtype
-        # Hint: self.weights.row_major(w) is W in e4m3, (out, in) row-major, so its .t() is W^T (in, out)
-        #       column-major as it stands.
-        # Hint: the forward output tolerates fast accumulation (fast_accum=True).
-        raise NotImplementedError("TODO(m09): y = x W^T from the e4m3 x and W, in w's dtype")
+        # TODO(m09): the forward product from FP8 operands, in the weight's dtype
+        # x_fp8 is the input in e4m3 (tokens, in), w the weight (out, in) in high precision. Return the forward
+        # output (tokens, out) in w's dtype, computed by scaled_mm from e4m3 operands that meet the layout rules:
+        # the first row-major, the second column-major.
+        # W's e4m3 copy comes from self.weights (the weight cache: once per optimizer step), never from quantizing w
+        # here (a test counts the quantizations). It is stored (out, in) row by row, and its transpose is a view.
+        # The forward output tolerates the H100's fast accumulation (scaled_mm's fast_accum; the CPU ignores it).
+        # Pitfalls: the test bounds the error against float64 from the e4m3 format, and a result equal to the fp32
+        # one means FP8 was not used; a transposed *copy* of W for the forward is wasted work.
+        raise NotImplementedError("TODO(m09): the forward product from FP8 operands, in the weight's dtype")
 
     def backward(self, dy: torch.Tensor, x, w: torch.Tensor):
         x_fp8 = self.fp8_input(x)
         if x_fp8 is None:
             return super().backward(dy, x, w)
-        # TODO(m09): dx = dy W and dW = dy^T x, with dy in e5m2
-        # Hint: quantize dy to e5m2; W in e4m3, column-major, is self.weights.column_major(w).
-        # Hint: dW sums over tokens, which neither dy nor x stores contiguously: both need a copy.
-        # Hint: dx comes out in dy's dtype, dW in w's dtype (bf16 in, bf16 out).
-        raise NotImplementedError('TODO(m09): dx = dy W and dW = dy^T x, with dy in e5m2')
+        # TODO(m09): the input and weight gradients from FP8 operands: dy e5m2, W and x e4m3
+        # dy is (tokens, out) in high precision, x_fp8 the kept e4m3 input (tokens, in), w the weight (out, in).
+        # Return (dx, dw): dx (tokens, in) in dy's dtype and dw (out, in) in w's dtype, the two products of module
+        # 06's Matmul.backward, each by scaled_mm.
+        # Formats: dy goes to e5m2 (gradients span more orders of magnitude: a test plants an outlier 2^20 times the
+        # rest, and e4m3 would flush the small ones to zero); W and x stay e4m3 (never two e5m2 operands).
+        # Layouts: each product's first operand row-major, its second column-major. dx needs W column-major: the
+        # weight cache makes that copy once per optimizer step. dw sums over the tokens, which neither dy nor x
+        # stores contiguously in the direction it needs: both take a copy (of FP8 data, one byte a value).
+        # Pitfalls: both gradients' errors are bounded against float64 for e5m2 x e4m3; no fast accumulation for
+        # gradients; bf16 in must give bf16 out (the bf16 test).
+        raise NotImplementedError('TODO(m09): the input and weight gradients from FP8 operands: dy e5m2, W and x e4m3')

@@ -1,5 +1,5 @@
 # Generated from solutions/m09_fp8_scaling.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 09`. (skeleton 4dd3a2e1686e)
+# Grade your work with `python main.py grade 09`. (skeleton 477e87884f3e)
 """Module 09, part 1 - FP8 numbers and per-tensor abs-max scaling.
 
 An FP8 number has 8 bits: a sign, some exponent bits and some mantissa bits. Two layouts are used
@@ -70,9 +70,16 @@ def quantize(t: torch.Tensor, dtype: torch.dtype, amax: torch.Tensor | None = No
     it, it is computed here. An amax smaller than the true one (a stale or "delayed" scale) must not
     overflow: values beyond the format's range saturate at +-FP8_MAX[dtype].
     """
-    # TODO(m09): per-tensor abs-max scaling and a saturating cast
-    # Hint: to_fp8 = FP8_MAX[dtype] / amax puts the largest |value| on the largest FP8 number;
-    #       floor amax at AMAX_FLOOR first so an all-zero tensor gets a finite scale.
-    # Hint: multiply in float32, clamp to [-FP8_MAX, FP8_MAX], then cast (e5m2 turns overflow into inf).
-    # Hint: return the inverse factor as the scale, so that data * scale gives the values back.
-    raise NotImplementedError('TODO(m09): per-tensor abs-max scaling and a saturating cast')
+    # TODO(m09): per-tensor abs-max scaling and a saturating cast to FP8
+    # Contract: t (any shape and float dtype), an FP8 dtype (E4M3 or E5M2) and maybe a known abs-max (a float32
+    # scalar tensor). Return Quantized(data, scale): data in `dtype` with t's shape, scale a float32 scalar
+    # tensor such that data * scale gives t back (up to rounding). No host sync: amax stays a tensor.
+    # Maths: the factor FP8_MAX[dtype] / amax maps the largest |value| onto the format's largest number; scale is
+    # its inverse. amax is floored at AMAX_FLOOR first (an all-zero tensor would get an infinite factor, and
+    # 0 * inf = NaN). Values beyond the range (a given amax that is too small, a stale one) saturate at
+    # +-FP8_MAX[dtype] instead of overflowing (e5m2 turns overflow into inf).
+    # Pitfalls the tests catch: the abs-max must land exactly on +-FP8_MAX; the factor must be *one* correctly
+    # rounded float32 division: a Python float divided by a tensor computes 1 / amax and then multiplies (two
+    # roundings, 1 ulp off for about a quarter of abs-maxes), and the test compares the FP8 bytes with a
+    # single division. Scale in float32 (a bf16 t times the factor would round in bf16 before the cast).
+    raise NotImplementedError('TODO(m09): per-tensor abs-max scaling and a saturating cast to FP8')

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from course.collectives import Collectives
+from course.compare import assert_all_close
 from course.impl import load, reference
 from course.launch import RankFailed, run_ranks
 from course.dataset import load_text, random_batch
@@ -86,6 +87,16 @@ def test_payload_counts_reused_blocks_and_n_microbatches(blocks, n_microbatches,
     assert (t.all_gathers, t.reduce_scatters) == (all_gathers, blocks * n_microbatches), \
         f"got {t.all_gathers} all-gathers, {t.reduce_scatters} reduce-scatters"
     assert t.payload_bytes == 251 * 2, f"1001 parameters over 4 ranks pad to 4 x 251: payload {t.payload_bytes}"
+
+
+def test_buffer_sizes_count_the_padding():
+    # 1001 parameters of 2 bytes over 4 ranks: each shard holds ceil(1001 / 4) = 251 parameters, so a
+    # full block buffer holds 4 x 251 = 1004 (3 of them padding), not 1001.
+    t = payload.fsdp_traffic(1001, 2, 4, blocks=3)
+    got = (t.full_buffer_bytes, t.comm_buffer_bytes, t.buffer_bytes, t.traffic_bytes)
+    want = (2 * 1004 * 2, 2 * 251 * 2, 2 * 1004 * 2 + 2 * 251 * 2, 9 * 251 * 2)
+    assert got == want, (f"(full buffers, communication buffers, all buffers, traffic) = {got} bytes, expected {want}: "
+                         f"a buffer holds whole padded shards (world_size x ceil(params / world_size))")
 
 
 # --- training on 2 and 4 ranks ----------------------------------------------------------------
@@ -359,3 +370,51 @@ def test_losses_match_pytorch_fsdp2():
     # same maths, possibly rounded differently. Measured on torch 2.13 CPU: identical losses over 4
     # steps; we allow 1e-10 rather than demand equality another release need not keep.
     assert worst <= 1e-10, f"FSDP2 losses {fsdp2}, ours {ours}: max difference {worst:.2e}"
+
+
+def _first_step_gradients_ours_and_fsdp2():
+    """On this rank: the first step's gradients, whole, of our FSDP and of FSDP2, by name."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    tokens, targets = random_batch(load_text(), BATCH, CFG.max_seq_len, torch.Generator().manual_seed(0))
+    rows = BATCH // world_size
+    mine = slice(rank * rows, (rank + 1) * rows)
+    model = m07.FSDPLlama(CFG, rank, world_size, Collectives(), dtype=f64)
+    model.train_step(tokens[mine], targets[mine], 1, torch.optim.SGD(model.parameters(), lr=0.0))  # grads, no update
+    root = fsdp2_llama(m06.LlamaModel(CFG, 0, f64))
+    root(tokens[mine], targets[mine]).backward()
+    named = []
+    for layer, (shard, block) in enumerate(zip(model.grad_shards, root.llama.blocks)):
+        whole = torch.empty(model.layout.padded_numel, dtype=f64)
+        Collectives().all_gather(whole, shard)
+        ours = model.layout.views(whole)
+        named += [(f"block {layer} d{name}", getattr(ours, name), grad.full_tensor())
+                  for name, grad in block.grads().items()]
+    for name, ours in zip(("embedding", "final_norm", "lm_head"), model.replicated_grads):
+        named.append((f"d{name}", ours, getattr(root.llama, name).grad.full_tensor()))
+    return named
+
+
+def test_first_step_gradients_match_pytorch_fsdp2():
+    # Every gradient after the first step, ours (reduce-scattered shards, gathered whole here) against
+    # FSDP2's (sharded DTensors, made whole), float64: the same maths summed in another order, and
+    # FSDP2 runs PyTorch's attention kernel; measured within 1e-15 relative, we allow 1e-12.
+    named = run_ranks(_first_step_gradients_ours_and_fsdp2, 2, timeout=60)[0]
+    assert_all_close(named, rtol=1e-12, atol=1e-14)
+
+
+def _gradients_of_one_forward_backward():
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model = m07.FSDPLlama(CFG, rank, world_size, Collectives(), dtype=f64)
+    tokens, targets = random_batch(load_text(), 2, CFG.max_seq_len, torch.Generator().manual_seed(rank))
+    _, grads = model.forward_backward(tokens, targets)
+    tensors = grads.tensors()
+    return len(tensors), [t is s for t, s in zip(tensors[1:1 + CFG.n_layers], model.grad_shards)]
+
+
+def test_forward_backward_hands_back_the_gradient_shards():
+    # Module 06's contract for later callers: forward_backward returns LlamaGrads, whose blocks are
+    # here this rank's gradient shards (no whole per-layer gradient outlives the backward).
+    count, are_shards = run_ranks(_gradients_of_one_forward_backward, 2, timeout=30)[0]
+    assert count == CFG.n_layers + 3 and all(are_shards), \
+        (f"LlamaGrads.tensors() gave {count} tensors, its blocks being the gradient shards: {are_shards}; "
+         f"backward_blocks must return (dx, self.grad_shards)")

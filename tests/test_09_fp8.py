@@ -94,6 +94,29 @@ def test_abs_max_lands_on_the_format_max(dtype):
 
 
 @pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_scale_and_bytes_are_those_of_one_correctly_rounded_division(dtype):
+    # The factor FP8_MAX / amax, rounded once to float32 (as torchao's tensorwise scaling computes
+    # it): Python divides the float64 values exactly rounded, and rounding that to float32 is the
+    # correctly rounded float32 quotient (53 >= 2 * 24 + 2 bits, so the double rounding is exact).
+    # `FP8_MAX / amax` written with a Python float and a tensor computes 1 / amax, then multiplies:
+    # two roundings, 1 ulp off in about a quarter of the abs-maxes below, and every FP8 byte and
+    # scaled-matmul output that uses the scale can then differ from torchao's.
+    g = torch.Generator().manual_seed(3)
+    for trial in range(64):
+        x = torch.randn(8, 16, generator=g) * 10 ** torch.empty(1).uniform_(-3, 3, generator=g)
+        q = scaling.quantize(x, dtype)
+        amax = x.abs().max().item()
+        to_fp8 = torch.tensor(MAX[dtype] / amax, dtype=torch.float32)
+        assert q.scale.item() == to_fp8.reciprocal().item(), \
+            (f"abs-max {amax!r}: scale {q.scale.item()!r}, expected 1 / {to_fp8.item()!r} = {to_fp8.reciprocal().item()!r}, "
+             f"the inverse of FP8_MAX / amax rounded once to float32 (is the factor computed as a reciprocal "
+             f"times FP8_MAX? that rounds twice)")
+        expected = (x * to_fp8).clamp(-MAX[dtype], MAX[dtype]).to(dtype)
+        assert torch.equal(q.data.view(torch.uint8), expected.view(torch.uint8)), \
+            f"abs-max {amax!r}: the FP8 bytes differ from x * (FP8_MAX / amax) cast with saturation"
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
 def test_zero_tensor_gives_zeros_and_a_finite_scale(dtype):
     q = scaling.quantize(torch.zeros(16, 32), dtype)
     assert torch.isfinite(q.scale).item() and q.scale.item() > 0, f"scale must be finite and positive, got {q.scale.item()}"

@@ -124,7 +124,8 @@ def test_grading_a_given_module_says_so(capsys):
 def test_list_and_torchrun():
     listing = subprocess.run([sys.executable, "main.py", "list"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert listing.returncode == 0 and "04" in listing.stdout
-    run = subprocess.run(["torchrun", "--standalone", "--nproc-per-node", "2", "main.py", "run", "04",
+    # torchrun as a module of this Python: a virtualenv's python need not have its scripts on PATH.
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "main.py", "run", "04",
                           "--impl", "solutions"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "logits equal the monolith's bit for bit: True" in run.stdout
@@ -136,3 +137,22 @@ def test_nproc_must_agree_with_torchrun(monkeypatch, capsys):
         main.parse(["run", "04", "--nproc", "2"])
     assert "disagrees with torchrun's 4 ranks" in capsys.readouterr().err
     assert main.parse(["run", "04"]).world_size == 4
+
+
+@pytest.mark.parametrize("command", [["run", "05"], ["grade", "05"], ["bench", "05"]])
+def test_every_command_runs_your_steps_unless_told_otherwise(command):
+    assert main.parse(command).impl == "steps", f"`python main.py {' '.join(command)}` must use steps/ by default"
+    assert main.parse([*command, "--impl", "solutions"]).impl == "solutions"
+
+
+def test_a_python_without_torch_gets_one_line_naming_it(tmp_path):
+    # An interpreter that cannot find torch (here: this one, with find_spec told to say so).
+    import_hook = tmp_path / "hide_torch.py"
+    import_hook.write_text("import importlib.util, sys\n"
+                           "real = importlib.util.find_spec\n"
+                           "importlib.util.find_spec = lambda name, *a: None if name == 'torch' else real(name, *a)\n")
+    run = subprocess.run([sys.executable, "-c", f"import runpy, sys; sys.path.insert(0, {str(tmp_path)!r}); "
+                          "import hide_torch; sys.argv = ['main.py', 'grade', '03']; runpy.run_path('main.py', run_name='__main__')"],
+                         cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 1 and "has no torch" in run.stderr and sys.executable in run.stderr, run.stderr
+    assert "Traceback" not in run.stderr, run.stderr

@@ -8,15 +8,20 @@ import sys
 from course.skeleton import REPO
 
 
-def grade(tmp_path, test_source: str, **env) -> dict:
-    """Run one graded check (a file named like tests/test_01_*) under the plugin; its result."""
+def grade_all(tmp_path, test_source: str, *options, **env) -> list[dict]:
+    """Run graded checks (a file named like tests/test_01_*) under the plugin; their results."""
     (tmp_path / "conftest.py").write_text('pytest_plugins = ["course.grading"]\n')
     (tmp_path / "test_01_example.py").write_text(test_source)
     report = tmp_path / "grades.json"
     subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path),
-                    str(tmp_path), f"--grading-json={report}"], cwd=tmp_path, capture_output=True, text=True,
-                   env={**os.environ, "PYTHONPATH": str(REPO), **env}, timeout=60)
-    [result] = json.loads(report.read_text())
+                    str(tmp_path), f"--grading-json={report}", *options], cwd=tmp_path, capture_output=True,
+                   text=True, env={**os.environ, "PYTHONPATH": str(REPO), **env}, timeout=60)
+    return json.loads(report.read_text())
+
+
+def grade(tmp_path, test_source: str, **env) -> dict:
+    """Run one graded check under the plugin; its result."""
+    [result] = grade_all(tmp_path, test_source, **env)
     return result
 
 
@@ -33,3 +38,25 @@ def test_a_tensor_mismatch_says_how_many_and_how_far(tmp_path):
                              "    torch.testing.assert_close(torch.ones(3), torch.tensor([1.0, 2.0, 1.0]))\n")
     assert result["reason"].startswith("AssertionError: Tensor-likes are not close!"), result["reason"]
     assert "Mismatched elements: 1 / 3" in result["reason"] and "Greatest absolute difference: 1.0" in result["reason"]
+
+
+HANG_THEN_PASS = ("def test_hangs():\n    raise RuntimeError('timed out after 20 s; still running: rank 0')\n\n"
+                  "def test_would_hang_too():\n    pass\n")
+
+
+def test_grading_stops_after_the_first_check_that_hangs(tmp_path):
+    # A deadlock usually hangs the checks after it too, each for its whole timeout: the scorecard
+    # stops after the first (main.py grade passes --grading-stop-on-hang unless --keep-going).
+    results = grade_all(tmp_path, HANG_THEN_PASS, "--grading-stop-on-hang")
+    assert [r["test"].split("::")[1] for r in results] == ["test_hangs"], results
+    assert len(grade_all(tmp_path, HANG_THEN_PASS)) == 2, "without the option every check runs"
+
+
+def test_a_failed_check_names_the_hint_for_its_todo(tmp_path):
+    # The TODO a NotImplementedError names, or the functions a check declares it exercises.
+    unfinished = grade(tmp_path, "def test_todo():\n    raise NotImplementedError("
+                                 "'TODO(m01): ' + __import__('course.hints').hints.module_todos("
+                                 "__import__('course.catalog').catalog.MODULES['01'])[2].title.split(': ', 1)[1])\n")
+    assert unfinished["hint"] == "python main.py hint 01 3", unfinished
+    wrong = grade(tmp_path, "import pytest\n\n@pytest.mark.exercises('train_step')\ndef test_value():\n    assert False\n")
+    assert wrong["hint"] == "python main.py hint 01 3", wrong

@@ -1,5 +1,4 @@
 """The launcher every multi-rank test and demo relies on: results, fast failure, timeouts, cleanup."""
-import faulthandler
 import os
 import resource
 import time
@@ -101,14 +100,30 @@ def test_a_rank_that_dies_without_a_word_is_reported():
 def _abort():
     if dist.get_rank() == 1:
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core file left behind
-        faulthandler.disable()  # pytest's would print a scary "Fatal Python error" into a passing run
         os.abort()  # what the C++ runtime does on, e.g., mismatched gloo collectives
     return "fine"
 
 
-def test_a_rank_killed_by_a_signal_is_reported_with_the_likely_cause():
-    with pytest.raises(RankFailed, match=r"rank 1 of 2 died without a result \(killed by SIGABRT: .*gloo"):
+def test_a_rank_killed_by_a_signal_is_reported_with_the_likely_cause_and_line(capfd):
+    with pytest.raises(RankFailed, match=r"rank 1 of 2 died without a result \(killed by SIGABRT: .*gloo.*\) "
+                                         r"at tests/test_course_launch.py:\d+ in _abort"):
         run_ranks(_abort, 2, timeout=20)
+    # The dying rank's "Fatal Python error" stack goes to its stack file, not into the terminal.
+    assert "Fatal Python error" not in capfd.readouterr().err
+
+
+def recv_forward():
+    """Stands in for a pipeline receive whose sender has returned without sending."""
+    if dist.get_rank() == 1:
+        dist.recv(torch.empty(1), src=0)
+
+
+def test_a_receive_left_waiting_by_a_finished_peer_hints_at_a_dropped_send_handle():
+    with pytest.raises(RankTimeout) as timeout:
+        run_ranks(recv_forward, 2, timeout=1.0)
+    first_line = str(timeout.value).splitlines()[0]
+    assert "still running: rank 1 (finished: rank 0)" in first_line and "in recv_forward" in first_line, first_line
+    assert "was a non-blocking send's handle dropped" in first_line, first_line
 
 
 def test_without_a_group_ranks_get_torchrun_variables_only():

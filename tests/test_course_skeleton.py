@@ -94,7 +94,7 @@ def test_steps_keep_the_given_code_of_solutions():
 def test_a_change_to_the_skeleton_changes_its_fingerprint():
     name, text = next((n, t) for n, t in generate().items() if n.startswith("m01_"))
     source = (REPO / "solutions" / name).read_text()
-    changed = skeleton_file(source.replace("# Hint:", "# Hint: (reworded)", 1), name)
+    changed = skeleton_file(source.replace("# >>> TODO(m01): ", "# >>> TODO(m01): (reworded) ", 1), name)
     assert FINGERPRINT.search(changed).group(0) != FINGERPRINT.search(text).group(0)
 
 

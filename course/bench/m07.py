@@ -9,6 +9,8 @@ ours (m07_fsdp.py of the selected implementation: solutions/, or steps/ with --i
   step ms              median wall time of one optimizer step (after one warm-up step)
   param bytes/rank     parameter memory one rank keeps between steps (FSDP2 also shards the
                        embedding and LM head; ours keeps them replicated)
+  state bytes/rank     what rank 0 keeps between steps: weights, gradients, AdamW's two moments, and
+                       (ours) the two gather buffers; then the formula (state_formula)
   all-gathers, reduce-scatters, payload bytes: measured per step / per collective (logged by
                        course/collectives.py), then the formula of solutions/m07_payload.py
   final loss           mean over ranks at the last step
@@ -16,6 +18,7 @@ ours (m07_fsdp.py of the selected implementation: solutions/, or steps/ with --i
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
 
@@ -47,6 +50,10 @@ def _run(cfg, steps, batch, lr, which):
 
         def step(tokens, targets):
             return model.train_step(tokens, targets, 1, optimizer)
+
+        def state_bytes():  # the shards' and replicated weights' state, and the two gather buffers
+            return (_bytes(model.parameters(), model.grads(), optimizer)
+                    + sum(b.flat.nbytes for b in model.weights.buffers))
     else:
         root = fsdp2_llama(ref06.LlamaModel(cfg))
         optimizer = torch.optim.AdamW(root.parameters(), lr=lr, weight_decay=0.0)
@@ -56,9 +63,13 @@ def _run(cfg, steps, batch, lr, which):
             loss = root(tokens, targets)
             loss.backward()
             optimizer.step()
+            kept["state"] = state_bytes()  # before zero_grad frees the gradients
             optimizer.zero_grad()
             return loss.item()
-    times, losses = [], []
+
+        def state_bytes():  # every parameter sharded: this rank's slices of weights, gradients, AdamW state
+            return _bytes(list(root.parameters()), [p.grad for p in root.parameters()], optimizer)
+    times, losses, kept = [], [], {}
     for _ in range(steps + 1):
         tokens, targets = random_batch(data, batch, cfg.max_seq_len, generator)
         mine = slice(rank * rows, (rank + 1) * rows)
@@ -69,10 +80,34 @@ def _run(cfg, steps, batch, lr, which):
         losses.append(ref07.global_mean(loss))
     log = collectives.log
     return {"times": times[1:], "loss": losses[-1], "param_bytes": param_bytes,
+            "state_bytes": kept["state"] if "state" in kept else state_bytes(),
             "all_gathers": sum(c.op == "all_gather" for c in log) / (steps + 1),
             "reduce_scatters": sum(c.op == "reduce_scatter" for c in log) / (steps + 1),
             "payloads": sorted({c.payload_bytes for c in log if c.op != "all_reduce"}),
             "block_params": block_params}
+
+
+def _bytes(params, grads, optimizer) -> int:
+    """Bytes of weights, gradients and AdamW's two moments (its scalar step counters left out); for
+    DTensors, this rank's local part."""
+    moments = [optimizer.state[p][m] for p in optimizer.param_groups[0]["params"] for m in ("exp_avg", "exp_avg_sq")]
+    return sum(getattr(t, "to_local", lambda: t)().nbytes for t in [*params, *grads, *moments])
+
+
+def state_formula(cfg, world_size: int, which: str, dtype_bytes: int = 4) -> int:
+    """Bytes one rank (rank 0) keeps between steps, from the chapter: weights, gradients and AdamW's
+    two moments are 4 copies of what it owns. Ours owns ceil(P / N) of each block's P parameters and
+    the replicated embedding, final norm and LM head, plus two full-block gather buffers; FSDP2 owns
+    ceil(rows / N) rows of every parameter, replicated ones included, and keeps no buffer."""
+    block = reference("m06_llama_model").LlamaModel(cfg).blocks[0]
+    shapes = [tuple(t.shape) for t in block.tensors()] * cfg.n_layers
+    replicated = [(cfg.vocab_size, cfg.dim), (cfg.dim,), (cfg.vocab_size, cfg.dim)]
+    if which == "ours":
+        shard = -(-sum(math.prod(s) for s in shapes[:len(shapes) // cfg.n_layers]) // world_size)
+        owned = cfg.n_layers * shard + sum(math.prod(s) for s in replicated)
+        return 4 * owned * dtype_bytes + 2 * world_size * shard * dtype_bytes
+    rows = lambda shape: -(-shape[0] // world_size) * math.prod(shape[1:])  # noqa: E731
+    return 4 * sum(rows(s) for s in shapes + replicated) * dtype_bytes
 
 
 def main(argv: list[str]) -> None:
@@ -93,7 +128,8 @@ def main(argv: list[str]) -> None:
     for which in ("ours", "FSDP2"):
         result = run_ranks(_run, args.nproc, cfg, args.steps, args.batch, 3e-3, which, timeout=300)[0]
         row = {"impl": which, "ranks": args.nproc, "step ms": 1e3 * statistics.median(result["times"]),
-               "param bytes/rank": result["param_bytes"]}
+               "param bytes/rank": result["param_bytes"], "state bytes/rank": result["state_bytes"],
+               "formula state": state_formula(cfg, args.nproc, which)}
         if which == "ours":
             t = payload.fsdp_traffic(result["block_params"], 4, args.nproc, cfg.n_layers, 1, kept=min(2, cfg.n_layers))
             row.update({"all-gathers": result["all_gathers"], "formula AG": t.all_gathers,
