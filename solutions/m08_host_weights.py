@@ -2,8 +2,8 @@
 
 The same gather/get/release protocol as module 07, but a "gather" is a copy of the block from
 page-locked (pinned) host memory into one of two device buffers, on a *side stream*, so it runs
-while the compute stream works on the previous block (llm.q's "gather from CPU" path). One GPU is
-enough to see communication overlap compute.
+while the compute stream works on the previous block (the "gather from CPU" path of llm.q, a
+CUDA/C++ LLM trainer). One GPU is enough to see communication overlap compute.
 
 Streams run their work in order; work on different streams may run at the same time. Events say
 what must wait for what:

@@ -7,7 +7,7 @@ largest item in GPU memory. A recompute option names the activations a store doe
 again, then runs the unchanged backward of module 06. The ops are the same and run in the same
 order, so the gradients are the same bit for bit; the price is the extra forward work.
 
-The options follow the llm.q trainer:
+The options follow those of llm.q, a CUDA/C++ LLM trainer:
 
     none       keep everything
     swiglu     drop s = silu(g) u                         recompute: one elementwise op

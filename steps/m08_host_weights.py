@@ -1,11 +1,11 @@
 # Generated from solutions/m08_host_weights.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 08`. (skeleton 4f1ab1cff2d8)
+# Grade your work with `python main.py grade 08`. (skeleton 77695f6ac330)
 """Module 08 - weights streamed from host memory on a side stream, overlapping compute.
 
 The same gather/get/release protocol as module 07, but a "gather" is a copy of the block from
 page-locked (pinned) host memory into one of two device buffers, on a *side stream*, so it runs
-while the compute stream works on the previous block (llm.q's "gather from CPU" path). One GPU is
-enough to see communication overlap compute.
+while the compute stream works on the previous block (the "gather from CPU" path of llm.q, a
+CUDA/C++ LLM trainer). One GPU is enough to see communication overlap compute.
 
 Streams run their work in order; work on different streams may run at the same time. Events say
 what must wait for what:

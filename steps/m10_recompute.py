@@ -1,5 +1,5 @@
 # Generated from solutions/m10_recompute.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 10`. (skeleton b41b75b65369)
+# Grade your work with `python main.py grade 10`. (skeleton bbfde6d780db)
 """Module 10 - recompute: keep fewer activations in the forward, recompute them in the backward.
 
 The activation store of module 06 keeps, for every layer, everything the block's backward reads:
@@ -9,7 +9,7 @@ largest item in GPU memory. A recompute option names the activations a store doe
 again, then runs the unchanged backward of module 06. The ops are the same and run in the same
 order, so the gradients are the same bit for bit; the price is the extra forward work.
 
-The options follow the llm.q trainer:
+The options follow those of llm.q, a CUDA/C++ LLM trainer:
 
     none       keep everything
     swiglu     drop s = silu(g) u                         recompute: one elementwise op
