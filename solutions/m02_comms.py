@@ -23,13 +23,37 @@ def init_distributed(timeout_s: float = 120.0, backend: str | None = None):
     chosen from the machine. The device follows the backend: gloo works on CPU tensors, nccl on
     this rank's GPU.
     """
-    # >>> TODO(m02): read RANK, WORLD_SIZE, LOCAL_RANK; join the group if needed; pick the device
-    # Hint: torchrun sets RANK, WORLD_SIZE and LOCAL_RANK as environment variables (strings).
-    # Hint: if not dist.is_initialized(): dist.init_process_group(backend, rank=..., world_size=...,
-    #           timeout=timedelta(seconds=timeout_s)) with the backend asked for, else "nccl" if every
-    #           local rank (LOCAL_WORLD_SIZE of them) can have a GPU of its own, else "gloo".
-    # Hint: then look at dist.get_backend(): nccl -> torch.device("cuda", local_rank) (and
-    #       torch.cuda.set_device it); gloo -> torch.device("cpu").
+    # >>> TODO(m02): join the process group (or reuse an existing one) and return this rank's identity and device
+    # Contract: returns (rank, world_size, device): two ints and a torch.device. Who this rank is
+    # comes from the environment torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE;
+    # see docs/02-comms.md); LOCAL_RANK and LOCAL_WORLD_SIZE may be missing (then 0 and 1).
+    # Afterwards a default process group exists, created at most once: course.launch's forked
+    # ranks arrive with one already, torchrun's processes without.
+    # The choice: a group created here uses `backend` if the caller named one, else nccl when every
+    # rank on this machine can have a GPU of its own (at least LOCAL_WORLD_SIZE GPUs), else gloo;
+    # pass timeout_s on, so a hung collective ends with an error. The device follows the backend
+    # the group really uses, whoever created it: nccl works on this rank's GPU on this machine
+    # (numbered by its local rank, and made the current CUDA device), gloo on the CPU.
+    # Pitfalls: environment values are strings, and the grader compares the returned rank and
+    # world size with ints. Creating a second default group raises an error from torch. The
+    # GPU index is the local rank, not the global one: the grader plays rank 3 of 4, the second
+    # rank on a 2-GPU machine, and expects cuda:1. A GPU is not enough for nccl: one GPU for two
+    # local ranks must give gloo. A backend asked for wins: gloo asked for on a GPU machine gives
+    # the CPU and no CUDA device is set.
+    # Hint 1: Three steps: read the identity from the environment; create the group only if none
+    #         exists, with the backend asked for or the one the machine allows; then ask the group
+    #         which backend it has and derive the device from that.
+    # Hint 2: os.environ[...] and os.environ.get(name, default), int(...); dist.is_initialized();
+    #         dist.init_process_group(backend, rank=..., world_size=..., timeout=timedelta(...));
+    #         torch.cuda.is_available() and torch.cuda.device_count(); dist.get_backend();
+    #         torch.device("cuda", index) or torch.device("cpu"); torch.cuda.set_device(the device).
+    # Hint 3: rank, world size, local rank <- ints read from the environment
+    #         if no group exists:
+    #             backend <- the one asked for, or nccl if (cuda available and enough GPUs for
+    #                        LOCAL_WORLD_SIZE ranks), else gloo
+    #             create the group with that backend, rank, world size and the timeout
+    #         device <- cuda:local_rank (and set it current) if the group's backend is nccl, else cpu
+    #         return the three
     rank = int(os.environ["RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -58,23 +82,66 @@ class PipelineComms:
     def __init__(self, rank: int, world_size: int, device=torch.device("cpu"), dtype=torch.float32):
         self.rank, self.world_size = rank, world_size
         self.device, self.dtype = torch.device(device), dtype
-        # >>> TODO(m02): set self.prev and self.next (None where there is no neighbour)
+        # >>> TODO(m02): record this rank's two pipeline neighbours, or None at either end
+        # Contract: self.prev is the rank that sends activations to this one (the stage before it),
+        # self.next the rank this one sends activations to (the stage after it); ranks run
+        # 0 .. world_size - 1 in pipeline order. Where there is no such stage, the value is None:
+        # _peer (given, below) turns that None into a clear error instead of a message to nowhere.
+        # Pitfalls: the ends: the first rank has no prev, the last no next, and with one rank there
+        # is neither; an off-by-one there points the last rank at a rank that does not exist. The
+        # grader checks both neighbours of every rank for 1, 2 and 4 ranks.
+        # Hint 1: The stages are in rank order, so the neighbours are the adjacent ranks, where
+        #         they exist.
+        # Hint 2: rank - 1 and rank + 1; the first rank is 0, the last is world_size - 1.
+        # Hint 3: prev <- the rank below, unless this is the first rank (then None)
+        #         next <- the rank above, unless this is the last rank (then None)
         self.prev = rank - 1 if rank > 0 else None
         self.next = rank + 1 if rank < world_size - 1 else None
         # <<<
 
     # Forward: activations flow from rank r to rank r + 1.
     def send_forward(self, tensor: torch.Tensor):
-        # >>> TODO(m02): send `tensor` to the next rank (blocking)
-        # Hint: dist.send(tensor, dst). Send a contiguous tensor: the bytes are sent as they lie.
-        # Hint: self._peer("next", "send_forward") gives dst, or a clear error on the last rank.
+        self._check_sendable(tensor, "send_forward")
+        # >>> TODO(m02): send an activation to the next stage, blocking
+        # Contract: the values of `tensor` reach the next rank's matching recv_forward; nothing is
+        # returned. Only the bytes travel (no shape, no dtype): the receiver's buffer gives them
+        # meaning. Blocking: this may return once the bytes are handed over, or only when the
+        # receiver has taken them (backend and size decide), so correct callers rely on neither.
+        # On the last rank, which has no next, raise _peer's clear error before any message.
+        # Pitfalls: a non-contiguous tensor (a transposed view, a strided slice) does not hold its
+        # values in logical order in memory; gloo refuses it ("input tensor has to be contiguous"),
+        # and the grader sends a transposed tensor. Sending to self.next directly: on the last
+        # rank that is None, and the grader expects "rank 1 is the last stage: ..." from _peer.
+        # Hint 1: Find the destination with the given helper (it also raises the clear error), then
+        #         send a copy of the tensor laid out in logical order.
+        # Hint 2: self._peer(side, verb) with side "next" and this method's name; Tensor.contiguous()
+        #         (returns the tensor itself when it already is); dist.send(tensor, dst).
+        # Hint 3: dst <- the peer on the "next" side, for "send_forward"
+        #         blocking send of tensor.contiguous() to dst
         dist.send(tensor.contiguous(), self._peer("next", "send_forward"))
         # <<<
 
     def recv_forward(self, shape, dtype=None) -> torch.Tensor:
-        # >>> TODO(m02): allocate a buffer (shape, dtype or self.dtype, self.device), fill it from prev
-        # Hint: torch.empty(...) then dist.recv(buffer, src); return the buffer.
-        # Hint: src = self._peer("prev", "recv_forward"): on the first rank it raises the clear error.
+        # >>> TODO(m02): receive an activation from the previous stage into a new buffer and return it
+        # Contract: returns a new tensor of `shape`, of dtype `dtype` (or this comms' self.dtype when
+        # dtype is None), on self.device, holding the values the previous rank sent with
+        # send_forward (or isend_forward). Blocking: it returns only when they have arrived.
+        # The receiver decides the meaning of the bytes: the buffer must have the sender's shape
+        # and dtype. On the first rank, which has no prev, raise _peer's clear error before any
+        # message: a receive from "no rank" would accept a message from any rank.
+        # Pitfalls: a buffer of the wrong dtype holds the wrong number of bytes, and gloo aborts the
+        # receiving rank (the grader says it "died without a result", killed by SIGABRT); where
+        # the sizes happen to match, the bytes are read as nonsense values. The grader sends
+        # float64, and float16 to a float16 comms that receives with no dtype given. A buffer on
+        # the wrong device: nccl cannot fill a CPU tensor.
+        # Hint 1: Allocate an uninitialized tensor of the right shape, dtype and device; let the
+        #         backend fill it from the previous rank; return it.
+        # Hint 2: torch.empty(shape, dtype=..., device=...) (no need to zero what is overwritten);
+        #         "dtype or self.dtype" picks the default; self._peer("prev", <this verb>);
+        #         dist.recv(buffer, src) fills buffer in place.
+        # Hint 3: buffer <- empty tensor (shape, the dtype asked or the default, self.device)
+        #         blocking receive into buffer from the peer on the "prev" side
+        #         return buffer
         buffer = torch.empty(shape, dtype=dtype or self.dtype, device=self.device)
         dist.recv(buffer, self._peer("prev", "recv_forward"))
         return buffer
@@ -82,14 +149,35 @@ class PipelineComms:
 
     # Backward: gradients flow from rank r + 1 back to rank r.
     def send_backward(self, tensor: torch.Tensor):
-        # >>> TODO(m02): send the gradient `tensor` to the previous rank (blocking)
-        # Hint: as send_forward, with self._peer("prev", "send_backward").
+        self._check_sendable(tensor, "send_backward")
+        # >>> TODO(m02): send a gradient back to the previous stage, blocking
+        # Contract: the mirror image of send_forward: the values of `tensor` (the gradient of the
+        # loss with respect to this stage's input) reach the previous rank's recv_backward. On the
+        # first rank, which has no prev, raise _peer's clear error ("rank 0 is the first stage").
+        # Pitfalls: the same as send_forward's (a non-contiguous gradient, a peer taken from the
+        # wrong side): a gradient sent forward instead goes to a rank that is not waiting for it,
+        # and the grader's relay then times out or delivers another rank's values.
+        # Hint 1: send_forward with the direction reversed.
+        # Hint 2: self._peer("prev", <this verb>), Tensor.contiguous(), dist.send.
+        # Hint 3: dst <- the peer on the "prev" side, for "send_backward"
+        #         blocking send of the contiguous gradient to dst
         dist.send(tensor.contiguous(), self._peer("prev", "send_backward"))
         # <<<
 
     def recv_backward(self, shape, dtype=None) -> torch.Tensor:
-        # >>> TODO(m02): allocate a buffer and fill it with the gradient from the next rank
-        # Hint: as recv_forward, with self._peer("next", "recv_backward").
+        # >>> TODO(m02): receive a gradient from the next stage into a new buffer and return it
+        # Contract: the mirror image of recv_forward: a new tensor of `shape`, of `dtype` or the
+        # comms' default, on self.device, filled with what the next rank sent with send_backward
+        # (or isend_backward). On the last rank, which has no next, raise _peer's clear error.
+        # Pitfalls: as recv_forward's: the dtype (the grader relays float64), the device, and the
+        # side: a receive from the wrong neighbour waits for a message that never comes (the
+        # grader's timeout names the rank and the line) or takes one meant for another verb.
+        # Hint 1: recv_forward with the direction reversed.
+        # Hint 2: torch.empty(shape, dtype=..., device=...), self._peer("next", <this verb>),
+        #         dist.recv(buffer, src).
+        # Hint 3: buffer <- empty tensor (shape, the dtype asked or the default, self.device)
+        #         blocking receive into buffer from the peer on the "next" side
+        #         return buffer
         buffer = torch.empty(shape, dtype=dtype or self.dtype, device=self.device)
         dist.recv(buffer, self._peer("next", "recv_backward"))
         return buffer
@@ -99,16 +187,47 @@ class PipelineComms:
     # freed, and before the process exits. Schedules that both send and receive in one step need
     # them: two neighbours that both block in send wait for each other forever.
     def isend_forward(self, tensor: torch.Tensor):
-        # >>> TODO(m02): start sending `tensor` to the next rank; return the handle from dist.isend
-        # Hint: dist.isend(contiguous tensor, self._peer("next", "isend_forward")).
+        self._check_sendable(tensor, "isend_forward")
+        # >>> TODO(m02): start sending an activation to the next stage, and return its handle
+        # Contract: returns at once with the work handle of a send that goes on in the background
+        # (an object with .wait()); the caller keeps it and waits on it before the tensor is
+        # changed or freed, and before the process moves on for good. The receiver is the next
+        # rank's ordinary recv_forward. On the last rank, raise _peer's clear error.
+        # Pitfalls: returning nothing (or using a blocking send, which returns None) leaves the
+        # caller no way to wait: the grader's exchange in both directions fails on "'NoneType'
+        # object has no attribute 'wait'". A handle the caller drops is as bad: on gloo such a send
+        # is usually lost, and the peer hangs in recv. The bytes must be contiguous here too: the
+        # grader sends a transposed tensor this way.
+        # Hint 1: send_forward, but starting the send instead of completing it, and handing the
+        #         caller what it needs to complete it later.
+        # Hint 2: dist.isend(tensor, dst) returns the handle; Tensor.contiguous();
+        #         self._peer("next", <this verb>).
+        # Hint 3: dst <- the peer on the "next" side, for "isend_forward"
+        #         return the handle of a non-blocking send of the contiguous tensor to dst
         return dist.isend(tensor.contiguous(), self._peer("next", "isend_forward"))
         # <<<
 
     def isend_backward(self, tensor: torch.Tensor):
-        # >>> TODO(m02): start sending the gradient `tensor` to the previous rank; return the handle
-        # Hint: as isend_forward, with self._peer("prev", "isend_backward").
+        self._check_sendable(tensor, "isend_backward")
+        # >>> TODO(m02): start sending a gradient back to the previous stage, and return its handle
+        # Contract: the mirror image of isend_forward: returns the work handle at once; the values
+        # reach the previous rank's recv_backward; on the first rank, raise _peer's clear error.
+        # Pitfalls: as isend_forward's: a dropped handle (on gloo the send is usually lost and the
+        # peer hangs in recv_backward; the timeout report shows only that recv), a blocking send,
+        # the wrong side.
+        # Hint 1: isend_forward with the direction reversed.
+        # Hint 2: dist.isend(tensor, dst), Tensor.contiguous(), self._peer("prev", <this verb>).
+        # Hint 3: dst <- the peer on the "prev" side, for "isend_backward"
+        #         return the handle of a non-blocking send of the contiguous gradient to dst
         return dist.isend(tensor.contiguous(), self._peer("prev", "isend_backward"))
         # <<<
+
+    def _check_sendable(self, tensor, verb: str):
+        """A clear error for what cannot be sent, instead of one from deep inside torch.distributed."""
+        if not isinstance(tensor, torch.Tensor):
+            hint = (" (a gradient that was never computed? A received activation must be a leaf that requires "
+                    "grad, .requires_grad_(), for backward to fill its .grad)" if tensor is None else "")
+            raise TypeError(f"rank {self.rank}: {verb} got {type(tensor).__name__}, not a tensor{hint}")
 
     def _peer(self, side: str, verb: str) -> int:
         """The rank on `side` ("prev" or "next"), or a clear error if this rank has none there."""

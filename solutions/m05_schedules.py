@@ -39,13 +39,40 @@ def forward_step(stage, comms, x_mb, y_mb, n_microbatches, sends):
     to the next rank with a non-blocking send (its handle is appended to `sends`). On the last
     rank the output is this microbatch's share of the loss: its cross-entropy divided by `n_microbatches`.
     """
-    # >>> TODO(m05): receive (unless first), run the stage, send (unless last) or compute the loss share
-    # Hint: stage.is_first and stage.is_last say where this rank's stage sits; stage.loss(logits,
-    #       targets) is the last stage's cross-entropy.
-    # Hint: a received input is a fresh leaf: .requires_grad_() so backward fills its .grad.
-    # Hint: the receive buffer's shape is (x_mb.shape[0], stage.hidden).
-    # Hint: sends.append(comms.isend_forward(output)): with blocking sends in both directions (here
-    #       and in backward_step) 1F1B deadlocks.
+    # >>> TODO(m05): forward one microbatch through this stage and hand its result on
+    # Contract: x_mb (rows, features) and y_mb (rows,) are this microbatch's inputs and labels, the
+    # same on every rank; only the first stage reads x_mb, only the last y_mb. Returns (inp, out),
+    # which backward_step gets back for this microbatch: inp is what this stage consumed, out
+    # what it produced. On a later stage inp arrives from the previous rank (rows, stage.hidden)
+    # and must collect its gradient during the backward, like module 01's leaf at the cut. On
+    # the last stage out is this microbatch's share of the batch loss: its cross-entropy (the
+    # stage's own `loss` method, ShardedMLP.loss) divided by n_microbatches, because the batch
+    # loss is the mean of the M microbatch means. On every other stage out is the activation, sent
+    # to the next rank without blocking: its handle goes into `sends`, and nobody waits for it
+    # here (the schedule waits for all of them at the end of the step).
+    # Pitfalls:
+    # - a received input that does not require grad: its .grad stays None, and backward_step
+    #   later sends None. The comms refuse it ("isend_backward got NoneType, not a tensor");
+    #   comms without that check fail inside the send with "'NoneType' object has no attribute
+    #   'contiguous'". Both mean exactly this.
+    # - a share without the 1/M: every gradient M times too large; the grader reports
+    #   |got|/|autograd| = M and asks whether each microbatch loss is divided by M.
+    # - a blocking send here and in backward_step: in 1F1B's steady state two neighbours each
+    #   wait in their send for the other's receive. The grader stops the ranks after its timeout
+    #   and names the lines they were stuck on (send_forward on one, send_backward on the other).
+    # - the receive buffer has the microbatch's rows and the stage's width, not x_mb's shape.
+    # Hint 1: Where the input comes from depends on the stage (the batch, or the previous rank,
+    #         made a leaf that records its gradient); where the output goes too (into the loss
+    #         share on the last stage, else to the next rank without waiting).
+    # Hint 2: stage.is_first / stage.is_last; comms.recv_forward((rows of x_mb, stage.hidden));
+    #         Tensor.requires_grad_(); stage(inp); stage.loss(logits, y_mb) / n_microbatches;
+    #         comms.isend_forward(tensor) returns the handle to append to `sends`.
+    # Hint 3: inp <- x_mb on the first stage, else (receive forward, rows x hidden) made to
+    #                require grad
+    #         out <- stage of inp
+    #         last stage: out <- loss of (out, y_mb), divided by M
+    #         other stages: start sending out forward; keep the handle in sends
+    #         return the pair
     if stage.is_first:
         inp = x_mb
     else:
@@ -62,10 +89,33 @@ def forward_step(stage, comms, x_mb, y_mb, n_microbatches, sends):
 def backward_step(stage, comms, inp, out, sends):
     """Backward one microbatch from its (input, output): receive the output's gradient (unless
     last rank), backpropagate, send the input's gradient back (unless first rank)."""
-    # >>> TODO(m05): backpropagate this microbatch and pass the input gradient to the previous rank
-    # Hint: the last rank's output is a loss: out.backward(). Elsewhere the gradient arrives from
-    #       the next rank: comms.recv_backward(out.shape), then out.backward(that gradient).
-    # Hint: sends.append(comms.isend_backward(inp.grad)) unless this is the first rank.
+    # >>> TODO(m05): backpropagate one microbatch and hand its input gradient back
+    # Contract: (inp, out) are what forward_step returned for this microbatch. Afterwards this
+    # microbatch's gradient has been added into every parameter's .grad (autograd accumulates,
+    # which is how the M microbatches' gradients sum to the batch's), and, on every stage but the
+    # first, dloss/dinp has been sent to the previous rank without blocking, its handle in
+    # `sends`. Returns nothing.
+    # The maths: on the last stage out is a scalar loss share, so the backward starts from it.
+    # Elsewhere the next rank sends dloss/dout (out's shape); backpropagating out with it is
+    # module 01's vector-Jacobian product, and it leaves dloss/dinp in inp's .grad.
+    # Pitfalls:
+    # - "isend_backward got NoneType, not a tensor" (or, from comms without that check,
+    #   "'NoneType' object has no attribute 'contiguous'" inside the send): the gradient sent is
+    #   None, because forward_step's received input does not require grad.
+    # - a receive on the last stage or a send from the first: the comms' clear error ("rank r is
+    #   the last stage: it has no next rank to recv_backward with").
+    # - a blocking send here and in forward_step deadlocks 1F1B (see forward_step): the grader's
+    #   timeout names the line each rank is stuck on.
+    # - a wrong (inp, out) pair is the schedule's mistake, not this one's: see one_f_one_b.
+    # Hint 1: The last stage starts the backward from its loss share; any other stage first
+    #         receives its output's gradient from the next rank and continues from there. Then,
+    #         except on the first stage, the input's gradient goes back.
+    # Hint 2: Tensor.backward() on a scalar, Tensor.backward(gradient) otherwise;
+    #         comms.recv_backward(shape of out); inp.grad; comms.isend_backward(tensor), its
+    #         handle appended to `sends`.
+    # Hint 3: last stage: backward from out
+    #         other stages: g <- receive backward (out's shape); backward from out, seeded with g
+    #         unless first stage: start sending inp's gradient backward; keep the handle in sends
     if stage.is_last:
         out.backward()
     else:
@@ -86,7 +136,28 @@ def wait_all(sends):
 
 def naive(stage, comms, x, y, n_microbatches=1):
     """The whole batch forward, then backward: one microbatch, whatever `n_microbatches` says."""
-    # >>> TODO(m05): one forward_step and one backward_step of the whole batch
+    # >>> TODO(m05): run the whole batch as a single microbatch, forward then backward
+    # Contract: the whole batch (x, y) is one microbatch, whatever n_microbatches says, so its
+    # loss share is the whole loss. Afterwards this rank's parameters hold the full-batch
+    # gradients and every send of the step has completed. Returns the batch loss, a detached
+    # scalar tensor, on the last stage (the caller calls .item()), and None on every other.
+    # The result must be the monolith's bit for bit (the grader compares with ==).
+    # Pitfalls:
+    # - handing n_microbatches on: the demo passes the command line's count to every schedule,
+    #   and a loss divided by M is no longer the monolith's; the grader runs naive with M = 8.
+    # - not waiting for the sends: on gloo a send whose handle is dropped is usually lost, and
+    #   the peer then hangs in its recv_forward / recv_backward. The grader's timeout report shows
+    #   only those receives, and says nothing about the dropped handles: that is the sign.
+    # - a loss on a rank that is not the last: the grader says only the last rank has a loss.
+    # Hint 1: A schedule is bookkeeping around the two helpers: a list for the send handles, one
+    #         forward, one backward, then wait for the sends.
+    # Hint 2: forward_step with n_microbatches = 1 returns (inp, out); backward_step takes them
+    #         back, with the same list of handles; wait_all on that list; Tensor.detach().
+    # Hint 3: sends <- empty list
+    #         inp, out <- forward step of (x, y) as one microbatch
+    #         backward step of (inp, out)
+    #         wait for all sends
+    #         return out detached on the last stage, else None
     sends = []
     inp, out = forward_step(stage, comms, x, y, 1, sends)
     backward_step(stage, comms, inp, out, sends)
@@ -97,9 +168,34 @@ def naive(stage, comms, x, y, n_microbatches=1):
 
 def gpipe(stage, comms, x, y, n_microbatches):
     """All forwards, then all backwards; returns the batch loss on the last rank."""
-    # >>> TODO(m05): split x and y; forward every microbatch, then backward every one; wait the sends
-    # Hint: keep each microbatch's (input, output) until its backward. Any backward order gives
-    #       the same gradients (they are summed); the loss is the sum of the shares, detached.
+    # >>> TODO(m05): run GPipe: all M forwards, then all M backwards, and return the batch loss
+    # Contract: split x and y into n_microbatches (M) equal microbatches with split_microbatches
+    # (given: it raises the ValueError the grader expects, before any message, when M does not
+    # divide the batch). Forward microbatches 0 .. M-1 in that order, keeping each one's
+    # (inp, out) until its backward; then run every microbatch's backward; wait for every send
+    # before returning. Returns the batch loss on the last stage (the sum of the M shares,
+    # each already divided by M, detached), None elsewhere.
+    # The maths: the gradients of the shares add up to the full batch's gradient, in any backward
+    # order (each depends only on the fixed weights and its own activations), equal to it within
+    # float32 rounding (the grader allows a relative 1e-5). Memory: every microbatch's activations
+    # live from its forward to its backward, so each rank holds all M at the peak; the grader
+    # counts them from autograd's saved tensors and checks the order F0 .. F(M-1), then the Bs.
+    # Pitfalls:
+    # - the same order of microbatches on every rank: a neighbour receives the messages in the
+    #   order they were sent.
+    # - the mean of the shares instead of their sum: the returned loss is M times too small (the
+    #   grader prints it beside the full-batch loss).
+    # - forgetting the final wait: on gloo the dropped sends are usually lost and a peer hangs
+    #   in recv; the timeout report shows only the receive, nothing about the handles.
+    # Hint 1: Two loops around the helpers: the first forwards every microbatch and keeps the
+    #         pairs, the second backpropagates every pair; one list of send handles for the step.
+    # Hint 2: split_microbatches(x, M) and (y, M); a list of the (inp, out) pairs; sum of
+    #         out.detach() over the pairs on the last stage; wait_all on the handles at the end.
+    # Hint 3: xs, ys <- the microbatches of x and of y
+    #         pairs <- [forward step of microbatch m, for m in 0 .. M-1]
+    #         loss  <- sum of the detached outs (last stage only)
+    #         for each pair: backward step (drop the pair once done: frees its activations)
+    #         wait for all sends; return loss
     xs, ys = split_microbatches(x, n_microbatches), split_microbatches(y, n_microbatches)
     sends = []
     saved = [forward_step(stage, comms, xs[m], ys[m], n_microbatches, sends) for m in range(n_microbatches)]
@@ -115,9 +211,41 @@ def gpipe(stage, comms, x, y, n_microbatches):
 
 def one_f_one_b(stage, comms, x, y, n_microbatches):
     """Warm-up forwards, then one forward / one backward in turn, then the remaining backwards."""
-    # >>> TODO(m05): warm up with min(P - rank - 1, M) forwards; steady state F(m + warm-up), B(m); cool down
-    # Hint: keep (input, output) of the microbatches in flight in a list; backward the oldest.
-    # Hint: with M < P - rank - 1 the warm-up alone forwards every microbatch (cap it at M).
+    # >>> TODO(m05): run 1F1B: warm up with forwards, alternate one forward and one backward, then cool down
+    # Contract: the same inputs, gradients (within rounding), return value and waited sends as
+    # gpipe, in another order. On rank r of P (comms.rank, comms.world_size): a warm-up of
+    # forwards only; a steady state in which each forward of the next microbatch is followed by
+    # the backward of the oldest microbatch in flight; a cool-down of the backwards left.
+    # The invariant to derive the warm-up from: in the steady state every stage after this one
+    # is busy with a microbatch this rank has forwarded and not yet backwarded, one each, so the
+    # warm-up must fill the pipeline behind this rank exactly (the last stage needs none) and no
+    # more. Then rank r holds at most P - r microbatches' activations (all M if M is smaller), as
+    # against M for GPipe. Backwards go oldest first: the next gradient to arrive is the oldest's.
+    # What the grader checks: the exact F/B order on every rank (it prints the one expected), the
+    # peak of live microbatches counted from autograd's saved tensors, the gradients, 50 steps.
+    # Pitfalls:
+    # - M smaller than the warm-up you derived: forwards of microbatches that do not exist (an
+    #   IndexError); the grader runs M = 1 and 2 on 4 ranks.
+    # - a warm-up one too long or too short: that rank's order and peak differ from the expected.
+    # - the newest microbatch backwarded instead of the oldest: the gradient received is applied
+    #   to another microbatch's graph. The losses leave the monolith's, and the gradient check
+    #   asks whether each backward uses its own microbatch's saved input and output.
+    # - blocking sends in both helpers: the steady state deadlocks (see forward_step).
+    # - forgetting the final wait: on gloo the dropped sends are usually lost and a peer hangs
+    #   in recv; the timeout report shows only the receive, nothing about the handles.
+    # Hint 1: Keep the microbatches in flight in a list (a queue): a forward appends its
+    #         (inp, out), a backward takes the oldest. Warm-up: forwards only. Steady state: for
+    #         each microbatch not yet forwarded, forward it, then backward the oldest. Cool-down:
+    #         backward until the list is empty. Add each loss share on the last stage as it is
+    #         forwarded (the list empties before the end).
+    # Hint 2: the warm-up on rank r is the number of stages after it, P - r - 1, capped at M
+    #         (min); the steady state forwards microbatches warm-up .. M-1; list.pop(0) takes the
+    #         oldest; split_microbatches, forward_step, backward_step, wait_all as in gpipe.
+    # Hint 3: xs, ys <- microbatches; warmup <- (stages after this one) capped at M
+    #         for m in 0 .. warmup-1: forward m (append; add its share to the loss on the last stage)
+    #         for m in warmup .. M-1: forward m; backward the oldest in flight
+    #         while any in flight: backward the oldest
+    #         wait for all sends; return the loss on the last stage, else None
     xs, ys = split_microbatches(x, n_microbatches), split_microbatches(y, n_microbatches)
     warmup = min(comms.world_size - comms.rank - 1, n_microbatches)
     sends, in_flight, loss = [], [], 0.0

@@ -1,5 +1,5 @@
 # Generated from solutions/m03_ping_pong.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 03`. (skeleton eb427886b74b)
+# Grade your work with `python main.py grade 03`. (skeleton f3a99a37fd3a)
 """Module 03 - ping-pong.
 
 Two ranks bounce one tensor back and forth. Rank 0 serves; whoever receives the ball adds 1 and
@@ -22,11 +22,22 @@ def ping_pong(comms: PipelineComms, x: torch.Tensor, round_trips: int) -> torch.
 
     Rank 0 sends first. The receiver of each message adds 1 to it before sending it back.
     """
-    # TODO(m03): rank 0 sends then receives; rank 1 receives then sends; +1 on every receipt
-    # Hint: rank 0 is the first stage (send_forward / recv_backward), rank 1 the last
-    #       (recv_forward / send_backward); x.shape and x.dtype size the receive buffers.
-    # Hint: rank 1 must return what it last *received* plus 1 (the ball it sent back).
-    raise NotImplementedError('TODO(m03): rank 0 sends then receives; rank 1 receives then sends; +1 on every receipt')
+    # TODO(m03): bounce the ball for the given number of round trips, each receiver adding 1
+    # Contract: runs on both ranks at once, with the same x and round_trips; comms is rank 0's or
+    # rank 1's PipelineComms (rank 0 is the pipeline's first stage, rank 1 its last). One round
+    # trip is one message each way, so each rank sends exactly round_trips messages. The ball
+    # keeps x's shape and dtype. Returns the last ball this rank held: on rank 0 the one it
+    # received last (x + 2n after n round trips), on rank 1 the one it sent back last (x + 2n - 1).
+    # The invariant: every hop adds exactly 1, so the value counts the messages delivered; a
+    # message lost, repeated or taken out of order shows in the count.
+    # Pitfalls: both ranks starting with a receive (or both with a send that waits for its
+    # receiver) wait for each other: the grader stops them at its timeout and names the line each
+    # rank is stuck on. A receive buffer of the comms' default dtype instead of the ball's: the
+    # grader bounces a float64 ball, and a buffer of another byte size makes gloo abort the
+    # receiving rank ("died without a result", SIGABRT). Adding 1 before sending, or returning
+    # on rank 1 what it received rather than what it sent back, is off by one: the grader prints
+    # what each rank holds. An extra message: the grader counts every rank's sends.
+    raise NotImplementedError('TODO(m03): bounce the ball for the given number of round trips, each receiver adding 1')
 
 
 def time_round_trip(comms: PipelineComms, numel: int, repeats: int = 20, warmup: int = 3) -> float:
@@ -35,8 +46,18 @@ def time_round_trip(comms: PipelineComms, numel: int, repeats: int = 20, warmup:
     The first `warmup` round trips are not timed: they pay for connection set-up and first-touch
     memory, which are not what we want to measure.
     """
-    # TODO(m03): run warmup + repeats round trips; time each timed one; return the median
-    # Hint: one round trip is ping_pong(comms, ball, 1); time it with time.perf_counter().
-    # Hint: statistics.median of the per-round-trip times resists the odd slow one.
-    raise NotImplementedError('TODO(m03): run warmup + repeats round trips; time each timed one; return the median')
+    # TODO(m03): time single round trips of a numel-element ball and return their median
+    # Contract: runs on both ranks at once, with the same arguments. Plays warmup + repeats round
+    # trips of a float32 ball of numel elements on comms.device; the first `warmup` are not
+    # timed; each of the next `repeats` is timed on its own; returns the median of those
+    # durations, in seconds (a float). Each rank therefore sends warmup + repeats messages.
+    # Why the median: a round trip takes 2 * (latency + bytes / bandwidth) plus noise that only
+    # ever adds time (the scheduler, another process); the median of single round trips ignores
+    # the odd slow one, where a mean (or the total divided by repeats) absorbs it.
+    # Pitfalls: both ranks must play the same number of round trips, or one waits forever for the
+    # other. The grader counts the messages (warmup + repeats) and replaces the module's clock
+    # (the `time` module imported above: read the clock through it) with a scripted one whose
+    # round trips take known durations: it expects exactly the median of the timed ones, not
+    # their mean, their sum, or a median over rounds that include warm-ups.
+    raise NotImplementedError('TODO(m03): time single round trips of a numel-element ball and return their median')
 

@@ -1,5 +1,5 @@
 # Generated from solutions/m04_sharded.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 04`. (skeleton 98fa46064f8a)
+# Grade your work with `python main.py grade 04`. (skeleton e96c811ba640)
 """Module 04 - the sharded model.
 
 Each rank holds only its own slice of the 16 layers (the last rank also holds the head and
@@ -30,8 +30,16 @@ def check_world_size(cfg: MLPConfig, world_size: int):
 def layer_range(cfg: MLPConfig, rank: int, world_size: int) -> range:
     """The indices of the layers that `rank` holds."""
     check_world_size(cfg, world_size)
-    # TODO(m04): return the contiguous block of layer indices owned by `rank`
-    raise NotImplementedError('TODO(m04): return the contiguous block of layer indices owned by `rank`')
+    # TODO(m04): return the block of consecutive layer indices a rank owns
+    # Contract: a range of layer indices. Over ranks 0 .. world_size - 1, in order, the ranges are
+    # consecutive blocks of equal length L/P (L = cfg.layers, P = world_size) that together
+    # cover 0 .. L - 1 exactly once and in order: rank r's block starts where rank r - 1's ends.
+    # check_world_size (given, above) has already refused a P that does not divide L.
+    # Pitfalls: a range's stop is excluded, so an off-by-one drops or repeats a layer at every
+    # boundary; dealing the layers out in turn (r, r + P, ...) covers every layer but not in
+    # blocks, and a pipeline needs each rank's layers to be consecutive. The grader lists the
+    # ranges it got for P = 1, 2, 4, 8 and 16.
+    raise NotImplementedError('TODO(m04): return the block of consecutive layer indices a rank owns')
 
 
 class ShardedMLP(nn.Module):
@@ -43,11 +51,24 @@ class ShardedMLP(nn.Module):
         # Where this stage sits in the pipeline: the first takes the batch, the last computes the loss.
         self.is_first, self.is_last = rank == 0, rank == world_size - 1
         mine = layer_range(cfg, rank, world_size)
-        # TODO(m04): build self.layers (an nn.ModuleList of this rank's layers) and self.head
-        # Hint: torch.manual_seed(cfg.seed), then create all cfg.layers Linear(hidden, hidden)
-        #       layers in order, keeping those whose index is in `mine`: the random stream then
-        #       matches the monolith's. The last rank then creates the head (others: self.head = None).
-        raise NotImplementedError("TODO(m04): build self.layers (an nn.ModuleList of this rank's layers) and self.head")
+        # TODO(m04): build this rank's layers, and the head on the last rank, with the monolith's initial weights
+        # Contract: self.layers is an nn.ModuleList of this rank's layers (the indices in `mine`, in
+        # order), each hidden to hidden, with exactly the initial weights of the monolith's layers of
+        # the same indices; self.head is the monolith's head (hidden to classes) on the last rank
+        # and None on every other. What the process drew from the random stream before this
+        # constructor must not matter.
+        # The invariant: the monolith's weights come from one stream seeded with cfg.seed, drawn
+        # layer by layer in index order and the head last; a layer's weights depend on every draw
+        # before it, and there is no cheap way to skip ahead (docs/04-sharded.md). Memory: keep only
+        # this rank's layers, and let every other layer go once the next one exists: never hold
+        # the whole model.
+        # Pitfalls: not seeding here makes the shard depend on what the caller drew (the grader
+        # draws with another seed before building each shard). Creating only this rank's layers
+        # after seeding gives rank 0 the right weights and every other rank wrong ones: the grader
+        # names the world size, rank and layer. The head before the layers, or on every rank:
+        # the grader compares the head and demands None elsewhere. Layers in a plain Python list
+        # are not parameters: the grader counts the parameters the shards hold together.
+        raise NotImplementedError("TODO(m04): build this rank's layers, and the head on the last rank, with the monolith's initial weights")
 
     def forward(self, x):
         """This rank's part of the forward pass: hidden activations, or logits on the last rank."""
@@ -67,8 +88,18 @@ def sharded_forward(model: ShardedMLP, comms: PipelineComms, x: torch.Tensor) ->
     Every rank passes the same batch: the first rank feeds it in, the others only use its batch
     size to allocate their receive buffer, shape (batch, hidden).
     """
-    # TODO(m04): receive the input (unless first rank), run this rank's layers, send (unless last)
-    # Hint: model.is_first and model.is_last say where this rank's stage sits.
-    # Hint: the receive buffer's shape is (x.shape[0], model.hidden).
-    raise NotImplementedError("TODO(m04): receive the input (unless first rank), run this rank's layers, send (unless last)")
+    # TODO(m04): pass the batch through this rank's stage of the relay and return its output
+    # Contract: runs on every rank at once, with the same batch x (batch, features). The first
+    # rank computes from x; every other rank computes from the activation the previous rank sends
+    # (batch rows, model.hidden columns, float32), and x only tells it the batch size. Every rank
+    # but the last hands its output on to the next rank. Returns this rank's output: activations
+    # (batch, hidden), or the logits (batch, classes) on the last rank.
+    # The invariant: a message copies bytes and does no arithmetic, so the last rank's logits are
+    # the monolith's bit for bit (the grader compares with torch.equal on 2 and 4 ranks).
+    # Pitfalls: receiving on the first rank or sending from the last: the comms raise their clear
+    # "rank r is the first/last stage" error. A rank that never sends leaves the next one
+    # waiting in its receive: the grader stops the ranks at its timeout and names the line each
+    # is stuck on. Sizing the buffer from x.shape alone works only because the batch's width
+    # equals the hidden width here (128); the activations' width is the model's.
+    raise NotImplementedError("TODO(m04): pass the batch through this rank's stage of the relay and return its output")
 

@@ -28,7 +28,7 @@ def test_gradients_cross_the_boundary_exactly():
 
     def check_boundary(module, args):  # before part two runs, so the message comes before any crash
         assert args[0].grad_fn is None and args[0].requires_grad, \
-            "part two must receive a leaf that requires grad: hidden.detach().requires_grad_()"
+            "part two must receive a leaf (no autograd history) that requires grad, as a tensor arriving from another device would be"
         received.append(args[0])
     part_two.register_forward_pre_hook(check_boundary)
     frozen = torch.optim.SGD([*part_one.parameters(), *part_two.parameters()], lr=0.0)

@@ -118,32 +118,50 @@ def test_forward_and_backward_relays_deliver_every_value(world_size):
         assert all(s == ((3, 5), torch.float64, "cpu") for s in seen), f"rank {rank} receive buffers: {seen}"
 
 
-def test_receive_uses_the_comms_default_dtype():
-    def relay_default_dtype():
-        comms = m02.PipelineComms(dist.get_rank(), 2, dtype=torch.float16)
-        if comms.rank == 0:
-            comms.send_forward(torch.full((2,), 1.5, dtype=torch.float16))
-            return None
-        return comms.recv_forward((2,))
-    _, got = run_ranks(relay_default_dtype, 2, timeout=20)
-    assert got.dtype == torch.float16 and got.tolist() == [1.5, 1.5]
+def _relay_default_dtype(direction):
+    comms = m02.PipelineComms(dist.get_rank(), 2, dtype=torch.float16)
+    sender = 0 if direction == "forward" else 1
+    if comms.rank == sender:
+        getattr(comms, f"send_{direction}")(torch.full((2,), 1.5, dtype=torch.float16))
+        return None
+    return getattr(comms, f"recv_{direction}")((2,))
 
 
-def test_a_non_contiguous_tensor_arrives_with_its_values():
-    # A transposed view's bytes are not in its logical order; gloo refuses such a tensor, so the
-    # sending side must hand over a contiguous copy (the values, not the memory as it lies).
-    def send_transposed():
-        comms = m02.PipelineComms(dist.get_rank(), 2, dtype=torch.float64)
-        sent = torch.arange(12, dtype=torch.float64).reshape(3, 4).t()
-        if comms.rank == 0:
-            comms.send_forward(sent)
-            comms.isend_forward(sent * 2).wait()
-            return None
-        return comms.recv_forward((4, 3)), comms.recv_forward((4, 3))
-    _, (got, got_async) = run_ranks(send_transposed, 2, timeout=20)
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+def test_receive_uses_the_comms_default_dtype(direction):
+    got = next(r for r in run_ranks(_relay_default_dtype, 2, direction, timeout=20) if r is not None)
+    assert got.dtype == torch.float16 and got.tolist() == [1.5, 1.5], \
+        f"recv_{direction} without a dtype: expected the comms' float16 buffer holding [1.5, 1.5], got {got.dtype} {got.tolist()}"
+
+
+def _send_transposed(verb):
+    """Rank `sender` sends a transposed (non-contiguous) view with `verb`; the other rank receives it."""
+    comms = m02.PipelineComms(dist.get_rank(), 2, dtype=torch.float64)
+    sent = torch.arange(12, dtype=torch.float64).reshape(3, 4).t()
+    sender = 0 if verb.endswith("forward") else 1
+    if comms.rank == sender:
+        handle = getattr(comms, verb)(sent)
+        if verb.startswith("isend"):
+            handle.wait()
+        return None
+    return comms.recv_forward((4, 3)) if sender == 0 else comms.recv_backward((4, 3))
+
+
+@pytest.mark.parametrize("verb", ["send_forward", "isend_forward", "send_backward", "isend_backward"])
+def test_a_non_contiguous_tensor_arrives_with_its_values(verb):
+    # A transposed view's bytes are not in its logical order; gloo refuses such a tensor, so every
+    # sending verb, forward and backward, blocking or not, must hand over a contiguous copy.
+    got = next(r for r in run_ranks(_send_transposed, 2, verb, timeout=20) if r is not None)
     expected = torch.arange(12, dtype=torch.float64).reshape(3, 4).t()
-    assert torch.equal(got, expected), f"send_forward of a transposed tensor delivered {got.tolist()}"
-    assert torch.equal(got_async, expected * 2), f"isend_forward of a transposed tensor delivered {got_async.tolist()}"
+    assert torch.equal(got, expected), f"{verb} of a transposed tensor delivered {got.tolist()}, expected {expected.tolist()}"
+
+
+@pytest.mark.parametrize("verb", ["send_forward", "isend_forward", "send_backward", "isend_backward"])
+def test_sending_none_is_a_clear_error(verb):
+    # What a schedule sends when a gradient was never computed (a received activation that is not a
+    # leaf requiring grad leaves .grad None): the error must say so, not fail inside torch.distributed.
+    with pytest.raises(TypeError, match=f"{verb} got NoneType, not a tensor .a gradient that was never computed"):
+        getattr(m02.PipelineComms(0 if verb.endswith("forward") else 1, 2), verb)(None)
 
 
 def _exchange_both_ways():
