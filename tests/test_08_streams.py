@@ -10,6 +10,9 @@ On a GPU (skipped without one; run in a child process, because the pytest proces
 CUDA) copies are slowed down and poison the buffer with NaN first, so a missing wait shows up as a
 wrong or NaN result.
 """
+import argparse
+import re
+
 import pytest
 import torch
 
@@ -208,3 +211,17 @@ def cuda_poisoned_buffers_check():
 @needs_gpu
 def test_streamed_weights_on_cuda_survive_poisoned_buffers():
     run_cuda_check(__file__, "cuda_poisoned_buffers_check")
+
+
+@pytest.mark.given
+def test_the_demo_shows_the_hazard_of_an_invalidate_that_does_not_wait(monkeypatch, capsys):
+    # `run 08` steps an "optimizer" between two steps, so an invalidate() without its synchronize
+    # (the host may then write weights a copy still reads) is a hazard the demo reports.
+    from course.demos import m08 as demo
+
+    def invalidate_without_waiting(self):
+        self.version += 1
+    monkeypatch.setattr(load("m08_host_weights").HostWeights, "invalidate", invalidate_without_waiting)
+    demo.demo(argparse.Namespace(layers=2))
+    out = capsys.readouterr().out
+    assert "0 hazards" not in out and re.search(r"[1-9]\d* hazards", out), out
