@@ -102,6 +102,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
         if args.number not in MODULES:
             parser.error(f"unknown module {args.number!r}; modules: {', '.join(MODULES)}")
         args.module = MODULES[args.number]
+        if args.command != "hint" and importlib.util.find_spec("torch") is None:
+            sys.exit(f"error: this Python ({sys.executable}) has no torch; install the course's requirements into "
+                     "it (pip install -r requirements.txt) or run main.py with the Python that has them")
     if args.command == "run":
         from course.demos import parse_run_options
 
@@ -113,9 +116,6 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> None:
     args = parse(argv)
-    if args.command not in ("list", "hint") and importlib.util.find_spec("torch") is None:
-        sys.exit(f"error: this Python ({sys.executable}) has no torch; install the course's requirements into it "
-                 "(pip install -r requirements.txt) or run main.py with the Python that has them")
     commands = {None: cmd_tour, "list": cmd_list, "run": cmd_run, "grade": cmd_grade, "hint": cmd_hint, "bench": cmd_bench}
     commands[args.command](args)
 

@@ -145,14 +145,15 @@ def test_every_command_runs_your_steps_unless_told_otherwise(command):
     assert main.parse([*command, "--impl", "solutions"]).impl == "solutions"
 
 
-def test_a_python_without_torch_gets_one_line_naming_it(tmp_path):
+@pytest.mark.parametrize("command", [["grade", "03"], ["run", "05"]])
+def test_a_python_without_torch_gets_one_line_naming_it(tmp_path, command):
     # An interpreter that cannot find torch (here: this one, with find_spec told to say so).
     import_hook = tmp_path / "hide_torch.py"
     import_hook.write_text("import importlib.util, sys\n"
                            "real = importlib.util.find_spec\n"
                            "importlib.util.find_spec = lambda name, *a: None if name == 'torch' else real(name, *a)\n")
     run = subprocess.run([sys.executable, "-c", f"import runpy, sys; sys.path.insert(0, {str(tmp_path)!r}); "
-                          "import hide_torch; sys.argv = ['main.py', 'grade', '03']; runpy.run_path('main.py', run_name='__main__')"],
+                          f"import hide_torch; sys.argv = ['main.py', *{command!r}]; runpy.run_path('main.py', run_name='__main__')"],
                          cwd=REPO, capture_output=True, text=True, timeout=60)
     assert run.returncode == 1 and "has no torch" in run.stderr and sys.executable in run.stderr, run.stderr
     assert "Traceback" not in run.stderr, run.stderr
