@@ -1,4 +1,5 @@
 """Module 01: two hand-driven halves must train exactly like the monolith."""
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -9,6 +10,7 @@ m00 = reference("m00_monolith")
 cfg = m00.MLPConfig()
 
 
+@pytest.mark.exercises("PartOne.__init__", "PartTwo.__init__")
 def test_parts_start_from_the_monolith_weights():
     part_one, part_two = m01.build_parts(cfg)
     monolith = m00.build_model(cfg)
@@ -22,6 +24,7 @@ def test_parts_start_from_the_monolith_weights():
     assert torch.equal(part_two.head.bias, monolith.head.bias), "head bias differs"
 
 
+@pytest.mark.exercises("PartOne.__init__", "PartTwo.__init__", "train_step")
 def test_gradients_cross_the_boundary_exactly():
     part_one, part_two = m01.build_parts(cfg)
     received = []
@@ -55,6 +58,7 @@ def test_gradients_cross_the_boundary_exactly():
         assert torch.equal(p.grad, q.grad), f"the gradient of {name} differs from the monolith's"
 
 
+@pytest.mark.exercises("PartOne.__init__", "PartTwo.__init__", "train_step")
 def test_loss_curve_equals_the_monolith_bit_for_bit():
     (model, ours), (monolith_model, monolith) = m01.train(cfg), m00.train(cfg)
     first_bad = next((i for i, (a, b) in enumerate(zip(ours, monolith)) if a != b), None)

@@ -11,6 +11,7 @@ from course.launch import run_ranks
 m02 = load("m02_comms")
 
 
+@pytest.mark.exercises("PipelineComms.__init__")
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_neighbours(world_size):
     for rank in range(world_size):
@@ -24,6 +25,7 @@ def _init_in_existing_group():
     return rank, world_size, str(device), dist.get_rank(), dist.get_world_size()
 
 
+@pytest.mark.exercises("init_distributed")
 def test_init_distributed_reports_rank_world_size_and_device():
     assert run_ranks(_init_in_existing_group, 2, timeout=20) == [
         (0, 2, "cpu", 0, 2), (1, 2, "cpu", 1, 2)]
@@ -39,6 +41,7 @@ def _init_from_environment(gpus, local_world_size):
     return rank, world_size, str(device), dist.get_backend()
 
 
+@pytest.mark.exercises("init_distributed")
 @pytest.mark.parametrize("gpus, local_world_size", [(0, 1), (1, 2)], ids=["no GPU", "1 GPU for 2 ranks"])
 def test_init_distributed_creates_the_group_from_torchrun_variables(gpus, local_world_size):
     assert run_ranks(_init_from_environment, 1, gpus, local_world_size, timeout=20, init_process_group=False) == [
@@ -71,6 +74,7 @@ def _init_with_a_gpu_per_local_rank(backend=None):
     return rank, world_size, str(device), group.get("backend"), set_device
 
 
+@pytest.mark.exercises("init_distributed")
 def test_init_distributed_picks_nccl_and_the_local_gpu_when_every_local_rank_has_one():
     [(rank, world_size, device, backend, set_device)] = run_ranks(
         _init_with_a_gpu_per_local_rank, 1, timeout=20, init_process_group=False)
@@ -80,6 +84,7 @@ def test_init_distributed_picks_nccl_and_the_local_gpu_when_every_local_rank_has
         f"LOCAL_RANK=1: expected device cuda:1 and set_device(cuda:1), got {device} and set_device calls {set_device}"
 
 
+@pytest.mark.exercises("init_distributed")
 def test_init_distributed_uses_the_backend_asked_for():
     # Module 07 keeps its tensors in CPU memory and asks for gloo, even where nccl would be chosen.
     [(_, _, device, backend, set_device)] = run_ranks(
@@ -106,6 +111,11 @@ def _relay(world_size):
     return x, seen
 
 
+@pytest.mark.exercises("PipelineComms.__init__",
+                        "PipelineComms.send_forward",
+                        "PipelineComms.recv_forward",
+                        "PipelineComms.send_backward",
+                        "PipelineComms.recv_backward")
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_forward_and_backward_relays_deliver_every_value(world_size):
     results = run_ranks(_relay, world_size, world_size, timeout=20)
@@ -127,6 +137,11 @@ def _relay_default_dtype(direction):
     return getattr(comms, f"recv_{direction}")((2,))
 
 
+@pytest.mark.exercises("PipelineComms.__init__",
+                        "PipelineComms.send_forward",
+                        "PipelineComms.recv_forward",
+                        "PipelineComms.send_backward",
+                        "PipelineComms.recv_backward")
 @pytest.mark.parametrize("direction", ["forward", "backward"])
 def test_receive_uses_the_comms_default_dtype(direction):
     got = next(r for r in run_ranks(_relay_default_dtype, 2, direction, timeout=20) if r is not None)
@@ -147,6 +162,13 @@ def _send_transposed(verb):
     return comms.recv_forward((4, 3)) if sender == 0 else comms.recv_backward((4, 3))
 
 
+@pytest.mark.exercises("PipelineComms.__init__",
+                        "PipelineComms.send_forward",
+                        "PipelineComms.recv_forward",
+                        "PipelineComms.send_backward",
+                        "PipelineComms.recv_backward",
+                        "PipelineComms.isend_forward",
+                        "PipelineComms.isend_backward")
 @pytest.mark.parametrize("verb", ["send_forward", "isend_forward", "send_backward", "isend_backward"])
 def test_a_non_contiguous_tensor_arrives_with_its_values(verb):
     # A transposed view's bytes are not in its logical order; gloo refuses such a tensor, so every
@@ -156,6 +178,7 @@ def test_a_non_contiguous_tensor_arrives_with_its_values(verb):
     assert torch.equal(got, expected), f"{verb} of a transposed tensor delivered {got.tolist()}, expected {expected.tolist()}"
 
 
+@pytest.mark.exercises("PipelineComms.__init__")
 @pytest.mark.parametrize("verb", ["send_forward", "isend_forward", "send_backward", "isend_backward"])
 def test_sending_none_is_a_clear_error(verb):
     # What a schedule sends when a gradient was never computed (a received activation that is not a
@@ -180,11 +203,17 @@ def _exchange_both_ways():
     return [None if t is None else t.tolist() for t in (from_prev, from_next)]
 
 
+@pytest.mark.exercises("PipelineComms.__init__",
+                        "PipelineComms.recv_forward",
+                        "PipelineComms.recv_backward",
+                        "PipelineComms.isend_forward",
+                        "PipelineComms.isend_backward")
 def test_non_blocking_sends_in_both_directions():
     results = run_ranks(_exchange_both_ways, 3, timeout=20)
     assert results == [[None, [1.0] * 4], [[0.0] * 4, [2.0] * 4], [[1.0] * 4, None]]
 
 
+@pytest.mark.exercises("PipelineComms.__init__")
 @pytest.mark.parametrize("rank, verb, end", [
     (1, "send_forward", "last"), (1, "isend_forward", "last"), (1, "recv_backward", "last"),
     (0, "recv_forward", "first"), (0, "send_backward", "first"), (0, "isend_backward", "first"),

@@ -30,6 +30,7 @@ def _play(round_trips):
     return ball, comms.sent
 
 
+@pytest.mark.exercises("ping_pong")
 @pytest.mark.parametrize("round_trips", [1, 5])
 def test_each_hop_adds_one(round_trips):
     (ball0, sent0), (ball1, sent1) = run_ranks(_play, 2, round_trips, timeout=20)
@@ -45,6 +46,7 @@ def _time(numel, repeats, warmup):
     return seconds, comms.sent
 
 
+@pytest.mark.exercises("ping_pong", "time_round_trip")
 def test_timer_runs_warmup_plus_timed_round_trips():
     results = run_ranks(_time, 2, 1000, 7, 2, timeout=20)
     for rank, (seconds, sent) in enumerate(results):
@@ -96,6 +98,7 @@ class ClockedComms:
         pass
 
 
+@pytest.mark.exercises("ping_pong", "time_round_trip")
 @pytest.mark.parametrize("rank", [0, 1])
 def test_timer_returns_the_median_of_the_timed_round_trips(rank, monkeypatch):
     # Two slow warm-ups, then seven timed round trips whose median (1.0) differs from their mean

@@ -13,6 +13,7 @@ cfg = m00.MLPConfig()
 WORLD_SIZES = [1, 2, 4, 8, 16]  # every world size that divides 16 layers
 
 
+@pytest.mark.exercises("layer_range")
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_layer_ranges_split_the_layers_evenly_and_in_order(world_size):
     ranges = [list(m04.layer_range(cfg, rank, world_size)) for rank in range(world_size)]
@@ -26,6 +27,7 @@ def test_uneven_split_is_rejected_with_a_clear_error():
         m04.layer_range(cfg, 0, 3)
 
 
+@pytest.mark.exercises("layer_range", "ShardedMLP.__init__")
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_every_rank_starts_from_its_slice_of_the_monolith(world_size):
     monolith = m00.build_model(cfg)
@@ -56,6 +58,7 @@ def _forward(world_size):
         return m04.sharded_forward(model, ReferenceComms(rank, world_size), x)
 
 
+@pytest.mark.exercises("layer_range", "ShardedMLP.__init__", "sharded_forward")
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_relay_reproduces_the_monolith_logits_bit_for_bit(world_size):
     outputs = run_ranks(_forward, world_size, world_size, timeout=30)

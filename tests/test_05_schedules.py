@@ -95,12 +95,14 @@ def _check_against_monolith(schedule, world_size, n_microbatches, steps):
                                            msg=lambda m: f"{label}: rank {rank} parameter {i}: {m}")
 
 
+@pytest.mark.exercises("forward_step", "backward_step", "naive", "gpipe", "one_f_one_b")
 @pytest.mark.parametrize("schedule,world_size,n_microbatches", [
     ("naive", 4, 1), ("gpipe", 4, 4), ("1f1b", 4, 4)])
 def test_fifty_steps_reproduce_the_monolith(schedule, world_size, n_microbatches):
     _check_against_monolith(schedule, world_size, n_microbatches, steps=50)
 
 
+@pytest.mark.exercises("forward_step", "backward_step", "naive", "gpipe", "one_f_one_b")
 @pytest.mark.parametrize("schedule,world_size,n_microbatches", [
     ("naive", 2, 1), ("naive", 4, 8), ("gpipe", 2, 1), ("gpipe", 2, 2), ("gpipe", 2, 8), ("gpipe", 4, 1), ("gpipe", 4, 16),
     ("1f1b", 2, 1), ("1f1b", 2, 8), ("1f1b", 4, 2), ("1f1b", 4, 8), ("1f1b", 4, 32)])
@@ -111,6 +113,7 @@ def test_three_steps_reproduce_the_monolith(schedule, world_size, n_microbatches
     _check_against_monolith(schedule, world_size, n_microbatches, steps=3)
 
 
+@pytest.mark.exercises("forward_step", "backward_step", "naive", "gpipe", "one_f_one_b")
 @pytest.mark.parametrize("schedule,world_size,n_microbatches", [
     ("naive", 4, 1), ("gpipe", 2, 4), ("gpipe", 4, 8), ("1f1b", 2, 4), ("1f1b", 4, 8)])
 def test_gradients_equal_autograd_of_the_full_batch(schedule, world_size, n_microbatches):
@@ -143,6 +146,7 @@ def _canonical_1f1b(world_size, rank, n_microbatches):
     return order + [("B", m) for m in range(n_microbatches - warmup, n_microbatches)]
 
 
+@pytest.mark.exercises("forward_step", "backward_step", "one_f_one_b")
 @pytest.mark.parametrize("world_size,n_microbatches", [(2, 4), (4, 8), (4, 2), (4, 1)])
 def test_1f1b_runs_the_canonical_order_and_holds_at_most_p_minus_rank_microbatches(world_size, n_microbatches):
     results = run_ranks(_train, world_size, "1f1b", world_size, n_microbatches, 1, True, timeout=20)
@@ -153,6 +157,7 @@ def test_1f1b_runs_the_canonical_order_and_holds_at_most_p_minus_rank_microbatch
             f"rank {rank}: at most {peak[0]} microbatches' activations alive, expected {min(world_size - rank, n_microbatches)}"
 
 
+@pytest.mark.exercises("forward_step", "backward_step", "gpipe")
 @pytest.mark.parametrize("world_size,n_microbatches", [(2, 4), (4, 8)])
 def test_gpipe_runs_all_forwards_then_all_backwards_holding_m_microbatches(world_size, n_microbatches):
     results = run_ranks(_train, world_size, "gpipe", world_size, n_microbatches, 1, True, timeout=20)
@@ -162,6 +167,7 @@ def test_gpipe_runs_all_forwards_then_all_backwards_holding_m_microbatches(world
         assert peak == [n_microbatches], f"rank {rank}: peak {peak[0]} live microbatches, expected all {n_microbatches}"
 
 
+@pytest.mark.exercises("gpipe", "one_f_one_b")
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_microbatch_counts_that_do_not_divide_the_batch_are_a_clear_error(schedule):
     stage = ShardedMLP(m00.MLPConfig(), 0, 2)

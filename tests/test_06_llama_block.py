@@ -28,6 +28,7 @@ def make(name, **extra):
     return cfg, weights, reference
 
 
+@pytest.mark.exercises("LlamaBlock.attention_half", "LlamaBlock.ffn_half")
 @pytest.mark.parametrize("name", CONFIGS)
 def test_block_forward_matches_the_reference_block(name):
     cfg, weights, reference = make(name)
@@ -36,6 +37,7 @@ def test_block_forward_matches_the_reference_block(name):
     torch.testing.assert_close(y, reference(x), rtol=1e-9, atol=1e-10)
 
 
+@pytest.mark.exercises("LlamaBlock.attention_half", "LlamaBlock.ffn_half", "LlamaBlock.backward")
 @pytest.mark.parametrize("name", CONFIGS)
 def test_block_backward_gives_every_gradient_of_the_reference_block(name):
     cfg, weights, reference = make(name)
@@ -49,6 +51,7 @@ def test_block_backward_gives_every_gradient_of_the_reference_block(name):
                       ("dx", dx, x_ref.grad)], rtol=1e-9, atol=1e-10)
 
 
+@pytest.mark.exercises("LlamaBlock.attention_half", "LlamaBlock.ffn_half", "LlamaBlock.backward")
 def test_every_linear_goes_through_the_matmul_policy():
     class CountingMatmul(ops.Matmul):
         def __init__(self):
@@ -73,6 +76,7 @@ def test_every_linear_goes_through_the_matmul_policy():
         f"and {matmul.backwards} backward calls"
 
 
+@pytest.mark.exercises("LlamaBlock.attention_half", "LlamaBlock.ffn_half")
 def test_the_store_holds_what_the_backward_reads_and_nothing_else():
     cfg, weights, _ = make("gqa")
     block, store = block_module.LlamaBlock(cfg), block_module.ActivationStore()

@@ -15,6 +15,7 @@ f64 = torch.float64
 CFG = LlamaConfig(dim=32, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=48, vocab_size=50, n_layers=3, max_seq_len=12)
 
 
+@pytest.mark.exercises("chunked_cross_entropy")
 @pytest.mark.parametrize("chunk", [1, 7, 1000])
 def test_chunked_cross_entropy_matches_full_cross_entropy(chunk):
     g = torch.Generator().manual_seed(0)
@@ -29,6 +30,7 @@ def test_chunked_cross_entropy_matches_full_cross_entropy(chunk):
     torch.testing.assert_close(dw, w_ref.grad, rtol=1e-10, atol=1e-12, msg=lambda m: f"dw_head: {m}")
 
 
+@pytest.mark.exercises("chunked_cross_entropy")
 def test_chunked_cross_entropy_keeps_bf16_inputs_in_bf16():
     # The GPU benchmarks train in bf16: the loss is summed in float32, the gradients come back in
     # the inputs' dtypes, and they stay close to autograd's in float64 on the same bf16 inputs.
@@ -66,6 +68,7 @@ def reference_for(model):
     return reference
 
 
+@pytest.mark.exercises("chunked_cross_entropy", "LlamaModel.forward_blocks", "LlamaModel.backward_blocks")
 def test_model_loss_and_every_gradient_match_an_nn_module_llama():
     model = model_module.LlamaModel(CFG, seed=3, dtype=f64, loss_chunk=7)
     g = torch.Generator().manual_seed(1)
@@ -120,6 +123,7 @@ class RecordingWeights:
         self.calls.append(("invalidate", None))
 
 
+@pytest.mark.exercises("chunked_cross_entropy", "LlamaModel.forward_blocks", "LlamaModel.backward_blocks")
 def test_the_model_loop_follows_the_weight_source_protocol():
     model = model_module.LlamaModel(CFG, seed=0)
     model.weights = source = RecordingWeights(model.blocks)
@@ -150,6 +154,7 @@ def test_the_model_loop_follows_the_weight_source_protocol():
          f"{source.calls[first] if first < len(source.calls) else 'no more calls'} (expected in all: {expected})")
 
 
+@pytest.mark.exercises("chunked_cross_entropy", "LlamaModel.forward_blocks", "LlamaModel.backward_blocks")
 def test_activation_stores_are_emptied_by_the_backward():
     model = model_module.LlamaModel(CFG, seed=0)
     stores = []
@@ -161,6 +166,7 @@ def test_activation_stores_are_emptied_by_the_backward():
         "each layer's store must be cleared after its backward, so its activations are freed"
 
 
+@pytest.mark.exercises("chunked_cross_entropy", "LlamaModel.forward_blocks", "LlamaModel.backward_blocks")
 def test_training_on_the_text_lowers_the_loss():
     torch.manual_seed(0)
     _, losses = model_module.train(LlamaConfig(n_layers=1, max_seq_len=32), steps=40, batch=8)

@@ -47,6 +47,7 @@ def gradcheck_through(forward, backward, inputs):
 
 
 # --- linear (the matmul policy) ------------------------------------------------------------------
+@pytest.mark.exercises("Matmul.forward", "Matmul.backward")
 def test_linear_forward_and_backward_match_autograd():
     x, w, dy = randn(2, 5, 7, seed=1), randn(3, 7, seed=2), randn(2, 5, 3, seed=3)
     mm = ops.Matmul()
@@ -57,6 +58,7 @@ def test_linear_forward_and_backward_match_autograd():
     close(dw, ew, "dw")
 
 
+@pytest.mark.exercises("Matmul.forward", "Matmul.backward")
 def test_linear_gradcheck():
     mm = ops.Matmul()
     gradcheck_through(lambda x, w: (ops.linear_forward(x, w, mm), (x, w)),
@@ -64,6 +66,7 @@ def test_linear_gradcheck():
 
 
 # --- RMSNorm and the fused residual-add + RMSNorm ------------------------------------------------
+@pytest.mark.exercises("rmsnorm_forward", "rmsnorm_backward")
 def test_rmsnorm_forward_saves_the_reciprocal_rms_and_backward_matches_autograd():
     x, w, dn = randn(3, 4, 8, seed=1), randn(8, seed=2), randn(3, 4, 8, seed=3)
     n, r = ops.rmsnorm_forward(x, w, 1e-5)
@@ -76,6 +79,7 @@ def test_rmsnorm_forward_saves_the_reciprocal_rms_and_backward_matches_autograd(
     close(dw, ew, "dweight")
 
 
+@pytest.mark.exercises("rmsnorm_forward", "rmsnorm_backward")
 def test_rmsnorm_gradcheck():
     def forward(x, w):
         n, r = ops.rmsnorm_forward(x, w, 1e-5)
@@ -83,6 +87,7 @@ def test_rmsnorm_gradcheck():
     gradcheck_through(forward, ops.rmsnorm_backward, [randn(2, 3, 6), randn(6, seed=1)])
 
 
+@pytest.mark.exercises("rmsnorm_forward", "rmsnorm_backward", "residual_rmsnorm_backward")
 def test_residual_rmsnorm_matches_autograd():
     x, a, w = randn(2, 5, 8, seed=1), randn(2, 5, 8, seed=2), randn(8, seed=3)
     dh, dn = randn(2, 5, 8, seed=4), randn(2, 5, 8, seed=5)
@@ -101,6 +106,7 @@ def test_residual_rmsnorm_matches_autograd():
 
 
 # --- RoPE ---------------------------------------------------------------------------------------
+@pytest.mark.exercises("rope_forward", "rope_backward")
 def test_rope_matches_a_complex_rotation_and_backward_is_the_inverse():
     x, dy = randn(2, 6, 3, 8, seed=1), randn(2, 6, 3, 8, seed=2)
     cos, sin = ops.rope_tables(6, 8, 500.0, dtype=f64)
@@ -110,6 +116,7 @@ def test_rope_matches_a_complex_rotation_and_backward_is_the_inverse():
     close(ops.rope_backward(ops.rope_forward(x, cos, sin), cos, sin), x, "backward(forward(x)) must give x back")
 
 
+@pytest.mark.exercises("rope_forward", "rope_backward")
 def test_rope_gradcheck():
     cos, sin = ops.rope_tables(4, 6, 10000.0, dtype=f64)
     gradcheck_through(lambda x: (ops.rope_forward(x, cos, sin), ()),
@@ -124,6 +131,7 @@ def reference_attention(q, k, v):
     return o.transpose(1, 2).flatten(2)
 
 
+@pytest.mark.exercises("attention_forward")
 @pytest.mark.parametrize("heads, kv_heads, chunk", [(4, 2, 4), (4, 4, 256), (3, 1, 5)])
 def test_attention_forward_and_lse(heads, kv_heads, chunk):
     B, T, D = 2, 11, 8
@@ -136,6 +144,7 @@ def test_attention_forward_and_lse(heads, kv_heads, chunk):
     close(lse.reshape(B, heads, T), expected_lse, "log-sum-exp of each query's scores")
 
 
+@pytest.mark.exercises("attention_forward", "attention_backward")
 @pytest.mark.parametrize("heads, kv_heads, chunk", [(4, 2, 4), (4, 4, 256), (3, 1, 5)])
 def test_attention_backward_matches_autograd(heads, kv_heads, chunk):
     B, T, D = 2, 11, 8
@@ -149,6 +158,7 @@ def test_attention_backward_matches_autograd(heads, kv_heads, chunk):
     close(dv, ev, "dv (summed over the query heads of each group)")
 
 
+@pytest.mark.exercises("attention_forward", "attention_backward")
 def test_attention_gradcheck():
     def forward(q, k, v):
         o, lse = ops.attention_forward(q, k, v, 2)
@@ -158,6 +168,7 @@ def test_attention_gradcheck():
 
 
 # --- SwiGLU -------------------------------------------------------------------------------------
+@pytest.mark.exercises("swiglu_forward", "swiglu_backward")
 def test_swiglu_matches_autograd():
     g, u, ds = randn(3, 10, seed=1), randn(3, 10, seed=2), randn(3, 10, seed=3)
     close(ops.swiglu_forward(g, u), F.silu(g) * u, "swiglu forward")
@@ -167,6 +178,7 @@ def test_swiglu_matches_autograd():
     close(du, eu, "du")
 
 
+@pytest.mark.exercises("swiglu_forward", "swiglu_backward")
 def test_swiglu_gradcheck():
     gradcheck_through(lambda g, u: (ops.swiglu_forward(g, u), (g, u)), ops.swiglu_backward,
                       [randn(2, 5, seed=1), randn(2, 5, seed=2)])
@@ -174,6 +186,12 @@ def test_swiglu_gradcheck():
 
 # --- bf16: activations in the input's dtype, per-token statistics in float32 --------------------
 
+@pytest.mark.exercises("rmsnorm_forward",
+                        "rmsnorm_backward",
+                        "rope_forward",
+                        "attention_forward",
+                        "attention_backward",
+                        "swiglu_forward")
 def test_bf16_keeps_activations_in_bf16_and_statistics_in_float32():
     # Module 10 counts the bytes a block keeps and the GPU benchmarks train in bf16: every
     # activation and gradient must come back in the input's dtype, and only the per-token

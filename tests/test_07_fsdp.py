@@ -50,6 +50,7 @@ def single_process_training(steps, batch=BATCH, dtype=f64):
 
 # --- the flat layout and the arithmetic (one process) -----------------------------------------
 
+@pytest.mark.exercises("FlatLayout.__init__", "FlatLayout.flatten", "FlatLayout.views", "FlatLayout.shard")
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4, 7])
 def test_flat_layout_pads_to_equal_shards_and_views_into_the_buffer(world_size):
     block = m06.LlamaModel(CFG, 0).blocks[0]
@@ -69,6 +70,7 @@ def test_flat_layout_pads_to_equal_shards_and_views_into_the_buffer(world_size):
         "the shards must be equal slices that concatenate to the buffer"
 
 
+@pytest.mark.exercises("fsdp_traffic")
 def test_payload_reproduces_the_fsdp_notes_worked_example():
     # 1.6B-parameter blocks in fp32 over 8 GPUs, 10 blocks, no block kept between passes.
     t = payload.fsdp_traffic(1_600_000_000, 4, 8, 10)
@@ -78,6 +80,7 @@ def test_payload_reproduces_the_fsdp_notes_worked_example():
     assert got == want, f"(payload, collectives, traffic, buffers) = {got}; the notes give {want}"
 
 
+@pytest.mark.exercises("fsdp_traffic")
 @pytest.mark.parametrize("blocks, n_microbatches, kept, all_gathers", [
     (4, 1, 2, 6), (4, 3, 2, 14), (1, 2, 1, 1), (4, 2, 0, 16), (10, 1, 0, 20)])
 def test_payload_counts_reused_blocks_and_n_microbatches(blocks, n_microbatches, kept, all_gathers):
@@ -89,6 +92,7 @@ def test_payload_counts_reused_blocks_and_n_microbatches(blocks, n_microbatches,
     assert t.payload_bytes == 251 * 2, f"1001 parameters over 4 ranks pad to 4 x 251: payload {t.payload_bytes}"
 
 
+@pytest.mark.exercises("fsdp_traffic")
 def test_buffer_sizes_count_the_padding():
     # 1001 parameters of 2 bytes over 4 ranks: each shard holds ceil(1001 / 4) = 251 parameters, so a
     # full block buffer holds 4 x 251 = 1004 (3 of them padding), not 1001.
@@ -112,6 +116,19 @@ def beyond_tolerance(what: str, worst: float) -> str:
     return f"{what} differs by {worst:.2e} from single-process training, tolerance {TOLERANCE:g}{hint}"
 
 
+@pytest.mark.exercises("FlatLayout.__init__",
+                        "FlatLayout.flatten",
+                        "FlatLayout.views",
+                        "FlatLayout.shard",
+                        "ShardedWeights.gather",
+                        "ShardedWeights.get",
+                        "ShardedWeights.release",
+                        "FSDPLlama.__init__",
+                        "FSDPLlama.backward_blocks",
+                        "FSDPLlama.reduce_scatter_grad",
+                        "FSDPLlama.finish_reduce_scatter",
+                        "FSDPLlama.accumulate",
+                        "FSDPLlama.reduce_and_step")
 @pytest.mark.parametrize("world_size, n_microbatches, batch", [(2, 1, 8), (2, 2, 8), (3, 1, 12), (4, 1, 8), (4, 2, 8)])
 def test_training_matches_single_process_training(world_size, n_microbatches, batch):
     results = run_ranks(_train, world_size, STEPS, n_microbatches, batch, timeout=60)
@@ -143,6 +160,14 @@ def _gather_every_block():
     return blocks
 
 
+@pytest.mark.exercises("FlatLayout.__init__",
+                        "FlatLayout.flatten",
+                        "FlatLayout.views",
+                        "FlatLayout.shard",
+                        "ShardedWeights.gather",
+                        "ShardedWeights.get",
+                        "ShardedWeights.release",
+                        "FSDPLlama.__init__")
 def test_gathered_weights_are_the_single_process_weights_bit_for_bit():
     expected = [flat(b) for b in m06.LlamaModel(CFG, 0, f64).blocks]
     for rank, blocks in enumerate(run_ranks(_gather_every_block, 2, timeout=30)):
@@ -277,6 +302,19 @@ def expected_events(layers, n_microbatches, steps):
     return events
 
 
+@pytest.mark.exercises("FlatLayout.__init__",
+                        "FlatLayout.flatten",
+                        "FlatLayout.views",
+                        "FlatLayout.shard",
+                        "ShardedWeights.gather",
+                        "ShardedWeights.get",
+                        "ShardedWeights.release",
+                        "FSDPLlama.__init__",
+                        "FSDPLlama.backward_blocks",
+                        "FSDPLlama.reduce_scatter_grad",
+                        "FSDPLlama.finish_reduce_scatter",
+                        "FSDPLlama.accumulate",
+                        "FSDPLlama.reduce_and_step")
 @pytest.mark.parametrize("n_microbatches", [1, 2])
 def test_calls_and_collectives_come_in_the_expected_order(n_microbatches):
     events = run_ranks(_record_steps, 2, 2, n_microbatches, timeout=30)[0][0]
@@ -286,6 +324,19 @@ def test_calls_and_collectives_come_in_the_expected_order(n_microbatches):
                                 f"expected {expected[first:first + 4]}")
 
 
+@pytest.mark.exercises("FlatLayout.__init__",
+                        "FlatLayout.flatten",
+                        "FlatLayout.views",
+                        "FlatLayout.shard",
+                        "ShardedWeights.gather",
+                        "ShardedWeights.get",
+                        "ShardedWeights.release",
+                        "FSDPLlama.__init__",
+                        "FSDPLlama.backward_blocks",
+                        "FSDPLlama.reduce_scatter_grad",
+                        "FSDPLlama.finish_reduce_scatter",
+                        "FSDPLlama.accumulate",
+                        "FSDPLlama.reduce_and_step")
 def test_at_most_two_whole_blocks_exist():
     _, storages, _, padded, blocks, shard_bytes = run_ranks(_record_steps, 2, 2, 2, timeout=30)[0]
     assert len(storages) <= 2, f"get() handed out blocks in {len(storages)} different buffers; double buffering uses 2"
@@ -303,6 +354,19 @@ def test_at_most_two_whole_blocks_exist():
 # blocks still in the double buffer at each turn between passes (2 * n_microbatches - 1 turns a step):
 # 2 * 4 * 1 - 2 * 1 = 6 for one micro-step, 2 * 4 * 2 - 2 * 3 = 10 for two. Reduce-scatters: one a
 # block and micro-step, 4 and 8.
+@pytest.mark.exercises("FlatLayout.__init__",
+                        "FlatLayout.flatten",
+                        "FlatLayout.views",
+                        "FlatLayout.shard",
+                        "ShardedWeights.gather",
+                        "ShardedWeights.get",
+                        "ShardedWeights.release",
+                        "FSDPLlama.__init__",
+                        "FSDPLlama.backward_blocks",
+                        "FSDPLlama.reduce_scatter_grad",
+                        "FSDPLlama.finish_reduce_scatter",
+                        "FSDPLlama.accumulate",
+                        "FSDPLlama.reduce_and_step")
 @pytest.mark.parametrize("world_size, n_microbatches, all_gathers, reduce_scatters, payload_bytes", [
     (2, 1, 6, 4, 3872 * 8), (4, 2, 10, 8, 1936 * 8)])
 def test_collectives_per_step_are_the_hand_counted_ones(world_size, n_microbatches, all_gathers, reduce_scatters,
@@ -332,6 +396,14 @@ def _misuse(mistake):
         source.release(1)
 
 
+@pytest.mark.exercises("FlatLayout.__init__",
+                        "FlatLayout.flatten",
+                        "FlatLayout.views",
+                        "FlatLayout.shard",
+                        "ShardedWeights.gather",
+                        "ShardedWeights.get",
+                        "ShardedWeights.release",
+                        "FSDPLlama.__init__")
 @pytest.mark.parametrize("mistake, message", [("forgotten release", "release(0)"),
                                               ("get without gather", "get(1) without a gather(1)"),
                                               ("release of the wrong block", "release(1) but layer 1 is not in use")])
@@ -363,6 +435,19 @@ def _train_fsdp2(steps):
     return losses, ours
 
 
+@pytest.mark.exercises("FlatLayout.__init__",
+                        "FlatLayout.flatten",
+                        "FlatLayout.views",
+                        "FlatLayout.shard",
+                        "ShardedWeights.gather",
+                        "ShardedWeights.get",
+                        "ShardedWeights.release",
+                        "FSDPLlama.__init__",
+                        "FSDPLlama.backward_blocks",
+                        "FSDPLlama.reduce_scatter_grad",
+                        "FSDPLlama.finish_reduce_scatter",
+                        "FSDPLlama.accumulate",
+                        "FSDPLlama.reduce_and_step")
 def test_losses_match_pytorch_fsdp2():
     fsdp2, ours = run_ranks(_train_fsdp2, 2, STEPS, timeout=60)[0]
     worst = max(abs(a - b) for a, b in zip(fsdp2, ours))
@@ -394,6 +479,19 @@ def _first_step_gradients_ours_and_fsdp2():
     return named
 
 
+@pytest.mark.exercises("FlatLayout.__init__",
+                        "FlatLayout.flatten",
+                        "FlatLayout.views",
+                        "FlatLayout.shard",
+                        "ShardedWeights.gather",
+                        "ShardedWeights.get",
+                        "ShardedWeights.release",
+                        "FSDPLlama.__init__",
+                        "FSDPLlama.backward_blocks",
+                        "FSDPLlama.reduce_scatter_grad",
+                        "FSDPLlama.finish_reduce_scatter",
+                        "FSDPLlama.accumulate",
+                        "FSDPLlama.reduce_and_step")
 def test_first_step_gradients_match_pytorch_fsdp2():
     # Every gradient after the first step, ours (reduce-scattered shards, gathered whole here) against
     # FSDP2's (sharded DTensors, made whole), float64: the same maths summed in another order, and
@@ -411,6 +509,17 @@ def _gradients_of_one_forward_backward():
     return len(tensors), [t is s for t, s in zip(tensors[1:1 + CFG.n_layers], model.grad_shards)]
 
 
+@pytest.mark.exercises("FlatLayout.__init__",
+                        "FlatLayout.flatten",
+                        "FlatLayout.views",
+                        "FlatLayout.shard",
+                        "ShardedWeights.gather",
+                        "ShardedWeights.get",
+                        "ShardedWeights.release",
+                        "FSDPLlama.__init__",
+                        "FSDPLlama.backward_blocks",
+                        "FSDPLlama.reduce_scatter_grad",
+                        "FSDPLlama.finish_reduce_scatter")
 def test_forward_backward_hands_back_the_gradient_shards():
     # Module 06's contract for later callers: forward_backward returns LlamaGrads, whose blocks are
     # here this rank's gradient shards (no whole per-layer gradient outlives the backward).

@@ -66,6 +66,8 @@ def describe(hazards):
     return f"{found}: {why}"
 
 
+@pytest.mark.exercises(
+    "HostWeights.__init__", "HostWeights.gather", "HostWeights.get", "HostWeights.release")
 def test_streamed_step_equals_the_resident_step_bit_for_bit():
     tokens, targets = batch()
     loss, grads = m06.LlamaModel(CFG, 0).forward_backward(tokens, targets)
@@ -77,6 +79,11 @@ def test_streamed_step_equals_the_resident_step_bit_for_bit():
             assert torch.equal(a, b), f"gradient tensor {i} differs from the all-resident model's"
 
 
+@pytest.mark.exercises("HostWeights.__init__",
+                        "HostWeights.gather",
+                        "HostWeights.get",
+                        "HostWeights.release",
+                        "HostWeights.invalidate")
 def test_the_event_graph_has_no_hazards():
     model, runtime = streamed_model()
     run_steps(model, runtime)
@@ -84,6 +91,8 @@ def test_the_event_graph_has_no_hazards():
     assert not hazards, describe(hazards)
 
 
+@pytest.mark.exercises(
+    "HostWeights.__init__", "HostWeights.gather", "HostWeights.get", "HostWeights.release")
 def test_copies_run_on_a_side_stream_and_the_host_never_waits_inside_a_step():
     model, runtime = streamed_model()
     model.forward_backward(*batch())
@@ -95,6 +104,11 @@ def test_copies_run_on_a_side_stream_and_the_host_never_waits_inside_a_step():
     assert not runtime.host.waits, "the host waited for a stream during the step: gather/get/release must only queue work"
 
 
+@pytest.mark.exercises("HostWeights.__init__",
+                        "HostWeights.gather",
+                        "HostWeights.get",
+                        "HostWeights.release",
+                        "HostWeights.invalidate")
 def test_after_invalidate_every_block_is_copied_again():
     # The optimizer changed the host weights: a block still in a buffer is stale and must not be reused.
     model, runtime = streamed_model()
@@ -118,6 +132,8 @@ def step_time(source_wrapper=None) -> float:
     return max(end for _, _, end in schedule(runtime.nodes, seconds))
 
 
+@pytest.mark.exercises(
+    "HostWeights.__init__", "HostWeights.gather", "HostWeights.get", "HostWeights.release")
 def test_prefetch_hides_the_copies_under_compute():
     # Compute alone is 3 units a block; only the first block's copy cannot hide under compute.
     # Without prefetch every copy waits for the compute before it: 3L + (2L - 2).
@@ -134,6 +150,7 @@ def test_prefetch_hides_the_copies_under_compute():
          f"per buffer, each recorded where its work is queued)")
 
 
+@pytest.mark.exercises("HostWeights.__init__")
 @pytest.mark.parametrize("mistake, message", [("forgotten release", "release(0)"),
                                               ("get without gather", "get(1) without a gather(1)")])
 def test_misuse_raises_a_clear_error(mistake, message):

@@ -81,6 +81,7 @@ def fp8_forward_backward(x, w, dy, store=None, policy=None):
 
 # --- scaling --------------------------------------------------------------------------------
 
+@pytest.mark.exercises("quantize")
 @pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
 def test_abs_max_lands_on_the_format_max(dtype):
     x = spread((32, 48), seed=1)
@@ -93,6 +94,7 @@ def test_abs_max_lands_on_the_format_max(dtype):
                                msg=lambda m: f"scale should be amax / FP8_MAX (data * scale = values): {m}")
 
 
+@pytest.mark.exercises("quantize")
 @pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
 def test_scale_and_bytes_are_those_of_one_correctly_rounded_division(dtype):
     # The factor FP8_MAX / amax, rounded once to float32 (as torchao's tensorwise scaling computes
@@ -116,6 +118,7 @@ def test_scale_and_bytes_are_those_of_one_correctly_rounded_division(dtype):
             f"abs-max {amax!r}: the FP8 bytes differ from x * (FP8_MAX / amax) cast with saturation"
 
 
+@pytest.mark.exercises("quantize")
 @pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
 def test_zero_tensor_gives_zeros_and_a_finite_scale(dtype):
     q = scaling.quantize(torch.zeros(16, 32), dtype)
@@ -123,6 +126,7 @@ def test_zero_tensor_gives_zeros_and_a_finite_scale(dtype):
     assert torch.equal(q.data.float(), torch.zeros(16, 32)), "an all-zero tensor must quantize to zeros (no NaN)"
 
 
+@pytest.mark.exercises("quantize")
 @pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
 def test_a_too_small_given_abs_max_saturates(dtype):
     x = torch.linspace(-8, 8, 33)
@@ -133,6 +137,7 @@ def test_a_too_small_given_abs_max_saturates(dtype):
     torch.testing.assert_close(q.dequantize()[x.abs() <= 1], x[x.abs() <= 1], rtol=U[dtype], atol=0)
 
 
+@pytest.mark.exercises("quantize")
 @pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
 def test_round_trip_error_is_within_the_format_precision(dtype):
     x = spread((64, 256), seed=2, decades=6)  # reaches into the subnormal range of both formats
@@ -143,6 +148,11 @@ def test_round_trip_error_is_within_the_format_precision(dtype):
 
 # --- the FP8 linear (FP8Matmul: prepare, forward, backward) ----------------------------------
 
+@pytest.mark.exercises("quantize",
+                        "check_scaled_mm_operands",
+                        "FP8WeightCache.lookup",
+                        "FP8Matmul.prepare",
+                        "FP8Matmul.forward")
 def test_forward_is_within_the_e4m3_bound_of_float64():
     x, w, _ = linear_inputs()
     policy = matmul.FP8Matmul(min_dim=0)
@@ -153,6 +163,12 @@ def test_forward_is_within_the_e4m3_bound_of_float64():
     assert (y.double() - reference).abs().max() > 1e-4, "y equals the fp32 result: the matmul did not use FP8"
 
 
+@pytest.mark.exercises("quantize",
+                        "check_scaled_mm_operands",
+                        "FP8WeightCache.lookup",
+                        "FP8Matmul.prepare",
+                        "FP8Matmul.forward",
+                        "FP8Matmul.backward")
 def test_gradients_are_within_the_e5m2_e4m3_bounds_of_float64():
     x, w, dy = linear_inputs()
     _, dx, dw = fp8_forward_backward(x, w, dy)
@@ -160,6 +176,12 @@ def test_gradients_are_within_the_e5m2_e4m3_bounds_of_float64():
     assert_within(dw, dy.double().T @ x.double(), matmul_bound(dy.T, E5M2, x, E4M3), "dW = dy^T x")
 
 
+@pytest.mark.exercises("quantize",
+                        "check_scaled_mm_operands",
+                        "FP8WeightCache.lookup",
+                        "FP8Matmul.prepare",
+                        "FP8Matmul.forward",
+                        "FP8Matmul.backward")
 def test_output_gradient_keeps_e5m2_dynamic_range():
     # One gradient entry 2^20 times larger than the rest. Scaled into e4m3 the small ones fall
     # below its smallest subnormal (448 * 2^-20 < 2^-9) and vanish; e5m2 keeps them (57344 * 2^-20
@@ -171,12 +193,19 @@ def test_output_gradient_keeps_e5m2_dynamic_range():
     assert_within(dx, dy.double() @ w.double(), matmul_bound(dy, E5M2, w, E4M3), "dx with an outlier in dy")
 
 
+@pytest.mark.exercises("quantize",
+                        "check_scaled_mm_operands",
+                        "FP8WeightCache.lookup",
+                        "FP8Matmul.prepare",
+                        "FP8Matmul.forward",
+                        "FP8Matmul.backward")
 def test_bf16_inputs_give_bf16_outputs_and_gradients():
     x, w, dy = linear_inputs()
     y, dx, dw = fp8_forward_backward(x.bfloat16(), w.bfloat16(), dy.bfloat16())
     assert (y.dtype, dx.dtype, dw.dtype) == (torch.bfloat16,) * 3, f"got {y.dtype}, {dx.dtype}, {dw.dtype}"
 
 
+@pytest.mark.exercises("quantize", "FP8Matmul.prepare")
 def test_prepare_keeps_the_e4m3_input_and_its_abs_max_not_x():
     x, _, _ = linear_inputs()
     store = m06_block.ActivationStore()
@@ -190,6 +219,12 @@ def test_prepare_keeps_the_e4m3_input_and_its_abs_max_not_x():
     assert store.nbytes() == x.numel() + 4 + 4, f"e4m3 data, scale and abs-max: expected {x.numel() + 8} bytes, got {store.nbytes()}"
 
 
+@pytest.mark.exercises("quantize",
+                        "check_scaled_mm_operands",
+                        "FP8WeightCache.lookup",
+                        "FP8Matmul.prepare",
+                        "FP8Matmul.forward",
+                        "FP8Matmul.backward")
 def test_a_shared_prepared_input_is_bit_identical_to_quantizing_per_linear():
     # q, k and v (gate and up) read one input: prepared once, it must give what each linear
     # would get by quantizing the input itself (as the policy does for attention's o).
@@ -203,6 +238,12 @@ def test_a_shared_prepared_input_is_bit_identical_to_quantizing_per_linear():
             assert torch.equal(a, b), f"{name} differs when the prepared input is reused ({out_features} outputs)"
 
 
+@pytest.mark.exercises("quantize",
+                        "check_scaled_mm_operands",
+                        "FP8WeightCache.lookup",
+                        "FP8Matmul.prepare",
+                        "FP8Matmul.forward",
+                        "FP8Matmul.backward")
 def test_a_kept_abs_max_is_reused_and_gives_bit_identical_results():
     # A recompute (module 10) finds the forward's abs-max in the store: no second abs-max pass,
     # and the same FP8 values as long as it is the same abs-max.
@@ -225,6 +266,12 @@ def counting_weight_quantizations(policy, w):
     return calls
 
 
+@pytest.mark.exercises("quantize",
+                        "check_scaled_mm_operands",
+                        "FP8WeightCache.lookup",
+                        "FP8Matmul.prepare",
+                        "FP8Matmul.forward",
+                        "FP8Matmul.backward")
 def test_a_weight_is_quantized_once_per_optimizer_step():
     # Two microbatches (forward + backward each) read W four times: one quantization serves them
     # all. An in-place write (what an optimizer step does) must make the next read quantize again.
@@ -244,6 +291,12 @@ def test_a_weight_is_quantized_once_per_optimizer_step():
         assert torch.equal(a, b), f"{name} after the update differs from a fresh policy's"
 
 
+@pytest.mark.exercises("quantize",
+                        "check_scaled_mm_operands",
+                        "FP8WeightCache.lookup",
+                        "FP8Matmul.prepare",
+                        "FP8Matmul.forward",
+                        "FP8Matmul.backward")
 def test_a_new_tensor_is_a_miss_and_freed_weights_leave_the_cache():
     # Modules 07 and 08 serve each layer as new views of a reused buffer: never take one for another.
     x, w, dy = linear_inputs()
@@ -263,6 +316,7 @@ def fp8(rows, cols, dtype=E4M3):
     return torch.randn(rows, cols).to(dtype)
 
 
+@pytest.mark.exercises("check_scaled_mm_operands")
 def test_layout_checker_accepts_the_three_linear_matmuls():
     x, w, dy = fp8(64, 32), fp8(48, 32), fp8(64, 48, E5M2)
     column_major = lambda t: t.T.contiguous().T  # noqa: E731
@@ -271,6 +325,7 @@ def test_layout_checker_accepts_the_three_linear_matmuls():
     matmul.check_scaled_mm_operands(dy.T.contiguous(), column_major(x))    # dW = dy^T x
 
 
+@pytest.mark.exercises("check_scaled_mm_operands")
 @pytest.mark.parametrize("a, b, message", [
     (fp8(32, 32).T, fp8(32, 32).T, r"(?i)row.?major"),
     (fp8(32, 32), fp8(32, 32), r"(?i)column.?major"),
@@ -289,6 +344,11 @@ def test_layout_checker_rejects_with_a_clear_message(a, b, message):
 
 # --- the policy in the Llama block -----------------------------------------------------------
 
+@pytest.mark.exercises("quantize",
+                        "check_scaled_mm_operands",
+                        "FP8WeightCache.lookup",
+                        "FP8Matmul.prepare",
+                        "FP8Matmul.forward")
 def test_fp8_policy_uses_fp8_only_above_the_threshold():
     policy = matmul.FP8Matmul(min_dim=64)
     assert policy.uses_fp8(64, 128) and not policy.uses_fp8(32, 128) and not policy.uses_fp8(64, 120)
@@ -303,6 +363,12 @@ def test_fp8_policy_uses_fp8_only_above_the_threshold():
 BLOCK_CFG = dict(dim=32, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=48)
 
 
+@pytest.mark.exercises("quantize",
+                        "check_scaled_mm_operands",
+                        "FP8WeightCache.lookup",
+                        "FP8Matmul.prepare",
+                        "FP8Matmul.forward",
+                        "FP8Matmul.backward")
 def test_every_block_linear_runs_in_fp8(monkeypatch):
     cfg = m06_block.LlamaConfig(**BLOCK_CFG, max_seq_len=16)
     weights = m06_block.init_block_weights(cfg, torch.Generator().manual_seed(0))
@@ -319,6 +385,12 @@ def test_every_block_linear_runs_in_fp8(monkeypatch):
         assert isinstance(store[name], scaling.Quantized), f"the store should keep {name} in e4m3, got {type(store[name])}"
 
 
+@pytest.mark.exercises("quantize",
+                        "check_scaled_mm_operands",
+                        "FP8WeightCache.lookup",
+                        "FP8Matmul.prepare",
+                        "FP8Matmul.forward",
+                        "FP8Matmul.backward")
 def test_the_fp8_llama_trains_within_one_percent_of_fp32():
     # Same weights, same batches; only the policy differs. Measured (seeds 0-5, this config):
     # the mean of the last 5 losses of the FP8 run is within 0.1% of fp32's (-0.03% to +0.09%),

@@ -41,6 +41,7 @@ def hand_counted_bytes(cfg, tokens, act, stat):
     return tokens * (wide * act + (2 + cfg.n_heads) * stat)
 
 
+@pytest.mark.exercises("activation_bytes")
 @pytest.mark.parametrize("dtype, act, stat", [(torch.float32, 4, 4), (torch.bfloat16, 2, 4), (torch.float64, 8, 8)])
 def test_keeping_everything_costs_the_hand_counted_bytes(dtype, act, stat):
     got = m10.kept_bytes(CFG, 3, 10, dtype, "none")
@@ -48,6 +49,7 @@ def test_keeping_everything_costs_the_hand_counted_bytes(dtype, act, stat):
     assert m10.kept_bytes(CFG, 3, 10, dtype, "block") == 30 * CFG.dim * act, "'block' keeps only the block input x"
 
 
+@pytest.mark.exercises("activation_bytes")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_each_activation_has_the_bytes_the_block_saves_for_it(dtype):
     # Name by name, against what the reference block (module 06's solution, not the code graded
@@ -62,6 +64,7 @@ def test_each_activation_has_the_bytes_the_block_saves_for_it(dtype):
     assert not wrong, f"{dtype}: bytes by name that differ from what the block saves: {wrong}"
 
 
+@pytest.mark.exercises("activation_bytes", "RecomputeBlock.new_store")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("option", ["none", "swiglu", "norms", "ffn", "attention", "block"])
 def test_the_store_holds_exactly_the_bytes_of_the_formula(option, dtype):
@@ -75,6 +78,7 @@ def test_the_store_holds_exactly_the_bytes_of_the_formula(option, dtype):
     assert store.nbytes() == expected, f"{option}: the store holds {store.nbytes()} bytes, the formula says {expected}"
 
 
+@pytest.mark.exercises("activation_bytes", "RecomputeBlock.new_store")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("option", ["none", "ffn", "block"])
 def test_with_fp8_linears_the_store_holds_the_bytes_of_the_formula(option, dtype):
@@ -89,6 +93,7 @@ def test_with_fp8_linears_the_store_holds_the_bytes_of_the_formula(option, dtype
     assert store.nbytes() == expected, f"{option}: the store holds {store.nbytes()} bytes, the formula says {expected}"
 
 
+@pytest.mark.exercises("RecomputeBlock.new_store", "RecomputeBlock.recompute")
 @pytest.mark.parametrize("fp8", [False, True], ids=["fp32", "fp8"])
 @pytest.mark.parametrize("option", ["swiglu", "norms", "ffn", "attention", "block"])
 def test_gradients_equal_the_no_recompute_gradients_bit_for_bit(option, fp8):
@@ -118,6 +123,7 @@ def same(a, b) -> bool:
     return torch.equal(a, b)
 
 
+@pytest.mark.exercises("RecomputeBlock.new_store", "RecomputeBlock.recompute")
 @pytest.mark.parametrize("fp8", [False, True], ids=["fp32", "fp8"])
 @pytest.mark.parametrize("option", ["swiglu", "norms", "ffn", "attention", "block"])
 def test_recompute_restores_exactly_what_the_forward_kept(option, fp8):
@@ -145,6 +151,7 @@ class CountingMatmul(m06_ops.Matmul):
         return super().forward(x, w)
 
 
+@pytest.mark.exercises("RecomputeBlock.new_store", "RecomputeBlock.recompute")
 @pytest.mark.parametrize("option, matmuls", [("none", 0), ("swiglu", 0), ("norms", 0), ("ffn", 2), ("attention", 3),
                                              ("block", 6)])
 def test_recompute_reruns_only_the_matmuls_it_needs(option, matmuls):
@@ -160,6 +167,7 @@ def test_recompute_reruns_only_the_matmuls_it_needs(option, matmuls):
         f"{option}: the recompute ran {counting.forwards} linear layers, it needs {matmuls}"
 
 
+@pytest.mark.exercises("RecomputeBlock.new_store")
 def test_dropped_activations_are_really_freed():
     class WatchingMatmul(m06_ops.Matmul):
         outputs = []
@@ -179,6 +187,7 @@ def test_dropped_activations_are_really_freed():
         f"with whole-block recompute no projection output may outlive the forward; {alive} of 7 still alive"
 
 
+@pytest.mark.exercises("RecomputeBlock.new_store", "RecomputeBlock.recompute")
 def test_whole_block_recompute_matches_torch_utils_checkpoint():
     f64 = torch.float64
     weights = m06_block.init_block_weights(CFG, torch.Generator().manual_seed(3), f64)

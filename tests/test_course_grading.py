@@ -60,3 +60,32 @@ def test_a_failed_check_names_the_hint_for_its_todo(tmp_path):
     assert unfinished["hint"] == "python main.py hint 01 3", unfinished
     wrong = grade(tmp_path, "import pytest\n\n@pytest.mark.exercises('train_step')\ndef test_value():\n    assert False\n")
     assert wrong["hint"] == "python main.py hint 01 3", wrong
+
+
+def test_every_graded_test_names_the_todos_it_exercises():
+    # The scorecard points a failed check at `python main.py hint NN K` through this marker, so every
+    # graded test declares the functions (holding TODOs of its own module) whose code it grades.
+    import ast
+
+    from course.catalog import MODULES
+    from course.hints import module_todos
+
+    wrong = []
+    for test_file in sorted(REPO.glob("tests/test_[0-9][0-9]_*.py")):
+        number = test_file.name[5:7]
+        if number == "00" or number not in MODULES:
+            continue
+        functions = {name for block in module_todos(MODULES[number])
+                     for name in (block.function, block.function.rsplit(".", 1)[-1])}
+        for node in ast.parse(test_file.read_text()).body:
+            if not (isinstance(node, ast.FunctionDef) and node.name.startswith("test_")):
+                continue
+            marks = [ast.unparse(d) for d in node.decorator_list]
+            if any(m == "pytest.mark.given" for m in marks):
+                continue
+            named = [arg.value for d in node.decorator_list if isinstance(d, ast.Call)
+                     and ast.unparse(d.func) == "pytest.mark.exercises" for arg in d.args]
+            if not named or set(named) - functions:
+                wrong.append(f"{test_file.name}::{node.name} exercises {named or 'nothing declared'}")
+    assert not wrong, ("graded tests without @pytest.mark.exercises(...) naming functions that hold their module's "
+                       "TODOs:\n" + "\n".join(wrong))

@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from course.skeleton import FINGERPRINT, REPO, MarkerError, generate, skeleton_file, skeletonize
+from course.skeleton import FINGERPRINT, REPO, MarkerError, generate, skeleton_file, skeletonize, todo_blocks
 
 SOURCE = '''def f(x):
     y = 1
@@ -129,3 +129,41 @@ def test_steps_and_solutions_expose_the_same_names_and_signatures(stem):
     # Every name of the solution, with the same signature; a learner may add helpers of their own.
     steps_api, solution_api = _public_api(skeleton), _public_api(solution)
     assert {name: steps_api.get(name) for name in solution_api} == solution_api
+
+
+def _normalized(line: str) -> str:
+    return " ".join(line.strip().removeprefix("#").split())
+
+
+def _visible_and_solution(block):
+    visible = " ".join(_normalized(line) for line in [block.title, *block.visible])
+    solution = [_normalized(line) for line in block.solution]
+    return visible, [line for line in solution if len(re.findall(r"\w+|[^\s\w]", line)) > 4]
+
+
+def _all_blocks():
+    return [block for path in sorted((REPO / "solutions").glob("m[0-9][0-9]_*.py"))
+            for block in todo_blocks(path.read_text(), path.name)]
+
+
+def test_no_todo_shows_a_line_of_its_own_solution():
+    """What the skeleton shows of a TODO (its title and visible comments) states the contract, the
+    maths and the pitfalls; passing must mean understanding, so no line of its solution (of more
+    than four tokens, whitespace normalized) may appear in it. Code-level help is in the hint levels."""
+    shown = [f"solutions/{block.file}:{block.line} ({block.title}) shows {line!r}"
+             for block in _all_blocks() for visible, lines in [_visible_and_solution(block)]
+             for line in lines if line in visible]
+    assert not shown, "TODOs whose visible text gives away their code:\n" + "\n".join(shown)
+
+
+def test_every_todo_has_three_hint_levels():
+    missing = [f"solutions/{block.file}:{block.line} ({block.title}): levels {sorted(block.hints)}"
+               for block in _all_blocks() if sorted(block.hints) != [1, 2, 3]]
+    assert not missing, "TODOs without hint levels 1, 2 and 3 (`python main.py hint` shows them):\n" + "\n".join(missing)
+
+
+def test_the_guard_catches_a_hint_that_gives_the_code_away():
+    source = "def f(x):\n    # >>> TODO(m07): double x\n    # Write: return x * 2 + 0\n    return x * 2 + 0\n    # <<<\n"
+    [block] = todo_blocks(source, "m07_example.py")
+    visible, lines = _visible_and_solution(block)
+    assert lines == ["return x * 2 + 0"] and lines[0] in visible
