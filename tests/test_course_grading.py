@@ -65,7 +65,7 @@ def test_a_failed_check_names_the_hint_for_its_todo(tmp_path):
 def test_every_graded_test_names_the_todos_it_exercises():
     # The scorecard points a failed check at `python main.py hint NN K` through this marker, so every
     # graded test declares the functions (holding TODOs of its own module) whose code it grades.
-    import ast
+    import importlib.util
 
     from course.catalog import MODULES
     from course.hints import module_todos
@@ -77,15 +77,17 @@ def test_every_graded_test_names_the_todos_it_exercises():
             continue
         functions = {name for block in module_todos(MODULES[number])
                      for name in (block.function, block.function.rsplit(".", 1)[-1])}
-        for node in ast.parse(test_file.read_text()).body:
-            if not (isinstance(node, ast.FunctionDef) and node.name.startswith("test_")):
+        spec = importlib.util.spec_from_file_location(f"_marks_of_{test_file.stem}", test_file)
+        tests = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(tests)
+        for name, function in vars(tests).items():
+            if not name.startswith("test_") or not callable(function):
                 continue
-            marks = [ast.unparse(d) for d in node.decorator_list]
-            if any(m == "pytest.mark.given" for m in marks):
+            marks = getattr(function, "pytestmark", [])
+            if any(mark.name == "given" for mark in marks):
                 continue
-            named = [arg.value for d in node.decorator_list if isinstance(d, ast.Call)
-                     and ast.unparse(d.func) == "pytest.mark.exercises" for arg in d.args]
+            named = [arg for mark in marks if mark.name == "exercises" for arg in mark.args]
             if not named or set(named) - functions:
-                wrong.append(f"{test_file.name}::{node.name} exercises {named or 'nothing declared'}")
+                wrong.append(f"{test_file.name}::{name} exercises {named or 'nothing declared'}")
     assert not wrong, ("graded tests without @pytest.mark.exercises(...) naming functions that hold their module's "
                        "TODOs:\n" + "\n".join(wrong))
