@@ -65,6 +65,7 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 60.0, init_process_gr
     """
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
+    _import_before_forking()
     ctx = mp.get_context("fork")
     with tempfile.TemporaryDirectory(prefix="course-ranks-") as tmp:
         procs, conns = [], []
@@ -94,6 +95,12 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 60.0, init_process_gr
                 if proc.is_alive():
                     proc.kill()
                 proc.join()
+
+
+def _import_before_forking():
+    """What every rank would otherwise import after the fork, each on its own: the first optimizer
+    imports torch._dynamo (seconds per rank when several import it at once on a few cores)."""
+    torch.optim.Adam([torch.zeros(1, requires_grad=True)])
 
 
 def run_under_torchrun(fn, *args, timeout: float = 300.0):

@@ -1,0 +1,355 @@
+"""Module 12 benchmark: tensor and sequence parallelism on CPU ranks, against the formulas and DTensor.
+
+    python main.py bench 12                        # the three tables below, on CPU (a few minutes on 2 cores)
+    python main.py bench 12 --only traffic         # one table: traffic, overlap or accumulation
+    python main.py bench 12 --only accumulation --device cuda    # + fused vs unfused GEMM timing (.ci/gpu)
+
+1. Traffic, memory, speed: module 12's model (m12_tp_model.CONFIG, float32) trained for --steps steps
+   (after one untimed step) on t in {1, 2, 4} ranks, sequence parallelism off and on:
+     sent B/step    bytes one rank sends per step, summed over the logged collectives (ring algorithm,
+                    course/collectives.py), then the formula (m12_tp_costs.tp_traffic): must be equal
+     kept B/rank    bytes the blocks' stores hold after the forward of one step, then the formula
+                    (m12_tp_costs.tp_activation_bytes): must be equal
+     step ms        median step time, ours and DTensor's (parallelize_module on the nn.Module Llama,
+                    course/reference_tp.py, with the same plan), and their ratio
+2. Overlap, on an emulated device: one column-parallel backward (gate and up of an FFN) whose GEMMs
+   take the time a device of --gflops GFLOP/s would need (a sleep; no arithmetic is done) while the
+   collectives are real gloo ones. The input gradient's collective is timed alone (started and waited
+   at once), then as the backward overlaps it (the time left to wait after the weight-gradient GEMMs).
+   hidden = 1 - exposed / alone; "full overlap" = min(1, weight-gradient GEMM time / alone).
+3. Fused weight-gradient accumulation: the error against float64 of M microbatches of bf16 gradients
+   summed three ways: a bf16 accumulator (each microbatch's gradient in bf16, added in bf16), bf16
+   partials added into a float32 main_grad (unfused), and float32 accumulation inside the GEMM (fused).
+   On CUDA, also the time of a fused and an unfused accumulation at GPU size.
+The measured code is the selected implementation (steps/, or solutions/ with --impl solutions); the
+formulas, the DTensor model and the reference weights come from the reference.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
+
+from course.bench import report, require_positive
+from course.collectives import Collectives
+from course.dataset import load_text, random_batch
+from course.demos.m12 import kept_activation_bytes
+from course.impl import load, reference
+from course.launch import run_ranks
+
+PARTS = ("traffic", "overlap", "accumulation")
+
+
+# --- 1. traffic, memory and step time --------------------------------------------------------
+
+def _train_ours(cfg, sequence_parallel, steps, batch):
+    linear, model_module = load("m12_tp_linear"), load("m12_tp_model")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    collectives = Collectives()
+    model = model_module.TPLlama(cfg, linear.TPGroup(rank, world_size, collectives, sequence_parallel))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    data, generator = load_text(), torch.Generator().manual_seed(0)
+    batches = [random_batch(data, batch, cfg.max_seq_len, generator) for _ in range(steps + 1)]
+    kept = kept_activation_bytes(model, *batches[0])
+    times, losses = [], []
+    for step, (tokens, targets) in enumerate(batches):
+        if step == 1:
+            collectives.log.clear()  # count the timed steps only
+        dist.barrier()
+        began = time.perf_counter()
+        losses.append(model.train_step(tokens, targets, 1, optimizer))
+        times.append(time.perf_counter() - began)
+    return {"times": times[1:], "loss": losses[-1], "kept": kept,
+            "sent": sum(c.sent_bytes for c in collectives.log) / steps}
+
+
+def _train_dtensor(cfg, sequence_parallel, steps, batch):
+    from course.reference_tp import dtensor_llama, dtensor_loss
+    llama = dtensor_llama(reference("m06_llama_model").LlamaModel(cfg), sequence_parallel)
+    optimizer = torch.optim.AdamW(llama.parameters(), lr=3e-3, weight_decay=0.0)
+    data, generator = load_text(), torch.Generator().manual_seed(0)
+    times, losses = [], []
+    for _ in range(steps + 1):
+        tokens, targets = random_batch(data, batch, cfg.max_seq_len, generator)
+        dist.barrier()
+        began = time.perf_counter()
+        losses.append(dtensor_loss(llama, tokens, targets))
+        optimizer.step()
+        optimizer.zero_grad()
+        times.append(time.perf_counter() - began)
+    return {"times": times[1:], "loss": losses[-1]}
+
+
+def traffic_rows(args) -> list[dict]:
+    cfg, costs = reference("m12_tp_model").CONFIG, reference("m12_tp_costs")
+    rows = []
+    for world_size in args.nproc:
+        for sequence_parallel in (False, True):
+            ours = run_ranks(_train_ours, world_size, cfg, sequence_parallel, args.steps, args.batch, timeout=300)[0]
+            theirs = run_ranks(_train_dtensor, world_size, cfg, sequence_parallel, args.steps, args.batch,
+                               timeout=300)[0]
+            traffic = costs.tp_traffic(cfg, args.batch, cfg.max_seq_len, torch.float32, world_size, sequence_parallel)
+            kept = cfg.n_layers * sum(costs.tp_activation_bytes(cfg, args.batch, cfg.max_seq_len, torch.float32,
+                                                                world_size, sequence_parallel).values())
+            ours_ms, theirs_ms = (1e3 * statistics.median(r["times"]) for r in (ours, theirs))
+            rows.append({"t": world_size, "SP": "on" if sequence_parallel else "off",
+                         "sent B/step": round(ours["sent"]), "sent formula": round(traffic.sent_bytes),
+                         "kept B/rank": ours["kept"], "kept formula": kept,
+                         "ours ms": ours_ms, "DTensor ms": theirs_ms, "ours/DTensor": ours_ms / theirs_ms,
+                         "loss ours": ours["loss"], "loss DTensor": theirs["loss"]})
+            print(f"  measured t={world_size}, sequence parallelism {rows[-1]['SP']}", flush=True)
+    return rows
+
+
+# --- 2. overlap on an emulated device --------------------------------------------------------
+
+MATMULS = {"matmul", "__matmul__", "mm", "addmm", "bmm"}
+
+
+def _on_meta(value):
+    """Tensors (also in lists, tuples and dicts) moved to the meta device: shapes without data."""
+    if isinstance(value, torch.Tensor):
+        return value.to("meta")
+    if isinstance(value, (list, tuple)):
+        return type(value)(_on_meta(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _on_meta(v) for k, v in value.items()}
+    return value
+
+
+class EmulatedGemms(TorchFunctionMode):
+    """Every matrix product sleeps the time a device of `gflops` GFLOP/s would take and does no
+    arithmetic (its result is uninitialized memory of the right shape, or `out` untouched). Sleeping
+    frees the CPU, so a collective in flight progresses as it would beside a busy device."""
+
+    def __init__(self, gflops: float):
+        super().__init__()
+        self.seconds_per_flop, self.slept = 1e-9 / gflops, 0.0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") not in MATMULS:
+            return func(*args, **kwargs)
+        shape = func(*_on_meta(args), **_on_meta(kwargs)).shape  # the result's shape, computed on no data
+        operand = args[1] if func.__name__ == "addmm" else args[0]  # its last dimension is the one summed over
+        flops = 2 * math.prod(shape) * operand.shape[-1]
+        seconds = flops * self.seconds_per_flop
+        time.sleep(seconds)
+        self.slept += seconds
+        out = kwargs.get("out")
+        return out if out is not None else torch.empty(shape, dtype=operand.dtype)
+
+
+class TimedWaits(Collectives):
+    """Collectives whose async works record how long each wait() blocked, by op, in `waited`."""
+
+    def __init__(self):
+        super().__init__()
+        self.waited = {}
+
+    def _timed(self, op, work):
+        if work is None:
+            return None
+        waits = self.waited
+
+        class Timed:
+            def wait(self):
+                began = time.perf_counter()
+                work.wait()
+                waits[op] = waits.get(op, 0.0) + time.perf_counter() - began
+        return Timed()
+
+    def all_gather(self, output, shard, label="", async_op=False, dim=0):
+        return self._timed("all_gather", super().all_gather(output, shard, label, async_op, dim))
+
+    def reduce_scatter(self, shard, full, label="", async_op=False, dim=0):
+        return self._timed("reduce_scatter", super().reduce_scatter(shard, full, label, async_op, dim))
+
+    def all_reduce(self, tensor, label="", async_op=False, op="sum"):
+        return self._timed("all_reduce", super().all_reduce(tensor, label, async_op, op))
+
+
+def _overlap(sequence_parallel, tokens, dim, ffn, gflops, repeats):
+    linear = load("m12_tp_linear")
+    rank, t = dist.get_rank(), dist.get_world_size()
+    collectives = TimedWaits()
+    tp = linear.TPGroup(rank, t, collectives, sequence_parallel)
+    x = torch.randn(1, tokens // t if sequence_parallel else tokens, dim)
+    weights = [torch.randn(ffn // t, dim) for _ in range(2)]
+    dys = [torch.randn(1, tokens, ffn // t) for _ in weights]
+    grads = [torch.zeros_like(w) for w in weights]
+    dx_op = "reduce_scatter" if sequence_parallel else "all_reduce"
+    alone, exposed, gather_alone, gather_exposed = [], [], [], []
+    for _ in range(repeats):  # the input gradient's collective (and the re-gather of x) with nothing to hide behind
+        dist.barrier()
+        began = time.perf_counter()
+        linear.enter_tp_backward(torch.randn(1, tokens, dim), tp, async_op=True).wait()
+        alone.append(time.perf_counter() - began)
+        if sequence_parallel:
+            dist.barrier()
+            began = time.perf_counter()
+            linear.enter_tp_forward(x, tp, async_op=True).wait()
+            gather_alone.append(time.perf_counter() - began)
+    gemm_s = 2 * 2 * tokens * dim * (ffn // t) * 1e-9 / gflops  # one of the two GEMM kinds: 2 weights
+    for _ in range(repeats):
+        collectives.waited.clear()
+        dist.barrier()
+        with EmulatedGemms(gflops):
+            linear.column_parallel_backward(dys, x, weights, grads, tp, "ffn in")
+        exposed.append(collectives.waited.get(dx_op, 0.0))
+        gather_exposed.append(collectives.waited.get("all_gather", 0.0))
+    return {"alone": statistics.median(alone), "exposed": statistics.median(exposed), "gemm": gemm_s,
+            "gather_alone": statistics.median(gather_alone) if gather_alone else None,
+            "gather_exposed": statistics.median(gather_exposed)}
+
+
+def overlap_rows(args) -> list[dict]:
+    rows = []
+    for world_size in [t for t in args.nproc if t > 1]:
+        for sequence_parallel in (False, True):
+            per_rank = run_ranks(_overlap, world_size, sequence_parallel, args.tokens, args.dim, args.ffn, args.gflops,
+                                 args.repeats, timeout=300)
+            alone = statistics.mean(r["alone"] for r in per_rank)
+            exposed = statistics.mean(r["exposed"] for r in per_rank)
+            gemm = per_rank[0]["gemm"]
+            row = {"t": world_size, "SP": "on" if sequence_parallel else "off",
+                   "dx collective": "reduce-scatter" if sequence_parallel else "all-reduce",
+                   "alone ms": 1e3 * alone, "wgrad GEMMs ms": 1e3 * gemm, "exposed ms": 1e3 * exposed,
+                   "hidden": 1 - exposed / alone, "full overlap": min(1.0, gemm / alone)}
+            if sequence_parallel:  # the re-gather of x, behind the input-gradient GEMMs (as long as the wgrad ones)
+                gather_alone = statistics.mean(r["gather_alone"] for r in per_rank)
+                gather_exposed = statistics.mean(r["gather_exposed"] for r in per_rank)
+                row["x gather hidden"] = 1 - gather_exposed / gather_alone
+            else:
+                row["x gather hidden"] = "-"
+            rows.append(row)
+            print(f"  measured overlap t={world_size}, sequence parallelism {row['SP']}", flush=True)
+    return rows
+
+
+# --- 3. fused weight-gradient accumulation ---------------------------------------------------
+
+def accumulation_rows(args) -> list[dict]:
+    linear = load("m12_tp_linear")
+    generator = torch.Generator().manual_seed(0)
+    rows = []
+    for n_microbatches in (1, 8, 32):
+        pairs = [(torch.randn(args.acc_tokens, args.acc_out, generator=generator).bfloat16(),
+                  torch.randn(args.acc_tokens, args.acc_in, generator=generator).bfloat16())
+                 for _ in range(n_microbatches)]
+        exact = sum(dy.double().t() @ x.double() for dy, x in pairs)
+        bf16_grad = torch.zeros(args.acc_out, args.acc_in, dtype=torch.bfloat16)
+        unfused, fused = (torch.zeros(args.acc_out, args.acc_in) for _ in range(2))
+        for dy, x in pairs:
+            bf16_grad += dy.t() @ x  # no main_grad: the gradient itself accumulates in bf16
+            linear.accumulate_weight_grad(unfused, dy, x, fused=False)
+            linear.accumulate_weight_grad(fused, dy, x)
+
+        def error(got):
+            return ((got.double() - exact).norm() / exact.norm()).item()
+        rows.append({"M": n_microbatches, "bf16 accumulator": error(bf16_grad),
+                     "fp32 main_grad, unfused": error(unfused), "fp32 main_grad, fused": error(fused)})
+    return rows
+
+
+def cuda_timing_rows(args) -> list[dict]:
+    """Fused vs unfused accumulation of bf16 weight gradients into a float32 main_grad, on CUDA."""
+    linear = load("m12_tp_linear")
+    device = torch.device(args.device)
+    dy = torch.randn(args.gpu_tokens, args.gpu_out, device=device).bfloat16()
+    x = torch.randn(args.gpu_tokens, args.gpu_in, device=device).bfloat16()
+    main_grad = torch.zeros(args.gpu_out, args.gpu_in, device=device)
+    rows = []
+    for fused in (False, True):
+        for _ in range(3):
+            linear.accumulate_weight_grad(main_grad, dy, x, fused)
+        torch.cuda.synchronize(device)
+        times = []
+        for _ in range(args.repeats):
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(10):
+                linear.accumulate_weight_grad(main_grad, dy, x, fused)
+            stop.record()
+            stop.synchronize()
+            times.append(start.elapsed_time(stop) / 10)
+        rows.append({"path": "fused (addmm into fp32)" if fused else "unfused (bf16 GEMM, then add)",
+                     "ms": statistics.median(times),
+                     "TFLOP/s": 2 * args.gpu_tokens * args.gpu_out * args.gpu_in / statistics.median(times) / 1e9})
+    rows[1]["unfused/fused"] = rows[0]["ms"] / rows[1]["ms"]
+    rows[0]["unfused/fused"] = 1.0
+    return rows
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="main.py bench 12", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", choices=PARTS, default=None, help="one table (default: all three)")
+    parser.add_argument("--nproc", type=int, nargs="+", default=[1, 2, 4], help="values of t (default 1 2 4)")
+    parser.add_argument("--steps", type=int, default=3, help="timed training steps per row (default 3)")
+    parser.add_argument("--batch", type=int, default=8, help="training batch (default 8)")
+    parser.add_argument("--tokens", type=int, default=4096, help="overlap: tokens of the backward (default 4096)")
+    parser.add_argument("--dim", type=int, default=256, help="overlap: model width (default 256)")
+    parser.add_argument("--ffn", type=int, default=2048, help="overlap: FFN width, split over t (default 2048)")
+    parser.add_argument("--gflops", type=float, default=50.0, help="overlap: the emulated device's GFLOP/s (default 50)")
+    parser.add_argument("--repeats", type=int, default=5, help="overlap and CUDA timing: repeats (median; default 5)")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda for the accumulation timing")
+    args = parser.parse_args(argv)
+    args.acc_tokens, args.acc_out, args.acc_in = 1024, 256, 256
+    args.gpu_tokens, args.gpu_out, args.gpu_in = 8192, 4096, 4096
+    check(parser, args)
+    torch.set_num_threads(1)
+    torch.optim.Adam([torch.zeros(1, requires_grad=True)])  # import torch._dynamo once, not per rank
+    parts = [args.only] if args.only else list(PARTS)
+    cfg = reference("m12_tp_model").CONFIG
+    if "traffic" in parts:
+        report("bench-12-traffic",
+               f"Module 12: bytes, activations and step time per rank; {cfg.n_layers} blocks of dim {cfg.dim}, "
+               f"batch {args.batch} x {cfg.max_seq_len} tokens, float32, {args.steps} timed steps",
+               traffic_rows(args),
+               notes="sent B/step: ring algorithm, per rank, summed over the logged collectives; kept B/rank: "
+                     "the blocks' stores after the forward. Each measured column is followed by its formula; the "
+                     "losses are the last timed step's.")
+    if "overlap" in parts:
+        report("bench-12-overlap",
+               f"Module 12: the input gradient's collective behind the weight-gradient GEMMs; emulated device "
+               f"{args.gflops:g} GFLOP/s, {args.tokens} tokens, dim {args.dim}, gate and up of width {args.ffn} / t",
+               overlap_rows(args),
+               notes="hidden = 1 - exposed / alone (mean over ranks of medians over repeats); full overlap = "
+                     "min(1, wgrad GEMMs / alone). x gather hidden: the sequence-parallel re-gather of the input, "
+                     "behind the input-gradient GEMMs.")
+    if "accumulation" in parts:
+        report("bench-12-accumulation",
+               f"Module 12: M microbatches of bf16 weight gradients ({args.acc_tokens} tokens, "
+               f"{args.acc_out} x {args.acc_in}), relative error against float64",
+               accumulation_rows(args),
+               notes="bf16 accumulator: grad += bf16 GEMM output, in bf16. unfused: the bf16 GEMM output added "
+                     "into a float32 main_grad. fused: torch.addmm into the float32 main_grad.")
+        if args.device.startswith("cuda"):
+            report("bench-12-accumulation-cuda",
+                   f"Module 12: fused vs unfused weight-gradient accumulation, bf16 {args.gpu_tokens} tokens x "
+                   f"{args.gpu_out} x {args.gpu_in} into a float32 main_grad", cuda_timing_rows(args),
+                   device=args.device)
+
+
+def check(parser, args):
+    """Refuse bad arguments before any rank starts."""
+    require_positive(parser, args, "steps", "batch", "tokens", "dim", "ffn", "repeats")
+    if not args.gflops > 0:
+        parser.error(f"--gflops must be positive, got {args.gflops}")
+    cfg = reference("m12_tp_model").CONFIG
+    for t in args.nproc:
+        try:
+            reference("m12_tp_block").check_tp_size(cfg, t, cfg.max_seq_len)
+        except ValueError as exc:
+            parser.error(f"--nproc: {exc}")
+        if args.tokens % t or args.ffn % t:
+            parser.error(f"--tokens {args.tokens} and --ffn {args.ffn} must be divisible by every --nproc value ({t})")
+    if args.device.startswith("cuda") and args.only not in (None, "accumulation"):
+        parser.error("--device cuda times the accumulation only: add --only accumulation")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error("--device cuda, but torch sees no CUDA device")

@@ -1,0 +1,86 @@
+# Generated from solutions/m12_vocab_parallel.py by `python -m course.skeleton`: fill in the TODOs.
+# Grade your work with `python main.py grade 12`. (skeleton ba220d0c5228)
+"""Module 12, part 3 - the vocabulary split over t ranks: embedding rows, LM-head rows, and a
+cross-entropy that never gathers the logits.
+
+The vocabulary V is padded up to a multiple of t (times Megatron's `divisible_by`, for efficient
+GEMM shapes), and rank r keeps rows [r V'/t, (r+1) V'/t) of the embedding and of the LM head. The
+padding rows are zeros and stand for no token: no input is ever one of them, and the loss masks
+their logits out, so they never take probability, never win the max, and never receive a gradient.
+
+Embedding: each rank looks up the tokens that fall in its rows and writes zeros for the others;
+the sum over ranks is the embedding, so leaving the TP region (m12_tp_linear's g: all-reduce, or
+reduce-scatter with sequence parallelism) finishes the lookup.
+
+Cross-entropy: the LM head is a column-parallel linear, so rank r holds logits[:, its V'/t columns].
+The loss of a token is log(sum_v exp(z_v)) - z_target, and everything in it is a sum or a max
+over the vocabulary, which the ranks reduce piece by piece instead of gathering the (N, V) logits:
+
+    m     = max over ranks of the local max        all-reduce (max)   N values
+    S     = sum over ranks of sum exp(z - m)       all-reduce (sum)   N values
+    z_t   = the target's logit, from its owner     all-reduce (sum)   N values (zeros elsewhere)
+    loss  = log S + m - z_t
+
+Subtracting m keeps exp from overflowing; every rank then has the loss, and the gradient of its own
+columns, dlogits = softmax - onehot(target), without any other communication.
+"""
+from __future__ import annotations
+
+import torch
+
+from .m06_llama_ops import compute_dtype
+from .m12_tp_linear import TPGroup, leave_tp_backward, leave_tp_forward
+
+
+def padded_vocab_size(vocab_size: int, tp_size: int, divisible_by: int = 1) -> int:
+    """The vocabulary rounded up to a multiple of divisible_by * tp_size (Megatron pads to 128 * t)."""
+    # TODO(m12): round vocab_size up to a multiple of divisible_by * tp_size
+    # Pitfalls: a vocabulary that is already a multiple stays as it is. Integers only: no floats.
+    raise NotImplementedError('TODO(m12): round vocab_size up to a multiple of divisible_by * tp_size')
+
+
+def vocab_rows(weight: torch.Tensor, padded_vocab: int, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """This rank's rows of an embedding or LM head (V, dim), padded with zero rows to padded_vocab:
+    rows [r padded_vocab / t, (r + 1) padded_vocab / t), a contiguous copy (given)."""
+    padded = torch.zeros(padded_vocab, weight.shape[1], dtype=weight.dtype, device=weight.device)
+    padded[:weight.shape[0]] = weight
+    per_rank = padded_vocab // tp_size
+    return padded[tp_rank * per_rank:(tp_rank + 1) * per_rank].clone()
+
+
+def embedding_forward(tokens: torch.Tensor, rows: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """The embedding of tokens (B, T) from this rank's rows (V'/t, dim) of the table, in the residual
+    stream's layout: (B, T, dim), or (B, T / t, dim) with sequence parallelism."""
+    # TODO(m12): vocabulary-parallel embedding: look up the tokens this rank owns, zeros elsewhere, leave
+    # Contract: the sum over ranks of what each rank looks up is the whole table's lookup; leaving the TP
+    #   region (leave_tp_forward, label "embedding") does that sum in the residual stream's layout.
+    # Pitfalls: a token this rank does not own must give zeros, not row (token - start) clamped or wrapped
+    #   around; an index out of range raises (or, worse, reads another row).
+    raise NotImplementedError('TODO(m12): vocabulary-parallel embedding: look up the tokens this rank owns, zeros elsewhere, leave')
+
+
+def embedding_backward(dx: torch.Tensor, tokens: torch.Tensor, grad_rows: torch.Tensor, tp: TPGroup):
+    """Adds the embedding's gradient into grad_rows (V'/t, dim), this rank's rows: each token's dx goes
+    to its row if this rank owns it. dx is in the residual stream's layout."""
+    # TODO(m12): vocabulary-parallel embedding backward: leave's backward, then add dx into the owned rows
+    # Pitfalls: with sequence parallelism dx holds only this rank's positions, but its rows receive gradient
+    #   from tokens at every position: gather first. A token seen twice adds twice (index_add_, not indexing).
+    raise NotImplementedError("TODO(m12): vocabulary-parallel embedding backward: leave's backward, then add dx into the owned rows")
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, tp: TPGroup,
+                                 grad_scale: float = 1.0):
+    """Mean cross-entropy over N tokens from this rank's columns of the logits, and their gradient.
+
+    logits: (N, V'/t), the columns of vocabulary entries [r V'/t, (r+1) V'/t) (any float dtype; the
+    statistics are computed in compute_dtype); entries >= vocab_size are padding. targets: (N,), in
+    [0, vocab_size). Returns (loss, dlogits): the loss as a 0-d tensor in compute_dtype, the same on
+    every rank; dlogits (N, V'/t) in logits' dtype, the gradient of grad_scale * loss (0 in the padding).
+    """
+    # TODO(m12): the max, the sum of exponentials and the target logit, each reduced over the group
+    # Contract: three all-reduces of N values each (labels "loss max", "loss sum exp", "loss target"): no rank
+    #   ever holds another rank's logits. The loss equals F.cross_entropy on the gathered, unpadded logits.
+    # Pitfalls: padding columns must not count: mask them to -inf before the max and the sum (whatever they
+    #   hold). Without subtracting the max, exp overflows for logits near 100 in float32 (the tests use such
+    #   logits). A target another rank owns contributes 0 here, not logits[:, 0] or a wrapped index.
+    raise NotImplementedError('TODO(m12): the max, the sum of exponentials and the target logit, each reduced over the group')

@@ -1,0 +1,151 @@
+"""Module 12 block: module 06's block split over t ranks (heads, FFN width, and the sequence with
+sequence parallelism) against module 06's single-process block (the trusted reference): output,
+input gradient and every weight gradient; what the store keeps; the collectives one block issues.
+
+Tolerance, as (largest |difference|) / (largest |expected|) of each tensor. float64: the ranks sum
+partial products in another order than one process does: measured up to 1.0e-15 (dwk, t = 4,
+torch 2.13 CPU); we allow 1e-12. float32: the same reorderings at float32's unit roundoff 6e-8,
+through the block's chain of sums: measured up to 4.3e-7 (t in {2, 4}); we allow 1e-5. A collective
+in the wrong place is off by a factor t or 1/t, or by a whole term, far beyond either.
+"""
+import pytest
+import torch
+import torch.distributed as dist
+
+from course.collectives import Collectives
+from course.impl import load, reference
+from course.launch import run_ranks
+
+block12 = load("m12_tp_block")
+linear = load("m12_tp_linear")
+m06 = reference("m06_llama_block")  # the single-process block: trusted code, not graded here
+
+f64 = torch.float64
+CFG = m06.LlamaConfig(dim=32, n_heads=8, n_kv_heads=4, head_dim=4, ffn_dim=24, rope_theta=1000.0, max_seq_len=16)
+B, T = 2, 12
+ROWS, COLUMNS = ("wq", "wk", "wv", "w_gate", "w_up"), ("wo", "w_down")  # column- and row-parallel weights
+
+
+def inputs(dtype, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    weights = m06.init_block_weights(CFG, g, dtype)
+    weights.ln1 = weights.ln1 + 0.1 * torch.randn(CFG.dim, generator=g).to(dtype)  # norms away from 1
+    weights.ln2 = weights.ln2 + 0.1 * torch.randn(CFG.dim, generator=g).to(dtype)
+    x, dy = torch.randn(B, T, CFG.dim, generator=g).to(dtype), torch.randn(B, T, CFG.dim, generator=g).to(dtype)
+    return weights, x, dy
+
+
+def _tp_block(sequence_parallel, weights, x, dy):
+    rank, t = dist.get_rank(), dist.get_world_size()
+    tp = linear.TPGroup(rank, t, Collectives(), sequence_parallel)
+    # This rank's positions as a tensor of their own (a view would keep the whole x's storage alive).
+    mine = (lambda a: a.chunk(t, dim=1)[rank].contiguous()) if sequence_parallel else (lambda a: a)
+    w = block12.shard_block_weights(weights, CFG, rank, t)
+    block, store = block12.TPBlock(CFG, tp, attention_chunk=5), m06.ActivationStore()
+    y = block.forward(w, mine(x), store)
+    saved = {name: (tuple(v.shape), v.untyped_storage().nbytes()) for name, v in store.tensors.items()}
+    grads = block12.zero_grads(w)
+    dx = block.backward(w, mine(dy), store, grads)
+    block12.sum_norm_grads([grads.ln1, grads.ln2], tp)
+    return y, dx, grads, saved, [(c.op, c.payload_bytes) for c in tp.collectives.log]
+
+
+def single_process(weights, x, dy):
+    block, store = m06.LlamaBlock(CFG, attention_chunk=5), m06.ActivationStore()
+    y = block.forward(weights, x, store)
+    dx, grads = block.backward(weights, dy, store)
+    return y, dx, grads
+
+
+def relative_errors(results, expected, sequence_parallel):
+    """(name, worst |difference| / worst |expected|) for y, dx and every weight gradient, the ranks' pieces joined."""
+    y_ref, dx_ref, grads_ref = expected
+    joined = (lambda parts: torch.cat(parts, dim=1)) if sequence_parallel else (lambda parts: parts[0])
+    got = {"y": joined([r[0] for r in results]), "dx": joined([r[1] for r in results])}
+    for name in ROWS + COLUMNS + ("ln1", "ln2"):
+        parts = [getattr(r[2], name) for r in results]
+        got[f"d{name}"] = parts[0] if name.startswith("ln") else torch.cat(parts, dim=1 if name in COLUMNS else 0)
+    want = {"y": y_ref, "dx": dx_ref, **{f"d{name}": getattr(grads_ref, name) for name in ROWS + COLUMNS + ("ln1", "ln2")}}
+    return [(name, ((got[name].double() - want[name].double()).abs().max() / want[name].double().abs().max()).item())
+            for name in want]
+
+
+HINTS = {"dln1": " (with sequence parallelism each rank's norm gradients cover its positions only: sum them)",
+         "dln2": " (with sequence parallelism each rank's norm gradients cover its positions only: sum them)"}
+
+
+@pytest.mark.exercises("shard_block_weights", "sum_norm_grads", "TPBlock.forward", "TPBlock.backward")
+@pytest.mark.parametrize("world_size, sequence_parallel", [(1, False), (2, False), (4, False), (1, True), (2, True),
+                                                           (4, True)])
+def test_the_block_equals_module_06s_block(world_size, sequence_parallel):
+    weights, x, dy = inputs(f64)
+    results = run_ranks(_tp_block, world_size, sequence_parallel, weights, x, dy, timeout=30)
+    errors = relative_errors(results, single_process(weights, x, dy), sequence_parallel)
+    wrong = [f"{name}: {error:.1e}{HINTS.get(name, '')}" for name, error in errors if not error <= 1e-12]
+    assert not wrong, (f"t={world_size}, sequence parallel {sequence_parallel}: relative error above 1e-12 "
+                       f"(first in the order computed): " + "; ".join(wrong))
+
+
+@pytest.mark.exercises("shard_block_weights", "sum_norm_grads", "TPBlock.forward", "TPBlock.backward")
+def test_the_block_in_float32_is_within_rounding_of_module_06s():
+    weights, x, dy = inputs(torch.float32)
+    results = run_ranks(_tp_block, 4, True, weights, x, dy, timeout=30)
+    errors = relative_errors(results, single_process(weights, x, dy), True)
+    wrong = [f"{name}: {error:.1e}" for name, error in errors if not error <= 1e-5]
+    assert not wrong, "t=4 with sequence parallelism, float32: relative error above 1e-5: " + "; ".join(wrong)
+
+
+@pytest.mark.exercises("shard_block_weights", "sum_norm_grads", "TPBlock.forward", "TPBlock.backward")
+def test_the_store_keeps_sequence_shards_and_this_ranks_heads():
+    # With sequence parallelism, x, n1, r1, h, n2 and r2 are kept for this rank's T/t positions
+    # only (the backward gathers n1 and n2 again); the rest for every position but this rank's heads
+    # (H/t of q, K/t of k and v) or FFN units (F/t). Counted by hand from the equations.
+    t, act, stat = 2, 8, 8
+    H, K, D, F = CFG.n_heads // t, CFG.n_kv_heads // t, CFG.head_dim, CFG.ffn_dim // t
+    expected = {"x": (B, T // t, CFG.dim), "n1": (B, T // t, CFG.dim), "r1": (B, T // t), "h": (B, T // t, CFG.dim),
+                "n2": (B, T // t, CFG.dim), "r2": (B, T // t), "q": (B, T, H, D), "k": (B, T, K, D), "v": (B, T, K, D),
+                "o": (B, T, H * D), "g": (B, T, F), "u": (B, T, F), "s": (B, T, F)}
+    weights, x, dy = inputs(f64)
+    saved = run_ranks(_tp_block, t, True, weights, x, dy, timeout=30)[1][3]
+    assert set(saved) == set(expected) | {"lse"}, f"the store holds {sorted(saved)}; expected module 06's names"
+    for name, shape in expected.items():
+        numel = torch.Size(shape).numel()
+        got_shape, got_bytes = saved[name]
+        assert got_bytes == numel * (stat if name.startswith("r") else act), \
+            (f"{name}: the store keeps {got_bytes} bytes (shape {got_shape}), expected {numel * act} for {shape}"
+             + (": keep this rank's shard and gather it again in the backward" if name in ("n1", "n2") else ""))
+    assert saved["lse"][1] == B * T * H * stat, f"lse: {saved['lse']}, expected one value per position and local head"
+
+
+@pytest.mark.exercises("shard_block_weights", "sum_norm_grads", "TPBlock.forward", "TPBlock.backward")
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["replicated", "sequence-parallel"])
+def test_one_block_issues_the_hand_counted_collectives(sequence_parallel):
+    # One (B, T, dim) activation A is 2 * 12 * 32 * 8 = 6,144 bytes; its shard on 2 ranks 3,072.
+    # Without sequence parallelism: the o and down projections' outputs are all-reduced in the
+    # forward, the q/k/v and gate/up input gradients in the backward. With it, those become
+    # reduce-scatters / all-gathers, the backward also all-gathers the row-parallel linears'
+    # output gradients and the column-parallel linears' inputs again, and the two norm weights'
+    # gradients (2 * 32 * 8 = 512 bytes) are summed in one all-reduce.
+    A, shard = B * T * CFG.dim * 8, B * T * CFG.dim * 8 // 2
+    if sequence_parallel:
+        forward = [("all_gather", shard), ("reduce_scatter", shard)] * 2
+        backward = [("all_gather", shard), ("all_gather", shard), ("reduce_scatter", shard)] * 2
+        expected = forward + backward + [("all_reduce", 2 * CFG.dim * 8)]
+    else:
+        expected = [("all_reduce", A)] * 4
+    weights, x, dy = inputs(f64)
+    log = run_ranks(_tp_block, 2, sequence_parallel, weights, x, dy, timeout=30)[0][4]
+    assert log == expected, f"collectives (op, payload bytes) in order: got {log}, expected {expected}"
+
+
+@pytest.mark.given
+@pytest.mark.parametrize("tp_size, seq_len, message", [
+    (3, None, r"t=3 does not divide n_heads=8, n_kv_heads=4: .* t in \{1, 2, 4\} would work"),
+    (8, None, r"t=8 does not divide n_kv_heads=4: t must divide n_heads, n_kv_heads, ffn_dim; t in \{1, 2, 4\}"),
+    (4, 10, r"t=4 does not divide sequence length=10: .* t in \{1, 2\} would work"),
+    (0, None, "at least 1"),
+])
+def test_a_t_that_does_not_divide_is_refused_in_one_line(tp_size, seq_len, message):
+    with pytest.raises(ValueError, match=message) as refused:
+        block12.check_tp_size(CFG, tp_size, seq_len)
+    assert "\n" not in str(refused.value)

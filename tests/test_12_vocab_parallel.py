@@ -1,0 +1,117 @@
+"""Module 12 vocabulary parallelism: the padded vocabulary, the cross-entropy of logits sharded over
+the vocabulary against F.cross_entropy (and autograd) on the gathered, unpadded logits, and the
+embedding against a lookup of the whole table.
+
+Tolerance: float64, the only difference is the order of the sums over the vocabulary (measured
+within 2.2e-16 relative on the loss); we allow 1e-12 relative. The float32 test is explained where it is.
+"""
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from course.collectives import Collectives
+from course.impl import load
+from course.launch import run_ranks
+
+vocab = load("m12_vocab_parallel")
+linear = load("m12_tp_linear")
+f64 = torch.float64
+VOCAB, N = 50, 24
+
+
+@pytest.mark.exercises("padded_vocab_size")
+@pytest.mark.parametrize("vocab_size, tp_size, divisible_by, padded", [
+    (50, 4, 1, 52), (256, 4, 1, 256), (50, 4, 8, 64), (50, 3, 1, 51), (1, 2, 128, 256)])
+def test_the_vocabulary_is_padded_to_a_multiple_of_t(vocab_size, tp_size, divisible_by, padded):
+    got = vocab.padded_vocab_size(vocab_size, tp_size, divisible_by)
+    assert got == padded, f"vocabulary {vocab_size} on t={tp_size} (divisible_by={divisible_by}): got {got}, expected {padded}"
+
+
+def logits_with_padding(t, dtype=f64, scale=1.0, seed=0):
+    """Whole logits (N, VOCAB), and the same padded to a multiple of t with columns that would win
+    everything if counted (+40: exp(40) dwarfs every real logit)."""
+    g = torch.Generator().manual_seed(seed)
+    logits = (scale * torch.randn(N, VOCAB, generator=g, dtype=f64)).to(dtype)
+    targets = torch.randint(0, VOCAB, (N,), generator=g)
+    padded = -(-VOCAB // t) * t
+    garbage = torch.full((N, padded - VOCAB), 40.0, dtype=dtype)
+    return logits, targets, torch.cat([logits, garbage], dim=1)
+
+
+def _loss_on_ranks(padded_logits, targets, grad_scale):
+    rank, t = dist.get_rank(), dist.get_world_size()
+    tp = linear.TPGroup(rank, t, Collectives())
+    loss, dlogits = vocab.vocab_parallel_cross_entropy(padded_logits.chunk(t, dim=1)[rank].clone(), targets, VOCAB, tp,
+                                                       grad_scale)
+    return loss, dlogits, [(c.op, c.payload_bytes) for c in tp.collectives.log]
+
+
+@pytest.mark.exercises("vocab_parallel_cross_entropy")
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_the_loss_equals_cross_entropy_of_the_gathered_unpadded_logits(world_size):
+    logits, targets, padded = logits_with_padding(world_size)
+    results = run_ranks(_loss_on_ranks, world_size, padded, targets, 0.5, timeout=30)
+    leaf = logits.clone().requires_grad_(True)
+    expected = F.cross_entropy(leaf, targets)
+    (0.5 * expected).backward()
+    dlogits = torch.cat([r[1] for r in results], dim=1)
+    for rank, (loss, _, log) in enumerate(results):
+        assert loss.dtype == f64 and abs(loss.item() - expected.item()) <= 1e-12 * expected.item(), \
+            (f"rank {rank}: loss {loss.item()!r}, F.cross_entropy gives {expected.item()!r}"
+             + (" (the padding columns were counted: mask them to -inf)" if loss.item() > 30 else ""))
+        assert log == [("all_reduce", N * 8)] * 3, \
+            f"rank {rank}: expected 3 all-reduces of {N} float64 statistics (max, sum of exponentials, target), got {log}"
+    assert not dlogits[:, VOCAB:].any(), "the padding columns must get no gradient"
+    torch.testing.assert_close(dlogits[:, :VOCAB], leaf.grad, rtol=1e-12, atol=1e-14,
+                               msg=lambda m: f"dlogits against autograd (of 0.5 * the loss): {m}")
+
+
+@pytest.mark.exercises("vocab_parallel_cross_entropy")
+def test_large_float32_logits_do_not_overflow():
+    # Logits of size ~300 in float32: exp overflows beyond 88, so the max must be subtracted first.
+    # Reference: F.cross_entropy in float64 on the same float32 logits. Ours computes in float32:
+    # each exp and sum is rounded at 6e-8 relative; measured 9.0e-8 relative on the loss (~600) and
+    # 1.3e-9 absolute on dlogits (entries at most 1/N = 0.04). We allow 1e-6 for both.
+    logits, targets, padded = logits_with_padding(2, torch.float32, scale=300.0)
+    results = run_ranks(_loss_on_ranks, 2, padded, targets, 1.0, timeout=30)
+    leaf = logits.double().requires_grad_(True)
+    expected = F.cross_entropy(leaf, targets)
+    expected.backward()
+    loss = results[0][0]
+    assert torch.isfinite(loss) and abs(loss.item() - expected.item()) <= 1e-6 * expected.item(), \
+        f"float32 loss {loss.item()} vs {expected.item()} (float64): is the max subtracted before exp?"
+    dlogits = torch.cat([r[1] for r in results], dim=1)
+    assert dlogits.dtype == torch.float32, f"dlogits must come back in the logits' dtype, got {dlogits.dtype}"
+    torch.testing.assert_close(dlogits[:, :VOCAB].double(), leaf.grad, rtol=0, atol=1e-6,
+                               msg=lambda m: f"float32 dlogits against float64 autograd: {m}")
+
+
+def _embedding_on_ranks(sequence_parallel, table, tokens, dx):
+    rank, t = dist.get_rank(), dist.get_world_size()
+    tp = linear.TPGroup(rank, t, Collectives(), sequence_parallel)
+    padded = vocab.padded_vocab_size(VOCAB, t)
+    rows = vocab.vocab_rows(table, padded, rank, t)
+    x = vocab.embedding_forward(tokens, rows, tp)
+    grad_rows = torch.zeros_like(rows)
+    vocab.embedding_backward(dx.chunk(t, dim=1)[rank] if sequence_parallel else dx, tokens, grad_rows, tp)
+    return x, grad_rows
+
+
+@pytest.mark.exercises("padded_vocab_size", "embedding_forward", "embedding_backward")
+@pytest.mark.parametrize("world_size, sequence_parallel", [(4, False), (4, True)])
+def test_the_embedding_equals_a_lookup_of_the_whole_table(world_size, sequence_parallel):
+    g = torch.Generator().manual_seed(3)
+    table = torch.randn(VOCAB, 8, dtype=f64, generator=g)
+    tokens = torch.randint(0, VOCAB, (2, 8), generator=g)
+    tokens[0, :4] = torch.tensor([0, 12, 13, VOCAB - 1])  # first and last token, and a shard boundary (13 a rank)
+    tokens[1, :2] = 7  # a token seen twice adds twice
+    dx = torch.randn(2, 8, 8, dtype=f64, generator=g)
+    results = run_ranks(_embedding_on_ranks, world_size, sequence_parallel, table, tokens, dx, timeout=30)
+    x = torch.cat([r[0] for r in results], dim=1) if sequence_parallel else results[0][0]
+    assert torch.equal(x, table[tokens]), \
+        "the embedding must equal the whole table's lookup (a token another rank owns contributes zeros here)"
+    grad = torch.cat([r[1] for r in results])
+    expected = torch.zeros(grad.shape[0], 8, dtype=f64).index_add_(0, tokens.reshape(-1), dx.reshape(-1, 8))
+    torch.testing.assert_close(grad, expected, rtol=1e-12, atol=1e-14,
+                               msg=lambda m: f"the rows' gradients, joined over the ranks (padding rows last): {m}")
