@@ -53,6 +53,7 @@ DEMOS = [
     ("10", [], r"^ +block .* identical, bit for bit$"),
     ("12", ["--nproc", "2", "--steps", "2", "--batch", "4", "--layers", "1", "--sequence-parallel"],
      r"max \|loss difference\| .* -> match "),
+    ("13", ["--mesh", "2x2", "--steps", "2", "--batch", "4"], r"^Bytes sent per step and rank: .* -> equal$"),
 ]
 FAILED = ("MISMATCH", "DIFFERENT", ": False", ": NO")  # what the demos print when a check fails
 

@@ -1,0 +1,146 @@
+"""Module 13 benchmark: the 2-D model on every mesh, its bytes against the formulas, its step time
+against PyTorch's own 2-D stack, on CPU ranks.
+
+    python main.py bench 13 [--meshes 1x1,1x4,2x2,4x1] [--steps 5] [--dim 64] [--layers 2] [--batch 8]
+
+For each mesh d x t, both train module 06's Llama (float32) on the same global batches over the same
+forked gloo ranks, from the same initial weights: ours (m13_llama_2d.py of the selected
+implementation, --impl) and PyTorch's DTensor tensor parallelism over t with FSDP2 over d
+(course/reference_2d.py). Columns:
+  step ms         median wall time of one optimizer step (after one warm-up step), rank 0
+  ours/torch      our step time over PyTorch's, same mesh
+  sent B/step     bytes rank 0 sends per step, counted by course/collectives.py (ours only: PyTorch's
+                  collectives are its own), then the formula of solutions/m13_costs.py
+  state B/rank    rank 0's weights, gradients and AdamW moments after a step (local blocks only),
+                  then the formula (ours: 1/(d t) of everything; PyTorch's plan keeps the norms whole
+                  over t, so it holds a little more)
+  final loss      the mean over the global batch at the last step
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.distributed.fsdp  # noqa: F401  imported once here, not in every forked rank
+import torch.distributed.tensor.parallel  # noqa: F401
+
+from course.bench import llama_config, report, require_positive
+from course.dataset import load_text, random_batch
+from course.impl import load, reference
+from course.launch import run_ranks
+
+
+def _run(cfg, mesh_shape, steps, batch, lr, which):
+    torch.manual_seed(0)
+    d, t = mesh_shape
+    m06 = reference("m06_llama_model")  # the initial weights of PyTorch's row: given code either way
+    data, generator = load_text(), torch.Generator().manual_seed(0)
+    log = []
+    if which == "ours":
+        axes = load("m13_named_axes")  # the implementation measured
+        mesh = axes.init_mesh(d, t)
+        log = mesh.log
+        model = load("m13_llama_2d").Llama2D(cfg, mesh)
+        params = model.parameters()
+        optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+
+        def step(tokens, targets):
+            return model.train_step(tokens, targets, optimizer)
+    else:
+        from course.reference_2d import fsdp_tp_llama, loss_and_backward
+        llama, device_mesh = fsdp_tp_llama(m06.LlamaModel(cfg), d, t)
+        params = list(llama.parameters())
+        optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+
+        def step(tokens, targets):
+            loss = loss_and_backward(llama, device_mesh, tokens, targets)
+            optimizer.step()
+            return loss
+    times, losses = [], []
+    for i in range(steps + 1):
+        tokens, targets = random_batch(data, batch, cfg.max_seq_len, generator)
+        if i == 1:
+            sent_before = sum(c.sent_bytes for c in log)  # from the second step on: no warm-up in the count
+        dist.barrier()
+        began = time.perf_counter()
+        losses.append(step(tokens, targets))
+        times.append(time.perf_counter() - began)
+        if which != "ours":
+            state = _state_bytes(params, optimizer)  # before zero_grad frees the gradients
+            optimizer.zero_grad()
+    if which == "ours":
+        state = _state_bytes(params, optimizer)
+    return {"times": times[1:], "loss": losses[-1], "state": state,
+            "sent": (sum(c.sent_bytes for c in log) - sent_before) / steps}
+
+
+def _whole(x: float):
+    """A byte count as an int when it is one (sums of ring shares usually are), so the table prints it whole."""
+    return int(x) if float(x).is_integer() else x
+
+
+def _state_bytes(params, optimizer) -> int:
+    """This rank's bytes of weights, gradients and AdamW's two moments (DTensors: their local part)."""
+    from course.reference_2d import local_bytes
+    moments = [optimizer.state[p][m] for p in params for m in ("exp_avg", "exp_avg_sq")]
+    return local_bytes([*params, *(p.grad for p in params), *moments])
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="main.py bench 13", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--meshes", default="1x1,1x4,2x2,4x1", help="comma-separated DxT meshes (default: the four)")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps (after one warm-up)")
+    parser.add_argument("--dim", type=int, default=64,
+                        help="model width: dim // 8 query heads of 8, 4 key/value heads (default 64)")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=64, help="sequence length (default 64)")
+    args = parser.parse_args(argv)
+    cfg, meshes = check(parser, args)
+    costs = reference("m13_costs")  # the theory the measurement is checked against: the reference's formula
+    torch.set_num_threads(1)
+    torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
+    rows = []
+    for d, t in meshes:
+        results = {which: run_ranks(_run, d * t, cfg, (d, t), args.steps, args.batch, 3e-3, which, timeout=300)[0]
+                   for which in ("ours", "torch")}
+        ours_ms, torch_ms = (1e3 * statistics.median(results[w]["times"]) for w in ("ours", "torch"))
+        traffic, state = costs.step_traffic(cfg, args.batch, d, t), costs.state_bytes(cfg, d, t)
+        for which, ms in (("ours", ours_ms), ("torch", torch_ms)):
+            r, ours = results[which], which == "ours"
+            rows.append({"mesh": f"{d}x{t}", "impl": which, "step ms": ms,
+                         "ours/torch": ours_ms / torch_ms if ours else "-",
+                         "sent B/step": _whole(r["sent"]) if ours else "-",
+                         "formula sent": _whole(traffic.sent_bytes) if ours else "-",
+                         "state B/rank": r["state"], "formula state": state.total if ours else "-",
+                         "= formula": ("yes" if r["sent"] == traffic.sent_bytes and r["state"] == state.total
+                                       else "NO") if ours else "-",
+                         "final loss": r["loss"]})
+    report("bench-13", f"2-D sharding (FSDP over d, Megatron over t) on CPU ranks: {cfg.n_layers} blocks of dim "
+                       f"{cfg.dim}, batch {args.batch} x {cfg.max_seq_len} tokens, float32", rows,
+           notes="ours: m13_llama_2d (named axes, course/collectives.py); torch: FSDP2 fully_shard over d + DTensor "
+                 "parallelize_module over t (course/reference_2d.py).")
+
+
+def check(parser, args):
+    """Refuse bad arguments before any rank starts (the reference's given checks); returns (cfg, meshes)."""
+    require_positive(parser, args, "steps", "layers", "batch", "seq")
+    if args.dim < 32 or args.dim % 32:
+        parser.error(f"--dim must be a multiple of 32 (dim // 8 query heads of 8 in 4 groups), got {args.dim}")
+    cfg = llama_config(parser, f"--dim {args.dim}", dim=args.dim, n_heads=args.dim // 8, n_kv_heads=4, head_dim=8,
+                       ffn_dim=args.dim * 8 // 3 // 16 * 16, n_layers=args.layers, max_seq_len=args.seq)
+    axes, model_2d = reference("m13_named_axes"), reference("m13_llama_2d")
+    meshes = []
+    for text in args.meshes.split(","):
+        try:
+            d, t = axes.parse_mesh(text)
+            if d * t > 4:
+                raise ValueError(f"mesh {text.strip()} needs {d * t} ranks: this benchmark runs 4 CPU ranks at most")
+            model_2d.check_mesh_fits(cfg, d, t, args.batch)
+        except ValueError as exc:
+            parser.error(str(exc))
+        meshes.append((d, t))
+    return cfg, meshes

@@ -1,0 +1,338 @@
+# Generated from solutions/m13_llama_2d.py by `python -m course.skeleton`: fill in the TODOs.
+# Grade your work with `python main.py grade 13`. (skeleton fce1ee14ef2a)
+"""Module 13, part 2 - module 06's Llama over a d x t mesh: FSDP over d, Megatron over t, every line
+of the forward and the backward written in named axes, beside its equation in the chapter.
+
+Every weight is split over both mesh axes, as the table says (weights are stored (out, in) like
+nn.Linear's, with the head dimensions unflattened: wq (K Q D, M) is K Q D M, query head k Q + q
+reading key/value head k):
+
+    embedding, lm_head   V/t M/d       the vocabulary (padded to a multiple of t) over t, M over d
+    wq                   K/t Q D M/d   key/value heads over t, with their Q query heads each
+    wk, wv               K/t D M/d
+    wo                   M/d K/t Q D
+    w_gate, w_up         F/t M/d       FFN units over t
+    w_down               M/d F/t
+    ln1, ln2, final_norm M/t/d         every weight on exactly one rank
+
+and the residual stream between the blocks is x[B/d T M/t]: the rows of the batch over d, the
+model width over t. The pattern of every linear is FSDP's: all_gather the weight over d just before
+it is used, contract locally, and reduce_scatter its gradient over d (a contraction over B/d leaves
+it unreduced over d). Around each half of a block it is Megatron's: all_gather the stream over t
+before the norm, contract over a dimension split over t at the end (o, down), reduce_scatter over t
+back into the stream. The backward of an all-gather is a reduce-scatter over the same axis, and the
+backward of a reduce-scatter an all-gather, so the backward has the same collectives as the
+forward, conjugated, plus the gradients' reduce-scatters.
+
+Every rank builds module 06's whole model from the seed and keeps its blocks (`shard`), draws the
+same global batch and keeps its rows: the sharded model starts where a single process does. The
+local ops are module 06's; the vocabulary padding and the vocabulary-parallel cross-entropy are
+module 12's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from course.dataset import load_text, random_batch
+from .m06_llama_block import ActivationStore, BlockWeights, LlamaConfig
+from .m06_llama_model import LlamaGrads, LlamaModel
+from .m06_llama_ops import (ATTENTION_CHUNK, attention_backward, attention_forward, rmsnorm_backward,
+                            rmsnorm_forward, rope_backward, rope_forward, rope_tables, swiglu_backward,
+                            swiglu_forward)
+from .m12_tp_linear import TPGroup
+from .m12_vocab_parallel import padded_vocab_size, vocab_parallel_cross_entropy
+from .m13_named_axes import (Mesh, Sharded, Spec, all_gather, all_reduce, check_matches, einsum_unreduced, local,
+                             parse_spec, reduce_scatter, shard)
+
+# The module's model: 8 query heads in 4 groups (K = 4 key/value heads, so t can be 1, 2 or 4), dim 32
+# (the norms' M/t/d needs d t | 32), FFN 48. Module 06's vocabulary of 256 bytes.
+CONFIG = LlamaConfig(dim=32, n_heads=8, n_kv_heads=4, head_dim=4, ffn_dim=48, n_layers=2, max_seq_len=16)
+
+TOP_SPECS = {"embedding": "V/t M/d", "final_norm": "M/t/d", "lm_head": "V/t M/d"}
+BLOCK_SPECS = {"ln1": "M/t/d", "wq": "K/t Q D M/d", "wk": "K/t D M/d", "wv": "K/t D M/d", "wo": "M/d K/t Q D",
+               "ln2": "M/t/d", "w_gate": "F/t M/d", "w_up": "F/t M/d", "w_down": "M/d F/t"}
+
+
+def check_mesh_fits(cfg: LlamaConfig, d: int, t: int, batch: int | None = None):
+    """Refuse, in one line, a mesh that does not divide what it splits (given). The vocabulary is
+    padded instead (module 12)."""
+    split = {f"n_kv_heads={cfg.n_kv_heads} (K/t)": (cfg.n_kv_heads, t),
+             f"ffn_dim={cfg.ffn_dim} (F/t)": (cfg.ffn_dim, t),
+             f"dim={cfg.dim} (the norms' M/t/d)": (cfg.dim, d * t)}
+    if batch is not None:
+        split[f"batch={batch} (B/d)"] = (batch, d)
+    wrong = [f"{what} is not divisible by {by}" for what, (size, by) in split.items() if size % by]
+    if wrong:
+        raise ValueError(f"mesh {d}x{t} does not fit: " + "; ".join(wrong))
+
+
+def named_weight(cfg: LlamaConfig, name: str, weight: torch.Tensor) -> torch.Tensor:
+    """Module 06's weight (out, in) with its head dimensions unflattened, as BLOCK_SPECS names them (a view)."""
+    K, Q, D, M = cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim, cfg.dim
+    shapes = {"wq": (K, Q, D, M), "wk": (K, D, M), "wv": (K, D, M), "wo": (M, K, Q, D)}
+    return weight.view(shapes[name]) if name in shapes else weight
+
+
+def padded_rows(weight: torch.Tensor, padded_vocab: int) -> torch.Tensor:
+    """An embedding or LM head (V, M) with zero rows up to padded_vocab: rows that stand for no token."""
+    return torch.cat([weight, weight.new_zeros(padded_vocab - weight.shape[0], weight.shape[1])])
+
+
+# ---------------------------------------------------------------------------------------------
+# Local ops on the unflattened heads, and the vocabulary (given)
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Rope:
+    """Module 06's RoPE tables: cos, sin (T, 1, D/2) for k (B, T, K, D), cos_q, sin_q (T, 1, 1, D/2) for q."""
+    cos: torch.Tensor
+    sin: torch.Tensor
+    cos_q: torch.Tensor
+    sin_q: torch.Tensor
+
+
+def grouped_attention_forward(q, k, v, chunk: int = ATTENTION_CHUNK):
+    """Module 06's attention on q (B, T, K, Q, D), k and v (B, T, K, D): returns o (B, T, K, Q, D) and
+    lse (B, K, Q, T). Query head (k, q) is module 06's head k Q + q."""
+    o, lse = attention_forward(q.flatten(2, 3), k, v, chunk)
+    return o.view(q.shape), lse
+
+
+def grouped_attention_backward(do, q, k, v, o, lse, chunk: int = ATTENTION_CHUNK):
+    """Module 06's attention backward in the same layout: (dq (B, T, K, Q, D), dk, dv (B, T, K, D))."""
+    dq, dk, dv = attention_backward(do.flatten(2, 3), q.flatten(2, 3), k, v, o.flatten(2, 3), lse, chunk)
+    return dq.reshape(q.shape), dk, dv
+
+
+def vocab_one_hot(tokens: torch.Tensor, first: int, rows: int, dtype: torch.dtype) -> torch.Tensor:
+    """(B, T) -> (B, T, rows): 1 where a token is vocabulary entry first + j, this rank's rows, else 0."""
+    return ((tokens - first).unsqueeze(-1) == torch.arange(rows, device=tokens.device)).to(dtype)
+
+
+def cross_entropy_over_t(logits: Sharded, targets: Sharded, vocab_size: int, n_tokens: int):
+    """(loss, dlogits) from logits[B/d T V/t] and targets[B/d T], by module 12's vocabulary-parallel
+    cross-entropy over t (three all-reduces of this rank's token count, no logits gathered).
+
+    The loss is the mean over the n_tokens tokens of the *global* batch; this rank's rows hold only
+    its share: loss[] {U_d} (summed over d, it is the loss). dlogits[B/d T V/t] is the gradient of the
+    whole mean, so its scale is 1 / n_tokens, not 1 / this rank's tokens."""
+    mesh = logits.mesh
+    check_matches(parse_spec("B/d T V/t", mesh.sizes), logits, "cross_entropy_over_t, logits")
+    check_matches(parse_spec("B/d T", mesh.sizes), targets, "cross_entropy_over_t, targets")
+    tp = TPGroup(mesh.index["t"], mesh.sizes["t"], mesh.collectives["t"])
+    flat = logits.tensor.reshape(-1, logits.tensor.shape[-1])
+    share = flat.shape[0] / n_tokens
+    loss, dlogits = vocab_parallel_cross_entropy(flat, targets.tensor.reshape(-1), vocab_size, tp, grad_scale=share)
+    return (Sharded(loss * share, Spec((), frozenset({"d"})), mesh),
+            Sharded(dlogits.view_as(logits.tensor), logits.spec, mesh))
+
+
+# ---------------------------------------------------------------------------------------------
+# The model
+# ---------------------------------------------------------------------------------------------
+class Llama2D:
+    """This rank's blocks of module 06's Llama on a d x t mesh; forward and backward in named axes."""
+
+    def __init__(self, cfg: LlamaConfig, mesh: Mesh, seed: int = 0, dtype=torch.float32,
+                 attention_chunk: int = ATTENTION_CHUNK):
+        check_mesh_fits(cfg, mesh.sizes["d"], mesh.sizes["t"])
+        whole = LlamaModel(cfg, seed, dtype)  # every rank builds the same model, then keeps its blocks
+        self.cfg, self.mesh, self.attention_chunk = cfg, mesh, attention_chunk
+        self.padded_vocab = padded_vocab_size(cfg.vocab_size, mesh.sizes["t"])
+        self.embedding = shard(TOP_SPECS["embedding"], padded_rows(whole.embedding, self.padded_vocab), mesh)
+        self.blocks = [BlockWeights(**{name: shard(spec, named_weight(cfg, name, getattr(b, name)), mesh)
+                                       for name, spec in BLOCK_SPECS.items()}) for b in whole.blocks]
+        self.final_norm = shard(TOP_SPECS["final_norm"], whole.final_norm, mesh)
+        self.lm_head = shard(TOP_SPECS["lm_head"], padded_rows(whole.lm_head, self.padded_vocab), mesh)
+        self._rope = {}
+
+    def weights(self) -> list[Sharded]:
+        """Every weight this rank keeps, in the order of LlamaGrads.tensors()."""
+        return [self.embedding, *(s for b in self.blocks for s in b.tensors()), self.final_norm, self.lm_head]
+
+    def parameters(self) -> list[torch.Tensor]:
+        """What this rank's optimizer updates: its block of every weight."""
+        return [s.tensor for s in self.weights()]
+
+    def rope(self, seq_len: int, dtype: torch.dtype) -> Rope:
+        if (seq_len, dtype) not in self._rope:
+            cos, sin = rope_tables(seq_len, self.cfg.head_dim, self.cfg.rope_theta, dtype)
+            self._rope[seq_len, dtype] = Rope(cos, sin, cos.unsqueeze(1), sin.unsqueeze(1))
+        return self._rope[seq_len, dtype]
+
+    # --- forward ---------------------------------------------------------------------------------
+    def embed(self, tokens: Sharded, store: ActivationStore) -> Sharded:
+        """tokens[B/d T] -> x[B/d T M/t], the residual stream."""
+        rows = self.padded_vocab // self.mesh.sizes["t"]
+        # TODO(m13): the embedding: a one-hot over this rank's vocabulary rows, contracted with the gathered table
+        # Contract: return x[B/d T M/t], the embedding of this rank's rows of tokens, this rank's block of M; save
+        #   the one-hot under 'onehot' (the backward reads it). The chapter's equations, in order: the table
+        #   gathered over d, the one-hot x[B/d T V/t] of the tokens that fall in this rank's rows (vocab_one_hot,
+        #   given: first row i_t * rows), the contraction over V/t, and the reduce-scatter that sums over t and
+        #   splits M.
+        # Maths: a lookup is a product with a one-hot. Each rank's V/t block holds only its rows, so its product is
+        #   a partial sum; the einsum reports {U_t}, and the arrow of the reduce-scatter must say so.
+        # Pitfalls: this rank's first vocabulary row is its position along t times rows (not its rank); the
+        #   one-hot takes the weights' dtype (self.embedding.tensor.dtype). Every collective through the module's
+        #   functions (the tests read the log).
+        raise NotImplementedError("TODO(m13): the embedding: a one-hot over this rank's vocabulary rows, contracted with the gathered table")
+
+    def attention_half(self, w: BlockWeights, x: Sharded, store: ActivationStore) -> Sharded:
+        """x[B/d T M/t] -> h[B/d T M/t] = x + attention(RMSNorm(x)), saving what the backward reads."""
+        cfg, rope = self.cfg, self.rope(x.tensor.shape[1], x.tensor.dtype)
+        # TODO(m13): the attention half, line for line with the chapter's equations
+        # Contract: return h[B/d T M/t] = x + the attention output; save in the store, under these names, the
+        #   activations the backward reads: 'xg' (x gathered over t), 'n1', 'r1', 'q', 'k' (after RoPE), 'v', 'o',
+        #   'lse'. Specs: xg, n1 [B/d T M]; r1 [B/d T]; q, o [B/d T K/t Q D]; k, v [B/d T K/t D]; lse [B/d K/t Q T].
+        # The equations: x gathered over t; ln1 gathered over d and t; RMSNorm (module 06's rmsnorm_forward, as a
+        #   local op); each of wq, wk, wv gathered over d and contracted over M; RoPE on q and k (rope.cos_q/sin_q
+        #   for q's five dimensions, rope.cos/sin for k's four); attention (grouped_attention_forward, chunk
+        #   self.attention_chunk); wo gathered over d and contracted over K/t Q D: unreduced over t, so
+        #   reduce-scattered over t onto M/t; the residual add.
+        # Pitfalls: every weight is gathered over d before it is contracted (an einsum with a weight still split
+        #   over d is refused, naming the axis); the residual add needs the reduce-scattered result (adding the
+        #   partial sum is refused); RoPE rotates q and k, never v. Every collective goes through the module's
+        #   functions, so the tests can count them against the formula.
+        raise NotImplementedError("TODO(m13): the attention half, line for line with the chapter's equations")
+
+    def ffn_half(self, w: BlockWeights, h: Sharded, store: ActivationStore) -> Sharded:
+        """h[B/d T M/t] -> y[B/d T M/t] = h + FFN(RMSNorm(h)), saving what the backward reads."""
+        cfg = self.cfg
+        # TODO(m13): the FFN half, line for line with the chapter's equations
+        # Contract: return y[B/d T M/t] = h + the FFN output; save 'hg' (h gathered over t), 'n2', 'r2', 'g', 'u',
+        #   's'. Specs: hg, n2 [B/d T M]; r2 [B/d T]; g, u, s [B/d T F/t].
+        # The equations: h gathered over t; ln2 gathered over d and t; RMSNorm; w_gate and w_up gathered over d and
+        #   contracted over M (nothing unreduced: M is whole); SwiGLU (module 06's swiglu_forward, local); w_down
+        #   gathered over d and contracted over F/t: unreduced over t, reduce-scattered onto M/t; the residual add.
+        # Pitfalls: as in the attention half. The contraction over F/t is a partial sum on every rank: the
+        #   reduce-scatter's arrow must start from {U_t}.
+        raise NotImplementedError("TODO(m13): the FFN half, line for line with the chapter's equations")
+
+    def loss_forward(self, x: Sharded, targets: Sharded, n_tokens: int, store: ActivationStore) -> Sharded:
+        """x[B/d T M/t] (the last block's output) -> the mean loss over the global batch's n_tokens
+        tokens, the same on every rank (spec: a scalar). Saves what loss_backward reads."""
+        cfg = self.cfg
+        # TODO(m13): the final norm, the LM head's logits, the vocabulary-parallel loss, its sum over d
+        # Contract: return loss[], the mean cross-entropy over all n_tokens tokens of the global batch, the same on
+        #   every rank. Save 'xf' (x gathered over t), 'nf', 'rf' (the final norm's output and statistics) and
+        #   'dlogits' (cross_entropy_over_t computes the gradient with the loss).
+        # The equations: x gathered over t; the final norm's weight gathered over d and t; RMSNorm; the LM head
+        #   gathered over d and contracted over M: logits[B/d T V/t], nothing unreduced; the cross-entropy over t
+        #   (given); its result is this rank's rows' share, {U_d}, summed over d by an all-reduce.
+        # Pitfalls: n_tokens is the global batch's token count (the caller passes it): the gradient of the mean over
+        #   the global batch is 1 / (B T) per token, not 1 / (B/d T). The all-reduce's arrow for a scalar is
+        #   '{U_d} ->'.
+        raise NotImplementedError("TODO(m13): the final norm, the LM head's logits, the vocabulary-parallel loss, its sum over d")
+
+    # --- backward --------------------------------------------------------------------------------
+    def loss_backward(self, store: ActivationStore) -> tuple[Sharded, Sharded, Sharded]:
+        """(dx[B/d T M/t], d final_norm[M/t/d], d lm_head[V/t M/d]) from what loss_forward saved."""
+        # TODO(m13): the backward of the LM head and the final norm
+        # Contract: return (dx, d_final_norm, d_lm_head): the gradient of the last block's output in the stream's
+        #   layout [B/d T M/t], and the two weights' gradients, each in its weight's spec (this rank's block only).
+        # The equations (the chapter's backward table): the head gathered over d again; dn = dlogits contracted
+        #   over V/t with it (unreduced over t); the head's gradient = dlogits contracted with nf over B/d and T
+        #   (unreduced over d), reduce-scattered over d; the norm's backward (module 06's rmsnorm_backward, linear
+        #   in dn, so it runs on the partial sums: its outputs stay unreduced over t, and the weight's gradient,
+        #   a sum over B/d, is unreduced over d too); the weight's gradient reduce-scattered over t and d onto
+        #   M/t/d; dx reduce-scattered over t onto M/t: the backward of the forward's all-gather.
+        # Pitfalls: the norm weight's gradient is a partial sum over both axes (M {U_d,t}); reducing it over one
+        #   of them leaves the ranks of the other with different, partial gradients. dx must be summed over t
+        #   (reduce-scattered), not just sliced.
+        raise NotImplementedError('TODO(m13): the backward of the LM head and the final norm')
+
+    def ffn_half_backward(self, w: BlockWeights, dy: Sharded, store: ActivationStore, grads: dict) -> Sharded:
+        """dy[B/d T M/t] -> dh[B/d T M/t]; puts the gradients of w_down, w_gate, w_up and ln2 into grads."""
+        # TODO(m13): the FFN half's backward, line for line with the chapter's equations
+        # Contract: return dh[B/d T M/t], the gradient of the half's input h; set grads["w_down"], grads["w_gate"],
+        #   grads["w_up"], grads["ln2"], each in its weight's spec (BLOCK_SPECS). Read g, u, s, hg, n2, r2 from the
+        #   store.
+        # The equations, the forward's in reverse: dy gathered over t (the backward of the forward's
+        #   reduce-scatter); ds = dy contracted with w_down (gathered over d) over M; w_down's gradient, a sum over
+        #   B/d and T, unreduced over d, reduce-scattered over d; SwiGLU's backward (local); dn2 = the two products
+        #   of dg and du with w_gate and w_up over F/t, each unreduced over t, added; their weights' gradients, as
+        #   w_down's; the norm's backward on the partial sums (outputs {U_t}, the weight's {U_d,t}); ln2's gradient
+        #   reduce-scattered onto M/t/d; dh = dy + (the norm's input gradient reduce-scattered over t).
+        # Pitfalls: the backward of the forward's all-gather over t is a reduce-scatter over t (not an
+        #   all-reduce: the stream is split over t); the gradient of every weight is reduce-scattered over d back
+        #   to its own block. The residual adds dy exactly once.
+        raise NotImplementedError("TODO(m13): the FFN half's backward, line for line with the chapter's equations")
+
+    def attention_half_backward(self, w: BlockWeights, dh: Sharded, store: ActivationStore, grads: dict) -> Sharded:
+        """dh[B/d T M/t] -> dx[B/d T M/t]; puts the gradients of wo, wq, wk, wv and ln1 into grads."""
+        rope = self.rope(dh.tensor.shape[1], dh.tensor.dtype)
+        # TODO(m13): the attention half's backward, line for line with the chapter's equations
+        # Contract: return dx[B/d T M/t], the gradient of the block's input; set grads["wo"], grads["wq"],
+        #   grads["wk"], grads["wv"], grads["ln1"], each in its weight's spec. Read xg, n1, r1, q, k, v, o, lse from
+        #   the store.
+        # The equations: dh gathered over t; do = dh contracted with wo (gathered over d) over M; wo's gradient over
+        #   B/d and T, reduce-scattered over d; attention's backward (grouped_attention_backward, local, chunk
+        #   self.attention_chunk); RoPE's backward on dq and dk (rope_backward with the forward's tables); dn1 = the
+        #   three products of dq, dk, dv with wq, wk, wv (gathered over d) over K/t and D: each unreduced over t,
+        #   added; the three weights' gradients reduce-scattered over d; the norm's backward on the partial sums;
+        #   ln1's gradient onto M/t/d; dx = dh + (the norm's input gradient reduce-scattered over t).
+        # Pitfalls: as in the FFN half's backward; the attention backward's inputs are the saved q and k after RoPE,
+        #   v, o and lse; RoPE's backward applies to dq and dk, not dv.
+        raise NotImplementedError("TODO(m13): the attention half's backward, line for line with the chapter's equations")
+
+    def embed_backward(self, dx: Sharded, store: ActivationStore) -> Sharded:
+        """dx[B/d T M/t] (the gradient of the first block's input) -> d embedding[V/t M/d]."""
+        # TODO(m13): the embedding's gradient, back to this rank's block of the table
+        # Contract: return the embedding's gradient in its spec V/t M/d: this rank's block only.
+        # The equations: dx gathered over t (the backward of the forward's reduce-scatter); the one-hot (saved)
+        #   contracted with it over B/d and T: unreduced over d, since each d rank saw other rows of the batch;
+        #   reduce-scattered over d onto M/d.
+        # Pitfalls: the gradient must land in this rank's block [V/t M/d], not stay [V/t M] on every rank; a token
+        #   seen twice adds twice (the contraction does it).
+        raise NotImplementedError("TODO(m13): the embedding's gradient, back to this rank's block of the table")
+
+    # --- one step ----------------------------------------------------------------------------------
+    def forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor):
+        """(loss, LlamaGrads of Sharded) for the global batch tokens, targets (B, T): the same tensors on every
+        rank, each keeping its rows B/d. The loss is the mean over the whole batch; each gradient is this rank's
+        block of the gradient of that mean."""
+        self.cfg.check_seq_len(tokens.shape[1])
+        mesh, n_tokens = self.mesh, tokens.numel()
+        tokens, targets = shard("B/d T", tokens, mesh), shard("B/d T", targets, mesh)
+        top, stores = ActivationStore(), [ActivationStore() for _ in self.blocks]
+        x = self.embed(tokens, top)
+        for w, store in zip(self.blocks, stores, strict=True):
+            x = self.ffn_half(w, self.attention_half(w, x, store), store)
+        loss = self.loss_forward(x, targets, n_tokens, top)
+        dx, d_final_norm, d_lm_head = self.loss_backward(top)
+        block_grads = [None] * len(self.blocks)
+        for layer in reversed(range(len(self.blocks))):
+            grads = {}
+            dh = self.ffn_half_backward(self.blocks[layer], dx, stores[layer], grads)
+            dx = self.attention_half_backward(self.blocks[layer], dh, stores[layer], grads)
+            block_grads[layer] = BlockWeights(**grads)
+            stores[layer].clear()
+        d_embedding = self.embed_backward(dx, top)
+        return loss.tensor, LlamaGrads(d_embedding, block_grads, d_final_norm, d_lm_head)
+
+    def train_step(self, tokens: torch.Tensor, targets: torch.Tensor, optimizer) -> float:
+        """One optimizer step on the global batch (every rank keeps its rows); returns the loss."""
+        loss, grads = self.forward_backward(tokens, targets)
+        for p, g in zip(self.parameters(), grads.tensors(), strict=True):
+            p.grad = g.tensor
+        optimizer.step()  # AdamW is elementwise: each rank updates its blocks as one process would
+        return loss.item()
+
+
+def train(cfg: LlamaConfig, steps: int, mesh: Mesh, batch: int = 8, lr: float = 3e-3, seed: int = 0,
+          dtype=torch.float32, on_step=None):
+    """Module 06's `train` on the d x t mesh: the same initial model, the same global batches (every rank
+    draws them all from the seed and keeps its rows). Returns (model, losses); every rank has the same
+    losses. `on_step(step, loss)`, if given, is called after every step."""
+    check_mesh_fits(cfg, mesh.sizes["d"], mesh.sizes["t"], batch)
+    model = Llama2D(cfg, mesh, seed, dtype)
+    data, generator = load_text(), torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    losses = []
+    for step in range(steps):
+        tokens, targets = random_batch(data, batch, cfg.max_seq_len, generator)
+        losses.append(model.train_step(tokens, targets, optimizer))
+        if on_step:
+            on_step(step, losses[-1])
+    return model, losses

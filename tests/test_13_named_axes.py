@@ -1,0 +1,255 @@
+"""Module 13 named axes: the spec parser's refusals (given code), the three collectives written from
+their arrows on a 2x2 mesh of gloo ranks against blocks cut by hand from a whole tensor, and
+einsum_unreduced against torch.einsum with the contraction written out by hand.
+
+The mesh is d x t = 2 x 2, rank = i_d * 2 + i_t, so the d group and the t group both have two ranks:
+a collective over the wrong one has the right shapes and the wrong numbers, which every tensor here
+(distinct values on every rank) shows. Collectives only copy or add two numbers per element: the
+float64 results are exact, compared with torch.equal (sums) or allclose at 1e-15 (sums of two).
+"""
+import pytest
+import torch
+
+from course.impl import load, reference
+from course.launch import RankFailed, run_ranks
+
+axes = load("m13_named_axes")
+model_2d = reference("m13_llama_2d")  # its given mesh check only
+f64 = torch.float64
+D, T = 2, 2  # the mesh
+
+
+def block(full: torch.Tensor, split: dict[int, list[tuple[int, int]]]) -> torch.Tensor:
+    """A block of `full` cut by hand: split = {dim: [(count, index), ...]} outermost first."""
+    for dim, cuts in split.items():
+        for count, index in cuts:
+            full = full.chunk(count, dim=dim)[index]
+    return full
+
+
+def sharded(mesh, spec: str, tensor: torch.Tensor):
+    return axes.Sharded(tensor, axes.parse_spec(spec, mesh.sizes), mesh)
+
+
+# --- the parser and its checks (given code) ---------------------------------------------------
+
+def _refusals():
+    mesh = axes.mesh_of_sizes(2, 2)
+    x = sharded(mesh, "B/d T M/t", torch.zeros(2, 3, 4, dtype=f64))
+    partial = sharded(mesh, "B/d T M {U_t}", torch.zeros(2, 3, 8, dtype=f64))
+    ln = sharded(mesh, "M", torch.ones(8, dtype=f64))
+    w = sharded(mesh, "F/t M/d", torch.zeros(3, 4, dtype=f64))
+    whole = sharded(mesh, "B/d T M", torch.zeros(2, 3, 8, dtype=f64))
+    return {
+        "unknown mesh axis": (lambda: axes.all_gather("B/d T M/x -> B/d T M", x), "unknown mesh axis 'x'"),
+        "unknown axis in {U}": (lambda: axes.parse_spec("M {U_p}", mesh.sizes), "unknown mesh axis 'p'"),
+        "one axis, two dims": (lambda: axes.parse_spec("B/d M/d", mesh.sizes), "mesh axis 'd' splits both B and M"),
+        "mismatched spec": (lambda: axes.all_gather("B/d T/t M -> B/d T M", x), "dimension T/t against T"),
+        "not divisible": (lambda: axes.shard("V/t M/d", torch.zeros(50, 8), axes.mesh_of_sizes(1, 4)),
+                          "V=50 is not divisible by t=4"),
+        "all_gather with a scatter's arrow": (lambda: axes.all_gather("B/d T M {U_t} -> B/d T M/t", partial),
+                                              "splits M over t: that arrow is a reduce_scatter's"),
+        "reduce_scatter with a gather's arrow": (lambda: axes.reduce_scatter("B/d T M/t -> B/d T M", x),
+                                                 "that arrow is an all_gather's"),
+        "reduce_scatter of a reduced tensor": (lambda: axes.reduce_scatter("B/d T M -> B/d T M/t", whole),
+                                               "not unreduced over t"),
+        "all_reduce that moves a dimension": (lambda: axes.all_reduce("B/d T M {U_t} -> B/d T M/t", partial),
+                                              "all_reduce 'B/d T M {U_t} -> B/d T M/t' changes the dimensions"),
+        "gather of a partial sum": (lambda: axes.all_gather("B/d T M -> B T M", partial),
+                                    "unreduced over t ({U_t}: a partial sum"),
+        "partial sum in a residual add": (lambda: whole + partial, "unreduced over t ({U_t}), a partial sum"),
+        "partial sum into a local op": (
+            lambda: axes.local("B/d T M, M -> B/d T M, B/d T", lambda a, b: (a, a[..., 0]), partial, ln),
+            "input 1: the tensor is unreduced over t"),
+        "local op that drops {U}": (lambda: axes.local("B/d T M {U_t} -> B/d T M", lambda a: a, partial),
+                                    "every output is too (write {U_t})"),
+        "einsum with an ungathered weight": (
+            lambda: axes.einsum_unreduced("B/d T M, F/t M/d -> B/d T F/t", whole, w),
+            "M is whole in operand 1 but split over d in operand 2"),
+        "einsum of a partial sum": (lambda: axes.einsum_unreduced("B/d T M, F/t M -> B/d T F/t", partial, w),
+                                    "operand 1: the tensor is unreduced over t"),
+        "an unreadable mesh": (lambda: axes.parse_mesh("2x"), "a mesh is written DxT"),
+        "a mesh with an unknown axis": (lambda: axes.parse_mesh("d=2,p=2"), "unknown mesh axis 'p'"),
+        "a mesh that does not divide the heads": (lambda: model_2d.check_mesh_fits(model_2d.CONFIG, 1, 3),
+                                                  "n_kv_heads=4 (K/t) is not divisible by 3"),
+        "a mesh that does not divide the batch": (lambda: model_2d.check_mesh_fits(model_2d.CONFIG, 4, 1, batch=6),
+                                                  "batch=6 (B/d) is not divisible by 4"),
+    }
+
+
+@pytest.mark.given
+@pytest.mark.parametrize("mistake", list(_refusals()))
+def test_spec_mistakes_are_refused_with_a_message_naming_the_axis(mistake):
+    call, message = _refusals()[mistake]
+    with pytest.raises(ValueError) as error:
+        call()
+    assert message in str(error.value), f"{mistake}: expected a message with {message!r}, got: {error.value}"
+
+
+def _mesh_of_the_wrong_size():
+    axes.init_mesh(2, 2)
+
+
+@pytest.mark.given
+def test_a_mesh_must_have_as_many_ranks_as_the_job():
+    with pytest.raises(RankFailed, match="a 2x2 mesh needs 4 ranks, the job has 2"):
+        run_ranks(_mesh_of_the_wrong_size, 2, timeout=20)
+
+
+# --- the collectives on a 2x2 mesh -------------------------------------------------------------
+
+def whole_tensors():
+    """One whole tensor per case, distinct values everywhere (the same in every rank: a seed)."""
+    g = torch.Generator().manual_seed(0)
+    return {"x": torch.randn(4, 3, 8, generator=g, dtype=f64), "table": torch.randn(4, 8, generator=g, dtype=f64),
+            "norm": torch.randn(8, generator=g, dtype=f64), "w": torch.randn(8, 6, generator=g, dtype=f64)}
+
+
+def _gathers():
+    mesh = axes.init_mesh(D, T)
+    i_d, i_t = mesh.index["d"], mesh.index["t"]
+    full = whole_tensors()
+    cases = {
+        "B/d T M/t -> B/d T M": block(full["x"], {0: [(D, i_d)], 2: [(T, i_t)]}),
+        "V/t M/d -> V/t M": block(full["table"], {0: [(T, i_t)], 1: [(D, i_d)]}),
+        "M/t/d -> M": block(full["norm"], {0: [(T, i_t), (D, i_d)]}),
+        # dimension 0, from a block that is not contiguous (a transposed copy), as an einsum may leave it
+        "M/d F/t -> M F/t": block(full["w"], {0: [(D, i_d)], 1: [(T, i_t)]}).t().contiguous().t(),
+    }
+    results = {}
+    for arrow, mine in cases.items():
+        left = arrow.split("->")[0]
+        before = len(mesh.log)
+        out = axes.all_gather(arrow, sharded(mesh, left, mine))
+        results[arrow] = (out.tensor, str(out.spec), [(c.op, c.group_size) for c in mesh.log[before:]])
+    return results
+
+
+@pytest.mark.exercises("all_gather")
+def test_all_gather_follows_the_arrow_over_the_right_group():
+    full = whole_tensors()
+    for rank, results in enumerate(run_ranks(_gathers, D * T, timeout=30)):
+        i_d, i_t = divmod(rank, T)
+        expected = {"B/d T M/t -> B/d T M": (block(full["x"], {0: [(D, i_d)]}), 1),
+                    "V/t M/d -> V/t M": (block(full["table"], {0: [(T, i_t)]}), 1),
+                    "M/t/d -> M": (full["norm"], 2),
+                    "M/d F/t -> M F/t": (block(full["w"], {1: [(T, i_t)]}), 1)}
+        for arrow, (want, collectives) in expected.items():
+            got, spec, log = results[arrow]
+            assert got.shape == want.shape, \
+                f"rank {rank}, {arrow!r}: shape {tuple(got.shape)}, expected {tuple(want.shape)}"
+            hint = (" (gathered over the other mesh axis, or along the wrong dimension? M/t/d gathers over d first, "
+                    "then t)") if not torch.equal(got, want) else ""
+            assert torch.equal(got, want), f"rank {rank}, {arrow!r}: wrong values{hint}"
+            assert spec == arrow.split("-> ")[1], f"rank {rank}, {arrow!r}: the result's spec is {spec!r}"
+            assert log == [("all_gather", 2)] * collectives, \
+                f"rank {rank}, {arrow!r}: logged {log}, expected {collectives} all-gather(s) over 2 ranks"
+
+
+def _partials(rank):
+    """Rank `rank`'s partial sums: different on every rank."""
+    g = torch.Generator().manual_seed(100 + rank)
+    return {"x": torch.randn(2, 3, 8, generator=g, dtype=f64), "norm": torch.randn(8, generator=g, dtype=f64),
+            "w": torch.randn(8, 3, generator=g, dtype=f64), "loss": torch.randn((), generator=g, dtype=f64)}
+
+
+def _scatters():
+    mesh = axes.init_mesh(D, T)
+    mine = _partials(mesh.rank)
+    cases = {"B/d T M {U_t} -> B/d T M/t": mine["x"], "M {U_d,t} -> M/t/d": mine["norm"],
+             "M F/t {U_d} -> M/d F/t": mine["w"].t().contiguous().t()}  # not contiguous, as an einsum may leave it
+    results = {}
+    for arrow, partial in cases.items():
+        before = len(mesh.log)
+        out = axes.reduce_scatter(arrow, sharded(mesh, arrow.split("->")[0], partial))
+        results[arrow] = (out.tensor, str(out.spec), [(c.op, c.group_size) for c in mesh.log[before:]])
+    return results
+
+
+@pytest.mark.exercises("reduce_scatter")
+def test_reduce_scatter_sums_over_the_arrows_axes_and_keeps_this_ranks_block():
+    parts = [_partials(r) for r in range(D * T)]
+    for rank, results in enumerate(run_ranks(_scatters, D * T, timeout=30)):
+        i_d, i_t = divmod(rank, T)
+        t_group = [i_d * T + j for j in range(T)]
+        d_group = [i * T + i_t for i in range(D)]
+        expected = {
+            "B/d T M {U_t} -> B/d T M/t": (block(sum(parts[r]["x"] for r in t_group), {2: [(T, i_t)]}), 1),
+            "M {U_d,t} -> M/t/d": (block(sum(p["norm"] for p in parts), {0: [(T, i_t), (D, i_d)]}), 2),
+            "M F/t {U_d} -> M/d F/t": (block(sum(parts[r]["w"] for r in d_group), {0: [(D, i_d)]}), 1),
+        }
+        for arrow, (want, collectives) in expected.items():
+            got, spec, log = results[arrow]
+            assert got.shape == want.shape, \
+                f"rank {rank}, {arrow!r}: shape {tuple(got.shape)}, expected {tuple(want.shape)}"
+            hint = (" (summed over the other mesh axis, along the wrong dimension, or M/t/d scattered over d before "
+                    "t?)")
+            assert torch.allclose(got, want, rtol=1e-15, atol=1e-15), f"rank {rank}, {arrow!r}: wrong values{hint}"
+            assert spec == arrow.split("-> ")[1], f"rank {rank}, {arrow!r}: the result's spec is {spec!r}"
+            assert log == [("reduce_scatter", 2)] * collectives, \
+                f"rank {rank}, {arrow!r}: logged {log}, expected {collectives} reduce-scatter(s) over 2 ranks"
+
+
+def _all_reduces():
+    mesh = axes.init_mesh(D, T)
+    mine = _partials(mesh.rank)
+    cases = {"B/d T M {U_t} -> B/d T M": mine["x"], "{U_d} ->": mine["loss"],
+             "M {U_d,t} -> M {U_d}": mine["norm"], "M {U_d,t} -> M": mine["norm"]}
+    results = {}
+    for arrow, partial in cases.items():
+        x = sharded(mesh, arrow.split("->")[0], partial.clone())
+        before = len(mesh.log)
+        out = axes.all_reduce(arrow, x)
+        results[arrow] = (out.tensor, str(out.spec), len(mesh.log) - before, torch.equal(x.tensor, partial))
+    return results
+
+
+@pytest.mark.exercises("all_reduce")
+def test_all_reduce_sums_over_the_axes_the_arrow_drops():
+    parts = [_partials(r) for r in range(D * T)]
+    for rank, results in enumerate(run_ranks(_all_reduces, D * T, timeout=30)):
+        i_d, i_t = divmod(rank, T)
+        t_group = [i_d * T + j for j in range(T)]
+        d_group = [i * T + i_t for i in range(D)]
+        expected = {"B/d T M {U_t} -> B/d T M": (sum(parts[r]["x"] for r in t_group), 1),
+                    "{U_d} ->": (sum(parts[r]["loss"] for r in d_group), 1),
+                    "M {U_d,t} -> M {U_d}": (sum(parts[r]["norm"] for r in t_group), 1),
+                    "M {U_d,t} -> M": (sum(p["norm"] for p in parts), 2)}
+        for arrow, (want, collectives) in expected.items():
+            got, spec, count, untouched = results[arrow]
+            assert torch.allclose(got, want, rtol=1e-15, atol=1e-15), \
+                f"rank {rank}, {arrow!r}: wrong sum (over the other mesh axis, or over both when one was asked?)"
+            assert spec == arrow.split("->")[1].strip(), f"rank {rank}, {arrow!r}: the result's spec is {spec!r}"
+            assert count == collectives, f"rank {rank}, {arrow!r}: {count} collectives, expected {collectives}"
+            assert untouched, f"rank {rank}, {arrow!r}: the input was changed in place; sum a copy"
+
+
+# --- einsum_unreduced (local: one process, a mesh of sizes only) --------------------------------
+
+EINSUMS = [  # (equation, hand-written torch.einsum, the axes its result is unreduced over)
+    ("B/d T M, F/t M -> B/d T F/t", "btm,fm->btf", set()),            # M is whole: nothing left unreduced
+    ("B/d T F/t, M F/t -> B/d T M", "btf,mf->btm", {"t"}),            # Megatron's row-split product
+    ("B/d T M, B/d T F/t -> M F/t", "btm,btf->mf", {"d"}),            # a weight's gradient: over B/d
+    ("B/d T F/t, B/d T F/t -> T", "btf,btf->t", {"d", "t"}),          # two contracted, two axes
+    ("Batch/d Klen K/t, K/t Dh -> Batch/d Klen Dh", "bxk,kh->bxh", {"t"}),  # longer names
+]
+
+
+@pytest.mark.exercises("einsum_unreduced")
+@pytest.mark.parametrize("equation, by_hand, unreduced", EINSUMS, ids=[e[0] for e in EINSUMS])
+def test_einsum_unreduced_contracts_locally_and_reports_the_axes(equation, by_hand, unreduced):
+    mesh = axes.mesh_of_sizes(2, 2)
+    g = torch.Generator().manual_seed(0)
+    specs = [s.strip() for s in equation.split("->")[0].split(",")]
+    local_shapes = {"B": 2, "Batch": 2, "T": 3, "Klen": 3, "M": 8, "F": 3, "K": 2, "Dh": 5}
+    operands = [sharded(mesh, s, torch.randn(*[local_shapes[d.split("/")[0]] for d in s.split()], generator=g,
+                                              dtype=f64)) for s in specs]
+    out = axes.einsum_unreduced(equation, *operands)
+    want = torch.einsum(by_hand, *(x.tensor for x in operands))
+    assert out.tensor.shape == want.shape and torch.allclose(out.tensor, want, rtol=1e-14, atol=1e-14), \
+        f"{equation!r}: the local contraction differs from torch.einsum({by_hand!r})"
+    assert set(out.spec.unreduced) == unreduced, \
+        (f"{equation!r}: reported unreduced over {sorted(out.spec.unreduced)}, expected {sorted(unreduced)} "
+         f"(the mesh axes of the dimensions summed over, and only those)")
+    assert [str(dim) for dim in out.spec.dims] == equation.split("-> ")[1].split(), \
+        f"{equation!r}: the result's dimensions are {out.spec}"
