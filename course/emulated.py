@@ -1,5 +1,6 @@
 """An emulated device for pipeline stages (given): each layer's forward takes a fixed extra time
-(time.sleep), its backward twice that.
+(time.sleep), its backward twice that. Module 11's stages, whose backward comes in two halves, take
+that time once in I (input gradient) and once in W (weight gradient).
 
 Emulation, not measurement of a device: the sleep stands for the compute a real device would do.
 Sleeping ranks do not compete for the CPU, so 4 ranks on 2 cores show the bubble a pipeline of 4
@@ -43,3 +44,34 @@ class EmulatedStage(nn.Module):
 
     def loss(self, logits, targets):
         return self.stage.loss(logits, targets)
+
+
+class EmulatedSplitStage:
+    """A module-11 stage (forward / backward_input / backward_weight / backward) whose layers each
+    take `ms_per_layer` more in forward, in I and in W: F = I = W per stage, B = I + W = 2F."""
+
+    def __init__(self, stage, ms_per_layer: float):
+        self.stage_module = stage
+        self.seconds = ms_per_layer * len(stage.layers) / 1000
+
+    def __getattr__(self, name):  # stage, is_first, is_last, hidden, saved, parameters, ...
+        return getattr(self.stage_module, name)
+
+    def forward(self, x, microbatch, *args):
+        out = self.stage_module.forward(x, microbatch, *args)
+        time.sleep(self.seconds)
+        return out
+
+    def backward_input(self, microbatch, grad_output=None):
+        grad_input = self.stage_module.backward_input(microbatch, grad_output)
+        time.sleep(self.seconds)
+        return grad_input
+
+    def backward_weight(self, microbatch):
+        self.stage_module.backward_weight(microbatch)
+        time.sleep(self.seconds)
+
+    def backward(self, microbatch, grad_output=None):
+        grad_input = self.backward_input(microbatch, grad_output)
+        self.backward_weight(microbatch)
+        return grad_input

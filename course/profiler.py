@@ -11,6 +11,7 @@ stage and comms once, and every call is timed.
 Recorded spans, per rank, each with a microbatch id:
   forward / backward  compute of this rank's layers (backward: from the moment the gradient of
                       the stage output is known until the first layer's weight gradient is done);
+  input / weight      module 11's halves of a backward: I (input gradient) and W (weight gradient);
   send                posting or sending a message;
   wait                blocked in a receive (or on a send handle): idle time, not "communication".
 A receive is labelled with the microbatch of the compute that follows it, a send with the one
@@ -19,6 +20,11 @@ before it (a rank uses what it received next, and sends what it just computed).
 Live activations are counted from autograd itself: every tensor the stage's forward saves for
 backward is tagged with its microbatch, and a microbatch is alive until autograd has released all
 of its saved tensors (which happens as its backward runs). No cooperation from the schedule.
+
+Module 11's stages do their own backward (forward / backward_input / backward_weight / backward
+methods, and a `saved` dict of what each microbatch keeps): `wrap_split_stage` times each call as
+a span with its stage, and counts live activations from those stores, all stages of the rank
+together. `wrap_stage_comms` does for module 11's StageComms what wrap_comms does for PipelineComms.
 
 What a profile says is read elsewhere: course/bubble.py (idle fractions against theory),
 course/trace.py (Chrome trace), course/plotting.py (timeline picture). course/emulated.py makes a
@@ -36,7 +42,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-COMPUTE = ("forward", "backward")
+COMPUTE = ("forward", "backward", "input", "weight")
+LETTERS = {"forward": "F", "backward": "B", "input": "I", "weight": "W"}  # the kinds of module 11's actions
 
 
 @dataclass
@@ -47,6 +54,7 @@ class Span:
     start: float  # seconds, time.perf_counter (system-wide monotonic clock on Linux: comparable across ranks)
     end: float
     step: int
+    stage: int | None = None  # module 11: which of the rank's stages computed (None: the rank's only one)
 
 
 class Profiler:
@@ -58,6 +66,7 @@ class Profiler:
         self._live: dict[int, int] = {}  # microbatch -> saved tensors not yet released
         self._forwards = 0
         self._backward: tuple[int, float] | None = None  # microbatch and start of the running backward
+        self._stores: list = []  # module 11's stages of this rank, whose `saved` dicts hold its activations
 
     # --- what the driver calls ---
     @contextlib.contextmanager
@@ -86,22 +95,38 @@ class Profiler:
     def wrap_comms(self, comms) -> "ProfiledComms":
         return ProfiledComms(comms, self)
 
+    def wrap_split_stage(self, stage) -> "ProfiledSplitStage":
+        self._stores.append(stage)
+        return ProfiledSplitStage(stage, self)
+
+    def wrap_stage_comms(self, comms) -> "ProfiledStageComms":
+        return ProfiledStageComms(comms, self)
+
     def ops(self, step: int = -1) -> list[tuple[str, int]]:
         """The order of compute on this rank in one step: [("F", 0), ("F", 1), ("B", 0), ...]."""
         step = step % len(self.steps)
-        return [(s.kind[0].upper(), s.microbatch) for s in self.spans if s.step == step and s.kind in COMPUTE]
+        return [(LETTERS[s.kind], s.microbatch) for s in self.spans if s.step == step and s.kind in COMPUTE]
+
+    def actions(self, step: int = -1) -> list[tuple[int, str, int]]:
+        """Module 11: the actions this rank ran in one step, as (stage, kind, microbatch)."""
+        step = step % len(self.steps)
+        return [(s.stage, LETTERS[s.kind], s.microbatch) for s in self.spans if s.step == step and s.kind in COMPUTE]
 
     # --- recording ---
     @contextlib.contextmanager
-    def span(self, kind: str, microbatch: int | None = None):
+    def span(self, kind: str, microbatch: int | None = None, stage: int | None = None):
         start = time.perf_counter()
         try:
             yield
         finally:
-            self._record(kind, microbatch, start, time.perf_counter())
+            self._record(kind, microbatch, start, time.perf_counter(), stage)
 
-    def _record(self, kind, microbatch, start, end):
-        self.spans.append(Span(self.rank, kind, microbatch, start, end, len(self.steps)))
+    def _record(self, kind, microbatch, start, end, stage=None):
+        self.spans.append(Span(self.rank, kind, microbatch, start, end, len(self.steps), stage))
+
+    def _count_stores(self):
+        """Module 11: the live (stage, microbatch) activations are the entries of the stages' stores."""
+        self._peak[0] = max(self._peak[0], sum(len(stage.saved) for stage in self._stores))
 
     def _saved(self, microbatch: int):
         """saved_tensors_hooks that tag each tensor autograd saves with `microbatch`."""
@@ -169,6 +194,57 @@ class ProfiledStage:
             microbatch, start = self._profiler._backward
             self._profiler._record("backward", microbatch, start, time.perf_counter())
             self._profiler._backward = None
+
+
+class ProfiledSplitStage:
+    """Stands in for a module-11 stage: each forward / backward_input / backward_weight / backward is
+    a span (forward / input / weight / backward) labelled with its stage and microbatch; after each,
+    the rank's live activations are counted from its stages' stores."""
+
+    def __init__(self, stage, profiler: Profiler):
+        self._stage, self._profiler = stage, profiler
+
+    def __getattr__(self, name):  # is_first, is_last, hidden, stage, saved, parameters, ...
+        return getattr(self._stage, name)
+
+    def _timed(self, kind, method, microbatch, *args):
+        with self._profiler.span(kind, microbatch, self._stage.stage):
+            result = method(microbatch, *args)
+        self._profiler._count_stores()
+        return result
+
+    def forward(self, x, microbatch, *args):
+        with self._profiler.span("forward", microbatch, self._stage.stage):
+            out = self._stage.forward(x, microbatch, *args)
+        self._profiler._count_stores()
+        return out
+
+    def backward_input(self, microbatch, grad_output=None):
+        return self._timed("input", self._stage.backward_input, microbatch, grad_output)
+
+    def backward_weight(self, microbatch):
+        return self._timed("weight", self._stage.backward_weight, microbatch)
+
+    def backward(self, microbatch, grad_output=None):
+        return self._timed("backward", self._stage.backward, microbatch, grad_output)
+
+
+class ProfiledStageComms:
+    """Stands in for module 11's StageComms: sends are `send` spans, receives and handle waits `wait` spans."""
+
+    def __init__(self, comms, profiler: Profiler):
+        self._comms, self._profiler = comms, profiler
+
+    def __getattr__(self, name):  # rank, placement, device, ...
+        return getattr(self._comms, name)
+
+    def send(self, tensor, message, stage, microbatch):
+        with self._profiler.span("send", microbatch, stage):
+            return _ProfiledHandle(self._comms.send(tensor, message, stage, microbatch), self._profiler)
+
+    def recv(self, message, stage, microbatch, shape):
+        with self._profiler.span("wait", microbatch, stage):
+            return self._comms.recv(message, stage, microbatch, shape)
 
 
 class ProfiledComms:

@@ -1,41 +1,170 @@
-"""The unit-cost simulator (given): the exact timeline of a pipeline schedule with costs F = 1 and
-B = 2 and free messages, so the textbook bubble comes out with no noise at all."""
+"""The unit-cost simulator (given): the exact timeline of a pipeline schedule with fixed costs per
+action and free (or fixed-latency) messages, so a bubble formula can be checked with no noise at all.
+
+Each rank runs its list of actions in order. An action starts when its rank is free and what it
+needs has been computed (plus `hop` if that was on another rank):
+
+    F(s, m)  needs F(s-1, m): the activation of the stage before (nothing on stage 0)
+    B(s, m)  needs the input gradient of stage s+1 for m, from its B or I (on the last stage: its
+    I(s, m)  own F(s, m), which computed the loss); and its own F(s, m)
+    W(s, m)  needs its own I(s, m): the output gradients I kept
+
+Sends never block (module 05's isend), receives do: this is the schedule run as the executors of
+modules 05 and 11 run it. A rank that can never take its next step is a deadlock.
+
+    simulate(orders)                    module 05: one stage per rank, orders[r] = [("F", m), ("B", m)...]
+    simulate_schedule(orders, placement, costs)   module 11: (stage, kind, microbatch) actions,
+                                        any placement of stages on ranks, F/B/I/W
+"""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from fractions import Fraction
 
 
-def simulate(orders: list[list[tuple[str, int]]], forward=Fraction(1), backward=Fraction(2)) -> dict:
-    """Exact timeline of a schedule: `orders[r]` is rank r's compute in order, ("F", m) / ("B", m).
+@dataclass(frozen=True)
+class Costs:
+    """How long each kind of action takes on one stage, and a message between ranks. A full backward
+    B does the work of I and W together. Fractions (or ints) keep the timeline exact."""
+    F: Fraction = Fraction(1)
+    I: Fraction = Fraction(1)
+    W: Fraction = Fraction(1)
+    hop: Fraction = Fraction(0)
 
-    F(r, m) starts when rank r is free and F(r-1, m) has finished; B(r, m) when rank r is free and
-    B(r+1, m) has finished (the last rank's B(m) needs its own F(m)). Messages are free. Returns
-    each rank's spans (kind, microbatch, start, end), the makespan and the bubble fraction.
+    @property
+    def B(self) -> Fraction:
+        return self.I + self.W
+
+    def of(self, kind: str) -> Fraction:
+        return {"F": self.F, "B": self.B, "I": self.I, "W": self.W}[kind]
+
+
+@dataclass
+class Timeline:
+    spans: list[list[tuple]]   # spans[rank] = [(action, start, end), ...] in the rank's order
+    makespan: Fraction         # the step: from the first start (0) to the last end
+    idle: list[Fraction]       # per rank: makespan minus its compute
+    bubble: Fraction           # idle fraction of all ranks together: sum(idle) / (ranks * makespan)
+    peak_live: list[int]       # per rank: most (stage, microbatch) activations kept at once
+
+    def as_profiles(self) -> list[dict]:
+        """The timeline in the profiler's export format (course/profiler.py), times in units, so the
+        pictures and traces of measured runs draw simulated ones too."""
+        kinds = {"F": "forward", "B": "backward", "I": "input", "W": "weight"}
+        return [{"rank": rank, "steps": [(0.0, float(self.makespan))], "peak_live": [self.peak_live[rank]],
+                 "spans": [{"rank": rank, "kind": kinds[a[1]], "microbatch": a[2], "stage": a[0], "step": 0,
+                            "start": float(start), "end": float(end)} for a, start, end in spans]}
+                for rank, spans in enumerate(self.spans)]
+
+
+class Deadlock(ValueError):
+    """No rank can take its next step. `positions[r]` is the index of rank r's first action that
+    never ran (len(orders[r]) for a rank that finished)."""
+
+    def __init__(self, message: str, positions: list[int]):
+        super().__init__(message)
+        self.positions = positions
+
+
+def needs(action, n_stages: int) -> list[tuple]:
+    """What `action` = (stage, kind, microbatch) waits for: ("act" | "grad", stage, microbatch) keys."""
+    stage, kind, microbatch = action
+    if kind == "F":
+        return [("act", stage - 1, microbatch)] if stage > 0 else []
+    if kind in ("B", "I"):
+        later = [("grad", stage + 1, microbatch)] if stage < n_stages - 1 else []
+        return later + [("act", stage, microbatch)]
+    if kind == "W":
+        return [("grad", stage, microbatch)]
+    raise ValueError(f"unknown kind {kind!r} in {action}: actions are F, B, I or W")
+
+
+def produces(action) -> list[tuple]:
+    stage, kind, microbatch = action
+    return {"F": [("act", stage, microbatch)], "B": [("grad", stage, microbatch)],
+            "I": [("grad", stage, microbatch)], "W": []}[kind]
+
+
+def peak_live(order) -> int:
+    """Most (stage, microbatch) activations a rank keeps at once running `order`: each is kept from
+    its F until its B, or until its W (I keeps what W needs)."""
+    live = peak = 0
+    for _, kind, _ in order:
+        live += {"F": 1, "B": -1, "W": -1}.get(kind, 0)
+        peak = max(peak, live)
+    return peak
+
+
+def simulate_schedule(orders, placement, costs: Costs = Costs(), atomic_pairs: bool = False) -> Timeline:
+    """The exact timeline of `orders[rank]` (lists of (stage, kind, microbatch)) with stage s on rank
+    `placement[s]`. Raises Deadlock if some rank can never take its next step.
+
+    atomic_pairs: an F directly followed by a B of another stage on the same rank starts only when
+    both have their inputs, and takes F + B: how DeepSeek's DualPipe runs its overlapped pairs
+    (with F&B = F + B), for checking its published bubble. Our executor runs them one after the other.
     """
-    world_size = len(orders)
-    done: dict[tuple[str, int, int], Fraction] = {}
+    n_stages, world_size = len(placement), len(orders)
+    units = [_units(order, n_stages, atomic_pairs) for order in orders]
+    done: dict[tuple, tuple[Fraction, int]] = {}  # key -> (time it is ready, rank that made it)
     position, free = [0] * world_size, [Fraction(0)] * world_size
     spans = [[] for _ in range(world_size)]
     progressed = True
     while progressed:
         progressed = False
         for rank in range(world_size):
-            if position[rank] == len(orders[rank]):
+            if position[rank] == len(units[rank]):
                 continue
-            kind, mb = orders[rank][position[rank]]
-            needs = (("F", rank - 1, mb) if rank > 0 else None) if kind == "F" else \
-                (("B", rank + 1, mb) if rank < world_size - 1 else ("F", rank, mb))
-            if needs is not None and needs not in done:
+            unit = units[rank][position[rank]]
+            made_here = {key for action in unit for key in produces(action)}
+            waits = [key for action in unit for key in needs(action, n_stages) if key not in made_here]
+            if any(key not in done for key in waits):
                 continue
-            start = max(free[rank], done[needs]) if needs else free[rank]
-            end = start + (forward if kind == "F" else backward)
-            done[(kind, rank, mb)], free[rank] = end, end
-            spans[rank].append((kind, mb, start, end))
+            start = max([free[rank], *(done[k][0] + (costs.hop if done[k][1] != rank else 0) for k in waits)])
+            for action in unit:
+                end = start + costs.of(action[1])
+                spans[rank].append((action, start, end))
+                for key in produces(action):
+                    done[key] = (end, rank)
+                start = end
+            free[rank] = start
             position[rank] += 1
             progressed = True
-    stuck = [r for r in range(world_size) if position[r] < len(orders[r])]
-    if stuck:
-        raise ValueError(f"the schedule deadlocks: rank {stuck[0]} waits forever at {orders[stuck[0]][position[stuck[0]]]}")
+    if any(position[r] < len(units[r]) for r in range(world_size)):
+        positions = [sum(len(u) for u in units[r][:position[r]]) for r in range(world_size)]
+        stuck = [f"rank {r} at {_text(orders[r][positions[r]])}" for r in range(world_size)
+                 if positions[r] < len(orders[r])]
+        raise Deadlock(f"the schedule deadlocks: {', '.join(stuck)} wait forever", positions)
     makespan = max(free)
-    busy = sum(end - start for rank_spans in spans for _, _, start, end in rank_spans)
-    return {"spans": spans, "makespan": makespan, "bubble": 1 - busy / (world_size * makespan)}
+    idle = [makespan - sum(end - start for _, start, end in rank_spans) for rank_spans in spans]
+    return Timeline(spans, makespan, idle, sum(idle) / (world_size * makespan) if makespan else Fraction(0),
+                    [peak_live(order) for order in orders])
+
+
+def _units(order, n_stages, atomic_pairs) -> list[tuple]:
+    """The rank's order cut into what starts together: single actions, or (F, B) pairs."""
+    units, i = [], 0
+    while i < len(order):
+        pair = tuple(order[i:i + 2])
+        if atomic_pairs and len(pair) == 2 and pair[0][1] == "F" and pair[1][1] == "B" \
+                and not set(produces(pair[0])) & set(needs(pair[1], n_stages)):
+            units.append(pair)
+            i += 2
+        else:
+            units.append((order[i],))
+            i += 1
+    return units
+
+
+def _text(action) -> str:
+    stage, kind, microbatch = action
+    return f"{stage}{kind}{microbatch}"
+
+
+def simulate(orders: list[list[tuple[str, int]]], forward=Fraction(1), backward=Fraction(2)) -> dict:
+    """Module 05's form: `orders[r]` is rank r's compute in order, ("F", m) / ("B", m), rank r holding
+    stage r. Returns each rank's spans (kind, microbatch, start, end), the makespan and the bubble."""
+    actions = [[(rank, kind, m) for kind, m in order] for rank, order in enumerate(orders)]
+    timeline = simulate_schedule(actions, list(range(len(orders))),
+                                 Costs(F=Fraction(forward), I=Fraction(backward) / 2, W=Fraction(backward) / 2))
+    spans = [[(a[1], a[2], start, end) for a, start, end in rank] for rank in timeline.spans]
+    return {"spans": spans, "makespan": timeline.makespan, "bubble": timeline.bubble}

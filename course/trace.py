@@ -14,8 +14,10 @@ def chrome_trace(profiles: list[dict], path) -> None:
                        "args": {"name": f"rank {p['rank']}"}})
         for s in p["spans"]:
             label = s["kind"] if s["microbatch"] is None else f"{s['kind']} {s['microbatch']}"
+            if s.get("stage") is not None:  # module 11: input / weight are the halves of a backward
+                label += f" (stage {s['stage']})"
             events.append({"name": label, "cat": s["kind"], "ph": "X", "pid": 0, "tid": p["rank"],
                            "ts": (s["start"] - origin) * 1e6, "dur": (s["end"] - s["start"]) * 1e6,
-                           "args": {"microbatch": s["microbatch"], "step": s["step"]}})
+                           "args": {"microbatch": s["microbatch"], "step": s["step"], "stage": s.get("stage")}})
     with open(path, "w") as f:
         json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)

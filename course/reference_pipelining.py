@@ -1,0 +1,97 @@
+"""PyTorch's own pipeline schedules (torch.distributed.pipelining) on module 11's stages (given): an
+independent implementation of every schedule of module 11 that torch also has, to compare losses,
+gradients and step times with. Run `run_torch_schedule` on every rank of a gloo group.
+
+Torch runs its stages with autograd, so each stage is wrapped as an nn.Module (`TorchStage`) that
+shares the SplitStage's layers. With an emulated device the three costs land where torch pays
+them: F after the forward, I on the path from the output to the input (it runs in torch's input
+backward), W on the path to the first layer's weight (it runs in torch's weight backward); a full
+backward pays both, as our EmulatedSplitStage does.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from course.impl import reference
+
+TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
+                   "zbh1": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble",
+                   "dualpipev": "ScheduleDualPipeV"}
+
+
+class _SleepInBackward(torch.autograd.Function):
+    """Identity whose backward first sleeps. It returns a copy, not a view (course/emulated.py's does):
+    torch's input backward detaches the stage output in place, which a view refuses."""
+
+    @staticmethod
+    def forward(ctx, x, seconds):
+        ctx.seconds = seconds
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.seconds)
+        return grad, None
+
+
+class TorchStage(nn.Module):
+    """A SplitStage's layers (shared, not copied) as the nn.Module a torch PipelineStage runs."""
+
+    def __init__(self, split_stage, ms_per_layer: float = 0.0):
+        super().__init__()
+        self.layers, self.head = split_stage.layers, split_stage.head
+        self.seconds = ms_per_layer * len(split_stage.layers) / 1000
+
+    def forward(self, x):
+        for index, layer in enumerate(self.layers):
+            weight = layer.weight
+            if index == 0 and self.seconds:
+                weight = _SleepInBackward.apply(weight, self.seconds)  # W's share of the emulated backward
+            x = F.relu(F.linear(x, weight, layer.bias))
+        if self.head is not None:
+            x = F.linear(x, self.head.weight, self.head.bias)
+        if self.seconds:
+            time.sleep(self.seconds)  # F
+            x = _SleepInBackward.apply(x, self.seconds)  # I's share
+        return x
+
+
+def run_torch_schedule(name: str, world_size: int, n_microbatches: int, steps: int, ms_per_layer: float = 0.0,
+                       stages_per_rank: int = 2) -> dict:
+    """On this rank: train module 11's stages for `steps` steps with torch's schedule for `name`.
+    Returns {"steps": [(start, end)], "losses": [batch loss or None], "first_grads": {stage: [grads]}},
+    the gradients of the first step, before the optimizer, in the order of the stage's parameters()."""
+    from torch.distributed.pipelining import PipelineStage, schedules
+
+    rank = dist.get_rank()
+    m00, m11 = reference("m00_monolith"), reference("m11_executor")
+    cfg = m00.MLPConfig(steps=steps)
+    plan = reference("m11_generators").make_schedule(name, world_size, n_microbatches, stages_per_rank)
+    split = m11.build_stages(cfg, plan, rank)
+    pipe_stages = [PipelineStage(TorchStage(split[s], ms_per_layer), s, plan.n_stages, torch.device("cpu"))
+                   for s in sorted(split)]
+    kind = getattr(schedules, TORCH_SCHEDULES[name])
+    one_stage = name in ("gpipe", "1f1b")
+    pipe = kind(pipe_stages[0] if one_stage else pipe_stages, n_microbatches, loss_fn=F.cross_entropy)
+    optimizer = torch.optim.Adam([p for s in split.values() for p in s.parameters()], lr=cfg.lr)
+    x, y = m00.make_batch(cfg)
+    first, last = 0 in split, plan.n_stages - 1 in split
+    steps_at, losses, first_grads = [], [], None
+    for step in range(steps):
+        optimizer.zero_grad()
+        dist.barrier()
+        start, shares = time.perf_counter(), []
+        args = (x,) if first else ()
+        kwargs = {"target": y, "losses": shares} if last else {}
+        pipe.step(*args, **kwargs)
+        steps_at.append((start, time.perf_counter()))
+        losses.append(torch.stack(shares).mean().item() if last else None)
+        if step == 0:
+            first_grads = {s: [p.grad.clone() for p in stage.parameters()] for s, stage in split.items()}
+        optimizer.step()
+    return {"steps": steps_at, "losses": losses, "first_grads": first_grads}

@@ -1,0 +1,194 @@
+"""Module 11 - the executor: run any valid schedule on real ranks.
+
+Module 05 had one loop per schedule. Here there is one loop for all of them: each rank walks its
+list of actions (m11_actions) and runs each on the stage it names (m11_stage):
+
+    F  receive the stage's input (unless it is stage 0), forward, send the output to the next stage
+       (or, on the last stage, keep the loss share)
+    B  receive the output's gradient (unless it is the last stage), backward I then W, send the
+    I  input's gradient to the stage before (unless it is stage 0); I leaves W for later
+    W  the weight gradients, from what I kept: no message at all
+
+Sends are non-blocking and all waited for at the end of the step (module 05's rules); receives
+block. Which schedule can run this way without a rank waiting forever is the validator's question
+(m11_validate), asked before the first step: a schedule it passes cannot hang here.
+
+With several stages per rank the stage after s is not always on the next rank (looped placement:
+stage P-1 sends to rank 0), and may be on the same rank (the V's turn). StageComms finds the peer
+from the placement and tags each message with what it is, so messages may arrive in any order.
+"""
+import torch
+import torch.distributed as dist
+
+from .m00_monolith import MLPConfig, make_batch
+from .m05_schedules import split_microbatches
+from .m11_actions import Action, Schedule
+from .m11_stage import SplitStage, check_stages
+from .m11_validate import validate
+
+MESSAGES = ("act", "grad")  # an activation for stage s, or the gradient of stage s's output
+
+
+class _Delivered:
+    """The handle of a message between two stages of one rank: nothing to wait for."""
+
+    def wait(self):
+        return None
+
+
+class StageComms:
+    """Point-to-point messages between stages, by stage rather than by rank (given).
+
+    send(tensor, "act", stage, m) sends stage `stage`'s input for microbatch m to the rank that holds
+    it; recv("act", stage, m, shape) receives it there. "grad" is the gradient of stage `stage`'s
+    output, sent back by stage + 1. Each message has its own tag, so the receiver gets the one it
+    asks for whatever else is in flight. Built on module 02's non-blocking send (dist.isend), on
+    gloo: nccl ignores tags and matches messages by their order alone.
+    """
+
+    def __init__(self, rank: int, placement, n_microbatches: int, device=torch.device("cpu"), dtype=torch.float32):
+        self.rank, self.placement, self.n_microbatches = rank, tuple(placement), n_microbatches
+        self.device, self.dtype = torch.device(device), dtype
+        self.local: dict[tuple, torch.Tensor] = {}  # messages between two stages of this rank
+
+    def tag(self, message: str, stage: int, microbatch: int) -> int:
+        return (MESSAGES.index(message) * len(self.placement) + stage) * self.n_microbatches + microbatch
+
+    def send(self, tensor: torch.Tensor, message: str, stage: int, microbatch: int):
+        """Start sending `message` for `stage` (its input: "act"; its output's gradient: "grad");
+        return the handle to wait on before the step ends."""
+        self._check(message, stage, microbatch, "send", self._sender(message, stage))
+        peer = self.placement[stage]
+        if peer == self.rank:
+            self.local[(message, stage, microbatch)] = tensor
+            return _Delivered()
+        return dist.isend(tensor.contiguous(), peer, tag=self.tag(message, stage, microbatch))
+
+    def recv(self, message: str, stage: int, microbatch: int, shape) -> torch.Tensor:
+        """Wait for `message` for `stage` and microbatch; it comes from the stage before ("act") or after ("grad")."""
+        self._check(message, stage, microbatch, "receive", stage)
+        peer = self.placement[self._sender(message, stage)]
+        if peer == self.rank:
+            return self.local.pop((message, stage, microbatch))
+        buffer = torch.empty(shape, dtype=self.dtype, device=self.device)
+        dist.irecv(buffer, peer, tag=self.tag(message, stage, microbatch)).wait()
+        return buffer
+
+    @staticmethod
+    def _sender(message: str, stage: int) -> int:
+        """The stage that sends `message` to `stage`: the one before it ("act"), or after it ("grad")."""
+        return stage - 1 if message == "act" else stage + 1
+
+    def _check(self, message, stage, microbatch, verb, mine):
+        """A message this rank cannot take part in would wait forever on the other side: refuse it now."""
+        if message not in MESSAGES:
+            raise ValueError(f"unknown message {message!r}: one of {MESSAGES}")
+        if not (0 <= stage < len(self.placement) and 0 <= self._sender(message, stage) < len(self.placement)):
+            raise ValueError(f"no stage sends {message!r} to stage {stage}: stage 0 receives no activation, the "
+                             f"last stage ({len(self.placement) - 1}) no gradient")
+        if self.placement[mine] != self.rank:
+            raise ValueError(f"rank {self.rank} cannot {verb} {message!r} of stage {stage}, microbatch {microbatch}: "
+                             f"stage {mine} does that, on rank {self.placement[mine]}. A message is named by the "
+                             "stage that receives it")
+
+
+def build_stages(cfg: MLPConfig, schedule: Schedule, rank: int) -> dict[int, SplitStage]:
+    """This rank's stages of the schedule's placement, by stage index, with the monolith's weights."""
+    check_stages(cfg, schedule.n_stages)
+    return {stage: SplitStage(cfg, stage, schedule.n_stages) for stage in schedule.stages_of(rank)}
+
+
+def run_action(action: Action, stage: SplitStage, comms: StageComms, xs, ys, sends: list):
+    """Run one action on `stage` (the stage it names): receive, compute, send. Returns the loss share
+    of a last stage's F, else None. `xs`, `ys`: the microbatches; `sends`: the handles of the step."""
+    m, n_microbatches = action.microbatch, len(xs)
+    shape = (xs[m].shape[0], stage.hidden)
+    # >>> TODO(m11): one action: F, B, I or W, with its messages
+    # Contract:
+    # - F: the input is xs[m] on the first stage, else comms.recv("act", action.stage, m, shape); then
+    #   stage.forward(input, m, ys[m], n_microbatches). On the last stage return what it returns (the
+    #   loss share); elsewhere send the output as the "act" message of stage action.stage + 1.
+    # - B and I: the output's gradient is comms.recv("grad", action.stage, m, shape), except on the last
+    #   stage (None: the loss is its own start); then stage.backward (B) or stage.backward_input (I);
+    #   except on the first stage, send the result as the "grad" message of stage action.stage - 1.
+    # - W: the stage's weight gradients for the microbatch (backward_weight); no message.
+    # Every send's handle goes into `sends`; return None except for the last stage's F.
+    # Pitfalls:
+    # - a message is named by the stage that *receives* it: the output of stage s is "act" of s + 1;
+    #   StageComms refuses a wrong name at once ("rank 1 cannot send 'act' of stage 1, microbatch 0:
+    #   stage 0 does that, on rank 0"), where the receiver would otherwise wait forever;
+    # - a handle not kept is a send gloo may drop: the peer then waits forever in its recv;
+    # - B is backward_input and backward_weight in one: no W follows it in the schedule.
+    # Hint 1: dispatch on action.kind; stage.is_first and stage.is_last say which messages exist.
+    # Hint 2: the output of a forward goes out with comms.send(tensor, message, stage, m), whose handle
+    #         joins `sends`, as module 05 did with isend_forward.
+    # Hint 3: F: inp <- xs[m] or receive "act"; out <- forward; last stage: return out; else send out
+    #         B/I: grad <- None or receive "grad"; dx <- backward or backward_input; unless first: send dx
+    #         W: backward_weight
+    if action.kind == "F":
+        inp = xs[m] if stage.is_first else comms.recv("act", action.stage, m, shape)
+        out = stage.forward(inp, m, ys[m], n_microbatches)
+        if stage.is_last:
+            return out
+        sends.append(comms.send(out, "act", action.stage + 1, m))
+    elif action.kind in ("B", "I"):
+        grad = None if stage.is_last else comms.recv("grad", action.stage, m, shape)
+        backward = stage.backward if action.kind == "B" else stage.backward_input
+        grad_input = backward(m, grad)
+        if not stage.is_first:
+            sends.append(comms.send(grad_input, "grad", action.stage - 1, m))
+    elif action.kind == "W":
+        stage.backward_weight(m)
+    else:
+        raise ValueError(f"unknown action kind {action.kind!r} in {action}")
+    return None
+    # <<<
+
+
+def run_schedule(schedule: Schedule, stages: dict[int, SplitStage], comms: StageComms, x, y):
+    """One step: this rank's list of `schedule` on its `stages`. Returns the batch loss (the sum of
+    the shares) on the rank holding the last stage, else None; every send has completed."""
+    xs, ys = split_microbatches(x, schedule.n_microbatches), split_microbatches(y, schedule.n_microbatches)
+    # >>> TODO(m11): run every action of this rank's list in order; wait for every send; return the loss
+    # Contract: run_action for each action of schedule.orders[comms.rank], on stages[action.stage], all in
+    # order. Returns the sum of the loss shares run_action returned, or None on a rank without the last
+    # stage. Before it returns, every handle of the step's sends has been waited for.
+    # Pitfalls:
+    # - returning before the sends complete: the next step may overwrite a tensor still in flight, or the
+    #   process exit with messages lost;
+    # - a rank without the last stage returns None, not 0 (train keeps only the real losses).
+    # Hint 1: one list of handles for the whole step, filled by run_action, waited for at the end.
+    # Hint 2: keep the shares that are not None; sum() adds them in microbatch order.
+    # Hint 3: sends, shares <- empty lists
+    #         for each action of this rank's order: share <- run_action(action, its stage, ...);
+    #             keep it when it is not None
+    #         wait for every handle; return the sum of the shares, or None when there are none
+    sends, shares = [], []
+    for action in schedule.orders[comms.rank]:
+        share = run_action(action, stages[action.stage], comms, xs, ys, sends)
+        if share is not None:
+            shares.append(share)
+    for handle in sends:
+        handle.wait()
+    return sum(shares) if shares else None
+    # <<<
+
+
+def train(schedule: Schedule, stages: dict[int, SplitStage], comms: StageComms, cfg: MLPConfig = MLPConfig(),
+          run_step=None):
+    """Train this rank's `stages` with `schedule` for cfg.steps steps; return (stages, losses), the
+    losses on the rank holding the last stage only (elsewhere an empty list). The schedule is
+    validated first: one that could deadlock is refused before any message is sent. `run_step`
+    stands in for run_schedule (the demo hands it a profiled one, as module 05's demo does)."""
+    validate(schedule)
+    run_step = run_step or run_schedule
+    optimizer = torch.optim.Adam([p for stage in stages.values() for p in stage.parameters()], lr=cfg.lr)
+    x, y = (t.to(comms.device) for t in make_batch(cfg))
+    losses = []
+    for _ in range(cfg.steps):
+        optimizer.zero_grad()
+        loss = run_step(schedule, stages, comms, x, y)
+        optimizer.step()
+        if loss is not None:
+            losses.append(loss.item())
+    return stages, losses

@@ -1,0 +1,104 @@
+# Generated from solutions/m11_validate.py by `python -m course.skeleton`. Given code: nothing
+# to fill in here; read it, then run it with `python main.py run 11`. (skeleton b586ed14aa1e)
+"""Module 11 - the validator (given): is a schedule one that the executor can run to the end?
+
+A schedule is refused, with a ScheduleError (a ValueError) whose first line says what is wrong,
+before any process starts: a rank that waits forever for a message nobody sends is a hang, and
+a hang is the worst way to learn that a list was wrong. Checks, in order:
+
+1. every action names a stage, microbatch and kind that exist, on the rank that holds the stage;
+2. every (stage, microbatch) has exactly one F, and either one B or one I and one W;
+3. on its rank, each F comes before its B or I, and each I before its W;
+4. a dry run: every rank runs its list in order, an action waiting for its input (blocking
+   receives, non-blocking sends, as the executor does). If at some point no rank can take its
+   next step, the schedule deadlocks: the error prints the ranks' lists with each rank's first
+   stuck action in brackets.
+
+The dry run is the unit-cost simulator (course/simulate.py): a schedule it can finish, the
+executor can too, whatever the real costs, because only the order of each rank's list matters.
+"""
+from collections import Counter
+
+from course.simulate import Deadlock, needs, produces, simulate_schedule
+from .m11_actions import KINDS, Schedule
+
+
+class ScheduleError(ValueError):
+    """A schedule that cannot run: malformed, or one that would deadlock."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+
+
+def validate(schedule: Schedule) -> None:
+    """Raise ScheduleError if `schedule` is malformed or would deadlock; return None if it is fine."""
+    _check_actions(schedule)
+    _check_counts(schedule)
+    _check_local_order(schedule)
+    _dry_run(schedule)
+
+
+def _check_actions(schedule: Schedule):
+    if any(not 0 <= rank < schedule.world_size for rank in schedule.placement):
+        raise ScheduleError(f"{schedule.name}: the placement {list(schedule.placement)} names ranks beyond the "
+                            f"{schedule.world_size} that have a list of actions")
+    for rank, order in enumerate(schedule.orders):
+        for action in order:
+            if action.kind not in KINDS:
+                raise ScheduleError(f"{schedule.name}: rank {rank} runs {action}, whose kind is none of {KINDS}")
+            if not 0 <= action.stage < schedule.n_stages:
+                raise ScheduleError(f"{schedule.name}: rank {rank} runs {action}, but the stages are "
+                                    f"0..{schedule.n_stages - 1}")
+            if not 0 <= action.microbatch < schedule.n_microbatches:
+                raise ScheduleError(f"{schedule.name}: rank {rank} runs {action}, but the microbatches are "
+                                    f"0..{schedule.n_microbatches - 1}")
+            if schedule.placement[action.stage] != rank:
+                raise ScheduleError(f"{schedule.name}: rank {rank} runs {action}, but stage {action.stage} is on "
+                                    f"rank {schedule.placement[action.stage]}")
+
+
+def _check_counts(schedule: Schedule):
+    counts = Counter((a.stage, a.microbatch, a.kind) for order in schedule.orders for a in order)
+    for stage in range(schedule.n_stages):
+        for microbatch in range(schedule.n_microbatches):
+            n = {kind: counts[(stage, microbatch, kind)] for kind in KINDS}
+            where = f"{schedule.name}: stage {stage}, microbatch {microbatch}"
+            if n["F"] != 1:
+                raise ScheduleError(f"{where} has {n['F']} forwards (F), expected exactly one")
+            if (n["B"], n["I"], n["W"]) not in ((1, 0, 0), (0, 1, 1)):
+                raise ScheduleError(f"{where} has {n['B']} B, {n['I']} I and {n['W']} W: expected one B, "
+                                    "or one I and one W" + (" (an I without its W never computes the weight "
+                                                            "gradient)" if n["I"] > n["W"] else ""))
+
+
+def _check_local_order(schedule: Schedule):
+    for rank, order in enumerate(schedule.orders):
+        seen = set()
+        for action in order:
+            before = {"B": "F", "I": "F", "W": "I"}.get(action.kind)
+            if before and (action.stage, before, action.microbatch) not in seen:
+                raise ScheduleError(f"{schedule.name}: rank {rank} runs {action} before "
+                                    f"{action.stage}{before}{action.microbatch}, which it needs")
+            seen.add((action.stage, action.kind, action.microbatch))
+
+
+def _dry_run(schedule: Schedule):
+    try:
+        simulate_schedule(schedule.orders, schedule.placement)
+    except Deadlock as stuck:
+        marks = {r: i for r, i in enumerate(stuck.positions) if i < len(schedule.orders[r])}
+        made = {key for r, i in enumerate(stuck.positions) for a in schedule.orders[r][:i] for key in produces(a)}
+        waiting = []
+        for rank, i in marks.items():
+            action = schedule.orders[rank][i]
+            missing = [key for key in needs(action, schedule.n_stages) if key not in made]
+            waiting.append(f"rank {rank} at {action} waits for " + " and ".join(_describe(k, schedule) for k in missing))
+        raise ScheduleError(f"{schedule.name} deadlocks: {'; '.join(waiting)}\n{schedule.table(marks)}") from None
+
+
+def _describe(key, schedule: Schedule) -> str:
+    what, stage, microbatch = key
+    rank = schedule.placement[stage]
+    if what == "act":
+        return f"{stage}F{microbatch} (rank {rank})"
+    return f"{stage}B{microbatch} or {stage}I{microbatch} (rank {rank})"

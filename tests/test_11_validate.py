@@ -1,0 +1,100 @@
+"""Module 11's given machinery: the validator refuses what cannot run, with a message that says why,
+and the unit-cost simulator times what can (with messages that cost, and with DualPipe's pairs)."""
+from fractions import Fraction
+
+import pytest
+
+from course.impl import reference
+from course.simulate import Costs, simulate_schedule
+
+pytestmark = pytest.mark.given
+actions = reference("m11_actions")
+validator = reference("m11_validate")
+parse = actions.parse_schedule
+
+
+def _refusal(text, placement=None) -> str:
+    with pytest.raises(validator.ScheduleError) as refused:
+        validator.validate(parse(text, placement))
+    return str(refused.value)
+
+
+def test_a_valid_hand_written_schedule_passes():
+    validator.validate(parse("""
+        rank 0: 0F0 0F1 0B0 0B1
+        rank 1: 1F0 1B0 1F1 1B1"""))
+    validator.validate(parse("""
+        0F0 0F1 0I0 0I1 0W1 0W0
+        1F0 1I0 1F1 1W0 1I1 1W1"""))
+
+
+def test_a_deadlock_is_refused_with_each_ranks_stuck_action_marked():
+    # Rank 0 wants the gradient of microbatch 0 before it forwards microbatch 1; rank 1 wants the
+    # forward of microbatch 1 before it sends that gradient. Each waits for the other.
+    message = _refusal("""
+        0F0 0B0 0F1 0B1
+        1F0 1F1 1B0 1B1""")
+    first, *table = message.splitlines()
+    assert first == ("hand-written deadlocks: rank 0 at 0B0 waits for 1B0 or 1I0 (rank 1); "
+                     "rank 1 at 1F1 waits for 0F1 (rank 0)"), first
+    assert table == ["rank 0: 0F0 [0B0] 0F1 0B1", "rank 1: 1F0 [1F1] 1B0 1B1"], table
+
+
+@pytest.mark.parametrize("text, placement, message", [
+    ("0F0 0F1 0I0 0I1 0W0\n1F0 1F1 1B0 1B1", None,
+     "stage 0, microbatch 1 has 0 B, 1 I and 0 W: expected one B, or one I and one W (an I without its W"),
+    ("0F0 0W0 0I0\n1F0 1B0", None, "rank 0 runs 0W0 before 0I0, which it needs"),
+    ("0B0 0F0\n1F0 1B0", None, "rank 0 runs 0B0 before 0F0, which it needs"),
+    ("0F0 1F0 0B0\n1B0", (0, 1), "rank 0 runs 1F0, but stage 1 is on rank 1"),
+    ("0F0 0F0 0B0\n1F0 1B0", None, "stage 0, microbatch 0 has 2 forwards (F), expected exactly one"),
+    ("0F0 0B0 0I0 0W0\n1F0 1B0", None, "stage 0, microbatch 0 has 1 B, 1 I and 1 W"),
+    ("0F0 0B0\n1F0 1B0 1F1 1B1", None, "stage 0, microbatch 1 has 0 forwards"),
+    ("0F0 0X0", None, "'0X0' is not an action"),
+])
+def test_malformed_schedules_are_refused_naming_the_action(text, placement, message):
+    if "X" in text:
+        with pytest.raises(ValueError, match=message):
+            parse(text)
+        return
+    assert message in _refusal(text, placement)
+
+
+def test_every_refusal_is_a_value_error_with_a_one_line_reason():
+    assert issubclass(validator.ScheduleError, ValueError)
+    assert "\n" not in _refusal("0F0 0W0 0I0\n1F0 1B0")
+
+
+def test_a_deadlocking_schedule_is_refused_before_the_executor_sends_anything():
+    executor, m00 = reference("m11_executor"), reference("m00_monolith")
+    schedule = parse("0F0 0B0 0F1 0B1\n1F0 1F1 1B0 1B1")
+    cfg = m00.MLPConfig(steps=1)
+    with pytest.raises(validator.ScheduleError, match="deadlocks"):  # no process group exists: nothing was sent
+        executor.train(schedule, executor.build_stages(cfg, schedule, 0),
+                       executor.StageComms(0, schedule.placement, 2), cfg)
+
+
+def test_simulator_times_messages_between_ranks_but_not_within_one():
+    # GPipe, P = 2, M = 1, with a latency h per message between ranks: F, h, F, B, h, B.
+    h = Fraction(1, 4)
+    timeline = simulate_schedule([[(0, "F", 0), (0, "B", 0)], [(1, "F", 0), (1, "B", 0)]], (0, 1), Costs(hop=h))
+    assert timeline.makespan == 1 + h + 1 + 2 + h + 2
+    # The same two stages on one rank: no message, no latency.
+    timeline = simulate_schedule([[(0, "F", 0), (1, "F", 0), (1, "B", 0), (0, "B", 0)]], (0, 0), Costs(hop=h))
+    assert timeline.makespan == 6 and timeline.bubble == 0 and timeline.peak_live == [2]
+
+
+def test_simulator_runs_pairs_together_only_when_asked():
+    # A V over two ranks; rank 0 holds stages 0 and 3. Its "3F1 0B0" is a pair: run apart, 3F1 starts
+    # as soon as 2F1 has arrived; run together (DualPipe's overlapped pairs), it also waits for the
+    # gradient 0B0 needs, which 1B0 sends later.
+    orders = [[(0, "F", 0), (3, "F", 0), (0, "F", 1), (3, "B", 0), (3, "F", 1), (0, "B", 0), (3, "B", 1), (0, "B", 1)],
+              [(1, "F", 0), (2, "F", 0), (1, "F", 1), (2, "B", 0), (2, "F", 1), (1, "B", 0), (2, "B", 1), (1, "B", 1)]]
+    for together in (False, True):
+        timeline = simulate_schedule(orders, (0, 1, 1, 0), atomic_pairs=together)
+        start = {a: s for rank in timeline.spans for a, s, _ in rank}
+        end = {a: e for rank in timeline.spans for a, _, e in rank}
+        waits_for = end[(1, "B", 0)] if together else end[(2, "F", 1)]
+        assert start[(3, "F", 1)] == waits_for, (together, start[(3, "F", 1)], waits_for)
+        assert start[(0, "B", 0)] == (end[(3, "F", 1)] if together else end[(1, "B", 0)])
+    assert simulate_schedule(orders, (0, 1, 1, 0), atomic_pairs=True).makespan == 24
+    assert simulate_schedule(orders, (0, 1, 1, 0)).makespan == 22
