@@ -3,7 +3,8 @@
 Forward blocks are solid, full backward blocks hatched //; module 11's halves of a backward are told
 apart: I (input gradient) hatched the other way, W (weight gradient) dotted and paler. On a rank that holds
 several stages, the blocks of its later stages are paler too and labelled stage:microbatch. Waits
-are thin grey bars, so the bubble is the white and grey between the blocks. Simulated timelines
+(in a receive, or on a send) and a rank's idle end of the step (its work done, the others' not) are
+thin grey bars, so the bubble is the grey and the gaps between the blocks. Simulated timelines
 (course/simulate.py's Timeline.as_profiles) are drawn the same way, in units instead of ms.
 """
 from __future__ import annotations
@@ -50,6 +51,13 @@ def plot_timeline(profiles: list[dict], path=None, step: int = -1, title: str = 
                 bars.setdefault(("wait", False), ([], [], [], []))
                 for values, value in zip(bars[("wait", False)], (row, width, start, "0.7")):
                     values.append(value)
+    step_end = (max(p["steps"][step][1] for p in profiles) - origin) * scale
+    for p in profiles:  # after a rank's last block it idles until the last rank ends the step
+        ends = [(s["end"] - origin) * scale for s in p["spans"] if s["step"] == step]
+        if ends and max(ends) < step_end:
+            for values, value in zip(bars.setdefault(("wait", False), ([], [], [], [])),
+                                     (p["rank"], step_end - max(ends), max(ends), "0.7")):
+                values.append(value)
     for (kind, pale), (rows, widths, starts, colour) in bars.items():
         if kind == "wait":
             ax.barh(rows, widths, left=starts, height=0.15, color=colour)
@@ -60,7 +68,7 @@ def plot_timeline(profiles: list[dict], path=None, step: int = -1, title: str = 
     ax.invert_yaxis()
     kinds = {s["kind"] for p in profiles for s in p["spans"]}
     legend = "solid: forward, //: backward" + (", \\: I, pale ..: W" if kinds & {"input", "weight"} else "")
-    ax.set_xlabel(f"{unit} since the step started ({legend}, grey: waiting)")
+    ax.set_xlabel(f"{unit} since the step started ({legend}, grey: waiting or idle)")
     ax.set_title(title)
     if own_figure and path is not None:
         figure.tight_layout()

@@ -110,3 +110,17 @@ def test_timeline_png(tmp_path):
 
     plot_timeline([_fake_profile(0, 0.5), _fake_profile(1, 0.25)], tmp_path / "t.png", title="t")
     assert (tmp_path / "t.png").stat().st_size > 1000
+
+
+def test_timeline_draws_a_ranks_idle_end_of_step_grey_as_its_legend_says():
+    from matplotlib.colors import to_rgba
+    from matplotlib.figure import Figure
+
+    from course.plotting import plot_timeline
+
+    ax = plot_timeline([_fake_profile(0, 0.5), _fake_profile(1, 0.25)], ax=Figure().add_subplot())
+    grey = [(round(bar.get_x(), 6), round(bar.get_width(), 6)) for bar in ax.patches
+            if bar.get_facecolor() == to_rgba("0.7")]
+    # Step 2 runs from 1.0 to 2.0 s; rank 0 computes until 1.6 s, rank 1 until 1.35 s: idle after that.
+    assert sorted(grey) == [(350.0, 650.0), (600.0, 400.0)], grey
+    assert "grey: waiting or idle" in ax.get_xlabel()
