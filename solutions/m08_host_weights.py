@@ -57,7 +57,7 @@ class HostWeights:
         # Everything comes from the runtime (course/streams.py lists its calls), never from torch.cuda directly: on
         # CPU the tests hand you a recorder, and its event graph is what the hazard checker reads.
         # Why pinned: only from page-locked memory does a host-to-device copy run without the host waiting for it.
-        # Pitfall: events shared between the buffers (or one event for both roles) make a copy wait for more than
+        # Pitfall: events shared between the buffers make a copy wait for more than
         # the buffer it overwrites: the prefetch test then finds the step longer than compute plus the first copy.
         # Hint 1: one pinned flat copy per block; one new stream; two buffers, four events in all.
         # Hint 2: runtime.pin(t), runtime.new_stream(), runtime.empty(n, dtype), runtime.new_event();

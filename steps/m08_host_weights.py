@@ -1,5 +1,5 @@
 # Generated from solutions/m08_host_weights.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 08`. (skeleton 77695f6ac330)
+# Grade your work with `python main.py grade 08`. (skeleton 63e23109c884)
 """Module 08 - weights streamed from host memory on a side stream, overlapping compute.
 
 The same gather/get/release protocol as module 07, but a "gather" is a copy of the block from
@@ -59,7 +59,7 @@ class HostWeights:
         # Everything comes from the runtime (course/streams.py lists its calls), never from torch.cuda directly: on
         # CPU the tests hand you a recorder, and its event graph is what the hazard checker reads.
         # Why pinned: only from page-locked memory does a host-to-device copy run without the host waiting for it.
-        # Pitfall: events shared between the buffers (or one event for both roles) make a copy wait for more than
+        # Pitfall: events shared between the buffers make a copy wait for more than
         # the buffer it overwrites: the prefetch test then finds the step longer than compute plus the first copy.
         raise NotImplementedError('TODO(m08): pinned host blocks, a side stream, two device buffers with their events')
 

@@ -53,16 +53,34 @@ def test_block_backward_gives_every_gradient_of_the_reference_block(name):
 
 @pytest.mark.exercises("LlamaBlock.attention_half", "LlamaBlock.ffn_half", "LlamaBlock.backward")
 def test_every_linear_goes_through_the_matmul_policy():
+    # The policy's prepare hands back a *copy* here, so a linear that multiplies what prepare
+    # returned can be told from one that multiplies the unprepared tensor (module 09's FP8 policy
+    # returns the e4m3 input: a linear fed the unprepared one would quantize it again, and a second
+    # prepare of the same input would quantize it twice).
     class CountingMatmul(ops.Matmul):
         def __init__(self):
             self.forwards = self.backwards = 0
+            self.prepared, self.prepared_storage = [], set()
+            self.unprepared = {"forward": 0, "backward": 0}
+
+        def prepare(self, x, store, name):
+            self.prepared.append(name)
+            copy = x.clone()
+            self.prepared_storage.add(copy.untyped_storage().data_ptr())
+            store.save(name, copy)
+            return copy
+
+        def count_unprepared(self, which, x):
+            self.unprepared[which] += x.untyped_storage().data_ptr() not in self.prepared_storage
 
         def forward(self, x, w):
             self.forwards += 1
+            self.count_unprepared("forward", x)
             return super().forward(x, w)
 
         def backward(self, dy, x, w):
             self.backwards += 1
+            self.count_unprepared("backward", x)
             return super().backward(dy, x, w)
 
     cfg, weights, _ = make("gqa")
@@ -74,6 +92,39 @@ def test_every_linear_goes_through_the_matmul_policy():
     assert (matmul.forwards, matmul.backwards) == (7, 7), \
         f"the block has 7 linears (q, k, v, o, gate, up, down); the policy saw {matmul.forwards} forward " \
         f"and {matmul.backwards} backward calls"
+    assert matmul.prepared == ["n1", "n2", "s"], \
+        (f"prepare was called for {matmul.prepared}; expected once each for 'n1', 'n2' and 's', in that order "
+         f"(q, k and v share one prepared n1, gate and up one prepared n2; the o projection takes o unprepared)")
+    assert matmul.unprepared == {"forward": 1, "backward": 1}, \
+        (f"linears fed a tensor that did not come from prepare: {matmul.unprepared}; expected 1 each (the o "
+         f"projection): q, k, v, gate, up and down multiply what prepare returned, and their backwards read it "
+         f"from the store")
+
+
+@pytest.mark.exercises("LlamaBlock.attention_half", "LlamaBlock.ffn_half", "LlamaBlock.backward")
+def test_attention_goes_through_the_blocks_attention_object():
+    # The benchmarks swap in PyTorch's fused kernel with LlamaBlock(cfg, attention=FusedAttention()):
+    # a block that calls attention_forward / attention_backward directly would ignore it.
+    class CountingAttention(ops.ChunkedAttention):
+        forwards = backwards = 0
+
+        def forward(self, q, k, v):
+            self.forwards += 1
+            return super().forward(q, k, v)
+
+        def backward(self, do, q, k, v, o, lse):
+            self.backwards += 1
+            return super().backward(do, q, k, v, o, lse)
+
+    cfg, weights, _ = make("gqa")
+    attention = CountingAttention(chunk=4)
+    block, store = block_module.LlamaBlock(cfg, attention=attention), block_module.ActivationStore()
+    y = block.forward(weights, torch.randn(1, 6, cfg.dim, dtype=f64), store)
+    block.backward(weights, torch.ones_like(y), store)
+    assert (attention.forwards, attention.backwards) == (1, 1), \
+        (f"the block's attention object saw {attention.forwards} forward and {attention.backwards} backward "
+         f"calls, expected 1 and 1: call self.attention.forward(q, k, v) and self.attention.backward(do, q, k, "
+         f"v, o, lse), not attention_forward / attention_backward")
 
 
 @pytest.mark.exercises("LlamaBlock.attention_half", "LlamaBlock.ffn_half")

@@ -213,3 +213,36 @@ def test_bf16_keeps_activations_in_bf16_and_statistics_in_float32():
         assert t.dtype == expected, f"{name}: expected {expected}, got {t.dtype}"
     reference = reference_attention(q.double(), k.double(), v.double())
     assert (o.double() - reference).abs().max() < 0.05, "bf16 attention output is far from the float64 one"
+
+
+@pytest.mark.exercises("rmsnorm_forward", "rmsnorm_backward")
+def test_bf16_rmsnorm_rounds_once_from_float32_statistics():
+    # The dtypes above do not show *where* the arithmetic ran: r squared, averaged and rsqrt-ed in
+    # bf16, then cast to float32, has the right dtype and 8 bits of precision. Reference: float64
+    # autograd on the same bf16 numbers. Computed in float32 and rounded once to bf16, every value of
+    # n, dx and dweight is within bf16's unit roundoff u = 2^-8 of it, relative (float32's own error
+    # is ~1e-7: we allow 1e-5 of the largest value on top); measured over 20 seeds: at most 0.98u.
+    # A statistic kept in bf16, or a second rounding (x r cast to bf16, then times the weight; xhat
+    # rounded to bf16 in the backward) exceeds u somewhere among the 160 values: measured 1.2u to
+    # 65u on each of the 20 seeds. r must be as accurate as float32 makes it: measured 7e-8
+    # relative (bf16 arithmetic: 3e-3).
+    bf16, u = torch.bfloat16, 2.0 ** -8
+    x, weight, dn = randn(2, 5, 16, seed=10), randn(16, seed=20), randn(2, 5, 16, seed=30)
+    x, weight, dn = x.to(bf16), weight.to(bf16), dn.to(bf16)
+    n, r = ops.rmsnorm_forward(x, weight, 1e-5)
+    dx, dweight = ops.rmsnorm_backward(dn, x, r, weight)
+    x64, w64 = (t.double().requires_grad_(True) for t in (x, weight))
+    n64 = F.rms_norm(x64, (16,), w64, 1e-5)
+    n64.backward(dn.double())
+    r64 = torch.rsqrt(x.double().pow(2).mean(-1) + 1e-5)
+    worst_r = ((r.double() - r64).abs() / r64).max().item()
+    assert worst_r <= 1e-5, \
+        (f"bf16 x: r is {worst_r:.1e} (relative) from the float64 reciprocal RMS, expected below 1e-5: square, "
+         f"average and rsqrt x converted to compute_dtype(x.dtype) (float32), not x in bf16")
+    for name, got, want, cause in (
+            ("n", n, n64.detach(), "compute x * r * weight in float32 and cast to bf16 once, at the end"),
+            ("dx", dx, x64.grad, "promote x and dn to r's dtype (float32) before xhat, g and the correction"),
+            ("dweight", dweight, w64.grad, "sum dn * xhat over the tokens in float32, cast once")):
+        ratio = ((got.double() - want).abs() / (u * want.abs() + 1e-5 * want.abs().max())).max().item()
+        assert ratio <= 1, (f"bf16 rmsnorm {name}: error reaches {ratio:.2f}x bf16's rounding of the float64 "
+                            f"value (expected at most 1x: one rounding of float32 arithmetic); {cause}")

@@ -179,24 +179,32 @@ def test_gathered_weights_are_the_single_process_weights_bit_for_bit():
 
 class RecordingCollectives(Collectives):
     """Collectives that also write each call into a shared event list, and keep the reduce-scatters'
-    works to check, at the end of each step, that each was waited for and at most one was in flight."""
+    works to check, at the end of each step, that each was waited for and at most one was in flight.
+
+    Results arrive late, as they may on a GPU: an all-gather's or reduce-scatter's output holds NaN
+    until its work is waited for, so code that reads it before wait() computes with NaN."""
 
     def __init__(self, events):
         super().__init__()
         self.events, self.in_flight, self.most_in_flight = events, [], 0
 
     def all_gather(self, output, shard, label="", async_op=False):
-        self.events.append(("all_gather", layer_of(label)))
+        layer = layer_of(label)
+        self.events.append(("all_gather", layer))
         assert async_op, (f"{label}: a blocking all-gather; gather() must start it with async_op=True and "
                           f"return, so the next block's gather overlaps this block's compute")
-        return super().all_gather(output, shard, label, async_op)
+        received = torch.empty_like(output)
+        return DeliveredOnWait(super().all_gather(received, shard, label, async_op), received, output,
+                               self.events, "all_gather", layer)
 
     def reduce_scatter(self, shard, full, label="", async_op=False):
         layer = layer_of(label)
         self.events.append(("reduce_scatter", layer))
         assert async_op, (f"{label}: a blocking reduce-scatter; start it with async_op=True so it travels "
                           f"while the next block's backward computes, and wait for it later")
-        work = WaitRecorded(super().reduce_scatter(shard, full, label, async_op), self.events, layer)
+        received = torch.empty_like(shard)
+        work = DeliveredOnWait(super().reduce_scatter(received, full, label, async_op), received, shard,
+                               self.events, "reduce_scatter", layer)
         self.in_flight.append(work)
         self.most_in_flight = max(self.most_in_flight, len(self.never_waited()))
         return work
@@ -216,17 +224,22 @@ class RecordingCollectives(Collectives):
             f"one in flight, at most two whole gradients alive")
 
 
-class WaitRecorded:
-    """A collective's work whose wait() is written into the event list (once: later waits are no-ops)."""
+class DeliveredOnWait:
+    """A collective's work whose result reaches `output` only in wait(), which is written into the
+    event list (once: later waits are no-ops). Until then `output` holds NaN."""
 
-    def __init__(self, work, events, layer):
-        self.work, self.events, self.layer, self.waited = work, events, layer, False
+    def __init__(self, work, received, output, events, op, layer):
+        self.work, self.received, self.output = work, received, output
+        self.events, self.op, self.layer, self.waited = events, op, layer, False
+        output.fill_(float("nan"))
 
     def wait(self):
         if not self.waited:
-            self.events.append(("wait reduce_scatter", self.layer))
+            self.events.append((f"wait {self.op}", self.layer))
             self.waited = True
-        return self.work.wait()
+            self.work.wait()
+            self.output.copy_(self.received)
+        return True
 
 
 def layer_of(label: str) -> int:
@@ -253,47 +266,68 @@ def _record_steps(steps, n_microbatches):
                 handed_out[id(result)] = layer
             return result
         setattr(source, name, recorded)
+    backward_stores = []  # (layer, store) of every block backward so far
+
+    def check_cleared():  # a store whose backward ran must be empty (its activations freed)
+        kept = [layer for layer, store in backward_stores if store.tensors]
+        if kept:
+            events.append(("store not cleared", kept[0]))
+            backward_stores.clear()
     for name in ("forward", "backward"):  # the block's compute, in the same log
         def computed(w, *args, run=getattr(model.block, name), name=name):
             events.append((name, handed_out.get(id(w))))
+            if name == "backward":
+                check_cleared()
+                backward_stores.append((handed_out.get(id(w)), args[1]))
             return run(w, *args)
         setattr(model.block, name, computed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     data, generator = load_text(), torch.Generator().manual_seed(0)
     rows = BATCH // dist.get_world_size()
+    losses = []
     for _ in range(steps):
         tokens, targets = random_batch(data, rows, CFG.max_seq_len, generator)
-        model.train_step(tokens, targets, n_microbatches, optimizer)
+        losses.append(model.train_step(tokens, targets, n_microbatches, optimizer))
+        check_cleared()
         collectives.check_step()
         events.append(("step", None))
     # Bytes of the memory the shards live in: a shard that is a view of a full block keeps it alive.
     shard_storage = sum(t.untyped_storage().nbytes() for t in model.shards)
-    return events, storages, collectives.log, model.layout.padded_numel, model.blocks, shard_storage
+    return events, storages, collectives.log, model.layout.padded_numel, model.blocks, shard_storage, losses
 
 
 def expected_events(layers, n_microbatches, steps):
     """The protocol's calls written out, with an all-gather after each gather() unless the layer is
-    still in its buffer (buffer l % 2) since this optimizer step began."""
+    still in its buffer (buffer l % 2) since this optimizer step began, and its wait in get()."""
     events = []
     for _ in range(steps):
-        resident = {}  # buffer -> layer it holds, forgotten at every optimizer step
+        resident, in_flight = {}, set()  # buffer -> layer it holds, forgotten at every optimizer step
 
         def gather(layer):
             events.append(("gather", layer))
             if resident.get(layer % 2) != layer:
                 events.append(("all_gather", layer))
                 resident[layer % 2] = layer
+                in_flight.add(layer)
+
+        def get(layer):  # waits for the all-gather that gather(layer) started, if it started one
+            events.append(("get", layer))
+            if layer in in_flight:
+                events.append(("wait all_gather", layer))
+                in_flight.discard(layer)
         for _ in range(n_microbatches):
             gather(0)
             for layer in range(layers):
                 if layer + 1 < layers:
                     gather(layer + 1)
-                events += [("get", layer), ("forward", layer), ("release", layer)]
+                get(layer)
+                events += [("forward", layer), ("release", layer)]
             gather(layers - 1)
             for layer in reversed(range(layers)):
                 if layer > 0:
                     gather(layer - 1)  # the next all-gather goes out before this layer's reduce-scatter
-                events += [("get", layer), ("backward", layer), ("release", layer)]
+                get(layer)
+                events += [("backward", layer), ("release", layer)]
                 if layer < layers - 1:  # at most one reduce-scatter in flight: the previous one ends first
                     events.append(("wait reduce_scatter", layer + 1))
                 events.append(("reduce_scatter", layer))
@@ -317,11 +351,25 @@ def expected_events(layers, n_microbatches, steps):
                         "FSDPLlama.reduce_and_step")
 @pytest.mark.parametrize("n_microbatches", [1, 2])
 def test_calls_and_collectives_come_in_the_expected_order(n_microbatches):
-    events = run_ranks(_record_steps, 2, 2, n_microbatches, timeout=30)[0][0]
+    results = run_ranks(_record_steps, 2, 2, n_microbatches, timeout=30)
+    events = results[0][0]
+    kept = next((layer for event, layer in events if event == "store not cleared"), None)
+    assert kept is None, \
+        (f"layer {kept}'s activation store still held its tensors after its backward (seen at the next block's "
+         f"backward or the step's end): clear each layer's store right after its block's backward, as module "
+         f"06's loop does, so the activations of the layers already done are freed during the backward")
     expected = expected_events(CFG.n_layers, n_microbatches, 2)
     first = next((i for i, (a, b) in enumerate(zip(events, expected)) if a != b), min(len(events), len(expected)))
+    waits = {event for event in events[first:first + 4] + expected[first:first + 4] if event[0] == "wait all_gather"}
+    hint = (" (get(l) waits for the all-gather gather(l) started, if any; gather() itself must not wait, or "
+            "the transfer of the next block no longer overlaps this block's compute)") if waits else ""
     assert events == expected, (f"first difference at event {first}: got {events[first:first + 4]}, "
-                                f"expected {expected[first:first + 4]}")
+                                f"expected {expected[first:first + 4]}{hint}")
+    losses = [loss for result in results for loss in result[-1]]
+    assert all(loss == loss for loss in losses), \
+        (f"losses {losses}: NaN, read from a collective's output before its wait() (here a result arrives "
+         f"only when its work is waited for, as it may on a GPU): wait for the all-gather before handing out the "
+         f"block, and for the reduce-scatter before adding its slice to the gradient shard")
 
 
 @pytest.mark.exercises("FlatLayout.__init__",
@@ -338,7 +386,7 @@ def test_calls_and_collectives_come_in_the_expected_order(n_microbatches):
                         "FSDPLlama.accumulate",
                         "FSDPLlama.reduce_and_step")
 def test_at_most_two_whole_blocks_exist():
-    _, storages, _, padded, blocks, shard_bytes = run_ranks(_record_steps, 2, 2, 2, timeout=30)[0]
+    _, storages, _, padded, blocks, shard_bytes, _ = run_ranks(_record_steps, 2, 2, 2, timeout=30)[0]
     assert len(storages) <= 2, f"get() handed out blocks in {len(storages)} different buffers; double buffering uses 2"
     assert set(storages.values()) == {padded * 8}, \
         f"each buffer must be exactly one padded block ({padded * 8} bytes), got {sorted(set(storages.values()))}"

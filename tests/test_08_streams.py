@@ -18,7 +18,7 @@ import torch
 
 from course.gpu_check import needs_gpu, run_cuda_check
 from course.impl import load, reference
-from course.streams import FakeRuntime, find_hazards, record_compute, schedule
+from course.streams import FakeRuntime, address, find_hazards, record_compute, schedule
 
 m08 = load("m08_host_weights")
 m06 = reference("m06_llama_model")
@@ -32,9 +32,22 @@ def batch(seed=0):
         torch.randint(0, CFG.vocab_size, (2, CFG.max_seq_len), generator=g)
 
 
-def streamed_model(source_class=None):
+class AllocatingRuntime(FakeRuntime):
+    """The recorder, also remembering the device memory it handed out (rt.empty)."""
+
+    def __init__(self):
+        super().__init__()
+        self.device_memory = set()
+
+    def empty(self, n, dtype):
+        buffer = super().empty(n, dtype)
+        self.device_memory.add(address(buffer))
+        return buffer
+
+
+def streamed_model(source_class=None, dtype=torch.float32):
     """Module 06's model with its blocks moved into a HostWeights on a recording runtime."""
-    model, runtime = m06.LlamaModel(CFG, 0), FakeRuntime()
+    model, runtime = m06.LlamaModel(CFG, 0, dtype), AllocatingRuntime()
     source = (source_class or m08.HostWeights)(model.blocks, runtime)
     model.weights, model.blocks = source, []
     return record_compute(model, runtime), runtime
@@ -68,15 +81,28 @@ def describe(hazards):
 
 @pytest.mark.exercises(
     "HostWeights.__init__", "HostWeights.gather", "HostWeights.get", "HostWeights.release")
-def test_streamed_step_equals_the_resident_step_bit_for_bit():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_streamed_step_equals_the_resident_step_bit_for_bit(dtype):
+    # bf16 too: the GPU benchmark streams a bf16 model. The buffers must be device memory (on CPU
+    # nothing else tells torch.empty from the runtime's empty) in the blocks' dtype.
     tokens, targets = batch()
-    loss, grads = m06.LlamaModel(CFG, 0).forward_backward(tokens, targets)
-    model, _ = streamed_model()
+    loss, grads = m06.LlamaModel(CFG, 0, dtype).forward_backward(tokens, targets)
+    model, runtime = streamed_model(dtype=dtype)
+    buffers = [buf.flat for buf in model.weights.buffers]
+    assert all(address(flat) in runtime.device_memory for flat in buffers), \
+        ("the two buffers must be allocated by the runtime (runtime.empty(n, dtype)): on a GPU that is device "
+         "memory, while torch.empty(...) is host memory the block's kernels cannot read")
+    assert all(flat.dtype == dtype for flat in buffers), \
+        (f"a {dtype} model got buffers of {[flat.dtype for flat in buffers]}: allocate them in the blocks' dtype "
+         f"(the copy would convert every weight, and the block would multiply bf16 activations by them)")
     for _ in range(2):  # the second step reuses the buffers
         got_loss, got = model.forward_backward(tokens, targets)
         assert torch.equal(got_loss, loss), f"loss {got_loss.item()} vs resident {loss.item()}"
         for i, (a, b) in enumerate(zip(got.tensors(), grads.tensors())):
             assert torch.equal(a, b), f"gradient tensor {i} differs from the all-resident model's"
+    read = {storage for node in runtime.nodes if node.label.startswith("block") for storage in node.reads}
+    assert read <= {address(flat) for flat in buffers}, \
+        "the blocks computed with weights outside the two device buffers: get() hands out views into buf.flat"
 
 
 @pytest.mark.exercises("HostWeights.__init__",

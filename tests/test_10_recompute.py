@@ -142,6 +142,30 @@ def test_recompute_restores_exactly_what_the_forward_kept(option, fp8):
                        f"hand linear inputs to matmul.prepare as the forward does (FP8 keeps them quantized)")
 
 
+@pytest.mark.exercises("RecomputeBlock.new_store", "RecomputeBlock.recompute")
+@pytest.mark.parametrize("option", ["swiglu", "norms", "ffn", "attention", "block"])
+def test_fp8_recompute_quantizes_with_the_kept_abs_maxes(option):
+    # The store keeps each FP8 linear input's abs-max so the recompute quantizes with it, skipping
+    # an abs-max pass. An exact recompute would find the same abs-max, so to see which one was used
+    # we plant doubled ones: each recomputed input's scale must be the planted abs-max's.
+    policy = fp8_matmul.FP8Matmul(min_dim=0)
+    block, weights = m10.RecomputeBlock(CFG, option, matmul=policy), block_weights(0)
+    store = block.new_store()
+    block.forward(weights, torch.randn(2, 16, CFG.dim, generator=torch.Generator().manual_seed(1)), store)
+    recomputed = [name for name in m10.LINEAR_INPUTS if name in m10.DROPPED[option]]
+    planted = {}
+    for name in recomputed:
+        planted[name] = store[fp8_matmul.abs_max_name(name)] * 2
+        store.restore(fp8_matmul.abs_max_name(name), planted[name])
+    block.recompute(weights, store)
+    for name in recomputed:
+        want = fp8_matmul.quantize(torch.zeros(1), fp8_matmul.E4M3, planted[name]).scale  # depends on amax only
+        assert torch.equal(store[name].scale, want), \
+            (f"{option}: recomputed {name} has scale {store[name].scale.item()!r}, expected {want.item()!r} from the "
+             f"abs-max kept in the store: prepare the recomputed input into `fresh`, which starts with the kept "
+             f"abs-maxes, not into a new store (that computes the abs-max again)")
+
+
 class CountingMatmul(m06_ops.Matmul):
     def __init__(self):
         self.forwards = 0
