@@ -1,6 +1,8 @@
-"""PyTorch's own pipeline schedules (torch.distributed.pipelining) on module 11's stages (given): an
-independent implementation of every schedule of module 11 that torch also has, to compare losses,
-gradients and step times with. Run `run_torch_schedule` on every rank of a gloo group.
+"""Module 11's independent references (given): the monolith trained with gradient accumulation by
+autograd (`accumulating_monolith`), which every schedule must reproduce bit for bit, and PyTorch's
+own pipeline schedules (torch.distributed.pipelining) on module 11's stages, an independent
+implementation of every schedule of module 11, to compare losses, gradients and step times with.
+Run `run_torch_schedule` on every rank of a gloo group.
 
 Torch runs its stages with autograd, so each stage is wrapped as an nn.Module (`TorchStage`) that
 shares the SplitStage's layers. With an emulated device the three costs land where torch pays
@@ -22,6 +24,29 @@ from course.impl import reference
 TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
                    "zbh1": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble",
                    "dualpipev": "ScheduleDualPipeV"}
+
+
+def accumulating_monolith(cfg, n_microbatches: int):
+    """Module 00's monolith trained for cfg.steps steps with autograd, each step's gradient accumulated
+    over the batch's n_microbatches microbatches in order (each loss share divided by M, one backward
+    each). Returns (model, losses), the loss of a step being the sum of its shares. Every module-11
+    schedule adds each stage's microbatch gradients in this order, so it matches bit for bit; the
+    model's .grad still holds the last step's accumulated gradient."""
+    m00 = reference("m00_monolith")
+    model = m00.build_model(cfg)
+    optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    x, y = m00.make_batch(cfg)
+    losses = []
+    for _ in range(cfg.steps):
+        optimizer.zero_grad()
+        shares = []
+        for xm, ym in zip(x.chunk(n_microbatches), y.chunk(n_microbatches), strict=True):
+            share = F.cross_entropy(model(xm), ym) / n_microbatches
+            share.backward()
+            shares.append(share.detach())
+        optimizer.step()
+        losses.append(sum(shares).item())
+    return model, losses
 
 
 class _SleepInBackward(torch.autograd.Function):

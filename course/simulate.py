@@ -1,5 +1,6 @@
-"""The unit-cost simulator (given): the exact timeline of a pipeline schedule with fixed costs per
-action and free (or fixed-latency) messages, so a bubble formula can be checked with no noise at all.
+"""The schedule simulator (given): the exact timeline of a pipeline schedule with fixed costs per
+action (unit costs unless told otherwise) and free (or fixed-latency) messages, so a bubble formula
+can be checked with no noise at all.
 
 Each rank runs its list of actions in order. An action starts when its rank is free and what it
 needs has been computed (plus `hop` if that was on another rank):

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from .m00_monolith import MLPConfig, make_batch
-from .m05_schedules import split_microbatches
+from .m05_schedules import split_microbatches, wait_all
 from .m11_actions import Action, Schedule
 from .m11_stage import SplitStage, check_stages
 from .m11_validate import validate
@@ -154,11 +154,12 @@ def run_schedule(schedule: Schedule, stages: dict[int, SplitStage], comms: Stage
     # order. Returns the sum of the loss shares run_action returned, or None on a rank without the last
     # stage. Before it returns, every handle of the step's sends has been waited for.
     # Pitfalls:
-    # - returning before the sends complete: the next step may overwrite a tensor still in flight, or the
-    #   process exit with messages lost;
+    # - returning before the sends complete: on gloo a send whose handle is dropped is usually lost (the
+    #   peer then waits forever in its recv), and the next step may overwrite a tensor still in flight;
     # - a rank without the last stage returns None, not 0 (train keeps only the real losses).
     # Hint 1: one list of handles for the whole step, filled by run_action, waited for at the end.
-    # Hint 2: keep the shares that are not None; sum() adds them in microbatch order.
+    # Hint 2: keep the shares that are not None; sum() adds them in microbatch order; module 05's
+    #         wait_all waits for a list of handles.
     # Hint 3: sends, shares <- empty lists
     #         for each action of this rank's order: share <- run_action(action, its stage, ...);
     #             keep it when it is not None
@@ -168,8 +169,7 @@ def run_schedule(schedule: Schedule, stages: dict[int, SplitStage], comms: Stage
         share = run_action(action, stages[action.stage], comms, xs, ys, sends)
         if share is not None:
             shares.append(share)
-    for handle in sends:
-        handle.wait()
+    wait_all(sends)
     return sum(shares) if shares else None
     # <<<
 

@@ -12,8 +12,9 @@ a hang is the worst way to learn that a list was wrong. Checks, in order:
    next step, the schedule deadlocks: the error prints the ranks' lists with each rank's first
    stuck action in brackets.
 
-The dry run is the unit-cost simulator (course/simulate.py): a schedule it can finish, the
-executor can too, whatever the real costs, because only the order of each rank's list matters.
+The dry run is the schedule simulator (course/simulate.py) at unit costs: a schedule it can
+finish, the executor can too, whatever the real costs, because only the order of each rank's list
+matters.
 """
 from collections import Counter
 

@@ -11,7 +11,8 @@ elementwise. Per block and direction that leaves two collectives, one per enter/
 parallelism on this rank's T/t positions, which divides their activation memory by t.
 
 The block is module 06's, op for op (its local ops are imported from m06_llama_ops), with the
-weights sliced and the collectives at the seams; the rotary tables and attention are module 06's.
+weights sliced and the collectives at the seams; the attention and the rotary tables are a module-06
+LlamaBlock's (`self.local`), run on this rank's heads.
 Its backward adds every weight gradient into `grads`, the main_grad accumulators, instead of
 returning new tensors, so microbatches accumulate inside the GEMMs. With sequence parallelism the
 norm weights' gradients are partial (this rank's tokens only): `sum_norm_grads` sums them over the
@@ -23,10 +24,9 @@ from math import gcd
 
 import torch
 
-from .m06_llama_block import ActivationStore, BlockWeights, LlamaConfig
-from .m06_llama_ops import (ATTENTION_CHUNK, ChunkedAttention, residual_rmsnorm_backward, residual_rmsnorm_forward,
-                            rmsnorm_backward, rmsnorm_forward, rope_backward, rope_forward, rope_tables,
-                            swiglu_backward, swiglu_forward)
+from .m06_llama_block import ActivationStore, BlockWeights, LlamaBlock, LlamaConfig
+from .m06_llama_ops import (ATTENTION_CHUNK, residual_rmsnorm_backward, residual_rmsnorm_forward, rmsnorm_backward,
+                            rmsnorm_forward, rope_backward, rope_forward, swiglu_backward, swiglu_forward)
 from .m12_tp_linear import (TPGroup, column_parallel_backward, column_parallel_forward, row_parallel_backward,
                             row_parallel_forward)
 
@@ -106,18 +106,11 @@ class TPBlock:
     def __init__(self, cfg: LlamaConfig, tp: TPGroup, attention_chunk: int = ATTENTION_CHUNK, fused: bool = True):
         check_tp_size(cfg, tp.size)
         self.cfg, self.tp, self.fused = cfg, tp, fused
-        self.attention = ChunkedAttention(attention_chunk)  # module 06's, on this rank's heads
-        self._rope = {}
+        # Module 06's block, for what a rank computes alone: attention on its own heads, and the RoPE tables.
+        self.local = LlamaBlock(cfg, attention_chunk=attention_chunk)
 
     def new_store(self) -> ActivationStore:
-        return ActivationStore()
-
-    def rope(self, seq_len: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin tables for this sequence length, built once per dtype and device."""
-        key = (seq_len, dtype, str(device))
-        if key not in self._rope:
-            self._rope[key] = rope_tables(seq_len, self.cfg.head_dim, self.cfg.rope_theta, dtype, device)
-        return self._rope[key]
+        return self.local.new_store()
 
     def forward(self, w: BlockWeights, x: torch.Tensor, store: ActivationStore) -> torch.Tensor:
         """y = block(x), x and y in the residual stream's layout: (B, T, dim), or (B, T / t, dim) with
@@ -130,18 +123,18 @@ class TPBlock:
         # Pitfalls: 'n1' is the norm's output as this rank has it, not the gathered one: keeping the gathered
         #   input would cost t times the memory (the backward gathers it again). The head count is H/t, not H.
         # Hint 1: module 06's attention_half, with column_parallel_forward(n1, [wq, wk, wv], tp, label) where it
-        #       multiplied; the attention and RoPE ops are module 06's, the tables from self.rope(T, ...).
+        #       multiplied; the attention and RoPE ops are module 06's, the tables from self.local.rope(T, ...).
         # Hint 2: view the projections as (B, T, -1, head_dim): the -1 is this rank's head count.
         # Hint 3: n1, r1 = the norm of x; q, k, v = the column-parallel forward of n1; T = q's second size; RoPE on q
-        #       and k (tables for T); o, lse = self.attention.forward(q, k, v); save the eight names.
+        #       and k (tables for T); o, lse = self.local.attention.forward(q, k, v); save the eight names.
         n1, r1 = rmsnorm_forward(x, w.ln1, cfg.norm_eps)
         q, k, v = column_parallel_forward(n1, [w.wq, w.wk, w.wv], tp, "attention in")
         batch, seq_len, _ = q.shape
-        cos, sin = self.rope(seq_len, x.dtype, x.device)
+        cos, sin = self.local.rope(seq_len, x.dtype, x.device)
         q = rope_forward(q.view(batch, seq_len, -1, cfg.head_dim), cos, sin)
         k = rope_forward(k.view(batch, seq_len, -1, cfg.head_dim), cos, sin)
         v = v.view(batch, seq_len, -1, cfg.head_dim)
-        o, lse = self.attention.forward(q, k, v)
+        o, lse = self.local.attention.forward(q, k, v)
         for name, tensor in (("x", x), ("n1", n1), ("r1", r1), ("q", q), ("k", k), ("v", v), ("o", o), ("lse", lse)):
             store.save(name, tensor)
         # <<<
@@ -192,7 +185,7 @@ class TPBlock:
         # Contract: add the gradients of wo, wq, wk, wv and ln1 into grads; return dx = dh + the norm's input gradient.
         # Pitfalls: attention's gradients have a head axis and may not be contiguous: reshape (not view) them to
         #   (B, T, -1) for the projections. q, k and v share n1: one column_parallel_backward for the three.
-        # Hint 1: module 06's backward again: row_parallel_backward for o, self.attention.backward, rope_backward
+        # Hint 1: module 06's backward again: row_parallel_backward for o, self.local.attention.backward, rope_backward
         #       for dq and dk, column_parallel_backward([dq, dk, dv], n1, [wq, wk, wv], ...), rmsnorm_backward.
         # Hint 2: attention's backward takes (do, q, k, v, o, lse) from the store; the rope tables are for the whole
         #       sequence (dq's second size), as in the forward.
@@ -200,9 +193,9 @@ class TPBlock:
         #       backward of the three, reshaped to (B, T, -1); dx_norm, d_ln1 = rmsnorm_backward; add d_ln1;
         #       return dh + dx_norm.
         do = row_parallel_backward(dh, store["o"], w.wo, grads.wo, tp, "attention out", fused)
-        dq, dk, dv = self.attention.backward(do, store["q"], store["k"], store["v"], store["o"], store["lse"])
+        dq, dk, dv = self.local.attention.backward(do, store["q"], store["k"], store["v"], store["o"], store["lse"])
         batch, seq_len = dq.shape[:2]
-        cos, sin = self.rope(seq_len, dy.dtype, dy.device)
+        cos, sin = self.local.rope(seq_len, dy.dtype, dy.device)
         dq, dk = rope_backward(dq, cos, sin), rope_backward(dk, cos, sin)
         dn1 = column_parallel_backward([d.reshape(batch, seq_len, -1) for d in (dq, dk, dv)], store["n1"],
                                        [w.wq, w.wk, w.wv], [grads.wq, grads.wk, grads.wv], tp, "attention in", fused)

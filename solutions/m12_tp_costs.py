@@ -46,18 +46,14 @@ class TPTraffic:
     sent_bytes: float             # bytes one rank sends per step, ring algorithms, all of the above
 
 
-def _element_size(dtype: torch.dtype) -> int:
-    return torch.tensor([], dtype=dtype).element_size()
-
-
 def tp_traffic(cfg: LlamaConfig, batch: int, seq_len: int, dtype: torch.dtype, tp_size: int,
                sequence_parallel: bool, n_microbatches: int = 1) -> TPTraffic:
     """The collectives and bytes of one optimizer step of module 12's model: a batch of (batch, seq_len)
     tokens split into n_microbatches, weights and activations in `dtype`, on tp_size ranks."""
-    tokens = batch // n_microbatches * seq_len                      # N, one microbatch
-    stream = tokens * cfg.dim * _element_size(dtype)                # A
-    statistics = tokens * _element_size(compute_dtype(dtype))       # one loss all-reduce
-    norm_grads = (2 * cfg.n_layers + 1) * cfg.dim * _element_size(grad_dtype(dtype))
+    tokens = batch // n_microbatches * seq_len           # N, one microbatch
+    stream = tokens * cfg.dim * dtype.itemsize           # A
+    statistics = tokens * compute_dtype(dtype).itemsize  # one loss all-reduce
+    norm_grads = (2 * cfg.n_layers + 1) * cfg.dim * grad_dtype(dtype).itemsize
     L, t, M = cfg.n_layers, tp_size, n_microbatches
     # >>> TODO(m12): count the collectives of one step and the bytes one rank sends for them
     # Contract: the counts of the module docstring, times n_microbatches where they are per microbatch; sent_bytes
@@ -85,7 +81,7 @@ def tp_activation_bytes(cfg: LlamaConfig, batch: int, seq_len: int, dtype: torch
                         sequence_parallel: bool) -> dict[str, int]:
     """Bytes of each activation one block keeps on one rank, by name (module 06's store names), for a
     (batch, seq_len) input of `dtype`. r1, r2 and lse are kept in compute_dtype(dtype)."""
-    act, stat = _element_size(dtype), _element_size(compute_dtype(dtype))
+    act, stat = dtype.itemsize, compute_dtype(dtype).itemsize
     tokens, t = batch * seq_len, tp_size
     # >>> TODO(m12): the bytes of each of the fourteen activations on one rank
     # Contract: a dict from each store name (x n1 r1 q k v o lse h n2 r2 g u s) to bytes; the tests compare it, name

@@ -22,11 +22,12 @@ all-gather):
   enter (f)   forward all-gather along the sequence       backward reduce-scatter along the sequence
   leave (g)   forward reduce-scatter along the sequence   backward all-gather along the sequence
 
-The column-parallel backward is where communication can hide behind compute (the reference's
-"async communication"): the input gradient's collective is started, without waiting, *before* the
-weight-gradient GEMM, which does not need its result, and waited for after it. With sequence
-parallelism the backward also gathers the input again (the forward kept only this rank's sequence
-shard), started before the input-gradient GEMM, which does not need it either.
+The column-parallel backward is where communication can hide behind compute (Megatron-LM's linear
+"with gradient accumulation and async communication"): the input gradient's collective is started,
+without waiting, *before* the weight-gradient GEMM, which does not need its result, and waited for
+after it. With sequence parallelism the backward also gathers the input again (the forward kept
+only this rank's sequence shard), started before the input-gradient GEMM, which does not need it
+either.
 
 Weight gradients are added into `main_grad` accumulators inside the GEMM (torch.addmm with
 out=main_grad): over M microbatches each gradient is summed in main_grad's precision (float32 for
@@ -120,6 +121,9 @@ def leave_tp_forward(y: torch.Tensor, tp: TPGroup, label: str = "") -> torch.Ten
     """g's forward: y (B, T, dim) is this rank's partial product of a row-parallel linear; the residual
     stream needs the sum over ranks: whole on every rank, or this rank's sequence shard of it."""
     # >>> TODO(m12): g forward: all-reduce, or reduce-scatter along the sequence
+    # Contract: returns the sum over the group of the ranks' y, (B, T, dim) on every rank, or with sequence
+    #   parallelism this rank's positions of it, (B, T / t, dim). Summing into y in place is fine: the callers
+    #   pass a fresh product.
     # Pitfalls: this is f's backward collective, in the forward; the same shapes and the same sum.
     # Hint 1: the conjugate operators share their collectives: g's forward is f's backward.
     # Hint 2: enter_tp_backward does exactly this sum (nothing runs beside it here, so no need to go async).
@@ -132,6 +136,9 @@ def leave_tp_backward(dy: torch.Tensor, tp: TPGroup, label: str = "") -> torch.T
     """g's backward: the gradient of the residual stream, whole (identity), or gathered from the
     ranks' sequence shards; every rank's row-parallel linear needs all of it."""
     # >>> TODO(m12): g backward: identity, or an all-gather along the sequence
+    # Contract: returns the whole (B, T, dim) gradient of g's output: dy itself without sequence parallelism;
+    #   with it, the ranks' (B, T / t, dim) shards of dy gathered in rank order along the sequence.
+    # The maths: y = sum of the partials, so d y / d partial_r is the identity: every rank's partial gets dy.
     # Pitfalls: an all-reduce here would add the t identical copies of the gradient: t times too big.
     # Hint 1: the conjugate operators share their collectives: g's backward is f's forward.
     # Hint 2: enter_tp_forward does exactly this (identity, or the all-gather along the sequence).
@@ -190,6 +197,7 @@ def column_parallel_forward(x: torch.Tensor, weights: list[torch.Tensor], tp: TP
     W_i (out_i / t, dim) being this rank's rows. x is in the residual stream's layout; each y_i is
     (B, T, out_i / t), the whole sequence. Returns the list of y_i."""
     # >>> TODO(m12): column-parallel forward: enter the TP region once, then one GEMM per weight
+    # Contract: returns [y_i], y_i = x_whole W_i^T of shape (B, T, out_i / t), x_whole the whole (B, T, dim) input.
     # Pitfalls: gather once for all the weights that share x, not once per weight (the collectives are
     #   counted). Wait for it before multiplying.
     # Hint 1: the input is the same for every weight: make it whole once, then one product per weight.
@@ -256,6 +264,8 @@ def row_parallel_backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, ma
     """Backward of row_parallel_forward: adds dy_whole^T x into main_grad (dim, in / t) and returns
     dx (B, T, in / t), this rank's slice of the input features: nothing to sum over ranks."""
     # >>> TODO(m12): row-parallel backward: leave's backward, then the two GEMMs
+    # Contract: main_grad (dim, in / t) grows by dy_whole^T x, summed over all B T tokens; returns dx = dy_whole W,
+    #   (B, T, in / t): this rank's slice of the input features, final as it is (no sum over ranks).
     # Pitfalls: both GEMMs need the whole sequence of dy: with sequence parallelism, gather it first.
     # Hint 1: g's backward first; then the two products of any linear's backward, on this rank's slices.
     # Hint 2: leave_tp_backward gives dy as every rank needs it (whole); dx = dy W; the weight gradient through

@@ -33,6 +33,7 @@ from .m12_tp_linear import TPGroup, leave_tp_backward, leave_tp_forward
 def padded_vocab_size(vocab_size: int, tp_size: int, divisible_by: int = 1) -> int:
     """The vocabulary rounded up to a multiple of divisible_by * tp_size (Megatron pads to 128 * t)."""
     # >>> TODO(m12): round vocab_size up to a multiple of divisible_by * tp_size
+    # Contract: the smallest multiple of divisible_by * tp_size that is at least vocab_size (an int).
     # Pitfalls: a vocabulary that is already a multiple stays as it is. Integers only: no floats.
     # Hint 1: the multiple is divisible_by * tp_size; round up to it.
     # Hint 2: ceiling division in integers: -(-a // b) is a / b rounded up.
@@ -42,13 +43,16 @@ def padded_vocab_size(vocab_size: int, tp_size: int, divisible_by: int = 1) -> i
     # <<<
 
 
+def padded_rows(weight: torch.Tensor, padded_vocab: int) -> torch.Tensor:
+    """An embedding or LM head (V, dim) with zero rows up to padded_vocab: rows that stand for no token (given)."""
+    return torch.cat([weight, weight.new_zeros(padded_vocab - weight.shape[0], weight.shape[1])])
+
+
 def vocab_rows(weight: torch.Tensor, padded_vocab: int, tp_rank: int, tp_size: int) -> torch.Tensor:
     """This rank's rows of an embedding or LM head (V, dim), padded with zero rows to padded_vocab:
     rows [r padded_vocab / t, (r + 1) padded_vocab / t), a contiguous copy (given)."""
-    padded = torch.zeros(padded_vocab, weight.shape[1], dtype=weight.dtype, device=weight.device)
-    padded[:weight.shape[0]] = weight
     per_rank = padded_vocab // tp_size
-    return padded[tp_rank * per_rank:(tp_rank + 1) * per_rank].clone()
+    return padded_rows(weight, padded_vocab)[tp_rank * per_rank:(tp_rank + 1) * per_rank].clone()
 
 
 def embedding_forward(tokens: torch.Tensor, rows: torch.Tensor, tp: TPGroup) -> torch.Tensor:
@@ -75,6 +79,8 @@ def embedding_backward(dx: torch.Tensor, tokens: torch.Tensor, grad_rows: torch.
     """Adds the embedding's gradient into grad_rows (V'/t, dim), this rank's rows: each token's dx goes
     to its row if this rank owns it. dx is in the residual stream's layout."""
     # >>> TODO(m12): vocabulary-parallel embedding backward: leave's backward, then add dx into the owned rows
+    # Contract: grad_rows[local row of token v] grows by the sum of dx over every position holding v, for the
+    #   tokens v this rank owns; the other rows are untouched. Nothing is returned (the tokens need no gradient).
     # Pitfalls: with sequence parallelism dx holds only this rank's positions, but its rows receive gradient
     #   from tokens at every position: gather first. A token seen twice adds twice (index_add_, not indexing).
     # Hint 1: leave_tp_backward(dx, tp, "embedding") is the whole (B, T, dim) gradient; then the forward's mask.

@@ -65,10 +65,6 @@ class StateBytes:
         return self.parameters + self.gradients + self.optimizer
 
 
-def element_size(dtype: torch.dtype) -> int:
-    return torch.tensor([], dtype=dtype).element_size()
-
-
 def block_matrix_params(cfg: LlamaConfig) -> int:
     """P: the values of one block's seven matrices (wq, wk, wv, wo, w_gate, w_up, w_down)."""
     q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
@@ -79,7 +75,7 @@ def block_activation_bytes(cfg: LlamaConfig, batch: int, d: int, t: int, dtype: 
     """Bytes one block's forward keeps for its backward on one rank (given), by the specs of its store:
     xg, n1, hg, n2 [B/d T M]; r1, r2 [B/d T] (statistics); q, o [B/d T K/t Q D]; k, v [B/d T K/t D];
     lse [B/d K/t Q T] (statistics); g, u, s [B/d T F/t]."""
-    b, s = element_size(dtype), element_size(compute_dtype(dtype))
+    b, s = dtype.itemsize, compute_dtype(dtype).itemsize
     N, kv_heads = batch // d * cfg.max_seq_len, cfg.n_kv_heads // t
     q_per_kv = cfg.n_heads // cfg.n_kv_heads
     values = (4 * cfg.dim + 2 * kv_heads * q_per_kv * cfg.head_dim + 2 * kv_heads * cfg.head_dim
@@ -90,7 +86,7 @@ def block_activation_bytes(cfg: LlamaConfig, batch: int, d: int, t: int, dtype: 
 def step_traffic(cfg: LlamaConfig, batch: int, d: int, t: int, dtype: torch.dtype = torch.float32) -> StepTraffic:
     """What one rank sends in one step of m13_llama_2d on a d x t mesh, a global batch of `batch`
     sequences of cfg.max_seq_len tokens, weights and activations in `dtype`."""
-    b, s = element_size(dtype), element_size(compute_dtype(dtype))
+    b, s = dtype.itemsize, compute_dtype(dtype).itemsize
     L, M, P = cfg.n_layers, cfg.dim, block_matrix_params(cfg)
     V = padded_vocab_size(cfg.vocab_size, t)
     N = batch // d * cfg.max_seq_len  # tokens on one rank
@@ -123,7 +119,7 @@ def step_traffic(cfg: LlamaConfig, batch: int, d: int, t: int, dtype: torch.dtyp
 
 def state_bytes(cfg: LlamaConfig, d: int, t: int, dtype: torch.dtype = torch.float32) -> StateBytes:
     """What one rank keeps between steps: its blocks of the weights, their gradients, AdamW's moments."""
-    b, L, M = element_size(dtype), cfg.n_layers, cfg.dim
+    b, L, M = dtype.itemsize, cfg.n_layers, cfg.dim
     V = padded_vocab_size(cfg.vocab_size, t)
     # >>> TODO(m13): the bytes of parameters, gradients and optimizer state one rank keeps
     # Contract: return StateBytes(parameters, gradients, optimizer) in bytes (integers): the tests compare them

@@ -40,7 +40,7 @@ from .m06_llama_ops import (ATTENTION_CHUNK, attention_backward, attention_forwa
                             rmsnorm_forward, rope_backward, rope_forward, rope_tables, swiglu_backward,
                             swiglu_forward)
 from .m12_tp_linear import TPGroup
-from .m12_vocab_parallel import padded_vocab_size, vocab_parallel_cross_entropy
+from .m12_vocab_parallel import padded_rows, padded_vocab_size, vocab_parallel_cross_entropy
 from .m13_named_axes import (Mesh, Sharded, Spec, all_gather, all_reduce, check_matches, einsum_unreduced, local,
                              parse_spec, reduce_scatter, shard)
 
@@ -71,11 +71,6 @@ def named_weight(cfg: LlamaConfig, name: str, weight: torch.Tensor) -> torch.Ten
     K, Q, D, M = cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim, cfg.dim
     shapes = {"wq": (K, Q, D, M), "wk": (K, D, M), "wv": (K, D, M), "wo": (M, K, Q, D)}
     return weight.view(shapes[name]) if name in shapes else weight
-
-
-def padded_rows(weight: torch.Tensor, padded_vocab: int) -> torch.Tensor:
-    """An embedding or LM head (V, M) with zero rows up to padded_vocab: rows that stand for no token."""
-    return torch.cat([weight, weight.new_zeros(padded_vocab - weight.shape[0], weight.shape[1])])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -503,7 +498,7 @@ class Llama2D:
         return loss.item()
 
 
-def train(cfg: LlamaConfig, steps: int, mesh: Mesh, batch: int = 8, lr: float = 3e-3, seed: int = 0,
+def train(cfg: LlamaConfig, steps: int, mesh: Mesh, batch: int = 16, lr: float = 3e-3, seed: int = 0,
           dtype=torch.float32, on_step=None):
     """Module 06's `train` on the d x t mesh: the same initial model, the same global batches (every rank
     draws them all from the seed and keeps its rows). Returns (model, losses); every rank has the same

@@ -1,5 +1,5 @@
 # Generated from solutions/m11_executor.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 11`. (skeleton 410823c66755)
+# Grade your work with `python main.py grade 11`. (skeleton 8ac9a7a43251)
 """Module 11 - the executor: run any valid schedule on real ranks.
 
 Module 05 had one loop per schedule. Here there is one loop for all of them: each rank walks its
@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from .m00_monolith import MLPConfig, make_batch
-from .m05_schedules import split_microbatches
+from .m05_schedules import split_microbatches, wait_all
 from .m11_actions import Action, Schedule
 from .m11_stage import SplitStage, check_stages
 from .m11_validate import validate
@@ -133,8 +133,8 @@ def run_schedule(schedule: Schedule, stages: dict[int, SplitStage], comms: Stage
     # order. Returns the sum of the loss shares run_action returned, or None on a rank without the last
     # stage. Before it returns, every handle of the step's sends has been waited for.
     # Pitfalls:
-    # - returning before the sends complete: the next step may overwrite a tensor still in flight, or the
-    #   process exit with messages lost;
+    # - returning before the sends complete: on gloo a send whose handle is dropped is usually lost (the
+    #   peer then waits forever in its recv), and the next step may overwrite a tensor still in flight;
     # - a rank without the last stage returns None, not 0 (train keeps only the real losses).
     raise NotImplementedError("TODO(m11): run every action of this rank's list in order; wait for every send; return the loss")
 

@@ -1,5 +1,5 @@
 # Generated from solutions/m11_validate.py by `python -m course.skeleton`. Given code: nothing
-# to fill in here; read it, then run it with `python main.py run 11`. (skeleton b586ed14aa1e)
+# to fill in here; read it, then run it with `python main.py run 11`. (skeleton 99fcb2ea9c94)
 """Module 11 - the validator (given): is a schedule one that the executor can run to the end?
 
 A schedule is refused, with a ScheduleError (a ValueError) whose first line says what is wrong,
@@ -14,8 +14,9 @@ a hang is the worst way to learn that a list was wrong. Checks, in order:
    next step, the schedule deadlocks: the error prints the ranks' lists with each rank's first
    stuck action in brackets.
 
-The dry run is the unit-cost simulator (course/simulate.py): a schedule it can finish, the
-executor can too, whatever the real costs, because only the order of each rank's list matters.
+The dry run is the schedule simulator (course/simulate.py) at unit costs: a schedule it can
+finish, the executor can too, whatever the real costs, because only the order of each rank's list
+matters.
 """
 from collections import Counter
 

@@ -1,5 +1,5 @@
 # Generated from solutions/m12_tp_block.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 12`. (skeleton d022c87523c9)
+# Grade your work with `python main.py grade 12`. (skeleton 5ed413894329)
 """Module 12, part 2 - module 06's block on t ranks: attention split by heads, the FFN by its width.
 
     residual x ─ RMSNorm ─ enter ─ q, k, v (column) ─ RoPE, attention ─ o (row) ─ leave ─ + ─ h
@@ -13,7 +13,8 @@ elementwise. Per block and direction that leaves two collectives, one per enter/
 parallelism on this rank's T/t positions, which divides their activation memory by t.
 
 The block is module 06's, op for op (its local ops are imported from m06_llama_ops), with the
-weights sliced and the collectives at the seams; the rotary tables and attention are module 06's.
+weights sliced and the collectives at the seams; the attention and the rotary tables are a module-06
+LlamaBlock's (`self.local`), run on this rank's heads.
 Its backward adds every weight gradient into `grads`, the main_grad accumulators, instead of
 returning new tensors, so microbatches accumulate inside the GEMMs. With sequence parallelism the
 norm weights' gradients are partial (this rank's tokens only): `sum_norm_grads` sums them over the
@@ -25,10 +26,9 @@ from math import gcd
 
 import torch
 
-from .m06_llama_block import ActivationStore, BlockWeights, LlamaConfig
-from .m06_llama_ops import (ATTENTION_CHUNK, ChunkedAttention, residual_rmsnorm_backward, residual_rmsnorm_forward,
-                            rmsnorm_backward, rmsnorm_forward, rope_backward, rope_forward, rope_tables,
-                            swiglu_backward, swiglu_forward)
+from .m06_llama_block import ActivationStore, BlockWeights, LlamaBlock, LlamaConfig
+from .m06_llama_ops import (ATTENTION_CHUNK, residual_rmsnorm_backward, residual_rmsnorm_forward, rmsnorm_backward,
+                            rmsnorm_forward, rope_backward, rope_forward, swiglu_backward, swiglu_forward)
 from .m12_tp_linear import (TPGroup, column_parallel_backward, column_parallel_forward, row_parallel_backward,
                             row_parallel_forward)
 
@@ -88,18 +88,11 @@ class TPBlock:
     def __init__(self, cfg: LlamaConfig, tp: TPGroup, attention_chunk: int = ATTENTION_CHUNK, fused: bool = True):
         check_tp_size(cfg, tp.size)
         self.cfg, self.tp, self.fused = cfg, tp, fused
-        self.attention = ChunkedAttention(attention_chunk)  # module 06's, on this rank's heads
-        self._rope = {}
+        # Module 06's block, for what a rank computes alone: attention on its own heads, and the RoPE tables.
+        self.local = LlamaBlock(cfg, attention_chunk=attention_chunk)
 
     def new_store(self) -> ActivationStore:
-        return ActivationStore()
-
-    def rope(self, seq_len: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin tables for this sequence length, built once per dtype and device."""
-        key = (seq_len, dtype, str(device))
-        if key not in self._rope:
-            self._rope[key] = rope_tables(seq_len, self.cfg.head_dim, self.cfg.rope_theta, dtype, device)
-        return self._rope[key]
+        return self.local.new_store()
 
     def forward(self, w: BlockWeights, x: torch.Tensor, store: ActivationStore) -> torch.Tensor:
         """y = block(x), x and y in the residual stream's layout: (B, T, dim), or (B, T / t, dim) with

@@ -1,5 +1,5 @@
 # Generated from solutions/m12_tp_linear.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 12`. (skeleton d8d1054bb14e)
+# Grade your work with `python main.py grade 12`. (skeleton 52d9a6a1dfe0)
 """Module 12, part 1 - tensor-parallel linears: Megatron's column and row split, and the two
 conjugate operators that connect them to the residual stream.
 
@@ -24,11 +24,12 @@ all-gather):
   enter (f)   forward all-gather along the sequence       backward reduce-scatter along the sequence
   leave (g)   forward reduce-scatter along the sequence   backward all-gather along the sequence
 
-The column-parallel backward is where communication can hide behind compute (the reference's
-"async communication"): the input gradient's collective is started, without waiting, *before* the
-weight-gradient GEMM, which does not need its result, and waited for after it. With sequence
-parallelism the backward also gathers the input again (the forward kept only this rank's sequence
-shard), started before the input-gradient GEMM, which does not need it either.
+The column-parallel backward is where communication can hide behind compute (Megatron-LM's linear
+"with gradient accumulation and async communication"): the input gradient's collective is started,
+without waiting, *before* the weight-gradient GEMM, which does not need its result, and waited for
+after it. With sequence parallelism the backward also gathers the input again (the forward kept
+only this rank's sequence shard), started before the input-gradient GEMM, which does not need it
+either.
 
 Weight gradients are added into `main_grad` accumulators inside the GEMM (torch.addmm with
 out=main_grad): over M microbatches each gradient is summed in main_grad's precision (float32 for
@@ -103,6 +104,9 @@ def leave_tp_forward(y: torch.Tensor, tp: TPGroup, label: str = "") -> torch.Ten
     """g's forward: y (B, T, dim) is this rank's partial product of a row-parallel linear; the residual
     stream needs the sum over ranks: whole on every rank, or this rank's sequence shard of it."""
     # TODO(m12): g forward: all-reduce, or reduce-scatter along the sequence
+    # Contract: returns the sum over the group of the ranks' y, (B, T, dim) on every rank, or with sequence
+    #   parallelism this rank's positions of it, (B, T / t, dim). Summing into y in place is fine: the callers
+    #   pass a fresh product.
     # Pitfalls: this is f's backward collective, in the forward; the same shapes and the same sum.
     raise NotImplementedError('TODO(m12): g forward: all-reduce, or reduce-scatter along the sequence')
 
@@ -111,6 +115,9 @@ def leave_tp_backward(dy: torch.Tensor, tp: TPGroup, label: str = "") -> torch.T
     """g's backward: the gradient of the residual stream, whole (identity), or gathered from the
     ranks' sequence shards; every rank's row-parallel linear needs all of it."""
     # TODO(m12): g backward: identity, or an all-gather along the sequence
+    # Contract: returns the whole (B, T, dim) gradient of g's output: dy itself without sequence parallelism;
+    #   with it, the ranks' (B, T / t, dim) shards of dy gathered in rank order along the sequence.
+    # The maths: y = sum of the partials, so d y / d partial_r is the identity: every rank's partial gets dy.
     # Pitfalls: an all-reduce here would add the t identical copies of the gradient: t times too big.
     raise NotImplementedError('TODO(m12): g backward: identity, or an all-gather along the sequence')
 
@@ -161,6 +168,7 @@ def column_parallel_forward(x: torch.Tensor, weights: list[torch.Tensor], tp: TP
     W_i (out_i / t, dim) being this rank's rows. x is in the residual stream's layout; each y_i is
     (B, T, out_i / t), the whole sequence. Returns the list of y_i."""
     # TODO(m12): column-parallel forward: enter the TP region once, then one GEMM per weight
+    # Contract: returns [y_i], y_i = x_whole W_i^T of shape (B, T, out_i / t), x_whole the whole (B, T, dim) input.
     # Pitfalls: gather once for all the weights that share x, not once per weight (the collectives are
     #   counted). Wait for it before multiplying.
     raise NotImplementedError('TODO(m12): column-parallel forward: enter the TP region once, then one GEMM per weight')
@@ -205,6 +213,8 @@ def row_parallel_backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, ma
     """Backward of row_parallel_forward: adds dy_whole^T x into main_grad (dim, in / t) and returns
     dx (B, T, in / t), this rank's slice of the input features: nothing to sum over ranks."""
     # TODO(m12): row-parallel backward: leave's backward, then the two GEMMs
+    # Contract: main_grad (dim, in / t) grows by dy_whole^T x, summed over all B T tokens; returns dx = dy_whole W,
+    #   (B, T, in / t): this rank's slice of the input features, final as it is (no sum over ranks).
     # Pitfalls: both GEMMs need the whole sequence of dy: with sequence parallelism, gather it first.
     raise NotImplementedError("TODO(m12): row-parallel backward: leave's backward, then the two GEMMs")
 

@@ -1,9 +1,10 @@
 """Module 11: the executor runs every schedule on real ranks and trains exactly like the monolith.
 
-The stages, schedules and validator are the reference's, so these tests grade the executor. The
-stage does the monolith's operations and every schedule adds each stage's microbatch gradients in
-microbatch order, so the reference is the monolith trained with gradient accumulation over the same
-microbatches: losses and weights must equal it bit for bit, whatever the schedule. Against the
+The stages, schedules and validator are the reference's, so these tests grade the executor (the last
+one runs all of your module together). The stage does the monolith's operations and every schedule
+adds each stage's microbatch gradients in microbatch order, so the reference is the monolith trained
+with gradient accumulation over the same microbatches (course/reference_pipelining.py's
+`accumulating_monolith`): losses and weights must equal it bit for bit, whatever the schedule. Against the
 plain monolith (one batch, not M microbatches) only the summation order differs: losses within
 1e-6 (module 05's bound). torch.distributed.pipelining scales the summed gradients by 1/M instead
 of each loss before its backward: the same numbers when M is a power of two (measured: equal bit for
@@ -13,12 +14,12 @@ gradients are compared within 1e-5 relative and losses within 1e-6.
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
 
 from course.impl import load, reference
 from course.launch import run_ranks
 from course.profiler import Profiler
+from course.reference_pipelining import accumulating_monolith
 
 m11 = load("m11_executor")
 ref = reference("m11_executor")
@@ -89,25 +90,6 @@ def _train(name, world_size, n_microbatches, steps, profile=False):
     return losses, params, profiler.actions() if profile else None, profiler.peak_live, first_grads
 
 
-def _accumulating_monolith(n_microbatches, steps):
-    """The monolith trained with gradient accumulation over the same M microbatches (autograd)."""
-    cfg = m00.MLPConfig(steps=steps)
-    model = m00.build_model(cfg)
-    optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
-    x, y = m00.make_batch(cfg)
-    losses = []
-    for _ in range(steps):
-        optimizer.zero_grad()
-        shares = []
-        for xm, ym in zip(x.chunk(n_microbatches), y.chunk(n_microbatches)):
-            share = F.cross_entropy(model(xm), ym) / n_microbatches
-            share.backward()
-            shares.append(share.detach())
-        optimizer.step()
-        losses.append(sum(shares).item())
-    return model, losses
-
-
 def _stage_params(model, stage, n_stages):
     per_stage = len(model.layers) // n_stages
     layers = list(model.layers[stage * per_stage:(stage + 1) * per_stage])
@@ -123,7 +105,7 @@ def test_every_schedule_trains_like_the_monolith_bit_for_bit(name, world_size, n
     steps = 3
     results = run_ranks(_train, world_size, name, world_size, n_microbatches, steps, timeout=20)
     schedule = generators.make_schedule(name, world_size, n_microbatches)
-    model, want = _accumulating_monolith(n_microbatches, steps)
+    model, want = accumulating_monolith(m00.MLPConfig(steps=steps), n_microbatches)
     label = f"{name}, P={world_size}, M={n_microbatches}"
     losses = results[schedule.placement[-1]][0]
     assert losses == want, (f"{label}: losses {losses} differ from the monolith's with gradient accumulation {want}: "
@@ -155,16 +137,6 @@ def test_each_rank_runs_its_list_in_order_keeping_what_the_simulator_predicts(na
              f"activations, the simulator predicts {predicted[rank]}")
 
 
-class _CountMatmuls(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += func.overloadpacket.__name__ in ("mm", "addmm", "bmm", "matmul", "linear")
-        return func(*args, **(kwargs or {}))
-
-
 def _count_one_step(name, world_size, n_microbatches):
     rank = dist.get_rank()
     cfg = m00.MLPConfig(steps=1)
@@ -172,21 +144,23 @@ def _count_one_step(name, world_size, n_microbatches):
     stages = ref.build_stages(cfg, schedule, rank)
     comms = _WatchedComms(m11.StageComms(rank, schedule.placement, n_microbatches))
     x, y = m00.make_batch(cfg)
-    with _CountMatmuls() as counter:
+    with FlopCounterMode(display=False) as counter:
         m11.run_schedule(schedule, stages, comms, x, y)
     comms.check_all_waited(rank)
-    return counter.count
+    return counter.get_total_flops()
 
 
 @pytest.mark.exercises("run_action", "run_schedule")
 @pytest.mark.parametrize("name", ["1f1b", "zbv", "dualpipev"])
 def test_no_matmul_is_done_twice(name):
     world_size, n_microbatches = 2, 4
+    # Counted in floating-point operations of matrix products (PyTorch's FlopCounterMode), summed over ranks.
     ours = sum(run_ranks(_count_one_step, world_size, name, world_size, n_microbatches, timeout=20))
-    with _CountMatmuls() as autograd:
-        _accumulating_monolith(n_microbatches, 1)
-    assert ours == autograd.count, (f"{name}: one step did {ours} matmuls over all ranks, autograd on the monolith "
-                                    f"{autograd.count}: is an I or a W run twice (a B followed by its W, an I by a B)?")
+    with FlopCounterMode(display=False) as autograd:
+        accumulating_monolith(m00.MLPConfig(steps=1), n_microbatches)
+    assert ours == autograd.get_total_flops(), \
+        (f"{name}: one step did {ours:,} matmul flops over all ranks, autograd on the monolith "
+         f"{autograd.get_total_flops():,}: is an I or a W run twice (a B followed by its W, an I by a B)?")
 
 
 @pytest.mark.exercises("run_action", "run_schedule")
@@ -210,7 +184,7 @@ def test_ours_equals_torch_pipelinings_same_schedule(name, world_size, n_microba
                 assert error <= 1e-5, f"{name}: stage {stage} gradient {i} differs from torch's by {error:.1e} (relative)"
 
 
-@pytest.mark.exercises("run_action", "run_schedule")
+@pytest.mark.exercises("zbv", "SplitStage.backward_input", "SplitStage.backward_weight", "run_action", "run_schedule")
 def test_all_of_your_module_together():
     """Your generator, validator, stage and executor: ZB-V on 2 ranks, three steps, bit for bit."""
     def everything(world_size, n_microbatches, steps):
@@ -221,5 +195,5 @@ def test_all_of_your_module_together():
         _, losses = m11.train(schedule, stages, m11.StageComms(rank, schedule.placement, n_microbatches), cfg)
         return losses
     results = run_ranks(everything, 2, 2, 4, 3, timeout=20)
-    _, want = _accumulating_monolith(4, 3)
+    _, want = accumulating_monolith(m00.MLPConfig(steps=3), 4)
     assert results[0] == want, f"ZB-V with all of your module 11: losses {results[0]}, the monolith's {want}"

@@ -3,32 +3,21 @@
 Every operation of SplitStage is the one autograd runs for the monolith (the same matmuls, the same
 ReLU backward, the loss gradient from autograd itself), and the gradients of the M microbatches are
 added in microbatch order, as autograd adds them into .grad over M backward calls. So the reference,
-the monolith with gradient accumulation over the same microbatches, must be matched bit for bit.
+the monolith with gradient accumulation over the same microbatches (course/reference_pipelining.py's
+`accumulating_monolith`), must be matched bit for bit: no tolerance.
 """
 import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
 
 from course.impl import load, reference
+from course.reference_pipelining import accumulating_monolith
 
 m11 = load("m11_stage")
 m00 = reference("m00_monolith")
-CFG = m00.MLPConfig()
-
-
-def _monolith_accumulated(n_microbatches):
-    """Autograd's gradients of sum_m cross_entropy(microbatch m) / M, added over M backward calls."""
-    model = m00.build_model(CFG)
-    x, y = m00.make_batch(CFG)
-    shares = []
-    for xm, ym in zip(x.chunk(n_microbatches), y.chunk(n_microbatches)):
-        share = F.cross_entropy(model(xm), ym) / n_microbatches
-        share.backward()
-        shares.append(share.detach())
-    return model, shares
+CFG = m00.MLPConfig(steps=1)
 
 
 def _monolith_linears(model, stage, n_stages):
@@ -40,15 +29,17 @@ def _monolith_linears(model, stage, n_stages):
 @pytest.mark.exercises("SplitStage.backward_input", "SplitStage.backward_weight")
 @pytest.mark.parametrize("n_stages, n_microbatches", [(1, 1), (4, 2), (8, 4)])
 def test_i_then_w_gives_autograds_gradients_bit_for_bit(n_stages, n_microbatches):
-    model, want_shares = _monolith_accumulated(n_microbatches)
+    model, (want_loss,) = accumulating_monolith(CFG, n_microbatches)  # its .grad: the step's gradient
     stages = [m11.SplitStage(CFG, s, n_stages) for s in range(n_stages)]
     x, y = m00.make_batch(CFG)
     xs, ys = x.chunk(n_microbatches), y.chunk(n_microbatches)
+    shares = []
     for m in range(n_microbatches):  # every forward first, every I next, the W's last (ZB-style)
         h = xs[m]
         for stage in stages:
             h = stage(h, m, ys[m], n_microbatches)
-        assert torch.equal(h, want_shares[m]), f"microbatch {m}: loss share {h.item()}, autograd's {want_shares[m].item()}"
+        shares.append(h)
+    assert sum(shares).item() == want_loss, f"loss {sum(shares).item()}, autograd's {want_loss} (given forward)"
     for m in range(n_microbatches):
         grad = None
         for stage in reversed(stages):
@@ -114,46 +105,49 @@ def test_i_computes_no_weight_gradient_on_the_last_stage_either():
     assert kept.logits is None and kept.targets is None, "backward_input must drop the logits and targets"
 
 
-class _CountMatmuls(TorchDispatchMode):
-    MATMULS = {"mm", "addmm", "bmm", "matmul", "linear", "baddbmm"}
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket.__name__ in self.MATMULS:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
+def _flops(run) -> int:
+    """Floating-point operations of the matrix products `run()` does (PyTorch's FlopCounterMode)."""
+    with FlopCounterMode(display=False) as counter:
+        run()
+    return counter.get_total_flops()
 
 
 @pytest.mark.exercises("SplitStage.backward_input", "SplitStage.backward_weight")
 @pytest.mark.parametrize("n_stages", [1, 4])
 def test_no_matmul_is_done_twice(n_stages):
     # Autograd on the monolith does, per microbatch, one matmul per linear forward, one per weight
-    # gradient and one per input gradient except the first layer's (the batch needs none).
-    n_microbatches = 2
-    with _CountMatmuls() as theirs:
-        _monolith_accumulated(n_microbatches)
+    # gradient and one per input gradient except the first layer's (the batch needs none). Counted
+    # in floating-point operations: by hand per phase, and against autograd for the whole step.
+    n_microbatches, rows = 2, CFG.batch // 2
+    layer, head = 2 * rows * CFG.hidden * CFG.hidden, 2 * rows * CFG.hidden * CFG.classes  # one matmul each
+    forward = CFG.layers * layer + head
+    want = {"F": forward * n_microbatches, "I": (forward - layer) * n_microbatches, "W": forward * n_microbatches}
     stages = [m11.SplitStage(CFG, s, n_stages) for s in range(n_stages)]
     x, y = m00.make_batch(CFG)
-    counts = {}
-    with _CountMatmuls() as ours:
-        for m, (xm, ym) in enumerate(zip(x.chunk(n_microbatches), y.chunk(n_microbatches))):
-            before = ours.count
-            for stage in stages:
-                xm = stage(xm, m, ym, n_microbatches)
-            counts["F"] = ours.count - before
-            before, grad = ours.count, None
-            for stage in reversed(stages):
-                grad = stage.backward_input(m, grad)
-            counts["I"] = ours.count - before
-            before = ours.count
-            for stage in stages:
-                stage.backward_weight(m)
-            counts["W"] = ours.count - before
-    linears = CFG.layers + 1
-    assert counts == {"F": linears, "I": linears - 1, "W": linears}, \
-        (f"{n_stages} stages, one microbatch: matmuls per phase {counts}, expected F {linears}, I {linears - 1} "
-         f"(no dx for the batch), W {linears}")
-    assert ours.count == theirs.count, f"{ours.count} matmuls for {n_microbatches} microbatches, autograd does {theirs.count}"
+    xs, ys = x.chunk(n_microbatches), y.chunk(n_microbatches)
+
+    def forwards(m):
+        h = xs[m]
+        for stage in stages:
+            h = stage(h, m, ys[m], n_microbatches)
+
+    def inputs(m):
+        grad = None
+        for stage in reversed(stages):
+            grad = stage.backward_input(m, grad)
+
+    def weights(m):
+        for stage in stages:
+            stage.backward_weight(m)
+
+    got = {"F": 0, "I": 0, "W": 0}
+    for m in range(n_microbatches):
+        for kind, phase in (("F", forwards), ("I", inputs), ("W", weights)):
+            got[kind] += _flops(lambda: phase(m))
+    assert got == want, \
+        (f"{n_stages} stages, {n_microbatches} microbatches: matmul flops per phase {got}, expected {want}: I does "
+         f"one matmul per linear except the batch's gradient ({layer} flops per microbatch: the first stage returns "
+         f"None without computing it), W one per linear")
+    autograd = _flops(lambda: accumulating_monolith(CFG, n_microbatches))
+    assert sum(got.values()) == autograd, \
+        f"{sum(got.values())} flops for {n_microbatches} microbatches, autograd on the monolith does {autograd}"

@@ -1,5 +1,5 @@
 """Module 11's given machinery: the validator refuses what cannot run, with a message that says why,
-and the unit-cost simulator times what can (with messages that cost, and with DualPipe's pairs)."""
+and the schedule simulator times what can (with messages that cost, and with DualPipe's pairs)."""
 from fractions import Fraction
 
 import pytest

@@ -4,7 +4,8 @@ GEMMs), and the fused main_grad accumulation against float64.
 
 Tolerance. In float64 the only difference from one process is the order in which the ranks'
 partial products are summed (torch 2.13 CPU: differences of a few units of 1e-16); we allow
-1e-12 relative. A misplaced collective is off by a factor (t, or 1/t) or by a whole term.
+1e-12 relative (and 1e-13 absolute, for entries near zero; the tensors' entries are of order 1). A
+misplaced collective is off by a factor (t, or 1/t) or by a whole term.
 """
 import pytest
 import torch

@@ -54,7 +54,6 @@ def test_the_formulas_equal_what_a_step_sends_and_keeps(d, t, dtype):
         wrong = {part: (sent[part], formula[part]) for part in sent if sent[part] != formula[part]}
         assert not wrong, (f"mesh {d}x{t}, rank {rank}: bytes sent per step (measured, formula) by part: {wrong}; "
                            f"the module docstring lists each part's collectives")
-        assert traffic.sent_bytes == sum(sent.values())
         got = (kept.parameters, kept.gradients, kept.optimizer)
         assert got == (params, grads, moments), \
             (f"mesh {d}x{t}, rank {rank}: (parameters, gradients, AdamW moments) bytes: formula {got}, the rank "

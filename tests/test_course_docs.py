@@ -38,7 +38,7 @@ def code_spans(doc: Path) -> list[str]:
 
 
 def is_path(token: str) -> bool:
-    if " " in token or "://" in token or "(" in token:
+    if " " in token or "://" in token or "(" in token or token.startswith(('"', "'")):  # a quoted string: a spec
         return False
     return "/" in token or token.endswith(PATH_SUFFIXES)
 

@@ -140,7 +140,7 @@ def main(argv):
     notes = (f"emulated device: {args.emulate_ms:g} ms per layer in F, in I and in W (B = I + W); {args.steps} steps "
              "per run, the first not timed; each row's step (ours, and torch's) is the fastest of the others. "
              "bubble = the ranks' mean idle fraction, measured; simulated = the "
-             "unit-cost simulator at the emulated stage costs; formula = the chapter's closed form; diff_pp = "
+             "schedule simulator at the emulated stage costs; formula = the chapter's closed form; diff_pp = "
              f"measured - simulated, in points. peak_live: most (stage, microbatch) activations kept per rank. "
              f"interleaved: v = {args.stages_per_rank}. same_as_torch: losses within 1e-6, gradients within 1e-5.")
     report("bench-11", "Module 11: every schedule's bubble measured vs simulated vs formula, and ours vs "

@@ -92,11 +92,11 @@ def _state_bytes(params, optimizer) -> int:
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="main.py bench 13", description=__doc__.split("\n\n")[0])
     parser.add_argument("--meshes", default="1x1,1x4,2x2,4x1", help="comma-separated DxT meshes (default: the four)")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps (after one warm-up)")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps, after one warm-up (default 5)")
     parser.add_argument("--dim", type=int, default=64,
                         help="model width: dim // 8 query heads of 8, 4 key/value heads (default 64)")
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--layers", type=int, default=2, help="blocks (default 2)")
+    parser.add_argument("--batch", type=int, default=8, help="global batch, its rows split over d (default 8)")
     parser.add_argument("--seq", type=int, default=64, help="sequence length (default 64)")
     args = parser.parse_args(argv)
     cfg, meshes = check(parser, args)
@@ -119,6 +119,7 @@ def main(argv: list[str]) -> None:
                          "= formula": ("yes" if r["sent"] == traffic.sent_bytes and r["state"] == state.total
                                        else "NO") if ours else "-",
                          "final loss": r["loss"]})
+        print(f"  measured {d}x{t}", flush=True)
     report("bench-13", f"2-D sharding (FSDP over d, Megatron over t) on CPU ranks: {cfg.n_layers} blocks of dim "
                        f"{cfg.dim}, batch {args.batch} x {cfg.max_seq_len} tokens, float32", rows,
            notes="ours: m13_llama_2d (named axes, course/collectives.py); torch: FSDP2 fully_shard over d + DTensor "

@@ -14,6 +14,7 @@ from course.demos import print_losses, same_curve
 from course.emulated import EmulatedSplitStage
 from course.impl import load, reference
 from course.profiler import Profiler, export
+from course.reference_pipelining import accumulating_monolith
 from course.simulate import Costs, simulate_schedule
 from course.trace import chrome_trace
 
@@ -36,8 +37,6 @@ def check_args(args):
     (the stages must cut the 16 layers evenly), the batch's, and the validator's on the reference
     schedule (a schedule that could deadlock never runs)."""
     gen, m00 = reference("m11_generators"), reference("m00_monolith")
-    if args.schedule not in gen.SCHEDULES:
-        raise ValueError(f"unknown schedule {args.schedule!r}; choose one of {', '.join(gen.SCHEDULES)}")
     gen.check_arguments(args.schedule, args.world_size, args.microbatches, args.stages_per_rank)
     cfg = m00.MLPConfig()
     per_rank = gen.stages_per_rank_of(args.schedule, args.stages_per_rank)
@@ -64,7 +63,7 @@ def stage_costs(schedule, cfg, emulate_ms: float) -> Costs:
 
 
 def bubble_rows(profiles, schedule, costs, stages_per_rank=2) -> dict:
-    """Measured (profiles), simulated (the unit-cost simulator at `costs`) and closed-form bubble,
+    """Measured (profiles), simulated (the schedule simulator at `costs`) and closed-form bubble,
     and peak live (stage, microbatch) activations per rank, measured and simulated."""
     timeline = simulate_schedule(schedule.orders, schedule.placement, costs)
     summary = summarize(profiles)
@@ -106,7 +105,7 @@ def demo(args):
           f"(losses from rank {schedule.placement[-1]}, which holds the last stage):")
     print_losses(losses, expected)
     print(f"  every step's loss equals the monolith's: {same_curve(losses, expected)}")
-    accumulated = accumulated_monolith_losses(cfg, schedule.n_microbatches)
+    _, accumulated = accumulating_monolith(cfg, schedule.n_microbatches)
     print(f"  ... and the monolith's trained on the same {schedule.n_microbatches} microbatches (gradient "
           f"accumulation): {same_curve(losses, accumulated)}")
     report(profiles, schedule, stage_costs(schedule, cfg, args.emulate_ms), args)
@@ -118,29 +117,6 @@ def demo(args):
         plot_timeline(profiles, args.trace + ".png", step=-1,
                       title=f"{schedule.name}, P={world_size}, M={schedule.n_microbatches} (measured, last step)")
         print(f"trace: {args.trace}.json (open in ui.perfetto.dev), timeline: {args.trace}.png")
-
-
-def accumulated_monolith_losses(cfg, n_microbatches: int) -> list[float]:
-    """The monolith trained with autograd, its gradients accumulated over the same microbatches:
-    every schedule adds each stage's microbatch gradients in this order, so it matches bit for bit."""
-    import torch
-    import torch.nn.functional as F
-
-    m00 = reference("m00_monolith")
-    model = m00.build_model(cfg)
-    optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
-    x, y = m00.make_batch(cfg)
-    losses = []
-    for _ in range(cfg.steps):
-        optimizer.zero_grad()
-        shares = []
-        for xm, ym in zip(x.chunk(n_microbatches), y.chunk(n_microbatches)):
-            share = F.cross_entropy(model(xm), ym) / n_microbatches
-            share.backward()
-            shares.append(share.detach())
-        optimizer.step()
-        losses.append(sum(shares).item())
-    return losses
 
 
 def report(profiles, schedule, costs, args):
