@@ -176,6 +176,9 @@ class ProfiledStage:
     def __getattr__(self, name):  # everything else (hidden, loss, parameters, ...) is the stage's
         return getattr(self._stage, name)
 
+    def forward(self, x):  # stage.forward(x) is profiled like stage(x)
+        return self(x)
+
     def __call__(self, x):
         profiler = self._profiler
         microbatch = profiler._forwards

@@ -109,8 +109,8 @@ class ShardedMLP(nn.Module):
 def sharded_forward(model: ShardedMLP, comms: PipelineComms, x: torch.Tensor) -> torch.Tensor:
     """Relay the batch `x` through all ranks; return this rank's output (logits on the last rank).
 
-    Every rank passes the same batch: the first rank feeds it in, the others only use its batch
-    size to allocate their receive buffer, shape (batch, hidden).
+    The first rank feeds the batch in; the others only read its number of rows from `x` (to size
+    their receive buffer, (rows, hidden)), so they may be handed just those rows.
     """
     # >>> TODO(m04): pass the batch through this rank's stage of the relay and return its output
     # Contract: runs on every rank at once, with the same batch x (batch, features). The first
@@ -123,8 +123,8 @@ def sharded_forward(model: ShardedMLP, comms: PipelineComms, x: torch.Tensor) ->
     # Pitfalls: receiving on the first rank or sending from the last: the comms raise their clear
     # "rank r is the first/last stage" error. A rank that never sends leaves the next one
     # waiting in its receive: the grader stops the ranks at its timeout and names the line each
-    # is stuck on. Sizing the buffer from x.shape alone works only because the batch's width
-    # equals the hidden width here (128); the activations' width is the model's.
+    # is stuck on. The buffer's width is the model's, not x's: the grader hands the other ranks
+    # only the batch's rows (x[:, :1]), so a buffer sized from x.shape fails.
     # Hint 1: Three steps, two of them depending on where this stage sits: where its input comes
     #         from, computing, where its output goes.
     # Hint 2: model.is_first and model.is_last; comms.recv_forward(shape) with shape

@@ -1,5 +1,5 @@
 # Generated from solutions/m04_sharded.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 04`. (skeleton e96c811ba640)
+# Grade your work with `python main.py grade 04`. (skeleton ab189bd0fb11)
 """Module 04 - the sharded model.
 
 Each rank holds only its own slice of the 16 layers (the last rank also holds the head and
@@ -85,8 +85,8 @@ class ShardedMLP(nn.Module):
 def sharded_forward(model: ShardedMLP, comms: PipelineComms, x: torch.Tensor) -> torch.Tensor:
     """Relay the batch `x` through all ranks; return this rank's output (logits on the last rank).
 
-    Every rank passes the same batch: the first rank feeds it in, the others only use its batch
-    size to allocate their receive buffer, shape (batch, hidden).
+    The first rank feeds the batch in; the others only read its number of rows from `x` (to size
+    their receive buffer, (rows, hidden)), so they may be handed just those rows.
     """
     # TODO(m04): pass the batch through this rank's stage of the relay and return its output
     # Contract: runs on every rank at once, with the same batch x (batch, features). The first
@@ -99,7 +99,7 @@ def sharded_forward(model: ShardedMLP, comms: PipelineComms, x: torch.Tensor) ->
     # Pitfalls: receiving on the first rank or sending from the last: the comms raise their clear
     # "rank r is the first/last stage" error. A rank that never sends leaves the next one
     # waiting in its receive: the grader stops the ranks at its timeout and names the line each
-    # is stuck on. Sizing the buffer from x.shape alone works only because the batch's width
-    # equals the hidden width here (128); the activations' width is the model's.
+    # is stuck on. The buffer's width is the model's, not x's: the grader hands the other ranks
+    # only the batch's rows (x[:, :1]), so a buffer sized from x.shape fails.
     raise NotImplementedError("TODO(m04): pass the batch through this rank's stage of the relay and return its output")
 

@@ -1,5 +1,6 @@
 """Module 02: neighbours, the process-group setup, and the four send/receive verbs."""
 import os
+from datetime import timedelta
 
 import pytest
 import torch
@@ -21,14 +22,28 @@ def test_neighbours(world_size):
 
 
 def _init_in_existing_group():
+    # The launcher's group is gloo. Pretend this machine has a GPU for each local rank (nothing
+    # here may touch CUDA: set_device is a recorder): the device must still follow the group's
+    # backend, gloo, so the CPU, whatever backend this machine would have chosen for a new group.
+    torch.cuda.is_available = lambda: True
+    torch.cuda.device_count = lambda: 2
+    set_device = []
+    torch.cuda.set_device = lambda device: set_device.append(str(device))
     rank, world_size, device = m02.init_distributed()
-    return rank, world_size, str(device), dist.get_rank(), dist.get_world_size()
+    assert isinstance(device, torch.device), f"init_distributed returned the device {device!r}, expected a torch.device"
+    return rank, world_size, str(device), dist.get_rank(), dist.get_world_size(), set_device
 
 
 @pytest.mark.exercises("init_distributed")
 def test_init_distributed_reports_rank_world_size_and_device():
-    assert run_ranks(_init_in_existing_group, 2, timeout=20) == [
-        (0, 2, "cpu", 0, 2), (1, 2, "cpu", 1, 2)]
+    results = run_ranks(_init_in_existing_group, 2, timeout=20)
+    for rank, (got_rank, got_world, device, group_rank, group_world, set_device) in enumerate(results):
+        assert (got_rank, got_world) == (group_rank, group_world) == (rank, 2), \
+            f"rank {rank} of 2: init_distributed returned rank {got_rank}, world size {got_world}"
+        assert device == "cpu" and set_device == [], \
+            (f"rank {rank}: the existing group is gloo, so the device must be the CPU (and no CUDA device set), "
+             f"got {device} (set_device calls {set_device}), on a machine with a GPU per rank: derive the device "
+             "from the group's backend (dist.get_backend()), not from what this machine would choose")
 
 
 def _init_from_environment(gpus, local_world_size):
@@ -48,18 +63,23 @@ def test_init_distributed_creates_the_group_from_torchrun_variables(gpus, local_
         (0, 1, "cpu", "gloo")]
 
 
-def _init_with_a_gpu_per_local_rank(backend=None):
+def _init_with_a_gpu_per_local_rank(backend=None, local=True, timeout_s=None):
     # Rank 3 of 4, the second of 2 ranks on this machine, with 2 GPUs: one GPU per local rank, so
     # nccl, on this rank's local GPU cuda:1 (not cuda:3, its global rank). Nothing here may touch
     # CUDA (this is a forked rank, maybe on a machine without it): the GPUs are pretended, and the
-    # group and set_device are recorders.
+    # group and set_device are recorders. With local=False, LOCAL_RANK and LOCAL_WORLD_SIZE are
+    # missing, which means local rank 0 of 1.
     os.environ.update(RANK="3", WORLD_SIZE="4", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2")
+    if not local:
+        del os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"]
     torch.cuda.is_available = lambda: True
     torch.cuda.device_count = lambda: 2
     group, set_device = {}, []
 
-    def init_process_group(backend=None, *args, rank=None, world_size=None, **kwargs):
-        group.update(backend=backend, rank=rank, world_size=world_size)
+    def init_process_group(backend=None, init_method=None, timeout=None, world_size=-1, rank=-1, **kwargs):
+        # torch's own signature and defaults, so positional and keyword calls are both recorded
+        group.update(backend=backend, timeout=timeout, rank=None if rank == -1 else rank,
+                     world_size=None if world_size == -1 else world_size)
 
     def record_set_device(device):
         set_device.append(str(torch.device("cuda", device) if isinstance(device, int) else torch.device(device)))
@@ -70,13 +90,14 @@ def _init_with_a_gpu_per_local_rank(backend=None):
     dist.get_rank = lambda *args, **kwargs: group["rank"] if group.get("rank") is not None else int(os.environ["RANK"])
     dist.get_world_size = lambda *args, **kwargs: (group["world_size"] if group.get("world_size") is not None
                                                    else int(os.environ["WORLD_SIZE"]))
-    rank, world_size, device = m02.init_distributed(backend=backend)
-    return rank, world_size, str(device), group.get("backend"), set_device
+    kwargs = {} if timeout_s is None else {"timeout_s": timeout_s}
+    rank, world_size, device = m02.init_distributed(backend=backend, **kwargs)
+    return rank, world_size, str(device), group.get("backend"), set_device, group.get("timeout")
 
 
 @pytest.mark.exercises("init_distributed")
 def test_init_distributed_picks_nccl_and_the_local_gpu_when_every_local_rank_has_one():
-    [(rank, world_size, device, backend, set_device)] = run_ranks(
+    [(rank, world_size, device, backend, set_device, _)] = run_ranks(
         _init_with_a_gpu_per_local_rank, 1, timeout=20, init_process_group=False)
     assert (rank, world_size) == (3, 4), f"RANK=3, WORLD_SIZE=4 but init_distributed returned {rank}, {world_size}"
     assert backend == "nccl", f"2 GPUs for 2 local ranks: the group must use nccl, got {backend!r}"
@@ -87,10 +108,24 @@ def test_init_distributed_picks_nccl_and_the_local_gpu_when_every_local_rank_has
 @pytest.mark.exercises("init_distributed")
 def test_init_distributed_uses_the_backend_asked_for():
     # Module 07 keeps its tensors in CPU memory and asks for gloo, even where nccl would be chosen.
-    [(_, _, device, backend, set_device)] = run_ranks(
+    [(_, _, device, backend, set_device, _)] = run_ranks(
         _init_with_a_gpu_per_local_rank, 1, "gloo", timeout=20, init_process_group=False)
     assert backend == "gloo" and device == "cpu" and set_device == [], \
         f"init_distributed(backend='gloo'): expected gloo on the CPU, got {backend!r} on {device} (set_device {set_device})"
+
+
+@pytest.mark.exercises("init_distributed")
+def test_init_distributed_without_local_variables_and_with_its_timeout():
+    # LOCAL_RANK and LOCAL_WORLD_SIZE missing mean local rank 0 of 1: with 2 GPUs, nccl on cuda:0.
+    # The timeout must reach the group, or a hung collective waits for torch's default (minutes).
+    [(rank, world_size, device, backend, set_device, timeout)] = run_ranks(
+        _init_with_a_gpu_per_local_rank, 1, None, False, 7.0, timeout=20, init_process_group=False)
+    assert (backend, device, set_device) == ("nccl", "cuda:0", ["cuda:0"]), \
+        (f"without LOCAL_RANK and LOCAL_WORLD_SIZE (local rank 0 of 1, 2 GPUs): expected nccl on cuda:0, got "
+         f"{backend!r} on {device} (set_device calls {set_device}); read them with os.environ.get(name, default)")
+    assert timeout == timedelta(seconds=7), \
+        (f"init_distributed(timeout_s=7.0) created the group with timeout={timeout!r}, expected "
+         "timedelta(seconds=7): pass the timeout on to dist.init_process_group")
 
 
 def _relay(world_size):
@@ -185,6 +220,84 @@ def test_sending_none_is_a_clear_error(verb):
     # leaf requiring grad leaves .grad None): the error must say so, not fail inside torch.distributed.
     with pytest.raises(TypeError, match=f"{verb} got NoneType, not a tensor .a gradient that was never computed"):
         getattr(m02.PipelineComms(0 if verb.endswith("forward") else 1, 2), verb)(None)
+
+
+class _RecordedWork:
+    """The handle a recorded non-blocking call returns: it only notes whether it was waited for."""
+
+    def __init__(self):
+        self.waited = False
+
+    def wait(self, *args, **kwargs):
+        self.waited = True
+        return True
+
+    def is_completed(self):
+        return self.waited
+
+
+def _record_point_to_point(monkeypatch):
+    """Replace torch.distributed's point-to-point calls with recorders (no process group needed):
+    each call is recorded as (kind, peer, tensor, handle)."""
+    calls = []
+
+    def recorder(kind, non_blocking):
+        def call(tensor, peer=None, *args, **kwargs):
+            peer = kwargs.get("dst", kwargs.get("src", peer))
+            handle = _RecordedWork() if non_blocking else None
+            calls.append((kind, peer, tensor, handle))
+            return handle
+        return call
+    for name, kind, non_blocking in [("send", "send", False), ("isend", "send", True),
+                                     ("recv", "recv", False), ("irecv", "recv", True)]:
+        monkeypatch.setattr(dist, name, recorder(kind, non_blocking))
+    return calls
+
+
+@pytest.mark.exercises("PipelineComms.__init__",
+                        "PipelineComms.send_forward",
+                        "PipelineComms.recv_forward",
+                        "PipelineComms.send_backward",
+                        "PipelineComms.recv_backward",
+                        "PipelineComms.isend_forward",
+                        "PipelineComms.isend_backward")
+@pytest.mark.parametrize("verb, peer, kind", [
+    ("send_forward", 2, "send"), ("isend_forward", 2, "send"), ("recv_forward", 0, "recv"),
+    ("send_backward", 0, "send"), ("isend_backward", 0, "send"), ("recv_backward", 2, "recv")])
+def test_each_verb_talks_to_its_neighbour_with_the_right_buffer(verb, peer, kind, monkeypatch):
+    # Rank 1 of 3 has a neighbour on each side, so a verb that picks the wrong side is seen here.
+    # The comms' device is "meta" (tensors with a shape and dtype but no data), a stand-in for a GPU
+    # that this test needs no GPU for: a receive buffer left on the CPU shows as "cpu".
+    calls = _record_point_to_point(monkeypatch)
+    comms = m02.PipelineComms(1, 3, device="meta", dtype=torch.float16)
+    if kind == "recv":
+        got = [getattr(comms, verb)((2, 3)), getattr(comms, verb)((4,), torch.float64)]
+    else:
+        result = getattr(comms, verb)(torch.empty(3, 2, dtype=torch.float16, device="meta").t())
+    assert [(k, p) for k, p, _, _ in calls] == [(kind, peer)] * (2 if kind == "recv" else 1), \
+        (f"rank 1 of 3, {verb}: expected {'two receives' if kind == 'recv' else 'one send'} "
+         f"{'from' if kind == 'recv' else 'to'} rank {peer} (the {'previous' if peer == 0 else 'next'} stage), "
+         f"got these point-to-point calls (kind, peer): {[(k, p) for k, p, _, _ in calls]}")
+    if kind == "recv":
+        for (_, _, buffer, _), returned, shape, dtype in zip(calls, got, [(2, 3), (4,)], [torch.float16, torch.float64]):
+            described = (tuple(buffer.shape), buffer.dtype, buffer.device.type)
+            assert described == (shape, dtype, "meta"), \
+                (f"{verb}({shape}{'' if dtype == torch.float16 else ', torch.float64'}) received into a buffer of "
+                 f"(shape, dtype, device) {described}, expected {(shape, dtype, 'meta')}: the shape asked for, the "
+                 "dtype asked for or else the comms' dtype, on the comms' device")
+            assert isinstance(returned, torch.Tensor) and returned.shape == shape and returned.device == buffer.device, \
+                f"{verb} must return the filled buffer, got {returned!r}"
+        return
+    (_, _, sent, handle) = calls[0]
+    assert sent.is_contiguous(), f"{verb} handed torch.distributed a non-contiguous tensor: send tensor.contiguous()"
+    if verb.startswith("isend"):
+        assert hasattr(result, "wait"), \
+            f"{verb} returned {result!r}: it must return the handle of a non-blocking send (dist.isend), for the caller to wait on"
+        assert not handle.waited, \
+            (f"{verb} waited for its own send: a non-blocking send returns at once and the caller waits later "
+             "(a send that waits for its receiver can deadlock two neighbours that both send first)")
+        result.wait()
+        assert handle.waited, f"waiting on the handle {verb} returned did not wait for the send it started"
 
 
 def _exchange_both_ways():

@@ -24,9 +24,14 @@ class CountingComms(ReferenceComms):
         super().send_backward(tensor)
 
 
+def _start():
+    # float64 (not the comms' float32) and two dimensions: the receive buffers must take both from the ball
+    return torch.arange(6, dtype=torch.float64).reshape(2, 3)
+
+
 def _play(round_trips):
     comms = CountingComms(dist.get_rank(), 2)
-    ball = m03.ping_pong(comms, torch.arange(6, dtype=torch.float64), round_trips)
+    ball = m03.ping_pong(comms, _start(), round_trips)
     return ball, comms.sent
 
 
@@ -34,9 +39,16 @@ def _play(round_trips):
 @pytest.mark.parametrize("round_trips", [1, 5])
 def test_each_hop_adds_one(round_trips):
     (ball0, sent0), (ball1, sent1) = run_ranks(_play, 2, round_trips, timeout=20)
-    start = torch.arange(6, dtype=torch.float64)
-    assert torch.equal(ball0, start + 2 * round_trips), f"rank 0 holds {ball0.tolist()}"
-    assert torch.equal(ball1, start + 2 * round_trips - 1), f"rank 1 holds {ball1.tolist()}"
+    start = _start()
+    for rank, ball, hops in [(0, ball0, 2 * round_trips), (1, ball1, 2 * round_trips - 1)]:
+        expected = start + hops
+        assert isinstance(ball, torch.Tensor) and ball.shape == expected.shape and ball.dtype == expected.dtype, \
+            (f"rank {rank} returned {ball!r}, expected a {tuple(expected.shape)} {expected.dtype} ball like the one "
+             "served: size the receives with the ball's own shape and dtype")
+        assert torch.equal(ball, expected), \
+            (f"rank {rank} holds {ball.tolist()} after {round_trips} round trips, expected {expected.tolist()} "
+             f"(x + {hops}: every hop adds 1, and rank {rank} returns the last ball it "
+             f"{'received' if rank == 0 else 'sent back'})")
     assert sent0 == sent1 == round_trips, f"messages sent: rank 0 {sent0}, rank 1 {sent1}, expected {round_trips} each"
 
 
@@ -80,34 +92,53 @@ class ClockedComms:
     """One side of a ping-pong without a peer: each round trip advances the clock by its scripted
     duration (rank 0 sends once per round trip, rank 1 receives once), and every receive returns a ball."""
 
-    def __init__(self, rank, clock):
-        self.rank, self.world_size, self.device, self.clock = rank, 2, torch.device("cpu"), clock
+    def __init__(self, rank, clock, device):
+        self.rank, self.world_size, self.device, self.clock = rank, 2, torch.device(device), clock
         self.prev, self.next = (None, 1) if rank == 0 else (0, None)
+        self.sent, self.received = [], []  # what went out (shape, dtype, device), what was asked for (shape, dtype)
 
     def send_forward(self, tensor):
+        self.sent.append((tuple(tensor.shape), tensor.dtype, tensor.device.type))
         self.clock.tick()
 
     def recv_backward(self, shape, dtype=None):
-        return torch.zeros(shape, dtype=dtype or torch.float32)
+        self.received.append((tuple(shape), dtype or torch.float32))
+        return torch.zeros(shape, dtype=dtype or torch.float32, device=self.device)
 
     def recv_forward(self, shape, dtype=None):
+        self.received.append((tuple(shape), dtype or torch.float32))
         self.clock.tick()
-        return torch.zeros(shape, dtype=dtype or torch.float32)
+        return torch.zeros(shape, dtype=dtype or torch.float32, device=self.device)
 
     def send_backward(self, tensor):
-        pass
+        self.sent.append((tuple(tensor.shape), tensor.dtype, tensor.device.type))
+
+
+# Slow warm-ups, then timed round trips whose median differs from their mean, their sum, the median
+# with the warm-ups timed too and the median of the first `repeats` round trips. Seven timed: median
+# 1.0 (mean 3.98, sum 27.875, with warm-ups 2.0, first seven 8.0). Six timed, an even count like the
+# default repeats=20: the median is the mean of the two middle values, 1.5, not the lower (1.0) or
+# the upper (2.0) one. Powers of two: every difference of clock readings is exact.
+TIMER_CASES = [([64.0, 32.0], [0.5, 8.0, 0.25, 1.0, 16.0, 0.125, 2.0], 1.0),
+               ([64.0], [0.5, 8.0, 0.25, 1.0, 16.0, 2.0], 1.5)]
 
 
 @pytest.mark.exercises("ping_pong", "time_round_trip")
+@pytest.mark.parametrize("warmups, timed, median", TIMER_CASES, ids=["7 timed", "6 timed"])
 @pytest.mark.parametrize("rank", [0, 1])
-def test_timer_returns_the_median_of_the_timed_round_trips(rank, monkeypatch):
-    # Two slow warm-ups, then seven timed round trips whose median (1.0) differs from their mean
-    # (3.98), their sum (27.875), the median with the warm-ups timed too (2.0) and the median of the
-    # first seven round trips (8.0). Powers of two: every difference of clock readings is exact.
-    warmups, timed = [64.0, 32.0], [0.5, 8.0, 0.25, 1.0, 16.0, 0.125, 2.0]
+def test_timer_returns_the_median_of_the_timed_round_trips(rank, warmups, timed, median, monkeypatch):
     clock = ScriptedClock(warmups + timed)
     monkeypatch.setattr(m03, "time", clock)  # the module reads time.perf_counter through its global `time`
-    seconds = m03.time_round_trip(ClockedComms(rank, clock), 10, repeats=7, warmup=2)
-    assert not clock.durations, f"{len(clock.durations)} of the 9 round trips were not played"
-    assert seconds == 1.0, \
-        f"rank {rank}: got {seconds}; the median of the timed round trips {sorted(timed)} is 1.0 (warm-ups excluded)"
+    # The comms' device is "meta" (shape and dtype, no data), a stand-in for a GPU: a ball left on
+    # the CPU shows as "cpu" in what rank 0 sends.
+    comms = ClockedComms(rank, clock, "meta")
+    seconds = m03.time_round_trip(comms, 10, repeats=len(timed), warmup=len(warmups))
+    total = len(warmups) + len(timed)
+    assert not clock.durations, f"{len(clock.durations)} of the {total} round trips were not played"
+    balls = set(comms.sent) | {(shape, dtype, "meta") for shape, dtype in comms.received}
+    assert balls == {((10,), torch.float32, "meta")}, \
+        (f"rank {rank}: time_round_trip(comms, numel=10) bounced balls of (shape, dtype, device) {sorted(balls, key=str)}, "
+         "expected a float32 ball of 10 elements on comms.device, ((10,), torch.float32, 'meta')")
+    assert seconds == median, \
+        (f"rank {rank}: got {seconds}; the median of the timed round trips {sorted(timed)} is {median} (warm-ups "
+         "excluded; with an even count, the mean of the two middle values: statistics.median)")

@@ -11,14 +11,20 @@ m00 = reference("m00_monolith")
 ReferenceComms = reference("m02_comms").PipelineComms  # grade this module, not module 02
 cfg = m00.MLPConfig()
 WORLD_SIZES = [1, 2, 4, 8, 16]  # every world size that divides 16 layers
+# A small model whose sizes differ from the course's (16 layers, width 128, 2 classes), so that a
+# number copied from the course's model shows: 12 layers split over 3 or 6 ranks.
+SMALL = m00.MLPConfig(layers=12, hidden=8, classes=3)
 
 
 @pytest.mark.exercises("layer_range")
-@pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_layer_ranges_split_the_layers_evenly_and_in_order(world_size):
+@pytest.mark.parametrize("cfg, world_size", [*((cfg, p) for p in WORLD_SIZES), (SMALL, 3), (SMALL, 6)],
+                         ids=[*(f"P={p}" for p in WORLD_SIZES), "12 layers, P=3", "12 layers, P=6"])
+def test_layer_ranges_split_the_layers_evenly_and_in_order(cfg, world_size):
     ranges = [list(m04.layer_range(cfg, rank, world_size)) for rank in range(world_size)]
-    assert sum(ranges, []) == list(range(cfg.layers)), f"ranges {ranges} do not cover 0..15 in order"
-    assert {len(r) for r in ranges} == {cfg.layers // world_size}
+    expected = [list(range(r * cfg.layers // world_size, (r + 1) * cfg.layers // world_size)) for r in range(world_size)]
+    assert ranges == expected, \
+        (f"{cfg.layers} layers over {world_size} ranks: got the ranges {ranges}, expected consecutive blocks of "
+         f"cfg.layers // world_size = {cfg.layers // world_size}: {expected}")
 
 
 @pytest.mark.given
@@ -28,8 +34,9 @@ def test_uneven_split_is_rejected_with_a_clear_error():
 
 
 @pytest.mark.exercises("layer_range", "ShardedMLP.__init__")
-@pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_every_rank_starts_from_its_slice_of_the_monolith(world_size):
+@pytest.mark.parametrize("cfg, world_size", [*((cfg, p) for p in WORLD_SIZES), (SMALL, 3)],
+                         ids=[*(f"P={p}" for p in WORLD_SIZES), "12 layers, width 8, 3 classes, P=3"])
+def test_every_rank_starts_from_its_slice_of_the_monolith(cfg, world_size):
     monolith = m00.build_model(cfg)
     for rank in range(world_size):
         torch.manual_seed(1234 + rank)  # whatever the rank drew before must not matter
@@ -41,8 +48,10 @@ def test_every_rank_starts_from_its_slice_of_the_monolith(world_size):
             assert torch.equal(layer.weight, reference_layer.weight) and torch.equal(layer.bias, reference_layer.bias), \
                 f"world {world_size}, rank {rank}: layer {first + i} does not equal the monolith's"
         if rank == world_size - 1:
+            assert shard.head is not None, f"rank {rank} is the last of {world_size}: it must hold the head"
             assert torch.equal(shard.head.weight, monolith.head.weight) and torch.equal(shard.head.bias, monolith.head.bias), \
-                "last rank's head differs from the monolith's"
+                (f"last rank's head differs from the monolith's (weight shape {tuple(shard.head.weight.shape)}, expected "
+                 f"{tuple(monolith.head.weight.shape)}): hidden to classes, created after all the layers")
         else:
             assert shard.head is None, f"rank {rank} must not hold the head"
     total = sum(p.numel() for p in monolith.parameters())
@@ -50,22 +59,38 @@ def test_every_rank_starts_from_its_slice_of_the_monolith(world_size):
     assert held == total, f"the ranks hold {held} parameters together, the monolith {total}"
 
 
-def _forward(world_size):
+def _forward(cfg, world_size):
     rank = dist.get_rank()
     model = m04.ShardedMLP(cfg, rank, world_size)
     x, _ = m00.make_batch(cfg)
+    if rank > 0:  # the contract: the other ranks only read the batch's number of rows from x
+        x = x[:, :1]
     with torch.no_grad():
         return m04.sharded_forward(model, ReferenceComms(rank, world_size), x)
 
 
 @pytest.mark.exercises("layer_range", "ShardedMLP.__init__", "sharded_forward")
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_relay_reproduces_the_monolith_logits_bit_for_bit(world_size):
-    outputs = run_ranks(_forward, world_size, world_size, timeout=30)
+@pytest.mark.parametrize("cfg, world_size", [(cfg, 1), (cfg, 2), (cfg, 4), (SMALL, 3)],
+                         ids=["P=1", "P=2", "P=4", "12 layers, width 8, 3 classes, P=3"])
+def test_relay_reproduces_the_monolith_logits_bit_for_bit(cfg, world_size):
+    outputs = run_ranks(_forward, world_size, cfg, world_size, timeout=30)
     x, _ = m00.make_batch(cfg)
+    monolith = m00.build_model(cfg)
     with torch.no_grad():
-        expected = m00.build_model(cfg)(x)
+        expected = monolith(x)
     logits = outputs[-1]
-    assert logits.shape == expected.shape, f"last rank returned shape {tuple(logits.shape)}"
+    assert isinstance(logits, torch.Tensor) and logits.shape == expected.shape, \
+        (f"the last rank returned {tuple(logits.shape) if isinstance(logits, torch.Tensor) else repr(logits)}, "
+         f"expected logits of shape {tuple(expected.shape)} (batch, classes)")
     assert torch.equal(logits, expected), f"max |difference| {(logits - expected).abs().max().item():.3e}; expected 0"
-    assert all(o.shape == (cfg.batch, cfg.hidden) for o in outputs[:-1]), "middle ranks return activations"
+    # Every other rank returns its own output, the activation it sent on: the monolith's after that rank's layers.
+    per_rank, hidden = cfg.layers // world_size, x
+    for rank, got in enumerate(outputs[:-1]):
+        with torch.no_grad():
+            for layer in monolith.layers[rank * per_rank:(rank + 1) * per_rank]:
+                hidden = torch.relu(layer(hidden))
+        assert isinstance(got, torch.Tensor) and torch.equal(got, hidden), \
+            (f"rank {rank} of {world_size} returned {'a tensor' if isinstance(got, torch.Tensor) else repr(got)} "
+             f"{tuple(got.shape) if isinstance(got, torch.Tensor) else ''}, expected its output: the activation "
+             f"after layers {rank * per_rank}..{(rank + 1) * per_rank - 1}, shape {tuple(hidden.shape)} "
+             "(not the input it received)")

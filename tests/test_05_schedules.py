@@ -1,6 +1,8 @@
 """Module 05: naive, GPipe and 1F1B reproduce the monolith, in the right order, in bounded memory.
 
-The stage and comms come from the reference modules 02 and 04, so only the schedules are graded.
+The stage and comms come from the reference modules 02 and 04 (or are defined here: a float64 model
+whose input is wider than its activations, and comms that record instead of sending), so only the
+schedules are graded.
 Microbatched schedules add the gradients of M microbatches instead of computing the full batch's
 at once: the same sum in another order, so float32 results may differ in the last bits. We allow
 that rounding (relative 1e-5, about 100 float32 ulps) and no more: a missing 1/M is a factor M.
@@ -12,7 +14,10 @@ the gradient is tiny (comparable to eps). After 50 steps we allow 1e-5 (1% of on
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
 
+from course.emulated import EmulatedStage
 from course.impl import load, reference
 from course.launch import RankTimeout, run_ranks
 from course.profiler import Profiler
@@ -33,9 +38,12 @@ def _train(schedule, world_size, n_microbatches, steps, profile=False):
     stage = ShardedMLP(cfg, rank, world_size)
     optimizer = torch.optim.Adam(stage.parameters(), lr=cfg.lr)
     profiler = Profiler(rank)
-    model, comms = stage, ReferenceComms(rank, world_size)
+    # The stage the demo and the benchmark pass: an emulated device around the ShardedMLP (here with
+    # no extra time). It offers is_first, is_last, hidden, loss and parameters, not ShardedMLP's
+    # rank or layers: a schedule takes the rank and world size from its comms.
+    model, comms = EmulatedStage(stage, 0.0), ReferenceComms(rank, world_size)
     if profile:
-        model, comms = profiler.wrap_stage(stage), profiler.wrap_comms(comms)
+        model, comms = profiler.wrap_stage(model), profiler.wrap_comms(comms)
     run_step = profiler.wrap_schedule(m05.SCHEDULES[schedule])
     x, y = m00.make_batch(cfg)
     losses = []
@@ -43,13 +51,24 @@ def _train(schedule, world_size, n_microbatches, steps, profile=False):
         optimizer.zero_grad()
         loss = run_step(model, comms, x, y, n_microbatches)
         if rank == world_size - 1:
+            assert isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.grad_fn is None, \
+                (f"{schedule} returned {_describe(loss)} on the last rank, expected the batch loss as a detached "
+                 "scalar tensor: detach the loss (each share before adding the shares up; a loss that keeps its autograd "
+                 "history keeps the step's graphs alive after it)")
             losses.append(loss.item())
         else:
-            assert loss is None, f"rank {rank} returned {loss!r}; only the last rank has a loss"
+            assert loss is None, f"{schedule}: rank {rank} returned {_describe(loss)}; only the last rank has a loss (None elsewhere)"
         if steps == 1:  # keep the gradients for the caller
             return losses, [p.grad.clone() for p in stage.parameters()], profiler.ops(), profiler.peak_live
         optimizer.step()
     return losses, [p.detach().clone() for p in stage.parameters()], profiler.ops(), profiler.peak_live
+
+
+def _describe(value):
+    if isinstance(value, torch.Tensor):
+        return (f"a tensor of shape {tuple(value.shape)}" +
+                (f" with autograd history ({type(value.grad_fn).__name__})" if value.grad_fn is not None else ""))
+    return repr(value)
 
 
 def _monolith_slices(model, world_size, attr):
@@ -93,6 +112,231 @@ def _check_against_monolith(schedule, world_size, n_microbatches, steps):
             else:
                 torch.testing.assert_close(got, ref, rtol=GRAD_RTOL, atol=WEIGHT_ATOL[steps],
                                            msg=lambda m: f"{label}: rank {rank} parameter {i}: {m}")
+
+
+# A second model, in float64, whose first stage takes inputs of another width (FEATURES) than the
+# activations between stages (HIDDEN); the course's MLP has 128 everywhere, which hides a receive
+# buffer sized from x_mb or a gradient buffer sized from inp. Its stages offer only what the demo's
+# EmulatedStage offers: is_first, is_last, hidden, loss and parameters.
+FEATURES, HIDDEN, CLASSES, ROWS = 6, 4, 3, 12
+
+
+def _wide_model(world_size):
+    """The whole model, one block per stage, then the head: the reference and every stage's source."""
+    torch.manual_seed(0)
+    blocks = [nn.Linear(FEATURES if r == 0 else HIDDEN, HIDDEN, dtype=torch.float64) for r in range(world_size)]
+    return blocks, nn.Linear(HIDDEN, CLASSES, dtype=torch.float64)
+
+
+def _wide_batch():
+    generator = torch.Generator().manual_seed(1)
+    return (torch.randn(ROWS, FEATURES, dtype=torch.float64, generator=generator),
+            torch.randint(0, CLASSES, (ROWS,), generator=generator))
+
+
+class WideStage(nn.Module):
+    def __init__(self, rank, world_size):
+        super().__init__()
+        self.is_first, self.is_last, self.hidden = rank == 0, rank == world_size - 1, HIDDEN
+        blocks, head = _wide_model(world_size)
+        self.block, self.head = blocks[rank], head if self.is_last else None
+
+    def forward(self, x):
+        x = torch.tanh(self.block(x))
+        return self.head(x) if self.is_last else x
+
+    def loss(self, logits, targets):
+        return F.cross_entropy(logits, targets)
+
+
+def _check_receive(comms, verb, shape, dtype, rows, note):
+    """What a schedule asks to receive, checked before it is received (a wrong buffer makes gloo abort)."""
+    expected = (rows, HIDDEN)
+    if tuple(shape) != expected:
+        what = ("the previous stage's activation" if verb == "recv_forward" else
+                "the gradient of this stage's output (out's shape, not inp's: the first stage's input is "
+                f"{FEATURES} wide here)")
+        raise AssertionError(
+            f"rank {comms.rank}: {verb} asked for shape {tuple(shape)}, but {what} has shape {expected} "
+            f"(microbatch rows, stage.hidden; {note}): size receives from the microbatch's rows and stage.hidden, "
+            "not from x_mb's shape")
+    if dtype not in (None, comms.dtype):
+        raise AssertionError(
+            f"rank {comms.rank}: {verb} asked for dtype {dtype}, but this pipeline sends {comms.dtype}: leave the "
+            "dtype out (the comms' default) rather than naming one")
+
+
+class CheckedComms(ReferenceComms):
+    """The reference comms in float64, checking the shape and dtype of every receive first."""
+
+    def __init__(self, rank, world_size, rows, note):
+        super().__init__(rank, world_size, dtype=torch.float64)
+        self.rows, self.note = rows, note
+
+    def recv_forward(self, shape, dtype=None):
+        _check_receive(self, "recv_forward", shape, dtype, self.rows, self.note)
+        return super().recv_forward(shape, dtype)
+
+    def recv_backward(self, shape, dtype=None):
+        _check_receive(self, "recv_backward", shape, dtype, self.rows, self.note)
+        return super().recv_backward(shape, dtype)
+
+
+def _rows_and_note(schedule, n_microbatches):
+    if schedule == "naive":
+        return ROWS, f"naive runs the whole batch of {ROWS} rows at once, whatever n_microbatches says"
+    return ROWS // n_microbatches, f"{ROWS} rows in {n_microbatches} microbatches"
+
+
+def _train_wide(schedule, world_size, n_microbatches):
+    rank = dist.get_rank()
+    stage = WideStage(rank, world_size)
+    x, y = _wide_batch()
+    comms = CheckedComms(rank, world_size, *_rows_and_note(schedule, n_microbatches))
+    loss = m05.SCHEDULES[schedule](stage, comms, x, y, n_microbatches)
+    return (None if loss is None else loss.item()), [None if p.grad is None else p.grad.clone() for p in stage.parameters()]
+
+
+class _RecordedHandle:
+    def __init__(self):
+        self.waited = False
+
+    def wait(self):
+        self.waited = True
+
+
+class RecordingComms:
+    """Comms with no peer, for one rank in a single process: receives return random tensors of the
+    shape asked for (after the check above), non-blocking sends return handles that note whether
+    they were waited for, blocking sends are noted."""
+
+    def __init__(self, rank, world_size, rows, note):
+        self.rank, self.world_size, self.rows, self.note = rank, world_size, rows, note
+        self.prev = rank - 1 if rank > 0 else None
+        self.next = rank + 1 if rank < world_size - 1 else None
+        self.device, self.dtype = torch.device("cpu"), torch.float64
+        self.generator = torch.Generator().manual_seed(rank)
+        self.calls = {"recv_forward": 0, "recv_backward": 0, "isend_forward": 0, "isend_backward": 0}
+        self.handles, self.blocking = [], []
+
+    def _peer(self, verb, side):
+        assert getattr(self, side) is not None, \
+            (f"rank {self.rank} of {self.world_size} called {verb}, but it has no {side} rank (it is the "
+             f"{'first' if side == 'prev' else 'last'} stage{'; the only stage is both' if self.world_size == 1 else ''})")
+
+    def _recv(self, verb, shape, dtype):
+        self._peer(verb, "prev" if verb == "recv_forward" else "next")
+        _check_receive(self, verb, shape, dtype, self.rows, self.note)
+        self.calls[verb] += 1
+        return torch.randn(shape, dtype=self.dtype, generator=self.generator)
+
+    def recv_forward(self, shape, dtype=None):
+        return self._recv("recv_forward", shape, dtype)
+
+    def recv_backward(self, shape, dtype=None):
+        return self._recv("recv_backward", shape, dtype)
+
+    def _isend(self, verb, tensor):
+        self._peer(verb, "next" if verb == "isend_forward" else "prev")
+        assert isinstance(tensor, torch.Tensor), f"{verb} got {tensor!r}, not a tensor"
+        self.calls[verb] += 1
+        self.handles.append(_RecordedHandle())
+        return self.handles[-1]
+
+    def isend_forward(self, tensor):
+        return self._isend("isend_forward", tensor)
+
+    def isend_backward(self, tensor):
+        return self._isend("isend_backward", tensor)
+
+    def send_forward(self, tensor):
+        self.blocking.append("send_forward")
+
+    def send_backward(self, tensor):
+        self.blocking.append("send_backward")
+
+
+@pytest.mark.exercises("forward_step", "backward_step", "naive", "gpipe", "one_f_one_b")
+@pytest.mark.parametrize("schedule", ["naive", "gpipe", "1f1b"])
+@pytest.mark.parametrize("rank, world_size", [(0, 2), (1, 3), (1, 2)], ids=["first", "middle", "last"])
+def test_every_send_is_non_blocking_and_waited_for_before_the_step_ends(schedule, rank, world_size):
+    # One rank alone, with comms that record: a forgotten wait_all or a handle not kept in `sends`
+    # shows here by name, where on real ranks the peer hangs in a receive until the timeout.
+    n_microbatches = 4
+    rows, note = _rows_and_note(schedule, n_microbatches)
+    comms = RecordingComms(rank, world_size, rows, note)
+    x, y = _wide_batch()
+    stage = WideStage(rank, world_size)
+    m05.SCHEDULES[schedule](stage, comms, x, y, n_microbatches)
+    where = f"{schedule} on rank {rank} of {world_size}"
+    assert not comms.blocking, \
+        (f"{where} used blocking sends {comms.blocking}: forward_step and backward_step send with isend_forward / "
+         "isend_backward and keep the handles (blocking sends in both directions deadlock 1F1B's steady state)")
+    messages = 1 if schedule == "naive" else n_microbatches
+    expected = {"recv_forward": messages * (comms.prev is not None), "recv_backward": messages * (comms.next is not None),
+                "isend_forward": messages * (comms.next is not None), "isend_backward": messages * (comms.prev is not None)}
+    assert comms.calls == expected, \
+        (f"{where}, M={n_microbatches}: made the calls {comms.calls}, expected {expected} (one message each way per "
+         "microbatch, to each neighbour it has)")
+    unwaited = sum(not handle.waited for handle in comms.handles)
+    assert unwaited == 0, \
+        (f"{where} returned with {unwaited} of its {len(comms.handles)} non-blocking sends never waited for: keep "
+         "every handle in `sends` and wait_all(sends) before returning (on gloo an unwaited send is usually lost, "
+         "and the peer hangs in its receive)")
+
+
+@pytest.mark.exercises("forward_step", "backward_step", "naive", "gpipe", "one_f_one_b")
+@pytest.mark.parametrize("schedule", ["naive", "gpipe", "1f1b"])
+def test_a_single_stage_is_first_and_last_and_sends_nothing(schedule):
+    # `python main.py run 05 --nproc 1`: one stage, both the first (it reads x) and the last (it
+    # computes the loss), with nobody to talk to. Reference: autograd of the same model in float64
+    # (M = 4 microbatches sum in another order: measured up to 4.3e-16 relative, we allow 1e-10).
+    n_microbatches = 4
+    comms = RecordingComms(0, 1, *_rows_and_note(schedule, n_microbatches))
+    stage, x, y = WideStage(0, 1), *_wide_batch()
+    loss = m05.SCHEDULES[schedule](stage, comms, x, y, n_microbatches)
+    assert not comms.blocking and not any(comms.calls.values()), \
+        (f"{schedule} on a single stage sent or received {comms.calls} (blocking sends {comms.blocking}): the only "
+         "stage is both stage.is_first and stage.is_last, so it has no neighbour to talk to")
+    [block], head = _wide_model(1)
+    expected_loss = F.cross_entropy(head(torch.tanh(block(x))), y)
+    expected_loss.backward()
+    for i, (got, ref) in enumerate(zip(stage.parameters(), [*block.parameters(), *head.parameters()], strict=True)):
+        assert got.grad is not None and ((got.grad - ref.grad).norm() / ref.grad.norm()).item() <= 1e-10, \
+            f"{schedule} on a single stage: parameter {i}'s gradient differs from autograd's on the whole batch"
+    assert isinstance(loss, torch.Tensor) and abs(loss.item() - expected_loss.item()) <= 1e-12, \
+        f"{schedule} on a single stage returned {_describe(loss)}, expected the loss {expected_loss.item():.15f}"
+
+
+@pytest.mark.exercises("forward_step", "backward_step", "naive", "gpipe", "one_f_one_b")
+@pytest.mark.parametrize("schedule", ["naive", "gpipe", "1f1b"])
+def test_a_stage_whose_input_is_wider_than_its_activations_in_float64(schedule):
+    # P = 3 (an odd number of stages; 1F1B's middle rank warms up with one forward), M = 4, and the
+    # first stage's input 6 wide where the activations are 4 wide. Reference: autograd of the
+    # whole model on the whole batch, in one process. In float64 the microbatches' sums round
+    # differently (measured: up to 4.3e-16 relative); we allow 1e-10, and a wrong scale is a factor.
+    world_size, n_microbatches = 3, 4
+    results = run_ranks(_train_wide, world_size, schedule, world_size, n_microbatches, timeout=20)
+    blocks, head = _wide_model(world_size)
+    x, y = _wide_batch()
+    hidden = x
+    for block in blocks:
+        hidden = torch.tanh(block(hidden))
+    loss = F.cross_entropy(head(hidden), y)
+    loss.backward()
+    expected = [[p.grad for p in block.parameters()] for block in blocks]
+    expected[-1] += [p.grad for p in head.parameters()]
+    for rank, ((_, grads), want) in enumerate(zip(results, expected)):
+        assert len(grads) == len(want), f"rank {rank}: {len(grads)} parameters, expected {len(want)}"
+        for i, (got, ref) in enumerate(zip(grads, want)):
+            assert got is not None, f"{schedule}: rank {rank} parameter {i} got no gradient: did its backward run?"
+            error = ((got - ref).norm() / ref.norm()).item()
+            assert error <= 1e-10, \
+                (f"{schedule}, P=3, M=4, float64: rank {rank} gradient {i} has relative error {error:.2e} "
+                 f"(|got|/|autograd| = {(got.norm() / ref.norm()).item():.4f}); expected <= 1e-10")
+    got_loss = results[-1][0]
+    assert got_loss is not None and abs(got_loss - loss.item()) <= 1e-12, \
+        f"{schedule}: the last rank returned the loss {got_loss}, expected the full-batch loss {loss.item():.15f}"
 
 
 @pytest.mark.exercises("forward_step", "backward_step", "naive", "gpipe", "one_f_one_b")

@@ -10,7 +10,11 @@ page is not a chapter and may name files that are still planned, so it is not ch
 from __future__ import annotations
 
 import ast
+import os
 import re
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 from pathlib import Path
 
@@ -102,15 +106,41 @@ def test_the_checks_catch_bad_references(tmp_path):
     assert bad_calls(doc) == ["comms.teleport_forward()"]
 
 
-@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.name)
-def test_notebook_executes(notebook, monkeypatch):
-    monkeypatch.setenv("COURSE_IMPL", "solutions")  # the kernel inherits it: notebooks show the reference
+# Run by a fresh Python each: it executes the notebook (the kernel inherits COURSE_IMPL=solutions, so
+# notebooks show the reference) and writes the executed notebook, outputs included, to a file.
+EXECUTE = """
+import sys, nbclient, nbformat
+notebook, executed = sys.argv[1], sys.argv[2]
+nb = nbformat.read(notebook, as_version=4)
+nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
+                        resources={"metadata": {"path": sys.argv[3]}}).execute()
+nbformat.write(nb, executed)
+"""
+
+
+@pytest.fixture(scope="module")
+def executed_notebooks(tmp_path_factory) -> dict:
+    """Every notebook executed, two at a time (each is mostly one busy core: a kernel; CI has two):
+    name -> (the finished process, the executed notebook or None)."""
+    pytest.importorskip("nbclient")
     nbformat = pytest.importorskip("nbformat")
-    nbclient = pytest.importorskip("nbclient")
-    nb = nbformat.read(notebook, as_version=4)
-    client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
-                                     resources={"metadata": {"path": str(notebook.parent)}})
-    client.execute()  # raises CellExecutionError, naming the cell, if any cell fails
+    out = tmp_path_factory.mktemp("notebooks")
+
+    def execute(notebook: Path):
+        executed = out / notebook.name
+        proc = subprocess.run([sys.executable, "-c", EXECUTE, str(notebook), str(executed), str(notebook.parent)],
+                              env={**os.environ, "COURSE_IMPL": "solutions"}, capture_output=True, text=True,
+                              timeout=900)
+        return proc, (nbformat.read(executed, as_version=4) if executed.exists() else None)
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(zip((nb.name for nb in NOTEBOOKS), pool.map(execute, NOTEBOOKS)))
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_executes(notebook, executed_notebooks):
+    proc, nb = executed_notebooks[notebook.name]
+    # nbclient's CellExecutionError names the cell that failed and shows its traceback.
+    assert proc.returncode == 0 and nb is not None, f"{notebook.name} did not run to the end:\n{proc.stderr[-3000:]}"
     # A picture that silently fails to show (e.g. an import switched matplotlib to a file-only
     # backend) would still execute: every cell that shows a plot must have produced an image.
     blank = [cell.source.splitlines()[0] for cell in nb.cells

@@ -5,11 +5,13 @@ directory (so a learner's work in steps/ never affects them):
 * the learner's starting point, every module a skeleton: every graded test fails fast on a TODO;
 * one module at a time a skeleton, the others solved: each of its graded tests fails on one of
   *its own* TODOs, so a module's grade measures that module's code.
+The subprocesses run two at a time: each is mostly one busy core, and CI has two.
 """
 import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -44,8 +46,20 @@ def not_failed_on(results: list[dict], todo: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def skeleton_results(tmp_path_factory):
-    return grade(tmp_path_factory.mktemp("skeleton"), set(MODULES_WITH_TODOS), ["tests"])
+def graded(tmp_path_factory) -> dict:
+    """The scorecards of every grading run, all skeletons ("all") and each module alone (its number)."""
+    runs = {"all": (set(MODULES_WITH_TODOS), ["tests"])}
+    runs.update({number: ({number}, [str(p) for p in sorted((REPO / "tests").glob(f"test_{number}_*.py"))])
+                 for number in MODULES_WITH_TODOS})
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        futures = {key: pool.submit(grade, tmp_path_factory.mktemp(f"grade-{key}"), modules, files)
+                   for key, (modules, files) in runs.items()}
+        return {key: future.result() for key, future in futures.items()}
+
+
+@pytest.fixture(scope="module")
+def skeleton_results(graded):
+    return graded["all"]
 
 
 def test_the_skeleton_fails_every_graded_test_because_of_a_todo(skeleton_results):
@@ -61,8 +75,7 @@ def test_graded_tests_exist_for_every_module_with_todos(skeleton_results):
 
 
 @pytest.mark.parametrize("number", MODULES_WITH_TODOS)
-def test_each_module_is_graded_on_its_own_todos(number, tmp_path):
-    test_files = [str(p) for p in sorted((REPO / "tests").glob(f"test_{number}_*.py"))]
-    results = grade(tmp_path, {number}, test_files)
+def test_each_module_is_graded_on_its_own_todos(number, graded):
+    results = graded[number]
     wrong = not_failed_on(results, f"TODO(m{number})")
     assert results and not wrong, f"module {number}'s graded tests that did not fail on its own TODO:\n" + "\n".join(wrong)
