@@ -66,7 +66,7 @@ def _train(name, world_size, n_microbatches, steps, profile=False):
     cfg = m00.MLPConfig(steps=steps)
     schedule = generators.make_schedule(name, world_size, n_microbatches)
     stages = ref.build_stages(cfg, schedule, rank)
-    comms = _WatchedComms(m11.StageComms(rank, schedule.placement, n_microbatches))
+    comms = _WatchedComms(m11.StageComms(rank, schedule.placement, n_microbatches, order=schedule.orders[rank]))
     profiler = Profiler(rank)
     run = {s: profiler.wrap_split_stage(stage) for s, stage in stages.items()} if profile else stages
     optimizer = torch.optim.Adam([p for stage in stages.values() for p in stage.parameters()], lr=cfg.lr)
@@ -142,7 +142,7 @@ def _count_one_step(name, world_size, n_microbatches):
     cfg = m00.MLPConfig(steps=1)
     schedule = generators.make_schedule(name, world_size, n_microbatches)
     stages = ref.build_stages(cfg, schedule, rank)
-    comms = _WatchedComms(m11.StageComms(rank, schedule.placement, n_microbatches))
+    comms = _WatchedComms(m11.StageComms(rank, schedule.placement, n_microbatches, order=schedule.orders[rank]))
     x, y = m00.make_batch(cfg)
     with FlopCounterMode(display=False) as counter:
         m11.run_schedule(schedule, stages, comms, x, y)
@@ -192,7 +192,8 @@ def test_all_of_your_module_together():
         cfg = m00.MLPConfig(steps=steps)
         schedule = load("m11_generators").zbv(world_size, n_microbatches)
         stages = m11.build_stages(cfg, schedule, rank)
-        _, losses = m11.train(schedule, stages, m11.StageComms(rank, schedule.placement, n_microbatches), cfg)
+        comms = m11.StageComms(rank, schedule.placement, n_microbatches, order=schedule.orders[rank])
+        _, losses = m11.train(schedule, stages, comms, cfg)
         return losses
     results = run_ranks(everything, 2, 2, 4, 3, timeout=20)
     _, want = accumulating_monolith(m00.MLPConfig(steps=3), 4)

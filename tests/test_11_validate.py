@@ -73,6 +73,30 @@ def test_a_deadlocking_schedule_is_refused_before_the_executor_sends_anything():
                        executor.StageComms(0, schedule.placement, 2), cfg)
 
 
+def test_stage_comms_knows_which_receives_its_order_will_post_early():
+    # A V over two ranks: rank 0 holds stages 0 and 3, rank 1 stages 1 and 2. Only messages from the
+    # other rank are posted early: 2F's input comes from stage 1, on rank 1 itself.
+    executor = reference("m11_executor")
+    schedule = parse("0F0 3F0 3B0 0B0\n1F0 2F0 2B0 1B0", placement=(0, 1, 1, 0))
+    ahead = [executor.StageComms(rank, schedule.placement, 1, order=schedule.orders[rank]).expected for rank in (0, 1)]
+    assert ahead == [[("act", 3, 0), ("grad", 0, 0)], [("act", 1, 0), ("grad", 2, 0)]]
+
+
+def test_stage_comms_leaves_no_receive_posted_after_a_step():
+    from course.launch import run_ranks
+
+    def one_step():
+        import torch.distributed as dist
+        executor, generators, m00 = (reference(m) for m in ("m11_executor", "m11_generators", "m00_monolith"))
+        rank, cfg = dist.get_rank(), m00.MLPConfig(steps=1)
+        schedule = generators.make_schedule("zbv", 2, 4)
+        comms = executor.StageComms(rank, schedule.placement, 4, order=schedule.orders[rank])
+        executor.run_schedule(schedule, executor.build_stages(cfg, schedule, rank), comms, *m00.make_batch(cfg))
+        return len(comms.expected), comms.posted
+
+    assert run_ranks(one_step, 2, timeout=20) == [(8, {}), (8, {})]
+
+
 def test_simulator_times_messages_between_ranks_but_not_within_one():
     # GPipe, P = 2, M = 1, with a latency h per message between ranks: F, h, F, B, h, B.
     h = Fraction(1, 4)

@@ -51,7 +51,8 @@ DEMOS = [
     ("08", ["--layers", "3"], r"^Loss and gradients equal the all-resident model's bit for bit: True$"),
     ("09", ["--steps", "3"], r"^Mean of the last 3 losses: fp32 "),
     ("10", [], r"^ +block .* identical, bit for bit$"),
-    ("11", ["--steps", "2", "--emulate-ms", "0", "--trace", "{tmp}/m11-trace"],  # zbv, 4 ranks, 8 microbatches
+    ("11", ["--schedule", "zbv", "--nproc", "4", "--chunks", "8",  # --chunks: torch's name for --microbatches
+            "--steps", "2", "--emulate-ms", "0", "--trace", "{tmp}/m11-trace"],
      r"^  \.\.\. and the monolith's trained on the same 8 microbatches \(gradient accumulation\): bit for bit$"),
     ("12", ["--nproc", "2", "--steps", "2", "--batch", "4", "--layers", "1", "--sequence-parallel"],
      r"max \|loss difference\| .* -> match "),

@@ -126,7 +126,7 @@ def run(world_size, n_microbatches, schedule, steps, emulate_ms) -> dict:
 def main(argv):
     parser = argparse.ArgumentParser(prog="main.py bench 05", description=__doc__.split("\n\n")[0])
     parser.add_argument("--nproc", dest="world_sizes", type=int, nargs="+", default=[2, 4], help="ranks, P")
-    parser.add_argument("--microbatches", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="M")
+    parser.add_argument("--microbatches", "--chunks", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="M")
     parser.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b"], choices=["gpipe", "1f1b"])
     parser.add_argument("--steps", type=int, default=2, help="steps per run; the first is not timed")
     parser.add_argument("--emulate-ms", type=float, default=6.0, help="emulated ms per layer forward")

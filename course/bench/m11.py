@@ -2,7 +2,7 @@
 formula; peak live activations per rank measured and simulated; and our executor against
 torch.distributed.pipelining's same schedule (step time, losses and gradients).
 
-    python main.py bench 11                       # P in {2, 4}, M in {2, 4, 8}, every schedule: ~3 min on 2 cores
+    python main.py bench 11                       # P in {2, 4}, M in {4, 8}, every schedule: ~5 min on 2 cores
     python main.py bench 11 --nproc 4 --microbatches 8 --schedules zbv dualpipev --emulate-ms 8
 
 Runs on CPU ranks in emulated-device mode (course.emulated.EmulatedSplitStage: each layer sleeps
@@ -47,7 +47,8 @@ def _ours(name, world_size, n_microbatches, steps, emulate_ms, stages_per_rank):
     profiler = Profiler(rank)
     stages = ex.build_stages(cfg, schedule, rank)
     run = {s: profiler.wrap_split_stage(EmulatedSplitStage(stage, emulate_ms)) for s, stage in stages.items()}
-    comms = profiler.wrap_stage_comms(ex.StageComms(rank, schedule.placement, n_microbatches))
+    comms = ex.StageComms(rank, schedule.placement, n_microbatches, order=schedule.orders[rank])
+    comms = profiler.wrap_stage_comms(comms)
     run_step = profiler.wrap_schedule(ex.run_schedule)
     optimizer = torch.optim.Adam([p for stage in stages.values() for p in stage.parameters()], lr=cfg.lr)
     x, y = m00.make_batch(cfg)
@@ -119,11 +120,13 @@ def run(name, world_size, n_microbatches, steps, emulate_ms, stages_per_rank) ->
 def main(argv):
     parser = argparse.ArgumentParser(prog="main.py bench 11", description=__doc__.split("\n\n")[0])
     parser.add_argument("--nproc", dest="world_sizes", type=int, nargs="+", default=[2, 4], help="ranks, P")
-    parser.add_argument("--microbatches", type=int, nargs="+", default=[2, 4, 8], help="M")
+    parser.add_argument("--microbatches", "--chunks", type=int, nargs="+", default=[4, 8], help="M")
     parser.add_argument("--schedules", nargs="+", default=list(gen.SCHEDULES), choices=list(gen.SCHEDULES))
     parser.add_argument("--stages-per-rank", type=int, default=2, help="interleaved's v")
-    parser.add_argument("--steps", type=int, default=4, help="steps per run; the first is not timed")
-    parser.add_argument("--emulate-ms", type=float, default=4.0, help="emulated ms per layer in F, I and W")
+    parser.add_argument("--steps", type=int, default=3, help="steps per run; the first is not timed")
+    # A message and its wake-up cost about 1.5 ms on 4 ranks sharing 2 cores: at 16 ms per layer
+    # that is within 2 points of the simulator's free messages (at 4 ms, 2.5-4.7 points off).
+    parser.add_argument("--emulate-ms", type=float, default=16.0, help="emulated ms per layer in F, I and W")
     args = parser.parse_args(argv)
     require_positive(parser, args, "stages_per_rank")
     if args.steps < 2:

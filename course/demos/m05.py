@@ -18,7 +18,8 @@ from course.trace import chrome_trace
 def add_args(parser: argparse.ArgumentParser):
     schedules = reference("m05_schedules").SCHEDULES
     parser.add_argument("--schedule", default="1f1b", help=f"one of {', '.join(schedules)}")
-    parser.add_argument("--microbatches", type=int, default=8, help="microbatches per step, M (default 8)")
+    parser.add_argument("--microbatches", "--chunks", type=int, default=8,
+                        help="microbatches per step, M (default 8; --chunks is torch's name for it)")
     # The defaults let the bubble show on 4 ranks sharing 2 cores: a message and its wake-up cost
     # about 1.5 ms each there, so a layer's emulated time must be large beside that (measured:
     # within 1.3 points of (P-1)/(M+P-1) at 12 ms, 3 points off at 5 ms, 12 at 0.5 ms).

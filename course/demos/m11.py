@@ -22,11 +22,13 @@ from course.trace import chrome_trace
 def add_args(parser: argparse.ArgumentParser):
     schedules = reference("m11_generators").SCHEDULES
     parser.add_argument("--schedule", default="zbv", help=f"one of {', '.join(schedules)} (default zbv)")
-    parser.add_argument("--microbatches", type=int, default=8, help="microbatches per step, M (default 8)")
+    parser.add_argument("--microbatches", "--chunks", type=int, default=8,
+                        help="microbatches per step, M (default 8; --chunks is torch's name for it)")
     parser.add_argument("--stages-per-rank", type=int, default=2, help="interleaved's v (default 2)")
-    parser.add_argument("--steps", type=int, default=reference("m00_monolith").MLPConfig.steps,
-                        help="training steps (default 50)")
-    parser.add_argument("--emulate-ms", type=float, default=0.5,
+    # As in run 05: on 4 ranks sharing 2 cores a message and its wake-up cost about 1.5 ms, so a
+    # layer's emulated time must be large beside that for the bubble to be the schedule's.
+    parser.add_argument("--steps", type=int, default=5, help="training steps (default 5; the monolith's run is 50)")
+    parser.add_argument("--emulate-ms", type=float, default=16.0,
                         help="emulated device: extra ms per layer in F, in I and in W; 0: CPU only")
     parser.add_argument("--trace", default=str(RESULTS / "m11-trace"),
                         help="write PREFIX.json (Chrome trace) and PREFIX.png (timeline)")
@@ -93,7 +95,8 @@ def demo(args):
     stages = {}
     for index, stage in ex.build_stages(cfg, schedule, rank).items():
         stages[index] = profiler.wrap_split_stage(EmulatedSplitStage(stage, args.emulate_ms) if args.emulate_ms else stage)
-    comms = profiler.wrap_stage_comms(ex.StageComms(rank, schedule.placement, schedule.n_microbatches))
+    comms = profiler.wrap_stage_comms(ex.StageComms(rank, schedule.placement, schedule.n_microbatches,
+                                                     order=schedule.orders[rank]))
     _, losses = ex.train(schedule, stages, comms, cfg, run_step=profiler.wrap_schedule(ex.run_schedule))
     gathered = [None] * world_size
     dist.all_gather_object(gathered, (losses, export(profiler)))
