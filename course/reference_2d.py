@@ -13,7 +13,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from course.collectives import Collective
 from course.reference_fsdp import fully_shard_api
 from course.reference_llama import ModularLlama
 from course.reference_tp import tp_plan
@@ -59,3 +61,46 @@ def loss_and_backward(llama, mesh, tokens: torch.Tensor, targets: torch.Tensor) 
 def local_bytes(tensors) -> int:
     """Bytes this rank holds of some parameters, gradients or optimizer state (DTensors: the local part)."""
     return sum((t.to_local() if hasattr(t, "to_local") else t).nbytes for t in tensors)
+
+
+class TorchCollectiveLog(TorchDispatchMode):
+    """Writes down every collective PyTorch issues inside `with` as a course.collectives.Collective,
+    so torch's bytes are counted by the same ring formulas as ours. FSDP2 calls c10d's ops; DTensor
+    calls the functional ones (_c10d_functional), with the group given by size or by name. An op of
+    either namespace not understood here goes to `unknown`: a count that misses one is not shown."""
+
+    _IGNORED = {"wait_tensor", "_wrap_tensor_autograd"}  # bookkeeping, nothing sent
+
+    def __init__(self):
+        super().__init__()
+        self.log, self.unknown = [], set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        namespace, name = func.namespace, func.__name__.split(".")[0]
+        if namespace in ("c10d", "_c10d_functional") and name not in self._IGNORED:
+            try:
+                self.log.append(self._record(namespace, name, args))
+            except (KeyError, IndexError, AttributeError, RuntimeError):
+                self.unknown.add(f"{namespace}.{name}")
+        return func(*args, **(kwargs or {}))
+
+    @staticmethod
+    def _record(namespace, name, args) -> Collective:
+        if namespace == "c10d":  # (outputs, inputs, process group, ...) or (tensors, process group, ...)
+            op, payload, group = {
+                "_allgather_base_": lambda: ("all_gather", args[1], args[2]),
+                "allgather_": lambda: ("all_gather", args[1][0], args[2]),
+                "_reduce_scatter_base_": lambda: ("reduce_scatter", args[0], args[2]),
+                "reduce_scatter_": lambda: ("reduce_scatter", args[0][0], args[2]),
+                "allreduce_": lambda: ("all_reduce", args[0][0], args[1]),
+            }[name]()
+            group = dist.ProcessGroup.unbox(group)  # the dispatcher hands it over as a ScriptObject
+            return Collective(op, payload.nbytes, "torch", group.size())
+        if name == "all_gather_into_tensor":  # (input, group size, group name)
+            return Collective("all_gather", args[0].nbytes, "torch", args[1])
+        if name == "reduce_scatter_tensor":  # (input, reduce op, group size, group name)
+            return Collective("reduce_scatter", args[0].nbytes // args[2], "torch", args[2])
+        if name in ("all_reduce", "all_reduce_"):  # (input, reduce op, group name)
+            from torch.distributed.distributed_c10d import _resolve_process_group  # private: guarded by the caller
+            return Collective("all_reduce", args[0].nbytes, "torch", _resolve_process_group(args[2]).size())
+        raise KeyError(name)

@@ -9,8 +9,9 @@ implementation, --impl) and PyTorch's DTensor tensor parallelism over t with FSD
 (course/reference_2d.py). Columns:
   step ms         median wall time of one optimizer step (after one warm-up step), rank 0
   ours/torch      our step time over PyTorch's, same mesh
-  sent B/step     bytes rank 0 sends per step, counted by course/collectives.py (ours only: PyTorch's
-                  collectives are its own), then the formula of solutions/m13_costs.py
+  sent B/step     bytes rank 0 sends per step with the ring algorithms, then the formula of
+                  solutions/m13_costs.py; ours counted by course/collectives.py, PyTorch's from the
+                  collectives its FSDP2 and DTensor issue (course/reference_2d.TorchCollectiveLog)
   state B/rank    rank 0's weights, gradients and AdamW moments after a step (local blocks only),
                   then the formula (ours: 1/(d t) of everything; PyTorch's plan keeps the norms whole
                   over t, so it holds a little more)
@@ -50,7 +51,7 @@ def _run(cfg, mesh_shape, steps, batch, lr, which):
         def step(tokens, targets):
             return model.train_step(tokens, targets, optimizer)
     else:
-        from course.reference_2d import fsdp_tp_llama, loss_and_backward
+        from course.reference_2d import TorchCollectiveLog, fsdp_tp_llama, loss_and_backward
         llama, device_mesh = fsdp_tp_llama(m06.LlamaModel(cfg), d, t)
         params = list(llama.parameters())
         optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
@@ -73,8 +74,15 @@ def _run(cfg, mesh_shape, steps, batch, lr, which):
             optimizer.zero_grad()
     if which == "ours":
         state = _state_bytes(params, optimizer)
-    return {"times": times[1:], "loss": losses[-1], "state": state,
-            "sent": (sum(c.sent_bytes for c in log) - sent_before) / steps}
+        sent = (sum(c.sent_bytes for c in log) - sent_before) / steps
+    else:  # one more step, untimed: the dispatch mode that counts would slow the timed ones
+        counter = TorchCollectiveLog()
+        with counter:
+            step(*random_batch(data, batch, cfg.max_seq_len, generator))
+        sent = sum(c.sent_bytes for c in counter.log)
+        if counter.unknown:  # a collective it could not read: no total rather than a wrong one
+            sent = f"? ({', '.join(sorted(counter.unknown))})"
+    return {"times": times[1:], "loss": losses[-1], "state": state, "sent": sent}
 
 
 def _whole(x: float):
@@ -113,7 +121,7 @@ def main(argv: list[str]) -> None:
             r, ours = results[which], which == "ours"
             rows.append({"mesh": f"{d}x{t}", "impl": which, "step ms": ms,
                          "ours/torch": ours_ms / torch_ms if ours else "-",
-                         "sent B/step": _whole(r["sent"]) if ours else "-",
+                         "sent B/step": r["sent"] if isinstance(r["sent"], str) else _whole(r["sent"]),
                          "formula sent": _whole(traffic.sent_bytes) if ours else "-",
                          "state B/rank": r["state"], "formula state": state.total if ours else "-",
                          "= formula": ("yes" if r["sent"] == traffic.sent_bytes and r["state"] == state.total

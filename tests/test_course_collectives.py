@@ -1,0 +1,65 @@
+"""The two byte counters the benchmarks print: course/collectives.py's log of our collectives, and
+course/reference_2d.py's TorchCollectiveLog of PyTorch's (FSDP2 calls c10d's ops, DTensor the
+functional ones). Both must count a collective by the ring formulas, and agree on the same calls."""
+import torch
+import torch.distributed as dist
+
+from course.collectives import Collectives
+from course.launch import run_ranks
+from course.reference_2d import TorchCollectiveLog
+
+
+def _ours_and_torchs_counts():
+    collectives = Collectives()
+    counter = TorchCollectiveLog()
+    rank = dist.get_rank()
+    with counter:  # 16 floats: 64 bytes
+        collectives.all_reduce(torch.full((16,), float(rank)))
+        collectives.all_gather(torch.empty(32), torch.ones(16))
+        collectives.reduce_scatter(torch.empty(16), torch.ones(32), async_op=True).wait()
+    return [c.sent_bytes for c in collectives.log], [c.sent_bytes for c in counter.log], counter.unknown
+
+
+def test_torchs_collectives_are_counted_as_ours_are():
+    # Over 2 ranks the ring sends one shard of an all-gather or a reduce-scatter, and 2 (n-1)/n of
+    # an all-reduce's tensor: 64 bytes each here.
+    for ours, theirs, unknown in run_ranks(_ours_and_torchs_counts, 2, timeout=30):
+        assert ours == theirs == [64, 64, 64] and not unknown, (ours, theirs, unknown)
+
+
+def _dtensor_counts():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    mesh = init_device_mesh("cpu", (2,))
+    local = torch.ones(4, 4)  # 64 bytes on each rank
+    counter = TorchCollectiveLog()
+    with counter:
+        DTensor.from_local(local, mesh, [Partial()]).redistribute(mesh, [Replicate()]).to_local()  # all-reduce of 64 B
+        DTensor.from_local(local, mesh, [Shard(0)]).redistribute(mesh, [Replicate()]).to_local()  # all-gather of 64 B shards
+        DTensor.from_local(local, mesh, [Partial()]).redistribute(mesh, [Shard(0)]).to_local()  # reduce-scatter to 32 B
+    return sorted((c.op, c.sent_bytes) for c in counter.log), counter.unknown
+
+
+def test_dtensors_functional_collectives_are_counted_by_the_ring_formulas():
+    for counted, unknown in run_ranks(_dtensor_counts, 2, timeout=30):
+        assert counted == [("all_gather", 64), ("all_reduce", 64), ("reduce_scatter", 32)] and not unknown, \
+            (counted, unknown)
+
+
+def _group_of_one():
+    counter, collectives = TorchCollectiveLog(), Collectives()
+    x = torch.arange(12.0).reshape(2, 6)
+    gathered, scattered, reduced = torch.empty(2, 6), torch.empty(2, 6), x.clone()
+    with counter:
+        collectives.all_gather(gathered, x, dim=1)
+        collectives.reduce_scatter(scattered, x, async_op=True, dim=1).wait()
+        collectives.all_reduce(reduced, async_op=True).wait()
+    return (torch.equal(gathered, x), torch.equal(scattered, x), torch.equal(reduced, x),
+            [c.sent_bytes for c in collectives.log], len(counter.log))
+
+
+def test_over_a_group_of_one_the_result_is_the_ranks_own_and_nothing_is_issued():
+    # Each call is logged (sending 0 bytes), so the counts of the modules' tests hold on any mesh,
+    # but none reaches torch.distributed.
+    assert run_ranks(_group_of_one, 1, timeout=30) == [(True, True, True, [0, 0, 0], 0)]
