@@ -19,7 +19,11 @@ Everything outside the markers is copied unchanged. The header of each skeleton 
 generated, so a test can tell that steps/ is up to date with solutions/ without comparing the
 learner's code line by line.
 
-    python -m course.skeleton          # rewrite steps/ (maintainers; overwrites learners' edits)
+A steps/ file whose text no longer has its header's fingerprint holds a learner's work: it is
+left as it is, and named, unless --force is given.
+
+    python -m course.skeleton          # rewrite steps/ from solutions/, keeping files with a learner's work
+    python -m course.skeleton --force  # rewrite every file, a learner's work included
     python -m course.skeleton --check  # exit 1 if steps/ differs from what would be generated
 """
 from __future__ import annotations
@@ -171,14 +175,29 @@ def generate(solutions: Path = REPO / "solutions") -> dict[str, str]:
     return {path.name: skeleton_file(path.read_text(), path.name) for path in sorted(solutions.glob("*.py"))}
 
 
-def write(steps: Path = REPO / "steps") -> list[str]:
+def holds_learner_work(text: str) -> bool:
+    """Whether a steps/ file was edited since it was generated: its text after the two header lines
+    no longer hashes to the fingerprint the header records. A file without one is never a learner's."""
+    header, _, body = text.partition("\n")
+    second, _, body = body.partition("\n")
+    recorded = FINGERPRINT.search(header + second)
+    return bool(recorded) and recorded[0] != f"(skeleton {hashlib.sha256(body.encode()).hexdigest()[:12]})"
+
+
+def write(steps: Path = REPO / "steps", force: bool = False) -> tuple[list[str], list[str]]:
+    """Write the skeletons into `steps`; returns (names written, names kept because they hold a
+    learner's work: all of them are overwritten when `force`)."""
     steps.mkdir(exist_ok=True)
     generated = generate()
-    for stale in set(p.name for p in steps.glob("*.py")) - set(generated):
+    on_disk = {p.name: p.read_text() for p in steps.glob("*.py")}
+    kept = sorted(name for name, text in on_disk.items()
+                  if not force and holds_learner_work(text) and generated.get(name) != text)
+    for stale in set(on_disk) - set(generated) - set(kept):
         (steps / stale).unlink()
-    for name, text in generated.items():
-        (steps / name).write_text(text)
-    return sorted(generated)
+    written = [name for name in sorted(generated) if name not in kept]
+    for name in written:
+        (steps / name).write_text(generated[name])
+    return written, kept
 
 
 def main(argv: list[str]) -> int:
@@ -189,11 +208,14 @@ def main(argv: list[str]) -> int:
         for name in stale:
             print(f"steps/{name} is out of date with solutions/")
         return 1 if stale else 0
-    if argv:
+    if argv not in ([], ["--force"]):
         print(__doc__)
         return 2
-    for name in write():
+    written, kept = write(force=argv == ["--force"])
+    for name in written:
         print(f"wrote steps/{name}")
+    for name in kept:
+        print(f"kept steps/{name}: it holds your work (--force overwrites it with the new skeleton)")
     return 0
 
 

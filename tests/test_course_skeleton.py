@@ -1,4 +1,5 @@
 """steps/ is generated from solutions/: the generator's rules, freshness, and matching APIs."""
+import hashlib
 import importlib
 import inspect
 import re
@@ -89,6 +90,28 @@ def test_steps_keep_the_given_code_of_solutions():
     assert not changed, (f"given code differs from what solutions/ generates: {changed}. Maintainers: edit "
                          "solutions/ and run `python -m course.skeleton`. Learners: put back the given code "
                          "you changed; your code belongs where the TODOs were.")
+
+
+def test_regenerating_keeps_a_learners_work_unless_forced(tmp_path):
+    from course.skeleton import write
+    steps = tmp_path / "steps"
+    write(steps)
+    mine = steps / "m04_sharded.py"
+    filled = mine.read_text().replace('raise NotImplementedError("TODO(m04)', 'raise RuntimeError("mine', 1)
+    assert filled != mine.read_text()
+    mine.write_text(filled)
+    # An untouched skeleton generated from an older solutions/ (its own fingerprint in its header) is replaced.
+    old = steps / "m05_schedules.py"
+    header, second, body = old.read_text().split("\n", 2)
+    body = "# an older skeleton\n" + body
+    fingerprint = FINGERPRINT.sub(f"(skeleton {hashlib.sha256(body.encode()).hexdigest()[:12]})", second)
+    old.write_text(f"{header}\n{fingerprint}\n{body}")
+
+    written, kept = write(steps)
+    assert kept == ["m04_sharded.py"] and "m04_sharded.py" not in written and mine.read_text() == filled
+    assert old.read_text() == generate()["m05_schedules.py"]
+    written, kept = write(steps, force=True)
+    assert kept == [] and mine.read_text() == generate()["m04_sharded.py"]
 
 
 def test_a_change_to_the_skeleton_changes_its_fingerprint():
