@@ -166,7 +166,7 @@ class TPBlock:
         # >>> TODO(m12): backward of the FFN half: down (row), SwiGLU, gate/up (column), residual + norm
         # Contract: add the gradients of w_down, w_gate, w_up and ln2 into grads; name the residual stream's
         #   gradient after the norm dh (the attention half's TODO uses it).
-        # Pitfalls: labels: give each linear's backward the label of its forward (the tests read the log).
+        # Pitfalls: labels: give each linear's backward the label of its forward, so the collectives log names them.
         #   ln2's gradient is added into grads.ln2, not assigned: microbatches accumulate.
         # Hint 1: module 06's backward, with row_parallel_backward for down, column_parallel_backward for
         #       [gate, up] (one call: they share n2), and residual_rmsnorm_backward as before.

@@ -1,5 +1,5 @@
 # Generated from solutions/m12_tp_block.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 12`. (skeleton 5ed413894329)
+# Grade your work with `python main.py grade 12`. (skeleton ad91fd079673)
 """Module 12, part 2 - module 06's block on t ranks: attention split by heads, the FFN by its width.
 
     residual x ─ RMSNorm ─ enter ─ q, k, v (column) ─ RoPE, attention ─ o (row) ─ leave ─ + ─ h
@@ -120,7 +120,7 @@ class TPBlock:
         # TODO(m12): backward of the FFN half: down (row), SwiGLU, gate/up (column), residual + norm
         # Contract: add the gradients of w_down, w_gate, w_up and ln2 into grads; name the residual stream's
         #   gradient after the norm dh (the attention half's TODO uses it).
-        # Pitfalls: labels: give each linear's backward the label of its forward (the tests read the log).
+        # Pitfalls: labels: give each linear's backward the label of its forward, so the collectives log names them.
         #   ln2's gradient is added into grads.ln2, not assigned: microbatches accumulate.
         raise NotImplementedError('TODO(m12): backward of the FFN half: down (row), SwiGLU, gate/up (column), residual + norm')
         # TODO(m12): backward of the attention half: o (row), attention, RoPE, q/k/v (column), norm

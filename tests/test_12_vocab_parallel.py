@@ -30,12 +30,13 @@ def test_the_vocabulary_is_padded_to_a_multiple_of_t(vocab_size, tp_size, divisi
 
 def logits_with_padding(t, dtype=f64, scale=1.0, seed=0):
     """Whole logits (N, VOCAB), and the same padded to a multiple of t with columns that would win
-    everything if counted (+40: exp(40) dwarfs every real logit)."""
+    everything if counted: +1000, so a max taken before they are masked is theirs, and every real
+    logit's exponential then underflows to 0."""
     g = torch.Generator().manual_seed(seed)
     logits = (scale * torch.randn(N, VOCAB, generator=g, dtype=f64)).to(dtype)
     targets = torch.randint(0, VOCAB, (N,), generator=g)
     padded = -(-VOCAB // t) * t
-    garbage = torch.full((N, padded - VOCAB), 40.0, dtype=dtype)
+    garbage = torch.full((N, padded - VOCAB), 1000.0, dtype=dtype)
     return logits, targets, torch.cat([logits, garbage], dim=1)
 
 
