@@ -107,8 +107,8 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vo
     # Contract: three all-reduces of N values each (labels "loss max", "loss sum exp", "loss target"): no rank
     #   ever holds another rank's logits. The loss equals F.cross_entropy on the gathered, unpadded logits.
     # Pitfalls: padding columns must not count: mask them to -inf before the max and the sum (whatever they
-    #   hold). Without subtracting the max, exp overflows for logits near 100 in float32 (the tests use such
-    #   logits). A target another rank owns contributes 0 here, not logits[:, 0] or a wrapped index.
+    #   hold). Without subtracting the max, exp overflows in float32 for logits above about 88 (the tests use
+    #   logits of several hundred). A target another rank owns contributes 0 here, not logits[:, 0] or a wrapped index.
     # Hint 1: z = logits in compute_dtype, padding masked; m = local max, all-reduced with op="max"; e = exp(z - m);
     #       S = e summed over the columns, all-reduced; the target's logit where this rank owns it, 0 elsewhere,
     #       all-reduced; loss per token = log S + m - z_target.

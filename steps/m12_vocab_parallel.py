@@ -1,5 +1,5 @@
 # Generated from solutions/m12_vocab_parallel.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 12`. (skeleton e4c28ad771d4)
+# Grade your work with `python main.py grade 12`. (skeleton 58a68fb5c582)
 """Module 12, part 3 - the vocabulary split over t ranks: embedding rows, LM-head rows, and a
 cross-entropy that never gathers the logits.
 
@@ -87,6 +87,6 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vo
     # Contract: three all-reduces of N values each (labels "loss max", "loss sum exp", "loss target"): no rank
     #   ever holds another rank's logits. The loss equals F.cross_entropy on the gathered, unpadded logits.
     # Pitfalls: padding columns must not count: mask them to -inf before the max and the sum (whatever they
-    #   hold). Without subtracting the max, exp overflows for logits near 100 in float32 (the tests use such
-    #   logits). A target another rank owns contributes 0 here, not logits[:, 0] or a wrapped index.
+    #   hold). Without subtracting the max, exp overflows in float32 for logits above about 88 (the tests use
+    #   logits of several hundred). A target another rank owns contributes 0 here, not logits[:, 0] or a wrapped index.
     raise NotImplementedError('TODO(m12): the max, the sum of exponentials and the target logit, each reduced over the group')

@@ -75,6 +75,24 @@ def test_the_loss_and_every_gradient_equal_module_06s_model(world_size, sequence
                        f"module 06's, first to last in backward order: " + "; ".join(wrong))
 
 
+def _stores_left_full(tokens, targets):
+    tp = linear.TPGroup(dist.get_rank(), dist.get_world_size(), Collectives(), True)
+    model = model12.TPLlama(SMALL_VOCAB, tp, seed=3, dtype=f64)
+    stores, new_store = [], model.block.new_store
+    model.block.new_store = lambda: stores.append(new_store()) or stores[-1]
+    model.forward_backward(tokens, targets)
+    return len(stores), [layer for layer, store in enumerate(stores) if store.tensors]
+
+
+@pytest.mark.exercises("TPLlama.forward_backward")
+def test_activation_stores_are_emptied_by_the_backward():
+    tokens = torch.randint(0, 50, (2, 12), generator=torch.Generator().manual_seed(1))
+    for rank, (n_stores, full) in enumerate(run_ranks(_stores_left_full, 2, tokens, tokens, timeout=30)):
+        assert n_stores == CFG.n_layers and not full, \
+            (f"rank {rank}: the stores of layers {full} still hold activations after the backward: clear each "
+             f"layer's store after its block's backward, so its activations are freed as the backward goes")
+
+
 def _train(sequence_parallel, n_microbatches):
     tp = linear.TPGroup(dist.get_rank(), dist.get_world_size(), Collectives(), sequence_parallel)
     model, losses = model12.train(CFG, STEPS, tp, BATCH, n_microbatches, lr=LR, dtype=f64)
