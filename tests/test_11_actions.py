@@ -20,7 +20,7 @@ def test_text_form_parses_to_the_action(text, expected):
 
 
 @pytest.mark.exercises("Action.parse")
-@pytest.mark.parametrize("text", ["1X2", "F2", "2F", "2 F 0", "2F0 1F0", "", "-1F0"])
+@pytest.mark.parametrize("text", ["1X2", "F2", "2F", "2 F 0", "2F0 1F0", "", "-1F0", "2f0"])
 def test_what_is_not_an_action_is_refused(text):
     with pytest.raises(ValueError) as refused:
         m11.Action.parse(text)

@@ -20,7 +20,7 @@ parse_schedule = reference("m11_actions").parse_schedule
 
 ALL = list(ref.SCHEDULES)
 GENERATORS = ("gpipe", "one_f_one_b", "interleaved", "zbh1", "zbv", "dualpipev")  # the functions behind ALL
-GRID = [(P, M) for P in (2, 4, 8) for M in (P, 2 * P, 4 * P)] + [(2, 3), (4, 6), (4, 7)]
+GRID = [(P, M) for P in (2, 4, 8) for M in (P, 2 * P, 4 * P)] + [(2, 3), (4, 6), (4, 7), (4, 2), (8, 3)]  # M < P too
 EQUAL = Costs(F=Fraction(1), I=Fraction(1), W=Fraction(1))
 # Where each closed form holds (see idle_per_rank): every schedule at F = I = W; most at others too.
 COSTS = {"gpipe": [EQUAL, Costs(F=Fraction(1), I=Fraction(3), W=Fraction(1, 2))],
