@@ -75,7 +75,7 @@ def command(module: Module, which: str | None, show_all: bool) -> int:
 def hint_command_for(number: str, text: str) -> str | None:
     """The `python main.py hint` command for the TODO whose title `text` contains (an error that
     names it), or for the TODOs of the functions `text` lists ("forward_step, one_f_one_b", what a
-    check exercises); None if module `number` has no such TODO."""
+    check exercises: the first function listed first); None if module `number` has no such TODO."""
     from course.catalog import MODULES
     module = MODULES.get(number)
     if module is None:
@@ -85,7 +85,11 @@ def hint_command_for(number: str, text: str) -> str | None:
         if block.title in text:
             return f"python main.py hint {number} {n}"
     wanted = [name.strip() for name in text.split(",") if name.strip()]
-    numbers = [n for n, block in todos if block.function in wanted or block.function.rsplit(".", 1)[-1] in wanted]
+    def listed_at(block) -> int:  # where the check lists the TODO's function (a method by either name)
+        names = (block.function, block.function.rsplit(".", 1)[-1])
+        return min((i for i, name in enumerate(wanted) if name in names), default=len(wanted))
+    numbers = sorted((n for n, block in todos if listed_at(block) < len(wanted)),
+                     key=lambda n: listed_at(todos[n - 1][1]))
     if not numbers:
         return None
     more = f" (it also exercises TODOs {', '.join(map(str, numbers[1:]))})" if numbers[1:] else ""

@@ -151,8 +151,8 @@ def run_action(action: Action, stage: SplitStage, comms: StageComms, xs, ys, sen
     # Every send's handle goes into `sends`; return None except for the last stage's F.
     # Pitfalls:
     # - a message is named by the stage that *receives* it: the output of stage s is "act" of s + 1;
-    #   StageComms refuses a wrong name at once ("rank 1 cannot send 'act' of stage 1, microbatch 0:
-    #   stage 0 does that, on rank 0"), where the receiver would otherwise wait forever;
+    #   StageComms refuses a wrong name at once (on rank 0: "no stage sends 'act' to stage 0: stage 0
+    #   receives no activation, ..."), where the receiver would otherwise wait forever;
     # - a handle not kept is a send gloo may drop: the peer then waits forever in its recv;
     # - B is backward_input and backward_weight in one: no W follows it in the schedule.
     # Hint 1: dispatch on action.kind; stage.is_first and stage.is_last say which messages exist.

@@ -110,8 +110,10 @@ def interleaved(world_size: int, n_microbatches: int, stages_per_rank: int = 2) 
     # - local stage j of rank r is stage j*P + r (the looped placement), not r*v + j: the validator says
     #   the rank runs a stage that is not on it;
     # - backwards go through the local stages in reverse (the last stage's backward comes first);
-    # - 1F1B's warm-up of P-r-1 is too short here: while the first round's backward comes back, a rank
-    #   must forward a second round on its next stage. The bubble grows, or the dry run deadlocks.
+    # - 1F1B's warm-up of P-r-1 is too short here: a rank would run a backward before its own forward
+    #   (the validator refuses it). (v-1)P + (P-r-1) runs, and with free messages even has the same
+    #   bubble; the P-r-1 more (Megatron-LM's choice, which torch follows and the tests compare with)
+    #   keep a rank computing while the first gradients travel back.
     # Hint 1: write forward(k) and backward(k) from the formulas, then 1F1B's three phases over k.
     # Hint 2: microbatch = (k // (world_size * v)) * world_size + k % world_size;
     #         stage = local * world_size + r.
@@ -156,7 +158,8 @@ def zbh1(world_size: int, n_microbatches: int) -> Schedule:
     # - deferring P-1-r W's (the mirror image): rank 0 keeps nearly 2P microbatches, and the bubble is
     #   1F1B's, (P-1)(F+I+W);
     # - deferring none: the I's still go out early, but the cool-down's gaps stay empty: (P-1)(F+I);
-    # - deferring r+1: the same bubble, one more microbatch kept on every rank (the tests count it);
+    # - deferring r+1: one more microbatch kept on every rank (the tests count it) for no smaller bubble
+    #   (at M = P, a bigger one);
     # - a W before its own I is refused by the validator.
     # Hint 1: 1F1B's phases with I for B; count the W's done; after the k-th I, add a W when k >= r.
     # Hint 2: the W after the k-th I is W(k - r); at the end, W(m) for every m from the count to M-1.
@@ -260,8 +263,10 @@ def dualpipev(world_size: int, n_microbatches: int) -> Schedule:
     #   8. r+1 times: the oldest queued W
     # Pitfalls:
     # - a B is the microbatch's I and W in one: it takes the next I number and queues no W;
-    # - popping the newest W instead of the oldest runs a W before its I (the validator refuses it);
-    # - the switch on the wrong parity costs bubble (the simulated bubble test sees it).
+    # - popping the newest W instead of the oldest still gives a valid schedule, but not DualPipeV's
+    #   order (the tests compare the orders with torch's);
+    # - the switch on the wrong parity changes how many I's phase 6 runs: phase 8 then pops an empty
+    #   queue or leaves W's unrun.
     # Hint 1: a counter per (stage, "F") and (stage, "I"), and a collections.deque of the queued I's.
     # Hint 2: a helper appending the next microbatch of a (stage, kind) that queues the action when the kind
     #         is I; another that pops the oldest queued I and appends its W (Action._replace(kind="W")).

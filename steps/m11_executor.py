@@ -1,5 +1,5 @@
 # Generated from solutions/m11_executor.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 11`. (skeleton d5afa8a6a7a0)
+# Grade your work with `python main.py grade 11`. (skeleton 4ba8a96a54ca)
 """Module 11 - the executor: run any valid schedule on real ranks.
 
 Module 05 had one loop per schedule. Here there is one loop for all of them: each rank walks its
@@ -153,8 +153,8 @@ def run_action(action: Action, stage: SplitStage, comms: StageComms, xs, ys, sen
     # Every send's handle goes into `sends`; return None except for the last stage's F.
     # Pitfalls:
     # - a message is named by the stage that *receives* it: the output of stage s is "act" of s + 1;
-    #   StageComms refuses a wrong name at once ("rank 1 cannot send 'act' of stage 1, microbatch 0:
-    #   stage 0 does that, on rank 0"), where the receiver would otherwise wait forever;
+    #   StageComms refuses a wrong name at once (on rank 0: "no stage sends 'act' to stage 0: stage 0
+    #   receives no activation, ..."), where the receiver would otherwise wait forever;
     # - a handle not kept is a send gloo may drop: the peer then waits forever in its recv;
     # - B is backward_input and backward_weight in one: no W follows it in the schedule.
     raise NotImplementedError('TODO(m11): one action: F, B, I or W, with its messages')

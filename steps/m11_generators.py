@@ -1,5 +1,5 @@
 # Generated from solutions/m11_generators.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 11`. (skeleton b8d9b7f45dc9)
+# Grade your work with `python main.py grade 11`. (skeleton 7587285c2b36)
 """Module 11 - the schedules, generated as data, and the bubble each one leaves.
 
 Every generator takes the number of ranks P (`world_size`) and of microbatches M (`n_microbatches`)
@@ -95,8 +95,10 @@ def interleaved(world_size: int, n_microbatches: int, stages_per_rank: int = 2) 
     # - local stage j of rank r is stage j*P + r (the looped placement), not r*v + j: the validator says
     #   the rank runs a stage that is not on it;
     # - backwards go through the local stages in reverse (the last stage's backward comes first);
-    # - 1F1B's warm-up of P-r-1 is too short here: while the first round's backward comes back, a rank
-    #   must forward a second round on its next stage. The bubble grows, or the dry run deadlocks.
+    # - 1F1B's warm-up of P-r-1 is too short here: a rank would run a backward before its own forward
+    #   (the validator refuses it). (v-1)P + (P-r-1) runs, and with free messages even has the same
+    #   bubble; the P-r-1 more (Megatron-LM's choice, which torch follows and the tests compare with)
+    #   keep a rank computing while the first gradients travel back.
     raise NotImplementedError("TODO(m11): interleaved 1F1B's order on every rank")
     return Schedule("interleaved", placement, orders, n_microbatches)
 
@@ -118,7 +120,8 @@ def zbh1(world_size: int, n_microbatches: int) -> Schedule:
     # - deferring P-1-r W's (the mirror image): rank 0 keeps nearly 2P microbatches, and the bubble is
     #   1F1B's, (P-1)(F+I+W);
     # - deferring none: the I's still go out early, but the cool-down's gaps stay empty: (P-1)(F+I);
-    # - deferring r+1: the same bubble, one more microbatch kept on every rank (the tests count it);
+    # - deferring r+1: one more microbatch kept on every rank (the tests count it) for no smaller bubble
+    #   (at M = P, a bigger one);
     # - a W before its own I is refused by the validator.
     raise NotImplementedError("TODO(m11): ZB-H1's order on every rank")
     return Schedule("zbh1", one_stage_per_rank(world_size), orders, n_microbatches)
@@ -173,8 +176,10 @@ def dualpipev(world_size: int, n_microbatches: int) -> Schedule:
     #   8. r+1 times: the oldest queued W
     # Pitfalls:
     # - a B is the microbatch's I and W in one: it takes the next I number and queues no W;
-    # - popping the newest W instead of the oldest runs a W before its I (the validator refuses it);
-    # - the switch on the wrong parity costs bubble (the simulated bubble test sees it).
+    # - popping the newest W instead of the oldest still gives a valid schedule, but not DualPipeV's
+    #   order (the tests compare the orders with torch's);
+    # - the switch on the wrong parity changes how many I's phase 6 runs: phase 8 then pops an empty
+    #   queue or leaves W's unrun.
     raise NotImplementedError("TODO(m11): DualPipeV's order on every rank")
     return Schedule("dualpipev", placement, orders, n_microbatches)
 

@@ -1,5 +1,5 @@
 # Generated from solutions/m13_llama_2d.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 13`. (skeleton ffe90c95e139)
+# Grade your work with `python main.py grade 13`. (skeleton b3b70f9a1a6d)
 """Module 13, part 2 - module 06's Llama over a d x t mesh: FSDP over d, Megatron over t, every line
 of the forward and the backward written in named axes, beside its equation in the chapter.
 
@@ -178,8 +178,9 @@ class Llama2D:
         cfg, rope = self.cfg, self.rope(x.tensor.shape[1], x.tensor.dtype)
         # TODO(m13): the attention half, line for line with the chapter's equations
         # Contract: return h[B/d T M/t] = x + the attention output; save in the store, under these names, the
-        #   activations the backward reads: 'xg' (x gathered over t), 'n1', 'r1', 'q', 'k' (after RoPE), 'v', 'o',
-        #   'lse'. Specs: xg, n1 [B/d T M]; r1 [B/d T]; q, o [B/d T K/t Q D]; k, v [B/d T K/t D]; lse [B/d K/t Q T].
+        #   activations the backward reads, as Sharded values with these specs: 'xg' (x gathered over t), 'n1',
+        #   'r1', 'q', 'k' (after RoPE), 'v', 'o', 'lse'. Specs: xg, n1 [B/d T M]; r1 [B/d T]; q, o [B/d T K/t Q D];
+        #   k, v [B/d T K/t D]; lse [B/d K/t Q T].
         # The equations: x gathered over t; ln1 gathered over d and t; RMSNorm (module 06's rmsnorm_forward, as a
         #   local op); each of wq, wk, wv gathered over d and contracted over M; RoPE on q and k (rope.cos_q/sin_q
         #   for q's five dimensions, rope.cos/sin for k's four); attention (grouped_attention_forward, chunk
@@ -195,8 +196,8 @@ class Llama2D:
         """h[B/d T M/t] -> y[B/d T M/t] = h + FFN(RMSNorm(h)), saving what the backward reads."""
         cfg = self.cfg
         # TODO(m13): the FFN half, line for line with the chapter's equations
-        # Contract: return y[B/d T M/t] = h + the FFN output; save 'hg' (h gathered over t), 'n2', 'r2', 'g', 'u',
-        #   's'. Specs: hg, n2 [B/d T M]; r2 [B/d T]; g, u, s [B/d T F/t].
+        # Contract: return y[B/d T M/t] = h + the FFN output; save, as Sharded values, 'hg' (h gathered over t),
+        #   'n2', 'r2', 'g', 'u', 's'. Specs: hg, n2 [B/d T M]; r2 [B/d T]; g, u, s [B/d T F/t].
         # The equations: h gathered over t; ln2 gathered over d and t; RMSNorm; w_gate and w_up gathered over d and
         #   contracted over M (nothing unreduced: M is whole); SwiGLU (module 06's swiglu_forward, local); w_down
         #   gathered over d and contracted over F/t: unreduced over t, reduce-scattered onto M/t; the residual add.

@@ -47,6 +47,13 @@ def _text(order):
     return " ".join(str(a) for a in order)
 
 
+def _first_difference(got, want) -> str:
+    """Where two orders of (stage, kind, microbatch) first part, for the scorecard's one line."""
+    name = lambda order, i: "".join(map(str, order[i])) if i < len(order) else "nothing"  # noqa: E731
+    i = next(i for i in range(max(len(got), len(want))) if i >= len(got) or i >= len(want) or got[i] != want[i])
+    return f"action {i} is {name(got, i)} where {name(want, i)} was expected"
+
+
 def _canonical_gpipe(P, r, M):
     return [(r, "F", m) for m in range(M)] + [(r, "B", m) for m in range(M)]
 
@@ -69,8 +76,9 @@ def test_gpipe_and_1f1b_are_module_05s_orders(name, canonical, P, M):
     for r in range(P):
         want = [tuple(a) for a in canonical(P, r, M)]
         got = [tuple(a) for a in schedule.orders[r]]
-        assert got == want, (f"{name}, P={P}, M={M}: rank {r} runs\n  {_text(schedule.orders[r])}\n"
-                             f"expected module 05's\n  {' '.join(f'{s}{k}{m}' for s, k, m in want)}")
+        assert got == want, (f"{name}, P={P}, M={M}: rank {r}'s {_first_difference(got, want)}; it runs\n"
+                             f"  {_text(schedule.orders[r])}\nexpected module 05's\n  "
+                             + " ".join(f"{s}{k}{m}" for s, k, m in want))
 
 
 # Orders checked by hand against each schedule's definition (and equal to torch.distributed.pipelining's).
@@ -100,7 +108,8 @@ def test_small_schedules_are_the_hand_checked_orders(key):
     for r in range(P):
         got = [tuple(a) for a in schedule.orders[r]]
         assert got == [tuple(a) for a in want.orders[r]], \
-            f"{name}, P={P}, M={M}: rank {r} runs\n  {_text(schedule.orders[r])}\nexpected\n  {_text(want.orders[r])}"
+            (f"{name}, P={P}, M={M}: rank {r}'s {_first_difference(got, [tuple(a) for a in want.orders[r]])}; it "
+             f"runs\n  {_text(schedule.orders[r])}\nexpected\n  {_text(want.orders[r])}")
 
 
 def _expected_placement(name, P, v=2):
@@ -166,7 +175,7 @@ def test_peak_live_activations_per_rank(name):
         got = simulate_schedule(schedule.orders, schedule.placement).peak_live
         want = [_expected_peak(name, P, r, M) for r in range(P)]
         assert got == want, (f"{name}, P={P}, M={M}: peak live (stage, microbatch) activations per rank {got}, "
-                             f"expected {want} (too many: a W or B comes late, or a forward early)")
+                             f"expected {want} (more: a W or B comes late, or a forward early; fewer: the reverse)")
 
 
 @pytest.mark.exercises("interleaved")
@@ -264,6 +273,7 @@ def test_orders_equal_torch_pipelinings_as_a_second_check(name, v):
         schedule = m11.make_schedule(name, P, M, max(v, 2))  # ours first: a TODO fails here, never skips
         theirs = _torch_orders(name, P, M, v)
         for r in range(P):
-            assert [tuple(a) for a in schedule.orders[r]] == theirs[r], \
-                f"{name}, P={P}, M={M}: rank {r} runs\n  {_text(schedule.orders[r])}\ntorch's\n  " \
-                + " ".join(f"{s}{k}{m}" for s, k, m in theirs[r])
+            ours = [tuple(a) for a in schedule.orders[r]]
+            assert ours == theirs[r], \
+                f"{name}, P={P}, M={M}: rank {r}'s {_first_difference(ours, theirs[r])} (torch's); it runs\n  " \
+                f"{_text(schedule.orders[r])}\ntorch's\n  " + " ".join(f"{s}{k}{m}" for s, k, m in theirs[r])

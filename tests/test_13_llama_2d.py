@@ -54,6 +54,31 @@ def _forward_backward(d, t, tokens, targets, dtype):
     return loss, named, sum(c.sent_bytes for c in mesh.log)
 
 
+def _kept_specs(d, t, tokens):
+    """What one block's forward (and the embedding) keep, as the demo's sharding table shows it."""
+    mesh = axes.init_mesh(d, t)
+    model = model_2d.Llama2D(CFG, mesh, seed=3, dtype=f64)
+    store = reference("m06_llama_block").ActivationStore()
+    x = model.embed(axes.shard("B/d T", tokens, mesh), store)
+    model.ffn_half(model.blocks[0], model.attention_half(model.blocks[0], x, store), store)
+    return {name: str(value.spec) if hasattr(value, "spec") else type(value).__name__
+            for name, value in store.tensors.items()}
+
+
+# The contracts of embed, attention_half and ffn_half: each activation kept as a Sharded, with its spec.
+KEPT_SPECS = {"onehot": "B/d T V/t", "xg": "B/d T M", "n1": "B/d T M", "r1": "B/d T", "q": "B/d T K/t Q D",
+              "k": "B/d T K/t D", "v": "B/d T K/t D", "o": "B/d T K/t Q D", "lse": "B/d K/t Q T",
+              "hg": "B/d T M", "n2": "B/d T M", "r2": "B/d T", "g": "B/d T F/t", "u": "B/d T F/t", "s": "B/d T F/t"}
+
+
+@pytest.mark.exercises("Llama2D.embed", "Llama2D.attention_half", "Llama2D.ffn_half")
+def test_the_forward_keeps_each_activation_with_its_spec():
+    tokens = torch.randint(0, CFG.vocab_size, (BATCH, CFG.max_seq_len), generator=torch.Generator().manual_seed(2))
+    for rank, kept in enumerate(run_ranks(_kept_specs, 4, 2, 2, tokens, timeout=30)):
+        assert kept == KEPT_SPECS, (f"rank {rank}: the store holds {kept}, the contracts say {KEPT_SPECS}: save "
+                                    "the Sharded values (the backward and the demo's table read their specs)")
+
+
 def spec_of(name: str) -> str:
     return given.TOP_SPECS[name] if name in given.TOP_SPECS else given.BLOCK_SPECS[name.split()[-1]]
 

@@ -105,6 +105,11 @@ def whole_tensors():
             "norm": torch.randn(8, generator=g, dtype=f64), "w": torch.randn(8, 6, generator=g, dtype=f64)}
 
 
+def assert_labelled(arrow, labels):
+    assert all("->" in label for label in labels), \
+        f"{arrow!r}: collectives labelled {labels}: label each with its arrow, so the log says what it was for"
+
+
 def _gathers():
     mesh = axes.init_mesh(D, T)
     i_d, i_t = mesh.index["d"], mesh.index["t"]
@@ -121,7 +126,8 @@ def _gathers():
         left = arrow.split("->")[0]
         before = len(mesh.log)
         out = axes.all_gather(arrow, sharded(mesh, left, mine))
-        results[arrow] = (out.tensor, str(out.spec), [(c.op, c.group_size) for c in mesh.log[before:]])
+        results[arrow] = (out.tensor, str(out.spec), [(c.op, c.group_size) for c in mesh.log[before:]],
+                          [c.label for c in mesh.log[before:]])
     return results
 
 
@@ -135,7 +141,7 @@ def test_all_gather_follows_the_arrow_over_the_right_group():
                     "M/t/d -> M": (full["norm"], 2),
                     "M/d F/t -> M F/t": (block(full["w"], {1: [(T, i_t)]}), 1)}
         for arrow, (want, collectives) in expected.items():
-            got, spec, log = results[arrow]
+            got, spec, log, labels = results[arrow]
             assert got.shape == want.shape, \
                 f"rank {rank}, {arrow!r}: shape {tuple(got.shape)}, expected {tuple(want.shape)}"
             hint = (" (gathered over the other mesh axis, or along the wrong dimension? M/t/d gathers over d first, "
@@ -144,6 +150,7 @@ def test_all_gather_follows_the_arrow_over_the_right_group():
             assert spec == arrow.split("-> ")[1], f"rank {rank}, {arrow!r}: the result's spec is {spec!r}"
             assert log == [("all_gather", 2)] * collectives, \
                 f"rank {rank}, {arrow!r}: logged {log}, expected {collectives} all-gather(s) over 2 ranks"
+            assert_labelled(arrow, labels)
 
 
 def _partials(rank):
@@ -162,7 +169,8 @@ def _scatters():
     for arrow, partial in cases.items():
         before = len(mesh.log)
         out = axes.reduce_scatter(arrow, sharded(mesh, arrow.split("->")[0], partial))
-        results[arrow] = (out.tensor, str(out.spec), [(c.op, c.group_size) for c in mesh.log[before:]])
+        results[arrow] = (out.tensor, str(out.spec), [(c.op, c.group_size) for c in mesh.log[before:]],
+                          [c.label for c in mesh.log[before:]])
     return results
 
 
@@ -179,7 +187,7 @@ def test_reduce_scatter_sums_over_the_arrows_axes_and_keeps_this_ranks_block():
             "M F/t {U_d} -> M/d F/t": (block(sum(parts[r]["w"] for r in d_group), {0: [(D, i_d)]}), 1),
         }
         for arrow, (want, collectives) in expected.items():
-            got, spec, log = results[arrow]
+            got, spec, log, labels = results[arrow]
             assert got.shape == want.shape, \
                 f"rank {rank}, {arrow!r}: shape {tuple(got.shape)}, expected {tuple(want.shape)}"
             hint = (" (summed over the other mesh axis, along the wrong dimension, or M/t/d scattered over d before "
@@ -188,6 +196,7 @@ def test_reduce_scatter_sums_over_the_arrows_axes_and_keeps_this_ranks_block():
             assert spec == arrow.split("-> ")[1], f"rank {rank}, {arrow!r}: the result's spec is {spec!r}"
             assert log == [("reduce_scatter", 2)] * collectives, \
                 f"rank {rank}, {arrow!r}: logged {log}, expected {collectives} reduce-scatter(s) over 2 ranks"
+            assert_labelled(arrow, labels)
 
 
 def _all_reduces():

@@ -62,6 +62,14 @@ def test_a_failed_check_names_the_hint_for_its_todo(tmp_path):
     assert wrong["hint"] == "python main.py hint 01 3", wrong
 
 
+def test_a_check_that_exercises_several_todos_points_at_the_first_it_lists():
+    # The test's author lists the functions it grades most directly first (module 05: TODO 1 is
+    # forward_step, TODO 5 one_f_one_b).
+    from course.hints import hint_command_for
+    assert hint_command_for("05", "one_f_one_b, forward_step") == "python main.py hint 05 5 (it also exercises TODOs 1)"
+    assert hint_command_for("05", "forward_step, one_f_one_b") == "python main.py hint 05 1 (it also exercises TODOs 5)"
+
+
 def test_every_graded_test_names_the_todos_it_exercises():
     # The scorecard points a failed check at `python main.py hint NN K` through this marker, so every
     # graded test declares the functions (holding TODOs of its own module) whose code it grades.
