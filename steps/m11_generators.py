@@ -1,5 +1,5 @@
 # Generated from solutions/m11_generators.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 11`. (skeleton 7587285c2b36)
+# Grade your work with `python main.py grade 11`. (skeleton 7064af5219ac)
 """Module 11 - the schedules, generated as data, and the bubble each one leaves.
 
 Every generator takes the number of ranks P (`world_size`) and of microbatches M (`n_microbatches`)
@@ -135,16 +135,20 @@ def zbv(world_size: int, n_microbatches: int) -> Schedule:
     check_arguments("zbv", world_size, n_microbatches)
     placement = v_placement(world_size)
     # TODO(m11): ZB-V's order on every rank
-    # Contract: with down = r and up = 2P-1-r, rank r runs, microbatches counted separately for each
-    # (stage, kind) and taken in order:
-    #   1. 2(P-r)-1 times F(down)
-    #   2. r times: F(up), F(down)
-    #   3. P-r times: F(up), I(up), W(up)
-    #   4. while up has had fewer forwards than down, or down fewer than M:
-    #      F(down) (only while down has had fewer than M), I(down), W(down), F(up), I(up), W(up)
-    #   5. r times: I(down), I(up); then P-r times: I(down), W(down); then every W left of up, then of down
-    # The maths: the V's first stage (down) and last (up) are both on rank 0, so rank 0 can start a
-    # backward as soon as the V has turned on rank P-1: the warm-up is filled from both ends.
+    # Contract: with down = r and up = 2P-1-r, rank r's list is ZB-V's as torch.distributed.pipelining's
+    # ScheduleZBVZeroBubble builds it (the tests compare the two action by action, and with orders checked
+    # by hand for P = 2), microbatches taken in order for each (stage, kind), in five phases:
+    #   1. forwards of down only, until microbatch 0 can have come back up the V to stage up;
+    #   2. forwards of up and down by turns, until up's first input gradient can have arrived;
+    #   3. up's first backwards, each I followed at once by its W, a forward of up before each;
+    #   4. the steady state, a round at a time: down's F (while it has had fewer than M), I and W, then
+    #      up's F, I and W, until both stages have had M forwards;
+    #   5. the cool-down: I's of both stages by turns, then down's I's with their W's, then every W
+    #      left of up, then of down.
+    # The maths: count time in unit actions (F = I = W = 1, messages free). Rank r's first F(down) starts
+    # at r; microbatch 0 reaches stage up after 2P-1-r forwards; a gradient travels back one stage per
+    # unit. Each phase lasts until what the next one needs can have arrived, which gives its length as a
+    # function of P and r.
     # Pitfalls:
     # - the other half of the V (up = P+r) is not on rank r: the validator names the action;
     # - the phases' lengths depend on r; one forward more or less in phase 1 and a rank waits (the
@@ -163,8 +167,10 @@ def dualpipev(world_size: int, n_microbatches: int) -> Schedule:
     check_arguments("dualpipev", world_size, n_microbatches)
     placement = v_placement(world_size)
     # TODO(m11): DualPipeV's order on every rank
-    # Contract: with down = r and up = 2P-1-r, microbatches counted per stage for F, and per stage for
-    # B and I together (either gives the input gradient); the W of every I is queued, oldest first:
+    # Contract: DualPipe's phases, a published design rather than a derivation (the tests compare the order
+    # with torch's ScheduleDualPipeV action by action). With down = r and up = 2P-1-r, microbatches counted
+    # per stage for F, and per stage for B and I together (either gives the input gradient); the W of every
+    # I is queued, oldest first:
     #   1. 2(P-r-1) times F(down)
     #   2. r+1 times: F(down), F(up)
     #   3. P-r-1 times: I(up), the oldest queued W, F(up)
