@@ -70,6 +70,11 @@ class TorchCollectiveLog(TorchDispatchMode):
     either namespace not understood here goes to `unknown`: a count that misses one is not shown."""
 
     _IGNORED = {"wait_tensor", "_wrap_tensor_autograd"}  # bookkeeping, nothing sent
+    # c10d's ops by name: (what they do, the position of the payload: a tensor or a list whose first
+    # tensor counts, the position of the process group)
+    _C10D = {"_allgather_base_": ("all_gather", 1, 2), "allgather_": ("all_gather", 1, 2),
+             "_reduce_scatter_base_": ("reduce_scatter", 0, 2), "reduce_scatter_": ("reduce_scatter", 0, 2),
+             "allreduce_": ("all_reduce", 0, 1)}
 
     def __init__(self):
         super().__init__()
@@ -84,17 +89,12 @@ class TorchCollectiveLog(TorchDispatchMode):
                 self.unknown.add(f"{namespace}.{name}")
         return func(*args, **(kwargs or {}))
 
-    @staticmethod
-    def _record(namespace, name, args) -> Collective:
-        if namespace == "c10d":  # (outputs, inputs, process group, ...) or (tensors, process group, ...)
-            op, payload, group = {
-                "_allgather_base_": lambda: ("all_gather", args[1], args[2]),
-                "allgather_": lambda: ("all_gather", args[1][0], args[2]),
-                "_reduce_scatter_base_": lambda: ("reduce_scatter", args[0], args[2]),
-                "reduce_scatter_": lambda: ("reduce_scatter", args[0][0], args[2]),
-                "allreduce_": lambda: ("all_reduce", args[0][0], args[1]),
-            }[name]()
-            group = dist.ProcessGroup.unbox(group)  # the dispatcher hands it over as a ScriptObject
+    @classmethod
+    def _record(cls, namespace, name, args) -> Collective:
+        if namespace == "c10d":
+            op, payload_at, group_at = cls._C10D[name]
+            payload = args[payload_at][0] if isinstance(args[payload_at], list) else args[payload_at]
+            group = dist.ProcessGroup.unbox(args[group_at])  # the dispatcher hands it over as a ScriptObject
             return Collective(op, payload.nbytes, "torch", group.size())
         if name == "all_gather_into_tensor":  # (input, group size, group name)
             return Collective("all_gather", args[0].nbytes, "torch", args[1])
