@@ -171,6 +171,11 @@ class LlamaModel:
         return x
         # <<<
 
+    def on_block_grads(self, layer: int, grads: BlockWeights) -> None:
+        """Called by the backward loop as soon as a block's gradients are final (its backward has run
+        and its weights are released): the moment a data-parallel model starts sending them (module
+        14's buckets). Here: nothing to do."""
+
     def backward_blocks(self, dx: torch.Tensor, stores: list[ActivationStore]):
         """The blocks' backward in reverse order; returns (d_embedded_input, per-layer grads)."""
         n_layers = self.cfg.n_layers
@@ -181,7 +186,9 @@ class LlamaModel:
         # `grads`, one BlockWeights per layer, in layer order (grads[l] is layer l's).
         # Invariant: the forward's gather-one-ahead pattern, mirrored: the last layer is gathered first, and layer
         # l - 1 before layer l is fetched. Each layer's store is cleared after its backward (those activations are
-        # not needed again; the test checks every store is empty afterwards), and each layer released.
+        # not needed again; the test checks every store is empty afterwards), and each layer released. Once a layer
+        # is released its gradients are final: hand them to self.on_block_grads(layer, grads) right then, so a
+        # model that sends gradients (module 14) can start while the earlier layers' backwards still run.
         # Pitfall: as in the forward, the test checks the exact order of the calls, and that no layer is
         # released before its backward has run.
         # Hint 1: the forward loop run in reverse, with the block's backward instead of its forward and a clear of
@@ -190,6 +197,7 @@ class LlamaModel:
         # Hint 3: gather the last layer
         #         for l from last to first: if l > 0, gather l - 1;  w = get(l)
         #             dx, grads[l] = block backward of (w, dx, stores[l]);  clear stores[l];  release l
+        #             on_block_grads(l, grads[l])
         #         return dx and grads
         self.weights.gather(n_layers - 1)
         for layer in reversed(range(n_layers)):
@@ -199,6 +207,7 @@ class LlamaModel:
             dx, grads[layer] = self.block.backward(w, dx, stores[layer])
             stores[layer].clear()
             self.weights.release(layer)
+            self.on_block_grads(layer, grads[layer])
         return dx, grads
         # <<<
 

@@ -1,5 +1,5 @@
 # Generated from solutions/m06_llama_model.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 06`. (skeleton 495fd31c3c9a)
+# Grade your work with `python main.py grade 06`. (skeleton 344f98c37069)
 """Module 06 - a tiny Llama trained with a hand-written backward.
 
 Embedding -> n_layers blocks (m06_llama_block) -> final RMSNorm -> LM head and cross-entropy.
@@ -139,6 +139,11 @@ class LlamaModel:
         # modules 07 and 08 depend on it (two buffers: a gather two layers ahead, or a missing release, fails).
         raise NotImplementedError('TODO(m06): the forward loop over the layers, weights from the weight source')
 
+    def on_block_grads(self, layer: int, grads: BlockWeights) -> None:
+        """Called by the backward loop as soon as a block's gradients are final (its backward has run
+        and its weights are released): the moment a data-parallel model starts sending them (module
+        14's buckets). Here: nothing to do."""
+
     def backward_blocks(self, dx: torch.Tensor, stores: list[ActivationStore]):
         """The blocks' backward in reverse order; returns (d_embedded_input, per-layer grads)."""
         n_layers = self.cfg.n_layers
@@ -149,7 +154,9 @@ class LlamaModel:
         # `grads`, one BlockWeights per layer, in layer order (grads[l] is layer l's).
         # Invariant: the forward's gather-one-ahead pattern, mirrored: the last layer is gathered first, and layer
         # l - 1 before layer l is fetched. Each layer's store is cleared after its backward (those activations are
-        # not needed again; the test checks every store is empty afterwards), and each layer released.
+        # not needed again; the test checks every store is empty afterwards), and each layer released. Once a layer
+        # is released its gradients are final: hand them to self.on_block_grads(layer, grads) right then, so a
+        # model that sends gradients (module 14) can start while the earlier layers' backwards still run.
         # Pitfall: as in the forward, the test checks the exact order of the calls, and that no layer is
         # released before its backward has run.
         raise NotImplementedError('TODO(m06): the backward loop, last layer first, weights from the weight source')

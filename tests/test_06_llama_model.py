@@ -186,3 +186,22 @@ def test_a_batch_longer_than_max_seq_len_is_rejected_before_any_work():
     tokens = torch.zeros(1, CFG.max_seq_len + 1, dtype=torch.long)
     with pytest.raises(ValueError, match="sequence length 13 is outside 1..max_seq_len=12"):
         model.forward_backward(tokens, tokens)
+
+
+@pytest.mark.exercises("LlamaModel.backward_blocks")
+def test_each_blocks_gradients_are_handed_on_as_soon_as_its_backward_is_done():
+    # Module 14 starts sending a block's gradients while the earlier blocks' backwards still run:
+    # the loop must say when each block's gradients are final, right after its release.
+    model = model_module.LlamaModel(CFG, seed=0)
+    model.weights = source = RecordingWeights(model.blocks)
+    source.record_compute(model.block)
+    handed = []
+    model.on_block_grads = lambda layer, grads: (source.calls.append(("grads", layer)), handed.append(grads))
+    tokens = torch.randint(0, 50, (1, 12))
+    _, grads = model.forward_backward(tokens, tokens)
+    backward = [c for c in source.calls if c[0] in ("backward", "release", "grads")][-9:]
+    expected = [(kind, layer) for layer in (2, 1, 0) for kind in ("backward", "release", "grads")]
+    assert backward == expected, (f"backward, release and on_block_grads calls: {backward}; expected {expected} "
+                                  "(each layer's gradients handed on right after its release)")
+    assert all(h is g for h, g in zip(handed, reversed(grads.blocks))), \
+        "on_block_grads(layer, grads) must receive that layer's gradients (the BlockWeights backward returned)"
