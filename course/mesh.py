@@ -55,14 +55,6 @@ class Group:
     def size(self) -> int:
         return len(self.ranks)
 
-    def prev(self) -> int | None:
-        """The global rank of the member before this one, or None for the first."""
-        return self.ranks[self.index - 1] if self.index > 0 else None
-
-    def next(self) -> int | None:
-        """The global rank of the member after this one, or None for the last."""
-        return self.ranks[self.index + 1] if self.index + 1 < self.size else None
-
 
 def world_group() -> Group:
     """Every rank of the job, in rank order (the default group)."""
