@@ -67,7 +67,12 @@ class TorchCollectiveLog(TorchDispatchMode):
     """Writes down every collective PyTorch issues inside `with` as a course.collectives.Collective,
     so torch's bytes are counted by the same ring formulas as ours. FSDP2 calls c10d's ops; DTensor
     calls the functional ones (_c10d_functional), with the group given by size or by name. An op of
-    either namespace not understood here goes to `unknown`: a count that misses one is not shown."""
+    either namespace not understood here goes to `unknown`: a count that misses one is not shown.
+
+    A mode sees an op before any tensor subclass does, and is switched off while it runs the op. So
+    an op on DTensors is handed back (NotImplemented): DTensor then runs it with this mode still on,
+    and the collectives its op handlers issue inside come through here too (loss_parallel's
+    cross-entropy all-reduces its max, its sum of exponentials and the target logits that way)."""
 
     _IGNORED = {"wait_tensor", "_wrap_tensor_autograd"}  # bookkeeping, nothing sent
     # c10d's ops by name: (what they do, the position of the payload: a tensor or a list whose first
@@ -81,6 +86,10 @@ class TorchCollectiveLog(TorchDispatchMode):
         self.log, self.unknown = [], set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.distributed.tensor import DTensor
+
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # let DTensor run the op: what it issues comes back here, plain tensors
         namespace, name = func.namespace, func.__name__.split(".")[0]
         if namespace in ("c10d", "_c10d_functional") and name not in self._IGNORED:
             try:

@@ -199,8 +199,9 @@ def zbv(world_size: int, n_microbatches: int) -> Schedule:
     #   3. up's first backwards, each I followed at once by its W, a forward of up before each;
     #   4. the steady state, a round at a time: down's F (while it has had fewer than M), I and W, then
     #      up's F, I and W, until both stages have had M forwards;
-    #   5. the cool-down: I's of both stages by turns, then down's I's with their W's, then every W
-    #      left of up, then of down.
+    #   5. the cool-down: I's of both stages by turns, then down's last I's, each followed by the oldest W
+    #      down still owes (the turns left r W's owed, so on rank r > 0 not that I's own), then every W left
+    #      of up, then of down.
     # The maths: count time in unit actions (F = I = W = 1, messages free). Rank r's first F(down) starts
     # at r; microbatch 0 reaches stage up after 2P-1-r forwards; a gradient travels back one stage per
     # unit. Each phase lasts until what the next one needs can have arrived, which gives its length as a

@@ -57,6 +57,33 @@ def test_chunked_cross_entropy_keeps_bf16_inputs_in_bf16():
         assert error <= 2 * u, f"{name}: relative error {error:.2e} against autograd in float64, allowed 2u = {2 * u:.2e}"
 
 
+@pytest.mark.exercises("chunked_cross_entropy")
+def test_chunked_cross_entropy_of_bf16_logits_near_100_keeps_its_statistics_in_float32():
+    # A second, independent check of the precision rule. Every logit is 96 plus a multiple of 1/2 in
+    # [-15, 15]: exactly representable in bf16 (its spacing is 1/2 from 64 to 128), so the bf16 product
+    # x @ w_head.T rounds nothing, and the only rounding left is the statistics'. The log-sum-exp is about
+    # 100: bf16 rounds it by up to 1/4, which moves a loss of about 6 by percents and every softmax entry
+    # by up to e^(1/4); float32 rounds it by at most half its spacing 2^-17 there, 3.8e-6, under 1e-6 of the
+    # loss. We allow 1e-5 on the loss (measured: 5e-8; a bf16 log-sum-exp gives 5e-3), and 2u on the head's
+    # gradient as above (measured: 2.7e-3; with a bf16 log-sum-exp 6e-2).
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.ones(40, 1), torch.randint(-1, 2, (40, 15), generator=g).float()], dim=1).bfloat16()
+    w = torch.cat([torch.full((50, 1), 96.0), torch.randint(-2, 3, (50, 15), generator=g) / 2], dim=1).bfloat16()
+    targets = torch.randint(0, 50, (40,), generator=g)
+    loss, _, dw = model_module.chunked_cross_entropy(x, w, targets, 7)
+    w_ref = w.double().requires_grad_(True)
+    expected = F.cross_entropy(x.double() @ w_ref.t(), targets)
+    expected.backward()
+    error = abs(loss.item() - expected.item()) / expected.item()
+    assert error <= 1e-5, (f"bf16 logits near 100: loss {loss.item():.6f}, float64 gives {expected.item():.6f} (relative "
+                           f"error {error:.1e}, allowed 1e-5): the log-sum-exp and the loss are statistics, computed "
+                           f"in float32 (loss's dtype) even for bf16 inputs")
+    u = 2.0 ** -8
+    error = ((dw.double() - w_ref.grad).norm() / w_ref.grad.norm()).item()
+    assert error <= 2 * u, (f"bf16 logits near 100: dw_head relative error {error:.1e} against float64, allowed 2u = "
+                            f"{2 * u:.1e}: the softmax must come from the float32 log-sum-exp")
+
+
 def reference_for(model):
     reference = ReferenceLlama(model.cfg)
     with torch.no_grad():

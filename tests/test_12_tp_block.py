@@ -35,17 +35,20 @@ def inputs(dtype, seed=1):
     return weights, x, dy
 
 
-def _tp_block(sequence_parallel, weights, x, dy):
+def _tp_block(sequence_parallel, weights, x, dy, more=()):
+    """One microbatch (x, dy) through the split block, then each of `more`, all accumulating into the same
+    gradients: y, dx and the store are the last microbatch's, the gradients and the log all of theirs."""
     rank, t = dist.get_rank(), dist.get_world_size()
     tp = linear.TPGroup(rank, t, Collectives(), sequence_parallel)
     # This rank's positions as a tensor of their own (a view would keep the whole x's storage alive).
     mine = (lambda a: a.chunk(t, dim=1)[rank].contiguous()) if sequence_parallel else (lambda a: a)
     w = block12.shard_block_weights(weights, CFG, rank, t)
-    block, store = block12.TPBlock(CFG, tp, attention_chunk=5), m06.ActivationStore()
-    y = block.forward(w, mine(x), store)
-    saved = {name: (tuple(v.shape), v.untyped_storage().nbytes()) for name, v in store.tensors.items()}
-    grads = block12.zero_grads(w)
-    dx = block.backward(w, mine(dy), store, grads)
+    block, grads = block12.TPBlock(CFG, tp, attention_chunk=5), block12.zero_grads(w)
+    for x, dy in [(x, dy), *more]:
+        store = m06.ActivationStore()
+        y = block.forward(w, mine(x), store)
+        saved = {name: (tuple(v.shape), v.untyped_storage().nbytes()) for name, v in store.tensors.items()}
+        dx = block.backward(w, mine(dy), store, grads)
     block12.sum_norm_grads([grads.ln1, grads.ln2], tp)
     return y, dx, grads, saved, [(c.op, c.payload_bytes) for c in tp.collectives.log]
 
@@ -70,6 +73,26 @@ def relative_errors(results, expected, sequence_parallel):
             for name in want]
 
 
+@pytest.mark.exercises("shard_block_weights")
+@pytest.mark.parametrize("t", [2, 4])
+def test_each_shard_is_a_contiguous_copy_of_its_own_size(t):
+    # A slice of the whole weight has the right numbers but keeps the whole weight's storage alive (a
+    # row block is even contiguous): every rank would hold the whole block. The docstring asks for copies.
+    weights = inputs(f64)[0]
+    whole = {tensor.untyped_storage().data_ptr() for tensor in weights.tensors()}
+    for rank in range(t):
+        w = block12.shard_block_weights(weights, CFG, rank, t)
+        for name, shard in zip(("ln1", "wq", "wk", "wv", "wo", "ln2", "w_gate", "w_up", "w_down"), w.tensors()):
+            storage, size = shard.untyped_storage(), shard.numel() * shard.element_size()
+            where = f"t={t}, rank {rank}: {name} {tuple(shard.shape)}"
+            assert storage.data_ptr() not in whole, \
+                (f"{where} shares its storage with the whole block's weights (a slice, or the tensor itself): every "
+                 "rank would keep the whole block alive; keep a copy (.clone())")
+            assert shard.is_contiguous() and storage.nbytes() == size, \
+                (f"{where}: contiguous {shard.is_contiguous()}, its storage holds {storage.nbytes()} bytes for its "
+                 f"{size}: keep a contiguous copy of exactly this rank's block")
+
+
 HINTS = {"dln1": " (with sequence parallelism each rank's norm gradients cover its positions only: sum them)",
          "dln2": " (with sequence parallelism each rank's norm gradients cover its positions only: sum them)"}
 
@@ -84,6 +107,24 @@ def test_the_block_equals_module_06s_block(world_size, sequence_parallel):
     wrong = [f"{name}: {error:.1e}{HINTS.get(name, '')}" for name, error in errors if not error <= 1e-12]
     assert not wrong, (f"t={world_size}, sequence parallel {sequence_parallel}: relative error above 1e-12 "
                        f"(first in the order computed): " + "; ".join(wrong))
+
+
+@pytest.mark.exercises("TPBlock.backward", "sum_norm_grads", "shard_block_weights", "TPBlock.forward")
+def test_two_microbatches_accumulate_into_the_same_gradients():
+    # The backward adds into the main_grad accumulators: after two microbatches they hold the sum of
+    # both microbatches' gradients (and the norms' partial sums, summed over the ranks once, at the end).
+    # A gradient assigned instead of added (or the accumulator replaced) keeps only the last one.
+    weights, x, dy = inputs(f64)
+    _, x2, dy2 = inputs(f64, seed=2)
+    results = run_ranks(_tp_block, 2, True, weights, x, dy, [(x2, dy2)], timeout=30)
+    _, _, first = single_process(weights, x, dy)
+    y, dx, second = single_process(weights, x2, dy2)
+    both = m06.BlockWeights(*(a + b for a, b in zip(first.tensors(), second.tensors())))
+    errors = relative_errors(results, (y, dx, both), True)
+    wrong = [f"{name}: {error:.1e}" for name, error in errors if not error <= 1e-12]
+    assert not wrong, ("t=2 with sequence parallelism, two microbatches into the same gradients: relative error "
+                       "above 1e-12 against the sum of module 06's two gradients (add into grads, never assign: "
+                       "microbatches accumulate): " + "; ".join(wrong))
 
 
 @pytest.mark.exercises("shard_block_weights", "sum_norm_grads", "TPBlock.forward", "TPBlock.backward")

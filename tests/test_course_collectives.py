@@ -47,6 +47,29 @@ def test_dtensors_functional_collectives_are_counted_by_the_ring_formulas():
             (counted, unknown)
 
 
+def _cross_entropy_counts():
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    mesh = init_device_mesh("cpu", (2,))
+    g = torch.Generator().manual_seed(dist.get_rank())
+    logits = DTensor.from_local(torch.randn(6, 5, generator=g), mesh, [Shard(1)])  # 6 tokens, 5 of 10 classes here
+    counter = TorchCollectiveLog()
+    with counter, loss_parallel():
+        F.cross_entropy(logits, torch.tensor([0, 9, 3, 5, 7, 2])).to_local()
+    return [(c.op, c.payload_bytes) for c in counter.log], counter.unknown
+
+
+def test_collectives_issued_inside_dtensors_ops_are_counted():
+    # loss_parallel's cross-entropy runs inside DTensor's dispatch and all-reduces three statistics of
+    # the 6 tokens (the max, the sum of exponentials, the target logits): 24 bytes each. A dispatch mode
+    # that ran the op itself, with the mode off, would count none of them.
+    for counted, unknown in run_ranks(_cross_entropy_counts, 2, timeout=30):
+        assert counted == [("all_reduce", 24)] * 3 and not unknown, (counted, unknown)
+
+
 def _group_of_one():
     counter, collectives = TorchCollectiveLog(), Collectives()
     x = torch.arange(12.0).reshape(2, 6)
