@@ -88,7 +88,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
                              help="your steps/ (default) or the reference solutions/")
     sub.choices["grade"].add_argument("--keep-going", action="store_true", help="run every check, also after one hangs")
     hint = sub.choices["hint"]
-    hint.add_argument("todo", nargs="?", help="a TODO's number, or the function that holds it (default: list them)")
+    hint.add_argument("todo", nargs="?", help="a TODO's number (or its exact title, or the function that holds "
+                      "it); default: list them")
     hint.add_argument("--all", action="store_true", help="every level at once")
     run = sub.choices["run"]
     run.add_argument("-h", "--help", action="store_true", help="show this help and the module's options")

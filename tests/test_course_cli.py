@@ -1,4 +1,5 @@
 """main.py: bad arguments are refused before any process starts; run works with and without torchrun."""
+import json
 import os
 import re
 import subprocess
@@ -163,3 +164,83 @@ def test_a_python_without_torch_gets_one_line_naming_it(tmp_path, command):
                          cwd=REPO, capture_output=True, text=True, timeout=60)
     assert run.returncode == 1 and "has no torch" in run.stderr and sys.executable in run.stderr, run.stderr
     assert "Traceback" not in run.stderr, run.stderr
+
+
+# --- hint (items 7 and 8) ---------------------------------------------------------------------
+
+@pytest.fixture
+def hint_record(tmp_path, monkeypatch):
+    """The record of hint levels seen, in a temporary folder."""
+    import course.hints
+    record = tmp_path / "hints.json"
+    monkeypatch.setattr(course.hints, "HINTS_SHOWN", record)
+    return record
+
+
+def hint(capsys, *argv) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as exit_:
+        main.main(["hint", *argv])
+    out, err = capsys.readouterr()
+    return exit_.value.code, out, err
+
+
+@pytest.mark.parametrize("which", ["a", "", "  ", "schedule", "0", "99"])
+def test_hint_refuses_anything_but_one_todo_in_one_line(which, hint_record, capsys):
+    # Item 7: "a" and "" matched every title by substring and advanced every TODO a level.
+    code, out, err = hint(capsys, "05", which)
+    assert code == 2 and out == "" and err.startswith("error: ") and len(err.splitlines()) == 1, (out, err)
+    assert not hint_record.exists()
+
+
+def test_a_function_holding_several_todos_is_refused(hint_record, capsys):
+    code, out, err = hint(capsys, "06", "backward")
+    assert code == 2 and out == "" and "backward holds TODOs " in err and "name one by its number" in err, err
+
+
+def test_hint_takes_a_number_an_exact_title_or_the_function_of_one_todo(hint_record, capsys):
+    from course.catalog import MODULES
+    from course.hints import module_todos
+    first = module_todos(MODULES["05"])[0]
+    for which in ("1", first.title.split(": ", 1)[1], first.title, first.function):
+        code, out, err = hint(capsys, "05", which)
+        assert code == 0 and out.startswith("TODO 1, steps/m05_schedules.py") and err == "", (which, out, err)
+    assert json.loads(hint_record.read_text()) == {first.title: min(4, len(first.hints))}
+
+
+@pytest.mark.parametrize("content", ["[]", "null", "3", '"text"', '{"TODO(m05): x": "2"}', '{"TODO(m05): x": true}',
+                                     '{"TODO(m05): x": -1}', "{not json", ""])
+def test_a_hint_record_that_is_not_one_is_named_and_kept(content, hint_record, capsys):
+    # Item 8: a list, null or wrong types gave a traceback; invalid JSON was silently reset to {}.
+    hint_record.write_text(content)
+    for argv in (["05"], ["05", "1"]):
+        code, out, err = hint(capsys, *argv)
+        assert code == 1 and out == "" and len(err.splitlines()) == 1, (out, err)
+        assert err.startswith(f"error: {hint_record} is not a record of hints seen"), err
+    assert hint_record.read_text() == content
+
+
+def test_a_hint_record_that_is_a_folder_is_named(hint_record, capsys):
+    hint_record.mkdir()
+    code, out, err = hint(capsys, "05", "1")
+    assert code == 1 and out == "" and err.startswith(f"error: the record of hints seen, {hint_record}, cannot be read")
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+
+
+def test_a_hint_record_that_cannot_be_saved_says_so_in_one_line(tmp_path, monkeypatch, capsys):
+    # Item 8: a read-only checkout printed the hint, then a traceback. A file stands where the folder
+    # should be: unwritable for root too.
+    import course.hints
+    (tmp_path / "file").write_text("")
+    monkeypatch.setattr(course.hints, "HINTS_SHOWN", tmp_path / "file" / "hints.json")
+    code, out, err = hint(capsys, "05", "1")
+    assert code == 1 and out.startswith("TODO 1, "), out  # the hint is shown all the same
+    assert err.startswith("error: which hint levels you have seen could not be saved in ") and len(err.splitlines()) == 1
+
+
+def test_the_hint_record_is_replaced_whole_not_rewritten_in_place(hint_record, capsys):
+    # Item 8: written in place, an interrupted save left half a record. Now a new file takes its place.
+    hint_record.write_text("{}\n")
+    before = hint_record.stat().st_ino
+    assert hint(capsys, "05", "2")[0] == 0
+    assert hint_record.stat().st_ino != before and len(json.loads(hint_record.read_text())) == 1
+    assert [p.name for p in hint_record.parent.iterdir()] == [hint_record.name]  # no partial file left
