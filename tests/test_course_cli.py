@@ -35,6 +35,18 @@ def test_bad_arguments_give_one_clear_error(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_a_curve_with_a_nan_or_an_inf_anywhere_is_not_the_same_curve():
+    # Item 10: max() skips a nan unless it comes first, so this curve was "NO: they differ by up to 1.0e-05"
+    # (and with the nan in the expected curve, "bit for bit" if the rest matched).
+    from course.demos import same_curve
+    expected = [2.0, 1.5, 1.2, 1.1]
+    assert same_curve([2.0, 1.5, float("nan"), 1.1 + 1e-5], expected) == "NO: step 2's loss is nan (expected 1.2)"
+    assert same_curve([2.0, float("inf"), 1.2, 1.1], expected) == "NO: step 1's loss is inf (expected 1.5)"
+    assert same_curve(expected, [2.0, 1.5, float("nan"), 1.1]).startswith("NO: step 2's loss is 1.2 (expected nan)")
+    assert same_curve(list(expected), expected) == "bit for bit"
+    assert same_curve([2.0, 1.5, 1.2 + 1e-7, 1.1], expected) == "up to float32 rounding (1.0e-07)"
+
+
 def test_run_launches_its_own_ranks(capfd):
     main.main(["run", "04", "--nproc", "2", "--impl", "solutions"])
     assert "logits equal the monolith's bit for bit: True" in capfd.readouterr().out

@@ -13,6 +13,8 @@ import argparse
 import importlib
 import os
 
+from course.compare import first_not_finite
+
 
 def print_losses(losses: list[float], expected: list[float] | None = None, every: int = 5):
     """Every `every`-th loss and the last, beside the `expected` curve if there is one."""
@@ -25,7 +27,11 @@ def print_losses(losses: list[float], expected: list[float] | None = None, every
 
 
 def same_curve(losses: list[float], expected: list[float]) -> str:
-    """'bit for bit', 'up to float32 rounding (1.2e-07)' or 'NO: ...', for a demo's verdict line."""
+    """'bit for bit', 'up to float32 rounding (1.2e-07)' or 'NO: ...', for a demo's verdict line. A
+    nan or inf anywhere is a NO that says so (max() would skip a nan unless it came first)."""
+    not_finite = first_not_finite(losses, expected)
+    if not_finite:
+        return f"NO: {not_finite}"
     if losses == expected:
         return "bit for bit"
     worst = max(abs(a - b) for a, b in zip(losses, expected, strict=True))
