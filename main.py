@@ -26,9 +26,12 @@ TOUR = ("00", "05")  # the baseline, then the latest module that reproduces it a
 
 
 def cmd_list(args=None):
+    from course.impl import steps_dir
+
     print(f"{'module':<7} {'ranks':>5}  {'your TODOs':>10}  title")
     for m in MODULES.values():
-        status = "given" if m.is_given() else ("done" if m.todos_left() == 0 else f"{m.todos_left()} left")
+        left = m.todos_left(steps_dir())
+        status = "given" if m.is_given() else ("done" if left == 0 else f"{left} left")
         print(f"{m.number:<7} {m.world_size:>5}  {status:>10}  {m.title}")
 
 
@@ -46,8 +49,9 @@ def cmd_tour(args):
 def cmd_run(args):
     from course.launch import failures_explained, run_demo
 
-    os.environ["COURSE_IMPL"] = args.impl  # read by course.impl.load, here and in forked ranks
+    select(args)
     with failures_explained(args.module.number, args.impl):
+        load_implementation(args.module)
         run_demo(importlib.import_module(args.module.demo).demo, args)
 
 
@@ -65,15 +69,31 @@ def cmd_hint(args):
 
 
 def cmd_bench(args):
+    from course.bench import check_results_writable
     from course.launch import failures_explained
 
-    try:
-        bench = importlib.import_module(f"course.bench.m{args.module.number}")
-    except ModuleNotFoundError:
+    select(args)  # before the benchmark is imported: it measures the implementation selected
+    if importlib.util.find_spec(f"course.bench.m{args.module.number}") is None:
         sys.exit(f"error: module {args.module.number} has no benchmark")
-    os.environ["COURSE_IMPL"] = args.impl
+    if not {"-h", "--help"} & set(args.extra):
+        check_results_writable()  # before measuring for minutes
     with failures_explained(args.module.number, args.impl):
-        bench.main(args.extra)
+        load_implementation(args.module)
+        importlib.import_module(f"course.bench.m{args.module.number}").main(args.extra)
+
+
+def select(args):
+    """Make `--impl` the implementation that course.impl.load returns, here and in forked ranks."""
+    os.environ["COURSE_IMPL"] = args.impl
+
+
+def load_implementation(module):
+    """Import the module's files from the implementation selected, once, before any rank starts:
+    code that cannot be imported is one error here, not one per rank."""
+    from course.impl import load
+
+    for stem in module.files:
+        load(stem)
 
 
 def parse(argv: list[str]) -> argparse.Namespace:

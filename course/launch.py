@@ -138,12 +138,18 @@ def run_demo(demo, args):
 
 @contextlib.contextmanager
 def failures_explained(number: str, impl: str):
-    """A rank that raised or got stuck, or an unfinished TODO, ends `run` and `bench` with a short
-    error (and the stuck ranks' stacks) and a hint, instead of a long traceback."""
+    """A rank that raised or got stuck, an unfinished TODO, or code that cannot be imported end
+    `run` and `bench` with a short error (and the stuck ranks' stacks) and a hint, instead of a long
+    traceback."""
     try:
         yield
     except RankTimeout as exc:
         print(f"error: {exc}", file=sys.stderr)  # the summary line, then every stuck rank's stack
+        sys.exit(1)
+    except (ImportError, SyntaxError) as exc:  # the implementation itself cannot be imported
+        where = f" (at {_short(exc.filename)}:{exc.lineno})" if isinstance(exc, SyntaxError) else where_raised(exc)
+        message = exc.msg if isinstance(exc, SyntaxError) else str(exc)
+        print(f"error: {type(exc).__name__}: {message}{where}", file=sys.stderr)
         sys.exit(1)
     except (RankFailed, NotImplementedError) as exc:
         first_line = str(exc).splitlines()[0]

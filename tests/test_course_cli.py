@@ -2,6 +2,7 @@
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -176,6 +177,15 @@ def test_a_python_without_torch_gets_one_line_naming_it(tmp_path, command):
                          cwd=REPO, capture_output=True, text=True, timeout=60)
     assert run.returncode == 1 and "has no torch" in run.stderr and sys.executable in run.stderr, run.stderr
     assert "Traceback" not in run.stderr, run.stderr
+
+
+def test_list_counts_the_todos_of_the_steps_selected(tmp_path, monkeypatch, capsys):
+    # Every command reads the implementation selected: here a steps/ folder with every TODO done.
+    shutil.copytree(REPO / "solutions", tmp_path / "steps")
+    monkeypatch.setenv("COURSE_STEPS_DIR", str(tmp_path / "steps"))
+    main.main(["list"])
+    rows = capsys.readouterr().out.splitlines()[1:]
+    assert rows and all(row.split()[2] in ("done", "given") for row in rows), rows
 
 
 # --- hint (items 7 and 8) ---------------------------------------------------------------------
