@@ -10,6 +10,7 @@
 Every command runs your steps/; add `--impl solutions` for the reference (the tour runs it).
 `run` starts its own ranks (forked, gloo), or runs as one of them under
 `torchrun --nproc-per-node N main.py run NN`. Bad arguments are refused before any process starts.
+Ctrl-C, SIGTERM and SIGHUP end any command in one line, with every process it started.
 This file only reads the command and calls the course/ code that does it.
 """
 from __future__ import annotations
@@ -21,6 +22,7 @@ import os
 import sys
 
 from course.catalog import MODULES
+from course.interrupts import interrupt_on_signals, interruption
 
 TOUR = ("00", "05")  # the baseline, then the latest module that reproduces it across ranks
 
@@ -118,6 +120,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     run.add_argument("--timeout", type=float, default=None,
                      help="seconds before the run is stopped (default: 60 with ranks, 600 without)")
     args, args.extra = parser.parse_known_args(argv)
+    if args.command != "run" and "TORCHELASTIC_RUN_ID" in os.environ:  # course.launch.in_torchrun
+        parser.error(f"only `run` runs under torchrun (each rank would run its own "
+                     f"`{args.command or 'tour'}`); run it without torchrun: python main.py {' '.join(argv)}".rstrip())
     if args.command in ("run", "grade", "hint", "bench"):
         args.number = args.number.zfill(2)
         if args.number not in MODULES:
@@ -142,4 +147,8 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    interrupt_on_signals(under_torchrun="TORCHELASTIC_RUN_ID" in os.environ)
+    try:
+        main(sys.argv[1:])
+    except KeyboardInterrupt as stop:  # before a command took over (e.g. while torch was imported)
+        sys.exit(f"error: interrupted by {interruption(stop)}")

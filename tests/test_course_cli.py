@@ -25,15 +25,64 @@ def keep_course_impl(monkeypatch):
     (["run", "00", "--nproc", "2"], "runs in a single process"),
     (["run", "03", "--nproc", "4"], "exactly 2 ranks"),
     (["run", "04", "--no-such-option"], "unrecognized arguments"),
-    (["run", "05", "--timeout", "0"], "--timeout must be a positive number of seconds, got 0"),
-    (["run", "05", "--timeout", "-3"], "--timeout must be a positive number of seconds, got -3"),
+    (["run", "05", "--timeout", "0"], "--timeout must be a positive number of seconds, at most 86400 (a day), got 0"),
+    (["run", "05", "--timeout", "-3"], "--timeout must be a positive number of seconds, at most 86400 (a day), got -3"),
+    # Issue "reliability round 2", item 6: these passed and crashed once the ranks had started.
+    (["run", "05", "--timeout", "inf"], "at most 86400 (a day), got inf"),
+    (["run", "05", "--timeout", "1e9"], "at most 86400 (a day), got 1e+09"),
+    (["run", "00", "--timeout", "1e300"], "at most 86400 (a day), got 1e+300"),
+    (["run", "05", "--timeout", "nan"], "got nan"),
     (["grade", "7x"], "unknown module"),
 ])
 def test_bad_arguments_give_one_clear_error(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:
         main.parse(argv)
     assert exit_.value.code == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err and len(err.splitlines()) == 2, err  # the usage line, then the error
+
+
+def test_an_unwritable_trace_is_refused_before_the_run(tmp_path, capsys):
+    # Item 9: found only after the whole run before (a rank's FileNotFoundError). A file stands where
+    # the folder should be: unwritable for root too, who may write in a read-only folder.
+    (tmp_path / "file").write_text("")
+    for trace in (tmp_path / "file" / "m05-trace", tmp_path / "file" / "deeper" / "m05-trace"):
+        with pytest.raises(SystemExit) as exit_:
+            main.parse(["run", "05", "--trace", str(trace)])
+        assert exit_.value.code == 2
+        assert f"--trace {trace}: cannot write in " in capsys.readouterr().err
+    assert main.parse(["run", "05", "--trace", str(tmp_path / "new" / "m05-trace")]).trace  # a new folder is fine
+
+
+@pytest.mark.parametrize("argv", [["grade", "03"], ["bench", "03"], ["list"], ["hint", "05"], []])
+def test_under_torchrun_only_run_is_accepted(argv, monkeypatch, capsys):
+    # Item 9: `torchrun ... main.py grade NN` ran one grade per rank, their lines interleaved.
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit) as exit_:
+        main.parse(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "only `run` runs under torchrun" in err and len(err.splitlines()) == 2, err
+
+
+def test_a_single_process_module_under_torchrun_says_to_run_it_without(monkeypatch, capsys):
+    # Item 9: it said "drop --nproc" when no --nproc was given.
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit):
+        main.parse(["run", "00"])
+    err = capsys.readouterr().err
+    assert "module 00 runs in a single process: run it without torchrun" in err and "--nproc" not in err, err
+
+
+def test_the_sampled_text_cannot_drive_the_terminal(capfd):
+    # Item 9: after one step the model samples bytes at random, ESC, BEL and form feeds among them.
+    main.main(["run", "06", "--steps", "1", "--sample", "150", "--impl", "solutions"])  # 15 of them
+    out = capfd.readouterr().out
+    sample = out.split("Sample (temperature 0.8):\n", 1)[1]
+    assert len(sample) > 100, out
+    assert not [c for c in sample if not c.isprintable() and c != "\n"], repr(sample)
 
 
 def test_a_curve_with_a_nan_or_an_inf_anywhere_is_not_the_same_curve():
