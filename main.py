@@ -10,6 +10,7 @@
 Every command runs your steps/; add `--impl solutions` for the reference (the tour runs it).
 `run` starts its own ranks (forked, gloo), or runs as one of them under
 `torchrun --nproc-per-node N main.py run NN`. Bad arguments are refused before any process starts.
+Ctrl-C, SIGTERM and SIGHUP end any command in one line, with every process it started.
 This file only reads the command and calls the course/ code that does it.
 """
 from __future__ import annotations
@@ -21,14 +22,18 @@ import os
 import sys
 
 from course.catalog import MODULES
+from course.interrupts import interrupt_on_signals, interruption
 
 TOUR = ("00", "05")  # the baseline, then the latest module that reproduces it across ranks
 
 
 def cmd_list(args=None):
+    from course.impl import steps_dir
+
     print(f"{'module':<7} {'ranks':>5}  {'your TODOs':>10}  title")
     for m in MODULES.values():
-        status = "given" if m.is_given() else ("done" if m.todos_left() == 0 else f"{m.todos_left()} left")
+        left = m.todos_left(steps_dir())
+        status = "given" if m.is_given() else ("done" if left == 0 else f"{left} left")
         print(f"{m.number:<7} {m.world_size:>5}  {status:>10}  {m.title}")
 
 
@@ -46,8 +51,9 @@ def cmd_tour(args):
 def cmd_run(args):
     from course.launch import failures_explained, run_demo
 
-    os.environ["COURSE_IMPL"] = args.impl  # read by course.impl.load, here and in forked ranks
+    select(args)
     with failures_explained(args.module.number, args.impl):
+        load_implementation(args.module)
         run_demo(importlib.import_module(args.module.demo).demo, args)
 
 
@@ -65,15 +71,31 @@ def cmd_hint(args):
 
 
 def cmd_bench(args):
+    from course.bench import check_results_writable
     from course.launch import failures_explained
 
-    try:
-        bench = importlib.import_module(f"course.bench.m{args.module.number}")
-    except ModuleNotFoundError:
+    select(args)  # before the benchmark is imported: it measures the implementation selected
+    if importlib.util.find_spec(f"course.bench.m{args.module.number}") is None:
         sys.exit(f"error: module {args.module.number} has no benchmark")
-    os.environ["COURSE_IMPL"] = args.impl
+    if not {"-h", "--help"} & set(args.extra):
+        check_results_writable()  # before measuring for minutes
     with failures_explained(args.module.number, args.impl):
-        bench.main(args.extra)
+        load_implementation(args.module)
+        importlib.import_module(f"course.bench.m{args.module.number}").main(args.extra)
+
+
+def select(args):
+    """Make `--impl` the implementation that course.impl.load returns, here and in forked ranks."""
+    os.environ["COURSE_IMPL"] = args.impl
+
+
+def load_implementation(module):
+    """Import the module's files from the implementation selected, once, before any rank starts:
+    code that cannot be imported is one error here, not one per rank."""
+    from course.impl import load
+
+    for stem in module.files:
+        load(stem)
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -88,7 +110,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
                              help="your steps/ (default) or the reference solutions/")
     sub.choices["grade"].add_argument("--keep-going", action="store_true", help="run every check, also after one hangs")
     hint = sub.choices["hint"]
-    hint.add_argument("todo", nargs="?", help="a TODO's number, or the function that holds it (default: list them)")
+    hint.add_argument("todo", nargs="?", help="a TODO's number (or its exact title, or the function that holds "
+                      "it); default: list them")
     hint.add_argument("--all", action="store_true", help="every level at once")
     run = sub.choices["run"]
     run.add_argument("-h", "--help", action="store_true", help="show this help and the module's options")
@@ -97,6 +120,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     run.add_argument("--timeout", type=float, default=None,
                      help="seconds before the run is stopped (default: 60 with ranks, 600 without)")
     args, args.extra = parser.parse_known_args(argv)
+    if args.command != "run" and "TORCHELASTIC_RUN_ID" in os.environ:  # course.launch.in_torchrun
+        parser.error(f"only `run` runs under torchrun (each rank would run its own "
+                     f"`{args.command or 'tour'}`); run it without torchrun: python main.py {' '.join(argv)}".rstrip())
     if args.command in ("run", "grade", "hint", "bench"):
         args.number = args.number.zfill(2)
         if args.number not in MODULES:
@@ -121,4 +147,8 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    interrupt_on_signals(under_torchrun="TORCHELASTIC_RUN_ID" in os.environ)
+    try:
+        main(sys.argv[1:])
+    except KeyboardInterrupt as stop:  # before a command took over (e.g. while torch was imported)
+        sys.exit(f"error: interrupted by {interruption(stop)}")

@@ -2,7 +2,12 @@
 
 A wrong backward usually corrupts one gradient and everything computed after it. Listed in the
 order the backward produces them, the first name in the report is where to look.
+
+Compare curves (a loss per step) only once `first_not_finite` finds no nan or inf in them:
+max(abs(a - b) ...) skips a nan unless it comes first, as every comparison with nan is False.
 """
+import math
+
 import torch
 
 
@@ -18,3 +23,12 @@ def assert_all_close(named: list[tuple[str, torch.Tensor, torch.Tensor]], rtol: 
             wrong.append(f"{name} ({detail})")
     if wrong:
         raise AssertionError(f"{len(wrong)} of {len(named)} differ, first to last in order: " + "; ".join(wrong))
+
+
+def first_not_finite(got: list[float], expected: list[float]) -> str | None:
+    """'step 3's loss is nan (expected 2.31)' for the first step where either curve is nan or inf;
+    None when both are finite throughout."""
+    for step, (a, b) in enumerate(zip(got, expected, strict=True)):
+        if not (math.isfinite(a) and math.isfinite(b)):
+            return f"step {step}'s loss is {a:g} (expected {b:g})"
+    return None

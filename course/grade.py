@@ -2,12 +2,16 @@
 a scorecard, one line per check as it finishes, then the total (given).
 
 The tests run in a pytest subprocess, with the scorecard plugin of course/grading.py printing each
-check's line live; the total comes from the plugin's JSON report.
+check's line live; the total comes from the plugin's JSON report. pytest and the ranks it forks
+run in a process group of their own, with their temporary files in a folder of grade's: Ctrl-C,
+SIGTERM or SIGHUP kills the whole group and removes the folder, so nothing outlives the command.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -15,7 +19,7 @@ from pathlib import Path
 
 from course import REPO
 from course.catalog import Module
-from course.grading import hung
+from course.interrupts import interruption, signals_deferred
 
 LAST_RESORT_TIMEOUT_S = 1800  # each check has its own timeout (course/grading.py); this catches the rest
 
@@ -29,32 +33,53 @@ def grade(module: Module, impl: str, keep_going: bool = False) -> int:
         return 0
     print(f"Grading {impl}/ for module {module.number}: {module.title}\n", flush=True)
     test_files = [str(p) for p in module.test_files()]
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory(prefix="course-grade-") as tmp:
         report = Path(tmp) / "grades.json"
-        try:
-            proc = subprocess.run(
-                [sys.executable, "-m", "pytest", *test_files, "-qq", "--no-header", "--no-summary", "--tb=no",
-                 "--continue-on-collection-errors", "-p", "no:cacheprovider", "-m", "not given",
-                 f"--impl={impl}", "--grading-live", f"--grading-json={report}",
-                 *([] if keep_going else ["--grading-stop-on-hang"])],
-                cwd=REPO, timeout=LAST_RESORT_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            sys.exit(f"module {module.number}: grading was stopped after {LAST_RESORT_TIMEOUT_S // 60} minutes; "
-                     "the last check shown is the one after which it got stuck")
-        except KeyboardInterrupt:
-            sys.exit(f"\nmodule {module.number}: grading interrupted")
+        returncode = _pytest(
+            [sys.executable, "-m", "pytest", *test_files, "-qq", "--no-header", "--no-summary", "--tb=no",
+             "--continue-on-collection-errors", "-p", "no:cacheprovider", "-m", "not given",
+             f"--impl={impl}", "--grading-live", f"--grading-json={report}",
+             *([] if keep_going else ["--grading-stop-on-hang"])],
+            tmp, module)
         results = json.loads(report.read_text()) if report.exists() else []
-    stopped_on_hang = proc.returncode == 2 and results and hung(results[-1]["reason"])
+    return _scorecard(module, impl, test_files, results, returncode)
+
+
+def _pytest(command: list[str], tmp: str, module: Module) -> int:
+    """Run pytest in a process group of its own (its ranks inherit it), its temporary files under
+    `tmp`; on a signal or the last-resort timeout, kill the whole group and exit in one line."""
+    # pytest leads a process group of its own, which its ranks join (Python 3.10: a session of its own).
+    group = {"process_group": 0} if sys.version_info >= (3, 11) else {"start_new_session": True}
+    proc = None
+    try:
+        with signals_deferred():  # a Ctrl-C while pytest starts is acted on once its process is known
+            proc = subprocess.Popen(command, cwd=REPO, env={**os.environ, "TMPDIR": tmp}, **group)
+        return proc.wait(timeout=LAST_RESORT_TIMEOUT_S)
+    except (KeyboardInterrupt, subprocess.TimeoutExpired) as exc:
+        if proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # pytest and every rank it forked
+            proc.wait()
+        if isinstance(exc, KeyboardInterrupt):
+            sys.exit(f"module {module.number}: grading interrupted by {interruption(exc)}")
+        sys.exit(f"module {module.number}: grading was stopped after {LAST_RESORT_TIMEOUT_S // 60} minutes; "
+                 "the last check shown is the one after which it got stuck")
+
+
+def _scorecard(module: Module, impl: str, test_files: list[str], results: list[dict], returncode: int) -> int:
+    from course.grading import hung  # imports torch: not before pytest, which needs the cores to start
+
+    stopped_on_hang = returncode == 2 and results and hung(results[-1]["reason"])
     if stopped_on_hang:
         print(f"Stopped after the check that hung: the next ones would likely hang too, each for its whole "
               f"timeout. Fix it first, or run every check anyway: python main.py grade {module.number} --keep-going",
               flush=True)
-    elif proc.returncode not in (0, 1):  # 1: some checks failed; anything else: pytest itself stopped
-        sys.exit(f"module {module.number}: pytest stopped early (exit code {proc.returncode}); "
+    elif returncode not in (0, 1):  # 1: some checks failed; anything else: pytest itself stopped
+        sys.exit(f"module {module.number}: pytest stopped early (exit code {returncode}); "
                  "the checks shown above ran, the others did not")
     if not results:
         print(f"module {module.number}: no graded test ran; pytest's own output, printed before this line, "
-              f"says why (exit code {proc.returncode})", flush=True)
+              f"says why (exit code {returncode})", flush=True)
         return 1
     passed = sum(r["outcome"] == "passed" for r in results)
     skipped = sum(r["outcome"] == "skipped" for r in results)

@@ -5,16 +5,24 @@ each solution block in solutions/ carries up to three levels, `# Hint 1:` the id
 `# Hint 2:` the primitives or formula to use, `# Hint 3:` pseudo-code. Each call shows the next
 level of one TODO; which levels were shown is remembered in a git-ignored file (HINTS_SHOWN), so
 regenerating the skeletons or pulling the course never resets it, and it never touches steps/.
+The file is replaced whole on each save (never left half-written); one that does not hold such a
+record is named and left as it is, never silently reset.
 
     python main.py hint 05                 the module's TODOs: number, where, levels seen
     python main.py hint 05 3               the next level of TODO 3
-    python main.py hint 05 one_f_one_b     the same, named by the function that holds it
+    python main.py hint 05 one_f_one_b     the same, named by the function that holds it (if only one)
     python main.py hint 05 3 --all         every level of TODO 3 at once
+
+A TODO is named by its number, its exact title or the function that holds it; anything else (a
+word of a title, an empty string) is refused rather than matched against every TODO.
 """
 from __future__ import annotations
 
 import json
+import os
 import re
+import sys
+import tempfile
 
 from course import REPO
 from course.catalog import Module
@@ -29,14 +37,32 @@ def module_todos(module: Module) -> list[TodoBlock]:
             for block in todo_blocks((REPO / "solutions" / f"{stem}.py").read_text(), f"{stem}.py")]
 
 
-def find(module: Module, which: str) -> list[tuple[int, TodoBlock]]:
-    """TODOs named by `which`: their number (from 1), the function holding them ("one_f_one_b",
-    "LlamaBlock.backward" or just "backward"), or words of their title; with their numbers."""
+class HintError(Exception):
+    """A TODO that cannot be named that way (exit code 2), in one line."""
+
+
+class HintRecordError(HintError):
+    """The record of hints seen cannot be read or saved (exit code 1), in one line."""
+
+
+def find(module: Module, which: str) -> tuple[int, TodoBlock]:
+    """The TODO named by `which`, with its number: its number (from 1), its exact title (with or
+    without the "TODO(m05): " tag) or the function holding it ("one_f_one_b", "LlamaBlock.backward"
+    or just "backward") when it holds only that one. Anything else raises HintError."""
     todos = list(enumerate(module_todos(module), start=1))
+    listed = f"`python main.py hint {module.number}` lists them"
     if which.isdigit():
-        return [(n, b) for n, b in todos if n == int(which)]
+        if 1 <= int(which) <= len(todos):
+            return todos[int(which) - 1]
+        raise HintError(f"module {module.number} has TODOs 1 to {len(todos)}, not {which}; {listed}")
+    by_title = [(n, b) for n, b in todos if which.strip() in (b.title, _what(b))]
     by_function = [(n, b) for n, b in todos if which in (b.function, b.function.rsplit(".", 1)[-1])]
-    return by_function or [(n, b) for n, b in todos if which.lower() in b.title.lower()]
+    if len(by_title) == 1 or len(by_function) == 1:
+        return (by_title or by_function)[0]
+    if by_function:
+        raise HintError(f"{which} holds TODOs {', '.join(str(n) for n, _ in by_function)}: name one by its number")
+    raise HintError(f"module {module.number} has no TODO {which!r}: give its number, its exact title or "
+                    f"the function that holds it; {listed}")
 
 
 def command(module: Module, which: str | None, show_all: bool) -> int:
@@ -45,6 +71,16 @@ def command(module: Module, which: str | None, show_all: bool) -> int:
     if not todos:
         print(f"module {module.number} has no TODOs: it is given code")
         return 0
+    try:
+        return _command(module, todos, which, show_all)
+    except HintError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1 if isinstance(exc, HintRecordError) else 2
+
+
+def _command(module: Module, todos: list[TodoBlock], which: str | None, show_all: bool) -> int:
+    if which is not None:
+        number, block = find(module, which)  # refused before the record is read
     shown = _load_shown()
     if which is None:
         print(f"Module {module.number}'s TODOs (`python main.py hint {module.number} N` shows the next level of TODO N):")
@@ -52,23 +88,19 @@ def command(module: Module, which: str | None, show_all: bool) -> int:
             levels = f"{shown.get(block.title, 0)}/{len(block.hints)} hint levels seen"
             print(f"  {number:2d}  steps/{block.file} in {block.function}: {_what(block)}  ({levels})")
         return 0
-    found = find(module, which)
-    if not found:
-        print(f"module {module.number} has no TODO {which!r}: `python main.py hint {module.number}` lists them")
-        return 2
-    for number, block in found:
-        if not block.hints:
-            print(f"TODO {number} ({_what(block)}) has no hints beyond what the skeleton says")
-            continue
-        seen = shown.get(block.title, 0)
-        levels = range(1, len(block.hints) + 1) if show_all else [min(seen + 1, len(block.hints))]
-        print(f"TODO {number}, steps/{block.file} in {block.function}: {_what(block)}")
-        for level in levels:
-            print("\n".join(_strip_comment(line) for line in block.hints[level]))
-        if not show_all and seen >= len(block.hints):
-            print(f"(that was the last level; the chapter docs/{module.number}-*.md has the maths)")
-        shown[block.title] = max(seen, levels[-1])
-    _save_shown(shown)
+    if not block.hints:
+        print(f"TODO {number} ({_what(block)}) has no hints beyond what the skeleton says")
+        return 0
+    seen = shown.get(block.title, 0)
+    levels = range(1, len(block.hints) + 1) if show_all else [min(seen + 1, len(block.hints))]
+    print(f"TODO {number}, steps/{block.file} in {block.function}: {_what(block)}")
+    for level in levels:
+        print("\n".join(_strip_comment(line) for line in block.hints[level]))
+    if not show_all and seen >= len(block.hints):
+        print(f"(that was the last level; the chapter docs/{module.number}-*.md has the maths)")
+    if levels[-1] > seen:
+        shown[block.title] = levels[-1]
+        _save_shown(shown)
     return 0
 
 
@@ -105,11 +137,38 @@ def _strip_comment(line: str) -> str:
 
 
 def _load_shown() -> dict[str, int]:
+    """The record of hint levels seen: {} if there is none yet; HintError if it is not one."""
     try:
-        return json.loads(HINTS_SHOWN.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
+        text = HINTS_SHOWN.read_text()
+    except (FileNotFoundError, NotADirectoryError):  # none yet
         return {}
+    except OSError as exc:  # e.g. a folder of that name
+        raise HintRecordError(f"the record of hints seen, {HINTS_SHOWN}, cannot be read ({exc.strerror or exc})") from None
+    try:
+        shown = json.loads(text)
+    except json.JSONDecodeError:
+        shown = None  # refused below, like JSON that is not a record
+    if not (isinstance(shown, dict)
+            and all(isinstance(title, str) and type(levels) is int and levels >= 0 for title, levels in shown.items())):
+        raise HintRecordError(f"{HINTS_SHOWN} is not a record of hints seen ({{\"TODO(mNN): ...\": levels seen}}); "
+                              "it was left as it is: move it away to start a new one")
+    return shown
 
 
 def _save_shown(shown: dict[str, int]):
-    HINTS_SHOWN.write_text(json.dumps(shown, indent=1, sort_keys=True) + "\n")
+    """Write the record whole, then put it in place (os.replace): an interrupted save never
+    leaves half a file, and the old record stays until the new one is complete."""
+    text = json.dumps(shown, indent=1, sort_keys=True) + "\n"
+    partial = None
+    try:
+        fd, partial = tempfile.mkstemp(dir=HINTS_SHOWN.parent, prefix=HINTS_SHOWN.name, suffix=".partial")
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(partial, HINTS_SHOWN)
+    except BaseException as exc:  # a read-only checkout (OSError), or Ctrl-C: no partial file left
+        if partial and os.path.exists(partial):
+            os.unlink(partial)
+        if not isinstance(exc, OSError):
+            raise
+        raise HintRecordError(f"which hint levels you have seen could not be saved in {HINTS_SHOWN} "
+                              f"({exc.strerror or exc}): the next call shows this level again") from None

@@ -23,11 +23,16 @@ def selected() -> str:
     return impl
 
 
+def steps_dir() -> Path:
+    """The learner's steps/, or the folder COURSE_STEPS_DIR names instead."""
+    return Path(os.environ.get("COURSE_STEPS_DIR") or REPO / "steps")
+
+
 def load(stem: str, impl: str | None = None):
     """Import module `stem` (e.g. 'm04_sharded') from the selected implementation."""
     impl = impl or selected()
     if impl == "steps" and os.environ.get("COURSE_STEPS_DIR") and "steps" not in sys.modules:
-        _import_package_from("steps", Path(os.environ["COURSE_STEPS_DIR"]))
+        _import_package_from("steps", steps_dir())
     return importlib.import_module(f"{impl}.{stem}")
 
 

@@ -8,13 +8,19 @@ failed and where:
 * a rank raises        -> `RankFailed` at once; the other ranks (maybe blocked in a `recv` that
                           will never complete) are killed, so a TODO fails in milliseconds;
 * the timeout expires  -> every live rank dumps its Python stack (faulthandler, on SIGUSR1), all
-  (or Ctrl-C)             ranks are killed, and `RankTimeout` names each stuck rank and its line.
+  (or Ctrl-C, SIGTERM,    ranks are killed, and `RankTimeout` names each stuck rank and its line.
+  SIGHUP)
+
+Ranks leave signals to their parent: they ignore Ctrl-C, SIGTERM and SIGHUP (the parent reports
+and kills them), and die with it if it is killed (a parent-death signal). Their temporary folder
+(rendezvous file, stack dumps) is removed on every way out.
 
 A rank that has finished waits (without exiting) until every rank has, so a peer still blocked on
 it shows up as stuck where it is, not as a "connection closed" error from a rank that left.
 
 Under `torchrun` there is no parent to watch the ranks, so `run_under_torchrun` arms a per-rank
-watchdog instead: on expiry the rank prints its stack and exits, and torchrun stops the rest.
+watchdog instead: on expiry the rank says where it was stuck and exits, and torchrun stops the rest.
+A single-process demo runs under the same watchdog.
 
 `run_demo` picks one of these for `python main.py run`, and `failures_explained` turns what a
 rank raised into the short error and hint a learner reads.
@@ -26,9 +32,11 @@ import faulthandler
 import multiprocessing as mp
 import os
 import pickle
+import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from datetime import timedelta
@@ -39,9 +47,12 @@ import torch
 import torch.distributed as dist
 
 from course import REPO
+from course.interrupts import SIGNALS, interruption, signals_deferred
 from course.skeleton import todo_owner
 
 STACK_DUMP_GRACE_S = 0.5  # time a rank gets to write its stack after SIGUSR1
+MAX_TIMEOUT_S = 86400.0   # a day: longer is a typo (inf, 1e300), and overflows the timers below
+WATCHDOG_BACKSTOP_S = 30  # after the watchdog's own timeout: for a process that never lets it run
 
 
 class RankFailed(RuntimeError):
@@ -50,6 +61,10 @@ class RankFailed(RuntimeError):
 
 class RankTimeout(RuntimeError):
     """Ranks were still running when the timeout expired (deadlock, or just too slow)."""
+
+
+class RankInterrupted(RankTimeout):
+    """Ranks were still running when Ctrl-C, SIGTERM or SIGHUP stopped the run."""
 
 
 def in_torchrun() -> bool:
@@ -65,13 +80,17 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 60.0, init_process_gr
     """
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
+    check_timeout(timeout)
     _import_before_forking()
     ctx = mp.get_context("fork")
-    with tempfile.TemporaryDirectory(prefix="course-ranks-") as tmp:
-        procs, conns = [], []
-        # Finished ranks block reading `hold` until the parent closes its end (EOF) at the end.
-        hold, hold_writer = ctx.Pipe(duplex=False)
-        try:
+    procs, conns, tmp, hold_writer = [], [], None, None
+    try:
+        # Starting the ranks is not cut short by a signal (a rank forked but not yet listed here
+        # would be left running): one that comes meanwhile is acted on once they are all listed.
+        with signals_deferred():
+            tmp = tempfile.mkdtemp(prefix="course-ranks-")
+            # Finished ranks block reading `hold` until the parent closes its end (EOF) at the end.
+            hold, hold_writer = ctx.Pipe(duplex=False)
             for rank in range(world_size):
                 reader, writer = ctx.Pipe(duplex=False)
                 proc = ctx.Process(
@@ -84,17 +103,28 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 60.0, init_process_gr
                 writer.close()  # keep only the child's copy, so its exit reads as EOF here
                 procs.append(proc)
                 conns.append(reader)
-            results = _collect(procs, conns, tmp, timeout)
-            hold_writer.close()  # every rank is done: let them leave the group and exit
-            for proc in procs:
-                proc.join(timeout=5.0)
-            return results
-        finally:
-            hold_writer.close()
-            for proc in procs:  # after a failure or timeout, or a rank slow to exit
+        results = _collect(procs, conns, tmp, timeout)
+        hold_writer.close()  # every rank is done: let them leave the group and exit
+        for proc in procs:
+            proc.join(timeout=5.0)
+        return results
+    finally:
+        with signals_deferred():  # a second Ctrl-C must not leave ranks or their folder behind
+            if hold_writer is not None:
+                hold_writer.close()
+            for proc in procs:  # after a failure, a timeout or a signal, or a rank slow to exit
                 if proc.is_alive():
                     proc.kill()
                 proc.join()
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+
+
+def check_timeout(timeout: float):
+    """A timeout is a positive number of seconds, at most MAX_TIMEOUT_S (inf would overflow the timers)."""
+    if not 0 < timeout <= MAX_TIMEOUT_S:
+        raise ValueError(f"a timeout must be a positive number of seconds, at most {MAX_TIMEOUT_S:g} (a day), "
+                         f"got {timeout:g}")
 
 
 def _import_before_forking():
@@ -107,7 +137,7 @@ def run_under_torchrun(fn, *args, timeout: float = 300.0):
     """Run `fn(*args)` in this torchrun-started rank, under a watchdog."""
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
     try:
-        with watchdog(timeout):
+        with watchdog(timeout, f"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']} "):
             return fn(*args)
     finally:
         if dist.is_initialized():
@@ -115,13 +145,32 @@ def run_under_torchrun(fn, *args, timeout: float = 300.0):
 
 
 @contextlib.contextmanager
-def watchdog(timeout: float):
+def watchdog(timeout: float, who: str = ""):
     """For a process no parent watches (one rank under torchrun, or a single-process demo): if it is
-    still running after `timeout` seconds, it prints its stack and exits."""
-    faulthandler.dump_traceback_later(timeout, exit=True)
+    still running after `timeout` seconds, it says where it was stuck, prints its stack and exits.
+
+    A thread does it while holding the interpreter's lock, so the stack it reads stands still
+    (faulthandler's timer reads it without the lock: a crash if it fires while Python code runs).
+    faulthandler remains as a backstop, for native code that never lets the thread run."""
+    check_timeout(timeout)
+    watched = threading.current_thread().ident
+
+    def expire():
+        frame = sys._current_frames().get(watched)
+        stack = "".join(traceback.format_stack(frame)) if frame is not None else ""
+        print(f"error: {who}timed out after {timeout:g} s at {where_running(frame)}\n\n{stack}",
+              file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)
+
+    timer = threading.Timer(timeout, expire)
+    timer.daemon = True
+    timer.start()
+    faulthandler.dump_traceback_later(timeout + WATCHDOG_BACKSTOP_S, exit=True)
     try:
         yield
     finally:
+        timer.cancel()
         faulthandler.cancel_dump_traceback_later()
 
 
@@ -138,12 +187,23 @@ def run_demo(demo, args):
 
 @contextlib.contextmanager
 def failures_explained(number: str, impl: str):
-    """A rank that raised or got stuck, or an unfinished TODO, ends `run` and `bench` with a short
-    error (and the stuck ranks' stacks) and a hint, instead of a long traceback."""
+    """A rank that raised or got stuck, an unfinished TODO, code that cannot be imported, or Ctrl-C
+    end `run` and `bench` with a short error (and the stuck ranks' stacks) and a hint, instead of a
+    long traceback."""
     try:
         yield
     except RankTimeout as exc:
-        print(f"error: {exc}", file=sys.stderr)  # the summary line, then every stuck rank's stack
+        # The summary line (where each rank was), then for a timeout every stuck rank's stack.
+        print(f"error: {str(exc).splitlines()[0] if isinstance(exc, RankInterrupted) else exc}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM or SIGHUP (main.py): say where it was
+        rank = f"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']} " if in_torchrun() else ""
+        print(f"error: {rank}interrupted by {interruption(exc)}{where_raised(exc)}", file=sys.stderr)
+        sys.exit(1)
+    except (ImportError, SyntaxError) as exc:  # the implementation itself cannot be imported
+        where = f" (at {_short(exc.filename)}:{exc.lineno})" if isinstance(exc, SyntaxError) else where_raised(exc)
+        message = exc.msg if isinstance(exc, SyntaxError) else str(exc)
+        print(f"error: {type(exc).__name__}: {message}{where}", file=sys.stderr)
         sys.exit(1)
     except (RankFailed, NotImplementedError) as exc:
         first_line = str(exc).splitlines()[0]
@@ -164,9 +224,10 @@ def failures_explained(number: str, impl: str):
 # --- inside a forked rank ---------------------------------------------------------------------
 
 def _rank_main(fn, args, rank, world_size, tmp, timeout, init_process_group, conn, hold, hold_writer):
+    for s in SIGNALS:  # Ctrl-C (sent to the whole terminal's group), SIGTERM, SIGHUP: the parent's
+        signal.signal(s, signal.SIG_IGN)  # to handle: it reports where the ranks were, then kills them
     _die_with_parent()
     hold_writer.close()  # only the parent may keep it open, or `hold` would never see EOF
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle (it reports)
     torch.set_num_threads(1)  # N ranks share the cores; also avoids a fork-after-OpenMP hang
     if hasattr(sys.stdout, "reconfigure"):  # not in a Jupyter kernel, whose stdout is its own
         # A print is two writes (text, then "\n"); buffered until the newline they leave as one
@@ -238,8 +299,10 @@ def _collect(procs, conns, tmp, timeout):
     while waiting:
         try:
             ready = wait(list(waiting), timeout=max(0.0, deadline - time.monotonic()))
-        except KeyboardInterrupt:
-            raise RankTimeout(_stuck_report(procs, sorted(waiting.values()), tmp, "interrupted (Ctrl-C)")) from None
+        except KeyboardInterrupt as exc:
+            with signals_deferred():  # the report takes half a second: a second Ctrl-C waits for it
+                report = _stuck_report(procs, sorted(waiting.values()), tmp, f"interrupted by {interruption(exc)}")
+            raise RankInterrupted(report) from None
         if not ready:
             raise RankTimeout(_stuck_report(procs, sorted(waiting.values()), tmp, f"timed out after {timeout:g} s"))
         for conn in ready:
@@ -248,7 +311,7 @@ def _collect(procs, conns, tmp, timeout):
                 status, value = pickle.loads(conn.recv_bytes())
             except EOFError:
                 procs[rank].join(1.0)
-                dump = (Path(tmp) / f"stack-{rank}.txt").read_text()
+                dump = _stack_dump(tmp, rank)
                 where = f" at {_innermost_course_frames(dump)}" if "File " in dump else ""
                 raise RankFailed(f"rank {rank} of {len(procs)} died without a result "
                                  f"({_why_it_died(procs[rank].exitcode)}){where}") from None
@@ -279,9 +342,10 @@ def _stuck_report(procs, stuck, tmp, what) -> str:
     time.sleep(STACK_DUMP_GRACE_S)
     summary, details = [], []
     for rank in stuck:
-        dump = (Path(tmp) / f"stack-{rank}.txt").read_text()
-        summary.append(f"rank {rank} at {_innermost_course_frames(dump)}")
-        details.append(f"--- rank {rank} ---\n{dump.strip()}")
+        dump = _stack_dump(tmp, rank)
+        where = _innermost_course_frames(dump) if dump.strip() else "(starting: no stack written yet)"
+        summary.append(f"rank {rank} at {where}")
+        details.append(f"--- rank {rank} ---\n{dump.strip() or '(none)'}")
     ranks = ", ".join(str(r) for r in stuck)
     finished = [str(r) for r in range(len(procs)) if r not in stuck]
     done = f" (finished: rank {', '.join(finished)})" if finished else ""
@@ -293,6 +357,14 @@ def _stuck_report(procs, stuck, tmp, what) -> str:
                 "dropped (not kept and waited for)? Then its message may never be delivered.")
     return (f"{what}; still running: rank {ranks}{done}. "
             + "; ".join(summary) + hint + "\n\n" + "\n".join(details))
+
+
+def _stack_dump(tmp, rank) -> str:
+    """What rank `rank` wrote to its stack file: '' if it has not opened it yet (a very short timeout)."""
+    try:
+        return (Path(tmp) / f"stack-{rank}.txt").read_text()
+    except FileNotFoundError:
+        return ""
 
 
 def _innermost_course_frames(dump: str, depth: int = 3) -> str:
@@ -319,11 +391,14 @@ def where_running(frame) -> str:
 
 
 def _is_course_file(filename: str) -> bool:
-    """Course code is anything that is neither Python's nor an installed package's, nor this file."""
+    """Course code is anything that is neither Python's nor an installed package's, nor the
+    machinery around it: this file, the signal handler that raises Ctrl-C's KeyboardInterrupt,
+    main.py (never where a run was stuck)."""
     if filename.startswith("<") or "site-packages" in filename:
         return False
     path = Path(filename).resolve()
-    return path != Path(__file__).resolve() and not path.is_relative_to(Path(sys.base_prefix).resolve())
+    return (path not in (Path(__file__).resolve(), REPO / "course" / "interrupts.py", REPO / "main.py")
+            and not path.is_relative_to(Path(sys.base_prefix).resolve()))
 
 
 def _short(filename: str) -> str:

@@ -1,6 +1,9 @@
 """The launcher every multi-rank test and demo relies on: results, fast failure, timeouts, cleanup."""
+import argparse
 import os
+import re
 import resource
+import signal
 import time
 from pathlib import Path
 
@@ -8,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from course.launch import RankFailed, RankTimeout, run_ranks
+from course.launch import RankFailed, RankTimeout, failures_explained, run_demo, run_ranks, watchdog
 
 
 def _child_pids() -> set[int]:
@@ -131,3 +134,50 @@ def test_without_a_group_ranks_get_torchrun_variables_only():
         return dist.is_initialized(), os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"]
     assert run_ranks(environment, 2, timeout=20, init_process_group=False) == [
         (False, "0", "2", "0"), (False, "1", "2", "1")]
+
+
+def test_a_timeout_shorter_than_the_start_of_the_ranks_still_names_them():
+    # Issue "reliability round 2", item 6: the report read a stack file that no rank had written yet.
+    with pytest.raises(RankTimeout) as timeout:
+        run_ranks(_receive_from_each_other, 2, timeout=0.001)
+    assert "still running: rank 0, 1" in str(timeout.value).splitlines()[0]
+
+
+@pytest.mark.parametrize("timeout", [float("inf"), 1e300, 0.0, -1.0, float("nan")])
+def test_a_timeout_is_positive_and_at_most_a_day(timeout):
+    # inf, 1e300 (and 1e9 on some timers) overflowed once the ranks had started.
+    with pytest.raises(ValueError, match="a timeout must be a positive number of seconds, at most 86400"):
+        run_ranks(_identify, 2, 0, timeout=timeout)
+    assert _child_pids() == set()
+
+
+def _sleep_under_the_watchdog():
+    with watchdog(0.2):
+        time.sleep(30)  # the line the report must name
+
+
+def test_a_process_no_parent_watches_says_where_it_timed_out(capfd):
+    # Item 6: a single-process run (or a torchrun rank) printed a bare faulthandler dump, no `error:`
+    # line, and once in 16 runs crashed with SIGSEGV. A forked rank stands in for that process.
+    with pytest.raises(RankFailed, match=r"died without a result \(exit code 1\)"):
+        run_ranks(_sleep_under_the_watchdog, 1, timeout=20, init_process_group=False)
+    err = capfd.readouterr().err
+    assert re.search(r"^error: timed out after 0.2 s at tests/test_course_launch.py:\d+ in _sleep_under_the_watchdog$",
+                     err, re.MULTILINE), err
+
+
+def test_ctrl_c_in_a_single_process_run_is_one_line_saying_where(capfd):
+    # Item 5: a traceback before. Here the demo sends itself the Ctrl-C.
+    def demo(args):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(30)  # interrupted here
+
+    try:
+        with pytest.raises(SystemExit) as exit_:
+            with failures_explained("06", "solutions"):
+                run_demo(demo, argparse.Namespace(world_size=1, timeout=60))
+    except KeyboardInterrupt:
+        pytest.fail("the Ctrl-C went through failures_explained: a traceback")
+    err = capfd.readouterr().err
+    assert exit_.value.code == 1 and len(err.splitlines()) == 1, err
+    assert re.fullmatch(r"error: interrupted by Ctrl-C \(at tests/test_course_launch.py:\d+ in demo\)\n", err), err

@@ -1,16 +1,43 @@
 """Benchmarks behind `python main.py bench NN`: one module per course module (course/bench/mNN.py,
 exposing `main(argv)`). Each prints a measured-versus-theory table whose header names the device
 and torch version, and writes the same rows to results/bench-NN.{json,csv} for the notebooks.
+
+A benchmark measures the implementation `--impl` selects: it loads the learner's code when it
+runs (`load(stem)` in a function, or `SelectedModule(stem)` for a module-level name), never when
+it is imported, which happens before main.py knows which one is asked for.
 """
 from __future__ import annotations
 
 import csv
 import json
 import platform
+import tempfile
+
 import torch
 
 from course import RESULTS
-from course.impl import reference
+from course.impl import load, reference
+
+
+class SelectedModule:
+    """Module `stem` of the implementation selected, imported at its first use: `m05 =
+    SelectedModule("m05_schedules")` at the top of a benchmark, then `m05.train` in its functions."""
+
+    def __init__(self, stem: str):
+        self.stem = stem
+
+    def __getattr__(self, name):
+        return getattr(load(self.stem), name)
+
+
+def check_results_writable():
+    """Exit with one line if results/ cannot take the tables, before a benchmark measures for minutes."""
+    try:
+        RESULTS.mkdir(exist_ok=True)
+        with tempfile.TemporaryFile(dir=RESULTS):
+            pass
+    except OSError as exc:
+        raise SystemExit(f"error: the benchmark's table cannot be saved in {RESULTS}: {exc.strerror or exc}")
 
 
 def describe_device(device: str = "cpu") -> str:
@@ -33,14 +60,17 @@ def report(name: str, title: str, rows: list[dict], device: str = "cpu", notes: 
             print("  ".join(v.rjust(w) for v, w in zip(r, widths)))
     if notes:
         print(notes)
-    RESULTS.mkdir(exist_ok=True)
     meta = {"title": title, "device": describe_device(device), "notes": notes}
-    (RESULTS / f"{name}.json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
-    with open(RESULTS / f"{name}.csv", "w", newline="") as f:
-        if rows:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
+    try:
+        RESULTS.mkdir(exist_ok=True)
+        (RESULTS / f"{name}.json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
+        with open(RESULTS / f"{name}.csv", "w", newline="") as f:
+            if rows:
+                writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+                writer.writeheader()
+                writer.writerows(rows)
+    except OSError as exc:  # e.g. results/ made read-only while the benchmark ran
+        raise SystemExit(f"error: the table above could not be saved in {RESULTS}: {exc.strerror or exc}")
     print(f"(saved results/{name}.json and .csv)")
     return RESULTS / f"{name}.json"
 

@@ -20,15 +20,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from course.bench import report
+from course.bench import SelectedModule, report
 from course.bubble import step_time, summarize, theoretical_bubble
 from course.demos.m05 import check_args
 from course.emulated import EmulatedStage
-from course.impl import load
 from course.launch import run_ranks
 from course.profiler import Profiler, export
 
-m00, m02, m04, m05 = (load(s) for s in ("m00_monolith", "m02_comms", "m04_sharded", "m05_schedules"))
+m00, m02, m04, m05 = (SelectedModule(s) for s in ("m00_monolith", "m02_comms", "m04_sharded", "m05_schedules"))
 
 
 @dataclass

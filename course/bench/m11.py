@@ -21,15 +21,15 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from course.bench import report, require_positive
+from course.bench import SelectedModule, report, require_positive
 from course.bubble import timed_steps
 from course.demos.m11 import bubble_rows, stage_costs
 from course.emulated import EmulatedSplitStage
-from course.impl import load, reference
+from course.impl import reference
 from course.launch import run_ranks
 from course.profiler import Profiler, export
 
-m00, gen, ex = (load(s) for s in ("m00_monolith", "m11_generators", "m11_executor"))
+m00, gen, ex = (SelectedModule(s) for s in ("m00_monolith", "m11_generators", "m11_executor"))
 
 
 @dataclass

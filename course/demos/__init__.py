@@ -12,6 +12,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import tempfile
+
+from course.compare import first_not_finite
+from course.launch import MAX_TIMEOUT_S
 
 
 def print_losses(losses: list[float], expected: list[float] | None = None, every: int = 5):
@@ -25,11 +29,21 @@ def print_losses(losses: list[float], expected: list[float] | None = None, every
 
 
 def same_curve(losses: list[float], expected: list[float]) -> str:
-    """'bit for bit', 'up to float32 rounding (1.2e-07)' or 'NO: ...', for a demo's verdict line."""
+    """'bit for bit', 'up to float32 rounding (1.2e-07)' or 'NO: ...', for a demo's verdict line. A
+    nan or inf anywhere is a NO that says so (max() would skip a nan unless it came first)."""
+    not_finite = first_not_finite(losses, expected)
+    if not_finite:
+        return f"NO: {not_finite}"
     if losses == expected:
         return "bit for bit"
     worst = max(abs(a - b) for a, b in zip(losses, expected, strict=True))
     return f"up to float32 rounding ({worst:.1e})" if worst <= 1e-6 else f"NO: they differ by up to {worst:.1e}"
+
+
+def printable(text: str) -> str:
+    """`text` with its control characters (escape sequences, bells, form feeds: what a barely
+    trained model samples) shown as U+FFFD, so printing it cannot drive the terminal. Newlines stay."""
+    return "".join(c if c.isprintable() or c == "\n" else "\ufffd" for c in text)
 
 
 def parse_run_options(args, run_parser, error):
@@ -46,24 +60,42 @@ def parse_run_options(args, run_parser, error):
         own.print_help()
         raise SystemExit(0)
     vars(args).update(vars(own.parse_args(args.extra)))
+    default = args.module.world_size
     if "WORLD_SIZE" in os.environ:  # under torchrun, which decides the number of ranks
+        if default == 1:
+            error(f"module {args.number} runs in a single process: run it without torchrun, "
+                  f"python main.py run {args.number}")
         if args.world_size not in (None, int(os.environ["WORLD_SIZE"])):
             error(f"--nproc {args.world_size} disagrees with torchrun's {os.environ['WORLD_SIZE']} ranks; drop --nproc")
         args.world_size = int(os.environ["WORLD_SIZE"])
-    default = args.module.world_size
     args.world_size = default if args.world_size is None else args.world_size
     if default == 1 and args.world_size != 1:
         error(f"module {args.number} runs in a single process; drop --nproc")
     if default > 1 and args.world_size < 2:
         error(f"module {args.number} is distributed: it needs --nproc of at least 2, got {args.world_size}")
     args.timeout = args.timeout if args.timeout is not None else 60.0 if args.world_size > 1 else 600.0
-    if not args.timeout > 0:
-        error(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
+    if not 0 < args.timeout <= MAX_TIMEOUT_S:
+        error(f"--timeout must be a positive number of seconds, at most {MAX_TIMEOUT_S:g} (a day), got {args.timeout:g}")
+    if getattr(args, "trace", None):
+        check_writable(args.trace, "--trace", error)
     try:
         if hasattr(demo, "check_args"):
             demo.check_args(args)
     except ValueError as exc:
         error(str(exc))
+
+
+def check_writable(prefix: str, option: str, error):
+    """`error` unless files PREFIX.* can be written: its folder is created (as the demo would) and a
+    file tried there, so a bad path is refused before the run, not found after it."""
+    folder = os.path.dirname(prefix) or "."
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:  # a file where a folder should be, no permission, a read-only disk
+        why = "a file is in the way" if isinstance(exc, (FileExistsError, NotADirectoryError)) else exc.strerror
+        error(f"{option} {prefix}: cannot write in {folder} ({why or exc})")
 
 
 def log_every(every: int, steps: int):

@@ -6,7 +6,7 @@ import time
 import torch
 
 from course.dataset import TEXT
-from course.demos import log_every
+from course.demos import log_every, printable
 from course.impl import load
 
 
@@ -43,4 +43,4 @@ def demo(args):
     print(f"  {args.steps} steps in {time.perf_counter() - began:.1f} s; "
           f"loss {losses[0]:.3f} -> {sum(last) / len(last):.3f} (mean of the last {len(last)})")
     if args.sample:
-        print("\nSample (temperature 0.8):\n" + sample(model, "MENENIUS:\n", args.sample))
+        print("\nSample (temperature 0.8):\n" + printable(sample(model, "MENENIUS:\n", args.sample)))
