@@ -111,6 +111,7 @@ class AllGatherKVAttention:
             dkv[0] += dk
             dkv[1] += dv
         mine = torch.empty((2, *k.shape), dtype=lse.dtype, device=k.device)
-        self.group.collectives.reduce_scatter(mine, dkv.index_select(2, layout.order().to(k.device)), label="dkv", dim=2)
+        in_ranks_order = dkv.index_select(2, layout.order().to(k.device))
+        self.group.collectives.reduce_scatter(mine, in_ranks_order, label="dkv", dim=2)
         return torch.cat(dqs, dim=1).to(q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype)
         # <<<

@@ -1,5 +1,5 @@
 # Generated from solutions/m15_costs.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 15`. (skeleton 8c1b3ba8cbd1)
+# Grade your work with `python main.py grade 15`. (skeleton 904a0ebd50e6)
 """Module 15, part 6 - what context parallelism costs one rank: bytes sent, activations kept.
 
 One microbatch on one rank: b' = B / (d m) sequences of n = T/c tokens, N = b' n tokens. Values are
@@ -16,8 +16,8 @@ is KV = 2 N K D b bytes (k and v of this rank's tokens). Per block and microbatc
               (2 N H s), q, k, v, do, and dq, dk, dv back: 5 forward, 8 backward; each sends the
               (c - 1)/c of its input that goes to other ranks
 
-and once a step, over the d c ranks ("dc"): one all-reduce of every gradient (Ψ values of b bytes)
-and one of the loss (s bytes), each sending 2 (dc - 1)/(dc) of its payload.
+and once a step, over the d c ranks ("dc"): one all-reduce of every gradient (Ψ values, accumulated
+in s bytes) and one of the loss (s bytes), each sending 2 (dc - 1)/(dc) of its payload.
 
 Forward, the ring and the all-gather send the same (c - 1) KV = 2 (c - 1)/c b' T K D b: about one
 whole sequence's keys and values, whatever c. The ring spreads it over c - 1 messages that hide
@@ -60,9 +60,9 @@ def cp_traffic(cfg: LlamaConfig, batch: int, seq_len: int, dtype: torch.dtype, c
     H, K, D, L, m = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.n_layers, n_microbatches
     kv, dkv = 2 * tokens * K * D * b, 2 * tokens * K * D * s
     n = d * c  # the "dc" group
-    dc_sent = 2 * (n - 1) / n * (parameter_count(cfg) * b + s)
+    dc_sent = 2 * (n - 1) / n * (parameter_count(cfg) + 1) * s  # the gradients, accumulated in s bytes, and the loss
     # TODO(m15): the bytes and calls of one step, per variant
-    # Contract: return StepCost(sent, calls) with sent[(axis, op)] the bytes one rank sends per step and
+    # Contract: return a StepCost of two dicts, sent[(axis, op)] the bytes one rank sends per step and
     #   calls[(axis, op)] the collectives it issues per step (receives are not counted), for the ops of the
     #   module docstring: ("c", "send") for the ring, ("c", "all_gather") and ("c", "reduce_scatter") for the
     #   all-gather, ("c", "all_to_all") for Ulysses, and always ("dc", "all_reduce"): 2 calls (gradients, loss),

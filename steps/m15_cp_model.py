@@ -1,5 +1,5 @@
 # Generated from solutions/m15_cp_model.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 15`. (skeleton 7bbe7d12e9cc)
+# Grade your work with `python main.py grade 15`. (skeleton 5bfc7e398210)
 """Module 15, part 5 - module 06's Llama over a d x c mesh: batch rows over d, positions over c.
 
     rank (i_d, i_c) holds rows [i_d B/d, (i_d + 1) B/d) of the global batch and, of each of those
@@ -122,7 +122,7 @@ class CPLlama(LlamaModel):
         #   that mean's gradients, a LlamaGrads) on each of n_microbatches slices of its rows (self.share of the
         #   batch, cut along the rows). Then the gradients and the loss are summed over the d x c ranks
         #   (self.mesh.group("d", "c")): the gradients with sum_over_data_and_context, the loss in an all-reduce
-        #   of its own (label "loss"). Then the optimizer steps and self.weights.invalidate().
+        #   of its own (label "loss"). Then the optimizer steps, and the weight source is told (as module 06's train).
         # Maths: a microbatch's mean over its N tokens times N / (B T) is its share of the global mean; so are its
         #   gradients. Summed over the microbatches and the d c ranks, they are the global mean and its gradient.
         # Pitfalls: dividing by this rank's own token count (the mean as forward_backward returns it) and then

@@ -85,8 +85,10 @@ def test_one_gather_forward_and_a_gather_and_a_reduce_scatter_backward():
     # This rank's k and v stacked: 2 * B * T/c * K * D * 8 = 1,024 bytes; the gradients' shard the same
     # (float64). Forward: one all-gather; backward: the keys gathered again, the gradients reduce-scattered.
     shard = 2 * B * (T // C) * K * D * 8
-    expected = [("all_gather", shard, "c", "kv"), ("all_gather", shard, "c", "kv"), ("reduce_scatter", shard, "c", "dkv")]
+    expected = [("all_gather", shard, "c", "kv"), ("all_gather", shard, "c", "kv"),
+                ("reduce_scatter", shard, "c", "dkv")]
     for rank, per_layout in enumerate(results()):
         for kind in layout.LAYOUTS:
             assert per_layout[kind][5] == expected, \
-                f"rank {rank}, {kind}: collectives (op, payload, axis, label) {per_layout[kind][5]}, expected {expected}"
+                f"rank {rank}, {kind}: collectives (op, payload, axis, label) {per_layout[kind][5]}, expected " \
+                f"{expected}"

@@ -40,7 +40,22 @@ def test_the_traffic_formula_matches_a_hand_count(variant, c_entries):
     expected = StepCost({**{("c", op): size for op, (_, size) in c_entries.items()}, ("dc", "all_reduce"): 77_286},
                         {**{("c", op): n for op, (n, _) in c_entries.items()}, ("dc", "all_reduce"): 2})
     got = costs.cp_traffic(CFG, 8, 16, torch.float32, 4, variant, d=1, n_microbatches=2)
-    assert got == expected, f"{variant}: formula sent {got.sent}, calls {got.calls}; hand count {expected.sent}, {expected.calls}"
+    assert got == expected, \
+        f"{variant}: formula sent {got.sent}, calls {got.calls}; hand count {expected.sent}, {expected.calls}"
+
+
+@pytest.mark.exercises("cp_traffic")
+def test_the_rings_accumulators_travel_in_float32_and_one_rank_sends_nothing():
+    # bf16, as above otherwise: a block is 512 bytes, its accumulator (float32 statistics) 1,024: per block
+    # 6 * 512 + 4 * 1,024 = 7,168, times 4. The gradients are accumulated in float32 too: 77,286 as above.
+    got = costs.cp_traffic(CFG, 8, 16, torch.bfloat16, 4, "ring", d=1, n_microbatches=2)
+    assert got == StepCost({("c", "send"): 28_672, ("dc", "all_reduce"): 77_286},
+                           {("c", "send"): 40, ("dc", "all_reduce"): 2}), f"ring, bf16: {got.sent}, {got.calls}"
+    # c = 1, d = 2: the ring has no neighbour to send to; the two all-reduces go over d = 2 ranks (half of
+    # 51,524 bytes each way: 51,524), of a microbatch of 8 / (2 * 2) = 2 sequences.
+    got = costs.cp_traffic(CFG, 8, 16, torch.float32, 1, "ring", d=2, n_microbatches=2)
+    assert got == StepCost({("dc", "all_reduce"): 51_524}, {("dc", "all_reduce"): 2}), \
+        f"ring, c = 1, d = 2: {got.sent}, {got.calls} (a ring of one rank sends nothing)"
 
 
 def _one_step_each(variants):
@@ -67,5 +82,5 @@ def test_the_traffic_formula_equals_the_collectives_of_a_real_step(variant):
     formula = costs.cp_traffic(CFG, 4, CFG.max_seq_len, torch.float32, 2, variant, n_microbatches=2)
     for rank, logs in enumerate(real_steps()):
         measured = measured_cost(logs[variant])
-        assert measured == formula, (f"rank {rank}, {variant}, c=2: logged sent {measured.sent}, calls {measured.calls}; "
-                                     f"formula {formula.sent}, {formula.calls}")
+        assert measured == formula, (f"rank {rank}, {variant}, c=2: logged sent {measured.sent}, calls "
+                                     f"{measured.calls}; formula {formula.sent}, {formula.calls}")

@@ -68,7 +68,8 @@ def test_training_with_c_2_reproduces_the_single_process_loss_curve(variant):
     for rank, per_variant in enumerate(trained()):
         losses = per_variant[variant]
         worst = max(abs(a - b) for a, b in zip(losses, expected, strict=True))
-        assert worst <= 1e-12, f"rank {rank}, {variant}, c=2: losses {losses} vs single-process {expected}: off by {worst:.1e}"
+        assert worst <= 1e-12, \
+            f"rank {rank}, {variant}, c=2: losses {losses} vs single-process {expected}: off by {worst:.1e}"
 
 
 class KeepGrads:
@@ -105,8 +106,8 @@ def test_2x2_data_and_context_equals_one_process_and_pure_data_parallelism():
     # gradients, and the pure data-parallel run's (d = 4, c = 1) on the same batch.
     tokens, targets, results = one_step()
     expected_loss, expected = m06.LlamaModel(CFG, 5, f64).forward_backward(tokens, targets)
-    names = ["embedding", *(f"layer {i} {f}" for i in range(CFG.n_layers) for f in
-                            ("ln1", "wq", "wk", "wv", "wo", "ln2", "w_gate", "w_up", "w_down")), "final_norm", "lm_head"]
+    fields = ("ln1", "wq", "wk", "wv", "wo", "ln2", "w_gate", "w_up", "w_down")
+    names = ["embedding", *(f"layer {i} {f}" for i in range(CFG.n_layers) for f in fields), "final_norm", "lm_head"]
     for mesh, per_rank in results.items():
         for rank, (loss, grads) in enumerate(per_rank):
             hint = " (a loss divided by each rank's own tokens and summed is d c = 4 times too large)" \

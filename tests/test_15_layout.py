@@ -21,7 +21,8 @@ def test_zigzag_holds_every_position_once_in_its_chunks_and_balances_the_causal_
     T = 2 * c * 3  # chunks of 3 positions
     split = layout.SequenceLayout("zigzag", T, c)
     held = torch.cat([split.positions(i) for i in range(c)])
-    assert sorted(held.tolist()) == list(range(T)), f"c={c}: the ranks hold positions {held.tolist()}, not 0..{T - 1} once"
+    assert sorted(held.tolist()) == list(range(T)), \
+        f"c={c}: the ranks hold positions {held.tolist()}, not 0..{T - 1} once"
     for i in range(c):
         pieces = split.pieces(i)
         assert pieces[0] == (3 * i, 3) and len(pieces) == 2 and pieces[1][1] == 3, \

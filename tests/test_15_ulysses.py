@@ -84,7 +84,8 @@ def test_the_all_to_alls_move_heads_and_positions_where_they_belong():
         to_heads, back = per_rank["all-to-all"]
         positions, heads = to_heads[0, :, :, 0], to_heads[0, :, :, 1]
         expected_heads = torch.arange(2 * rank, 2 * rank + 2, dtype=f64).expand(T, 2)
-        assert to_heads.shape == (1, T, 2, 2) and torch.equal(positions, torch.arange(T, dtype=f64)[:, None].expand(T, 2)) \
+        expected_positions = torch.arange(T, dtype=f64)[:, None].expand(T, 2)
+        assert to_heads.shape == (1, T, 2, 2) and torch.equal(positions, expected_positions) \
             and torch.equal(heads, expected_heads), \
             (f"rank {rank}: sequence_to_heads gave (position, head) pairs {to_heads[0, :, :, :].tolist()[:3]}...; "
              f"expected positions 0..{T - 1} of heads {2 * rank} and {2 * rank + 1}: cut the heads, join along time")
