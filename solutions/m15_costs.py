@@ -1,6 +1,6 @@
 """Module 15, part 6 - what context parallelism costs one rank: bytes sent, activations kept.
 
-One microbatch on one rank: b' = B / (d m) sequences of n = T/c tokens, N = b' n tokens. Values are
+One microbatch on one rank: B / (d m) sequences of T/c tokens, N = B T / (d c m) tokens. Values are
 b bytes, statistics (lse, delta, and the ring's gradient accumulators) s bytes. One key/value block
 is KV = 2 N K D b bytes (k and v of this rank's tokens). Per block and microbatch:
 
@@ -17,10 +17,10 @@ is KV = 2 N K D b bytes (k and v of this rank's tokens). Per block and microbatc
 and once a step, over the d c ranks ("dc"): one all-reduce of every gradient (Ψ values, accumulated
 in s bytes) and one of the loss (s bytes), each sending 2 (dc - 1)/(dc) of its payload.
 
-Forward, the ring and the all-gather send the same (c - 1) KV = 2 (c - 1)/c b' T K D b: about one
-whole sequence's keys and values, whatever c. The ring spreads it over c - 1 messages that hide
+Forward, the ring and the all-gather send the same (c - 1) KV = 2 (c - 1) N K D b: about the keys
+and values of the rank's whole sequences (c N tokens), whatever c. The ring spreads it over c - 1 messages that hide
 behind block attention; the all-gather spends one latency and does not overlap here. Ulysses sends
-(c - 1)/c of N (2H + 2K') D b (and the lse), and N = b' T/c shrinks as c grows: the ratio
+(c - 1)/c of N (2H + 2K') D b (and the lse), and N shrinks as 1/c: the ratio
 Ulysses / ring is about (H + K') / (K c). With many key/value heads (K = H: 2/c) Ulysses sends less
 for any c > 2; with grouped-query attention the ring's blocks are small and it sends less until c
 exceeds (H + K') / K (Llama 3 8B: H = 32, K = 8: c > 5), and c cannot exceed H for Ulysses at all.

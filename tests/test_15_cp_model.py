@@ -5,7 +5,7 @@ process's on the same global batch, and equal a pure data-parallel run (d = 4).
 
 Tolerance. float64 throughout. The ranks add the same terms in another order (attention merged over
 blocks, gradients summed over d c ranks): measured within 8.9e-16 on the losses of 3 steps and
-3e-16 relative on one step's gradients (torch 2.13 CPU); we allow 1e-12. A loss normalised by each
+1.4e-15 relative on one step's gradients (torch 2.13 CPU); we allow 1e-12. A loss normalised by each
 rank's own token count is d c = 4 times too large; a zig-zag rank rotated by positions 0..T/c - 1
 changes the first loss already by ~1e-3.
 """
