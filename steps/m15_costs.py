@@ -1,5 +1,5 @@
 # Generated from solutions/m15_costs.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 15`. (skeleton 1d1a6377f74f)
+# Grade your work with `python main.py grade 15`. (skeleton 243f1de0f15f)
 """Module 15, part 6 - what context parallelism costs one rank: bytes sent, activations kept.
 
 One microbatch on one rank: B / (d m) sequences of T/c tokens, N = B T / (d c m) tokens. Values are
@@ -22,10 +22,11 @@ in s bytes) and one of the loss (s bytes), each sending 2 (dc - 1)/(dc) of its p
 Forward, the ring and the all-gather send the same (c - 1) KV = 2 (c - 1) N K D b: about the keys
 and values of the rank's whole sequences (c N tokens), whatever c. The ring spreads it over c - 1 messages that hide
 behind block attention; the all-gather spends one latency and does not overlap here. Ulysses sends
-(c - 1)/c of N (2H + 2K') D b (and the lse), and N shrinks as 1/c: the ratio
+(c - 1)/c of N (2H + 2K') D b (and the lse), and N shrinks as 1/c: in the forward the ratio
 Ulysses / ring is about (H + K') / (K c). With many key/value heads (K = H: 2/c) Ulysses sends less
 for any c > 2; with grouped-query attention the ring's blocks are small and it sends less until c
-exceeds (H + K') / K (Llama 3 8B: H = 32, K = 8: c > 5), and c cannot exceed H for Ulysses at all.
+exceeds (H + K') / K (Llama 3 8B: H = 32, K = 8: c > 5; counting the backward, whose accumulators
+are s bytes a value, c >= 4), and c cannot exceed H for Ulysses at all.
 
 Activations. The block keeps module 06's fourteen tensors for this rank's N tokens: exactly one
 process's store for a sequence c times shorter. The attention's transient buffers (not kept) are
