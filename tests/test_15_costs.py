@@ -33,7 +33,7 @@ CFG = LlamaConfig(dim=16, n_heads=4, n_kv_heads=2, head_dim=4, ffn_dim=32, n_lay
     # + 256 = 4,352, backward 512 + 1,024 + 2,048 + 1,024 + 1,024 + 2,048 = 7,680; 3/4 of it leaves the rank:
     # 9,024 per block, 13 all-to-alls.
     ("ulysses", {"all_to_all": (52, 36_096)}),
-])
+], ids=["ring", "zigzag", "allgather", "ulysses"])
 def test_the_traffic_formula_matches_a_hand_count(variant, c_entries):
     # Once a step over the d c = 4 ranks: the gradients, Psi = 2 * 256 * 16 + 2 * 2,336 + 16 = 12,880 float32
     # values, and the loss (4 bytes): 2 all-reduces sending 2 * 3/4 of 51,524 bytes = 77,286.
