@@ -101,10 +101,9 @@ class TimedCollectives(Collectives):
     def _timed(self, call, *args, **kwargs):
         began = time.perf_counter()
         work = call(*args, **kwargs)
-        if work is None or kwargs.get("async_op"):
-            if work is None:
-                self.spans.append(("wait", began, time.perf_counter(), None))
-                return None
+        if work is None:  # a blocking collective: all of its time was spent waiting for it
+            self.spans.append(("wait", began, time.perf_counter(), None))
+            return None
         return _TimedWork(work, self.spans)
 
     def isend(self, *args, **kwargs):
