@@ -173,13 +173,19 @@ def residual_rmsnorm_backward(dh: torch.Tensor, dn: torch.Tensor, h: torch.Tenso
 # Rotary position embedding
 # ---------------------------------------------------------------------------------------------
 def rope_tables(seq_len: int, head_dim: int, theta: float, dtype=torch.float32, device="cpu"):
-    """cos and sin of the rotation angles, each (seq_len, 1, head_dim // 2).
+    """cos and sin of the rotation angles, each (seq_len, 1, head_dim // 2), for positions 0 .. seq_len - 1.
 
     Position t rotates the pair (x[i], x[i + head_dim/2]) by the angle t * theta^(-2i/head_dim).
     The middle axis of size 1 broadcasts over the heads of a (B, T, heads, head_dim) tensor.
     """
+    return rope_tables_at(torch.arange(seq_len), head_dim, theta, dtype, device)
+
+
+def rope_tables_at(positions: torch.Tensor, head_dim: int, theta: float, dtype=torch.float32, device="cpu"):
+    """rope_tables for the given positions, in their order: a rank that holds a slice of the sequence
+    (module 15's context parallelism) rotates its tokens by where they sit in the whole sequence."""
     inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)
+    angles = torch.outer(positions.to(torch.float64), inv_freq)
     return (angles.cos().unsqueeze(1).to(dtype=dtype, device=device),
             angles.sin().unsqueeze(1).to(dtype=dtype, device=device))
 
@@ -237,16 +243,42 @@ def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return q.transpose(1, 2).unflatten(1, (kv_heads, -1))
 
 
-def _causal_scores(q_chunk, k, start: int, scale: float) -> torch.Tensor:
-    """Scores of queries start..start+len against keys 0..start+len, future keys masked to -inf."""
+def _causal_scores(q_chunk, k, start: int, scale: float, k_start: int = 0) -> torch.Tensor:
+    """Scores of the queries at positions start..start+len against the keys of k that may precede
+    them: k's keys sit at positions k_start, k_start + 1, ...; those up to the last query's position
+    (at most all of k) are scored, future keys masked to -inf. The scores' last axis is the number of
+    keys scored: the first that many rows of k and v take part (with k_start = 0: keys 0..start+len)."""
     stop = start + q_chunk.shape[-2]
-    scores = (q_chunk @ k[..., :stop, :].transpose(-1, -2)).to(compute_dtype(q_chunk.dtype))
-    future = torch.arange(stop, device=k.device) > torch.arange(start, stop, device=k.device).unsqueeze(1)
+    seen = min(k.shape[-2], stop - k_start)
+    scores = (q_chunk @ k[..., :seen, :].transpose(-1, -2)).to(compute_dtype(q_chunk.dtype))
+    key_positions = torch.arange(k_start, k_start + seen, device=k.device)
+    future = key_positions > torch.arange(start, stop, device=k.device).unsqueeze(1)
     # In place: the score block is the largest temporary of attention; no need for a second copy.
     return scores.mul_(scale).masked_fill_(future, float("-inf"))
 
 
-def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: int = ATTENTION_CHUNK):
+def _check_offsets(q_offset: int, k_offset: int):
+    """A block of keys that starts after the first query leaves that query nothing to attend to
+    (its softmax would be 0/0): a caller skips blocks of keys wholly in the queries' future, and
+    cuts blocks so that none starts in the middle of the queries."""
+    if k_offset > q_offset:
+        raise ValueError(f"keys start at position {k_offset}, after the first query's position {q_offset}: "
+                         f"that query would see no key (skip blocks of keys that lie in the queries' future)")
+
+
+def attention_delta(do: torch.Tensor, o: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
+    """delta = rowsum(do * o) for each query and head, (B, kv_heads, group, T) in compute_dtype, from
+    do and o of shape (B, T, heads * head_dim): the softmax backward's rowsum(p * dp), computed from
+    the output instead of p. When a query's keys come in blocks (module 15's ring), o is the merged
+    output of all of them, so delta is computed once, not per block."""
+    B, T = do.shape[:2]
+    dtype = compute_dtype(do.dtype)
+    products = (do.to(dtype) * o.to(dtype)).reshape(B, T, heads, -1)
+    return _grouped(products, kv_heads).sum(-1)
+
+
+def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: int = ATTENTION_CHUNK,
+                      q_offset: int = 0, k_offset: int = 0):
     """Causal softmax(q k^T / sqrt(D)) v, with kv_heads <= heads (grouped-query attention).
 
     q is (B, T, heads, D), k and v are (B, T, kv_heads, D). Returns (o, lse): o is
@@ -255,9 +287,15 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: 
     query's scores. Saving lse (one number per query and head) instead of the (T, T)
     probabilities lets the backward rebuild them exactly: p = exp(s - lse).
     Queries are processed `chunk` at a time, so only a (chunk, T) block of scores ever exists.
+
+    Positions: query i sits at position q_offset + i and key j at k_offset + j; a query sees the keys
+    at its position and before. By default both start at 0: one whole sequence. Module 15 passes a
+    block of a longer sequence (k then has its own length, and k_offset <= q_offset): the result is
+    that block's share of attention, merged with the other blocks' by their lse.
     """
     B, T, heads, D = q.shape
     kv_heads = k.shape[2]
+    _check_offsets(q_offset, k_offset)
     qg, kg, vg = _grouped(q, kv_heads), _grouped(k, kv_heads), _grouped(v, kv_heads)
     outputs, lses = [], []
     for start in range(0, T, chunk):
@@ -268,53 +306,64 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: 
         # and to `lses` its log-sum-exp (B, kv_heads, group, rows), in the scores' dtype (float32 at least).
         # Maths: s = q k^T / sqrt(D) against the keys the query may see (query i: keys 0..i); lse = log of the sum of
         # exp(s) over those keys; the softmax is p = exp(s - lse); the output weights the values of those keys by p.
-        # Given: _causal_scores returns the chunk's scores, multiplied by the scale you pass, future keys at -inf.
-        # Pitfall: the scores cover keys 0 .. the chunk's last query, not all T: p multiplies the same rows of v.
+        # Given: _causal_scores returns the chunk's scores, multiplied by the scale you pass, future keys at -inf; it
+        # takes positions: the chunk's first query is at q_offset + start, k's first key at k_offset (module 15).
+        # Pitfall: the scores cover the keys up to the chunk's last query, not all of k: p multiplies the same rows
+        # of v (as many as the scores have columns; with zero offsets, keys 0 .. the chunk's last query).
         # Pitfall: a max-and-divide softmax is right too, but the backward needs lse itself, not just p.
         # The tests use chunks that do not divide T, and grouped heads, against F.scaled_dot_product_attention.
         # Hint 1: score the chunk once, reduce each query's row of scores to its log-sum-exp, turn the scores into
         #         probabilities with it, and use them to weight the values.
         # Hint 2: torch.logsumexp over the key axis (-1); torch.exp; lse.unsqueeze(-1) to broadcast over the keys;
-        #         @ with vg cut to the chunk's keys (vg[..., :stop, :]); p cast to v's dtype before it multiplies.
+        #         @ with vg cut to the keys scored (vg[..., :s.shape[-1], :]); p cast to v's dtype before it multiplies.
         # Hint 3: stop = start + chunk, at most T
-        #         s    = the causal scores of qg's rows start:stop against kg, scale 1/sqrt(D)
+        #         s    = the causal scores of qg's rows start:stop against kg, positions q_offset + start and
+        #                k_offset, scale 1/sqrt(D)
         #         lse  = log-sum-exp of s over the keys;  p = exp(s - lse with a trailing axis), in v's dtype
-        #         append p @ (vg's first stop time steps) to outputs, and lse to lses
+        #         append p @ (vg's first s.shape[-1] time steps) to outputs, and lse to lses
         stop = min(start + chunk, T)
-        scores = _causal_scores(qg[..., start:stop, :], kg, start, 1.0 / math.sqrt(D))
+        scores = _causal_scores(qg[..., start:stop, :], kg, q_offset + start, 1.0 / math.sqrt(D), k_offset)
         lse = torch.logsumexp(scores, dim=-1)
         probs = torch.exp(scores - lse.unsqueeze(-1)).to(v.dtype)
-        outputs.append(probs @ vg[..., :stop, :])
+        outputs.append(probs @ vg[..., :scores.shape[-1], :])
         lses.append(lse)
         # <<<
     o = torch.cat(outputs, dim=-2)  # (B, kv_heads, group, T, D)
     return o.flatten(1, 2).transpose(1, 2).reshape(B, T, heads * D), torch.cat(lses, dim=-1)
 
 
-def attention_backward(do: torch.Tensor, q, k, v, o, lse, chunk: int = ATTENTION_CHUNK):
+def attention_backward(do: torch.Tensor, q, k, v, o, lse, chunk: int = ATTENTION_CHUNK, q_offset: int = 0,
+                       k_offset: int = 0, delta: torch.Tensor | None = None):
     """(dq, dk, dv) for attention_forward, recomputing each chunk's probabilities from lse.
 
     With p = softmax(s) and dp = do v^T, the softmax backward is ds = p * (dp - delta), where
     delta = rowsum(do * o) (= rowsum(p * dp)) for each query. Key/value heads shared by a group of
     query heads receive the sum of the group's gradients.
+
+    For one block of keys of a longer sequence (module 15), pass the positions as in the forward,
+    and the *merged* lse and delta of all the blocks (delta from attention_delta of the merged
+    output; o is then not read): p = exp(s - lse) is then this block's share of the full softmax.
     """
     B, T, heads, D = q.shape
     kv_heads = k.shape[2]
+    _check_offsets(q_offset, k_offset)
     scale = 1.0 / math.sqrt(D)
     qg, kg, vg = _grouped(q, kv_heads), _grouped(k, kv_heads), _grouped(v, kv_heads)
     dog = _grouped(do.reshape(B, T, heads, D), kv_heads)
-    delta = (dog.to(lse.dtype) * _grouped(o.reshape(B, T, heads, D), kv_heads).to(lse.dtype)).sum(-1)
+    if delta is None:
+        delta = attention_delta(do, o, heads, kv_heads)
     dqs = []
     # dk and dv are accumulated over the chunks, per query head of the group, in float32 at least.
-    dk = torch.zeros(qg.shape[:3] + (T, D), dtype=lse.dtype, device=q.device)
+    dk = torch.zeros(qg.shape[:3] + (k.shape[1], D), dtype=lse.dtype, device=q.device)
     dv = torch.zeros_like(dk)
     for start in range(0, T, chunk):
         # >>> TODO(m06): attention backward for one chunk of queries: its dq, its share of dk and dv
         # For the queries start .. start + chunk (the last chunk may be shorter): append the chunk's dq,
         # (B, kv_heads, group, rows, D) in q's dtype, to `dqs`, and add the chunk's contributions into the float32
-        # accumulators dk and dv, (B, kv_heads, group, T, D), at the rows of the keys this chunk sees.
+        # accumulators dk and dv, (B, kv_heads, group, keys, D), at the rows of the keys this chunk sees.
         # Maths: the docstring's equations (the chapter derives them), restricted to this chunk's rows of q, do, lse
-        # and delta and to the keys 0 .. the chunk's last query. lse and delta hold one number per query (time on
+        # and delta and to the keys the forward scored (positions as in the forward: q_offset + start, k_offset;
+        # with zero offsets, keys 0 .. the chunk's last query). lse and delta hold one number per query (time on
         # their last axis), so they broadcast over the keys once given a trailing axis.
         # Invariants: p is rebuilt exactly as the forward made it (same scores, scale and mask); a chunk's dq is
         # complete when the chunk is done, while dk and dv sum over every chunk whose queries see those keys.
@@ -327,19 +376,22 @@ def attention_backward(do: torch.Tensor, q, k, v, o, lse, chunk: int = ATTENTION
         #         dq = ds @ k; dk += ds^T @ q. p, dp and ds stay in lse's dtype; cast p and ds to q's dtype before
         #         they multiply q, k, v or do.
         # Hint 3: stop = start + chunk, at most T;  q_c, do_c = the chunk's rows of qg and dog
-        #         p  = exp(causal scores of q_c (with scale) - the chunk's lse with a trailing axis)
-        #         dv's first stop rows += (p in v's dtype, transposed) @ do_c
-        #         dp = do_c @ (vg's first stop rows, transposed), in p's dtype
+        #         p  = exp(causal scores of q_c (with scale, positions) - the chunk's lse with a trailing axis)
+        #         seen = p.shape[-1], the keys scored
+        #         dv's first seen rows += (p in v's dtype, transposed) @ do_c
+        #         dp = do_c @ (vg's first seen rows, transposed), in p's dtype
         #         ds = p * (dp - the chunk's delta with a trailing axis) * scale, in q's dtype
-        #         append ds @ (kg's first stop rows) to dqs;  dk's first stop rows += ds transposed @ q_c
+        #         append ds @ (kg's first seen rows) to dqs;  dk's first seen rows += ds transposed @ q_c
         stop = min(start + chunk, T)
         q_chunk, do_chunk = qg[..., start:stop, :], dog[..., start:stop, :]
-        probs = torch.exp(_causal_scores(q_chunk, kg, start, scale) - lse[..., start:stop].unsqueeze(-1))
-        dv[..., :stop, :] += probs.to(v.dtype).transpose(-1, -2) @ do_chunk
-        dprobs = (do_chunk @ vg[..., :stop, :].transpose(-1, -2)).to(probs.dtype)
+        probs = torch.exp(_causal_scores(q_chunk, kg, q_offset + start, scale, k_offset)
+                          - lse[..., start:stop].unsqueeze(-1))
+        seen = probs.shape[-1]
+        dv[..., :seen, :] += probs.to(v.dtype).transpose(-1, -2) @ do_chunk
+        dprobs = (do_chunk @ vg[..., :seen, :].transpose(-1, -2)).to(probs.dtype)
         dscores = (probs * (dprobs - delta[..., start:stop].unsqueeze(-1)) * scale).to(q.dtype)
-        dqs.append(dscores @ kg[..., :stop, :])
-        dk[..., :stop, :] += dscores.transpose(-1, -2) @ q_chunk
+        dqs.append(dscores @ kg[..., :seen, :])
+        dk[..., :seen, :] += dscores.transpose(-1, -2) @ q_chunk
         # <<<
     dq = torch.cat(dqs, dim=-2).flatten(1, 2).transpose(1, 2)
     # Sum over the group of query heads that shared each key/value head.

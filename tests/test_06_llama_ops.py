@@ -246,3 +246,64 @@ def test_bf16_rmsnorm_rounds_once_from_float32_statistics():
         ratio = ((got.double() - want).abs() / (u * want.abs() + 1e-5 * want.abs().max())).max().item()
         assert ratio <= 1, (f"bf16 rmsnorm {name}: error reaches {ratio:.2f}x bf16's rounding of the float64 "
                             f"value (expected at most 1x: one rounding of float32 arithmetic); {cause}")
+
+
+# --- a block of queries against a block of keys, at their positions (what module 15's ring needs) --
+def masked_reference(q, k, v, q_positions, k_positions):
+    """float64 attention of q against k, v with key j visible to query i iff k_positions[j] <= q_positions[i]:
+    (output (B, Tq, heads * D), lse (B, heads, Tq)) from F.scaled_dot_product_attention and a logsumexp."""
+    group = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+    visible = k_positions.unsqueeze(0) <= q_positions.unsqueeze(1)
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=visible)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
+    return o.transpose(1, 2).flatten(2), torch.logsumexp(scores.masked_fill(~visible, float("-inf")), dim=-1)
+
+
+@pytest.mark.exercises("attention_forward")
+@pytest.mark.parametrize("q_offset, k_offset, k_len, chunk", [(6, 2, 6, 3), (8, 0, 5, 256), (5, 5, 5, 2)],
+                         ids=["overlapping", "all-before", "diagonal"])
+def test_attention_of_a_block_of_queries_against_a_block_of_keys_at_their_positions(q_offset, k_offset, k_len, chunk):
+    # Queries at positions q_offset.., keys at k_offset..: a query sees the keys at its position and
+    # before, whatever the block lengths (here 5 queries; keys that end before, inside or with them).
+    B, heads, kv_heads, D, Tq = 2, 4, 2, 8, 5
+    q, k, v = randn(B, Tq, heads, D, seed=1), randn(B, k_len, kv_heads, D, seed=2), randn(B, k_len, kv_heads, D, seed=3)
+    o, lse = ops.attention_forward(q, k, v, chunk, q_offset=q_offset, k_offset=k_offset)
+    expected_o, expected_lse = masked_reference(q, k, v, torch.arange(q_offset, q_offset + Tq),
+                                                torch.arange(k_offset, k_offset + k_len))
+    close(o, expected_o, f"output of queries at {q_offset}.. against keys at {k_offset}..")
+    close(lse.reshape(B, heads, Tq), expected_lse, "log-sum-exp of each query's visible scores")
+
+
+@pytest.mark.exercises("attention_forward", "attention_backward")
+def test_attention_backward_of_one_block_of_keys_takes_the_merged_lse_and_delta():
+    # One sequence of 9 positions, its keys cut into the blocks [0, 4) and [4, 9). Each block's
+    # backward, given the lse and delta = rowsum(do * o) of attention over *all* the keys (here from
+    # the float64 reference), returns that block's share: dq summed over the blocks and dk, dv of each
+    # block equal autograd's on the whole sequence.
+    B, T, heads, kv_heads, D, cut = 2, 9, 4, 2, 8, 4
+    q, k, v = randn(B, T, heads, D, seed=1), randn(B, T, kv_heads, D, seed=2), randn(B, T, kv_heads, D, seed=3)
+    do = randn(B, T, heads * D, seed=4)
+    positions = torch.arange(T)
+    o, lse = masked_reference(q, k, v, positions, positions)
+    lse = lse.reshape(B, kv_heads, heads // kv_heads, T)
+    delta = (do * o).reshape(B, T, heads, D).sum(-1).transpose(1, 2).reshape(B, kv_heads, heads // kv_heads, T)
+    eq, ek, ev = autograd_grads(reference_attention, [q, k, v], [do])
+    dq = torch.zeros_like(q)
+    for start, stop in ((0, cut), (cut, T)):
+        # The queries before the block see none of it: only queries start.. take part (q_offset = start).
+        dq_b, dk_b, dv_b = ops.attention_backward(do[:, start:], q[:, start:], k[:, start:stop], v[:, start:stop], None,
+                                                  lse[..., start:], 3, q_offset=start, k_offset=start,
+                                                  delta=delta[..., start:])
+        dq[:, start:] += dq_b
+        close(dk_b, ek[:, start:stop], f"dk of the keys {start}..{stop}")
+        close(dv_b, ev[:, start:stop], f"dv of the keys {start}..{stop}")
+    close(dq, eq, "dq summed over the two blocks of keys")
+
+
+@pytest.mark.given
+def test_rope_tables_at_positions_are_the_rows_of_the_whole_table():
+    positions = torch.tensor([6, 7, 0, 1])  # e.g. a zig-zag rank's positions, in its own order
+    cos, sin = ops.rope_tables(8, 6, 500.0, dtype=f64)
+    cos_at, sin_at = ops.rope_tables_at(positions, 6, 500.0, dtype=f64)
+    assert torch.equal(cos_at, cos[positions]) and torch.equal(sin_at, sin[positions])

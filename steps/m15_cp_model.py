@@ -1,0 +1,148 @@
+# Generated from solutions/m15_cp_model.py by `python -m course.skeleton`: fill in the TODOs.
+# Grade your work with `python main.py grade 15`. (skeleton 5bfc7e398210)
+"""Module 15, part 5 - module 06's Llama over a d x c mesh: batch rows over d, positions over c.
+
+    rank (i_d, i_c) holds rows [i_d B/d, (i_d + 1) B/d) of the global batch and, of each of those
+    sequences, the positions its layout gives context rank i_c
+
+Everything in the model but attention works token by token, so a context rank runs module 06's
+model unchanged on its own tokens: module 06's LlamaModel, whose block is module 06's LlamaBlock
+with two things swapped in. Attention is one of this module's (ring, all-gather KV, Ulysses): the
+block already calls it through its `attention` object. RoPE rotates by the tokens' positions in the
+whole sequence, which on a zig-zag rank are two runs far apart: CPBlock overrides the block's
+`rope` tables with those of the rank's own positions.
+
+The loss is the mean over the step's *global* tokens (B T of them, on all d c ranks together):
+each rank adds its tokens' losses and divides by that global count, and the gradients are summed
+over the d c ranks (the "dc" group), never averaged. Dividing by a rank's own token count instead
+and summing gives a loss and gradients d c times too large (averaging them instead hides the
+mistake only while every rank has the same number of real tokens). The sum over "dc" is one
+all-reduce here, `sum_over_data_and_context`; module 14's data parallelism replaces it with its
+bucketed, overlapped version.
+"""
+from __future__ import annotations
+
+import torch
+
+from course.dataset import load_text, random_batch
+from course.mesh import Group, Mesh
+from .m06_llama_block import LlamaBlock, LlamaConfig
+from .m06_llama_model import LOSS_CHUNK, LlamaModel
+from .m06_llama_ops import ATTENTION_CHUNK, compute_dtype, rope_tables_at
+from .m15_allgather_kv import AllGatherKVAttention
+from .m15_layout import SequenceLayout, check_layout
+from .m15_ring_attention import RingAttention
+from .m15_ulysses import UlyssesAttention, check_ulysses
+
+# The module's model: 4 query and 2 key/value heads (Ulysses: c up to 4), a sequence of 32 (zig-zag: c up to 16).
+CONFIG = LlamaConfig(dim=32, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=64, n_layers=2, max_seq_len=32)
+
+# variant -> (attention, layout): what `python main.py run 15 --variant` picks.
+VARIANTS = {"ring": (RingAttention, "contiguous"), "zigzag": (RingAttention, "zigzag"),
+            "allgather": (AllGatherKVAttention, "zigzag"), "ulysses": (UlyssesAttention, "contiguous")}
+
+
+def check_cp(cfg: LlamaConfig, variant: str, c: int, seq_len: int, d: int = 1, batch: int | None = None):
+    """One line for a variant, mesh or shape this model cannot run (given)."""
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r}: one of {', '.join(VARIANTS)}")
+    check_layout(VARIANTS[variant][1], seq_len, c)
+    if variant == "ulysses":
+        check_ulysses(cfg.n_heads, cfg.n_kv_heads, c)
+    if batch is not None and batch % d:
+        raise ValueError(f"the batch of {batch} sequences is not divisible by d={d}: every data rank takes B/d of them")
+
+
+def context_attention(variant: str, group: Group, chunk: int = ATTENTION_CHUNK):
+    """The attention object of `variant` over the context group."""
+    attention, layout = VARIANTS[variant]
+    return attention(group, layout, chunk)
+
+
+class CPBlock(LlamaBlock):
+    """Module 06's block on one context rank: this module's attention, RoPE at the rank's positions."""
+
+    def __init__(self, cfg: LlamaConfig, group: Group, layout: str, attention):
+        super().__init__(cfg, attention=attention)
+        self.group, self.layout_kind = group, layout
+
+    def rope(self, seq_len: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for this rank's seq_len tokens, rotating each by its position in the whole
+        sequence (c seq_len positions, cut by the layout); built once per length, dtype and device."""
+        key = (seq_len, dtype, str(device))
+        if key not in self._rope:
+            # TODO(m15): the RoPE tables of this rank's positions
+            # Contract: store in self._rope[key] what module 06's LlamaBlock.rope would return for a sequence whose
+            #   positions are this rank's (the block calls self.rope with its local length, seq_len = T/c): cos and
+            #   sin, each (seq_len, 1, head_dim // 2), row j for the position of local token j.
+            # Pitfall: positions 0 .. T/c - 1 are right on context rank 0 of the contiguous layout only; on a zig-zag
+            #   rank the positions are two runs far apart. The tests train every variant against one process.
+            raise NotImplementedError("TODO(m15): the RoPE tables of this rank's positions")
+        return self._rope[key]
+
+
+def sum_over_data_and_context(tensors: list[torch.Tensor], group: Group, label: str = "gradients"):
+    """Sum each tensor over the ranks of `group` (the d x c ranks), in place, in one all-reduce of one
+    flat buffer (given; module 14 replaces it with buckets that overlap the backward)."""
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    group.collectives.all_reduce(flat, label=label)
+    for t, summed in zip(tensors, flat.split([t.numel() for t in tensors]), strict=True):
+        t.copy_(summed.view_as(t))
+
+
+class CPLlama(LlamaModel):
+    """Module 06's Llama on one rank of a d x c mesh: the whole model's weights (every rank builds the
+    same from the seed), this rank's rows and positions of every batch."""
+
+    def __init__(self, cfg: LlamaConfig, mesh: Mesh, variant: str, seed: int = 0, dtype=torch.float32,
+                 chunk: int = ATTENTION_CHUNK, loss_chunk: int = LOSS_CHUNK):
+        check_cp(cfg, variant, mesh.sizes.get("c", 1), cfg.max_seq_len)
+        group = mesh.group("c")
+        block = CPBlock(cfg, group, VARIANTS[variant][1], context_attention(variant, group, chunk))
+        super().__init__(cfg, seed, dtype, block=block, loss_chunk=loss_chunk)
+        self.mesh, self.variant = mesh, variant
+
+    def layout(self, seq_len: int) -> SequenceLayout:
+        c = self.mesh.group("c").size
+        return SequenceLayout(VARIANTS[self.variant][1], seq_len, c)
+
+    def share(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a global batch x (B, T): its B/d rows, and of those its positions (given)."""
+        d = self.mesh.group("d")
+        rows = x.shape[0] // d.size
+        return self.layout(x.shape[1]).shard(x[d.index * rows:(d.index + 1) * rows], self.mesh.group("c").index)
+
+    def train_step(self, tokens: torch.Tensor, targets: torch.Tensor, n_microbatches: int, optimizer) -> float:
+        """One optimizer step on the global batch tokens, targets (B, T), the same on every rank; returns
+        the step's global mean loss (the same on every rank)."""
+        # TODO(m15): one step: this rank's share, the loss over the global token count, the sum over d x c
+        # Contract: the gradient handed to the optimizer (each parameter's .grad, in its dtype) is that of the global
+        #   mean loss, sum over every token of the batch of its loss / B T; the returned float is that loss. This
+        #   rank runs self.forward_backward (module 06's: it returns the *mean* over the tokens it was given and
+        #   that mean's gradients, a LlamaGrads) on each of n_microbatches slices of its rows (self.share of the
+        #   batch, cut along the rows). Then the gradients and the loss are summed over the d x c ranks
+        #   (self.mesh.group("d", "c")): the gradients with sum_over_data_and_context, the loss in an all-reduce
+        #   of its own (label "loss"). Then the optimizer steps, and the weight source is told (as module 06's train).
+        # Maths: a microbatch's mean over its N tokens times N / (B T) is its share of the global mean; so are its
+        #   gradients. Summed over the microbatches and the d c ranks, they are the global mean and its gradient.
+        # Pitfalls: dividing by this rank's own token count (the mean as forward_backward returns it) and then
+        #   summing over d c ranks is d c times too large; the tests compare the gradients of 2 x 2 ranks with one
+        #   process. Accumulate in the gradients' compute dtype (compute_dtype), not in place in the LlamaGrads.
+        raise NotImplementedError("TODO(m15): one step: this rank's share, the loss over the global token count, the sum over d x c")
+
+
+def train(cfg: LlamaConfig, steps: int, mesh: Mesh, variant: str, batch: int = 8, n_microbatches: int = 1,
+          lr: float = 3e-3, seed: int = 0, dtype=torch.float32, chunk: int = ATTENTION_CHUNK, on_step=None):
+    """Module 06's `train` on the ranks of `mesh` (d x c): the same initial model and the same global
+    batches (every rank draws them all from the seed and keeps its share). Returns (model, losses),
+    the same losses on every rank. `on_step(step, loss)`, if given, is called after every step."""
+    model = CPLlama(cfg, mesh, variant, seed, dtype, chunk)
+    data, generator = load_text(), torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    losses = []
+    for step in range(steps):
+        tokens, targets = random_batch(data, batch, cfg.max_seq_len, generator)
+        losses.append(model.train_step(tokens, targets, n_microbatches, optimizer))
+        if on_step:
+            on_step(step, losses[-1])
+    return model, losses

@@ -1,0 +1,86 @@
+"""Module 15 costs: the traffic formula against a hand count, and against the collectives one real
+training step of the reference model issues (course/collectives.py's log, read by course/costs.py)."""
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from course.costs import StepCost, measured_cost
+from course.impl import load, reference
+from course.launch import run_ranks
+from course.mesh import init_mesh
+
+costs = load("m15_costs")
+ref_model = reference("m15_cp_model")
+LlamaConfig = reference("m06_llama_block").LlamaConfig
+
+CFG = LlamaConfig(dim=16, n_heads=4, n_kv_heads=2, head_dim=4, ffn_dim=32, n_layers=2, max_seq_len=16)
+
+
+@pytest.mark.exercises("cp_traffic")
+@pytest.mark.parametrize("variant, c_entries", [
+    # L = 2 blocks, a global batch of 8 x 16 tokens in m = 2 microbatches, float32, c = 4, d = 1: a rank's
+    # microbatch is 4 sequences of 4 tokens, N = 16; one key/value block KV = 2 * 16 * 2 * 4 * 4 = 1,024
+    # bytes, its float32 gradient accumulator the same. Per block and microbatch, times m L = 4:
+    # ring: 3 + 3 block sends and 4 accumulator sends: 10 calls, 6 * 1,024 + 4 * 1,024 = 10,240 bytes.
+    ("ring", {"send": (40, 40_960)}),
+    ("zigzag", {"send": (40, 40_960)}),
+    # all-gather: 2 all-gathers of KV, each sending 3 shards (6,144), and a reduce-scatter sending 3 (3,072).
+    ("allgather", {"all_gather": (8, 24_576), "reduce_scatter": (4, 12_288)}),
+    # Ulysses: K = 2 < c = 4, each key/value head copied twice (K' = 4). q, o, do, dq: 16 * 4 * 4 * 4 = 1,024;
+    # k, v, dk, dv with K' heads: 1,024; lse 16 * 4 * 4 = 256, with delta 512. Forward 1,024 + 2,048 + 1,024
+    # + 256 = 4,352, backward 512 + 1,024 + 2,048 + 1,024 + 1,024 + 2,048 = 7,680; 3/4 of it leaves the rank:
+    # 9,024 per block, 13 all-to-alls.
+    ("ulysses", {"all_to_all": (52, 36_096)}),
+], ids=["ring", "zigzag", "allgather", "ulysses"])
+def test_the_traffic_formula_matches_a_hand_count(variant, c_entries):
+    # Once a step over the d c = 4 ranks: the gradients, Psi = 2 * 256 * 16 + 2 * 2,336 + 16 = 12,880 float32
+    # values, and the loss (4 bytes): 2 all-reduces sending 2 * 3/4 of 51,524 bytes = 77,286.
+    expected = StepCost({**{("c", op): size for op, (_, size) in c_entries.items()}, ("dc", "all_reduce"): 77_286},
+                        {**{("c", op): n for op, (n, _) in c_entries.items()}, ("dc", "all_reduce"): 2})
+    got = costs.cp_traffic(CFG, 8, 16, torch.float32, 4, variant, d=1, n_microbatches=2)
+    assert got == expected, \
+        f"{variant}: formula sent {got.sent}, calls {got.calls}; hand count {expected.sent}, {expected.calls}"
+
+
+@pytest.mark.exercises("cp_traffic")
+def test_the_rings_accumulators_travel_in_float32_and_one_rank_sends_nothing():
+    # bf16, as above otherwise: a block is 512 bytes, its accumulator (float32 statistics) 1,024: per block
+    # 6 * 512 + 4 * 1,024 = 7,168, times 4. The gradients are accumulated in float32 too: 77,286 as above.
+    got = costs.cp_traffic(CFG, 8, 16, torch.bfloat16, 4, "ring", d=1, n_microbatches=2)
+    assert got == StepCost({("c", "send"): 28_672, ("dc", "all_reduce"): 77_286},
+                           {("c", "send"): 40, ("dc", "all_reduce"): 2}), f"ring, bf16: {got.sent}, {got.calls}"
+    # c = 1, d = 2: the ring has no neighbour to send to; the two all-reduces go over d = 2 ranks (half of
+    # 51,524 bytes each way: 51,524), of a microbatch of 8 / (2 * 2) = 2 sequences.
+    got = costs.cp_traffic(CFG, 8, 16, torch.float32, 1, "ring", d=2, n_microbatches=2)
+    assert got == StepCost({("dc", "all_reduce"): 51_524}, {("dc", "all_reduce"): 2}), \
+        f"ring, c = 1, d = 2: {got.sent}, {got.calls} (a ring of one rank sends nothing)"
+
+
+def _one_step_each(variants):
+    mesh = init_mesh({"d": 1, "c": dist.get_world_size()})
+    logs = {}
+    for variant in variants:
+        model = ref_model.CPLlama(CFG, mesh, variant, dtype=torch.float32)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        tokens = torch.randint(0, CFG.vocab_size, (4, CFG.max_seq_len), generator=torch.Generator().manual_seed(0))
+        start = len(mesh.log)
+        model.train_step(tokens, tokens, 2, optimizer)
+        logs[variant] = mesh.log[start:]
+    return logs
+
+
+@functools.cache
+def real_steps():
+    return run_ranks(_one_step_each, 2, ref_model.VARIANTS, timeout=60)
+
+
+@pytest.mark.exercises("cp_traffic")
+@pytest.mark.parametrize("variant", list(ref_model.VARIANTS))
+def test_the_traffic_formula_equals_the_collectives_of_a_real_step(variant):
+    formula = costs.cp_traffic(CFG, 4, CFG.max_seq_len, torch.float32, 2, variant, n_microbatches=2)
+    for rank, logs in enumerate(real_steps()):
+        measured = measured_cost(logs[variant])
+        assert measured == formula, (f"rank {rank}, {variant}, c=2: logged sent {measured.sent}, calls "
+                                     f"{measured.calls}; formula {formula.sent}, {formula.calls}")
