@@ -255,3 +255,33 @@ def test_the_guard_catches_a_hint_that_gives_the_code_away():
     [block] = todo_blocks(source, "m07_example.py")
     visible, lines = _visible_and_solution(block)
     assert lines == ["return x * 2 + 0"] and lines[0] in visible
+
+
+@pytest.fixture
+def steps_without_m05(tmp_path, monkeypatch):
+    """A learner's steps/ from which steps/m05_schedules.py was deleted."""
+    from course.skeleton import write
+    write(tmp_path / "steps")
+    (tmp_path / "steps" / "m05_schedules.py").unlink()
+    monkeypatch.setenv("COURSE_STEPS_DIR", str(tmp_path / "steps"))
+    return tmp_path / "steps"
+
+
+def test_list_says_which_steps_file_is_missing_never_done(steps_without_m05):
+    from course.catalog import MODULES
+    module = MODULES["05"]
+    assert module.status() == "missing steps/m05_schedules.py"
+    # `main.py list` reads todos_left too: a deleted file has every TODO left, not none.
+    assert module.todos_left() == len(todo_blocks((REPO / "solutions" / "m05_schedules.py").read_text())) > 0
+    assert MODULES["04"].status() == "3 left" and MODULES["00"].status() == "given"
+
+
+def test_run_and_grade_of_a_deleted_steps_file_say_so_in_one_line(steps_without_m05, capsys):
+    from course.catalog import MODULES
+    from course.grade import grade
+    from course.impl import MissingStepsFile, load
+    with pytest.raises(MissingStepsFile, match=r"^steps/m05_schedules.py is missing: `git checkout"):
+        load("m05_schedules", "steps")  # what `run` and `bench` report, one line per rank that raised it
+    assert grade(MODULES["05"], "steps") == 1
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and out.startswith("module 05: steps/m05_schedules.py is missing: "), out
