@@ -223,9 +223,13 @@ def write(steps: Path = REPO / "steps", force: bool = False) -> Regenerated:
             done.written.append(name)
         elif force:
             done.overwritten.append(name)
-        else:
+        elif re.match(r"m\d\d_", name):
             done.kept[name] = ("it holds your work: it is not a skeleton the generator wrote, untouched "
                                "(--force overwrites it with the new skeleton)")
+            continue
+        else:  # a file without a header (steps/__init__.py): nothing proves the generator wrote it
+            done.kept[name] = (f"it differs from solutions/{name} and has no header to prove the generator "
+                               "wrote it (--force overwrites it)")
             continue
         path.write_text(text)
     return done

@@ -285,3 +285,15 @@ def test_run_and_grade_of_a_deleted_steps_file_say_so_in_one_line(steps_without_
     assert grade(MODULES["05"], "steps") == 1
     out = capsys.readouterr().out
     assert out.count("\n") == 1 and out.startswith("module 05: steps/m05_schedules.py is missing: "), out
+
+
+def test_a_file_without_a_header_is_kept_unless_forced(tmp_path):
+    from course.skeleton import write
+    steps = tmp_path / "steps"
+    write(steps)
+    package = steps / "__init__.py"
+    package.write_text('"""An older docstring."""\n')
+    done = write(steps)
+    assert package.read_text() == '"""An older docstring."""\n' and "no header" in done.kept["__init__.py"]
+    assert write(steps, force=True).overwritten == ["__init__.py"]
+    assert package.read_text() == generate()["__init__.py"]
