@@ -32,9 +32,7 @@ def cmd_list(args=None):
 
     print(f"{'module':<7} {'ranks':>5}  {'your TODOs':>10}  title")
     for m in MODULES.values():
-        left = m.todos_left(steps_dir())
-        status = "given" if m.is_given() else ("done" if left == 0 else f"{left} left")
-        print(f"{m.number:<7} {m.world_size:>5}  {status:>10}  {m.title}")
+        print(f"{m.number:<7} {m.world_size:>5}  {m.status(steps_dir()):>10}  {m.title}")
 
 
 def cmd_tour(args):

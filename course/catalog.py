@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from course import REPO
-from course.skeleton import count_todos, has_solution_blocks
+from course.impl import steps_dir
+from course.skeleton import count_todos, has_solution_blocks, todo_blocks
 
 
 @dataclass(frozen=True)
@@ -28,8 +29,26 @@ class Module:
         """Nothing for the learner to write (module 00)."""
         return not any(has_solution_blocks((REPO / "solutions" / f"{f}.py").read_text()) for f in self.files)
 
-    def todos_left(self, steps: Path = REPO / "steps") -> int:
-        return sum(count_todos((steps / f"{f}.py").read_text()) for f in self.files if (steps / f"{f}.py").exists())
+    def missing_steps(self, steps: Path | None = None) -> list[str]:
+        """Its files that are not in steps/ (deleted), e.g. ["m05_schedules"]."""
+        steps = steps or steps_dir()
+        return [f for f in self.files if not (steps / f"{f}.py").exists()]
+
+    def todos_left(self, steps: Path | None = None) -> int:
+        """Unfinished TODOs in steps/; a missing file has all of its TODOs left, never none."""
+        steps = steps or steps_dir()
+        return sum(count_todos((steps / f"{f}.py").read_text()) if (steps / f"{f}.py").exists()
+                   else len(todo_blocks((REPO / "solutions" / f"{f}.py").read_text())) for f in self.files)
+
+    def status(self, steps: Path | None = None) -> str:
+        """What `python main.py list` says of the learner's progress: given, done, 3 left, or which file is missing."""
+        if self.is_given():
+            return "given"
+        missing = self.missing_steps(steps)
+        if missing:
+            return "missing " + ", ".join(f"steps/{f}.py" for f in missing)
+        left = self.todos_left(steps)
+        return "done" if left == 0 else f"{left} left"
 
     def test_files(self) -> list[Path]:
         """tests/test_NN_*.py, those of the files the others build on first (06: ops, block, model),

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from course import REPO
 from course.catalog import Module
+from course.impl import MissingStepsFile
 from course.interrupts import interruption, signals_deferred
 
 LAST_RESORT_TIMEOUT_S = 1800  # each check has its own timeout (course/grading.py); this catches the rest
@@ -31,6 +32,10 @@ def grade(module: Module, impl: str, keep_going: bool = False) -> int:
         print(f"module {module.number} is given: nothing to fill in or grade. Its checks run with "
               f"`python -m pytest -m m{module.number}`; `python main.py run {module.number}` shows it.")
         return 0
+    missing = module.missing_steps() if impl == "steps" else []
+    if missing:  # its test file could not even be imported: say why in one line
+        print(f"module {module.number}: {MissingStepsFile(missing[0])}")
+        return 1
     print(f"Grading {impl}/ for module {module.number}: {module.title}\n", flush=True)
     test_files = [str(p) for p in module.test_files()]
     with tempfile.TemporaryDirectory(prefix="course-grade-") as tmp:

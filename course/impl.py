@@ -24,13 +24,23 @@ def selected() -> str:
 
 
 def steps_dir() -> Path:
-    """The learner's steps/, or the folder COURSE_STEPS_DIR names instead."""
+    """Where the learner's steps/ is: the repository's, unless COURSE_STEPS_DIR points elsewhere."""
     return Path(os.environ.get("COURSE_STEPS_DIR") or REPO / "steps")
+
+
+class MissingStepsFile(ModuleNotFoundError):
+    """A module's steps/ file was deleted: say so in one line, and how to get it back."""
+
+    def __init__(self, stem: str):
+        super().__init__(f"steps/{stem}.py is missing: `git checkout steps/{stem}.py` brings back your last "
+                         f"commit of it, `python -m course.skeleton` a fresh skeleton", name=f"steps.{stem}")
 
 
 def load(stem: str, impl: str | None = None):
     """Import module `stem` (e.g. 'm04_sharded') from the selected implementation."""
     impl = impl or selected()
+    if impl == "steps" and not (steps_dir() / f"{stem}.py").exists():
+        raise MissingStepsFile(stem)
     if impl == "steps" and os.environ.get("COURSE_STEPS_DIR") and "steps" not in sys.modules:
         _import_package_from("steps", steps_dir())
     return importlib.import_module(f"{impl}.{stem}")

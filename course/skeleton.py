@@ -19,11 +19,17 @@ Everything outside the markers is copied unchanged. The header of each skeleton 
 generated, so a test can tell that steps/ is up to date with solutions/ without comparing the
 learner's code line by line.
 
-A steps/ file whose text no longer has its header's fingerprint holds a learner's work: it is
-left as it is, and named, unless --force is given.
+A steps/ file is rewritten only when its text proves the generator wrote it and nobody edited it
+since: it is the skeleton solutions/ generates now, or its first two lines are exactly a generated
+header and the rest of the file hashes to the fingerprint in that header (an older skeleton,
+untouched). Anything else holds a learner's work, whatever was added, removed or changed, and
+wherever: it is kept, and named. A steps/ file with no counterpart in solutions/ is never deleted
+(named too), and a missing one is generated.
 
-    python -m course.skeleton          # rewrite steps/ from solutions/, keeping files with a learner's work
-    python -m course.skeleton --force  # rewrite every file, a learner's work included
+    python -m course.skeleton          # write every missing or untouched skeleton; keep and name the rest
+    python -m course.skeleton --force  # also overwrite every steps/ file that has a solutions/ file of the
+                                       # same name, a learner's edits in it included (a learner's extra
+                                       # files are still never deleted)
     python -m course.skeleton --check  # exit 1 if steps/ differs from what would be generated
 """
 from __future__ import annotations
@@ -175,35 +181,64 @@ def generate(solutions: Path = REPO / "solutions") -> dict[str, str]:
     return {path.name: skeleton_file(path.read_text(), path.name) for path in sorted(solutions.glob("*.py"))}
 
 
-def holds_learner_work(text: str) -> bool:
-    """Whether a steps/ file was edited since it was generated: its text after the two header lines
-    no longer hashes to the fingerprint the header records. A file without one is never a learner's."""
-    header, _, body = text.partition("\n")
-    second, _, body = body.partition("\n")
-    recorded = FINGERPRINT.search(header + second)
-    return bool(recorded) and recorded[0] != f"(skeleton {hashlib.sha256(body.encode()).hexdigest()[:12]})"
+def generated_unchanged(text: str, name: str, generated: str | None) -> bool:
+    """Whether `text`, the steps/ file `name`, is provably the generator's output, untouched: the
+    skeleton it generates now (`generated`), or an older one whose whole text checks out: its two
+    header lines exactly a generated header for this file, the rest the text its fingerprint hashes."""
+    if text == generated:
+        return True
+    first, second, body = (text.split("\n", 2) + ["", ""])[:3]
+    recorded = FINGERPRINT.search(second)
+    if recorded is None or not re.match(r"m\d\d_", name):
+        return False
+    fingerprint = recorded[0][len("(skeleton "):-1]
+    headers = {h.format(name=name, number=name[1:3], fingerprint=fingerprint) for h in (HEADER, GIVEN_HEADER)}
+    return f"{first}\n{second}\n" in headers and hashlib.sha256(body.encode()).hexdigest()[:12] == fingerprint
 
 
-def write(steps: Path = REPO / "steps", force: bool = False) -> tuple[list[str], list[str]]:
-    """Write the skeletons into `steps`; returns (names written, names kept because they hold a
-    learner's work: all of them are overwritten when `force`)."""
+@dataclass
+class Regenerated:
+    """What `write` did to each steps/ file it did not leave as it was."""
+    written: list[str] = field(default_factory=list)       # created, or an untouched skeleton replaced
+    overwritten: list[str] = field(default_factory=list)   # held edits, replaced because of --force
+    kept: dict[str, str] = field(default_factory=dict)     # name -> why it was left as it is
+
+
+def write(steps: Path = REPO / "steps", force: bool = False) -> Regenerated:
+    """Bring `steps` up to date with solutions/ without losing a learner's work: see the module's
+    docstring. Files that are already what would be generated are not touched (a read-only checkout
+    that is up to date needs no write). OSError if a file cannot be written."""
     steps.mkdir(exist_ok=True)
     generated = generate()
-    on_disk = {p.name: p.read_text() for p in steps.glob("*.py")}
-    kept = sorted(name for name, text in on_disk.items()
-                  if not force and holds_learner_work(text) and generated.get(name) != text)
-    for stale in set(on_disk) - set(generated) - set(kept):
-        (steps / stale).unlink()
-    written = [name for name in sorted(generated) if name not in kept]
-    for name in written:
-        (steps / name).write_text(generated[name])
-    return written, kept
+    done = Regenerated()
+    for path in sorted(steps.glob("*.py")):
+        if path.name not in generated:
+            done.kept[path.name] = "not generated from solutions/ (no solutions/ file of that name)"
+    for name, text in generated.items():
+        path = steps / name
+        on_disk = path.read_text() if path.exists() else None
+        if on_disk == text:
+            continue
+        if on_disk is None or generated_unchanged(on_disk, name, text):
+            done.written.append(name)
+        elif force:
+            done.overwritten.append(name)
+        elif re.match(r"m\d\d_", name):
+            done.kept[name] = ("it holds your work: it is not a skeleton the generator wrote, untouched "
+                               "(--force overwrites it with the new skeleton)")
+            continue
+        else:  # a file without a header (steps/__init__.py): nothing proves the generator wrote it
+            done.kept[name] = (f"it differs from solutions/{name} and has no header to prove the generator "
+                               "wrote it (--force overwrites it)")
+            continue
+        path.write_text(text)
+    return done
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], steps: Path = REPO / "steps") -> int:
     if argv == ["--check"]:
         generated = generate()
-        on_disk = {p.name: p.read_text() for p in (REPO / "steps").glob("*.py")}
+        on_disk = {p.name: p.read_text() for p in steps.glob("*.py")}
         stale = sorted(n for n in set(generated) | set(on_disk) if generated.get(n) != on_disk.get(n))
         for name in stale:
             print(f"steps/{name} is out of date with solutions/")
@@ -211,11 +246,20 @@ def main(argv: list[str]) -> int:
     if argv not in ([], ["--force"]):
         print(__doc__)
         return 2
-    written, kept = write(force=argv == ["--force"])
-    for name in written:
+    try:
+        done = write(steps, force=argv == ["--force"])
+    except OSError as error:  # a read-only checkout, a full disk: one line that says which file, no traceback
+        where = f"{error.filename}: " if error.filename else ""
+        print(f"error: steps/ was not brought up to date: {where}{error.strerror or error}")
+        return 1
+    for name in done.written:
         print(f"wrote steps/{name}")
-    for name in kept:
-        print(f"kept steps/{name}: it holds your work (--force overwrites it with the new skeleton)")
+    for name in done.overwritten:
+        print(f"overwrote steps/{name} (--force): the edits it held are gone")
+    for name, why in done.kept.items():
+        print(f"kept steps/{name}: {why}")
+    if not (done.written or done.overwritten or done.kept):
+        print(f"steps/ is up to date with solutions/ ({len(generate())} files)")
     return 0
 
 

@@ -92,13 +92,19 @@ def test_steps_keep_the_given_code_of_solutions():
                          "you changed; your code belongs where the TODOs were.")
 
 
+def _filled(text: str) -> str:
+    """A learner's work: their first TODO filled in."""
+    filled = text.replace('raise NotImplementedError("TODO(m04)', 'raise RuntimeError("mine', 1)
+    assert filled != text
+    return filled
+
+
 def test_regenerating_keeps_a_learners_work_unless_forced(tmp_path):
     from course.skeleton import write
     steps = tmp_path / "steps"
     write(steps)
     mine = steps / "m04_sharded.py"
-    filled = mine.read_text().replace('raise NotImplementedError("TODO(m04)', 'raise RuntimeError("mine', 1)
-    assert filled != mine.read_text()
+    filled = _filled(mine.read_text())
     mine.write_text(filled)
     # An untouched skeleton generated from an older solutions/ (its own fingerprint in its header) is replaced.
     old = steps / "m05_schedules.py"
@@ -107,11 +113,70 @@ def test_regenerating_keeps_a_learners_work_unless_forced(tmp_path):
     fingerprint = FINGERPRINT.sub(f"(skeleton {hashlib.sha256(body.encode()).hexdigest()[:12]})", second)
     old.write_text(f"{header}\n{fingerprint}\n{body}")
 
-    written, kept = write(steps)
-    assert kept == ["m04_sharded.py"] and "m04_sharded.py" not in written and mine.read_text() == filled
+    done = write(steps)
+    assert list(done.kept) == ["m04_sharded.py"] and done.written == ["m05_schedules.py"] and mine.read_text() == filled
     assert old.read_text() == generate()["m05_schedules.py"]
-    written, kept = write(steps, force=True)
-    assert kept == [] and mine.read_text() == generate()["m04_sharded.py"]
+    done = write(steps, force=True)
+    assert done.kept == {} and done.overwritten == ["m04_sharded.py"] and mine.read_text() == generate()["m04_sharded.py"]
+
+
+@pytest.mark.parametrize("edit", ["a comment above the header", "the header deleted", "the header reworded",
+                                  "a fingerprint that fits the edited text"])
+def test_a_learners_work_is_recognised_by_its_whole_text(tmp_path, edit):
+    """A file is rewritten only if its whole text is the generator's: its header may be moved, deleted
+    or reworded by the learner, and their code is still theirs."""
+    from course.skeleton import write
+    steps = tmp_path / "steps"
+    write(steps)
+    mine = steps / "m04_sharded.py"
+    header, second, body = _filled(mine.read_text()).split("\n", 2)
+    edited = {
+        "a comment above the header": f"# my notes for module 04\n{header}\n{second}\n{body}",
+        "the header deleted": body,
+        "the header reworded": f"# My pipeline, after the course's skeleton\n{second}\n{body}",
+        "a fingerprint that fits the edited text": "# my header\n" + FINGERPRINT.sub(
+            f"(skeleton {hashlib.sha256(body.encode()).hexdigest()[:12]})", second) + "\n" + body,
+    }[edit]
+    mine.write_text(edited)
+    done = write(steps)
+    assert mine.read_text() == edited, "a learner's file was overwritten"
+    assert "m04_sharded.py" in done.kept and "m04_sharded.py" not in done.written
+
+
+def test_a_learners_own_file_in_steps_is_kept_and_named(tmp_path, capsys):
+    from course.skeleton import main
+    steps = tmp_path / "steps"
+    steps.mkdir()
+    mine = steps / "my_helpers.py"
+    mine.write_text("def mine(): ...\n")
+    for argv in ([], ["--force"]):
+        assert main(argv, steps) == 0
+        assert mine.read_text() == "def mine(): ...\n"
+        assert "kept steps/my_helpers.py: not generated from solutions/" in capsys.readouterr().out
+
+
+def test_a_read_only_checkout_gets_one_line_not_a_traceback(tmp_path, capsys, monkeypatch):
+    from pathlib import Path
+
+    from course.skeleton import main
+
+    def read_only(path, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(path))
+    monkeypatch.setattr(Path, "write_text", read_only)
+    assert main([], tmp_path) == 1
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and out.startswith("error: ") and "Permission denied" in out, out
+
+
+def test_an_up_to_date_steps_is_not_written(tmp_path, capsys, monkeypatch):
+    from pathlib import Path
+
+    from course.skeleton import main, write
+    steps = tmp_path / "steps"
+    write(steps)
+    monkeypatch.setattr(Path, "write_text", lambda *args, **kwargs: pytest.fail("wrote an up-to-date file"))
+    assert main([], steps) == 0
+    assert capsys.readouterr().out.startswith("steps/ is up to date with solutions/")
 
 
 def test_a_change_to_the_skeleton_changes_its_fingerprint():
@@ -190,3 +255,45 @@ def test_the_guard_catches_a_hint_that_gives_the_code_away():
     [block] = todo_blocks(source, "m07_example.py")
     visible, lines = _visible_and_solution(block)
     assert lines == ["return x * 2 + 0"] and lines[0] in visible
+
+
+@pytest.fixture
+def steps_without_m05(tmp_path, monkeypatch):
+    """A learner's steps/ from which steps/m05_schedules.py was deleted."""
+    from course.skeleton import write
+    write(tmp_path / "steps")
+    (tmp_path / "steps" / "m05_schedules.py").unlink()
+    monkeypatch.setenv("COURSE_STEPS_DIR", str(tmp_path / "steps"))
+    return tmp_path / "steps"
+
+
+def test_list_says_which_steps_file_is_missing_never_done(steps_without_m05):
+    from course.catalog import MODULES
+    module = MODULES["05"]
+    assert module.status() == "missing steps/m05_schedules.py"
+    # `main.py list` reads todos_left too: a deleted file has every TODO left, not none.
+    assert module.todos_left() == len(todo_blocks((REPO / "solutions" / "m05_schedules.py").read_text())) > 0
+    assert MODULES["04"].status() == "3 left" and MODULES["00"].status() == "given"
+
+
+def test_run_and_grade_of_a_deleted_steps_file_say_so_in_one_line(steps_without_m05, capsys):
+    from course.catalog import MODULES
+    from course.grade import grade
+    from course.impl import MissingStepsFile, load
+    with pytest.raises(MissingStepsFile, match=r"^steps/m05_schedules.py is missing: `git checkout"):
+        load("m05_schedules", "steps")  # what `run` and `bench` report, one line per rank that raised it
+    assert grade(MODULES["05"], "steps") == 1
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and out.startswith("module 05: steps/m05_schedules.py is missing: "), out
+
+
+def test_a_file_without_a_header_is_kept_unless_forced(tmp_path):
+    from course.skeleton import write
+    steps = tmp_path / "steps"
+    write(steps)
+    package = steps / "__init__.py"
+    package.write_text('"""An older docstring."""\n')
+    done = write(steps)
+    assert package.read_text() == '"""An older docstring."""\n' and "no header" in done.kept["__init__.py"]
+    assert write(steps, force=True).overwritten == ["__init__.py"]
+    assert package.read_text() == generate()["__init__.py"]

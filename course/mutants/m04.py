@@ -1,0 +1,30 @@
+"""Module 04's planted bugs (the sharded model): see course/mutants/__init__.py."""
+from course.mutants import Plant
+
+F = "m04_sharded.py"
+PLANTS = [
+    Plant(F, "return range(rank * per_rank, (rank + 1) * per_rank)", "return range(rank, cfg.layers, world_size)",
+          "round-robin layers (rank, rank + P, ...): not consecutive, so the relay applies them out of order"),
+    Plant(F, "return range(rank * per_rank, (rank + 1) * per_rank)",
+          "return range(rank * per_rank, (rank + 1) * per_rank + 1)",
+          "one layer too many per rank, off by one at the end: neighbouring ranks both apply a layer"),
+    Plant(F, "self.head = nn.Linear(cfg.hidden, cfg.classes) if self.is_last else None",
+          "self.head = nn.Linear(cfg.hidden, cfg.classes)",
+          "a head on every rank: parameters no rank uses, so a rank's memory is not its share of the model"),
+    Plant(F, """        kept = []
+        for index in range(cfg.layers):
+            layer = nn.Linear(cfg.hidden, cfg.hidden)  # every rank draws every layer's weights
+            if index in mine:
+                kept.append(layer)""",
+          """        kept = [nn.Linear(cfg.hidden, cfg.hidden) for _ in mine]""",
+          "each rank draws only its own layers: they take the first draws of the stream, not the monolith's weights"),
+    Plant(F, "        torch.manual_seed(cfg.seed)\n        kept = []\n", "        kept = []\n",
+          "no seed: each rank's layers start from whatever the random stream holds, not the monolith's weights"),
+    Plant(F, "torch.manual_seed(cfg.seed)\n        kept = []", "torch.manual_seed(cfg.seed + rank)\n        kept = []",
+          "a seed per rank: different random streams, so the layers are not the monolith's"),
+    Plant(F, "        x = comms.recv_forward((x.shape[0], model.hidden))\n", "        x = comms.recv_forward(x.shape)\n",
+          "the receive sized from x: later ranks may be handed only the batch's rows, so the shape is wrong"),
+    Plant(F, "    out = model(x)\n    if not model.is_last:\n        comms.send_forward(out)\n    return out\n",
+          "    out = model(x)\n    if not model.is_last:\n        comms.send_forward(out)\n        return None\n    return out\n",
+          "the middle ranks return None: each rank must return its output (its stage's activations)"),
+]

@@ -1,0 +1,42 @@
+"""Module 07's planted bugs (FSDP): see course/mutants/__init__.py."""
+from course.mutants import Plant
+
+FLAT, FSDP, PAYLOAD, WEIGHTS = "m07_flat_shards.py", "m07_fsdp.py", "m07_payload.py", "m07_sharded_weights.py"
+PLANTS = [
+    Plant(FLAT, "self.shard_numel = -(-self.numel // world_size)", "self.shard_numel = self.numel // world_size",
+          "shard size rounded down: when N does not divide the block's numel, its last elements belong to no rank"),
+    Plant(FLAT, "        start = rank * self.shard_numel\n        return flat[start:start + self.shard_numel]",
+          "        start = rank * self.shard_numel\n        return flat[start:start + self.shard_numel].clone()",
+          "the shard returned as a copy, not a view: writing a rank's shard no longer writes its slice of the buffer"),
+    Plant(FSDP, "self.shards = [self.layout.shard(self.layout.flatten(b), self.rank).clone() for b in self.blocks]",
+          "self.shards = [self.layout.shard(self.layout.flatten(b), self.rank) for b in self.blocks]",
+          "a shard kept as a view of the full flat block: every rank still holds the whole block's memory"),
+    Plant(FSDP, "        self.finish_reduce_scatter()\n        full = self.layout.flatten(grads)",
+          "        full = self.layout.flatten(grads)",
+          "a new reduce-scatter started over the one in flight: the earlier one is never waited for nor added"),
+    Plant(FSDP, "self.grad_shards[self.in_flight.layer].add_(self.in_flight.received, alpha=self.grad_scale)",
+          "self.grad_shards[self.in_flight.layer].add_(self.in_flight.received)",
+          "the reduce-scattered gradient not scaled: the sum over ranks and microbatches, not the mean"),
+    Plant(FSDP, "self.grad_shards[self.in_flight.layer].add_(self.in_flight.received, alpha=self.grad_scale)",
+          "self.grad_shards[self.in_flight.layer].copy_(self.in_flight.received * self.grad_scale)",
+          "the gradient shard overwritten, not accumulated: only the last microbatch's gradient survives"),
+    Plant(FSDP, "        self.in_flight.work.wait()\n", "",
+          "the reduce-scatter's slice read before its wait: on gloo (and nccl) it has not arrived yet"),
+    Plant(FSDP, "            acc.add_(g, alpha=self.grad_scale)\n", "            acc.add_(g)\n",
+          "the replicated weights' gradients not scaled like the blocks': embedding and head get N*M times theirs"),
+    Plant(FSDP, "        optimizer.step()\n        self.weights.invalidate()\n", "        optimizer.step()\n",
+          "the gathered blocks not invalidated after the step: the next step reuses last step's weights"),
+    Plant(FSDP, """            self.weights.release(layer)
+            self.reduce_scatter_grad(layer, grads)
+        self.finish_reduce_scatter()""", """            self.weights.release(layer)
+            self.reduce_scatter_grad(layer, grads)""",
+          "the last block's reduce-scatter never finished: layer 0's gradient shard misses it"),
+    Plant(WEIGHTS, "if buf.layer == layer and buf.version == self.version:", "if buf.layer == layer:",
+          "a resident block reused without checking its version: after a step it holds the old weights"),
+    Plant(WEIGHTS, "            buf.pending.wait()\n            buf.pending = None\n", "            buf.pending = None\n",
+          "the gathered block handed out before its all-gather is waited for: other ranks' shards are missing"),
+    Plant(PAYLOAD, "turns = 2 * n_microbatches - 1", "turns = 2 * n_microbatches",
+          "one turn too many: the forward of one microbatch and the backward of the next are one turn, not two"),
+    Plant(PAYLOAD, "shard_bytes = -(-block_params // world_size) * dtype_bytes", "shard_bytes = block_params // world_size * dtype_bytes",
+          "the shard's bytes without padding: a shard is the padded block over N, rounded up"),
+]
