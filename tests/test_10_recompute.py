@@ -191,6 +191,28 @@ def test_recompute_reruns_only_the_matmuls_it_needs(option, matmuls):
         f"{option}: the recompute ran {counting.forwards} linear layers, it needs {matmuls}"
 
 
+@pytest.mark.exercises("RecomputeBlock.new_store", "RecomputeBlock.recompute")
+@pytest.mark.parametrize("option, norms", [("none", 0), ("swiglu", 0), ("norms", 2), ("ffn", 1), ("attention", 1),
+                                           ("block", 2)])
+def test_recompute_reruns_each_norm_it_needs_once(option, norms, monkeypatch):
+    # ffn needs n2 again; attention n1 (the attention half rebuilds it: running the norm a second time
+    # after it is forward work done twice); block both; norms both, and nothing else.
+    calls = []
+    original = m06_ops.rmsnorm_forward
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+    block = m10.RecomputeBlock(CFG, option)
+    weights, store = block_weights(0), block.new_store()
+    block.forward(weights, torch.randn(2, 8, CFG.dim), store)
+    for module in (m10, m06_block, m06_ops):  # wherever the name was imported
+        if hasattr(module, "rmsnorm_forward"):
+            monkeypatch.setattr(module, "rmsnorm_forward", counting)
+    block.recompute(weights, store)
+    assert len(calls) == norms, f"{option}: the recompute ran RMSNorm {len(calls)} times, it needs {norms}"
+
+
 @pytest.mark.exercises("RecomputeBlock.new_store")
 def test_dropped_activations_are_really_freed():
     class WatchingMatmul(m06_ops.Matmul):
