@@ -180,9 +180,9 @@ class DataParallel:
         #   order), every bucket is armed again for the next backward (bucket.arm()) and self.next_bucket is 0. If a
         #   parameter's gradient never arrived in this backward (a parameter the forward did not use: its bucket,
         #   and every bucket after it, was never sent), raise a RuntimeError, on one line, that names every such
-        #   parameter and the fix: make it trainable only where it is used (requires_grad_(False)), or leave it out
-        #   of the model (PyTorch's DDP asks for find_unused_parameters=True instead). The test checks the names are
-        #   in the message; all ranks raise it, none waits forever for a bucket that will never be sent.
+        #   parameter and the fix: freeze it (requires_grad_(False)) or leave it out of the model (PyTorch's DDP
+        #   offers find_unused_parameters=True instead). The test checks the names and "requires_grad" are in the
+        #   message; all ranks raise it, none waits forever for a bucket that will never be sent.
         # Pitfalls: waiting for a bucket that was never launched (its work is None: it would not hang here, but the
         #   gradients would be unsummed); re-arming before checking what is missing; forgetting next_bucket.
         # Hint 1: collect the names of the pending positions of every bucket; raise if there are any; otherwise

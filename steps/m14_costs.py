@@ -1,19 +1,19 @@
 # Generated from solutions/m14_costs.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 14`. (skeleton ed102bd9bce7)
+# Grade your work with `python main.py grade 14`. (skeleton 1074d1ab42bc)
 """Module 14, part 5 - what one step of data parallelism costs a rank: bytes sent, bytes kept.
 
 Notation (docs/glossary.md): d ranks on the data axis, m micro-steps per optimizer step, b bytes a
-value; the model's trainable parameters fall into K buckets of n_1 .. n_K values (Ψ = Σ n_k).
-Under ZeRO each bucket is padded to a multiple of d: n'_k = d ceil(n_k / d), Ψ' = Σ n'_k (stage 0
-does not pad: n'_k = n_k).
+value; the model's trainable parameters fall into G buckets of ψ_1 .. ψ_G values (Ψ = Σ ψ_g).
+Under ZeRO each bucket is padded to a multiple of d: ψ'_g = d ceil(ψ_g / d), Ψ' = Σ ψ'_g (stage 0
+does not pad: ψ'_g = ψ_g).
 
 Bytes sent, with the ring algorithms of course/collectives.py (an all-reduce of S bytes sends
 2 (d - 1) / d S; an all-gather or a reduce-scatter of S bytes in all sends (d - 1) / d S):
 
-    stage 0 (DDP)  one all-reduce per bucket, on the last micro-step only     2 (d-1)/d Ψ b,    K calls
+    stage 0 (DDP)  one all-reduce per bucket, on the last micro-step only     2 (d-1)/d Ψ b,    G calls
     stage 1        the same all-reduces, then one all-gather of the updated
-                   weights per bucket                                       + (d-1)/d Ψ' b,    K calls
-    stage 2        one reduce-scatter per bucket *every micro-step*           m (d-1)/d Ψ' b,  m K calls
+                   weights per bucket                                       + (d-1)/d Ψ' b,    G calls
+    stage 2        one reduce-scatter per bucket *every micro-step*           m (d-1)/d Ψ' b,  m G calls
                    (and stage 1's all-gathers)
 
 and, every stage, the step's small all-reduces of one 8-byte value each (STATISTIC_BYTES): the
@@ -37,14 +37,14 @@ STATISTIC_BYTES = 8  # one int64 token count, one float64 loss, one float64 squa
 
 
 def padded_numels(bucket_numels: list[int], d: int, stage: int) -> list[int]:
-    """n'_k: each bucket's values as laid out (padded to a multiple of d under ZeRO)."""
+    """ψ'_g: each bucket's values as laid out (padded to a multiple of d under ZeRO)."""
     return list(bucket_numels) if stage == 0 else [-(-n // d) * d for n in bucket_numels]
 
 
 def traffic(bucket_numels: list[int], b: int, d: int, stage: int, n_microbatches: int = 1, clip: bool = False,
             axis: str = "d") -> StepCost:
     """The collectives one rank issues in one optimizer step, by kind, over the data axis `axis`: a
-    StepCost with `sent` (bytes) and `calls` (see the module docstring). `bucket_numels` are the n_k."""
+    StepCost with `sent` (bytes) and `calls` (see the module docstring). `bucket_numels` are the ψ_g."""
     # TODO(m14): bytes sent and collectives issued per step, for ZeRO stage 0, 1 or 2
     # Contract: return StepCost(sent={(axis, op): bytes}, calls={(axis, op): count}) with op among "all_reduce",
     #   "reduce_scatter", "all_gather": exactly what course/costs.py's measured_cost reads off the log of one step
@@ -64,7 +64,7 @@ def state(bucket_numels: list[int], b: int, d: int, stage: int) -> StepCost:
     # Contract: return StepCost(memory={"parameters": ..., "gradients": ..., "optimizer": ...}) in bytes (integers):
     #   the tests compare with the tensors a rank really holds after a step (its weights' buffers, its gradient
     #   buffers or shards, AdamW's exp_avg and exp_avg_sq) on 2 and 4 ranks, and with numbers written out by hand.
-    # Maths: the module docstring's second table; a shard is n'_k / d values of bucket k.
+    # Maths: the module docstring's second table; a shard is ψ'_g / d values of bucket g.
     # Pitfalls: stage 0 lays the parameters out unpadded; ZeRO's parameters and ZeRO-1's gradients are the padded
     #   flat buffers (every rank keeps all of them); AdamW keeps two moments.
     raise NotImplementedError('TODO(m14): parameters, gradients and AdamW state one rank keeps, for ZeRO stage 0, 1 or 2')

@@ -409,3 +409,31 @@ def test_module_06_llama_hands_each_block_to_the_buckets(mesh, world_size, n_mic
         assert first_bucket < handed_over[0], (
             f"rank {rank}: bucket 0 was sent as collective {first_bucket}, after block 0's gradients were handed over "
             f"(collective {handed_over[0]}): block 3's bucket should leave while blocks 2 .. 0 compute")
+
+
+# --- bad input: one line, before any process starts (given code) ----------------------------------
+
+@pytest.mark.given
+@pytest.mark.parametrize("options, message", [
+    (["--bucket-mb", "0"], "--bucket-mb must be a positive number of MiB, got 0"),
+    (["--bucket-mb", "-1"], "--bucket-mb must be a positive number of MiB, got -1"),
+    (["--zero", "3"], "--zero must be a ZeRO stage, 0, 1 or 2, got 3"),
+    (["--nproc", "3"], "--batch 8 must be divisible by d = --nproc 3"),
+    (["--microbatches", "0"], "--microbatches and --layers must be at least 1"),
+    (["--microbatches", "3"], "do not split into --microbatches 3 equal microbatches"),
+])
+def test_bad_run_options_give_one_line_before_any_rank_starts(options, message, capsys, monkeypatch):
+    import main
+    monkeypatch.setattr("course.launch.run_ranks", lambda *a, **k: pytest.fail("ranks started before the check"))
+    with pytest.raises(SystemExit) as exit_:
+        main.parse(["run", "14", *options])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and message in err and "Traceback" not in err, err
+
+
+@pytest.mark.given
+def test_bad_cap_and_stage_are_refused_by_the_given_checks():
+    with pytest.raises(ValueError, match="bucket cap must be a positive number of bytes, got 0"):
+        reference("m14_buckets").assign_buckets([torch.zeros(3)], 0)
+    with pytest.raises(ValueError, match="ZeRO stage 1 or 2, got 3"):
+        reference("m14_zero").ZeroDataParallel([], None, 1, stage=3)

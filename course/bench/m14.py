@@ -161,28 +161,26 @@ def _overlap(args, cap):
         finish()
         waits.append((entered, time.perf_counter()))
     ddp.finish = timed_finish
-    steps = []
+    steps, alone = [], []
     for step in range(args.steps + 1):
         dist.barrier()
         began = time.perf_counter()
         ts.train_step(ddp, model, *emulated_batch(args, step), 1, optimizer)
         steps.append((began, time.perf_counter()))
-    alone = []
-    for _ in range(args.steps):  # the same buckets, nothing to hide behind
-        dist.barrier()
-        began = time.perf_counter()
+        dist.barrier()  # right after each step, the same buckets with nothing to hide behind: the two are paired,
+        began = time.perf_counter()  # so a CPU that gets busier or quieter (other jobs) moves both
         for bucket in ddp.buckets:
             ddp.launch(bucket)
         for bucket in ddp.buckets:
             ddp.complete(bucket)
         alone.append((began, time.perf_counter()))
-    return {"buckets": len(ddp.buckets), "waits": waits[1:], "alone": alone, "steps": steps[1:]}
+    return {"buckets": len(ddp.buckets), "waits": waits[1:], "alone": alone[1:], "steps": steps[1:]}
 
 
-def after_the_last(per_rank: list[list[tuple[float, float]]]) -> float:
-    """Median over repeats of (last rank's end - last rank's start): the ranks' clocks are one (one machine),
+def after_the_last(per_rank: list[list[tuple[float, float]]]) -> list[float]:
+    """Per repeat, the last rank's end minus the last rank's start: the ranks' clocks are one (one machine),
     and a rank that starts early also waits for the others, which is skew, not communication."""
-    return statistics.median(max(e for _, e in spans) - max(b for b, _ in spans) for spans in zip(*per_rank))
+    return [max(e for _, e in spans) - max(b for b, _ in spans) for spans in zip(*per_rank)]
 
 
 def cap_label(cap: int) -> str:
@@ -197,56 +195,66 @@ def overlap_rows(args) -> list[dict]:
             # exposed: from the moment the last rank's backward ended to the moment the last rank's sums arrived
             exposed = after_the_last([r["waits"] for r in per_rank])
             alone = after_the_last([r["alone"] for r in per_rank])
-            step = after_the_last([r["steps"] for r in per_rank])
+            hidden = statistics.median(1 - e / a for e, a in zip(exposed, alone))  # step by step, paired
             rows.append({"d": d, "C": cap_label(cap_kib * KiB), "buckets": per_rank[0]["buckets"],
-                         "alone ms": 1e3 * alone, "exposed ms": 1e3 * exposed, "hidden": 1 - exposed / alone,
-                         "backward ms": 2 * args.layers * args.emulate_ms, "step ms": 1e3 * step})
+                         "alone ms": 1e3 * statistics.median(alone), "exposed ms": 1e3 * statistics.median(exposed),
+                         "hidden": hidden, "backward ms": 2 * args.layers * args.emulate_ms,
+                         "step ms": 1e3 * statistics.median(after_the_last([r["steps"] for r in per_rank]))})
             print(f"  measured overlap d={d}, C={rows[-1]['C']}", flush=True)
     return rows
 
 
 # --- 3. step time against PyTorch --------------------------------------------------------------------
 
-def _step_times(args, cap, which):
-    rank, d = dist.get_rank(), dist.get_world_size()
-    model = EmulatedMLP(args.layers, args.hidden, args.emulate_ms)
-    # DDP against ours: SGD, so that the step time is the data parallelism's, not AdamW's (the same in both);
-    # ZeRO-1 against ZeroRedundancyOptimizer: AdamW, whose sharding is the point.
-    optimizer_class = torch.optim.SGD if which in ("ours", "DDP") else torch.optim.AdamW
-    if which in ("ours", "ours ZeRO-1"):
-        ts = load("m14_train_step")
-        ddp, optimizer = ours(model, cap, 0 if which == "ours" else 1, optimizer_class)
+VARIANTS = ("ours", "DDP", "ours ZeRO-1", "ZeRO-R")
 
-        def step(x, y):
-            ts.train_step(ddp, model, x, y, 1, optimizer)
-    else:
+
+def _step_times(args, cap):
+    """Every variant on the same ranks, their steps interleaved (ours, DDP, ours ZeRO-1, ZeRO-R, ours, ...), so
+    that a CPU that gets busier or quieter (other jobs) slows all four alike. Returns each step's span."""
+    rank, d, ts = dist.get_rank(), dist.get_world_size(), load("m14_train_step")
+    rows = args.rows // d
+
+    def make(which):
+        model = EmulatedMLP(args.layers, args.hidden, args.emulate_ms)
+        # DDP against ours: SGD, so that the step time is the data parallelism's, not AdamW's (the same in
+        # both); ZeRO-1 against ZeroRedundancyOptimizer: AdamW, whose sharding is the point.
+        if which.startswith("ours"):
+            ddp, optimizer = ours(model, cap, 0 if which == "ours" else 1,
+                                  torch.optim.SGD if which == "ours" else torch.optim.AdamW)
+            return lambda x, y: ts.train_step(ddp, model, x, y, 1, optimizer)
         theirs = DistributedDataParallel(model, bucket_cap_mb=cap / MiB)
-        optimizer = (optimizer_class(theirs.parameters(), lr=1e-3) if which == "DDP" else
+        optimizer = (torch.optim.SGD(theirs.parameters(), lr=1e-3) if which == "DDP" else
                      zero_redundancy_optimizer(theirs.parameters(), 1e-3))
-        rows = args.rows // d
 
         def step(x, y):
             F.cross_entropy(theirs(x[rank * rows:(rank + 1) * rows]), y[rank * rows:(rank + 1) * rows]).backward()
             optimizer.step()
             optimizer.zero_grad()
-    times = []
+        return step
+    steps, spans = {which: make(which) for which in VARIANTS}, {which: [] for which in VARIANTS}
     for s in range(args.steps + 2):  # two warm-up steps: DDP rebuilds its buckets after its first
-        dist.barrier()
-        began = time.perf_counter()
-        step(*emulated_batch(args, s))
-        times.append(time.perf_counter() - began)
-    return statistics.median(times[2:])
+        for which, step in steps.items():
+            dist.barrier()
+            began = time.perf_counter()
+            step(*emulated_batch(args, s))
+            spans[which].append((began, time.perf_counter()))
+    return {which: times[2:] for which, times in spans.items()}
 
 
 def speed_rows(args) -> list[dict]:
     rows = []
     for d in args.nproc:
         for cap_kib in args.speed_caps_kib:
-            ms = {which: 1e3 * max(run_ranks(_step_times, d, args, cap_kib * KiB, which, timeout=300))
-                  for which in ("ours", "DDP", "ours ZeRO-1", "ZeRO-R")}
+            per_rank = run_ranks(_step_times, d, args, cap_kib * KiB, timeout=600)
+            times = {which: after_the_last([r[which] for r in per_rank]) for which in VARIANTS}
+
+            def ratio(a, b):  # step by step (paired), then the median
+                return statistics.median(x / y for x, y in zip(times[a], times[b]))
+            ms = {which: 1e3 * statistics.median(t) for which, t in times.items()}
             rows.append({"d": d, "C": cap_label(cap_kib * KiB), "ours ms": ms["ours"], "DDP ms": ms["DDP"],
-                         "ours/DDP": ms["ours"] / ms["DDP"], "ours ZeRO-1 ms": ms["ours ZeRO-1"],
-                         "ZeRO-R ms": ms["ZeRO-R"], "ours/ZeRO-R": ms["ours ZeRO-1"] / ms["ZeRO-R"]})
+                         "ours/DDP": ratio("ours", "DDP"), "ours ZeRO-1 ms": ms["ours ZeRO-1"],
+                         "ZeRO-R ms": ms["ZeRO-R"], "ours/ZeRO-R": ratio("ours ZeRO-1", "ZeRO-R")})
             print(f"  measured speed d={d}, C={rows[-1]['C']}", flush=True)
     return rows
 
@@ -289,14 +297,17 @@ def main(argv: list[str]) -> None:
                                    f"{args.emulate_ms:g} ms forward / {2 * args.emulate_ms:g} ms backward a layer",
                overlap_rows(timed),
                notes="alone: the same buckets all-reduced back to back with nothing to hide behind; exposed: from "
-                     "the end of the last rank's backward to the last rank's finish(); hidden = 1 - exposed / alone. "
-                     "Medians over the timed steps; times read on the one clock all ranks share.")
+                     "the end of the last rank's backward to the last rank's finish(); hidden = 1 - exposed / alone, "
+                     "step by step (each step is followed by its alone measurement), median over the timed steps; "
+                     "times read on the one clock all ranks share.")
     if "speed" in parts:
         report("bench-14-speed", f"Module 14: step time against PyTorch, same emulated device and bucket cap "
                                  f"({args.layers} layers of {args.hidden})", speed_rows(timed),
-               notes="median step time over the timed steps, slowest rank. Ours includes two 8-byte all-reduces a "
-                     "step (the token count and the loss) that the DDP loop does not make. ZeRO-R: DDP with "
-                     "torch.distributed.optim.ZeroRedundancyOptimizer(AdamW).")
+               notes="median step time over the timed steps (from the last rank's start to the last rank's end); the "
+                     "four run on the same ranks, their steps interleaved, and each ratio is the median of step-by-"
+                     "step ratios. ours and DDP: SGD; ours ZeRO-1 and ZeRO-R (DDP with torch.distributed.optim."
+                     "ZeroRedundancyOptimizer): AdamW. Ours includes two 8-byte all-reduces a step (the token count "
+                     "and the loss) that the DDP loop does not make.")
 
 
 def check(parser, args):

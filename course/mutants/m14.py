@@ -159,17 +159,18 @@ PLANTS = [
     # --- the formulas ------------------------------------------------------------------------------------------
     plant(COSTS, "    ring = 2 * (d - 1) / d\n", "    ring = (d - 1) / d\n",
           "an all-reduce sends twice a reduce-scatter's bytes: it is a reduce-scatter and an all-gather"),
-    plant(COSTS, """        sent[(axis, "reduce_scatter")] = n_microbatches * (d - 1) / d * P * b
-        calls[(axis, "reduce_scatter")] = n_microbatches * K""", """        sent[(axis, "reduce_scatter")] = (d - 1) / d * P * b
-        calls[(axis, "reduce_scatter")] = K""",
+    plant(COSTS, """        sent[(axis, "reduce_scatter")] = n_microbatches * (d - 1) / d * values * b
+        calls[(axis, "reduce_scatter")] = n_microbatches * n_buckets""", """        sent[(axis, "reduce_scatter")] = (d - 1) / d * values * b
+        calls[(axis, "reduce_scatter")] = n_buckets""",
           "ZeRO-2 reduce-scatters every micro-step, not once a step"),
-    plant(COSTS, "    K, P = len(bucket_numels), sum(padded_numels(bucket_numels, d, stage))\n",
-          "    K, P = len(bucket_numels), sum(bucket_numels)\n",
+    plant(COSTS, "    n_buckets, values = len(bucket_numels), sum(padded_numels(bucket_numels, d, stage))\n",
+          "    n_buckets, values = len(bucket_numels), sum(bucket_numels)\n",
           "the padding forgotten: under ZeRO each bucket is padded to a multiple of d, and the padding is sent"),
     plant(COSTS, "    statistics = 2 + (1 if clip and stage > 0 else 0)\n", "    statistics = 2 + (1 if clip else 0)\n",
           "a norm all-reduce counted for DDP: every rank holds every gradient, so it clips without sending"),
-    plant(COSTS, "\"optimizer\": 2 * (P if stage == 0 else shard) * b})", "\"optimizer\": 2 * P * b})",
+    plant(COSTS, "\"optimizer\": 2 * (values if stage == 0 else shard) * b})", "\"optimizer\": 2 * values * b})",
           "AdamW's state counted whole under ZeRO: each rank keeps the moments of its shard only"),
-    plant(COSTS, "\"gradients\": (shard if stage == 2 else P) * b,", "\"gradients\": (shard if stage >= 1 else P) * b,",
+    plant(COSTS, "\"gradients\": (shard if stage == 2 else values) * b,",
+          "\"gradients\": (shard if stage >= 1 else values) * b,",
           "ZeRO-1's gradients counted as a shard: it all-reduces, so every rank keeps them whole"),
 ]
