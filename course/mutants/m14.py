@@ -30,6 +30,9 @@ PLANTS = [
             closed.append(indices)
             del open_buckets["any"]""",
           "one open bucket for every dtype: a bucket is one flat buffer of one dtype"),
+    plant(BUCKETS, "    return sorted(closed, key=min, reverse=True)\n", "    return sorted(closed, key=max, reverse=True)\n",
+          "buckets ordered by their last parameter: with two dtypes a bucket that opened earlier can close later "
+          "(PyTorch orders by the first)"),
     plant(BUCKETS, "    closed += [indices for indices, _ in open_buckets.values()]\n", "",
           "the buckets still open at the end forgotten: their gradients are never summed"),
     plant(BUCKETS, """    for i, p in enumerate(params):
@@ -92,6 +95,8 @@ PLANTS = [
     plant(DP, "        for bucket in self.buckets:\n            self.complete(bucket)\n            bucket.arm()\n",
           "        for bucket in self.buckets:\n            self.complete(bucket)\n",
           "buckets not re-armed: the next backward finds no gradient pending"),
+    plant(DP, "            bucket.arm()\n        self.next_bucket = 0\n", "            bucket.arm()\n",
+          "the next bucket to send not reset: from the second step on no bucket is ever sent"),
     plant(DP, """        if missing:
             raise RuntimeError(f"no gradient arrived for {', '.join(missing)} in this backward (unused by the forward?): "
                                f"every replicated parameter needs one in every backward; freeze it "
@@ -136,6 +141,19 @@ PLANTS = [
     plant(ZERO, "        if bucket.index > 0:\n            self.complete(self.buckets[bucket.index - 1])\n", "",
           "ZeRO-2 with every bucket in flight at once: each keeps its whole gradient alive until waited for, which "
           "is the memory ZeRO-2 exists to drop"),
+    plant(ZERO, """        if bucket.index > 0:
+            self.complete(self.buckets[bucket.index - 1])
+        bucket.received = torch.empty(bucket.padded_numel // self.group.size, dtype=bucket.grads.dtype,
+                                      device=bucket.grads.device)
+        bucket.work = self.group.collectives.reduce_scatter(bucket.received, bucket.grads,
+                                                            label=f"bucket {bucket.index}", async_op=True)""",
+          """        bucket.received = torch.empty(bucket.padded_numel // self.group.size, dtype=bucket.grads.dtype,
+                                      device=bucket.grads.device)
+        bucket.work = self.group.collectives.reduce_scatter(bucket.received, bucket.grads,
+                                                            label=f"bucket {bucket.index}", async_op=True)
+        if bucket.index > 0:
+            self.complete(self.buckets[bucket.index - 1])""",
+          "the previous bucket completed after the next one is sent: two whole buckets in flight, not one"),
     plant(ZERO, "        bucket.received = torch.empty(bucket.padded_numel // self.group.size, dtype=bucket.grads.dtype,\n"
                 "                                      device=bucket.grads.device)\n",
           "        bucket.received = self.grad_shards[bucket.index]\n",
