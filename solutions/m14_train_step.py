@@ -86,11 +86,11 @@ def train_step(ddp: DataParallel, model: nn.Module, inputs: torch.Tensor, target
     count = global_token_count(targets, ddp.group)
     loss_sum = torch.zeros((), dtype=torch.float64)
     # >>> TODO(m14): the micro-steps: a loss normalised by the global count, sent on the last micro-step only
-    # Contract: for each of the n_microbatches equal chunks of this rank's rows, in order: forward (logits =
-    #   model(x)), the summed cross-entropy of its real tokens, backward of that sum divided by `count`; add the
-    #   sum (detached) to loss_sum. Every micro-step but the last runs entirely inside ddp.no_sync(); the last
-    #   sends (unless ddp.syncs_every_microstep: then every micro-step sends), and after each backward that sent,
-    #   ddp.finish(). The tests compare with one process on the whole batch for (d, m) = (1, 4), (2, 2), (4, 1)
+    # Contract: for each of the n_microbatches equal chunks of this rank's rows, in order: the forward (the model
+    #   maps a chunk of inputs to its logits), the summed cross-entropy of its real tokens, the backward of that sum
+    #   divided by `count`; add the sum (detached) to loss_sum. Every micro-step but the last runs entirely inside
+    #   ddp.no_sync(); the last sends (unless ddp.syncs_every_microstep: then every micro-step sends), and each
+    #   backward that sent is followed by DataParallel.finish. The tests compare with one process on the whole batch for (d, m) = (1, 4), (2, 2), (4, 1)
     #   with microbatches of different numbers of real tokens, and check from the log that buckets go out during
     #   the last micro-step only.
     # Maths: the module docstring: loss_i = (sum of the microbatch's token losses) / count.

@@ -185,7 +185,7 @@ class ZeroDataParallel(DataParallel):
         every rank gets every shard back."""
         # >>> TODO(m14): the sharded step: gradients of the shards, clipping, AdamW on the shards, all-gather
         # Contract: give each shard (self.shards[k]) its summed gradient (self.grad_shard(k)) as .grad; clip if
-        #   max_norm is not None; optimizer.step() (it updates the shards, views into self.weights[k]); then
+        #   max_norm is not None; step the optimizer (it updates the shards, views into self.weights[k]); then
         #   all-gather every bucket's weights from the members' shards, in place, one all-gather per bucket
         #   ("weights <k>"), and wait for them before returning: afterwards every parameter holds its new value on
         #   every rank. The tests compare with one process after several steps on 2 and 4 ranks, with and without

@@ -1,5 +1,5 @@
 # Generated from solutions/m14_data_parallel.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 14`. (skeleton aafb930227b4)
+# Grade your work with `python main.py grade 14`. (skeleton 37b9544d7ad0)
 """Module 14, part 2 - replicas: every rank holds the whole model, and the gradients are summed
 bucket by bucket while the backward is still running (PyTorch's DDP, written out).
 
@@ -152,8 +152,8 @@ class DataParallel:
     def finish(self):
         """After a backward that sends: wait until every bucket's sum has arrived, and get ready for the next."""
         # TODO(m14): after the backward: refuse gradients that never came, wait for every bucket, re-arm
-        # Contract: when this returns, every bucket has been sent and completed (self.complete(bucket), in bucket
-        #   order), every bucket is armed again for the next backward (bucket.arm()) and self.next_bucket is 0. If a
+        # Contract: when this returns, every bucket has been sent and completed (self.complete, in bucket order),
+        #   every bucket is armed again for the next backward (Bucket.arm) and self.next_bucket is 0. If a
         #   parameter's gradient never arrived in this backward (a parameter the forward did not use: its bucket,
         #   and every bucket after it, was never sent), raise a RuntimeError, on one line, that names every such
         #   parameter and the fix: freeze it (requires_grad_(False)) or leave it out of the model (PyTorch's DDP

@@ -1,5 +1,5 @@
 # Generated from solutions/m14_zero.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 14`. (skeleton 828a81fe1e9b)
+# Grade your work with `python main.py grade 14`. (skeleton 68454634542c)
 """Module 14, part 4 - ZeRO-1 and ZeRO-2: replicas that split the optimizer's work and state.
 
 Plain data parallelism keeps, on every one of the d ranks, the parameters, the gradients and
@@ -152,7 +152,7 @@ class ZeroDataParallel(DataParallel):
         every rank gets every shard back."""
         # TODO(m14): the sharded step: gradients of the shards, clipping, AdamW on the shards, all-gather
         # Contract: give each shard (self.shards[k]) its summed gradient (self.grad_shard(k)) as .grad; clip if
-        #   max_norm is not None; optimizer.step() (it updates the shards, views into self.weights[k]); then
+        #   max_norm is not None; step the optimizer (it updates the shards, views into self.weights[k]); then
         #   all-gather every bucket's weights from the members' shards, in place, one all-gather per bucket
         #   ("weights <k>"), and wait for them before returning: afterwards every parameter holds its new value on
         #   every rank. The tests compare with one process after several steps on 2 and 4 ranks, with and without
