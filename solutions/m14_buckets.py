@@ -78,19 +78,25 @@ class Bucket:
     numel: int                    # values of its parameters (without padding)
     padded_numel: int             # numel rounded up to a multiple of pad_to (ZeRO: d equal shards)
     grads: torch.Tensor | None = None  # the flat buffer, padded_numel values (None until allocated)
+    views: list[torch.Tensor] = field(default_factory=list)  # each parameter's gradient: a view into `grads`
     pending: set[int] = field(default_factory=set)  # positions whose gradient has not arrived in this backward
     work: object = None           # its collective in flight, if any
     received: torch.Tensor | None = None  # ZeRO-2: this rank's shard of the sum, once the collective is done
 
     def allocate(self):
-        """A zeroed flat buffer (the padding stays zero: no gradient is ever added there)."""
+        """A zeroed flat buffer (the padding stays zero: no gradient is ever added there), and each
+        parameter's gradient as a view into it, in the parameter's shape."""
         first = self.params[0]
         self.grads = torch.zeros(self.padded_numel, dtype=first.dtype, device=first.device)
+        self.views = [self.grads[start:start + p.numel()].view_as(p) for p, start in zip(self.params, self.offsets)]
+
+    def free(self):
+        """Drop the flat buffer (ZeRO-2, once the bucket has been sent)."""
+        self.grads, self.views = None, []
 
     def view(self, position: int) -> torch.Tensor:
-        """The gradient of its parameter at `position`: a view into the flat buffer, in the parameter's shape."""
-        p, start = self.params[position], self.offsets[position]
-        return self.grads[start:start + p.numel()].view_as(p)
+        """The gradient of its parameter at `position` (a view into the flat buffer)."""
+        return self.views[position]
 
     def arm(self):
         """Before a backward that sends: every parameter's gradient is still to come."""

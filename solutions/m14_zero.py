@@ -145,7 +145,8 @@ class ZeroDataParallel(DataParallel):
         """ZeRO-2: add the received shard to this rank's gradient shard; free the whole bucket."""
         if self.stage == 2:
             self.grad_shards[bucket.index].add_(bucket.received)
-            bucket.received = bucket.grads = None
+            bucket.received = None
+            bucket.free()
 
     def grad_shard(self, k: int) -> torch.Tensor:
         """The summed gradient of this rank's shard of bucket k: a slice of the whole (ZeRO-1), or its own (ZeRO-2)."""

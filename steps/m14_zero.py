@@ -1,5 +1,5 @@
 # Generated from solutions/m14_zero.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 14`. (skeleton 68454634542c)
+# Grade your work with `python main.py grade 14`. (skeleton 7728051394e5)
 """Module 14, part 4 - ZeRO-1 and ZeRO-2: replicas that split the optimizer's work and state.
 
 Plain data parallelism keeps, on every one of the d ranks, the parameters, the gradients and
@@ -127,7 +127,8 @@ class ZeroDataParallel(DataParallel):
         """ZeRO-2: add the received shard to this rank's gradient shard; free the whole bucket."""
         if self.stage == 2:
             self.grad_shards[bucket.index].add_(bucket.received)
-            bucket.received = bucket.grads = None
+            bucket.received = None
+            bucket.free()
 
     def grad_shard(self, k: int) -> torch.Tensor:
         """The summed gradient of this rank's shard of bucket k: a slice of the whole (ZeRO-1), or its own (ZeRO-2)."""
