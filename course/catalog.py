@@ -81,6 +81,8 @@ MODULES = {m.number: m for m in [
            ("m12_tp_linear", "m12_tp_block", "m12_vocab_parallel", "m12_tp_model", "m12_tp_costs")),
     Module("13", "2-D sharding in named axes: the Llama over a d x t mesh, FSDP over d and Megatron over t", 4,
            ("m13_named_axes", "m13_llama_2d", "m13_costs")),
+    Module("14", "Data parallelism: gradient buckets overlapped with the backward, accumulation, ZeRO-1 and ZeRO-2", 2,
+           ("m14_buckets", "m14_data_parallel", "m14_train_step", "m14_zero", "m14_costs")),
     Module("15", "Context parallelism: ring attention, zig-zag balancing, all-gather KV and Ulysses over the sequence",
            4, ("m15_layout", "m15_ring_attention", "m15_allgather_kv", "m15_ulysses", "m15_cp_model", "m15_costs")),
 ]}

@@ -37,6 +37,7 @@ def test_alpha_beta_fit_recovers_an_exact_model():
     (["11", "--steps", "1"], "--steps must be at least 2"),
     (["13", "--meshes", "2x3"], "mesh 2x3 needs 6 ranks"),
     (["13", "--meshes", "1x3"], "n_kv_heads=4 (K/t) is not divisible by 3"),
+    (["14", "--nproc", "3"], "must be divisible by every --nproc value (3)"),
 ])
 def test_bad_bench_arguments_give_one_clear_error_before_any_rank_starts(argv, message, monkeypatch, capsys):
     bench = importlib.import_module(f"course.bench.m{argv[0]}")

@@ -120,6 +120,7 @@ DEMOS = [
     ("12", ["--nproc", "2", "--steps", "2", "--batch", "4", "--layers", "1", "--sequence-parallel"],
      r"max \|loss difference\| .* -> match "),
     ("13", ["--mesh", "2x2", "--steps", "2", "--batch", "4"], r"^Bytes sent per step and rank: .* -> equal$"),
+    ("14", ["--nproc", "2", "--steps", "2", "--zero", "2", "--microbatches", "2"], r"^Per step and rank: .* -> equal$"),
     ("15", ["--nproc", "4", "--variant", "zigzag", "--steps", "2", "--batch", "4"],
      r"^Bytes rank 0 sends per step over 'c' by send: .* -> equal$"),
 ]

@@ -1,0 +1,191 @@
+"""Module 14, part 3 - one optimizer step of a data-parallel model: its rows of the global batch,
+m micro-steps of gradient accumulation that send nothing until the last, and a loss normalised by
+the step's global count of real tokens.
+
+Every rank draws the whole global batch of B rows from the seed (as module 06's loop does) and
+keeps its B/d rows: member i of the data group keeps rows i B/d .. (i + 1) B/d - 1. It cuts them
+into m microbatches. The loss of the step is the mean over every *real* token of the global batch;
+a target of IGNORE_INDEX (-100, PyTorch's convention) marks padding, which is neither a term nor
+counted. So each microbatch contributes
+
+    loss_i = (sum of its tokens' cross-entropies) / (real tokens in the whole global batch)
+
+and the sum over ranks and micro-steps of the loss_i is the step's loss, whatever the number of
+real tokens in each microbatch; the sum of their gradients is its gradient. That is what the
+buckets add up. The denominator is known before the first backward: one all-reduce of each
+rank's count. (A mean per microbatch, divided by m d, weighs a token of a half-padded microbatch
+twice as much as one of a full one: a different loss.)
+
+Gradient accumulation: micro-steps 0 .. m - 2 run under `no_sync()` (gradients accumulate in the
+buckets, nothing is sent), the last one sends. ZeRO-2 keeps only a shard of the gradients, so it
+sends on every micro-step (`syncs_every_microstep`, m14_zero).
+
+Two models: `train_step` drives an autograd model whose forward returns logits (module 00's MLP,
+course/reference_llama.py's ModularLlama); `DataParallelLlama` is module 06's Llama, whose
+hand-written backward hands each block's gradients to `ready` through `on_block_grads`.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import fields
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from course.mesh import Group
+from .m06_llama_block import BlockWeights, LlamaConfig
+from .m06_llama_model import LOSS_CHUNK, LlamaModel
+from .m14_data_parallel import DataParallel
+
+IGNORE_INDEX = -100  # a target that is padding: no loss term, not counted (F.cross_entropy's default)
+
+
+def my_rows(batch: int, group: Group) -> slice:
+    """The rows of a global batch of `batch` rows that this member of the data group trains on."""
+    if batch % group.size:
+        raise ValueError(f"a batch of {batch} rows does not split evenly over d={group.size} ranks")
+    rows = batch // group.size
+    return slice(group.index * rows, (group.index + 1) * rows)
+
+
+def global_token_count(targets: torch.Tensor, group: Group) -> torch.Tensor:
+    """The real (not IGNORE_INDEX) targets over every member's `targets`: a 0-d int64 tensor."""
+    # >>> TODO(m14): count the real tokens of the whole global batch, from each rank's own rows
+    # Contract: targets are this rank's rows of the step (all its microbatches); return the number of targets that
+    #   are not IGNORE_INDEX summed over the members of the group, as a 0-d int64 tensor (one collective). The tests
+    #   pad microbatches with different numbers of IGNORE_INDEX targets, different on every rank.
+    # Maths: each rank counts its own; the sum over ranks is the global count, the same on every rank.
+    # Pitfalls: the rank's own count (then each rank divides by a different number, and d times too little on
+    #   average); counting the padding; a float count (an int64 sum is exact at any size).
+    # Hint 1: count locally, then one sum over the group.
+    # Hint 2: (targets != IGNORE_INDEX).sum() is an int64 0-d tensor; group.collectives.all_reduce sums it in place.
+    # Hint 3: count = number of targets != IGNORE_INDEX;  all-reduce count over the group, labelled;  return count
+    count = (targets != IGNORE_INDEX).sum()
+    group.collectives.all_reduce(count, label="token count")
+    return count
+    # <<<
+
+
+def global_mean_loss(loss_sum: torch.Tensor, count: torch.Tensor, group: Group) -> float:
+    """The step's loss for the log: every rank's summed token losses, summed over the group, over the count."""
+    total = loss_sum.detach().to(torch.float64).reshape(1)
+    group.collectives.all_reduce(total, label="loss")
+    return total.item() / count.item()
+
+
+def train_step(ddp: DataParallel, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
+               n_microbatches: int, optimizer: torch.optim.Optimizer, max_norm: float | None = None) -> float:
+    """One optimizer step of an autograd `model` (forward: inputs -> logits) replicated by `ddp`, on the
+    global batch (inputs, targets): this rank's rows, in `n_microbatches` micro-steps; `max_norm` clips
+    the gradients to that global norm. Returns the step's global mean loss."""
+    mine = my_rows(inputs.shape[0], ddp.group)
+    inputs, targets = inputs[mine], targets[mine]
+    if inputs.shape[0] % n_microbatches:
+        raise ValueError(f"{inputs.shape[0]} rows a rank do not split into {n_microbatches} equal microbatches")
+    count = global_token_count(targets, ddp.group)
+    loss_sum = torch.zeros((), dtype=torch.float64)
+    # >>> TODO(m14): the micro-steps: a loss normalised by the global count, sent on the last micro-step only
+    # Contract: for each of the n_microbatches equal chunks of this rank's rows, in order: the forward (the model
+    #   maps a chunk of inputs to its logits), the summed cross-entropy of its real tokens, the backward of that sum
+    #   divided by `count`; add the sum (detached) to loss_sum. Every micro-step but the last runs entirely inside
+    #   ddp.no_sync(); the last sends (unless ddp.syncs_every_microstep: then every micro-step sends), and each
+    #   backward that sent is followed by DataParallel.finish. The tests compare with one process on the whole batch for (d, m) = (1, 4), (2, 2), (4, 1)
+    #   with microbatches of different numbers of real tokens, and check from the log that buckets go out during
+    #   the last micro-step only.
+    # Maths: the module docstring: loss_i = (sum of the microbatch's token losses) / count.
+    # Pitfalls: the per-microbatch mean (F.cross_entropy's default reduction) divided by m d: wrong as soon as the
+    #   microbatches hold different numbers of real tokens; sending on the first micro-step instead of the last
+    #   (the later micro-steps' gradients are then never summed over ranks); calling finish() after a backward
+    #   that sent nothing. Logits are (..., V): flatten them to (tokens, V) and the targets to (tokens,).
+    # Hint 1: enumerate the chunks; sync = last, or ddp.syncs_every_microstep; the context is no_sync() unless sync.
+    # Hint 2: inputs.chunk(n_microbatches); contextlib.nullcontext(); F.cross_entropy(logits.reshape(-1, V),
+    #         y.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum").
+    # Hint 3: for i, (x, y) in the pairs of chunks:
+    #             sync = i == n_microbatches - 1 or ddp.syncs_every_microstep
+    #             with (nullcontext if sync else ddp.no_sync()):
+    #                 loss = summed cross-entropy of model(x) against y;  (loss / count).backward()
+    #             if sync: ddp.finish()
+    #             loss_sum += loss detached
+    for i, (x, y) in enumerate(zip(inputs.chunk(n_microbatches), targets.chunk(n_microbatches), strict=True)):
+        sync = i == n_microbatches - 1 or ddp.syncs_every_microstep
+        with contextlib.nullcontext() if sync else ddp.no_sync():
+            logits = model(x)
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=IGNORE_INDEX,
+                                   reduction="sum")
+            (loss / count).backward()
+        if sync:
+            ddp.finish()
+        loss_sum += loss.detach()
+    # <<<
+    ddp.step(optimizer, max_norm)
+    ddp.zero_grad()
+    return global_mean_loss(loss_sum, count, ddp.group)
+
+
+class DataParallelLlama(LlamaModel):
+    """Module 06's Llama replicated over `group`: its backward loop hands each block's gradients to the
+    buckets (on_block_grads) as soon as they exist, so block l's bucket travels while block l - 1's
+    backward computes. `train_step` has the contract of the course's training loop (`fit`)."""
+
+    def __init__(self, cfg: LlamaConfig, group: Group, bucket_cap_bytes: int, seed: int = 0, dtype=torch.float32,
+                 loss_chunk: int = LOSS_CHUNK):
+        super().__init__(cfg, seed, dtype, loss_chunk=loss_chunk)
+        self.ddp = DataParallel(self.ready_order()[::-1], group, bucket_cap_bytes)
+        self.grad_scale = 1.0  # set per microbatch (train_step)
+
+    def ready_order(self) -> list[tuple[str, torch.Tensor]]:
+        """(name, weight) in the order the backward hands their gradients over: blocks from the last, then
+        the embedding, final norm and LM head (forward_backward returns theirs at the end). DDP buckets
+        the reverse of the registration order because it guesses that the backward runs in reverse;
+        here the order is known, so the buckets are made from its reverse."""
+        names = [f.name for f in fields(BlockWeights)]
+        blocks = [(f"blocks.{l}.{name}", t) for l in reversed(range(self.cfg.n_layers))
+                  for name, t in zip(names, self.blocks[l].tensors())]
+        return blocks + [("embedding", self.embedding), ("final_norm", self.final_norm), ("lm_head", self.lm_head)]
+
+    def on_block_grads(self, layer: int, grads: BlockWeights):
+        """Module 06's backward calls this once block `layer`'s gradients are final."""
+        # >>> TODO(m14): hand each of the block's gradients, scaled, to the buckets
+        # Contract: grads holds block `layer`'s gradients of this microbatch's loss as module 06 computes it (a mean
+        #   over the microbatch's tokens); self.blocks[layer] holds the weights, field for field. Hand each gradient,
+        #   times self.grad_scale, to self.ddp.ready(weight, gradient). The test trains on 2 ranks against module
+        #   06's single-process train() and checks from the log that the first bucket is sent before block 0's
+        #   gradients exist.
+        # Maths: grad_scale turns module 06's per-microbatch mean into the step's loss: the microbatch's tokens over
+        #   the step's global token count (train_step sets it).
+        # Pitfalls: pairing a gradient with the wrong weight (zip the two BlockWeights' tensors(), same field order);
+        #   forgetting the scale (the gradient d m times too big, which AdamW hides but the 1e-12 test does not).
+        # Hint 1: one ready call per weight of the block.
+        # Hint 2: zip(self.blocks[layer].tensors(), grads.tensors()); g * self.grad_scale.
+        # Hint 3: for each (weight, gradient) of the block: self.ddp.ready(weight, gradient times grad_scale)
+        for weight, grad in zip(self.blocks[layer].tensors(), grads.tensors(), strict=True):
+            self.ddp.ready(weight, grad * self.grad_scale)
+        # <<<
+
+    def train_step(self, tokens: torch.Tensor, targets: torch.Tensor, n_microbatches: int, optimizer) -> float:
+        """One optimizer step on the global batch (every rank passes all of it and keeps its rows), in
+        `n_microbatches` micro-steps; returns the step's global mean loss. `optimizer` updates
+        self.ddp.parameters(), whose .grad are the buckets' views."""
+        group = self.ddp.group
+        mine = my_rows(tokens.shape[0], group)
+        tokens, targets = tokens[mine], targets[mine]
+        count = global_token_count(targets, group)
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        for i, (tok, tgt) in enumerate(zip(tokens.chunk(n_microbatches), targets.chunk(n_microbatches), strict=True)):
+            sync = i == n_microbatches - 1
+            # Module 06's loss is the mean over the microbatch's tokens (it has no padding): scaled by
+            # (its tokens / the step's tokens) it is the microbatch's share of the step's loss.
+            self.grad_scale = tgt.numel() / count.item()
+            with contextlib.nullcontext() if sync else self.ddp.no_sync():
+                loss, grads = self.forward_backward(tok, tgt)  # the blocks' gradients went to on_block_grads
+                for weight, grad in ((self.embedding, grads.embedding), (self.final_norm, grads.final_norm),
+                                     (self.lm_head, grads.lm_head)):
+                    self.ddp.ready(weight, grad * self.grad_scale)
+            if sync:
+                self.ddp.finish()
+            loss_sum += loss.detach().to(torch.float64) * tgt.numel()
+        self.ddp.step(optimizer)
+        self.weights.invalidate()  # the weights changed: a weight source must not serve old copies
+        self.ddp.zero_grad()
+        return global_mean_loss(loss_sum, count, group)

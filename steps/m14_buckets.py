@@ -1,0 +1,103 @@
+# Generated from solutions/m14_buckets.py by `python -m course.skeleton`: fill in the TODOs.
+# Grade your work with `python main.py grade 14`. (skeleton d0f543096f54)
+"""Module 14, part 1 - gradient buckets: which gradients travel together, and where they live.
+
+Data parallelism sums every gradient over the d ranks of the data axis. One all-reduce per
+parameter pays a collective's fixed cost (α, module 03) hundreds of times a step; one all-reduce
+of everything can only start once the whole backward is over. PyTorch's DDP groups the gradients
+into buckets of about C bytes (`bucket_cap_mb`) and all-reduces each bucket as soon as all of its
+gradients exist, while the backward computes the next ones.
+
+Which parameters share a bucket is decided once, before training, from the parameters alone
+(PyTorch's `_compute_bucket_assignment_by_size`, reversed by DDP):
+
+    walk the parameters in registration order; every dtype has one open bucket;
+    put the parameter in its dtype's open bucket; once that bucket holds C bytes or more, close it
+    (so its last tensor may overshoot C; a bucket never mixes dtypes: it is one flat buffer);
+    at the end close the buckets still open;
+    order the buckets by their first parameter, then reverse the list.
+
+A model registers its layers in forward order, so the backward produces their gradients roughly
+in reverse: reversed, bucket 0 holds the last layers and fills first. All ranks compute the same
+assignment from the same model, so they agree on what bucket k is.
+
+A bucket owns one flat gradient buffer; each parameter's gradient is a view into it, so autograd
+accumulates straight into the buffer the collective sends and nothing is copied (DDP's
+`gradient_as_bucket_view=True`). ZeRO (m14_zero) pads each buffer with zeros to a multiple of d, so
+that it cuts into d equal shards.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+def assign_buckets(params: list[torch.Tensor], cap_bytes: int) -> list[list[int]]:
+    """The buckets, in the order they are sent: each a list of indices into `params` (in
+    registration order within the bucket). `cap_bytes` is C (see the module docstring)."""
+    if cap_bytes <= 0:
+        raise ValueError(f"the bucket cap must be a positive number of bytes, got {cap_bytes}")
+    # TODO(m14): group the parameters into buckets of about cap_bytes, as DDP does, in the order they are sent
+    # Contract: return a list of buckets, each a list of indices into params (ascending within a bucket), in the
+    #   order the buckets will be sent. The tests compare with PyTorch's own assignment
+    #   (torch.distributed._compute_bucket_assignment_by_size(params, [cap_bytes]), reversed) for caps that give
+    #   1, 2 and 3 buckets, a cap met exactly, and parameters of two dtypes.
+    # Maths: a parameter's bytes are numel * element_size. The rule is the module docstring's: one open bucket per
+    #   dtype, closed once it holds cap_bytes or more, leftovers closed at the end, then ordered and reversed.
+    # Pitfalls: closing *before* adding the tensor that would overshoot (PyTorch closes after: its last tensor may
+    #   overshoot); "more than" instead of "at least" (a bucket that reaches the cap exactly is closed); one
+    #   bucket for all dtypes; forgetting the buckets still open at the end; not reversing (then the first bucket
+    #   sent is the one the backward fills last, and nothing overlaps).
+    raise NotImplementedError('TODO(m14): group the parameters into buckets of about cap_bytes, as DDP does, in the order they are sent')
+
+
+@dataclass
+class Bucket:
+    """One bucket: its parameters and one flat gradient buffer that their gradients are views into."""
+    index: int                    # its place in the order buckets are sent (0 first)
+    params: list[torch.Tensor]    # its parameters, in registration order
+    names: list[str]              # their names, for error messages
+    offsets: list[int]            # where each parameter's gradient starts in the buffer
+    numel: int                    # values of its parameters (without padding)
+    padded_numel: int             # numel rounded up to a multiple of pad_to (ZeRO: d equal shards)
+    grads: torch.Tensor | None = None  # the flat buffer, padded_numel values (None until allocated)
+    views: list[torch.Tensor] = field(default_factory=list)  # each parameter's gradient: a view into `grads`
+    pending: set[int] = field(default_factory=set)  # positions whose gradient has not arrived in this backward
+    work: object = None           # its collective in flight, if any
+    received: torch.Tensor | None = None  # ZeRO-2: this rank's shard of the sum, once the collective is done
+
+    def allocate(self):
+        """A zeroed flat buffer (the padding stays zero: no gradient is ever added there), and each
+        parameter's gradient as a view into it, in the parameter's shape."""
+        first = self.params[0]
+        self.grads = torch.zeros(self.padded_numel, dtype=first.dtype, device=first.device)
+        self.views = [self.grads[start:start + p.numel()].view_as(p) for p, start in zip(self.params, self.offsets)]
+
+    def free(self):
+        """Drop the flat buffer (ZeRO-2, once the bucket has been sent)."""
+        self.grads, self.views = None, []
+
+    def view(self, position: int) -> torch.Tensor:
+        """The gradient of its parameter at `position` (a view into the flat buffer)."""
+        return self.views[position]
+
+    def arm(self):
+        """Before a backward that sends: every parameter's gradient is still to come."""
+        self.pending = set(range(len(self.params)))
+
+
+def make_bucket(index: int, named_params: list[tuple[str, torch.Tensor]], pad_to: int = 1) -> Bucket:
+    """A bucket of these parameters (one dtype), laid end to end in their order, padded to a
+    multiple of `pad_to` values; its buffer is not allocated yet."""
+    names, params = [n for n, _ in named_params], [p for _, p in named_params]
+    if len({p.dtype for p in params}) != 1:
+        raise ValueError(f"bucket {index} mixes dtypes {sorted(str(p.dtype) for p in params)}: one flat buffer, one dtype")
+    offsets, numel = [], 0
+    for p in params:
+        offsets.append(numel)
+        numel += p.numel()
+    padded = -(-numel // pad_to) * pad_to  # the smallest multiple of pad_to that holds them all
+    bucket = Bucket(index, params, names, offsets, numel, padded)
+    bucket.arm()
+    return bucket

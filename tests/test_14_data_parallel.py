@@ -1,0 +1,439 @@
+"""Module 14 replicas on forked ranks: the broadcast, the buckets sent during the backward, and the
+trained weights against one process on the whole batch.
+
+References: module 00's MLP trained in one process on the whole batch with autograd and PyTorch's
+AdamW; module 06's `train` (trusted reference code) for its Llama, whose hand-written backward hands
+each block's gradients over through on_block_grads; the send order written out by hand.
+
+Collectives arrive late here (`LateCollectives`): an asynchronous collective reads its input when
+it is started and delivers only in wait(), its output holding NaN until then. So a bucket sent
+before its last gradient misses that gradient, and a result read before it was waited for is NaN:
+both are wrong every time, not only when the network happens to be slow.
+
+Tolerance. d ranks sum their gradients over their own rows and then over ranks; one process sums
+over all rows at once: the same numbers added in another order, so they differ by rounding, not
+bit for bit. In float64 (measured, torch 2.13 CPU, d = 2 and 4, 3 AdamW steps): the MLP's weights
+within 6e-17 of one process, module 06's Llama's within 1.4e-14 (losses within 9e-16). We allow
+1e-12. In float32 the same reordering moves the MLP's weights by up to 1e-7 after 3 steps (measured
+3e-8 on 2 ranks, 9.7e-8 on 4: AdamW's update of a weight whose gradient is near zero amplifies the
+rounding of that gradient); we allow 1e-6. An average taken twice or not at all
+is off by a factor of d: AdamW's m / sqrt(v) hides most of a constant factor, but not from 1e-12.
+"""
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from course.collectives import Collectives
+from course.dataset import load_text, random_batch
+from course.impl import load, reference
+from course.launch import run_ranks
+from course.mesh import Group, init_mesh
+
+dp = load("m14_data_parallel")
+ts = load("m14_train_step")
+m00 = reference("m00_monolith")
+m06 = reference("m06_llama_model")
+LlamaConfig = reference("m06_llama_block").LlamaConfig
+
+f64, f32 = torch.float64, torch.float32
+MLP = m00.MLPConfig(hidden=16, layers=6, batch=8)  # 13,328 bytes of float64 parameters
+LR, STEPS, TOLERANCE = 1e-2, 3, 1e-12
+CAP = 5000  # 3 buckets of the MLP: layers 5, 4 and the head; layers 4 .. 2; layers 2 .. 0
+
+
+# --- collectives that deliver late --------------------------------------------------------------
+
+class LateCollectives(Collectives):
+    """The group's collectives as a slow network delivers them: an asynchronous one copies its input
+    when started, fills its output with NaN, and runs for real only in wait(). Buckets' collectives
+    must be asynchronous. `never_waited()` lists what was started and never waited for."""
+
+    def __init__(self, group, axis, ranks):
+        super().__init__(group, axis, ranks)
+        self.now = Collectives(group, axis, ranks, log=[])  # runs the deferred collectives, unlogged
+        self.works, self.most_in_flight = [], {}  # op -> the most started and not yet waited for at once
+
+    @staticmethod
+    def check_async(op, label, async_op):
+        assert async_op or not label.startswith("bucket"), (
+            f"{label}: a blocking {op}; start it with async_op=True and wait in finish(), so it travels while "
+            f"the backward computes the earlier layers")
+
+    def _late(self, op, label, output, source, run):
+        self._record(op, output.nbytes if op != "all_gather" else source.nbytes, label)
+        sent = source.clone()  # what the collective reads: the input as it is now
+        output.fill_(float("nan"))
+        work = DeliveredOnWait(lambda: run(output, sent), label, op)
+        self.works.append(work)
+        in_flight = sum(w.op == op and not w.waited for w in self.works)
+        self.most_in_flight[op] = max(self.most_in_flight.get(op, 0), in_flight)
+        return work
+
+    def all_reduce(self, tensor, label="", async_op=False, op="sum"):
+        self.check_async("all-reduce", label, async_op)
+        if not async_op:
+            return super().all_reduce(tensor, label, async_op, op)
+        return self._late("all_reduce", label, tensor, tensor,
+                          lambda out, sent: (self.now.all_reduce(sent, label, op=op), out.copy_(sent)))
+
+    def reduce_scatter(self, shard, full, label="", async_op=False, dim=0):
+        self.check_async("reduce-scatter", label, async_op)
+        if not async_op:
+            return super().reduce_scatter(shard, full, label, async_op, dim)
+        return self._late("reduce_scatter", label, shard, full,
+                          lambda out, sent: self.now.reduce_scatter(out, sent, label, dim=dim))
+
+    def all_gather(self, output, shard, label="", async_op=False, dim=0):
+        if not async_op:
+            return super().all_gather(output, shard, label, async_op, dim)
+        return self._late("all_gather", label, output, shard,
+                          lambda out, sent: self.now.all_gather(out, sent, label, dim=dim))
+
+    def never_waited(self) -> list[str]:
+        return [w.label for w in self.works if not w.waited]
+
+
+class DeliveredOnWait:
+    def __init__(self, deliver, label, op):
+        self.deliver, self.label, self.op, self.waited = deliver, label, op, False
+
+    def wait(self):
+        if not self.waited:
+            self.waited = True
+            self.deliver()
+        return True
+
+
+def late_group(mesh_sizes: dict | None = None) -> Group:
+    """Every rank (axis "world"), or this rank's d group of a mesh of `mesh_sizes`, with LateCollectives."""
+    if mesh_sizes is None:
+        ranks = tuple(range(dist.get_world_size()))
+        return Group("world", dist.get_rank(), ranks, LateCollectives(None, "world", ranks))
+    group = init_mesh(mesh_sizes).group("d")
+    return Group(group.axis, group.index, group.ranks, LateCollectives(group.collectives.group, group.axis, group.ranks))
+
+
+def check_waited(group: Group):
+    lost = group.collectives.never_waited()
+    assert not lost, (f"{lost[0]}'s collective was started and never waited for: its result may not have arrived "
+                      f"when the optimizer read it (finish() waits for every bucket)")
+
+
+# --- the MLP: replicas against one process ------------------------------------------------------
+
+def mlp_batch(step: int, dtype=f64):
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(MLP.batch, MLP.hidden, generator=g).to(dtype), torch.randint(0, MLP.classes, (MLP.batch,), generator=g)
+
+
+def one_process(model, steps=STEPS, dtype=f64, batch=mlp_batch):
+    """The weights after every step of AdamW on the whole batch, in one process (autograd)."""
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
+    after = []
+    for step in range(steps):
+        x, y = batch(step, dtype)
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        after.append([p.detach().clone() for p in model.parameters()])
+    return after
+
+
+def _replicas(dtype):
+    group = late_group()
+    model = m00.build_model(MLP).to(dtype)
+    with torch.no_grad():  # replicas that start apart: the first member's weights must reach every rank
+        for p in model.parameters():
+            p.add_(group.index)
+    ddp = dp.replicate(model, group, CAP)
+    start = [p.detach().clone() for p in model.parameters()]
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=LR)
+    after, losses = [], []
+    for step in range(STEPS):
+        losses.append(ts.train_step(ddp, model, *mlp_batch(step, dtype), 1, optimizer))
+        check_waited(group)
+        after.append([p.detach().clone() for p in model.parameters()])
+    buffers = {b.grads.untyped_storage().data_ptr(): b for b in ddp.buckets}
+    views = [name for name, p in model.named_parameters()
+             if p.grad is None or p.grad.untyped_storage().data_ptr() not in buffers]
+    return start, after, losses, views
+
+
+def worst(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
+    return max((a - b).abs().max().item() for a, b in zip(got, want, strict=True))
+
+
+def beyond(what: str, gap: float, tolerance: float = TOLERANCE) -> str:
+    hint = (" (a gap of 1e-8 .. 1e-3 is not rounding: a gradient off by a constant factor, e.g. an average taken "
+            "twice or not at all, or a loss not divided by the global token count)") if 1e-9 < gap < 1e-2 else ""
+    return f"{what} differs by {gap:.2e} from one process on the whole batch, tolerance {tolerance:g}{hint}"
+
+
+@pytest.mark.exercises("broadcast_from_first",
+                        "assign_buckets",
+                        "DataParallel.ready",
+                        "DataParallel.launch",
+                        "DataParallel.finish",
+                        "global_token_count",
+                        "train_step")
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_replicas_equal_one_process_on_the_whole_batch(world_size):
+    expected = one_process(m00.build_model(MLP).to(f64))
+    initial = list(m00.build_model(MLP).to(f64).parameters())
+    with torch.no_grad():
+        first_loss = F.cross_entropy(m00.build_model(MLP).to(f64)(mlp_batch(0)[0]), mlp_batch(0)[1]).item()
+    for rank, (start, after, losses, views) in enumerate(run_ranks(_replicas, world_size, f64, timeout=60)):
+        assert all(torch.equal(a, b) for a, b in zip(start, initial)), \
+            f"rank {rank}: the replicas must start from the group's first member's weights, not their own"
+        assert not views, f"rank {rank}: {views[0]}.grad is not a view into its bucket's buffer"
+        for step, (got, want) in enumerate(zip(after, expected)):
+            gap = worst(got, want)
+            assert gap <= TOLERANCE, beyond(f"rank {rank}: the weights after step {step}", gap)
+        assert math.isclose(losses[0], first_loss, rel_tol=1e-12), \
+            f"rank {rank}: the first step's loss is {losses[0]}, one process's {first_loss}"
+
+
+@pytest.mark.exercises("broadcast_from_first", "assign_buckets", "DataParallel.ready", "DataParallel.launch",
+                        "DataParallel.finish", "global_token_count", "train_step")
+def test_float32_replicas_agree_to_float32_rounding():
+    expected = one_process(m00.build_model(MLP).to(f32), dtype=f32)
+    for rank, (_, after, _, _) in enumerate(run_ranks(_replicas, 2, f32, timeout=60)):
+        gap = worst(after[-1], expected[-1])
+        assert gap <= 1e-6, beyond(f"rank {rank}: float32 weights after {STEPS} steps", gap, 1e-6)
+
+
+# --- when each bucket is sent ---------------------------------------------------------------------
+
+def _send_positions(caps):
+    group = late_group()
+    results = []
+    for cap in caps:
+        model = m00.build_model(MLP).to(f64)
+        before = {}  # parameter name -> collectives issued before its gradient was final (this hook runs first)
+        for name, p in model.named_parameters():
+            p.register_post_accumulate_grad_hook(lambda p, name=name: before.__setitem__(name, len(group.collectives.log)))
+        ddp = dp.replicate(model, group, cap)
+        optimizer = torch.optim.AdamW(ddp.parameters(), lr=LR)
+        del group.collectives.log[:]
+        ts.train_step(ddp, model, *mlp_batch(0), 1, optimizer)
+        check_waited(group)
+        sent = [(record.label, i) for i, record in enumerate(group.collectives.log) if record.label.startswith("bucket")]
+        results.append(([b.names for b in ddp.buckets], before, sent))
+    return results
+
+
+@pytest.mark.exercises("DataParallel.ready", "DataParallel.launch", "DataParallel.finish", "assign_buckets",
+                        "broadcast_from_first", "train_step")
+def test_each_bucket_is_sent_once_in_order_as_soon_as_its_last_gradient_is_ready():
+    caps = {1 << 20: 1, 7000: 2, CAP: 3}
+    for rank, per_cap in enumerate(run_ranks(_send_positions, 2, list(caps), timeout=60)):
+        for (cap, n_buckets), (names, before, sent) in zip(caps.items(), per_cap):
+            where = f"rank {rank}, cap {cap} ({len(names)} buckets)"
+            assert len(names) == n_buckets, f"{where}: expected {n_buckets} buckets"
+            assert [label for label, _ in sent] == [f"bucket {k}" for k in range(n_buckets)], \
+                f"{where}: buckets sent {[label for label, _ in sent]}; each once, in bucket order"
+            previous = -1
+            for k, (bucket, (_, position)) in enumerate(zip(names, sent)):
+                last = max(before[name] for name in bucket)  # collectives issued before its last gradient
+                earliest = max(last, previous + 1)
+                assert position >= last, (f"{where}: bucket {k} was sent before the gradient of "
+                                          f"{max(bucket, key=before.get)} was ready: its sum misses that gradient")
+                assert position == earliest, (f"{where}: bucket {k} was sent as collective {position}, but it could "
+                                              f"go as collective {earliest}: as soon as its last gradient is in and "
+                                              f"bucket {k - 1} has gone")
+                previous = position
+            if n_buckets > 1:
+                assert sent[0][1] < before["layers.0.weight"], \
+                    f"{where}: the first bucket must be on its way before the first layer's backward has run"
+
+
+def _ready_by_hand(orders):
+    """Plain tensors, the gradients handed over by hand (as module 06's backward does), in another order on
+    each rank. Sizes 5, 3, 4, 6, 2 values of float64 at a cap of 64 bytes: buckets [4], [2, 3], [0, 1]."""
+    group = late_group()
+    named = [(f"t{i}", torch.zeros(n, dtype=f64)) for i, n in enumerate([5, 3, 4, 6, 2])]
+    ddp = dp.DataParallel(named, group, 64)
+    del group.collectives.log[:]
+    sent_after = []  # collectives issued after each ready call
+    for i in orders[group.index]:
+        ddp.ready(named[i][1], torch.full_like(named[i][1], (group.index + 1) * (i + 1)))
+        sent_after.append(len(group.collectives.log))
+    ddp.finish()
+    check_waited(group)
+    labels = [record.label for record in group.collectives.log]
+    grads = [p.grad.clone() for _, p in named]
+    ddp.ready(named[4][1], torch.ones(2))  # bucket 0 leaves again ...
+    try:
+        ddp.ready(named[4][1], torch.ones(2))  # ... and the same gradient again is the caller's bug
+        twice = None
+    except RuntimeError as exc:
+        twice = str(exc)
+    return labels, sent_after, grads, twice
+
+
+@pytest.mark.exercises("DataParallel.ready", "DataParallel.launch", "DataParallel.finish", "assign_buckets",
+                        "broadcast_from_first")
+def test_buckets_leave_in_bucket_order_whatever_order_the_gradients_arrive_in():
+    # Rank 0's gradients arrive first to last (bucket 2 complete first: it must wait for buckets 0 and 1),
+    # rank 1's last to first (each bucket leaves as soon as it is complete).
+    orders = [[0, 1, 2, 3, 4], [4, 3, 2, 1, 0]]
+    expected_sent_after = [[0, 0, 0, 0, 3], [1, 1, 2, 2, 3]]
+    for rank, (labels, sent_after, grads, twice) in enumerate(run_ranks(_ready_by_hand, 2, orders, timeout=60)):
+        assert labels == ["bucket 0", "bucket 1", "bucket 2"], f"rank {rank} sent {labels}: strictly in bucket order"
+        assert sent_after == expected_sent_after[rank], (
+            f"rank {rank}, gradients in the order {orders[rank]}: collectives issued after each ready call "
+            f"{sent_after}, expected {expected_sent_after[rank]}")
+        for i, g in enumerate(grads):
+            assert torch.equal(g, torch.full_like(g, 3.0 * (i + 1))), \
+                f"rank {rank}: t{i}'s gradient is {g.tolist()}, the sum over ranks is {3.0 * (i + 1)} everywhere"
+        assert twice is not None and "t4" in twice, \
+            f"rank {rank}: ready() twice for t4 in one backward must raise a RuntimeError naming it, got {twice!r}"
+
+
+# --- tied, frozen and unused parameters -----------------------------------------------------------
+
+class UsesLayer1Twice(m00.MonolithMLP):
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = F.relu(layer(x))
+            if i == 1:
+                x = F.relu(layer(x))  # the same weights again: one parameter, two contributions to its gradient
+        return self.head(x)
+
+
+class SkipsLayer2(m00.MonolithMLP):
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            if i != 2:
+                x = F.relu(layer(x))
+        return self.head(x)
+
+
+def build(cls, freeze_first=False):
+    torch.manual_seed(MLP.seed)
+    model = cls(MLP).to(f64)
+    if freeze_first:
+        model.layers[0].requires_grad_(False)
+    return model
+
+
+def _edge_cases():
+    group = late_group()
+    results = {}
+    for case, cls, freeze in (("tied", UsesLayer1Twice, False), ("frozen", m00.MonolithMLP, True)):
+        model = build(cls, freeze)
+        ddp = dp.replicate(model, group, CAP)
+        optimizer = torch.optim.AdamW(ddp.parameters(), lr=LR)
+        for step in range(STEPS):
+            ts.train_step(ddp, model, *mlp_batch(step), 1, optimizer)
+        results[case] = [p.detach().clone() for p in model.parameters()]
+    model = build(SkipsLayer2)
+    ddp = dp.replicate(model, group, CAP)
+    try:
+        ts.train_step(ddp, model, *mlp_batch(0), 1, torch.optim.AdamW(ddp.parameters(), lr=LR))
+        results["unused"] = None
+    except RuntimeError as exc:
+        results["unused"] = str(exc)
+    return results
+
+
+@pytest.mark.exercises("DataParallel.finish", "DataParallel.ready", "DataParallel.launch", "assign_buckets",
+                        "broadcast_from_first", "train_step")
+def test_tied_and_frozen_weights_train_as_one_process_and_an_unused_one_is_named():
+    expected = {"tied": one_process(build(UsesLayer1Twice))[-1], "frozen": one_process(build(m00.MonolithMLP, True))[-1]}
+    for rank, results in enumerate(run_ranks(_edge_cases, 2, timeout=60)):
+        for case in ("tied", "frozen"):
+            gap = worst(results[case], expected[case])
+            assert gap <= TOLERANCE, beyond(f"rank {rank}, a {case} weight: the weights after {STEPS} steps", gap)
+        message = results["unused"]
+        assert message is not None, f"rank {rank}: layer 2 gets no gradient, yet the step went through"
+        assert "layers.2.weight" in message and "layers.2.bias" in message and "\n" not in message, \
+            f"rank {rank}: the error must name layers.2.weight and layers.2.bias, on one line; got {message!r}"
+        assert "requires_grad" in message, f"rank {rank}: the error must say the fix (requires_grad_): {message!r}"
+
+
+# --- module 06's Llama: gradients handed over block by block --------------------------------------
+
+CFG = LlamaConfig(dim=32, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=48, n_layers=4, max_seq_len=16)
+BATCH = 8
+BLOCK_CAP = 60_000  # a block is 7,744 float64 values (61,952 bytes): about one bucket per block
+
+
+def _llama(mesh_sizes, n_microbatches):
+    group = late_group(mesh_sizes)
+    model = ts.DataParallelLlama(CFG, group, BLOCK_CAP, seed=0, dtype=f64)
+    handed_over = {}  # block -> collectives issued before its gradients were handed over (first step, last micro-step)
+    original = model.on_block_grads
+
+    def recorded(layer, grads):
+        if not losses:
+            handed_over[layer] = len(group.collectives.log)
+        original(layer, grads)
+    model.on_block_grads = recorded
+    optimizer = torch.optim.AdamW(model.ddp.parameters(), lr=3e-3, weight_decay=0.0)
+    losses, data, generator = [], load_text(), torch.Generator().manual_seed(0)
+    del group.collectives.log[:]
+    for _ in range(STEPS):
+        tokens, targets = random_batch(data, BATCH, CFG.max_seq_len, generator)
+        losses.append(model.train_step(tokens, targets, n_microbatches, optimizer))
+        check_waited(group)
+    first_bucket = next(i for i, r in enumerate(group.collectives.log) if r.label == "bucket 0")
+    return (group.ranks, losses, [t.clone() for t in model.parameters()], handed_over, first_bucket,
+            len(model.ddp.buckets))
+
+
+@pytest.mark.exercises("DataParallelLlama.on_block_grads",
+                        "DataParallel.ready",
+                        "DataParallel.launch",
+                        "DataParallel.finish",
+                        "assign_buckets",
+                        "broadcast_from_first",
+                        "global_token_count")
+@pytest.mark.parametrize("mesh, world_size, n_microbatches", [(None, 2, 2), ({"d": 2, "t": 2}, 4, 1)],
+                         ids=["2-ranks-2-microbatches", "mesh-d2-t2"])
+def test_module_06_llama_hands_each_block_to_the_buckets(mesh, world_size, n_microbatches):
+    reference_model, reference_losses = m06.train(CFG, STEPS, BATCH, lr=3e-3, dtype=f64)
+    expected = reference_model.parameters()
+    for rank, (ranks, losses, weights, handed_over, first_bucket, n_buckets) in enumerate(
+            run_ranks(_llama, world_size, mesh, n_microbatches, timeout=90)):
+        if mesh:
+            assert ranks == (rank % 2, rank % 2 + 2), f"rank {rank}: its d group is {ranks}"
+        assert n_buckets > CFG.n_layers, f"expected a bucket per block at least, got {n_buckets}"
+        gap = max(abs(a - b) for a, b in zip(losses, reference_losses))
+        assert gap <= TOLERANCE, beyond(f"rank {rank}: the losses {losses}", gap)
+        gap = worst(weights, expected)
+        assert gap <= TOLERANCE, beyond(f"rank {rank}: the weights after {STEPS} steps", gap)
+        assert first_bucket < handed_over[0], (
+            f"rank {rank}: bucket 0 was sent as collective {first_bucket}, after block 0's gradients were handed over "
+            f"(collective {handed_over[0]}): block 3's bucket should leave while blocks 2 .. 0 compute")
+
+
+# --- bad input: one line, before any process starts (given code) ----------------------------------
+
+@pytest.mark.given
+@pytest.mark.parametrize("options, message", [
+    (["--bucket-mb", "0"], "--bucket-mb must be a positive number of MiB, got 0"),
+    (["--bucket-mb", "-1"], "--bucket-mb must be a positive number of MiB, got -1"),
+    (["--zero", "3"], "--zero must be a ZeRO stage, 0, 1 or 2, got 3"),
+    (["--nproc", "3"], "--batch 8 must be divisible by d = --nproc 3"),
+    (["--microbatches", "0"], "--microbatches and --layers must be at least 1"),
+    (["--microbatches", "3"], "do not split into --microbatches 3 equal microbatches"),
+])
+def test_bad_run_options_give_one_line_before_any_rank_starts(options, message, capsys, monkeypatch):
+    import main
+    monkeypatch.setattr("course.launch.run_ranks", lambda *a, **k: pytest.fail("ranks started before the check"))
+    with pytest.raises(SystemExit) as exit_:
+        main.parse(["run", "14", *options])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and message in err and "Traceback" not in err, err
+
+
+@pytest.mark.given
+def test_bad_cap_and_stage_are_refused_by_the_given_checks():
+    with pytest.raises(ValueError, match="bucket cap must be a positive number of bytes, got 0"):
+        reference("m14_buckets").assign_buckets([torch.zeros(3)], 0)
+    with pytest.raises(ValueError, match="ZeRO stage 1 or 2, got 3"):
+        reference("m14_zero").ZeroDataParallel([], None, 1, stage=3)

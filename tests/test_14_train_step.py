@@ -1,0 +1,110 @@
+"""Module 14 gradient accumulation: d ranks x m micro-steps against one process on the whole batch,
+with microbatches that hold different numbers of real (not padded) tokens.
+
+Reference: course/reference_llama.py's ModularLlama (autograd) trained in one process on the whole
+global batch, its loss F.cross_entropy(..., ignore_index=-100): the mean over every real token.
+
+Every (d, m) with d m = 4 cuts the global batch of 8 sequences into the same 4 microbatches of 2
+sequences; microbatch j has 0, 5, 11 and 15 of its 16 targets padded (one sequence's tail each),
+so a loss averaged per microbatch weighs their tokens 1, 16/11, 16/5 and 16 times over: a
+different loss, and different weights after a step.
+
+Tolerance. The ranks and micro-steps sum each gradient in another order than one process: in
+float64 (measured, torch 2.13 CPU, 3 AdamW steps) the weights stay within 2.4e-16 of one process
+and the losses within 4.5e-16. We allow 1e-12. The per-microbatch mean misses by about 1e-3.
+"""
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from course.impl import load, reference
+from course.launch import run_ranks
+from course.mesh import world_group
+from course.reference_llama import ModularLlama
+
+dp = load("m14_data_parallel")
+ts = load("m14_train_step")
+LlamaConfig = reference("m06_llama_block").LlamaConfig
+
+f64 = torch.float64
+CFG = LlamaConfig(dim=16, n_heads=2, n_kv_heads=1, head_dim=8, ffn_dim=32, vocab_size=32, n_layers=2, max_seq_len=8)
+BATCH, STEPS, LR, TOLERANCE = 8, 3, 1e-2, 1e-12
+CAP = 2000  # about one bucket per linear layer pair: several buckets
+PADDED = [0, 5, 11, 15]  # padded targets in each pair of sequences (microbatch j: sequences 2j, 2j + 1)
+
+
+def build() -> ModularLlama:
+    torch.manual_seed(0)
+    return ModularLlama(CFG, f64)
+
+
+def global_batch(step: int):
+    """8 sequences of 8 tokens; the last PADDED[j] targets of the pair 2j, 2j + 1 (read end to end) are
+    IGNORE_INDEX: sequence 2j + 1's tail, and sequence 2j's too when PADDED[j] > 8."""
+    g = torch.Generator().manual_seed(step)
+    tokens = torch.randint(0, CFG.vocab_size, (BATCH, CFG.max_seq_len), generator=g)
+    targets = torch.randint(0, CFG.vocab_size, (BATCH, CFG.max_seq_len), generator=g)
+    pairs = targets.view(BATCH // 2, 2 * CFG.max_seq_len)  # the 2 sequences of each pair end to end
+    for j, n in enumerate(PADDED):
+        if n:
+            pairs[j, -n:] = ts.IGNORE_INDEX
+    return tokens, targets
+
+
+def one_process():
+    model = build()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for step in range(STEPS):
+        tokens, targets = global_batch(step)
+        optimizer.zero_grad()
+        logits = model(tokens)
+        loss = F.cross_entropy(logits.reshape(-1, CFG.vocab_size), targets.reshape(-1), ignore_index=-100)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return [p.detach().clone() for p in model.parameters()], losses
+
+
+def _accumulate(n_microbatches):
+    group = world_group()
+    model = build()
+    ddp = dp.replicate(model, group, CAP)
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=LR)
+    forwards = []  # collectives issued before each micro-step's forward
+    model.register_forward_pre_hook(lambda module, args: forwards.append(len(group.collectives.log)))
+    del group.collectives.log[:]
+    losses = [ts.train_step(ddp, model, *global_batch(step), n_microbatches, optimizer) for step in range(STEPS)]
+    buckets = [i for i, record in enumerate(group.collectives.log) if record.label.startswith("bucket")]
+    return [p.detach().clone() for p in model.parameters()], losses, forwards, buckets, len(ddp.buckets)
+
+
+@pytest.mark.exercises("train_step",
+                        "global_token_count",
+                        "DataParallel.ready",
+                        "DataParallel.launch",
+                        "DataParallel.finish",
+                        "assign_buckets",
+                        "broadcast_from_first")
+@pytest.mark.parametrize("world_size, n_microbatches", [(1, 4), (2, 2), (4, 1)])
+def test_accumulation_over_uneven_microbatches_equals_one_process(world_size, n_microbatches):
+    expected, expected_losses = one_process()
+    for rank, (weights, losses, forwards, buckets, n_buckets) in enumerate(
+            run_ranks(_accumulate, world_size, n_microbatches, timeout=60)):
+        where = f"rank {rank} of d={world_size}, m={n_microbatches}"
+        gap = max(abs(a - b) for a, b in zip(losses, expected_losses, strict=True))
+        assert gap <= TOLERANCE, (f"{where}: losses {losses}, one process {expected_losses}: the step's loss is the "
+                                  f"mean over every real token of the global batch")
+        gap = max((a - b).abs().max().item() for a, b in zip(weights, expected, strict=True))
+        assert gap <= TOLERANCE, (
+            f"{where}: the weights after {STEPS} steps differ by {gap:.2e} from one process on the whole batch "
+            f"(tolerance {TOLERANCE:g}); microbatches hold 16, 11, 5 and 1 real tokens: each microbatch's summed "
+            f"loss is divided by the step's global count, not averaged on its own")
+        assert len(forwards) == STEPS * n_microbatches and len(buckets) == STEPS * n_buckets, \
+            f"{where}: {len(buckets)} buckets sent in {STEPS} steps of {n_buckets} buckets: each once a step"
+        for position in buckets:
+            micro_step = sum(start <= position for start in forwards) - 1
+            assert micro_step % n_microbatches == n_microbatches - 1, (
+                f"{where}: a bucket was sent during micro-step {micro_step % n_microbatches}; gradient accumulation "
+                f"sends only during the last one, {n_microbatches - 1} (no_sync() around the others)")
