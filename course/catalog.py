@@ -61,5 +61,5 @@ MODULES = {m.number: m for m in [
     Module("12", "Tensor and sequence parallelism: the block split by heads and FFN width, the vocabulary too", 2,
            ("m12_tp_linear", "m12_tp_block", "m12_vocab_parallel", "m12_tp_model", "m12_tp_costs")),
     Module("13", "2-D sharding in named axes: the Llama over a d x t mesh, FSDP over d and Megatron over t", 4,
-           ("m13_named_axes", "m13_llama_2d", "m13_costs")),
+           ("m13_specs", "m13_named_axes", "m13_llama_2d", "m13_costs")),
 ]}
