@@ -25,70 +25,75 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
 
 from course.bench import llama_config, report, require_positive
 from course.costs import measured_cost
-from course.dataset import load_text, random_batch
 from course.impl import load, reference
 from course.launch import run_ranks
 from course.mesh import world_group
 from course.splits import check_splits
+from course.timing import StepTimer
 from course.reference_fsdp import fsdp2_llama
+
+
+class Ours:
+    """Our FSDPLlama as module 06's fit drives it, noting after each step the bytes it keeps:
+    its shards' and replicated weights, their gradients and AdamW's two moments."""
+
+    def __init__(self, model):
+        self.model, self.cfg, self.state = model, model.cfg, 0
+
+    def parameters(self):
+        return self.model.parameters()
+
+    def train_step(self, tokens, targets, n_microbatches, optimizer):
+        loss = self.model.train_step(tokens, targets, n_microbatches, optimizer)  # the global batch
+        self.state = _bytes(self.parameters(), self.model.grads(), optimizer)
+        return loss
+
+
+class FSDP2:
+    """PyTorch's FSDP2 on the nn.Module reference, as module 06's fit drives a model: train_step on
+    the global batch (this rank's rows), returning the global batch's mean loss."""
+
+    def __init__(self, cfg, dp):
+        self.cfg, self.dp, self.state = cfg, dp, 0
+        self.root = fsdp2_llama(reference("m06_llama_model").LlamaModel(cfg))
+
+    def parameters(self):
+        return list(self.root.parameters())
+
+    def train_step(self, tokens, targets, n_microbatches, optimizer):
+        rows = tokens.shape[0] // self.dp.size
+        mine = slice(self.dp.index * rows, (self.dp.index + 1) * rows)
+        loss = self.root(tokens[mine], targets[mine])  # this rank's rows' mean loss
+        loss.backward()  # FSDP2 averages the gradients over the ranks
+        optimizer.step()
+        self.state = _bytes(self.parameters(), [p.grad for p in self.parameters()], optimizer)  # before zero_grad
+        optimizer.zero_grad()
+        return _mean_over_ranks(loss.item())
 
 
 def _run(cfg, steps, batch, lr, which):
     torch.manual_seed(0)
-    # The batches and the FSDP2 row's initial weights come from the reference (given code either way):
-    # what ours is compared with must not change with the code measured.
-    ref06 = reference("m06_llama_model")
+    # The loop and its batches (module 06's fit) and the FSDP2 row's initial weights come from the
+    # reference (given code either way): what ours is compared with must not change with the code measured.
     dp = world_group("d")  # every rank of the job: one data-parallel group
-    data, generator = load_text(), torch.Generator().manual_seed(0)
-    buffers = 0
+    timer = StepTimer(dp.collectives.log)
     if which == "ours":
-        model = load("m07_fsdp").FSDPLlama(cfg, dp)  # the implementation measured
-        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-        param_bytes = sum(p.nbytes for p in model.parameters())
-        buffers = sum(b.flat.nbytes for b in model.weights.buffers)
-
-        def step(tokens, targets):  # the global batch: the model takes its rows
-            return model.train_step(tokens, targets, 1, optimizer)
-
-        def state_bytes():  # the shards' and replicated weights' state
-            return _bytes(model.parameters(), model.grads(), optimizer)
+        model = Ours(load("m07_fsdp").FSDPLlama(cfg, dp))  # the implementation measured
+        params, buffers = model.parameters(), sum(b.flat.nbytes for b in model.model.weights.buffers)
+        param_bytes = sum(p.nbytes for p in params)
     else:
-        root = fsdp2_llama(ref06.LlamaModel(cfg))
-        optimizer = torch.optim.AdamW(root.parameters(), lr=lr, weight_decay=0.0)
-        param_bytes = sum(p.to_local().nbytes for p in root.parameters())
-        rows = batch // dp.size
-        mine = slice(dp.index * rows, (dp.index + 1) * rows)
-
-        def step(tokens, targets):
-            loss = root(tokens[mine], targets[mine])  # this rank's rows' mean loss
-            loss.backward()
-            optimizer.step()
-            kept["state"] = state_bytes()  # before zero_grad frees the gradients
-            optimizer.zero_grad()
-            return _mean_over_ranks(loss.item())
-
-        def state_bytes():  # every parameter sharded: this rank's slices of weights, gradients, AdamW state
-            return _bytes(list(root.parameters()), [p.grad for p in root.parameters()], optimizer)
-    times, losses, kept = [], [], {}
-    log = dp.collectives.log
-    for i in range(steps + 1):
-        tokens, targets = random_batch(data, batch, cfg.max_seq_len, generator)
-        if i == 1:
-            first_step = len(log)  # one step's calls: the warm-up's (every step issues the same)
-        dist.barrier()
-        began = time.perf_counter()
-        losses.append(step(tokens, targets))
-        times.append(time.perf_counter() - began)
-    return {"times": times[1:], "loss": losses[-1], "param_bytes": param_bytes, "buffers": buffers,
-            "state_bytes": kept["state"] if "state" in kept else state_bytes(),
-            "cost": measured_cost(log[:first_step]) if which == "ours" else None}
+        model, buffers = FSDP2(cfg, dp), 0
+        param_bytes = sum(p.to_local().nbytes for p in model.parameters())
+    reference("m06_llama_model").fit(model, steps + 1, batch, lr, on_step=timer)  # the first step: a warm-up
+    cost = measured_cost(dp.collectives.log[:timer.calls[0]]) if which == "ours" else None  # each step the same
+    return {"times": timer.times[1:], "loss": timer.losses[-1], "param_bytes": param_bytes, "buffers": buffers,
+            "state_bytes": model.state, "cost": cost}
 
 
 def _mean_over_ranks(value: float) -> float:

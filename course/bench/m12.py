@@ -45,6 +45,7 @@ from course.impl import load, reference
 from course.launch import run_ranks
 from course.mesh import world_group
 from course.splits import check_splits
+from course.timing import StepTimer
 
 PARTS = ("traffic", "overlap", "accumulation")
 
@@ -54,36 +55,38 @@ PARTS = ("traffic", "overlap", "accumulation")
 def _train_ours(cfg, sequence_parallel, steps, batch):
     tp = world_group("t")  # every rank of the job: one tensor-parallel group
     model = load("m12_tp_model").TPLlama(cfg, tp, sequence_parallel=sequence_parallel)  # the code measured
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
-    data, generator = load_text(), torch.Generator().manual_seed(0)
-    batches = [random_batch(data, batch, cfg.max_seq_len, generator) for _ in range(steps + 1)]
-    kept = measured_activations(model, *batches[0])  # train_step zeroes the gradients it leaves
-    log, times, losses = tp.collectives.log, [], []
-    for step, (tokens, targets) in enumerate(batches):
-        if step == 1:
-            log.clear()  # count a timed step: the first, every step issues the same
-        dist.barrier()
-        began = time.perf_counter()
-        losses.append(model.train_step(tokens, targets, 1, optimizer))
-        times.append(time.perf_counter() - began)
-    return {"times": times[1:], "loss": losses[-1], "kept": kept, "cost": measured_cost(log[:len(log) // steps])}
+    first = random_batch(load_text(), batch, cfg.max_seq_len, torch.Generator().manual_seed(0))  # fit's first
+    kept = measured_activations(model, *first)  # train_step zeroes the gradients it leaves
+    tp.collectives.log.clear()
+    timer = StepTimer(tp.collectives.log)
+    reference("m06_llama_model").fit(model, steps + 1, batch, on_step=timer)  # module 06's loop; a warm-up first
+    return {"times": timer.times[1:], "loss": timer.losses[-1], "kept": kept,
+            "cost": measured_cost(tp.collectives.log[:timer.calls[0]])}  # every step issues the same
+
+
+class DTensorModel:
+    """DTensor's tensor parallelism on the nn.Module reference, as module 06's fit drives a model."""
+
+    def __init__(self, cfg, sequence_parallel):
+        from course.reference_tp import dtensor_llama
+        self.cfg = cfg
+        self.llama = dtensor_llama(reference("m06_llama_model").LlamaModel(cfg), sequence_parallel)
+
+    def parameters(self):
+        return self.llama.parameters()
+
+    def train_step(self, tokens, targets, n_microbatches, optimizer):
+        from course.reference_tp import dtensor_loss
+        loss = dtensor_loss(self.llama, tokens, targets)  # forward and backward
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
 
 
 def _train_dtensor(cfg, sequence_parallel, steps, batch):
-    from course.reference_tp import dtensor_llama, dtensor_loss
-    llama = dtensor_llama(reference("m06_llama_model").LlamaModel(cfg), sequence_parallel)
-    optimizer = torch.optim.AdamW(llama.parameters(), lr=3e-3, weight_decay=0.0)
-    data, generator = load_text(), torch.Generator().manual_seed(0)
-    times, losses = [], []
-    for _ in range(steps + 1):
-        tokens, targets = random_batch(data, batch, cfg.max_seq_len, generator)
-        dist.barrier()
-        began = time.perf_counter()
-        losses.append(dtensor_loss(llama, tokens, targets))
-        optimizer.step()
-        optimizer.zero_grad()
-        times.append(time.perf_counter() - began)
-    return {"times": times[1:], "loss": losses[-1]}
+    timer = StepTimer()
+    reference("m06_llama_model").fit(DTensorModel(cfg, sequence_parallel), steps + 1, batch, on_step=timer)
+    return {"times": timer.times[1:], "loss": timer.losses[-1]}
 
 
 def traffic_rows(args) -> list[dict]:

@@ -23,10 +23,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
-import torch.distributed as dist
 import torch.distributed.fsdp  # noqa: F401  imported once here, not in every forked rank
 import torch.distributed.tensor.parallel  # noqa: F401
 
@@ -36,56 +34,60 @@ from course.dataset import load_text, random_batch
 from course.impl import load, reference
 from course.launch import run_ranks
 from course.mesh import init_mesh, parse_mesh
+from course.timing import StepTimer
+
+
+class Stepping:
+    """A model as module 06's fit drives it, noting after each step the bytes this rank keeps: its
+    weights, their gradients and AdamW's two moments (before any zero_grad frees the gradients)."""
+
+    def __init__(self, cfg, step, params, zero_grad: bool = False):
+        self.cfg, self.step, self.params, self.zero_grad = cfg, step, params, zero_grad
+        self.state, self.optimizer = 0, None
+
+    def parameters(self):
+        return self.params
+
+    def train_step(self, tokens, targets, n_microbatches, optimizer):
+        loss = self.step(tokens, targets, n_microbatches, optimizer)
+        self.state, self.optimizer = _state_bytes(self.params, optimizer), optimizer
+        if self.zero_grad:  # PyTorch's backward adds into .grad: clear it for the next step
+            optimizer.zero_grad()
+        return loss
 
 
 def _run(cfg, mesh_shape, steps, batch, lr, which):
     torch.manual_seed(0)
     d, t = mesh_shape
-    m06 = reference("m06_llama_model")  # the initial weights of PyTorch's row: given code either way
-    data, generator = load_text(), torch.Generator().manual_seed(0)
+    m06 = reference("m06_llama_model")  # the loop, and the initial weights of PyTorch's row: given code either way
     log = []
     if which == "ours":
         mesh = init_mesh({"d": d, "t": t})
         log = mesh.log
-        model = load("m13_llama_2d").Llama2D(cfg, mesh)  # the implementation measured
-        params = model.parameters()
-        optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-
-        def step(tokens, targets):
-            return model.train_step(tokens, targets, 1, optimizer)
+        ours = load("m13_llama_2d").Llama2D(cfg, mesh)  # the implementation measured
+        model = Stepping(cfg, ours.train_step, ours.parameters())
     else:
         from course.reference_2d import TorchCollectiveLog, fsdp_tp_llama, loss_and_backward
         llama, device_mesh = fsdp_tp_llama(m06.LlamaModel(cfg), d, t)
-        params = list(llama.parameters())
-        optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
 
-        def step(tokens, targets):
+        def step(tokens, targets, n_microbatches, optimizer):
             loss = loss_and_backward(llama, device_mesh, tokens, targets)
             optimizer.step()
             return loss
-    times, losses = [], []
-    for i in range(steps + 1):
-        tokens, targets = random_batch(data, batch, cfg.max_seq_len, generator)
-        if i == 1:
-            first_step = len(log)  # one step's calls: the warm-up's (every step issues the same)
-        dist.barrier()
-        began = time.perf_counter()
-        losses.append(step(tokens, targets))
-        times.append(time.perf_counter() - began)
-        if which != "ours":
-            state = _state_bytes(params, optimizer)  # before zero_grad frees the gradients
-            optimizer.zero_grad()
+        model = Stepping(cfg, step, list(llama.parameters()), zero_grad=True)
+    timer = StepTimer(log)
+    m06.fit(model, steps + 1, batch, lr, on_step=timer)  # the first step: a warm-up
     if which == "ours":
-        state = _state_bytes(params, optimizer)
-        sent = measured_cost(log[:first_step])
+        sent = measured_cost(log[:timer.calls[0]])  # every step issues the same: the first one's
     else:  # one more step, untimed: the dispatch mode that counts would slow the timed ones
         counter = TorchCollectiveLog()
         with counter:
-            step(*random_batch(data, batch, cfg.max_seq_len, generator))
+            model.train_step(*random_batch(load_text(), batch, cfg.max_seq_len, torch.Generator().manual_seed(1)), 1,
+                             model.optimizer)
         sent = measured_cost(counter.log)
         if counter.unknown:  # a collective it could not read: no total rather than a wrong one
             sent = f"? ({', '.join(sorted(counter.unknown))})"
-    return {"times": times[1:], "loss": losses[-1], "state": state, "sent": sent}
+    return {"times": timer.times[1:], "loss": timer.losses[-1], "state": model.state, "sent": sent}
 
 
 def _whole(x: float):
