@@ -3,10 +3,10 @@
     residual x ─ RMSNorm ─ enter ─ q, k, v (column) ─ RoPE, attention ─ o (row) ─ leave ─ + ─ h
     h ─ RMSNorm ─ enter ─ gate, up (column) ─ SwiGLU ─ down (row) ─ leave ─ + ─ y
 
-Rank r of t keeps query heads [r H/t, (r+1) H/t) and key/value heads [r K/t, (r+1) K/t): exactly
-the key/value heads its query heads read (query head h reads key/value head h // (H / K)), so
-attention needs no communication at all. The FFN keeps hidden units [r F/t, (r+1) F/t): SwiGLU is
-elementwise. Each half of the block is one enter/leave pair (m12_tp_linear): without sequence
+The rank at place i_t of the group (`tp.index`) keeps query heads [i_t H/t, (i_t+1) H/t) and
+key/value heads [i_t K/t, (i_t+1) K/t): exactly the key/value heads its query heads read (query
+head h reads key/value head h // (H / K)), so attention needs no communication at all. The FFN
+keeps hidden units [i_t F/t, (i_t+1) F/t): SwiGLU is elementwise. Each half of the block is one enter/leave pair (m12_tp_linear): without sequence
 parallelism two all-reduces a block in each direction; with it, two all-gathers and two
 reduce-scatters forward, and in the backward the same plus the re-gathers of the two inputs. The
 norms and residual adds run on the whole stream, replicated, or with sequence parallelism on this
@@ -36,17 +36,17 @@ from .m12_tp_linear import (column_parallel_backward, column_parallel_forward, r
 def shard_block_weights(w: BlockWeights, cfg: LlamaConfig, tp: Group) -> BlockWeights:
     """This rank's slices of a whole block's weights (copies, contiguous, so the whole block can go).
 
-    Column-parallel wq, wk, wv, w_gate, w_up: rank r's contiguous block of rows (output features);
+    Column-parallel wq, wk, wv, w_gate, w_up: rank i_t's contiguous block of rows (output features);
     row-parallel wo, w_down: its contiguous block of columns (input features). The norm weights are
     whole on every rank.
     """
     # >>> TODO(m12): slice a block's weights for rank tp.index of tp.size
-    # Contract: rank r holds query heads [r H/t, (r+1) H/t), key/value heads [r K/t, (r+1) K/t) and FFN units
-    #   [r F/t, (r+1) F/t); a head is head_dim consecutive rows of wq/wk/wv (columns of wo). Shapes:
+    # Contract: rank i_t = tp.index holds query heads [i_t H/t, (i_t+1) H/t), key/value heads [i_t K/t,
+    #   (i_t+1) K/t) and FFN units [i_t F/t, (i_t+1) F/t); a head is head_dim consecutive rows of wq/wk/wv (columns of wo). Shapes:
     #   wq (H/t D, dim), wk and wv (K/t D, dim), wo (dim, H/t D), w_gate and w_up (F/t, dim), w_down (dim, F/t).
     # Pitfalls: the key/value slice is not the query slice: with grouped-query attention K < H, and the
     #   key/value heads a rank needs are the ones its query heads read. A column slice is not contiguous.
-    # Hint 1: each weight is cut into t equal blocks along one axis; rank r takes block r.
+    # Hint 1: each weight is cut into t equal blocks along one axis; rank i_t takes block i_t.
     # Hint 2: rows for the column-parallel weights (chunk(t, dim=0)), columns for the row-parallel ones (dim=1).
     # Hint 3: BlockWeights(ln1=..., wq=rows of wq, ..., wo=columns of wo, ...), each .clone(memory_format=
     #       torch.contiguous_format).

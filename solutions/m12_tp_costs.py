@@ -5,8 +5,8 @@ N = B T / m tokens (every rank of the group sees all of them), and a residual-st
 (N, M) of b bytes a value is A = N M b bytes. Per microbatch, for L blocks:
 
   without sequence parallelism   all-reduces of A: 2 per block forward (o, down), 2 per block
-                                 backward (q/k/v, gate/up), 1 for the embedding, 1 for the LM head's
-                                 input gradient: 4L + 2
+                                 backward (the inputs of q, k, v and of gate, up), 1 for the
+                                 embedding, 1 for the LM head's input gradient: 4L + 2
   with sequence parallelism      each of those becomes a reduce-scatter or an all-gather of A, and
                                  the backward gathers each column-parallel input again:
                                  all-gathers 6L + 3, reduce-scatters 4L + 2

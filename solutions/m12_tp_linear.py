@@ -1,13 +1,15 @@
 """Module 12, part 1 - tensor-parallel linears: Megatron's column and row split, and the two
 conjugate operators that connect them to the residual stream.
 
-t ranks (one tensor-parallel group, a `course.mesh.Group`: `tp.index`, `tp.size`, `tp.collectives`) share
-every linear layer y = x W^T, W (out, in):
+t ranks (one tensor-parallel group, a `course.mesh.Group`: `tp.index` = i_t, `tp.size` = t,
+`tp.collectives`) share every linear layer y = x W^T, W (out, in):
 
-  column-parallel   rank r keeps rows r of W (a slice of the output features) and computes its
-                    slice of y from the whole input x. No sum is needed; the input must be whole.
-  row-parallel      rank r keeps columns r of W (a slice of the input features) and multiplies its
-                    slice of x: a partial product, and y is the sum of the t partials.
+  column-parallel   the rank at place i_t keeps block i_t of W's rows (a slice of the output
+                    features) and computes its slice of y from the whole input x. No sum is
+                    needed; the input must be whole.
+  row-parallel      the rank at place i_t keeps block i_t of W's columns (a slice of the input
+                    features) and multiplies its slice of x: a partial product, and y is the sum
+                    of the t partials.
 
 Column then row (q, k, v then o; gate, up then down) needs nothing in between: the column output's
 slice is exactly the row input's slice. Two operators connect such a pair to the residual stream,
@@ -74,7 +76,7 @@ def enter_tp_forward(x: torch.Tensor, tp: Group, sequence_parallel: bool, label:
     # >>> TODO(m12): f forward: identity, or an all-gather along the sequence
     # Contract: return an InFlight whose wait() gives the whole (B, T, dim) input. With async_op=True the
     #   collective is only started (the column-parallel backward gathers while it computes).
-    # Pitfalls: rank r's shard is sequence positions [r T/t, (r+1) T/t): gather along SEQUENCE_DIM, not the
+    # Pitfalls: rank i_t's shard is sequence positions [i_t T/t, (i_t+1) T/t): gather along SEQUENCE_DIM, not the
     #   batch. Gather into a new tensor, never into x.
     # Hint 1: without sequence parallelism there is nothing to send: wrap x itself.
     # Hint 2: tp.collectives.all_gather(output, shard, label, async_op=..., dim=SEQUENCE_DIM) fills output

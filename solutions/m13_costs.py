@@ -8,8 +8,8 @@ a microbatch, and A = N M b bytes in one residual-stream activation. One block's
 P = 2 H D M + 2 K D M + 3 F M values.
 
 Bytes sent. With the ring algorithms (course/collectives.py's `sent_bytes`), one rank sends, for
-an all-gather or a reduce-scatter over n ranks, (n - 1) times its block; for an all-reduce of S
-bytes, 2 (n - 1) / n S. A rank's block of a matrix split over both axes is 1/(d t) of it. Reading
+an all-gather or a reduce-scatter over n ranks, (n - 1) times its block; for an all-reduce,
+2 (n - 1) / n of its tensor. A rank's block of a matrix split over both axes is 1/(d t) of it. Reading
 the equations of one microbatch (a step repeats them m times), by axis and kind of collective:
 
   over d, all-gathers      each block's 7 matrices in the forward and again in the backward, the

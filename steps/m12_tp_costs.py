@@ -1,5 +1,5 @@
 # Generated from solutions/m12_tp_costs.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 12`. (skeleton d62d64deba20)
+# Grade your work with `python main.py grade 12`. (skeleton 5c09cc57ad0e)
 """Module 12, part 5 - what tensor and sequence parallelism cost: bytes sent and activations kept.
 
 Traffic. A global batch of B sequences of T tokens in m microbatches: one microbatch holds
@@ -7,8 +7,8 @@ N = B T / m tokens (every rank of the group sees all of them), and a residual-st
 (N, M) of b bytes a value is A = N M b bytes. Per microbatch, for L blocks:
 
   without sequence parallelism   all-reduces of A: 2 per block forward (o, down), 2 per block
-                                 backward (q/k/v, gate/up), 1 for the embedding, 1 for the LM head's
-                                 input gradient: 4L + 2
+                                 backward (the inputs of q, k, v and of gate, up), 1 for the
+                                 embedding, 1 for the LM head's input gradient: 4L + 2
   with sequence parallelism      each of those becomes a reduce-scatter or an all-gather of A, and
                                  the backward gathers each column-parallel input again:
                                  all-gathers 6L + 3, reduce-scatters 4L + 2

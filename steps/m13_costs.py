@@ -1,5 +1,5 @@
 # Generated from solutions/m13_costs.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 13`. (skeleton 07efa1c65716)
+# Grade your work with `python main.py grade 13`. (skeleton 170e4cf12411)
 """Module 13, part 4 - what the 2-D model costs, read off its equations: bytes sent and bytes kept.
 
 Notation (docs/glossary.md): d x t ranks; L blocks; M the width, F the FFN width, K key/value heads,
@@ -10,8 +10,8 @@ a microbatch, and A = N M b bytes in one residual-stream activation. One block's
 P = 2 H D M + 2 K D M + 3 F M values.
 
 Bytes sent. With the ring algorithms (course/collectives.py's `sent_bytes`), one rank sends, for
-an all-gather or a reduce-scatter over n ranks, (n - 1) times its block; for an all-reduce of S
-bytes, 2 (n - 1) / n S. A rank's block of a matrix split over both axes is 1/(d t) of it. Reading
+an all-gather or a reduce-scatter over n ranks, (n - 1) times its block; for an all-reduce,
+2 (n - 1) / n of its tensor. A rank's block of a matrix split over both axes is 1/(d t) of it. Reading
 the equations of one microbatch (a step repeats them m times), by axis and kind of collective:
 
   over d, all-gathers      each block's 7 matrices in the forward and again in the backward, the
