@@ -127,11 +127,10 @@ def chunked_cross_entropy(x: torch.Tensor, w_head: torch.Tensor, targets: torch.
         safe = torch.where(real, t_chunk, 0)
         logits = (x_chunk @ w_head.t()).to(loss.dtype)
         lse = torch.logsumexp(logits, dim=-1)
-        loss += (lse - logits.gather(1, safe.unsqueeze(1)).squeeze(1))[real].sum()
+        loss += torch.where(real, lse - logits.gather(1, safe.unsqueeze(1)).squeeze(1), 0).sum()
         dlogits = torch.exp(logits - lse.unsqueeze(1))
         dlogits[torch.arange(stop - start, device=x.device), safe] -= 1
-        dlogits[~real] = 0
-        dlogits = (dlogits / n_tokens).to(x.dtype)
+        dlogits = (dlogits.masked_fill(~real.unsqueeze(1), 0) / n_tokens).to(x.dtype)
         dx[start:stop] = dlogits @ w_head
         dw += dlogits.t() @ x_chunk
         # <<<

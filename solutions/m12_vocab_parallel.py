@@ -146,9 +146,8 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vo
     row = torch.arange(rows, device=logits.device)
     z_y = torch.where(mine, z[row, torch.where(mine, local, 0)], 0.0)
     tp.collectives.all_reduce(z_y, "loss target")
-    loss = (torch.log(sum_exp) + z_max - z_y)[real].sum() / n_tokens
+    loss = torch.where(real, torch.log(sum_exp) + z_max - z_y, 0).sum() / n_tokens
     dlogits = exps / sum_exp.unsqueeze(-1)
     dlogits[row[mine], local[mine]] -= 1
-    dlogits[~real] = 0
-    return loss, (dlogits / n_tokens).to(logits.dtype)
+    return loss, (dlogits.masked_fill(~real.unsqueeze(-1), 0) / n_tokens).to(logits.dtype)
     # <<<

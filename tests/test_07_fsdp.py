@@ -191,7 +191,8 @@ def beyond_tolerance(what: str, worst: float) -> str:
                         "FSDPLlama.reduce_scatter_grad",
                         "FSDPLlama.finish_reduce_scatter",
                         "FSDPLlama.accumulate",
-                        "FSDPLlama.reduce_and_step")
+                        "FSDPLlama.reduce_and_step",
+                        "FSDPLlama.train_step")
 @pytest.mark.parametrize("world_size, n_microbatches, batch", [(2, 1, 8), (2, 2, 8), (3, 1, 12), (4, 1, 8), (4, 2, 8)])
 def test_training_matches_single_process_training(world_size, n_microbatches, batch):
     results = run_ranks(_train, world_size, STEPS, n_microbatches, batch, timeout=60)
@@ -410,7 +411,8 @@ def expected_events(layers, n_microbatches, steps):
                         "FSDPLlama.reduce_scatter_grad",
                         "FSDPLlama.finish_reduce_scatter",
                         "FSDPLlama.accumulate",
-                        "FSDPLlama.reduce_and_step")
+                        "FSDPLlama.reduce_and_step",
+                        "FSDPLlama.train_step")
 @pytest.mark.parametrize("n_microbatches", [1, 2])
 def test_calls_and_collectives_come_in_the_expected_order(n_microbatches):
     results = run_ranks(_record_steps, 2, 2, n_microbatches, timeout=30)
@@ -446,7 +448,8 @@ def test_calls_and_collectives_come_in_the_expected_order(n_microbatches):
                         "FSDPLlama.reduce_scatter_grad",
                         "FSDPLlama.finish_reduce_scatter",
                         "FSDPLlama.accumulate",
-                        "FSDPLlama.reduce_and_step")
+                        "FSDPLlama.reduce_and_step",
+                        "FSDPLlama.train_step")
 def test_at_most_two_whole_blocks_exist():
     _, storages, _, padded, blocks, shard_bytes, _ = run_ranks(_record_steps, 2, 2, 2, timeout=30)[0]
     assert len(storages) <= 2, f"get() handed out blocks in {len(storages)} different buffers; double buffering uses 2"
@@ -476,7 +479,8 @@ def test_at_most_two_whole_blocks_exist():
                         "FSDPLlama.reduce_scatter_grad",
                         "FSDPLlama.finish_reduce_scatter",
                         "FSDPLlama.accumulate",
-                        "FSDPLlama.reduce_and_step")
+                        "FSDPLlama.reduce_and_step",
+                        "FSDPLlama.train_step")
 @pytest.mark.parametrize("world_size, n_microbatches, all_gathers, reduce_scatters, payload_bytes", [
     (2, 1, 6, 4, 3872 * 8), (4, 2, 10, 8, 1936 * 8)])
 def test_collectives_per_step_are_the_hand_counted_ones(world_size, n_microbatches, all_gathers, reduce_scatters,
@@ -563,7 +567,8 @@ def _train_fsdp2(steps):
                         "FSDPLlama.reduce_scatter_grad",
                         "FSDPLlama.finish_reduce_scatter",
                         "FSDPLlama.accumulate",
-                        "FSDPLlama.reduce_and_step")
+                        "FSDPLlama.reduce_and_step",
+                        "FSDPLlama.train_step")
 def test_losses_match_pytorch_fsdp2():
     fsdp2, ours = run_ranks(_train_fsdp2, 2, STEPS, timeout=60)[0]
     worst = max(abs(a - b) for a, b in zip(fsdp2, ours))
@@ -608,7 +613,8 @@ def _first_step_gradients_ours_and_fsdp2():
                         "FSDPLlama.reduce_scatter_grad",
                         "FSDPLlama.finish_reduce_scatter",
                         "FSDPLlama.accumulate",
-                        "FSDPLlama.reduce_and_step")
+                        "FSDPLlama.reduce_and_step",
+                        "FSDPLlama.train_step")
 def test_first_step_gradients_match_pytorch_fsdp2():
     # Every gradient after the first step, ours (reduce-scattered shards, gathered whole here) against
     # FSDP2's (sharded DTensors, made whole), float64: the same maths summed in another order, and

@@ -95,6 +95,20 @@ def test_spec_mistakes_are_refused_with_a_message_naming_the_axis(mistake):
     assert message in str(error.value), f"{mistake}: expected a message with {message!r}, got: {error.value}"
 
 
+@pytest.mark.given
+def test_a_spec_may_name_any_axis_of_its_mesh():
+    # course/mesh.py's mesh has axes p, d, c, t (outermost first): a spec on a p x t mesh splits over p and
+    # t, cuts this rank's block by its index along each (rank 3 of p=2 x t=2 is i_p = 1, i_t = 1), and
+    # lists unreduced axes in the mesh's order.
+    mesh = mesh_of_sizes({"p": 2, "t": 2}, rank=3)
+    full = torch.arange(4 * 3 * 6, dtype=f64).reshape(4, 3, 6)
+    x = specs.shard("B/p T M/t", full, mesh)
+    assert torch.equal(x.tensor, full[2:4, :, 3:6]), f"rank 3's block of B/p T M/t: {x.tensor}"
+    assert str(specs.parse_spec("M {U_t,p}", mesh.sizes)) == "M {U_p,t}"
+    with pytest.raises(ValueError, match="unknown mesh axis 'd'"):
+        specs.parse_spec("B/d T", mesh.sizes)
+
+
 def _mesh_of_the_wrong_size():
     init_mesh({"d": 2, "t": 2})
 
