@@ -80,7 +80,7 @@ MODULES = {m.number: m for m in [
     Module("12", "Tensor and sequence parallelism: the block split by heads and FFN width, the vocabulary too", 2,
            ("m12_tp_linear", "m12_tp_block", "m12_vocab_parallel", "m12_tp_model", "m12_tp_costs")),
     Module("13", "2-D sharding in named axes: the Llama over a d x t mesh, FSDP over d and Megatron over t", 4,
-           ("m13_named_axes", "m13_llama_2d", "m13_costs")),
+           ("m13_specs", "m13_named_axes", "m13_llama_2d", "m13_costs")),
     Module("14", "Data parallelism: gradient buckets overlapped with the backward, accumulation, ZeRO-1 and ZeRO-2", 2,
            ("m14_buckets", "m14_data_parallel", "m14_train_step", "m14_zero", "m14_costs")),
     Module("15", "Context parallelism: ring attention, zig-zag balancing, all-gather KV and Ulysses over the sequence",

@@ -75,3 +75,28 @@ def measured_cost(log, memory: dict | None = None) -> StepCost:
         sent[(record.axis, record.op)] += record.sent_bytes
         calls[(record.axis, record.op)] += 1
     return StepCost(dict(sent), dict(calls), dict(memory or {}))
+
+
+def measured_activations(model, tokens, targets) -> int:
+    """Bytes every block's store holds once the forward is done (read as the first block's backward
+    starts), in one forward_backward of `model` on tokens, targets: what its blocks keep for the
+    backward, for memory["activations"]. The model is module 06's or one like it (its `block` makes
+    the stores with new_store() and runs backward()); the gradients it computes are the caller's to
+    discard (a train_step zeroes its accumulators first)."""
+    stores, kept = [], []
+    new_store, backward = model.block.new_store, model.block.backward
+
+    def counted_store():
+        stores.append(new_store())
+        return stores[-1]
+
+    def first_backward(*args, **kwargs):
+        if not kept:
+            kept.append(sum(store.nbytes() for store in stores))
+        return backward(*args, **kwargs)
+    model.block.new_store, model.block.backward = counted_store, first_backward
+    try:
+        model.forward_backward(tokens, targets)
+    finally:
+        del model.block.new_store, model.block.backward  # the class's methods again
+    return kept[0]

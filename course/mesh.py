@@ -56,10 +56,11 @@ class Group:
         return len(self.ranks)
 
 
-def world_group() -> Group:
-    """Every rank of the job, in rank order (the default group)."""
+def world_group(axis: str = "world") -> Group:
+    """Every rank of the job, in rank order (the default group), named `axis` (e.g. "d" when the
+    whole job is one data-parallel group)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    return Group("world", rank, tuple(range(world_size)), Collectives(None, "world", tuple(range(world_size))))
+    return Group(axis, rank, tuple(range(world_size)), Collectives(None, axis, tuple(range(world_size))))
 
 
 def single_group(axis: str = "world") -> Group:

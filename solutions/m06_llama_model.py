@@ -6,7 +6,13 @@ hands them back just after, so later modules can keep the weights elsewhere (sha
 ranks in 07, in host memory in 08) without changing the loop. Here every weight is resident.
 
 The LM head computes its loss and gradient a chunk of tokens at a time: with a real vocabulary,
-the (tokens, vocab) logits are the largest tensor of the whole step, and no chunk needs another's.
+the (N, V) logits are the largest tensor of the whole step, and no chunk needs another's. The loss
+is a sum over the real targets (IGNORE_INDEX marks none) divided by the step's count of real tokens,
+counted once (`real_tokens`), so that every later model, whatever piece of the step a rank holds,
+divides by the same number.
+
+`fit` is the Llama track's one training loop (given): modules 07, 12 and 13 plug their models into
+it through `train_step`.
 """
 from dataclasses import dataclass
 from typing import Protocol
@@ -18,6 +24,7 @@ from .m06_llama_block import ActivationStore, BlockWeights, LlamaBlock, LlamaCon
 from .m06_llama_ops import compute_dtype, rmsnorm_backward, rmsnorm_forward
 
 LOSS_CHUNK = 1024  # tokens per LM-head chunk
+IGNORE_INDEX = -100  # a target that is no token (padding): no loss, no gradient (torch's convention)
 
 
 class WeightSource(Protocol):
@@ -56,49 +63,74 @@ class ResidentWeights:
         pass  # the optimizer updated the only copy in place
 
 
-def chunked_cross_entropy(x: torch.Tensor, w_head: torch.Tensor, targets: torch.Tensor, chunk: int = LOSS_CHUNK):
-    """Mean cross-entropy of logits = x @ w_head.T against targets, with its gradients.
+def real_tokens(targets: torch.Tensor) -> int:
+    """How many targets are real tokens, not IGNORE_INDEX (given): what a step's loss is divided by.
 
-    Returns (loss, dx, dw_head). Tokens are processed `chunk` at a time: for each chunk, the
-    logits, their log-sum-exp, the loss and dlogits = (softmax - onehot) / N exist only while
-    that chunk is processed.
+    Every model of the course divides the loss of each of its pieces (a rank's rows, a microbatch, a
+    slice of the sequence) by the real tokens of the *whole step*, counted once, here: summed over
+    the pieces, the losses and the gradients are then those of the step's mean."""
+    return int((targets != IGNORE_INDEX).sum())
+
+
+def chunked_cross_entropy(x: torch.Tensor, w_head: torch.Tensor, targets: torch.Tensor, chunk: int = LOSS_CHUNK,
+                          n_tokens: int | None = None):
+    """Cross-entropy of logits = x @ w_head.T against targets, summed over the real targets and
+    divided by n_tokens, with its gradients.
+
+    A target equal to IGNORE_INDEX (-100, torch's convention) is no token: it adds nothing to the
+    loss and gets no gradient. n_tokens (default: the real targets given, real_tokens(targets)) is
+    what the sum is divided by: the whole step's count when these tokens are only part of it.
+    Returns (loss, dx, dw_head). Tokens are processed `chunk` at a time: for each chunk, the logits,
+    their log-sum-exp, the loss and dlogits = (softmax - onehot) / n_tokens exist only while that
+    chunk is processed.
     """
     xs, ts = x.reshape(-1, x.shape[-1]), targets.reshape(-1)
-    n_tokens = xs.shape[0]
+    n_rows = xs.shape[0]
+    if n_tokens is None:
+        n_tokens = real_tokens(targets)
     loss = torch.zeros((), dtype=compute_dtype(x.dtype), device=x.device)
     dx = torch.empty_like(xs)
     dw = torch.zeros(w_head.shape, dtype=compute_dtype(w_head.dtype), device=w_head.device)
-    for start in range(0, n_tokens, chunk):
+    for start in range(0, n_rows, chunk):
         # >>> TODO(m06): the cross-entropy loss of one chunk of tokens, and its gradients
-        # The chunk is the rows start .. start + chunk of xs (tokens, dim) and ts (tokens,), fewer in the last one.
-        # Add the chunk's summed loss to `loss` (the mean is taken once, after the loop), write the chunk's rows of
-        # dx, and add the chunk's contribution to dw (the head's gradient, (vocab, dim), summed over chunks).
-        # Maths, per token: logits = the head applied to x (a linear layer, w_head is (vocab, dim)); its loss is
-        # lse(logits) minus the target's logit; dlogits = (softmax(logits) - onehot(target)) / N, with N = n_tokens,
-        # all the tokens of the batch (the gradient of the mean), not the chunk's. From dlogits the head's linear
-        # backward gives dx's rows and dw's contribution.
+        # The chunk is the rows start .. start + chunk of xs (rows, dim) and ts (rows,), fewer in the last one.
+        # Add the chunk's summed loss to `loss` (the division by n_tokens is done once, after the loop), write the
+        # chunk's rows of dx, and add the chunk's contribution to dw (the head's gradient, (vocab, dim), summed over
+        # chunks).
+        # Maths, per real token (target != IGNORE_INDEX): logits = the head applied to x (a linear layer, w_head is
+        # (vocab, dim)); its loss is lse(logits) minus the target's logit; dlogits = (softmax(logits) -
+        # onehot(target)) / n_tokens: the gradient of the sum divided by the step's count, not the chunk's size.
+        # An ignored row adds no loss and its dlogits row is zero (so its dx row is zero and it adds nothing to dw).
+        # From dlogits the head's linear backward gives dx's rows and dw's contribution.
         # Precision: logits, lse and the loss in compute_dtype (loss's dtype); dlogits cast to x's dtype before it
         # multiplies (a bf16 model multiplies in bf16; the bf16 test checks dx's and dw's dtypes).
         # Pitfalls: dividing by the chunk's size (wrong unless one chunk covers everything: the tests use chunks of
-        # 1, 7 and 1000 tokens against F.cross_entropy); softmax by exp without subtracting lse overflows.
+        # 1, 7 and 1000 tokens against F.cross_entropy); an ignored target of -100 used as an index (it picks the
+        # last column, or raises); softmax by exp without subtracting lse overflows.
         # Hint 1: per chunk: logits, their log-sum-exp, the loss from both; the softmax from the same lse, minus one
-        #         at each token's target; scale; then the two products of a linear layer's backward.
-        # Hint 2: torch.logsumexp(dim=-1); logits.gather(1, targets as a column) picks each target's logit;
+        #         at each token's target; zero the ignored rows; scale; then the two products of a linear layer's
+        #         backward.
+        # Hint 2: torch.logsumexp(dim=-1); logits.gather(1, targets as a column) picks each target's logit (give the
+        #         ignored rows any valid index, e.g. torch.where(real, targets, 0), then mask them out);
         #         torch.exp(logits - lse[:, None]) is the softmax; index [rows, targets] to subtract the one-hot;
         #         dx rows = dlogits @ w_head; dw += dlogits^T @ x_chunk.
-        # Hint 3: stop = start + chunk, at most n_tokens;  x_c, t_c = rows start:stop of xs and ts
+        # Hint 3: stop = start + chunk, at most the number of rows;  x_c, t_c = rows start:stop of xs and ts
+        #         real = t_c != IGNORE_INDEX;  safe = t_c where real, 0 elsewhere
         #         logits = x_c @ w_head^T in loss's dtype;  lse = log-sum-exp of each row
-        #         loss += sum over rows of (lse - the target's logit)
-        #         dlogits = softmax from lse, minus 1 at (row i, t_c[i]), divided by n_tokens, cast to x's dtype
+        #         loss += sum over the real rows of (lse - the safe target's logit)
+        #         dlogits = softmax from lse, minus 1 at (row i, safe[i]), zero where not real, divided by n_tokens,
+        #         cast to x's dtype
         #         the chunk's rows of dx = dlogits times w_head;  dw += dlogits^T times x_c
-        stop = min(start + chunk, n_tokens)
+        stop = min(start + chunk, n_rows)
         x_chunk, t_chunk = xs[start:stop], ts[start:stop]
+        real = t_chunk != IGNORE_INDEX
+        safe = torch.where(real, t_chunk, 0)
         logits = (x_chunk @ w_head.t()).to(loss.dtype)
         lse = torch.logsumexp(logits, dim=-1)
-        loss += (lse - logits.gather(1, t_chunk.unsqueeze(1)).squeeze(1)).sum()
+        loss += torch.where(real, lse - logits.gather(1, safe.unsqueeze(1)).squeeze(1), 0).sum()
         dlogits = torch.exp(logits - lse.unsqueeze(1))
-        dlogits[torch.arange(stop - start, device=x.device), t_chunk] -= 1
-        dlogits = (dlogits / n_tokens).to(x.dtype)
+        dlogits[torch.arange(stop - start, device=x.device), safe] -= 1
+        dlogits = (dlogits.masked_fill(~real.unsqueeze(1), 0) / n_tokens).to(x.dtype)
         dx[start:stop] = dlogits @ w_head
         dw += dlogits.t() @ x_chunk
         # <<<
@@ -211,18 +243,37 @@ class LlamaModel:
         return dx, grads
         # <<<
 
-    def forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor):
-        """(loss, LlamaGrads) for next-token prediction on tokens (B, T) with targets (B, T)."""
+    def forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor, n_tokens: int | None = None):
+        """(loss, LlamaGrads) for next-token prediction on tokens (B, T) with targets (B, T): the loss
+        summed over the real targets, divided by n_tokens (default: their count; a step of several
+        pieces passes the whole step's, real_tokens of its targets), and its gradients."""
         self.cfg.check_seq_len(tokens.shape[1])
         stores = [self.block.new_store() for _ in range(self.cfg.n_layers)]
         x = self.forward_blocks(self.embedding[tokens], stores)
         n, r = rmsnorm_forward(x, self.final_norm, self.cfg.norm_eps)
-        loss, dn, d_head = chunked_cross_entropy(n, self.lm_head, targets, self.loss_chunk)
+        loss, dn, d_head = chunked_cross_entropy(n, self.lm_head, targets, self.loss_chunk, n_tokens)
         dx, d_final = rmsnorm_backward(dn, x, r, self.final_norm)
         dx, block_grads = self.backward_blocks(dx, stores)
         # The embedding is a lookup: its gradient adds each token's dx into that token's row.
         d_embedding = torch.zeros_like(self.embedding).index_add_(0, tokens.reshape(-1), dx.reshape(-1, self.cfg.dim))
         return loss, LlamaGrads(d_embedding, block_grads, d_final, d_head)
+
+    def train_step(self, tokens: torch.Tensor, targets: torch.Tensor, n_microbatches: int, optimizer) -> float:
+        """One optimizer step on the batch tokens, targets (B, T), in n_microbatches whose gradients add
+        up; returns the step's mean loss over its real tokens. What `fit` calls: a parallel model
+        (07, 12, 13) has its own, taking its share of the same global batch."""
+        n_tokens = real_tokens(targets)  # every microbatch divides by the whole step's count
+        loss, grads = 0.0, None
+        for tok, tgt in microbatches(tokens, targets, n_microbatches):
+            part, part_grads = self.forward_backward(tok, tgt, n_tokens)
+            loss += part.item()
+            grads = part_grads.tensors() if grads is None else \
+                [g.add_(more) for g, more in zip(grads, part_grads.tensors(), strict=True)]
+        for p, g in zip(self.parameters(), grads, strict=True):
+            p.grad = g
+        optimizer.step()
+        self.weights.invalidate()  # the weights changed: a weight source must not serve old copies
+        return loss
 
     @torch.no_grad()
     def next_token_logits(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -237,25 +288,35 @@ class LlamaModel:
 # ---------------------------------------------------------------------------------------------
 # Training on a byte-level text (course/dataset.py: bytes of Shakespeare, random windows)
 # ---------------------------------------------------------------------------------------------
-def train(cfg: LlamaConfig, steps: int, batch: int = 16, lr: float = 3e-3, seed: int = 0, dtype=torch.float32,
-          block: LlamaBlock | None = None, on_step=None):
-    """Train with AdamW on random windows of the text; returns (model, losses). `block` runs the
-    layers (default LlamaBlock(cfg)); the initial weights and the batches depend only on `seed`.
-    `on_step(step, loss)`, if given, is called after every step (the demo shows progress with it)."""
-    model, data = LlamaModel(cfg, seed, dtype, block=block), load_text()
-    generator = torch.Generator().manual_seed(seed)
-    params = model.parameters()
-    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+def microbatches(tokens: torch.Tensor, targets: torch.Tensor, n_microbatches: int):
+    """The batch's rows cut into n_microbatches equal microbatches, as (tokens, targets) pairs (given)."""
+    if n_microbatches < 1 or tokens.shape[0] % n_microbatches:
+        raise ValueError(f"a batch of {tokens.shape[0]} rows cannot be cut into {n_microbatches} equal microbatches")
+    return list(zip(tokens.chunk(n_microbatches), targets.chunk(n_microbatches), strict=True))
+
+
+def fit(model, steps: int, batch: int = 16, lr: float = 3e-3, seed: int = 0, n_microbatches: int = 1, on_step=None):
+    """The Llama track's one training loop (given): AdamW on random windows of the text; returns
+    (model, losses).
+
+    Every rank of a parallel run draws the same global batch of `batch` sequences from `seed`, and
+    `model.train_step(tokens, targets, n_microbatches, optimizer)` does one optimizer step on all of
+    it: each model takes its own share (module 07 its rows, module 12 all of it, module 13 its
+    block of the mesh) and returns the step's mean loss over the global batch, the same on every
+    rank. `on_step(step, loss)`, if given, is called after every step (the demos show progress)."""
+    data, generator = load_text(), torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     losses = []
     for step in range(steps):
-        tokens, targets = random_batch(data, batch, cfg.max_seq_len, generator)
-        loss, grads = model.forward_backward(tokens, targets)
-        for p, g in zip(params, grads.tensors()):
-            p.grad = g
-        optimizer.step()
-        model.weights.invalidate()  # the weights changed: a weight source must not serve old copies
-        losses.append(loss.item())
+        tokens, targets = random_batch(data, batch, model.cfg.max_seq_len, generator)
+        losses.append(model.train_step(tokens, targets, n_microbatches, optimizer))
         if on_step:
             on_step(step, losses[-1])
     return model, losses
 
+
+def train(cfg: LlamaConfig, steps: int, batch: int = 16, lr: float = 3e-3, seed: int = 0, dtype=torch.float32,
+          block: LlamaBlock | None = None, n_microbatches: int = 1, on_step=None):
+    """Module 06's model trained by `fit` in one process; returns (model, losses). `block` runs the
+    layers (default LlamaBlock(cfg)); the initial weights and the batches depend only on `seed`."""
+    return fit(LlamaModel(cfg, seed, dtype, block=block), steps, batch, lr, seed, n_microbatches, on_step)

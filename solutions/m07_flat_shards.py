@@ -18,7 +18,8 @@ NAMES = [f.name for f in fields(BlockWeights)]
 
 
 class FlatLayout:
-    """Where each of a block's tensors lives in the flat buffer, and how it is cut into shards."""
+    """Where each of a block's tensors lives in the flat buffer, and how it is cut into `world_size`
+    shards (FSDPLlama passes its data group's size, d = dp.size; module 08 passes 1)."""
 
     def __init__(self, template: BlockWeights, world_size: int):
         self.shapes = [tuple(t.shape) for t in template.tensors()]
@@ -85,9 +86,9 @@ class FlatLayout:
         """Rank `rank`'s slice of a padded flat buffer (a view)."""
         # >>> TODO(m07): the rank's shard: its slice of the padded buffer
         # Return rank `rank`'s shard of a padded flat buffer: a view of shard_numel consecutive elements. Rank r's is
-        # the r-th of world_size equal consecutive pieces (the module docstring), so the shards of ranks 0 .. N - 1,
+        # the r-th of world_size equal consecutive pieces (the module docstring), so the shards of ranks 0 .. d - 1,
         # in order, concatenate to the whole buffer (the test checks this).
-        # Pitfall: sizes computed from the unpadded numel leave a gap or an overlap when N does not divide it.
+        # Pitfall: sizes computed from the unpadded numel leave a gap or an overlap when d does not divide it.
         # Hint 1: the shard starts rank shards into the buffer and is one shard long.
         # Hint 2: basic slicing (flat[a:b]) is a view.
         # Hint 3: start = rank times the shard size; return the slice of that length from start

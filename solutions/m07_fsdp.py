@@ -1,7 +1,9 @@
-"""Module 07 - FSDP: every rank keeps 1/N of each block; whole blocks exist only while in use.
+"""Module 07 - FSDP: every rank keeps 1/d of each block; whole blocks exist only while in use.
 
-Data parallel: each rank trains on its own rows of the global batch. Sharded: each rank keeps only
-its shard of every block's flat buffer (m07_flat_shards), and its AdamW updates only that shard.
+The d ranks of one data-parallel group (`dp`, a course.mesh `Group`: `dp.index`, `dp.size` = d,
+`dp.collectives`) train one model. Data parallel: every rank draws the same global batch and trains
+on its own rows of it. Sharded: each rank keeps only its shard of every block's flat buffer
+(m07_flat_shards), and its AdamW updates only that shard.
 Module 06's loop asks a weight source for each block; ours (m07_sharded_weights) all-gathers the
 block from the shards just in time, into one of two buffers.
 
@@ -17,18 +19,19 @@ gather the next block's backward is waiting for.
 
 The embedding, final norm and LM head are small here and stay replicated: every rank holds all of
 them and their gradients are summed with one all-reduce per optimizer step (as plain data
-parallelism does). Gradients are averaged over the global batch: each microbatch's contribution is
-scaled by 1 / (n_microbatches * world_size).
+parallelism does). Gradients are those of the mean loss over the global batch: every rank divides
+each microbatch's loss by the real tokens of the whole global batch (module 06's `real_tokens`), so
+the sums over microbatches and over ranks need no further scale. Module 06's `fit` trains it:
+`fit(FSDPLlama(cfg, dp), steps)`.
 """
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from course.collectives import Collectives
-from course.dataset import load_text, random_batch
+from course.mesh import Group
 from .m06_llama_block import LlamaConfig
-from .m06_llama_model import LOSS_CHUNK, LlamaModel
+from .m06_llama_model import LOSS_CHUNK, LlamaModel, microbatches, real_tokens
 from .m07_flat_shards import FlatLayout
 from .m07_sharded_weights import ShardedWeights
 
@@ -43,15 +46,14 @@ class ReduceScatterInFlight:
 
 
 class FSDPLlama(LlamaModel):
-    """Module 06's Llama with its blocks sharded over `world_size` ranks (those of `collectives`)."""
+    """Module 06's Llama with its blocks sharded over the d = dp.size ranks of the data group `dp`."""
 
-    def __init__(self, cfg: LlamaConfig, rank: int, world_size: int, collectives: Collectives, seed: int = 0,
-                 dtype=torch.float32, loss_chunk: int = LOSS_CHUNK):
+    def __init__(self, cfg: LlamaConfig, dp: Group, seed: int = 0, dtype=torch.float32, loss_chunk: int = LOSS_CHUNK):
         # Every rank builds the same full model from the seed, then keeps only its shards, so the
         # sharded model starts exactly where a single process would.
         super().__init__(cfg, seed, dtype, loss_chunk=loss_chunk)
-        self.rank, self.world_size, self.collectives = rank, world_size, collectives
-        self.layout = FlatLayout(self.blocks[0], self.world_size)
+        self.dp = dp
+        self.layout = FlatLayout(self.blocks[0], dp.size)
         # >>> TODO(m07): keep this rank's shard of every block, and nothing of the full blocks
         # self.blocks holds the full model's blocks (every rank built the same ones from the seed). Set self.shards:
         # one tensor per layer, this rank's shard of that block's padded flat buffer (self.layout, your FlatLayout).
@@ -60,16 +62,15 @@ class FSDPLlama(LlamaModel):
         # Pitfall: a shard is a view, and a view keeps its whole buffer alive: the test measures the memory behind
         # self.shards and fails if it is one full block per layer instead of one shard.
         # Hint 1: flatten each block, take this rank's slice, and make the slice own its memory.
-        # Hint 2: self.layout.flatten(block), self.layout.shard(flat, rank), .clone().
+        # Hint 2: self.layout.flatten(block), self.layout.shard(flat, self.dp.index), .clone().
         # Hint 3: shards = for each block: a clone of this rank's shard of the flattened block
-        self.shards = [self.layout.shard(self.layout.flatten(b), self.rank).clone() for b in self.blocks]
+        self.shards = [self.layout.shard(self.layout.flatten(b), self.dp.index).clone() for b in self.blocks]
         # <<<
         self.blocks = []  # from here on, whole blocks exist only in the weight source's two buffers
-        self.weights = ShardedWeights(self.layout, self.shards, collectives)
+        self.weights = ShardedWeights(self.layout, self.shards, dp.collectives)
         self.replicated = [self.embedding, self.final_norm, self.lm_head]
         self.grad_shards = [torch.zeros_like(s) for s in self.shards]
         self.replicated_grads = [torch.zeros_like(p) for p in self.replicated]
-        self.grad_scale = 1.0  # set per optimizer step: 1 / (n_microbatches * world_size)
         self.in_flight: ReduceScatterInFlight | None = None
 
     def parameters(self) -> list[torch.Tensor]:
@@ -134,7 +135,7 @@ class FSDPLlama(LlamaModel):
         # (that is how microbatches accumulate).
         # Hint 1: flatten the gradient exactly as the weights were flattened: then slice r of the sum is the gradient
         #         of rank r's shard.
-        # Hint 2: self.layout.flatten(grads); torch.empty_like(a gradient shard); self.collectives.reduce_scatter(
+        # Hint 2: self.layout.flatten(grads); torch.empty_like(a gradient shard); self.dp.collectives.reduce_scatter(
         #         output_slice, full_flat, label=..., async_op=True) returns a work; ReduceScatterInFlight(work, full,
         #         received, layer).
         # Hint 3: finish the one in flight
@@ -144,59 +145,82 @@ class FSDPLlama(LlamaModel):
         self.finish_reduce_scatter()
         full = self.layout.flatten(grads)
         received = torch.empty_like(self.grad_shards[layer])
-        work = self.collectives.reduce_scatter(received, full, label=f"block {layer}", async_op=True)
+        work = self.dp.collectives.reduce_scatter(received, full, label=f"block {layer}", async_op=True)
         self.in_flight = ReduceScatterInFlight(work, full, received, layer)
         # <<<
 
     def finish_reduce_scatter(self):
-        """Wait for the reduce-scatter in flight, if any, and add its slice, scaled, to the shard's gradient."""
+        """Wait for the reduce-scatter in flight, if any, and add its slice to the shard's gradient."""
         if self.in_flight is None:
             return
-        # >>> TODO(m07): complete the reduce-scatter in flight; add its slice, scaled, to the gradient shard
+        # >>> TODO(m07): complete the reduce-scatter in flight; add its slice to the gradient shard
         # self.in_flight (not None here) holds the work, the flat gradient it reads, the slice it receives and the
-        # layer. Once the work has completed, add the received slice times self.grad_scale (1 / (n_microbatches *
-        # world_size): the gradient of the mean loss over the global batch) into self.grad_shards[layer]. Afterwards
-        # nothing is in flight.
-        # Pitfalls: a missing scale moves the losses by only ~1e-7 (AdamW barely notices a constant factor), yet
-        # that is 10^5 times the tests' tolerance against single-process training (their message names the scale).
-        # Assigning instead of adding loses the earlier microbatches' gradients.
+        # layer. Once the work has completed, add the received slice (the sum over ranks of this microbatch's
+        # gradients of this rank's shard) into self.grad_shards[layer]. Afterwards nothing is in flight.
+        # Pitfalls: reading the slice before the work has completed reads whatever the buffer held (the tests
+        # deliver it only on wait()). Assigning instead of adding loses the earlier microbatches' gradients.
         # Hint 1: wait first, then accumulate, then forget it.
-        # Hint 2: work.wait(); tensor.add_(other, alpha=factor) adds other times factor in place.
+        # Hint 2: work.wait(); tensor.add_(other) adds in place.
         # Hint 3: wait for the work in flight
-        #         grad_shards[its layer] += its received slice times grad_scale
+        #         grad_shards[its layer] += its received slice
         #         in_flight = None
         self.in_flight.work.wait()
-        self.grad_shards[self.in_flight.layer].add_(self.in_flight.received, alpha=self.grad_scale)
+        self.grad_shards[self.in_flight.layer].add_(self.in_flight.received)
         self.in_flight = None
         # <<<
 
     def train_step(self, tokens: torch.Tensor, targets: torch.Tensor, n_microbatches: int, optimizer) -> float:
-        """One optimizer step on this rank's rows (split into n_microbatches); returns their mean loss."""
+        """One optimizer step on the global batch tokens, targets (B, T), the same on every rank: this rank
+        trains on its rows, in n_microbatches; returns the step's mean loss over the global batch."""
+        # >>> TODO(m07): this rank's rows, every microbatch divided by the global batch's tokens, one step
+        # Contract: this rank (self.dp.index = i_d of d = self.dp.size) takes rows [i_d B/d, (i_d + 1) B/d) of the
+        #   global batch, zeroes its accumulators (grads()), accumulates its rows in n_microbatches (accumulate) and
+        #   steps (reduce_and_step). Returns the mean loss over the global batch, the same on every rank:
+        #   summed_over(this rank's part, self.dp), given below.
+        # Maths: the step's gradient is that of the mean loss over the real tokens of the *whole global batch*.
+        #   Each microbatch's loss is divided by that count (module 06's real_tokens of the global targets): then
+        #   the sums over microbatches (in the accumulators) and over ranks (the reduce-scatters and the all-reduce)
+        #   are that gradient as they are, with no scale left to apply.
+        # Pitfalls: dividing by this rank's tokens, or by a microbatch's, gives gradients d or m d times too big:
+        #   AdamW barely notices a constant factor, so the losses move by only ~1e-7, yet that is 10^5 times the
+        #   tests' tolerance against single-process training (their message names the scale). Count the real
+        #   tokens of the whole batch, before taking this rank's rows.
+        # Hint 1: count, slice, zero, accumulate each microbatch, reduce and step, sum the losses over the group.
+        # Hint 2: real_tokens(targets); rows = B // self.dp.size; microbatches(tokens, targets, n_microbatches) cuts
+        #         this rank's rows; self.accumulate(tok, tgt, n_tokens) returns a microbatch's part of the loss.
+        # Hint 3: n_tokens = real tokens of the whole targets;  rows = B / d;  mine = rows i_d rows .. (i_d + 1) rows
+        #         zero every tensor of grads()
+        #         loss = sum of accumulate(tok, tgt, n_tokens) over the microbatches of this rank's rows
+        #         reduce_and_step(optimizer);  return summed_over(loss, self.dp)
+        n_tokens = real_tokens(targets)
+        rows = tokens.shape[0] // self.dp.size
+        mine = slice(self.dp.index * rows, (self.dp.index + 1) * rows)
         for g in self.grads():
             g.zero_()
-        self.grad_scale = 1.0 / (n_microbatches * self.world_size)
-        losses = [self.accumulate(tok, tgt) for tok, tgt in
-                  zip(tokens.chunk(n_microbatches), targets.chunk(n_microbatches), strict=True)]
+        loss = sum(self.accumulate(tok, tgt, n_tokens) for tok, tgt in
+                   microbatches(tokens[mine], targets[mine], n_microbatches))
         self.reduce_and_step(optimizer)
-        return sum(losses) / n_microbatches
+        return summed_over(loss, self.dp)
+        # <<<
 
-    def accumulate(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
-        """Forward and backward of one microbatch, its gradients added (times grad_scale) to this rank's
-        accumulators: the blocks' by their reduce-scatters, the replicated weights' here. Returns its loss."""
-        loss, grads = self.forward_backward(tokens, targets)  # block gradients land in grad_shards
+    def accumulate(self, tokens: torch.Tensor, targets: torch.Tensor, n_tokens: int) -> float:
+        """Forward and backward of one microbatch, its loss divided by n_tokens (the global batch's real
+        tokens), its gradients added to this rank's accumulators: the blocks' by their reduce-scatters,
+        the replicated weights' here. Returns its part of the step's loss."""
+        loss, grads = self.forward_backward(tokens, targets, n_tokens)  # block gradients land in grad_shards
         # >>> TODO(m07): add this microbatch's replicated-weight gradients to their accumulators
         # grads is this microbatch's LlamaGrads on this rank. The blocks' gradients are already accumulated (by the
-        # reduce-scatters). Add the embedding's, the final norm's and the LM head's gradients, each times
-        # self.grad_scale, into self.replicated_grads (in the order of self.replicated). They are summed over ranks
-        # once per step, later (reduce_and_step).
-        # Pitfalls: assigning instead of adding loses the earlier microbatches; a missing scale is caught by the
-        # 1e-12 tolerance against single-process training (2 to 4 ranks, 1 and 2 microbatches).
-        # Hint 1: three in-place scaled adds, pairing each accumulator with its gradient.
-        # Hint 2: grads.embedding, grads.final_norm, grads.lm_head; add_(g, alpha=...).
+        # reduce-scatters). Add the embedding's, the final norm's and the LM head's gradients into
+        # self.replicated_grads (in the order of self.replicated). They are summed over ranks once per step, later
+        # (reduce_and_step).
+        # Pitfalls: assigning instead of adding loses the earlier microbatches (the tests run 1 and 2 microbatches
+        # against single-process training at a 1e-12 tolerance).
+        # Hint 1: three in-place adds, pairing each accumulator with its gradient.
+        # Hint 2: grads.embedding, grads.final_norm, grads.lm_head; add_(g).
         # Hint 3: for each accumulator and the matching gradient (embedding, final norm, LM head):
-        #             accumulator += gradient times grad_scale
+        #             accumulator += gradient
         for acc, g in zip(self.replicated_grads, (grads.embedding, grads.final_norm, grads.lm_head), strict=True):
-            acc.add_(g, alpha=self.grad_scale)
+            acc.add_(g)
         # <<<
         return loss.item()
 
@@ -211,14 +235,14 @@ class FSDPLlama(LlamaModel):
         # reuses stale blocks from the buffers (the losses drift from single-process training).
         # Hint 1: pack the three into one flat tensor, all-reduce it, unpack the sums back; then .grad, step,
         #         invalidate.
-        # Hint 2: torch.cat of each reshape(-1); self.collectives.all_reduce(flat, label=...) sums in place;
+        # Hint 2: torch.cat of each reshape(-1); self.dp.collectives.all_reduce(flat, label=...) sums in place;
         #         flat.split(sizes) and copy_ unpack; optimizer.step(); self.weights.invalidate().
         # Hint 3: flat = the three gradients flattened and concatenated;  all-reduce flat
         #         copy each piece of flat (split by the gradients' numels) back into its gradient, in its shape
         #         each parameter's .grad = its gradient (zip of parameters() and grads())
         #         optimizer step;  invalidate the weight source
         flat = torch.cat([g.reshape(-1) for g in self.replicated_grads])
-        self.collectives.all_reduce(flat, label="replicated grads")
+        self.dp.collectives.all_reduce(flat, label="replicated grads")
         for g, summed in zip(self.replicated_grads, flat.split([g.numel() for g in self.replicated_grads])):
             g.copy_(summed.view_as(g))
         for p, g in zip(self.parameters(), self.grads()):
@@ -228,29 +252,11 @@ class FSDPLlama(LlamaModel):
         # <<<
 
 
-def global_mean(value: float) -> float:
-    """The mean of a number over ranks (for the losses returned; not part of the training's traffic)."""
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t)
-    return t.item() / dist.get_world_size()
-
-
-def train_fsdp(cfg: LlamaConfig, steps: int, batch: int = 16, n_microbatches: int = 1, lr: float = 3e-3,
-               seed: int = 0, dtype=torch.float32, collectives: Collectives | None = None, on_step=None):
-    """Module 06's `train`, sharded over the ranks of the default group: the same initial model and
-    the same global batches (every rank draws them all from the seed), each rank taking its
-    batch // world_size rows. Returns (model, losses), the losses averaged over ranks.
-    `on_step(step, loss)`, if given, is called after every step."""
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    model = FSDPLlama(cfg, rank, world_size, collectives or Collectives(), seed, dtype)
-    data, generator = load_text(), torch.Generator().manual_seed(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    rows = batch // world_size
-    losses = []
-    for step in range(steps):
-        tokens, targets = random_batch(data, batch, cfg.max_seq_len, generator)
-        mine = slice(rank * rows, (rank + 1) * rows)
-        losses.append(global_mean(model.train_step(tokens[mine], targets[mine], n_microbatches, optimizer)))
-        if on_step:
-            on_step(step, losses[-1])
-    return model, losses
+def summed_over(value: float, group: Group) -> float:
+    """The sum of a number over the ranks of `group` (given): each rank's part of the step's loss adds
+    up to the global mean. Not part of the training's traffic, so not logged."""
+    if group.size == 1:
+        return value
+    total = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(total, group=group.collectives.group)
+    return total.item()

@@ -3,10 +3,10 @@
     residual x ─ RMSNorm ─ enter ─ q, k, v (column) ─ RoPE, attention ─ o (row) ─ leave ─ + ─ h
     h ─ RMSNorm ─ enter ─ gate, up (column) ─ SwiGLU ─ down (row) ─ leave ─ + ─ y
 
-Rank r of t keeps query heads [r H/t, (r+1) H/t) and key/value heads [r K/t, (r+1) K/t): exactly
-the key/value heads its query heads read (query head h reads key/value head h // (H / K)), so
-attention needs no communication at all. The FFN keeps hidden units [r F/t, (r+1) F/t): SwiGLU is
-elementwise. Each half of the block is one enter/leave pair (m12_tp_linear): without sequence
+The rank at place i_t of the group (`tp.index`) keeps query heads [i_t H/t, (i_t+1) H/t) and
+key/value heads [i_t K/t, (i_t+1) K/t): exactly the key/value heads its query heads read (query
+head h reads key/value head h // (H / K)), so attention needs no communication at all. The FFN
+keeps hidden units [i_t F/t, (i_t+1) F/t): SwiGLU is elementwise. Each half of the block is one enter/leave pair (m12_tp_linear): without sequence
 parallelism two all-reduces a block in each direction; with it, two all-gathers and two
 reduce-scatters forward, and in the backward the same plus the re-gathers of the two inputs. The
 norms and residual adds run on the whole stream, replicated, or with sequence parallelism on this
@@ -22,52 +22,36 @@ group, once per optimizer step.
 """
 from __future__ import annotations
 
-from math import gcd
-
 import torch
 
 from .m06_llama_block import ActivationStore, BlockWeights, LlamaBlock, LlamaConfig
 from .m06_llama_ops import (ATTENTION_CHUNK, residual_rmsnorm_backward, residual_rmsnorm_forward, rmsnorm_backward,
                             rmsnorm_forward, rope_backward, rope_forward, swiglu_backward, swiglu_forward)
-from .m12_tp_linear import (TPGroup, column_parallel_backward, column_parallel_forward, row_parallel_backward,
+from course.mesh import Group
+from course.splits import check_splits
+from .m12_tp_linear import (column_parallel_backward, column_parallel_forward, row_parallel_backward,
                             row_parallel_forward)
 
 
-def check_tp_size(cfg: LlamaConfig, tp_size: int, seq_len: int | None = None):
-    """Refuse, in one line, a t that does not divide what it splits (given): the query heads, the
-    key/value heads, the FFN width and, with sequence parallelism (pass seq_len), the sequence."""
-    if tp_size < 1:
-        raise ValueError(f"the tensor-parallel size t must be at least 1, got {tp_size}")
-    split = {"n_heads": cfg.n_heads, "n_kv_heads": cfg.n_kv_heads, "ffn_dim": cfg.ffn_dim}
-    if seq_len is not None:
-        split["sequence length"] = seq_len
-    wrong = [f"{name}={size}" for name, size in split.items() if size % tp_size]
-    if wrong:
-        common = gcd(*split.values())
-        working = ", ".join(str(t) for t in range(1, common + 1) if common % t == 0)
-        raise ValueError(f"t={tp_size} does not divide {', '.join(wrong)}: t must divide "
-                         f"{', '.join(split)}; t in {{{working}}} would work")
-
-
-def shard_block_weights(w: BlockWeights, cfg: LlamaConfig, tp_rank: int, tp_size: int) -> BlockWeights:
+def shard_block_weights(w: BlockWeights, cfg: LlamaConfig, tp: Group) -> BlockWeights:
     """This rank's slices of a whole block's weights (copies, contiguous, so the whole block can go).
 
-    Column-parallel wq, wk, wv, w_gate, w_up: rank r's contiguous block of rows (output features);
+    Column-parallel wq, wk, wv, w_gate, w_up: rank i_t's contiguous block of rows (output features);
     row-parallel wo, w_down: its contiguous block of columns (input features). The norm weights are
     whole on every rank.
     """
-    # >>> TODO(m12): slice a block's weights for rank tp_rank of tp_size
-    # Contract: rank r holds query heads [r H/t, (r+1) H/t), key/value heads [r K/t, (r+1) K/t) and FFN units
-    #   [r F/t, (r+1) F/t); a head is head_dim consecutive rows of wq/wk/wv (columns of wo). Shapes:
+    # >>> TODO(m12): slice a block's weights for rank tp.index of tp.size
+    # Contract: rank i_t = tp.index holds query heads [i_t H/t, (i_t+1) H/t), key/value heads [i_t K/t,
+    #   (i_t+1) K/t) and FFN units [i_t F/t, (i_t+1) F/t); a head is head_dim consecutive rows of wq/wk/wv (columns of wo). Shapes:
     #   wq (H/t D, dim), wk and wv (K/t D, dim), wo (dim, H/t D), w_gate and w_up (F/t, dim), w_down (dim, F/t).
     # Pitfalls: the key/value slice is not the query slice: with grouped-query attention K < H, and the
     #   key/value heads a rank needs are the ones its query heads read. A column slice is not contiguous.
-    # Hint 1: each weight is cut into t equal blocks along one axis; rank r takes block r.
+    # Hint 1: each weight is cut into t equal blocks along one axis; rank i_t takes block i_t.
     # Hint 2: rows for the column-parallel weights (chunk(t, dim=0)), columns for the row-parallel ones (dim=1).
     # Hint 3: BlockWeights(ln1=..., wq=rows of wq, ..., wo=columns of wo, ...), each .clone(memory_format=
     #       torch.contiguous_format).
     def block(weight, dim):
-        return weight.chunk(tp_size, dim=dim)[tp_rank].clone(memory_format=torch.contiguous_format)
+        return weight.chunk(tp.size, dim=dim)[tp.index].clone(memory_format=torch.contiguous_format)
     return BlockWeights(ln1=w.ln1.clone(), wq=block(w.wq, 0), wk=block(w.wk, 0), wv=block(w.wv, 0),
                         wo=block(w.wo, 1), ln2=w.ln2.clone(), w_gate=block(w.w_gate, 0), w_up=block(w.w_up, 0),
                         w_down=block(w.w_down, 1))
@@ -79,7 +63,7 @@ def zero_grads(w: BlockWeights, dtype: torch.dtype | None = None) -> BlockWeight
     return BlockWeights(*(torch.zeros(t.shape, dtype=dtype or t.dtype, device=t.device) for t in w.tensors()))
 
 
-def sum_norm_grads(norm_grads: list[torch.Tensor], tp: TPGroup):
+def sum_norm_grads(norm_grads: list[torch.Tensor], tp: Group, sequence_parallel: bool):
     """With sequence parallelism each rank normed only its T/t positions, so its norm weights'
     gradients are partial sums: add them up over the group, in place, in one all-reduce. Without
     it, every rank normed every position and its gradients are already whole: nothing to do."""
@@ -93,7 +77,7 @@ def sum_norm_grads(norm_grads: list[torch.Tensor], tp: TPGroup):
     #       the tensors' sizes gives their pieces back, to copy into them.
     # Hint 3: return at once without sequence parallelism; else flat = cat of the flattened gradients; all-reduce;
     #       for each gradient and its piece of flat: copy the piece (viewed in the gradient's shape) into it.
-    if not tp.sequence_parallel or not norm_grads:
+    if not sequence_parallel or not norm_grads:
         return
     flat = torch.cat([g.reshape(-1) for g in norm_grads])
     tp.collectives.all_reduce(flat, label="norm grads")
@@ -105,9 +89,10 @@ def sum_norm_grads(norm_grads: list[torch.Tensor], tp: TPGroup):
 class TPBlock:
     """Module 06's block computed by t ranks together; the weights are this rank's slices."""
 
-    def __init__(self, cfg: LlamaConfig, tp: TPGroup, attention_chunk: int = ATTENTION_CHUNK, fused: bool = True):
-        check_tp_size(cfg, tp.size)
-        self.cfg, self.tp, self.fused = cfg, tp, fused
+    def __init__(self, cfg: LlamaConfig, tp: Group, sequence_parallel: bool = False,
+                 attention_chunk: int = ATTENTION_CHUNK, fused: bool = True):
+        check_splits(cfg, {"t": tp.size})
+        self.cfg, self.tp, self.sequence_parallel, self.fused = cfg, tp, sequence_parallel, fused
         # Module 06's block, for what a rank computes alone: attention on its own heads, and the RoPE tables.
         self.local = LlamaBlock(cfg, attention_chunk=attention_chunk)
 
@@ -117,20 +102,20 @@ class TPBlock:
     def forward(self, w: BlockWeights, x: torch.Tensor, store: ActivationStore) -> torch.Tensor:
         """y = block(x), x and y in the residual stream's layout: (B, T, dim), or (B, T / t, dim) with
         sequence parallelism. Saves module 06's activations under module 06's names."""
-        cfg, tp = self.cfg, self.tp
+        cfg, tp, sp = self.cfg, self.tp, self.sequence_parallel
         # >>> TODO(m12): the attention half: norm, column-parallel q/k/v, RoPE, attention on this rank's heads
         # Contract: save in the store what the backward reads, under module 06's names: 'x', 'n1', 'r1', 'q', 'k',
         #   'v' (q and k after RoPE), 'o', 'lse'. q is (B, T, H/t, head_dim), k and v (B, T, K/t, head_dim), all
         #   T positions; x, n1 and r1 stay in the residual stream's layout (T/t positions with sequence parallelism).
         # Pitfalls: 'n1' is the norm's output as this rank has it, not the gathered one: keeping the gathered
         #   input would cost t times the memory (the backward gathers it again). The head count is H/t, not H.
-        # Hint 1: module 06's attention_half, with column_parallel_forward(n1, [wq, wk, wv], tp, label) where it
+        # Hint 1: module 06's attention_half, with column_parallel_forward(n1, [wq, wk, wv], tp, sp, label) where it
         #       multiplied; the attention and RoPE ops are module 06's, the tables from self.local.rope(T, ...).
         # Hint 2: view the projections as (B, T, -1, head_dim): the -1 is this rank's head count.
         # Hint 3: n1, r1 = the norm of x; q, k, v = the column-parallel forward of n1; T = q's second size; RoPE on q
         #       and k (tables for T); o, lse = self.local.attention.forward(q, k, v); save the eight names.
         n1, r1 = rmsnorm_forward(x, w.ln1, cfg.norm_eps)
-        q, k, v = column_parallel_forward(n1, [w.wq, w.wk, w.wv], tp, "attention in")
+        q, k, v = column_parallel_forward(n1, [w.wq, w.wk, w.wv], tp, sp, "attention in")
         batch, seq_len, _ = q.shape
         cos, sin = self.local.rope(seq_len, x.dtype, x.device)
         q = rope_forward(q.view(batch, seq_len, -1, cfg.head_dim), cos, sin)
@@ -151,20 +136,20 @@ class TPBlock:
         #       swiglu_forward(g, u) gives s.
         # Hint 3: h, n2, r2 from the residual norm; g, u column-parallel from n2; s = SwiGLU; save the six names;
         #       return h + the row-parallel down projection of s.
-        h, n2, r2 = residual_rmsnorm_forward(x, row_parallel_forward(o, w.wo, tp, "attention out"), w.ln2,
+        h, n2, r2 = residual_rmsnorm_forward(x, row_parallel_forward(o, w.wo, tp, sp, "attention out"), w.ln2,
                                              cfg.norm_eps)
-        g, u = column_parallel_forward(n2, [w.w_gate, w.w_up], tp, "ffn in")
+        g, u = column_parallel_forward(n2, [w.w_gate, w.w_up], tp, sp, "ffn in")
         s = swiglu_forward(g, u)
         for name, tensor in (("h", h), ("n2", n2), ("r2", r2), ("g", g), ("u", u), ("s", s)):
             store.save(name, tensor)
-        return h + row_parallel_forward(s, w.w_down, tp, "ffn out")
+        return h + row_parallel_forward(s, w.w_down, tp, sp, "ffn out")
         # <<<
 
     def backward(self, w: BlockWeights, dy: torch.Tensor, store: ActivationStore, grads: BlockWeights) -> torch.Tensor:
         """dx given dy (both in the residual stream's layout), from what the forward saved. Every weight's
         gradient is *added* into `grads` (main_grad accumulators, e.g. from zero_grads); with sequence
         parallelism the norm weights' are this rank's partial sums until sum_norm_grads."""
-        tp, fused = self.tp, self.fused
+        tp, sp, fused = self.tp, self.sequence_parallel, self.fused
         # >>> TODO(m12): backward of the FFN half: down (row), SwiGLU, gate/up (column), residual + norm
         # Contract: add the gradients of w_down, w_gate, w_up and ln2 into grads; name the residual stream's
         #   gradient after the norm dh (the attention half's TODO uses it).
@@ -176,10 +161,10 @@ class TPBlock:
         #       swiglu_backward(ds, g, u) gives dg, du.
         # Hint 3: ds = row-parallel backward of dy through down (input s); dg, du; dn2 = column-parallel backward of
         #       [dg, du] (input n2); dh, d_ln2 = residual_rmsnorm_backward(dy, dn2, h, r2, ln2); add d_ln2.
-        ds = row_parallel_backward(dy, store["s"], w.w_down, grads.w_down, tp, "ffn out", fused)
+        ds = row_parallel_backward(dy, store["s"], w.w_down, grads.w_down, tp, sp, "ffn out", fused)
         dg, du = swiglu_backward(ds, store["g"], store["u"])
         dn2 = column_parallel_backward([dg, du], store["n2"], [w.w_gate, w.w_up], [grads.w_gate, grads.w_up], tp,
-                                       "ffn in", fused)
+                                       sp, "ffn in", fused)
         dh, d_ln2 = residual_rmsnorm_backward(dy, dn2, store["h"], store["r2"], w.ln2)
         grads.ln2.add_(d_ln2)
         # <<<
@@ -194,13 +179,14 @@ class TPBlock:
         # Hint 3: do = row-parallel backward of dh through o; dq, dk, dv; un-rotate dq, dk; dn1 = column-parallel
         #       backward of the three, reshaped to (B, T, -1); dx_norm, d_ln1 = rmsnorm_backward; add d_ln1;
         #       return dh + dx_norm.
-        do = row_parallel_backward(dh, store["o"], w.wo, grads.wo, tp, "attention out", fused)
+        do = row_parallel_backward(dh, store["o"], w.wo, grads.wo, tp, sp, "attention out", fused)
         dq, dk, dv = self.local.attention.backward(do, store["q"], store["k"], store["v"], store["o"], store["lse"])
         batch, seq_len = dq.shape[:2]
         cos, sin = self.local.rope(seq_len, dy.dtype, dy.device)
         dq, dk = rope_backward(dq, cos, sin), rope_backward(dk, cos, sin)
         dn1 = column_parallel_backward([d.reshape(batch, seq_len, -1) for d in (dq, dk, dv)], store["n1"],
-                                       [w.wq, w.wk, w.wv], [grads.wq, grads.wk, grads.wv], tp, "attention in", fused)
+                                       [w.wq, w.wk, w.wv], [grads.wq, grads.wk, grads.wv], tp, sp,
+                                       "attention in", fused)
         dx_norm, d_ln1 = rmsnorm_backward(dn1, store["x"], store["r1"], w.ln1)
         grads.ln1.add_(d_ln1)
         return dh + dx_norm

@@ -1,33 +1,39 @@
 """Module 12, part 5 - what tensor and sequence parallelism cost: bytes sent and activations kept.
 
-Traffic. One microbatch of N = B T tokens; a residual-stream activation (N, dim) of b bytes a value
-is A = N dim b bytes. Per microbatch, for L blocks:
+Traffic. A global batch of B sequences of T tokens in m microbatches: one microbatch holds
+N = B T / m tokens (every rank of the group sees all of them), and a residual-stream activation
+(N, M) of b bytes a value is A = N M b bytes. Per microbatch, for L blocks:
 
   without sequence parallelism   all-reduces of A: 2 per block forward (o, down), 2 per block
-                                 backward (q/k/v, gate/up), 1 for the embedding, 1 for the LM head's
-                                 input gradient: 4L + 2
+                                 backward (the inputs of q, k, v and of gate, up), 1 for the
+                                 embedding, 1 for the LM head's input gradient: 4L + 2
   with sequence parallelism      each of those becomes a reduce-scatter or an all-gather of A, and
                                  the backward gathers each column-parallel input again:
                                  all-gathers 6L + 3, reduce-scatters 4L + 2
-  either way                     3 all-reduces of N statistics for the loss (max, sum, target logit)
-  per optimizer step, with sequence parallelism: 1 all-reduce of the (2L + 1) norm weights' gradients
+  either way                     3 all-reduces of N statistics of s bytes for the loss (z_max, Z, z_y)
+  per optimizer step, with sequence parallelism: 1 all-reduce of the (2L + 1) norm weights'
+                                 gradients, M values each, in the accumulators' dtype (s bytes)
 
 With the ring algorithms one rank sends (t - 1)/t A for an all-gather or a reduce-scatter of A and
 2 (t - 1)/t A for an all-reduce (course/collectives.py's `sent_bytes`). So the forward costs the
 same with sequence parallelism or without; the backward's extra all-gathers are the price of
-keeping 1/t of the norms' activations.
+keeping 1/t of the norms' activations. `tp_traffic` returns these as a course/costs.py `StepCost`
+over the axis t: the calls and the bytes of each kind of collective in one optimizer step.
 
 Activations. One block keeps module 06's fourteen tensors (the names of its store). On t ranks,
 the ones after the column-parallel split are 1/t of module 06's (q, k, v, o, lse: this rank's
 heads; g, u, s: its FFN units); the ones in the residual stream's layout (x, n1, r1, h, n2, r2) are
 whole on every rank, or 1/t of it with sequence parallelism.
+
+Every formula takes (cfg, sizes, batch, dtype, ...): the model, the mesh's axis sizes (here only
+t = sizes["t"] matters; an axis left out has size 1), the global batch B (sequences of
+cfg.max_seq_len = T tokens) and the dtype of the weights and activations.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from course.costs import StepCost
 from .m06_llama_block import LlamaConfig
 from .m06_llama_ops import compute_dtype
 from .m12_tp_linear import grad_dtype
@@ -35,54 +41,52 @@ from .m12_tp_linear import grad_dtype
 STREAM_NAMES = ("x", "n1", "r1", "h", "n2", "r2")  # kept in the residual stream's layout
 
 
-@dataclass(frozen=True)
-class TPTraffic:
-    """The collectives of one optimizer step, and what one rank sends for them."""
-    stream_all_reduces: int       # all-reduces of a (N, dim) activation, per step
-    stream_all_gathers: int       # all-gathers of a (N, dim) activation (its shard: N/t tokens), per step
-    stream_reduce_scatters: int   # reduce-scatters of a (N, dim) activation, per step
-    loss_all_reduces: int         # all-reduces of N loss statistics, per step
-    norm_all_reduces: int         # all-reduces of the norm weights' gradients, per step
-    sent_bytes: float             # bytes one rank sends per step, ring algorithms, all of the above
-
-
-def tp_traffic(cfg: LlamaConfig, batch: int, seq_len: int, dtype: torch.dtype, tp_size: int,
-               sequence_parallel: bool, n_microbatches: int = 1) -> TPTraffic:
-    """The collectives and bytes of one optimizer step of module 12's model: a batch of (batch, seq_len)
-    tokens split into n_microbatches, weights and activations in `dtype`, on tp_size ranks."""
-    tokens = batch // n_microbatches * seq_len           # N, one microbatch
-    stream = tokens * cfg.dim * dtype.itemsize           # A
-    statistics = tokens * compute_dtype(dtype).itemsize  # one loss all-reduce
-    norm_grads = (2 * cfg.n_layers + 1) * cfg.dim * grad_dtype(dtype).itemsize
-    L, t, M = cfg.n_layers, tp_size, n_microbatches
+def tp_traffic(cfg: LlamaConfig, sizes: dict[str, int], batch: int, dtype: torch.dtype, n_microbatches: int = 1,
+               sequence_parallel: bool = False) -> StepCost:
+    """The collectives of one optimizer step of module 12's model over the t ranks of sizes["t"], and
+    the bytes one rank sends for them: a global batch of `batch` sequences of cfg.max_seq_len tokens
+    in n_microbatches, weights and activations in `dtype`."""
+    t, m, L = sizes.get("t", 1), n_microbatches, cfg.n_layers
+    N = batch // m * cfg.max_seq_len                   # tokens in one microbatch
+    A = N * cfg.dim * dtype.itemsize                   # one residual-stream activation
+    statistics = N * compute_dtype(dtype).itemsize     # one loss all-reduce
+    norm_grads = (2 * L + 1) * cfg.dim * grad_dtype(dtype).itemsize
     # >>> TODO(m12): count the collectives of one step and the bytes one rank sends for them
-    # Contract: the counts of the module docstring, times n_microbatches where they are per microbatch; sent_bytes
-    #   adds (t - 1)/t of the payload for each all-gather or reduce-scatter and 2 (t - 1)/t for each all-reduce.
+    # Contract: a StepCost(sent, calls) over the axis "t": calls[("t", op)] the number of collectives of each kind
+    #   (op "all_reduce", "all_gather", "reduce_scatter") in one step, sent[("t", op)] the bytes one rank sends for
+    #   them; the counts of the module docstring, times m where they are per microbatch. The tests compare it with
+    #   the log of a real step (course/costs.py's measured_cost), to the byte and to the call.
     # Pitfalls: the norm gradients' all-reduce is once per step, and only with sequence parallelism. An all-gather's
-    #   payload is its shard, but what a rank sends is (t - 1) shards: (t - 1)/t of the whole A.
+    #   payload is its shard, but what a rank sends is (t - 1) shards: (t - 1)/t of the whole A. On t = 1 every
+    #   collective is still called (and logged), sending nothing. The loss's all-reduces are all-reduces too.
     # Hint 1: without sequence parallelism: 4L + 2 all-reduces of A a microbatch; with it: 6L + 3 all-gathers and
     #       4L + 2 reduce-scatters of A. Always 3 loss all-reduces of `statistics` bytes a microbatch.
-    # Hint 2: sent = M (stream_all_reduces_per_mb 2 (t-1)/t A + (gathers + scatters)_per_mb (t-1)/t A
-    #       + 3 * 2 (t-1)/t statistics) + norm all-reduces * 2 (t-1)/t norm_grads.
-    # Hint 3: the per-microbatch counts by the sequence_parallel case; share = (t - 1) / t; sent as in Hint 2;
-    #       TPTraffic(M * all-reduces, M * all-gathers, M * reduce-scatters, 3 M, norm all-reduces, sent).
-    all_reduces = 0 if sequence_parallel else 4 * L + 2
-    all_gathers, reduce_scatters = (6 * L + 3, 4 * L + 2) if sequence_parallel else (0, 0)
-    norm_all_reduces = 1 if sequence_parallel else 0
+    # Hint 2: all-reduces a step = m (stream + 3) + norms; sent: 2 (t-1)/t of each all-reduce's payload, (t-1)/t A
+    #       for each all-gather or reduce-scatter.
+    # Hint 3: stream, gathers, scatters = the per-microbatch counts by the sequence_parallel case; norms = 1 or 0;
+    #       share = (t - 1) / t;  calls = {("t", "all_reduce"): m (stream + 3) + norms, ("t", "all_gather"): m gathers,
+    #       ("t", "reduce_scatter"): m scatters};  sent = {("t", "all_reduce"): m (stream 2 share A + 3 * 2 share
+    #       statistics) + norms 2 share norm_grads, ("t", "all_gather"): m gathers share A, ...};  StepCost(sent, calls)
+    stream = 0 if sequence_parallel else 4 * L + 2
+    gathers, scatters = (6 * L + 3, 4 * L + 2) if sequence_parallel else (0, 0)
+    norms = 1 if sequence_parallel else 0
     share = (t - 1) / t
-    sent = (M * (all_reduces * 2 * share * stream + (all_gathers + reduce_scatters) * share * stream
-                 + 3 * 2 * share * statistics)
-            + norm_all_reduces * 2 * share * norm_grads)
-    return TPTraffic(M * all_reduces, M * all_gathers, M * reduce_scatters, 3 * M, norm_all_reduces, sent)
+    calls = {("t", "all_reduce"): m * (stream + 3) + norms, ("t", "all_gather"): m * gathers,
+             ("t", "reduce_scatter"): m * scatters}
+    sent = {("t", "all_reduce"): (m * (stream * 2 * share * A + 3 * 2 * share * statistics)
+                                  + norms * 2 * share * norm_grads),
+            ("t", "all_gather"): m * gathers * share * A, ("t", "reduce_scatter"): m * scatters * share * A}
+    return StepCost(sent, calls)
     # <<<
 
 
-def tp_activation_bytes(cfg: LlamaConfig, batch: int, seq_len: int, dtype: torch.dtype, tp_size: int,
-                        sequence_parallel: bool) -> dict[str, int]:
-    """Bytes of each activation one block keeps on one rank, by name (module 06's store names), for a
-    (batch, seq_len) input of `dtype`. r1, r2 and lse are kept in compute_dtype(dtype)."""
+def tp_activations_by_name(cfg: LlamaConfig, sizes: dict[str, int], batch: int, dtype: torch.dtype,
+                           n_microbatches: int = 1, sequence_parallel: bool = False) -> dict[str, int]:
+    """Bytes of each activation one block keeps on one rank for one microbatch (batch / n_microbatches
+    sequences of cfg.max_seq_len tokens), by name (module 06's store names). r1, r2 and lse are kept
+    in compute_dtype(dtype)."""
     act, stat = dtype.itemsize, compute_dtype(dtype).itemsize
-    tokens, t = batch * seq_len, tp_size
+    tokens, t = batch // n_microbatches * cfg.max_seq_len, sizes.get("t", 1)
     # >>> TODO(m12): the bytes of each of the fourteen activations on one rank
     # Contract: a dict from each store name (x n1 r1 q k v o lse h n2 r2 g u s) to bytes; the tests compare it, name
     #   by name, with what TPBlock's store really holds.
@@ -101,3 +105,11 @@ def tp_activation_bytes(cfg: LlamaConfig, batch: int, seq_len: int, dtype: torch
     stream_tokens = tokens // t if sequence_parallel else tokens
     return {name: (stream_tokens if name in STREAM_NAMES else tokens) * size for name, size in per_token.items()}
     # <<<
+
+
+def tp_activation_bytes(cfg: LlamaConfig, sizes: dict[str, int], batch: int, dtype: torch.dtype,
+                        n_microbatches: int = 1, sequence_parallel: bool = False) -> StepCost:
+    """What the L blocks keep for the backward on one rank, at the end of one microbatch's forward, as a
+    StepCost's memory["activations"] (given): L times the sum of tp_activations_by_name."""
+    per_block = tp_activations_by_name(cfg, sizes, batch, dtype, n_microbatches, sequence_parallel)
+    return StepCost(memory={"activations": cfg.n_layers * sum(per_block.values())})

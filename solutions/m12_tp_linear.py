@@ -1,12 +1,15 @@
 """Module 12, part 1 - tensor-parallel linears: Megatron's column and row split, and the two
 conjugate operators that connect them to the residual stream.
 
-t ranks (one tensor-parallel group, `TPGroup`) share every linear layer y = x W^T, W (out, in):
+t ranks (one tensor-parallel group, a `course.mesh.Group`: `tp.index` = i_t, `tp.size` = t,
+`tp.collectives`) share every linear layer y = x W^T, W (out, in):
 
-  column-parallel   rank r keeps rows r of W (a slice of the output features) and computes its
-                    slice of y from the whole input x. No sum is needed; the input must be whole.
-  row-parallel      rank r keeps columns r of W (a slice of the input features) and multiplies its
-                    slice of x: a partial product, and y is the sum of the t partials.
+  column-parallel   the rank at place i_t keeps block i_t of W's rows (a slice of the output
+                    features) and computes its slice of y from the whole input x. No sum is
+                    needed; the input must be whole.
+  row-parallel      the rank at place i_t keeps block i_t of W's columns (a slice of the input
+                    features) and multiplies its slice of x: a partial product, and y is the sum
+                    of the t partials.
 
 Column then row (q, k, v then o; gate, up then down) needs nothing in between: the column output's
 slice is exactly the row input's slice. Two operators connect such a pair to the residual stream,
@@ -30,7 +33,7 @@ only this rank's sequence shard), started before the input-gradient GEMM, which 
 either.
 
 Weight gradients are added into `main_grad` accumulators inside the GEMM (torch.addmm with
-out=main_grad): over M microbatches each gradient is summed in main_grad's precision (float32 for
+out=main_grad): over m microbatches each gradient is summed in main_grad's precision (float32 for
 bf16 weights), never rounded to the weights' dtype on the way (Megatron's gradient-accumulation
 fusion).
 
@@ -43,19 +46,10 @@ from dataclasses import dataclass
 
 import torch
 
-from course.collectives import Collectives
+from course.mesh import Group
 from .m06_llama_ops import compute_dtype
 
 SEQUENCE_DIM = 1  # (batch, sequence, features): sequence parallelism splits dimension 1
-
-
-@dataclass(frozen=True)
-class TPGroup:
-    """One tensor-parallel group, as one of its ranks sees it."""
-    rank: int                   # this rank's place in the group, 0 .. size - 1
-    size: int                   # t, the number of ranks that share every linear
-    collectives: Collectives    # all-gather / reduce-scatter / all-reduce over exactly these ranks
-    sequence_parallel: bool = False  # the residual stream split along the sequence between the pairs
 
 
 @dataclass
@@ -74,20 +68,21 @@ class InFlight:
 # ---------------------------------------------------------------------------------------------
 # The conjugate operators
 # ---------------------------------------------------------------------------------------------
-def enter_tp_forward(x: torch.Tensor, tp: TPGroup, label: str = "", async_op: bool = False) -> InFlight:
+def enter_tp_forward(x: torch.Tensor, tp: Group, sequence_parallel: bool, label: str = "",
+                     async_op: bool = False) -> InFlight:
     """f's forward: the whole input of the column-parallel linears, (B, T, dim), from the residual
     stream x. Without sequence parallelism x is already whole (identity); with it, x is this rank's
     (B, T / t, dim) shard and the ranks' shards are gathered in rank order."""
     # >>> TODO(m12): f forward: identity, or an all-gather along the sequence
     # Contract: return an InFlight whose wait() gives the whole (B, T, dim) input. With async_op=True the
     #   collective is only started (the column-parallel backward gathers while it computes).
-    # Pitfalls: rank r's shard is sequence positions [r T/t, (r+1) T/t): gather along SEQUENCE_DIM, not the
+    # Pitfalls: rank i_t's shard is sequence positions [i_t T/t, (i_t+1) T/t): gather along SEQUENCE_DIM, not the
     #   batch. Gather into a new tensor, never into x.
     # Hint 1: without sequence parallelism there is nothing to send: wrap x itself.
     # Hint 2: tp.collectives.all_gather(output, shard, label, async_op=..., dim=SEQUENCE_DIM) fills output
     #       (B, T, dim); what it returns is the work to wait on (None when async_op is False).
     # Hint 3: output = x.new_empty(B, t * (T / t), dim); return InFlight(output, work).
-    if not tp.sequence_parallel:
+    if not sequence_parallel:
         return InFlight(x)
     batch, local_len, dim = x.shape
     full = x.new_empty(batch, local_len * tp.size, dim)
@@ -95,7 +90,8 @@ def enter_tp_forward(x: torch.Tensor, tp: TPGroup, label: str = "", async_op: bo
     # <<<
 
 
-def enter_tp_backward(dx: torch.Tensor, tp: TPGroup, label: str = "", async_op: bool = False) -> InFlight:
+def enter_tp_backward(dx: torch.Tensor, tp: Group, sequence_parallel: bool, label: str = "",
+                      async_op: bool = False) -> InFlight:
     """f's backward: each rank's dx (B, T, dim) is its partial of the input's gradient (its slice of the
     output features contributed only its part); the gradient of the residual stream is their sum, whole
     on every rank, or with sequence parallelism only this rank's (B, T / t, dim) shard of it."""
@@ -109,7 +105,7 @@ def enter_tp_backward(dx: torch.Tensor, tp: TPGroup, label: str = "", async_op: 
     #       tp.collectives.reduce_scatter(shard, full, label, async_op=..., dim=SEQUENCE_DIM).
     # Hint 3: without sequence parallelism: InFlight(dx, the all-reduce's work); with it: a new (B, T / t, dim)
     #       tensor for this rank's block, and InFlight(that tensor, the reduce-scatter's work).
-    if not tp.sequence_parallel:
+    if not sequence_parallel:
         return InFlight(dx, tp.collectives.all_reduce(dx, label, async_op=async_op))
     batch, seq_len, dim = dx.shape
     shard = dx.new_empty(batch, seq_len // tp.size, dim)
@@ -117,7 +113,7 @@ def enter_tp_backward(dx: torch.Tensor, tp: TPGroup, label: str = "", async_op: 
     # <<<
 
 
-def leave_tp_forward(y: torch.Tensor, tp: TPGroup, label: str = "") -> torch.Tensor:
+def leave_tp_forward(y: torch.Tensor, tp: Group, sequence_parallel: bool, label: str = "") -> torch.Tensor:
     """g's forward: y (B, T, dim) is this rank's partial product of a row-parallel linear; the residual
     stream needs the sum over ranks: whole on every rank, or this rank's sequence shard of it."""
     # >>> TODO(m12): g forward: all-reduce, or reduce-scatter along the sequence
@@ -128,11 +124,11 @@ def leave_tp_forward(y: torch.Tensor, tp: TPGroup, label: str = "") -> torch.Ten
     # Hint 1: the conjugate operators share their collectives: g's forward is f's backward.
     # Hint 2: enter_tp_backward does exactly this sum (nothing runs beside it here, so no need to go async).
     # Hint 3: call it with y and wait for its InFlight at once.
-    return enter_tp_backward(y, tp, label).wait()
+    return enter_tp_backward(y, tp, sequence_parallel, label).wait()
     # <<<
 
 
-def leave_tp_backward(dy: torch.Tensor, tp: TPGroup, label: str = "") -> torch.Tensor:
+def leave_tp_backward(dy: torch.Tensor, tp: Group, sequence_parallel: bool, label: str = "") -> torch.Tensor:
     """g's backward: the gradient of the residual stream, whole (identity), or gathered from the
     ranks' sequence shards; every rank's row-parallel linear needs all of it."""
     # >>> TODO(m12): g backward: identity, or an all-gather along the sequence
@@ -143,7 +139,7 @@ def leave_tp_backward(dy: torch.Tensor, tp: TPGroup, label: str = "") -> torch.T
     # Hint 1: the conjugate operators share their collectives: g's backward is f's forward.
     # Hint 2: enter_tp_forward does exactly this (identity, or the all-gather along the sequence).
     # Hint 3: call it with dy and wait for its InFlight at once.
-    return enter_tp_forward(dy, tp, label).wait()
+    return enter_tp_forward(dy, tp, sequence_parallel, label).wait()
     # <<<
 
 
@@ -181,7 +177,7 @@ def accumulate_weight_grad(main_grad: torch.Tensor, dy: torch.Tensor, x: torch.T
     # Contract: main_grad is updated in place (same tensor, same storage), summed in main_grad's dtype even
     #   when dy and x are bf16; nothing of the gradient's size is allocated in the inputs' dtype.
     # Pitfalls: main_grad += dy.t() @ x rounds each microbatch's gradient to bf16 first (the unfused path
-    #   above); after M microbatches the sum is off by about M bf16 roundings instead of float32 ones.
+    #   above); after m microbatches the sum is off by about m bf16 roundings instead of float32 ones.
     # Hint 1: torch.addmm(acc, a, b, out=acc) computes acc + a @ b in one kernel, writing acc.
     # Hint 2: addmm_into above does that and handles bf16 inputs with a float32 acc: which a and b?
     # Hint 3: a is dy transposed, (out, tokens); b is x, (tokens, in): their product sums over the tokens.
@@ -192,7 +188,8 @@ def accumulate_weight_grad(main_grad: torch.Tensor, dy: torch.Tensor, x: torch.T
 # ---------------------------------------------------------------------------------------------
 # Column- and row-parallel linears
 # ---------------------------------------------------------------------------------------------
-def column_parallel_forward(x: torch.Tensor, weights: list[torch.Tensor], tp: TPGroup, label: str = ""):
+def column_parallel_forward(x: torch.Tensor, weights: list[torch.Tensor], tp: Group, sequence_parallel: bool,
+                            label: str = ""):
     """y_i = f(x) W_i^T for linears that read the same input (q, k, v; or gate, up), each weight
     W_i (out_i / t, dim) being this rank's rows. x is in the residual stream's layout; each y_i is
     (B, T, out_i / t), the whole sequence. Returns the list of y_i."""
@@ -201,16 +198,17 @@ def column_parallel_forward(x: torch.Tensor, weights: list[torch.Tensor], tp: TP
     # Pitfalls: gather once for all the weights that share x, not once per weight (the collectives are
     #   counted). Wait for it before multiplying.
     # Hint 1: the input is the same for every weight: make it whole once, then one product per weight.
-    # Hint 2: enter_tp_forward(x, tp, label) gives an InFlight; its wait() is the whole (B, T, dim) input.
+    # Hint 2: enter_tp_forward(x, tp, sequence_parallel, label) gives an InFlight; its wait() is the whole
+    #       (B, T, dim) input.
     # Hint 3: whole = the waited result; return [whole @ W^T for each W in weights].
-    x_whole = enter_tp_forward(x, tp, label).wait()
+    x_whole = enter_tp_forward(x, tp, sequence_parallel, label).wait()
     return [x_whole @ w.t() for w in weights]
     # <<<
 
 
 def column_parallel_backward(dys: list[torch.Tensor], x: torch.Tensor, weights: list[torch.Tensor],
-                             main_grads: list[torch.Tensor], tp: TPGroup, label: str = "",
-                             fused: bool = True) -> torch.Tensor:
+                             main_grads: list[torch.Tensor], tp: Group, sequence_parallel: bool,
+                             label: str = "", fused: bool = True) -> torch.Tensor:
     """Backward of column_parallel_forward: adds dy_i^T x_whole into main_grads[i] and returns the
     gradient of x, summed over the ranks, in the residual stream's layout.
 
@@ -236,17 +234,18 @@ def column_parallel_backward(dys: list[torch.Tensor], x: torch.Tensor, weights: 
     # Hint 3: start the gather of x (async) -> sum the dy_i W_i -> wait for the gathered x -> start dx's
     #       collective (async) -> accumulate_weight_grad(each main_grad, its dy, the gathered x, fused)
     #       -> wait for dx's collective and return what it gives.
-    gathering = enter_tp_forward(x, tp, label, async_op=True)
+    gathering = enter_tp_forward(x, tp, sequence_parallel, label, async_op=True)
     dx = sum(dy @ w for dy, w in zip(dys, weights, strict=True))
     x_whole = gathering.wait()
-    reducing = enter_tp_backward(dx, tp, label, async_op=True)
+    reducing = enter_tp_backward(dx, tp, sequence_parallel, label, async_op=True)
     for dy, main_grad in zip(dys, main_grads, strict=True):
         accumulate_weight_grad(main_grad, dy, x_whole, fused)
     return reducing.wait()
     # <<<
 
 
-def row_parallel_forward(x: torch.Tensor, w: torch.Tensor, tp: TPGroup, label: str = "") -> torch.Tensor:
+def row_parallel_forward(x: torch.Tensor, w: torch.Tensor, tp: Group, sequence_parallel: bool,
+                         label: str = "") -> torch.Tensor:
     """y = g(x W^T): x (B, T, in / t) is this rank's slice of the input features (a column-parallel
     output), w (dim, in / t) its columns of the weight. Returns y in the residual stream's layout."""
     # >>> TODO(m12): row-parallel forward: this rank's partial product, then leave the TP region
@@ -254,13 +253,13 @@ def row_parallel_forward(x: torch.Tensor, w: torch.Tensor, tp: TPGroup, label: s
     # Pitfalls: the partial product alone is not y: every rank must leave through g.
     # Hint 1: multiply, then sum over the ranks.
     # Hint 2: x @ w.t() is this rank's partial; leave_tp_forward sums it.
-    # Hint 3: return leave_tp_forward(the partial, tp, label).
-    return leave_tp_forward(x @ w.t(), tp, label)
+    # Hint 3: return leave_tp_forward(the partial, tp, sequence_parallel, label).
+    return leave_tp_forward(x @ w.t(), tp, sequence_parallel, label)
     # <<<
 
 
 def row_parallel_backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, main_grad: torch.Tensor,
-                          tp: TPGroup, label: str = "", fused: bool = True) -> torch.Tensor:
+                          tp: Group, sequence_parallel: bool, label: str = "", fused: bool = True) -> torch.Tensor:
     """Backward of row_parallel_forward: adds dy_whole^T x into main_grad (dim, in / t) and returns
     dx (B, T, in / t), this rank's slice of the input features: nothing to sum over ranks."""
     # >>> TODO(m12): row-parallel backward: leave's backward, then the two GEMMs
@@ -271,7 +270,7 @@ def row_parallel_backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, ma
     # Hint 2: leave_tp_backward gives dy as every rank needs it (whole); dx = dy W; the weight gradient through
     #       accumulate_weight_grad (with fused), as in the column-parallel backward.
     # Hint 3: dy_whole = g's backward of dy; accumulate dy_whole^T x into main_grad; return dy_whole @ W.
-    dy_whole = leave_tp_backward(dy, tp, label)
+    dy_whole = leave_tp_backward(dy, tp, sequence_parallel, label)
     accumulate_weight_grad(main_grad, dy_whole, x, fused)
     return dy_whole @ w
     # <<<

@@ -12,17 +12,19 @@ Gradients land in main_grad accumulators (module 06's LlamaGrads, in float32 at 
 inside the weight-gradient GEMMs over the microbatches of a step. After the last microbatch, with
 sequence parallelism, the norm weights' partial gradients are summed over the group, once per step.
 AdamW is elementwise, so each rank updating its slices is the single process's update, sliced.
+Module 06's `fit` trains it: `fit(TPLlama(cfg, tp, ...), steps)`.
 """
 from __future__ import annotations
 
 import torch
 
-from course.dataset import load_text, random_batch
+from course.mesh import Group
+from course.splits import check_splits
 from .m06_llama_block import LlamaConfig
-from .m06_llama_model import LlamaGrads, LlamaModel
+from .m06_llama_model import LlamaGrads, LlamaModel, microbatches, real_tokens
 from .m06_llama_ops import ATTENTION_CHUNK, rmsnorm_backward, rmsnorm_forward
-from .m12_tp_block import TPBlock, check_tp_size, shard_block_weights, sum_norm_grads, zero_grads
-from .m12_tp_linear import TPGroup, column_parallel_backward, column_parallel_forward, grad_dtype
+from .m12_tp_block import TPBlock, shard_block_weights, sum_norm_grads, zero_grads
+from .m12_tp_linear import column_parallel_backward, column_parallel_forward, grad_dtype
 from .m12_vocab_parallel import (embedding_backward, embedding_forward, padded_vocab_size, vocab_parallel_cross_entropy,
                                  vocab_rows)
 
@@ -35,17 +37,17 @@ CONFIG = LlamaConfig(dim=64, n_heads=8, n_kv_heads=4, head_dim=8, ffn_dim=176, n
 class TPLlama:
     """This rank's slices of module 06's Llama, their main_grad accumulators, and the block that runs them."""
 
-    def __init__(self, cfg: LlamaConfig, tp: TPGroup, seed: int = 0, dtype=torch.float32, vocab_divisible_by: int = 1,
-                 fused: bool = True, attention_chunk: int = ATTENTION_CHUNK):
-        check_tp_size(cfg, tp.size)
+    def __init__(self, cfg: LlamaConfig, tp: Group, seed: int = 0, dtype=torch.float32, sequence_parallel: bool = False,
+                 vocab_divisible_by: int = 1, fused: bool = True, attention_chunk: int = ATTENTION_CHUNK):
+        check_splits(cfg, {"t": tp.size})
         whole = LlamaModel(cfg, seed, dtype)  # every rank builds the same model, then keeps its slices
-        self.cfg, self.tp = cfg, tp
+        self.cfg, self.tp, self.sequence_parallel = cfg, tp, sequence_parallel
         self.padded_vocab = padded_vocab_size(cfg.vocab_size, tp.size, vocab_divisible_by)
-        self.embedding = vocab_rows(whole.embedding, self.padded_vocab, tp.rank, tp.size)
-        self.blocks = [shard_block_weights(b, cfg, tp.rank, tp.size) for b in whole.blocks]
+        self.embedding = vocab_rows(whole.embedding, self.padded_vocab, tp)
+        self.blocks = [shard_block_weights(b, cfg, tp) for b in whole.blocks]
         self.final_norm = whole.final_norm.clone()
-        self.lm_head = vocab_rows(whole.lm_head, self.padded_vocab, tp.rank, tp.size)
-        self.block = TPBlock(cfg, tp, attention_chunk, fused)
+        self.lm_head = vocab_rows(whole.lm_head, self.padded_vocab, tp)
+        self.block = TPBlock(cfg, tp, sequence_parallel, attention_chunk, fused)
         accumulate_in = grad_dtype(dtype)
         self.grads = LlamaGrads(torch.zeros_like(self.embedding, dtype=accumulate_in),
                                 [zero_grads(b, accumulate_in) for b in self.blocks],
@@ -60,33 +62,34 @@ class TPLlama:
         """The accumulators of every norm weight: partial over the sequence with sequence parallelism."""
         return [*(t for b in self.grads.blocks for t in (b.ln1, b.ln2)), self.grads.final_norm]
 
-    def forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor, grad_scale: float = 1.0) -> torch.Tensor:
-        """The loss of tokens (B, T) against targets (B, T) (the same on every rank); the gradient of
-        grad_scale * loss is *added* into self.grads."""
-        cfg, tp = self.cfg, self.tp
+    def forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor,
+                         n_tokens: int | None = None) -> torch.Tensor:
+        """The loss of tokens (B, T) against targets (B, T) (the same on every rank), summed over the real
+        targets and divided by n_tokens (module 06's convention; default: their count); its gradient is
+        *added* into self.grads."""
+        cfg, tp, sp = self.cfg, self.tp, self.sequence_parallel
         cfg.check_seq_len(tokens.shape[1])
-        if tp.sequence_parallel:
-            check_tp_size(cfg, tp.size, tokens.shape[1])
+        check_splits(cfg, {"t": tp.size}, seq_len=tokens.shape[1], sequence_parallel=sp)
         stores = [self.block.new_store() for _ in self.blocks]
         # >>> TODO(m12): the forward and the loss: embedding, blocks, final norm, LM head, vocabulary-parallel loss
         # Contract: name the last block's output x, the final norm's (n, r), the LM head's local logits
-        #   (B, T, V'/t) `logits`, and keep the loss and dlogits (the gradient of grad_scale * loss) from
-        #   vocab_parallel_cross_entropy; the backward TODO reads them.
+        #   (B, T, V'/t) `logits`, and keep the loss and dlogits (the gradient of the loss, divided by n_tokens) from
+        #   vocab_parallel_cross_entropy; the backward TODO reads them. n_tokens goes to the loss as it is.
         # Pitfalls: the LM head is column-parallel (vocabulary rows): its input must be the whole sequence, which
         #   column_parallel_forward gathers with sequence parallelism; the loss takes (N, V'/t) and (N,).
         #   The real vocabulary is cfg.vocab_size, not the padded one.
         # Hint 1: module 06's forward_backward, with each piece replaced by its tensor-parallel one.
         # Hint 2: embedding_forward, then self.block.forward for each block with its own store, rmsnorm_forward,
-        #       column_parallel_forward(n, [self.lm_head], tp, "lm head"), vocab_parallel_cross_entropy.
+        #       column_parallel_forward(n, [self.lm_head], tp, sp, "lm head"), vocab_parallel_cross_entropy.
         # Hint 3: x = embedding; x = each block's forward; n, r = final norm; (logits,) = the LM head's column-
         #       parallel forward; loss, dlogits = the loss of logits flattened to (N, V'/t) against targets flattened.
-        x = embedding_forward(tokens, self.embedding, tp)
+        x = embedding_forward(tokens, self.embedding, tp, sp)
         for w, store in zip(self.blocks, stores, strict=True):
             x = self.block.forward(w, x, store)
         n, r = rmsnorm_forward(x, self.final_norm, cfg.norm_eps)
-        (logits,) = column_parallel_forward(n, [self.lm_head], tp, "lm head")
+        (logits,) = column_parallel_forward(n, [self.lm_head], tp, sp, "lm head")
         loss, dlogits = vocab_parallel_cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                                                     cfg.vocab_size, tp, grad_scale)
+                                                     cfg.vocab_size, tp, n_tokens)
         # <<<
         # >>> TODO(m12): the backward: LM head, final norm, blocks in reverse, embedding, into self.grads
         # Contract: every accumulator of self.grads grows by its gradient; each store is cleared after its block's
@@ -99,53 +102,44 @@ class TPLlama:
         # Hint 3: dn = the LM head's column-parallel backward (input n, accumulator self.grads.lm_head); dx, d_final;
         #       add d_final; for each layer from the last: dx = its backward, clear its store; embedding backward.
         fused = self.block.fused
-        dn = column_parallel_backward([dlogits.view_as(logits)], n, [self.lm_head], [self.grads.lm_head], tp,
+        dn = column_parallel_backward([dlogits.view_as(logits)], n, [self.lm_head], [self.grads.lm_head], tp, sp,
                                       "lm head", fused)
         dx, d_final_norm = rmsnorm_backward(dn, x, r, self.final_norm)
         self.grads.final_norm.add_(d_final_norm)
         for layer in reversed(range(len(self.blocks))):
             dx = self.block.backward(self.blocks[layer], dx, stores[layer], self.grads.blocks[layer])
             stores[layer].clear()
-        embedding_backward(dx, tokens, self.grads.embedding, tp)
+        embedding_backward(dx, tokens, self.grads.embedding, tp, sp)
         return loss
         # <<<
 
     def train_step(self, tokens: torch.Tensor, targets: torch.Tensor, n_microbatches: int, optimizer) -> float:
-        """One optimizer step on the batch, split into n_microbatches; returns the mean of their losses."""
+        """One optimizer step on the global batch (the same on every rank: tensor parallelism splits the
+        model, not the data), in n_microbatches; returns the step's mean loss."""
         # >>> TODO(m12): zero the accumulators, accumulate the microbatches, sum the norm gradients, step
-        # Contract: the step's gradient is that of the mean loss over the microbatches; the optimizer reads each
-        #   parameter's .grad (self.grads.tensors() is in parameters()' order).
+        # Contract: the step's gradient is that of the mean loss over the real tokens of the whole batch; the
+        #   optimizer reads each parameter's .grad (self.grads.tensors() is in parameters()' order). Return the
+        #   step's mean loss, a float.
         # Pitfalls: the norm gradients are summed over the group once per step, after the last microbatch
-        #   (sum_norm_grads with self.norm_grads()). A microbatch's loss gradient is scaled by 1 / n_microbatches.
-        # Hint 1: module 07's train_step without its data parallelism.
-        # Hint 2: zero, loop over tokens.chunk(M) with grad_scale=1 / M, sum_norm_grads, set .grad (cast to the
-        #       parameter's dtype), then the optimizer's step.
-        # Hint 3: zero every accumulator; losses = [forward_backward(chunk of tokens, chunk of targets, 1 / M).item()];
-        #       sum the norm gradients; p.grad = its accumulator, for each pair; step; return the mean loss.
+        #   (sum_norm_grads with self.norm_grads()). Every microbatch's loss is divided by the real tokens of the
+        #   whole batch (module 06's convention), not by its own: the microbatches' losses then add up to the
+        #   step's mean, and so do their gradients.
+        # Hint 1: module 06's LlamaModel.train_step, with this model's accumulators and the norms' sum.
+        # Hint 2: real_tokens(targets) once; zero every accumulator; for each of microbatches(tokens, targets, m):
+        #       forward_backward(tok, tgt, n_tokens); then sum_norm_grads(self.norm_grads(), tp, sequence_parallel),
+        #       .grad (cast to the parameter's dtype), the optimizer's step.
+        # Hint 3: n_tokens = real tokens of the whole batch; zero every accumulator;
+        #       loss = sum of forward_backward(microbatch, n_tokens).item() over the microbatches;
+        #       sum the norm gradients; p.grad = its accumulator, for each pair; step; return loss.
+        n_tokens = real_tokens(targets)
         for g in self.grads.tensors():
             g.zero_()
-        losses = [self.forward_backward(tok, tgt, 1.0 / n_microbatches).item() for tok, tgt in
-                  zip(tokens.chunk(n_microbatches), targets.chunk(n_microbatches), strict=True)]
-        sum_norm_grads(self.norm_grads(), self.tp)
+        loss = 0.0
+        for tok, tgt in microbatches(tokens, targets, n_microbatches):
+            loss += self.forward_backward(tok, tgt, n_tokens).item()
+        sum_norm_grads(self.norm_grads(), self.tp, self.sequence_parallel)
         for p, g in zip(self.parameters(), self.grads.tensors(), strict=True):
             p.grad = g.to(p.dtype)
         optimizer.step()
-        return sum(losses) / n_microbatches
+        return loss
         # <<<
-
-
-def train(cfg: LlamaConfig, steps: int, tp: TPGroup, batch: int = 16, n_microbatches: int = 1, lr: float = 3e-3,
-          seed: int = 0, dtype=torch.float32, vocab_divisible_by: int = 1, on_step=None):
-    """Module 06's `train` on the ranks of `tp`: the same initial model, the same batches (every rank
-    draws them all from the seed and uses them all). Returns (model, losses); every rank has the
-    same losses. `on_step(step, loss)`, if given, is called after every step."""
-    model = TPLlama(cfg, tp, seed, dtype, vocab_divisible_by)
-    data, generator = load_text(), torch.Generator().manual_seed(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    losses = []
-    for step in range(steps):
-        tokens, targets = random_batch(data, batch, cfg.max_seq_len, generator)
-        losses.append(model.train_step(tokens, targets, n_microbatches, optimizer))
-        if on_step:
-            on_step(step, losses[-1])
-    return model, losses

@@ -1,44 +1,50 @@
 """Module 12, part 3 - the vocabulary split over t ranks: embedding rows, LM-head rows, and a
 cross-entropy that never gathers the logits.
 
-The vocabulary V is padded up to a multiple of t (times Megatron's `divisible_by`, for efficient
-GEMM shapes), and rank r keeps rows [r V'/t, (r+1) V'/t) of the embedding and of the LM head. The
-padding rows are zeros and stand for no token: no input is ever one of them, and the loss masks
-their logits out, so they never take probability, never win the max, and never receive a gradient.
+The vocabulary V is padded up to V', a multiple of t (times Megatron's `divisible_by`, for
+efficient GEMM shapes), and the rank at place i_t of the group keeps rows [i_t V'/t, (i_t + 1) V'/t)
+of the embedding and of the LM head. The padding rows are zeros and stand for no token: no input is
+ever one of them, and the loss masks their logits out, so they never take probability, never win
+the max, and never receive a gradient.
 
 Embedding: each rank looks up the tokens that fall in its rows and writes zeros for the others;
 the sum over ranks is the embedding, so leaving the TP region (m12_tp_linear's g: all-reduce, or
 reduce-scatter with sequence parallelism) finishes the lookup.
 
-Cross-entropy: the LM head is a column-parallel linear, so rank r holds logits[:, its V'/t columns].
-The loss of a token is log(sum_v exp(z_v)) - z_target, and everything in it is a sum or a max
-over the vocabulary, which the ranks reduce piece by piece instead of gathering the (N, V) logits:
+Cross-entropy: the LM head is a column-parallel linear, so each rank holds its V'/t columns of the
+logits z. The loss of a token is log(sum_v exp(z_v)) - z_y (y its target), and everything in it is
+a sum or a max over the vocabulary, which the ranks reduce piece by piece instead of gathering the
+(N, V) logits:
 
-    m     = max over ranks of the local max        all-reduce (max)   N values
-    S     = sum over ranks of sum exp(z - m)       all-reduce (sum)   N values
-    z_t   = the target's logit, from its owner     all-reduce (sum)   N values (zeros elsewhere)
-    loss  = log S + m - z_t
+    z_max = max over ranks of the local max          all-reduce (max)   N values
+    Z     = sum over ranks of sum exp(z - z_max)     all-reduce (sum)   N values
+    z_y   = the target's logit, from its owner       all-reduce (sum)   N values (zeros elsewhere)
+    loss  = log Z + z_max - z_y
 
-Subtracting m keeps exp from overflowing; every rank then has the loss, and the gradient of its own
-columns, dlogits = softmax - onehot(target), without any other communication.
+Subtracting z_max keeps exp from overflowing; every rank then has the loss, and the gradient of its
+own columns, dlogits = softmax - onehot(target), without any other communication. As in module 06,
+a target equal to IGNORE_INDEX adds no loss and gets no gradient, and the sum over the real targets
+is divided by the step's count of real tokens (n_tokens).
 """
 from __future__ import annotations
 
 import torch
 
+from course.mesh import Group
+from .m06_llama_model import IGNORE_INDEX, real_tokens
 from .m06_llama_ops import compute_dtype
-from .m12_tp_linear import TPGroup, leave_tp_backward, leave_tp_forward
+from .m12_tp_linear import leave_tp_backward, leave_tp_forward
 
 
-def padded_vocab_size(vocab_size: int, tp_size: int, divisible_by: int = 1) -> int:
-    """The vocabulary rounded up to a multiple of divisible_by * tp_size (Megatron pads to 128 * t)."""
-    # >>> TODO(m12): round vocab_size up to a multiple of divisible_by * tp_size
-    # Contract: the smallest multiple of divisible_by * tp_size that is at least vocab_size (an int).
+def padded_vocab_size(vocab_size: int, t: int, divisible_by: int = 1) -> int:
+    """V': the vocabulary V rounded up to a multiple of divisible_by * t (Megatron pads to 128 t)."""
+    # >>> TODO(m12): round vocab_size up to a multiple of divisible_by * t
+    # Contract: the smallest multiple of divisible_by * t that is at least vocab_size (an int).
     # Pitfalls: a vocabulary that is already a multiple stays as it is. Integers only: no floats.
-    # Hint 1: the multiple is divisible_by * tp_size; round up to it.
+    # Hint 1: the multiple is divisible_by * t; round up to it.
     # Hint 2: ceiling division in integers: -(-a // b) is a / b rounded up.
-    # Hint 3: multiple = divisible_by * tp_size; return (vocab_size / multiple, rounded up) * multiple.
-    multiple = divisible_by * tp_size
+    # Hint 3: multiple = divisible_by * t; return (vocab_size / multiple, rounded up) * multiple.
+    multiple = divisible_by * t
     return -(-vocab_size // multiple) * multiple
     # <<<
 
@@ -48,14 +54,14 @@ def padded_rows(weight: torch.Tensor, padded_vocab: int) -> torch.Tensor:
     return torch.cat([weight, weight.new_zeros(padded_vocab - weight.shape[0], weight.shape[1])])
 
 
-def vocab_rows(weight: torch.Tensor, padded_vocab: int, tp_rank: int, tp_size: int) -> torch.Tensor:
+def vocab_rows(weight: torch.Tensor, padded_vocab: int, tp: Group) -> torch.Tensor:
     """This rank's rows of an embedding or LM head (V, dim), padded with zero rows to padded_vocab:
-    rows [r padded_vocab / t, (r + 1) padded_vocab / t), a contiguous copy (given)."""
-    per_rank = padded_vocab // tp_size
-    return padded_rows(weight, padded_vocab)[tp_rank * per_rank:(tp_rank + 1) * per_rank].clone()
+    rows [i_t V'/t, (i_t + 1) V'/t), i_t = tp.index, a contiguous copy (given)."""
+    per_rank = padded_vocab // tp.size
+    return padded_rows(weight, padded_vocab)[tp.index * per_rank:(tp.index + 1) * per_rank].clone()
 
 
-def embedding_forward(tokens: torch.Tensor, rows: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+def embedding_forward(tokens: torch.Tensor, rows: torch.Tensor, tp: Group, sequence_parallel: bool) -> torch.Tensor:
     """The embedding of tokens (B, T) from this rank's rows (V'/t, dim) of the table, in the residual
     stream's layout: (B, T, dim), or (B, T / t, dim) with sequence parallelism."""
     # >>> TODO(m12): vocabulary-parallel embedding: look up the tokens this rank owns, zeros elsewhere, leave
@@ -63,19 +69,20 @@ def embedding_forward(tokens: torch.Tensor, rows: torch.Tensor, tp: TPGroup) -> 
     #   region (leave_tp_forward, label "embedding") does that sum in the residual stream's layout.
     # Pitfalls: a token this rank does not own must give zeros, not row (token - start) clamped or wrapped
     #   around; an index out of range raises (or, worse, reads another row).
-    # Hint 1: rank r owns tokens [r V'/t, (r+1) V'/t): shift the tokens by r V'/t and mask those outside.
+    # Hint 1: rank i_t owns tokens [i_t V'/t, (i_t + 1) V'/t): shift the tokens by i_t V'/t and mask those outside.
     # Hint 2: look up with the masked indices set to 0 (any valid row), then zero the masked positions.
     # Hint 3: local = tokens - start; mine = (local >= 0) & (local < rows); out = rows_table[local where mine,
     #       0 elsewhere] * mine[..., None]; return leave_tp_forward(out, ...)
     per_rank = rows.shape[0]
-    local = tokens - tp.rank * per_rank
+    local = tokens - tp.index * per_rank
     mine = (local >= 0) & (local < per_rank)
     looked_up = rows[torch.where(mine, local, 0)] * mine.unsqueeze(-1).to(rows.dtype)
-    return leave_tp_forward(looked_up, tp, "embedding")
+    return leave_tp_forward(looked_up, tp, sequence_parallel, "embedding")
     # <<<
 
 
-def embedding_backward(dx: torch.Tensor, tokens: torch.Tensor, grad_rows: torch.Tensor, tp: TPGroup):
+def embedding_backward(dx: torch.Tensor, tokens: torch.Tensor, grad_rows: torch.Tensor, tp: Group,
+                       sequence_parallel: bool):
     """Adds the embedding's gradient into grad_rows (V'/t, dim), this rank's rows: each token's dx goes
     to its row if this rank owns it. dx is in the residual stream's layout."""
     # >>> TODO(m12): vocabulary-parallel embedding backward: leave's backward, then add dx into the owned rows
@@ -83,54 +90,64 @@ def embedding_backward(dx: torch.Tensor, tokens: torch.Tensor, grad_rows: torch.
     #   tokens v this rank owns; the other rows are untouched. Nothing is returned (the tokens need no gradient).
     # Pitfalls: with sequence parallelism dx holds only this rank's positions, but its rows receive gradient
     #   from tokens at every position: gather first. A token seen twice adds twice (index_add_, not indexing).
-    # Hint 1: leave_tp_backward(dx, tp, "embedding") is the whole (B, T, dim) gradient; then the forward's mask.
+    # Hint 1: leave_tp_backward(dx, tp, sequence_parallel, "embedding") is the whole (B, T, dim) gradient; then
+    #       the forward's mask.
     # Hint 2: grad_rows.index_add_(0, owned local indices, their dx rows).
     # Hint 3: dx = g's backward of dx; local = tokens - start; mine = the in-range mask; index_add_ the rows of dx
     #       where mine, at local[mine], into grad_rows (in grad_rows' dtype).
-    dx = leave_tp_backward(dx, tp, "embedding")
-    local = tokens - tp.rank * grad_rows.shape[0]
+    dx = leave_tp_backward(dx, tp, sequence_parallel, "embedding")
+    local = tokens - tp.index * grad_rows.shape[0]
     mine = (local >= 0) & (local < grad_rows.shape[0])
     grad_rows.index_add_(0, local[mine], dx[mine].to(grad_rows.dtype))
     # <<<
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, tp: TPGroup,
-                                 grad_scale: float = 1.0):
-    """Mean cross-entropy over N tokens from this rank's columns of the logits, and their gradient.
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, tp: Group,
+                                 n_tokens: int | None = None):
+    """Cross-entropy of N tokens from this rank's columns of the logits, summed over the real targets
+    and divided by n_tokens (default: their count, module 06's real_tokens), and its gradient.
 
-    logits: (N, V'/t), the columns of vocabulary entries [r V'/t, (r+1) V'/t) (any float dtype; the
-    statistics are computed in compute_dtype); entries >= vocab_size are padding. targets: (N,), in
-    [0, vocab_size). Returns (loss, dlogits): the loss as a 0-d tensor in compute_dtype, the same on
-    every rank; dlogits (N, V'/t) in logits' dtype, the gradient of grad_scale * loss (0 in the padding).
+    logits: (N, V'/t), the columns of vocabulary entries [i_t V'/t, (i_t + 1) V'/t) (any float dtype;
+    the statistics are computed in compute_dtype); entries >= vocab_size are padding. targets: (N,),
+    in [0, vocab_size), or IGNORE_INDEX. Returns (loss, dlogits): the loss as a 0-d tensor in
+    compute_dtype, the same on every rank; dlogits (N, V'/t) in logits' dtype, its gradient (0 in the
+    padding columns and in the rows of ignored targets).
     """
     # >>> TODO(m12): the max, the sum of exponentials and the target logit, each reduced over the group
     # Contract: three all-reduces of N values each (labels "loss max", "loss sum exp", "loss target"): no rank
-    #   ever holds another rank's logits. The loss equals F.cross_entropy on the gathered, unpadded logits.
+    #   ever holds another rank's logits. The loss equals F.cross_entropy(reduction="sum", ignore_index=-100) on
+    #   the gathered, unpadded logits, divided by n_tokens; dlogits is the gradient of that loss.
     # Pitfalls: padding columns must not count: mask them to -inf before the max and the sum (whatever they
     #   hold). Without subtracting the max, exp overflows in float32 for logits above about 88 (the tests use
-    #   logits of several hundred). A target another rank owns contributes 0 here, not logits[:, 0] or a wrapped index.
-    # Hint 1: z = logits in compute_dtype, padding masked; m = local max, all-reduced with op="max"; e = exp(z - m);
-    #       S = e summed over the columns, all-reduced; the target's logit where this rank owns it, 0 elsewhere,
-    #       all-reduced; loss per token = log S + m - z_target.
-    # Hint 2: tp.collectives.all_reduce(tensor, label, op="max") takes the elementwise max over ranks, in place.
-    # Hint 3: dlogits = e / S, minus 1 at the owned targets' columns, times grad_scale / N, cast to logits' dtype.
-    n_tokens, per_rank = logits.shape
-    start = tp.rank * per_rank
+    #   logits of several hundred). A target another rank owns contributes 0 here, not logits[:, 0] or a wrapped
+    #   index; an ignored target (-100) is owned by no rank, and its row adds nothing (loss or gradient).
+    # Hint 1: z = logits in compute_dtype, padding masked; z_max = local max, all-reduced with op="max";
+    #       e = exp(z - z_max); Z = e summed over the columns, all-reduced; z_y = the target's logit where this
+    #       rank owns it, 0 elsewhere, all-reduced; loss per token = log Z + z_max - z_y, kept for real targets.
+    # Hint 2: tp.collectives.all_reduce(tensor, label, op="max") takes the elementwise max over ranks, in place;
+    #       real = targets != IGNORE_INDEX.
+    # Hint 3: loss = the sum over real tokens / n_tokens; dlogits = e / Z, minus 1 at the owned targets' columns,
+    #       rows of ignored targets zeroed, divided by n_tokens, cast to logits' dtype.
+    if n_tokens is None:
+        n_tokens = real_tokens(targets)
+    rows, per_rank = logits.shape
+    start = tp.index * per_rank
     z = logits.to(compute_dtype(logits.dtype))
     padding = torch.arange(start, start + per_rank, device=logits.device) >= vocab_size
     z = z.masked_fill(padding, float("-inf"))
-    top = z.max(dim=-1).values
-    tp.collectives.all_reduce(top, "loss max", op="max")
-    exps = torch.exp(z - top.unsqueeze(-1))
+    z_max = z.max(dim=-1).values
+    tp.collectives.all_reduce(z_max, "loss max", op="max")
+    exps = torch.exp(z - z_max.unsqueeze(-1))
     sum_exp = exps.sum(dim=-1)
     tp.collectives.all_reduce(sum_exp, "loss sum exp")
+    real = targets != IGNORE_INDEX
     local = targets - start
-    mine = (local >= 0) & (local < per_rank)
-    rows = torch.arange(n_tokens, device=logits.device)
-    target_logit = torch.where(mine, z[rows, torch.where(mine, local, 0)], 0.0)
-    tp.collectives.all_reduce(target_logit, "loss target")
-    loss = (torch.log(sum_exp) + top - target_logit).mean()
+    mine = (local >= 0) & (local < per_rank) & real
+    row = torch.arange(rows, device=logits.device)
+    z_y = torch.where(mine, z[row, torch.where(mine, local, 0)], 0.0)
+    tp.collectives.all_reduce(z_y, "loss target")
+    loss = torch.where(real, torch.log(sum_exp) + z_max - z_y, 0).sum() / n_tokens
     dlogits = exps / sum_exp.unsqueeze(-1)
-    dlogits[rows[mine], local[mine]] -= 1
-    return loss, (dlogits * (grad_scale / n_tokens)).to(logits.dtype)
+    dlogits[row[mine], local[mine]] -= 1
+    return loss, (dlogits.masked_fill(~real.unsqueeze(-1), 0) / n_tokens).to(logits.dtype)
     # <<<

@@ -1,4 +1,4 @@
-"""Module 13, part 2 - module 06's Llama over a d x t mesh: FSDP over d, Megatron over t, every line
+"""Module 13, part 3 - module 06's Llama over a d x t mesh: FSDP over d, Megatron over t, every line
 of the forward and the backward written in named axes, beside its equation in the chapter.
 
 Every weight is split over both mesh axes, as the table says (weights are stored (out, in) like
@@ -22,10 +22,12 @@ back into the stream. The backward of an all-gather is a reduce-scatter over the
 backward of a reduce-scatter an all-gather, so the backward has the same collectives as the
 forward, conjugated, plus the gradients' reduce-scatters.
 
-Every rank builds module 06's whole model from the seed and keeps its blocks (`shard`), draws the
-same global batch and keeps its rows: the sharded model starts where a single process does. The
-local ops are module 06's; the vocabulary padding and the vocabulary-parallel cross-entropy are
-module 12's.
+The mesh is course/mesh.py's, with the axes d and t (either may have size 1): `Llama2D(cfg,
+mesh)`, and module 12's loss runs on `mesh.group("t")`, the rank's tensor group. Every rank builds
+module 06's whole model from the seed and keeps its blocks (`shard`), draws the same global batch
+and keeps its rows: the sharded model starts where a single process does. The local ops are module
+06's; the vocabulary padding and the vocabulary-parallel cross-entropy are module 12's. Module 06's
+`fit` trains it: `fit(Llama2D(cfg, mesh), steps)`.
 """
 from __future__ import annotations
 
@@ -33,16 +35,16 @@ from dataclasses import dataclass
 
 import torch
 
-from course.dataset import load_text, random_batch
+from course.mesh import Mesh
+from course.splits import check_splits
 from .m06_llama_block import ActivationStore, BlockWeights, LlamaConfig
-from .m06_llama_model import LlamaGrads, LlamaModel
+from .m06_llama_model import LlamaGrads, LlamaModel, microbatches, real_tokens
 from .m06_llama_ops import (ATTENTION_CHUNK, attention_backward, attention_forward, rmsnorm_backward,
                             rmsnorm_forward, rope_backward, rope_forward, rope_tables, swiglu_backward,
                             swiglu_forward)
-from .m12_tp_linear import TPGroup
 from .m12_vocab_parallel import padded_rows, padded_vocab_size, vocab_parallel_cross_entropy
-from .m13_named_axes import (Mesh, Sharded, Spec, all_gather, all_reduce, check_matches, einsum_unreduced, local,
-                             parse_spec, reduce_scatter, shard)
+from .m13_named_axes import all_gather, all_reduce, einsum_unreduced, reduce_scatter
+from .m13_specs import Sharded, Spec, check_matches, local, parse_spec, shard
 
 # The module's model: 8 query heads in 4 groups (K = 4 key/value heads, so t can be 1, 2 or 4), dim 32
 # (the norms' M/t/d needs d t | 32), FFN 48. Module 06's vocabulary of 256 bytes.
@@ -53,17 +55,15 @@ BLOCK_SPECS = {"ln1": "M/t/d", "wq": "K/t Q D M/d", "wk": "K/t D M/d", "wv": "K/
                "ln2": "M/t/d", "w_gate": "F/t M/d", "w_up": "F/t M/d", "w_down": "M/d F/t"}
 
 
-def check_mesh_fits(cfg: LlamaConfig, d: int, t: int, batch: int | None = None):
-    """Refuse, in one line, a mesh that does not divide what it splits (given). The vocabulary is
-    padded instead (module 12)."""
-    split = {f"n_kv_heads={cfg.n_kv_heads} (K/t)": (cfg.n_kv_heads, t),
-             f"ffn_dim={cfg.ffn_dim} (F/t)": (cfg.ffn_dim, t),
-             f"dim={cfg.dim} (the norms' M/t/d)": (cfg.dim, d * t)}
-    if batch is not None:
-        split[f"batch={batch} (B/d)"] = (batch, d)
-    wrong = [f"{what} is not divisible by {by}" for what, (size, by) in split.items() if size % by]
-    if wrong:
-        raise ValueError(f"mesh {d}x{t} does not fit: " + "; ".join(wrong))
+def check_mesh_fits(cfg: LlamaConfig, sizes: dict[str, int], batch: int | None = None, n_microbatches: int = 1):
+    """Refuse, in one line, a mesh this model cannot run on (given): an axis other than d and t, or
+    sizes that do not divide what they split: course/splits.py's check (heads, key/value heads and F
+    over t; the batch over d and the microbatches), plus this model's own M/t/d (its norm weights).
+    The vocabulary is padded instead (module 12)."""
+    other = [f"{axis}={size}" for axis, size in sizes.items() if axis not in ("d", "t") and size > 1]
+    if other:
+        raise ValueError(f"module 13's model runs on a d x t mesh; this mesh also has {', '.join(other)}")
+    check_splits(cfg, sizes, batch, n_microbatches, also=[("dim M (the norms' M/t/d)", cfg.dim, ("t", "d"))])
 
 
 def named_weight(cfg: LlamaConfig, name: str, weight: torch.Tensor) -> torch.Tensor:
@@ -113,12 +113,10 @@ def cross_entropy_over_t(logits: Sharded, targets: Sharded, vocab_size: int, n_t
     mesh = logits.mesh
     check_matches(parse_spec("B/d T V/t", mesh.sizes), logits, "cross_entropy_over_t, logits")
     check_matches(parse_spec("B/d T", mesh.sizes), targets, "cross_entropy_over_t, targets")
-    tp = TPGroup(mesh.index["t"], mesh.sizes["t"], mesh.collectives["t"])
     flat = logits.tensor.reshape(-1, logits.tensor.shape[-1])
-    share = flat.shape[0] / n_tokens
-    loss, dlogits = vocab_parallel_cross_entropy(flat, targets.tensor.reshape(-1), vocab_size, tp, grad_scale=share)
-    return (Sharded(loss * share, Spec((), frozenset({"d"})), mesh),
-            Sharded(dlogits.view_as(logits.tensor), logits.spec, mesh))
+    loss, dlogits = vocab_parallel_cross_entropy(flat, targets.tensor.reshape(-1), vocab_size, mesh.group("t"),
+                                                 n_tokens)
+    return (Sharded(loss, Spec((), frozenset({"d"})), mesh), Sharded(dlogits.view_as(logits.tensor), logits.spec, mesh))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -129,7 +127,7 @@ class Llama2D:
 
     def __init__(self, cfg: LlamaConfig, mesh: Mesh, seed: int = 0, dtype=torch.float32,
                  attention_chunk: int = ATTENTION_CHUNK):
-        check_mesh_fits(cfg, mesh.sizes["d"], mesh.sizes["t"])
+        check_mesh_fits(cfg, mesh.sizes)
         whole = LlamaModel(cfg, seed, dtype)  # every rank builds the same model, then keeps its blocks
         self.cfg, self.mesh, self.attention_chunk = cfg, mesh, attention_chunk
         self.padded_vocab = padded_vocab_size(cfg.vocab_size, mesh.sizes["t"])
@@ -467,12 +465,13 @@ class Llama2D:
         # <<<
 
     # --- one step ----------------------------------------------------------------------------------
-    def forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor):
+    def forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor, n_tokens: int | None = None):
         """(loss, LlamaGrads of Sharded) for the global batch tokens, targets (B, T): the same tensors on every
-        rank, each keeping its rows B/d. The loss is the mean over the whole batch; each gradient is this rank's
-        block of the gradient of that mean."""
+        rank, each keeping its rows B/d. The loss is summed over the real targets of the whole batch and divided
+        by n_tokens (module 06's convention; default: their count); each gradient is this rank's block of its
+        gradient."""
         self.cfg.check_seq_len(tokens.shape[1])
-        mesh, n_tokens = self.mesh, tokens.numel()
+        mesh, n_tokens = self.mesh, real_tokens(targets) if n_tokens is None else n_tokens
         tokens, targets = shard("B/d T", tokens, mesh), shard("B/d T", targets, mesh)
         top, stores = ActivationStore(), [ActivationStore() for _ in self.blocks]
         x = self.embed(tokens, top)
@@ -490,28 +489,18 @@ class Llama2D:
         d_embedding = self.embed_backward(dx, top)
         return loss.tensor, LlamaGrads(d_embedding, block_grads, d_final_norm, d_lm_head)
 
-    def train_step(self, tokens: torch.Tensor, targets: torch.Tensor, optimizer) -> float:
-        """One optimizer step on the global batch (every rank keeps its rows); returns the loss."""
-        loss, grads = self.forward_backward(tokens, targets)
-        for p, g in zip(self.parameters(), grads.tensors(), strict=True):
-            p.grad = g.tensor
+    def train_step(self, tokens: torch.Tensor, targets: torch.Tensor, n_microbatches: int, optimizer) -> float:
+        """One optimizer step on the global batch (the same on every rank), in n_microbatches whose
+        gradients add up (every rank keeps its rows B/d of each); returns the step's mean loss."""
+        check_mesh_fits(self.cfg, self.mesh.sizes, tokens.shape[0], n_microbatches)
+        n_tokens = real_tokens(targets)  # every microbatch divides by the whole step's count
+        loss, params = 0.0, self.parameters()
+        for p in params:
+            p.grad = None
+        for tok, tgt in microbatches(tokens, targets, n_microbatches):
+            part, grads = self.forward_backward(tok, tgt, n_tokens)
+            loss += part.item()
+            for p, g in zip(params, grads.tensors(), strict=True):
+                p.grad = g.tensor if p.grad is None else p.grad.add_(g.tensor)
         optimizer.step()  # AdamW is elementwise: each rank updates its blocks as one process would
-        return loss.item()
-
-
-def train(cfg: LlamaConfig, steps: int, mesh: Mesh, batch: int = 16, lr: float = 3e-3, seed: int = 0,
-          dtype=torch.float32, on_step=None):
-    """Module 06's `train` on the d x t mesh: the same initial model, the same global batches (every rank
-    draws them all from the seed and keeps its rows). Returns (model, losses); every rank has the same
-    losses. `on_step(step, loss)`, if given, is called after every step."""
-    check_mesh_fits(cfg, mesh.sizes["d"], mesh.sizes["t"], batch)
-    model = Llama2D(cfg, mesh, seed, dtype)
-    data, generator = load_text(), torch.Generator().manual_seed(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    losses = []
-    for step in range(steps):
-        tokens, targets = random_batch(data, batch, cfg.max_seq_len, generator)
-        losses.append(model.train_step(tokens, targets, optimizer))
-        if on_step:
-            on_step(step, losses[-1])
-    return model, losses
+        return loss

@@ -1,9 +1,11 @@
 # Generated from solutions/m07_fsdp.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 07`. (skeleton b2f2c3545c92)
-"""Module 07 - FSDP: every rank keeps 1/N of each block; whole blocks exist only while in use.
+# Grade your work with `python main.py grade 07`. (skeleton 13a0d6c5a416)
+"""Module 07 - FSDP: every rank keeps 1/d of each block; whole blocks exist only while in use.
 
-Data parallel: each rank trains on its own rows of the global batch. Sharded: each rank keeps only
-its shard of every block's flat buffer (m07_flat_shards), and its AdamW updates only that shard.
+The d ranks of one data-parallel group (`dp`, a course.mesh `Group`: `dp.index`, `dp.size` = d,
+`dp.collectives`) train one model. Data parallel: every rank draws the same global batch and trains
+on its own rows of it. Sharded: each rank keeps only its shard of every block's flat buffer
+(m07_flat_shards), and its AdamW updates only that shard.
 Module 06's loop asks a weight source for each block; ours (m07_sharded_weights) all-gathers the
 block from the shards just in time, into one of two buffers.
 
@@ -19,18 +21,19 @@ gather the next block's backward is waiting for.
 
 The embedding, final norm and LM head are small here and stay replicated: every rank holds all of
 them and their gradients are summed with one all-reduce per optimizer step (as plain data
-parallelism does). Gradients are averaged over the global batch: each microbatch's contribution is
-scaled by 1 / (n_microbatches * world_size).
+parallelism does). Gradients are those of the mean loss over the global batch: every rank divides
+each microbatch's loss by the real tokens of the whole global batch (module 06's `real_tokens`), so
+the sums over microbatches and over ranks need no further scale. Module 06's `fit` trains it:
+`fit(FSDPLlama(cfg, dp), steps)`.
 """
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from course.collectives import Collectives
-from course.dataset import load_text, random_batch
+from course.mesh import Group
 from .m06_llama_block import LlamaConfig
-from .m06_llama_model import LOSS_CHUNK, LlamaModel
+from .m06_llama_model import LOSS_CHUNK, LlamaModel, microbatches, real_tokens
 from .m07_flat_shards import FlatLayout
 from .m07_sharded_weights import ShardedWeights
 
@@ -45,15 +48,14 @@ class ReduceScatterInFlight:
 
 
 class FSDPLlama(LlamaModel):
-    """Module 06's Llama with its blocks sharded over `world_size` ranks (those of `collectives`)."""
+    """Module 06's Llama with its blocks sharded over the d = dp.size ranks of the data group `dp`."""
 
-    def __init__(self, cfg: LlamaConfig, rank: int, world_size: int, collectives: Collectives, seed: int = 0,
-                 dtype=torch.float32, loss_chunk: int = LOSS_CHUNK):
+    def __init__(self, cfg: LlamaConfig, dp: Group, seed: int = 0, dtype=torch.float32, loss_chunk: int = LOSS_CHUNK):
         # Every rank builds the same full model from the seed, then keeps only its shards, so the
         # sharded model starts exactly where a single process would.
         super().__init__(cfg, seed, dtype, loss_chunk=loss_chunk)
-        self.rank, self.world_size, self.collectives = rank, world_size, collectives
-        self.layout = FlatLayout(self.blocks[0], self.world_size)
+        self.dp = dp
+        self.layout = FlatLayout(self.blocks[0], dp.size)
         # TODO(m07): keep this rank's shard of every block, and nothing of the full blocks
         # self.blocks holds the full model's blocks (every rank built the same ones from the seed). Set self.shards:
         # one tensor per layer, this rank's shard of that block's padded flat buffer (self.layout, your FlatLayout).
@@ -63,11 +65,10 @@ class FSDPLlama(LlamaModel):
         # self.shards and fails if it is one full block per layer instead of one shard.
         raise NotImplementedError("TODO(m07): keep this rank's shard of every block, and nothing of the full blocks")
         self.blocks = []  # from here on, whole blocks exist only in the weight source's two buffers
-        self.weights = ShardedWeights(self.layout, self.shards, collectives)
+        self.weights = ShardedWeights(self.layout, self.shards, dp.collectives)
         self.replicated = [self.embedding, self.final_norm, self.lm_head]
         self.grad_shards = [torch.zeros_like(s) for s in self.shards]
         self.replicated_grads = [torch.zeros_like(p) for p in self.replicated]
-        self.grad_scale = 1.0  # set per optimizer step: 1 / (n_microbatches * world_size)
         self.in_flight: ReduceScatterInFlight | None = None
 
     def parameters(self) -> list[torch.Tensor]:
@@ -115,40 +116,47 @@ class FSDPLlama(LlamaModel):
         raise NotImplementedError("TODO(m07): finish the reduce-scatter in flight, then start this block's without waiting")
 
     def finish_reduce_scatter(self):
-        """Wait for the reduce-scatter in flight, if any, and add its slice, scaled, to the shard's gradient."""
+        """Wait for the reduce-scatter in flight, if any, and add its slice to the shard's gradient."""
         if self.in_flight is None:
             return
-        # TODO(m07): complete the reduce-scatter in flight; add its slice, scaled, to the gradient shard
+        # TODO(m07): complete the reduce-scatter in flight; add its slice to the gradient shard
         # self.in_flight (not None here) holds the work, the flat gradient it reads, the slice it receives and the
-        # layer. Once the work has completed, add the received slice times self.grad_scale (1 / (n_microbatches *
-        # world_size): the gradient of the mean loss over the global batch) into self.grad_shards[layer]. Afterwards
-        # nothing is in flight.
-        # Pitfalls: a missing scale moves the losses by only ~1e-7 (AdamW barely notices a constant factor), yet
-        # that is 10^5 times the tests' tolerance against single-process training (their message names the scale).
-        # Assigning instead of adding loses the earlier microbatches' gradients.
-        raise NotImplementedError('TODO(m07): complete the reduce-scatter in flight; add its slice, scaled, to the gradient shard')
+        # layer. Once the work has completed, add the received slice (the sum over ranks of this microbatch's
+        # gradients of this rank's shard) into self.grad_shards[layer]. Afterwards nothing is in flight.
+        # Pitfalls: reading the slice before the work has completed reads whatever the buffer held (the tests
+        # deliver it only on wait()). Assigning instead of adding loses the earlier microbatches' gradients.
+        raise NotImplementedError('TODO(m07): complete the reduce-scatter in flight; add its slice to the gradient shard')
 
     def train_step(self, tokens: torch.Tensor, targets: torch.Tensor, n_microbatches: int, optimizer) -> float:
-        """One optimizer step on this rank's rows (split into n_microbatches); returns their mean loss."""
-        for g in self.grads():
-            g.zero_()
-        self.grad_scale = 1.0 / (n_microbatches * self.world_size)
-        losses = [self.accumulate(tok, tgt) for tok, tgt in
-                  zip(tokens.chunk(n_microbatches), targets.chunk(n_microbatches), strict=True)]
-        self.reduce_and_step(optimizer)
-        return sum(losses) / n_microbatches
+        """One optimizer step on the global batch tokens, targets (B, T), the same on every rank: this rank
+        trains on its rows, in n_microbatches; returns the step's mean loss over the global batch."""
+        # TODO(m07): this rank's rows, every microbatch divided by the global batch's tokens, one step
+        # Contract: this rank (self.dp.index = i_d of d = self.dp.size) takes rows [i_d B/d, (i_d + 1) B/d) of the
+        #   global batch, zeroes its accumulators (grads()), accumulates its rows in n_microbatches (accumulate) and
+        #   steps (reduce_and_step). Returns the mean loss over the global batch, the same on every rank:
+        #   summed_over(this rank's part, self.dp), given below.
+        # Maths: the step's gradient is that of the mean loss over the real tokens of the *whole global batch*.
+        #   Each microbatch's loss is divided by that count (module 06's real_tokens of the global targets): then
+        #   the sums over microbatches (in the accumulators) and over ranks (the reduce-scatters and the all-reduce)
+        #   are that gradient as they are, with no scale left to apply.
+        # Pitfalls: dividing by this rank's tokens, or by a microbatch's, gives gradients d or m d times too big:
+        #   AdamW barely notices a constant factor, so the losses move by only ~1e-7, yet that is 10^5 times the
+        #   tests' tolerance against single-process training (their message names the scale). Count the real
+        #   tokens of the whole batch, before taking this rank's rows.
+        raise NotImplementedError("TODO(m07): this rank's rows, every microbatch divided by the global batch's tokens, one step")
 
-    def accumulate(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
-        """Forward and backward of one microbatch, its gradients added (times grad_scale) to this rank's
-        accumulators: the blocks' by their reduce-scatters, the replicated weights' here. Returns its loss."""
-        loss, grads = self.forward_backward(tokens, targets)  # block gradients land in grad_shards
+    def accumulate(self, tokens: torch.Tensor, targets: torch.Tensor, n_tokens: int) -> float:
+        """Forward and backward of one microbatch, its loss divided by n_tokens (the global batch's real
+        tokens), its gradients added to this rank's accumulators: the blocks' by their reduce-scatters,
+        the replicated weights' here. Returns its part of the step's loss."""
+        loss, grads = self.forward_backward(tokens, targets, n_tokens)  # block gradients land in grad_shards
         # TODO(m07): add this microbatch's replicated-weight gradients to their accumulators
         # grads is this microbatch's LlamaGrads on this rank. The blocks' gradients are already accumulated (by the
-        # reduce-scatters). Add the embedding's, the final norm's and the LM head's gradients, each times
-        # self.grad_scale, into self.replicated_grads (in the order of self.replicated). They are summed over ranks
-        # once per step, later (reduce_and_step).
-        # Pitfalls: assigning instead of adding loses the earlier microbatches; a missing scale is caught by the
-        # 1e-12 tolerance against single-process training (2 to 4 ranks, 1 and 2 microbatches).
+        # reduce-scatters). Add the embedding's, the final norm's and the LM head's gradients into
+        # self.replicated_grads (in the order of self.replicated). They are summed over ranks once per step, later
+        # (reduce_and_step).
+        # Pitfalls: assigning instead of adding loses the earlier microbatches (the tests run 1 and 2 microbatches
+        # against single-process training at a 1e-12 tolerance).
         raise NotImplementedError("TODO(m07): add this microbatch's replicated-weight gradients to their accumulators")
         return loss.item()
 
@@ -164,29 +172,11 @@ class FSDPLlama(LlamaModel):
         raise NotImplementedError('TODO(m07): sum the replicated gradients over ranks in one collective; step; invalidate')
 
 
-def global_mean(value: float) -> float:
-    """The mean of a number over ranks (for the losses returned; not part of the training's traffic)."""
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t)
-    return t.item() / dist.get_world_size()
-
-
-def train_fsdp(cfg: LlamaConfig, steps: int, batch: int = 16, n_microbatches: int = 1, lr: float = 3e-3,
-               seed: int = 0, dtype=torch.float32, collectives: Collectives | None = None, on_step=None):
-    """Module 06's `train`, sharded over the ranks of the default group: the same initial model and
-    the same global batches (every rank draws them all from the seed), each rank taking its
-    batch // world_size rows. Returns (model, losses), the losses averaged over ranks.
-    `on_step(step, loss)`, if given, is called after every step."""
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    model = FSDPLlama(cfg, rank, world_size, collectives or Collectives(), seed, dtype)
-    data, generator = load_text(), torch.Generator().manual_seed(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    rows = batch // world_size
-    losses = []
-    for step in range(steps):
-        tokens, targets = random_batch(data, batch, cfg.max_seq_len, generator)
-        mine = slice(rank * rows, (rank + 1) * rows)
-        losses.append(global_mean(model.train_step(tokens[mine], targets[mine], n_microbatches, optimizer)))
-        if on_step:
-            on_step(step, losses[-1])
-    return model, losses
+def summed_over(value: float, group: Group) -> float:
+    """The sum of a number over the ranks of `group` (given): each rank's part of the step's loss adds
+    up to the global mean. Not part of the training's traffic, so not logged."""
+    if group.size == 1:
+        return value
+    total = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(total, group=group.collectives.group)
+    return total.item()

@@ -1,14 +1,14 @@
 # Generated from solutions/m12_tp_block.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 12`. (skeleton 8080e17e2e86)
+# Grade your work with `python main.py grade 12`. (skeleton 0d616b289339)
 """Module 12, part 2 - module 06's block on t ranks: attention split by heads, the FFN by its width.
 
     residual x ─ RMSNorm ─ enter ─ q, k, v (column) ─ RoPE, attention ─ o (row) ─ leave ─ + ─ h
     h ─ RMSNorm ─ enter ─ gate, up (column) ─ SwiGLU ─ down (row) ─ leave ─ + ─ y
 
-Rank r of t keeps query heads [r H/t, (r+1) H/t) and key/value heads [r K/t, (r+1) K/t): exactly
-the key/value heads its query heads read (query head h reads key/value head h // (H / K)), so
-attention needs no communication at all. The FFN keeps hidden units [r F/t, (r+1) F/t): SwiGLU is
-elementwise. Each half of the block is one enter/leave pair (m12_tp_linear): without sequence
+The rank at place i_t of the group (`tp.index`) keeps query heads [i_t H/t, (i_t+1) H/t) and
+key/value heads [i_t K/t, (i_t+1) K/t): exactly the key/value heads its query heads read (query
+head h reads key/value head h // (H / K)), so attention needs no communication at all. The FFN
+keeps hidden units [i_t F/t, (i_t+1) F/t): SwiGLU is elementwise. Each half of the block is one enter/leave pair (m12_tp_linear): without sequence
 parallelism two all-reduces a block in each direction; with it, two all-gathers and two
 reduce-scatters forward, and in the backward the same plus the re-gathers of the two inputs. The
 norms and residual adds run on the whole stream, replicated, or with sequence parallelism on this
@@ -24,47 +24,31 @@ group, once per optimizer step.
 """
 from __future__ import annotations
 
-from math import gcd
-
 import torch
 
 from .m06_llama_block import ActivationStore, BlockWeights, LlamaBlock, LlamaConfig
 from .m06_llama_ops import (ATTENTION_CHUNK, residual_rmsnorm_backward, residual_rmsnorm_forward, rmsnorm_backward,
                             rmsnorm_forward, rope_backward, rope_forward, swiglu_backward, swiglu_forward)
-from .m12_tp_linear import (TPGroup, column_parallel_backward, column_parallel_forward, row_parallel_backward,
+from course.mesh import Group
+from course.splits import check_splits
+from .m12_tp_linear import (column_parallel_backward, column_parallel_forward, row_parallel_backward,
                             row_parallel_forward)
 
 
-def check_tp_size(cfg: LlamaConfig, tp_size: int, seq_len: int | None = None):
-    """Refuse, in one line, a t that does not divide what it splits (given): the query heads, the
-    key/value heads, the FFN width and, with sequence parallelism (pass seq_len), the sequence."""
-    if tp_size < 1:
-        raise ValueError(f"the tensor-parallel size t must be at least 1, got {tp_size}")
-    split = {"n_heads": cfg.n_heads, "n_kv_heads": cfg.n_kv_heads, "ffn_dim": cfg.ffn_dim}
-    if seq_len is not None:
-        split["sequence length"] = seq_len
-    wrong = [f"{name}={size}" for name, size in split.items() if size % tp_size]
-    if wrong:
-        common = gcd(*split.values())
-        working = ", ".join(str(t) for t in range(1, common + 1) if common % t == 0)
-        raise ValueError(f"t={tp_size} does not divide {', '.join(wrong)}: t must divide "
-                         f"{', '.join(split)}; t in {{{working}}} would work")
-
-
-def shard_block_weights(w: BlockWeights, cfg: LlamaConfig, tp_rank: int, tp_size: int) -> BlockWeights:
+def shard_block_weights(w: BlockWeights, cfg: LlamaConfig, tp: Group) -> BlockWeights:
     """This rank's slices of a whole block's weights (copies, contiguous, so the whole block can go).
 
-    Column-parallel wq, wk, wv, w_gate, w_up: rank r's contiguous block of rows (output features);
+    Column-parallel wq, wk, wv, w_gate, w_up: rank i_t's contiguous block of rows (output features);
     row-parallel wo, w_down: its contiguous block of columns (input features). The norm weights are
     whole on every rank.
     """
-    # TODO(m12): slice a block's weights for rank tp_rank of tp_size
-    # Contract: rank r holds query heads [r H/t, (r+1) H/t), key/value heads [r K/t, (r+1) K/t) and FFN units
-    #   [r F/t, (r+1) F/t); a head is head_dim consecutive rows of wq/wk/wv (columns of wo). Shapes:
+    # TODO(m12): slice a block's weights for rank tp.index of tp.size
+    # Contract: rank i_t = tp.index holds query heads [i_t H/t, (i_t+1) H/t), key/value heads [i_t K/t,
+    #   (i_t+1) K/t) and FFN units [i_t F/t, (i_t+1) F/t); a head is head_dim consecutive rows of wq/wk/wv (columns of wo). Shapes:
     #   wq (H/t D, dim), wk and wv (K/t D, dim), wo (dim, H/t D), w_gate and w_up (F/t, dim), w_down (dim, F/t).
     # Pitfalls: the key/value slice is not the query slice: with grouped-query attention K < H, and the
     #   key/value heads a rank needs are the ones its query heads read. A column slice is not contiguous.
-    raise NotImplementedError("TODO(m12): slice a block's weights for rank tp_rank of tp_size")
+    raise NotImplementedError("TODO(m12): slice a block's weights for rank tp.index of tp.size")
 
 
 def zero_grads(w: BlockWeights, dtype: torch.dtype | None = None) -> BlockWeights:
@@ -72,7 +56,7 @@ def zero_grads(w: BlockWeights, dtype: torch.dtype | None = None) -> BlockWeight
     return BlockWeights(*(torch.zeros(t.shape, dtype=dtype or t.dtype, device=t.device) for t in w.tensors()))
 
 
-def sum_norm_grads(norm_grads: list[torch.Tensor], tp: TPGroup):
+def sum_norm_grads(norm_grads: list[torch.Tensor], tp: Group, sequence_parallel: bool):
     """With sequence parallelism each rank normed only its T/t positions, so its norm weights'
     gradients are partial sums: add them up over the group, in place, in one all-reduce. Without
     it, every rank normed every position and its gradients are already whole: nothing to do."""
@@ -87,9 +71,10 @@ def sum_norm_grads(norm_grads: list[torch.Tensor], tp: TPGroup):
 class TPBlock:
     """Module 06's block computed by t ranks together; the weights are this rank's slices."""
 
-    def __init__(self, cfg: LlamaConfig, tp: TPGroup, attention_chunk: int = ATTENTION_CHUNK, fused: bool = True):
-        check_tp_size(cfg, tp.size)
-        self.cfg, self.tp, self.fused = cfg, tp, fused
+    def __init__(self, cfg: LlamaConfig, tp: Group, sequence_parallel: bool = False,
+                 attention_chunk: int = ATTENTION_CHUNK, fused: bool = True):
+        check_splits(cfg, {"t": tp.size})
+        self.cfg, self.tp, self.sequence_parallel, self.fused = cfg, tp, sequence_parallel, fused
         # Module 06's block, for what a rank computes alone: attention on its own heads, and the RoPE tables.
         self.local = LlamaBlock(cfg, attention_chunk=attention_chunk)
 
@@ -99,7 +84,7 @@ class TPBlock:
     def forward(self, w: BlockWeights, x: torch.Tensor, store: ActivationStore) -> torch.Tensor:
         """y = block(x), x and y in the residual stream's layout: (B, T, dim), or (B, T / t, dim) with
         sequence parallelism. Saves module 06's activations under module 06's names."""
-        cfg, tp = self.cfg, self.tp
+        cfg, tp, sp = self.cfg, self.tp, self.sequence_parallel
         # TODO(m12): the attention half: norm, column-parallel q/k/v, RoPE, attention on this rank's heads
         # Contract: save in the store what the backward reads, under module 06's names: 'x', 'n1', 'r1', 'q', 'k',
         #   'v' (q and k after RoPE), 'o', 'lse'. q is (B, T, H/t, head_dim), k and v (B, T, K/t, head_dim), all
@@ -118,7 +103,7 @@ class TPBlock:
         """dx given dy (both in the residual stream's layout), from what the forward saved. Every weight's
         gradient is *added* into `grads` (main_grad accumulators, e.g. from zero_grads); with sequence
         parallelism the norm weights' are this rank's partial sums until sum_norm_grads."""
-        tp, fused = self.tp, self.fused
+        tp, sp, fused = self.tp, self.sequence_parallel, self.fused
         # TODO(m12): backward of the FFN half: down (row), SwiGLU, gate/up (column), residual + norm
         # Contract: add the gradients of w_down, w_gate, w_up and ln2 into grads; name the residual stream's
         #   gradient after the norm dh (the attention half's TODO uses it).

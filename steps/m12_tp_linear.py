@@ -1,14 +1,17 @@
 # Generated from solutions/m12_tp_linear.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 12`. (skeleton 52d9a6a1dfe0)
+# Grade your work with `python main.py grade 12`. (skeleton 1a7f2bcc21e7)
 """Module 12, part 1 - tensor-parallel linears: Megatron's column and row split, and the two
 conjugate operators that connect them to the residual stream.
 
-t ranks (one tensor-parallel group, `TPGroup`) share every linear layer y = x W^T, W (out, in):
+t ranks (one tensor-parallel group, a `course.mesh.Group`: `tp.index` = i_t, `tp.size` = t,
+`tp.collectives`) share every linear layer y = x W^T, W (out, in):
 
-  column-parallel   rank r keeps rows r of W (a slice of the output features) and computes its
-                    slice of y from the whole input x. No sum is needed; the input must be whole.
-  row-parallel      rank r keeps columns r of W (a slice of the input features) and multiplies its
-                    slice of x: a partial product, and y is the sum of the t partials.
+  column-parallel   the rank at place i_t keeps block i_t of W's rows (a slice of the output
+                    features) and computes its slice of y from the whole input x. No sum is
+                    needed; the input must be whole.
+  row-parallel      the rank at place i_t keeps block i_t of W's columns (a slice of the input
+                    features) and multiplies its slice of x: a partial product, and y is the sum
+                    of the t partials.
 
 Column then row (q, k, v then o; gate, up then down) needs nothing in between: the column output's
 slice is exactly the row input's slice. Two operators connect such a pair to the residual stream,
@@ -32,7 +35,7 @@ only this rank's sequence shard), started before the input-gradient GEMM, which 
 either.
 
 Weight gradients are added into `main_grad` accumulators inside the GEMM (torch.addmm with
-out=main_grad): over M microbatches each gradient is summed in main_grad's precision (float32 for
+out=main_grad): over m microbatches each gradient is summed in main_grad's precision (float32 for
 bf16 weights), never rounded to the weights' dtype on the way (Megatron's gradient-accumulation
 fusion).
 
@@ -45,19 +48,10 @@ from dataclasses import dataclass
 
 import torch
 
-from course.collectives import Collectives
+from course.mesh import Group
 from .m06_llama_ops import compute_dtype
 
 SEQUENCE_DIM = 1  # (batch, sequence, features): sequence parallelism splits dimension 1
-
-
-@dataclass(frozen=True)
-class TPGroup:
-    """One tensor-parallel group, as one of its ranks sees it."""
-    rank: int                   # this rank's place in the group, 0 .. size - 1
-    size: int                   # t, the number of ranks that share every linear
-    collectives: Collectives    # all-gather / reduce-scatter / all-reduce over exactly these ranks
-    sequence_parallel: bool = False  # the residual stream split along the sequence between the pairs
 
 
 @dataclass
@@ -76,19 +70,21 @@ class InFlight:
 # ---------------------------------------------------------------------------------------------
 # The conjugate operators
 # ---------------------------------------------------------------------------------------------
-def enter_tp_forward(x: torch.Tensor, tp: TPGroup, label: str = "", async_op: bool = False) -> InFlight:
+def enter_tp_forward(x: torch.Tensor, tp: Group, sequence_parallel: bool, label: str = "",
+                     async_op: bool = False) -> InFlight:
     """f's forward: the whole input of the column-parallel linears, (B, T, dim), from the residual
     stream x. Without sequence parallelism x is already whole (identity); with it, x is this rank's
     (B, T / t, dim) shard and the ranks' shards are gathered in rank order."""
     # TODO(m12): f forward: identity, or an all-gather along the sequence
     # Contract: return an InFlight whose wait() gives the whole (B, T, dim) input. With async_op=True the
     #   collective is only started (the column-parallel backward gathers while it computes).
-    # Pitfalls: rank r's shard is sequence positions [r T/t, (r+1) T/t): gather along SEQUENCE_DIM, not the
+    # Pitfalls: rank i_t's shard is sequence positions [i_t T/t, (i_t+1) T/t): gather along SEQUENCE_DIM, not the
     #   batch. Gather into a new tensor, never into x.
     raise NotImplementedError('TODO(m12): f forward: identity, or an all-gather along the sequence')
 
 
-def enter_tp_backward(dx: torch.Tensor, tp: TPGroup, label: str = "", async_op: bool = False) -> InFlight:
+def enter_tp_backward(dx: torch.Tensor, tp: Group, sequence_parallel: bool, label: str = "",
+                      async_op: bool = False) -> InFlight:
     """f's backward: each rank's dx (B, T, dim) is its partial of the input's gradient (its slice of the
     output features contributed only its part); the gradient of the residual stream is their sum, whole
     on every rank, or with sequence parallelism only this rank's (B, T / t, dim) shard of it."""
@@ -100,7 +96,7 @@ def enter_tp_backward(dx: torch.Tensor, tp: TPGroup, label: str = "", async_op: 
     raise NotImplementedError('TODO(m12): f backward: all-reduce, or reduce-scatter along the sequence')
 
 
-def leave_tp_forward(y: torch.Tensor, tp: TPGroup, label: str = "") -> torch.Tensor:
+def leave_tp_forward(y: torch.Tensor, tp: Group, sequence_parallel: bool, label: str = "") -> torch.Tensor:
     """g's forward: y (B, T, dim) is this rank's partial product of a row-parallel linear; the residual
     stream needs the sum over ranks: whole on every rank, or this rank's sequence shard of it."""
     # TODO(m12): g forward: all-reduce, or reduce-scatter along the sequence
@@ -111,7 +107,7 @@ def leave_tp_forward(y: torch.Tensor, tp: TPGroup, label: str = "") -> torch.Ten
     raise NotImplementedError('TODO(m12): g forward: all-reduce, or reduce-scatter along the sequence')
 
 
-def leave_tp_backward(dy: torch.Tensor, tp: TPGroup, label: str = "") -> torch.Tensor:
+def leave_tp_backward(dy: torch.Tensor, tp: Group, sequence_parallel: bool, label: str = "") -> torch.Tensor:
     """g's backward: the gradient of the residual stream, whole (identity), or gathered from the
     ranks' sequence shards; every rank's row-parallel linear needs all of it."""
     # TODO(m12): g backward: identity, or an all-gather along the sequence
@@ -156,14 +152,15 @@ def accumulate_weight_grad(main_grad: torch.Tensor, dy: torch.Tensor, x: torch.T
     # Contract: main_grad is updated in place (same tensor, same storage), summed in main_grad's dtype even
     #   when dy and x are bf16; nothing of the gradient's size is allocated in the inputs' dtype.
     # Pitfalls: main_grad += dy.t() @ x rounds each microbatch's gradient to bf16 first (the unfused path
-    #   above); after M microbatches the sum is off by about M bf16 roundings instead of float32 ones.
+    #   above); after m microbatches the sum is off by about m bf16 roundings instead of float32 ones.
     raise NotImplementedError('TODO(m12): add dy^T x into main_grad inside the GEMM')
 
 
 # ---------------------------------------------------------------------------------------------
 # Column- and row-parallel linears
 # ---------------------------------------------------------------------------------------------
-def column_parallel_forward(x: torch.Tensor, weights: list[torch.Tensor], tp: TPGroup, label: str = ""):
+def column_parallel_forward(x: torch.Tensor, weights: list[torch.Tensor], tp: Group, sequence_parallel: bool,
+                            label: str = ""):
     """y_i = f(x) W_i^T for linears that read the same input (q, k, v; or gate, up), each weight
     W_i (out_i / t, dim) being this rank's rows. x is in the residual stream's layout; each y_i is
     (B, T, out_i / t), the whole sequence. Returns the list of y_i."""
@@ -175,8 +172,8 @@ def column_parallel_forward(x: torch.Tensor, weights: list[torch.Tensor], tp: TP
 
 
 def column_parallel_backward(dys: list[torch.Tensor], x: torch.Tensor, weights: list[torch.Tensor],
-                             main_grads: list[torch.Tensor], tp: TPGroup, label: str = "",
-                             fused: bool = True) -> torch.Tensor:
+                             main_grads: list[torch.Tensor], tp: Group, sequence_parallel: bool,
+                             label: str = "", fused: bool = True) -> torch.Tensor:
     """Backward of column_parallel_forward: adds dy_i^T x_whole into main_grads[i] and returns the
     gradient of x, summed over the ranks, in the residual stream's layout.
 
@@ -199,7 +196,8 @@ def column_parallel_backward(dys: list[torch.Tensor], x: torch.Tensor, weights: 
     raise NotImplementedError('TODO(m12): column-parallel backward: the input-gradient collective in flight behind the weight-gradient GEMMs')
 
 
-def row_parallel_forward(x: torch.Tensor, w: torch.Tensor, tp: TPGroup, label: str = "") -> torch.Tensor:
+def row_parallel_forward(x: torch.Tensor, w: torch.Tensor, tp: Group, sequence_parallel: bool,
+                         label: str = "") -> torch.Tensor:
     """y = g(x W^T): x (B, T, in / t) is this rank's slice of the input features (a column-parallel
     output), w (dim, in / t) its columns of the weight. Returns y in the residual stream's layout."""
     # TODO(m12): row-parallel forward: this rank's partial product, then leave the TP region
@@ -209,7 +207,7 @@ def row_parallel_forward(x: torch.Tensor, w: torch.Tensor, tp: TPGroup, label: s
 
 
 def row_parallel_backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, main_grad: torch.Tensor,
-                          tp: TPGroup, label: str = "", fused: bool = True) -> torch.Tensor:
+                          tp: Group, sequence_parallel: bool, label: str = "", fused: bool = True) -> torch.Tensor:
     """Backward of row_parallel_forward: adds dy_whole^T x into main_grad (dim, in / t) and returns
     dx (B, T, in / t), this rank's slice of the input features: nothing to sum over ranks."""
     # TODO(m12): row-parallel backward: leave's backward, then the two GEMMs

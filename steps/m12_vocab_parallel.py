@@ -1,43 +1,49 @@
 # Generated from solutions/m12_vocab_parallel.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 12`. (skeleton 58a68fb5c582)
+# Grade your work with `python main.py grade 12`. (skeleton efe75e488e5a)
 """Module 12, part 3 - the vocabulary split over t ranks: embedding rows, LM-head rows, and a
 cross-entropy that never gathers the logits.
 
-The vocabulary V is padded up to a multiple of t (times Megatron's `divisible_by`, for efficient
-GEMM shapes), and rank r keeps rows [r V'/t, (r+1) V'/t) of the embedding and of the LM head. The
-padding rows are zeros and stand for no token: no input is ever one of them, and the loss masks
-their logits out, so they never take probability, never win the max, and never receive a gradient.
+The vocabulary V is padded up to V', a multiple of t (times Megatron's `divisible_by`, for
+efficient GEMM shapes), and the rank at place i_t of the group keeps rows [i_t V'/t, (i_t + 1) V'/t)
+of the embedding and of the LM head. The padding rows are zeros and stand for no token: no input is
+ever one of them, and the loss masks their logits out, so they never take probability, never win
+the max, and never receive a gradient.
 
 Embedding: each rank looks up the tokens that fall in its rows and writes zeros for the others;
 the sum over ranks is the embedding, so leaving the TP region (m12_tp_linear's g: all-reduce, or
 reduce-scatter with sequence parallelism) finishes the lookup.
 
-Cross-entropy: the LM head is a column-parallel linear, so rank r holds logits[:, its V'/t columns].
-The loss of a token is log(sum_v exp(z_v)) - z_target, and everything in it is a sum or a max
-over the vocabulary, which the ranks reduce piece by piece instead of gathering the (N, V) logits:
+Cross-entropy: the LM head is a column-parallel linear, so each rank holds its V'/t columns of the
+logits z. The loss of a token is log(sum_v exp(z_v)) - z_y (y its target), and everything in it is
+a sum or a max over the vocabulary, which the ranks reduce piece by piece instead of gathering the
+(N, V) logits:
 
-    m     = max over ranks of the local max        all-reduce (max)   N values
-    S     = sum over ranks of sum exp(z - m)       all-reduce (sum)   N values
-    z_t   = the target's logit, from its owner     all-reduce (sum)   N values (zeros elsewhere)
-    loss  = log S + m - z_t
+    z_max = max over ranks of the local max          all-reduce (max)   N values
+    Z     = sum over ranks of sum exp(z - z_max)     all-reduce (sum)   N values
+    z_y   = the target's logit, from its owner       all-reduce (sum)   N values (zeros elsewhere)
+    loss  = log Z + z_max - z_y
 
-Subtracting m keeps exp from overflowing; every rank then has the loss, and the gradient of its own
-columns, dlogits = softmax - onehot(target), without any other communication.
+Subtracting z_max keeps exp from overflowing; every rank then has the loss, and the gradient of its
+own columns, dlogits = softmax - onehot(target), without any other communication. As in module 06,
+a target equal to IGNORE_INDEX adds no loss and gets no gradient, and the sum over the real targets
+is divided by the step's count of real tokens (n_tokens).
 """
 from __future__ import annotations
 
 import torch
 
+from course.mesh import Group
+from .m06_llama_model import IGNORE_INDEX, real_tokens
 from .m06_llama_ops import compute_dtype
-from .m12_tp_linear import TPGroup, leave_tp_backward, leave_tp_forward
+from .m12_tp_linear import leave_tp_backward, leave_tp_forward
 
 
-def padded_vocab_size(vocab_size: int, tp_size: int, divisible_by: int = 1) -> int:
-    """The vocabulary rounded up to a multiple of divisible_by * tp_size (Megatron pads to 128 * t)."""
-    # TODO(m12): round vocab_size up to a multiple of divisible_by * tp_size
-    # Contract: the smallest multiple of divisible_by * tp_size that is at least vocab_size (an int).
+def padded_vocab_size(vocab_size: int, t: int, divisible_by: int = 1) -> int:
+    """V': the vocabulary V rounded up to a multiple of divisible_by * t (Megatron pads to 128 t)."""
+    # TODO(m12): round vocab_size up to a multiple of divisible_by * t
+    # Contract: the smallest multiple of divisible_by * t that is at least vocab_size (an int).
     # Pitfalls: a vocabulary that is already a multiple stays as it is. Integers only: no floats.
-    raise NotImplementedError('TODO(m12): round vocab_size up to a multiple of divisible_by * tp_size')
+    raise NotImplementedError('TODO(m12): round vocab_size up to a multiple of divisible_by * t')
 
 
 def padded_rows(weight: torch.Tensor, padded_vocab: int) -> torch.Tensor:
@@ -45,14 +51,14 @@ def padded_rows(weight: torch.Tensor, padded_vocab: int) -> torch.Tensor:
     return torch.cat([weight, weight.new_zeros(padded_vocab - weight.shape[0], weight.shape[1])])
 
 
-def vocab_rows(weight: torch.Tensor, padded_vocab: int, tp_rank: int, tp_size: int) -> torch.Tensor:
+def vocab_rows(weight: torch.Tensor, padded_vocab: int, tp: Group) -> torch.Tensor:
     """This rank's rows of an embedding or LM head (V, dim), padded with zero rows to padded_vocab:
-    rows [r padded_vocab / t, (r + 1) padded_vocab / t), a contiguous copy (given)."""
-    per_rank = padded_vocab // tp_size
-    return padded_rows(weight, padded_vocab)[tp_rank * per_rank:(tp_rank + 1) * per_rank].clone()
+    rows [i_t V'/t, (i_t + 1) V'/t), i_t = tp.index, a contiguous copy (given)."""
+    per_rank = padded_vocab // tp.size
+    return padded_rows(weight, padded_vocab)[tp.index * per_rank:(tp.index + 1) * per_rank].clone()
 
 
-def embedding_forward(tokens: torch.Tensor, rows: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+def embedding_forward(tokens: torch.Tensor, rows: torch.Tensor, tp: Group, sequence_parallel: bool) -> torch.Tensor:
     """The embedding of tokens (B, T) from this rank's rows (V'/t, dim) of the table, in the residual
     stream's layout: (B, T, dim), or (B, T / t, dim) with sequence parallelism."""
     # TODO(m12): vocabulary-parallel embedding: look up the tokens this rank owns, zeros elsewhere, leave
@@ -63,7 +69,8 @@ def embedding_forward(tokens: torch.Tensor, rows: torch.Tensor, tp: TPGroup) -> 
     raise NotImplementedError('TODO(m12): vocabulary-parallel embedding: look up the tokens this rank owns, zeros elsewhere, leave')
 
 
-def embedding_backward(dx: torch.Tensor, tokens: torch.Tensor, grad_rows: torch.Tensor, tp: TPGroup):
+def embedding_backward(dx: torch.Tensor, tokens: torch.Tensor, grad_rows: torch.Tensor, tp: Group,
+                       sequence_parallel: bool):
     """Adds the embedding's gradient into grad_rows (V'/t, dim), this rank's rows: each token's dx goes
     to its row if this rank owns it. dx is in the residual stream's layout."""
     # TODO(m12): vocabulary-parallel embedding backward: leave's backward, then add dx into the owned rows
@@ -74,19 +81,23 @@ def embedding_backward(dx: torch.Tensor, tokens: torch.Tensor, grad_rows: torch.
     raise NotImplementedError("TODO(m12): vocabulary-parallel embedding backward: leave's backward, then add dx into the owned rows")
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, tp: TPGroup,
-                                 grad_scale: float = 1.0):
-    """Mean cross-entropy over N tokens from this rank's columns of the logits, and their gradient.
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, tp: Group,
+                                 n_tokens: int | None = None):
+    """Cross-entropy of N tokens from this rank's columns of the logits, summed over the real targets
+    and divided by n_tokens (default: their count, module 06's real_tokens), and its gradient.
 
-    logits: (N, V'/t), the columns of vocabulary entries [r V'/t, (r+1) V'/t) (any float dtype; the
-    statistics are computed in compute_dtype); entries >= vocab_size are padding. targets: (N,), in
-    [0, vocab_size). Returns (loss, dlogits): the loss as a 0-d tensor in compute_dtype, the same on
-    every rank; dlogits (N, V'/t) in logits' dtype, the gradient of grad_scale * loss (0 in the padding).
+    logits: (N, V'/t), the columns of vocabulary entries [i_t V'/t, (i_t + 1) V'/t) (any float dtype;
+    the statistics are computed in compute_dtype); entries >= vocab_size are padding. targets: (N,),
+    in [0, vocab_size), or IGNORE_INDEX. Returns (loss, dlogits): the loss as a 0-d tensor in
+    compute_dtype, the same on every rank; dlogits (N, V'/t) in logits' dtype, its gradient (0 in the
+    padding columns and in the rows of ignored targets).
     """
     # TODO(m12): the max, the sum of exponentials and the target logit, each reduced over the group
     # Contract: three all-reduces of N values each (labels "loss max", "loss sum exp", "loss target"): no rank
-    #   ever holds another rank's logits. The loss equals F.cross_entropy on the gathered, unpadded logits.
+    #   ever holds another rank's logits. The loss equals F.cross_entropy(reduction="sum", ignore_index=-100) on
+    #   the gathered, unpadded logits, divided by n_tokens; dlogits is the gradient of that loss.
     # Pitfalls: padding columns must not count: mask them to -inf before the max and the sum (whatever they
     #   hold). Without subtracting the max, exp overflows in float32 for logits above about 88 (the tests use
-    #   logits of several hundred). A target another rank owns contributes 0 here, not logits[:, 0] or a wrapped index.
+    #   logits of several hundred). A target another rank owns contributes 0 here, not logits[:, 0] or a wrapped
+    #   index; an ignored target (-100) is owned by no rank, and its row adds nothing (loss or gradient).
     raise NotImplementedError('TODO(m12): the max, the sum of exponentials and the target logit, each reduced over the group')

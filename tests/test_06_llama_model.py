@@ -31,6 +31,49 @@ def test_chunked_cross_entropy_matches_full_cross_entropy(chunk):
 
 
 @pytest.mark.exercises("chunked_cross_entropy")
+@pytest.mark.parametrize("chunk", [1, 7, 1000])
+def test_ignored_targets_add_no_loss_and_get_no_gradient(chunk):
+    # torch's convention: a target of -100 (IGNORE_INDEX) is no token. The loss is the sum over the real
+    # targets divided by their count: F.cross_entropy(ignore_index=-100, reduction="sum") / count. Whole
+    # rows and single tokens are ignored, in several chunks, so a mask applied to one chunk only shows.
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(3, 10, 16, dtype=f64, generator=g), torch.randn(50, 16, dtype=f64, generator=g)
+    targets = torch.randint(0, 50, (3, 10), generator=g)
+    targets[0, 3], targets[1, 9], targets[2, :6] = -100, -100, -100
+    count = int((targets != -100).sum())
+    assert model_module.IGNORE_INDEX == -100 and model_module.real_tokens(targets) == count == 22
+    loss, dx, dw = model_module.chunked_cross_entropy(x, w, targets, chunk)
+    x_ref, w_ref = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    expected = F.cross_entropy((x_ref @ w_ref.t()).reshape(-1, 50), targets.reshape(-1), ignore_index=-100,
+                               reduction="sum") / count
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-12, atol=1e-12, msg=lambda m: f"loss: {m}")
+    torch.testing.assert_close(dx, x_ref.grad, rtol=1e-10, atol=1e-12, msg=lambda m: f"dx: {m}")
+    torch.testing.assert_close(dw, w_ref.grad, rtol=1e-10, atol=1e-12, msg=lambda m: f"dw_head: {m}")
+    assert not dx[2, :6].any(), "the rows of ignored targets must get no gradient (dx rows of zeros)"
+
+
+@pytest.mark.exercises("chunked_cross_entropy")
+def test_pieces_divided_by_the_whole_count_add_up_to_the_whole():
+    # A parallel run hands each rank (or microbatch) a piece of the step and the step's count of real tokens,
+    # n_tokens: the pieces' losses and gradients must add up to those of the whole batch.
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(4, 6, 16, dtype=f64, generator=g), torch.randn(50, 16, dtype=f64, generator=g)
+    targets = torch.randint(0, 50, (4, 6), generator=g)
+    targets[3, 2:] = -100  # the pieces hold different counts of real tokens
+    whole = model_module.chunked_cross_entropy(x, w, targets, 5)
+    n_tokens = model_module.real_tokens(targets)
+    pieces = [model_module.chunked_cross_entropy(x[rows], w, targets[rows], 5, n_tokens)
+              for rows in (slice(0, 2), slice(2, 4))]
+    torch.testing.assert_close(pieces[0][0] + pieces[1][0], whole[0], rtol=1e-12, atol=1e-12,
+                               msg=lambda m: f"the pieces' losses (each divided by n_tokens) do not add up: {m}")
+    torch.testing.assert_close(torch.cat([pieces[0][1], pieces[1][1]]), whole[1], rtol=1e-12, atol=1e-14,
+                               msg=lambda m: f"dx: {m}")
+    torch.testing.assert_close(pieces[0][2] + pieces[1][2], whole[2], rtol=1e-12, atol=1e-14,
+                               msg=lambda m: f"dw_head, summed over the pieces: {m}")
+
+
+@pytest.mark.exercises("chunked_cross_entropy")
 def test_chunked_cross_entropy_keeps_bf16_inputs_in_bf16():
     # The GPU benchmarks train in bf16: the loss is summed in float32, the gradients come back in
     # the inputs' dtypes, and they stay close to autograd's in float64 on the same bf16 inputs.
@@ -191,6 +234,18 @@ def test_activation_stores_are_emptied_by_the_backward():
     model.forward_backward(tokens, tokens)
     assert len(stores) == CFG.n_layers and all(not s.tensors for s in stores), \
         "each layer's store must be cleared after its backward, so its activations are freed"
+
+
+@pytest.mark.exercises("chunked_cross_entropy", "LlamaModel.forward_blocks", "LlamaModel.backward_blocks")
+def test_a_step_in_two_microbatches_is_a_step_on_the_whole_batch():
+    # fit's contract (given code, on the learner's model): train_step divides every microbatch by the step's
+    # real tokens, so two microbatches give the whole batch's step. float64: the gradients are summed in
+    # another order; measured within 1e-16 after 3 steps, we allow 1e-12.
+    cfg = LlamaConfig(n_layers=1, max_seq_len=16)
+    _, whole = model_module.train(cfg, 3, batch=4, dtype=f64)
+    _, halves = model_module.train(cfg, 3, batch=4, dtype=f64, n_microbatches=2)
+    worst = max(abs(a - b) for a, b in zip(whole, halves, strict=True))
+    assert worst <= 1e-12, f"losses of whole steps {whole}, of steps in 2 microbatches {halves}: off by {worst:.1e}"
 
 
 @pytest.mark.exercises("chunked_cross_entropy", "LlamaModel.forward_blocks", "LlamaModel.backward_blocks")

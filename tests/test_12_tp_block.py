@@ -10,14 +10,14 @@ in the wrong place is off by a factor t or 1/t, or by a whole term, far beyond e
 """
 import pytest
 import torch
-import torch.distributed as dist
 
 from course.collectives import Collectives
 from course.impl import load, reference
 from course.launch import run_ranks
+from course.mesh import Group, world_group
+from course.splits import check_splits
 
 block12 = load("m12_tp_block")
-linear = load("m12_tp_linear")
 m06 = reference("m06_llama_block")  # the single-process block: trusted code, not graded here
 
 f64 = torch.float64
@@ -38,18 +38,18 @@ def inputs(dtype, seed=1):
 def _tp_block(sequence_parallel, weights, x, dy, more=()):
     """One microbatch (x, dy) through the split block, then each of `more`, all accumulating into the same
     gradients: y, dx and the store are the last microbatch's, the gradients and the log all of theirs."""
-    rank, t = dist.get_rank(), dist.get_world_size()
-    tp = linear.TPGroup(rank, t, Collectives(), sequence_parallel)
+    tp = world_group("t")
+    rank, t = tp.index, tp.size
     # This rank's positions as a tensor of their own (a view would keep the whole x's storage alive).
     mine = (lambda a: a.chunk(t, dim=1)[rank].contiguous()) if sequence_parallel else (lambda a: a)
-    w = block12.shard_block_weights(weights, CFG, rank, t)
-    block, grads = block12.TPBlock(CFG, tp, attention_chunk=5), block12.zero_grads(w)
+    w = block12.shard_block_weights(weights, CFG, tp)
+    block, grads = block12.TPBlock(CFG, tp, sequence_parallel, attention_chunk=5), block12.zero_grads(w)
     for x, dy in [(x, dy), *more]:
         store = m06.ActivationStore()
         y = block.forward(w, mine(x), store)
         saved = {name: (tuple(v.shape), v.untyped_storage().nbytes()) for name, v in store.tensors.items()}
         dx = block.backward(w, mine(dy), store, grads)
-    block12.sum_norm_grads([grads.ln1, grads.ln2], tp)
+    block12.sum_norm_grads([grads.ln1, grads.ln2], tp, sequence_parallel)
     return y, dx, grads, saved, [(c.op, c.payload_bytes) for c in tp.collectives.log]
 
 
@@ -81,7 +81,8 @@ def test_each_shard_is_a_contiguous_copy_of_its_own_size(t):
     weights = inputs(f64)[0]
     whole = {tensor.untyped_storage().data_ptr() for tensor in weights.tensors()}
     for rank in range(t):
-        w = block12.shard_block_weights(weights, CFG, rank, t)
+        members = tuple(range(t))  # rank's place in a group of t, without processes: the shards are local
+        w = block12.shard_block_weights(weights, CFG, Group("t", rank, members, Collectives(None, "t", members)))
         for name, shard in zip(("ln1", "wq", "wk", "wv", "wo", "ln2", "w_gate", "w_up", "w_down"), w.tensors()):
             storage, size = shard.untyped_storage(), shard.numel() * shard.element_size()
             where = f"t={t}, rank {rank}: {name} {tuple(shard.shape)}"
@@ -180,13 +181,15 @@ def test_one_block_issues_the_hand_counted_collectives(sequence_parallel):
 
 
 @pytest.mark.given
-@pytest.mark.parametrize("tp_size, seq_len, message", [
-    (3, None, r"t=3 does not divide n_heads=8, n_kv_heads=4: .* t in \{1, 2, 4\} would work"),
-    (8, None, r"t=8 does not divide n_kv_heads=4: t must divide n_heads, n_kv_heads, ffn_dim; t in \{1, 2, 4\}"),
-    (4, 10, r"t=4 does not divide sequence length=10: .* t in \{1, 2\} would work"),
+@pytest.mark.parametrize("t, seq_len, message", [
+    (3, None, r"t=3 does not divide n_heads H=8, n_kv_heads K=4: .* t in \{1, 2, 4\} would work"),
+    (8, None, r"t=8 does not divide n_kv_heads K=4: t must divide H, K, F; t in \{1, 2, 4\}"),
+    (4, 10, r"t=4 does not divide sequence length T=10: .* t in \{1, 2\} would work"),
     (0, None, "at least 1"),
 ])
-def test_a_t_that_does_not_divide_is_refused_in_one_line(tp_size, seq_len, message):
+def test_a_t_that_does_not_divide_is_refused_in_one_line(t, seq_len, message):
+    # course/splits.py's one check of what each axis splits (module 12: H, K, F and, with sequence
+    # parallelism, T over t), as the demo and the benchmark call it before any rank starts.
     with pytest.raises(ValueError, match=message) as refused:
-        block12.check_tp_size(CFG, tp_size, seq_len)
+        check_splits(CFG, {"t": t}, seq_len=seq_len, sequence_parallel=seq_len is not None)
     assert "\n" not in str(refused.value)

@@ -7,6 +7,8 @@ partial products are summed (torch 2.13 CPU: differences of a few units of 1e-16
 1e-12 relative (and 1e-13 absolute, for entries near zero; the tensors' entries are of order 1). A
 misplaced collective is off by a factor (t, or 1/t) or by a whole term.
 """
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -17,6 +19,7 @@ from course.compare import assert_all_close
 from course.gpu_check import needs_gpu, run_cuda_check
 from course.impl import load
 from course.launch import run_ranks
+from course.mesh import world_group
 
 linear = load("m12_tp_linear")
 f64 = torch.float64
@@ -34,15 +37,15 @@ def pair_inputs(seed=0):
 def _pair_on_ranks(sequence_parallel, inputs):
     """z1, z2 = x gate^T, x up^T (column-parallel, one input); y = (z1 * z2) down^T (row-parallel)."""
     x, dy, gate, up, down = inputs
-    rank, t = dist.get_rank(), dist.get_world_size()
-    tp = linear.TPGroup(rank, t, Collectives(), sequence_parallel)
-    mine = (lambda a: a.chunk(t, dim=1)[rank]) if sequence_parallel else (lambda a: a)
+    tp, sp = world_group("t"), sequence_parallel
+    rank, t = tp.index, tp.size
+    mine = (lambda a: a.chunk(t, dim=1)[rank]) if sp else (lambda a: a)
     gate_r, up_r, down_r = gate.chunk(t)[rank], up.chunk(t)[rank], down.chunk(t, dim=1)[rank].contiguous()
-    z1, z2 = linear.column_parallel_forward(mine(x), [gate_r, up_r], tp, "in")
-    y = linear.row_parallel_forward(z1 * z2, down_r, tp, "out")
+    z1, z2 = linear.column_parallel_forward(mine(x), [gate_r, up_r], tp, sp, "in")
+    y = linear.row_parallel_forward(z1 * z2, down_r, tp, sp, "out")
     grads = [torch.zeros_like(w) for w in (gate_r, up_r, down_r)]
-    ds = linear.row_parallel_backward(mine(dy), z1 * z2, down_r, grads[2], tp, "out")
-    dx = linear.column_parallel_backward([ds * z2, ds * z1], mine(x), [gate_r, up_r], grads[:2], tp, "in")
+    ds = linear.row_parallel_backward(mine(dy), z1 * z2, down_r, grads[2], tp, sp, "out")
+    dx = linear.column_parallel_backward([ds * z2, ds * z1], mine(x), [gate_r, up_r], grads[:2], tp, sp, "in")
     return y, dx, grads
 
 
@@ -132,14 +135,14 @@ class RecordingMatmuls(TorchFunctionMode):
 def _record_column_backward(sequence_parallel):
     rank, t = dist.get_rank(), dist.get_world_size()
     events = []
-    tp = linear.TPGroup(rank, t, RecordingCollectives(events), sequence_parallel)
+    tp = dataclasses.replace(world_group("t"), collectives=RecordingCollectives(events))
     x, dy, gate, up, _ = pair_inputs()
     x_mine = x.chunk(t, dim=1)[rank] if sequence_parallel else x
     weights = [gate.chunk(t)[rank], up.chunk(t)[rank]]
     dys = [torch.randn(B, T, F // t, dtype=f64) for _ in weights]
     grads = [torch.zeros_like(w) for w in weights]
     with RecordingMatmuls(events):
-        linear.column_parallel_backward(dys, x_mine, weights, grads, tp, "in")
+        linear.column_parallel_backward(dys, x_mine, weights, grads, tp, sequence_parallel, "in")
     return events
 
 

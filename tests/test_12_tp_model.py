@@ -12,16 +12,14 @@ gradients taken twice) barely moves AdamW's update m / sqrt(v), yet still moves 
 """
 import pytest
 import torch
-import torch.distributed as dist
 
-from course.collectives import Collectives
 from course.impl import load, reference
 from course.launch import run_ranks
+from course.mesh import world_group
 from course.reference_tp import dtensor_llama, dtensor_loss
 
 model12 = load("m12_tp_model")
 block12 = load("m12_tp_block")
-linear = load("m12_tp_linear")
 m06 = reference("m06_llama_model")  # the single-process model: trusted code, not graded here
 LlamaConfig = reference("m06_llama_block").LlamaConfig
 
@@ -42,15 +40,14 @@ def with_uneven_norms(model):
 
 
 def _forward_backward(sequence_parallel, tokens, targets):
-    rank, t = dist.get_rank(), dist.get_world_size()
-    tp = linear.TPGroup(rank, t, Collectives(), sequence_parallel)
-    model = model12.TPLlama(SMALL_VOCAB, tp, seed=3, dtype=f64, attention_chunk=5)
+    tp = world_group("t")
+    model = model12.TPLlama(SMALL_VOCAB, tp, seed=3, dtype=f64, sequence_parallel=sequence_parallel, attention_chunk=5)
     whole = with_uneven_norms(m06.LlamaModel(SMALL_VOCAB, 3, f64))  # the norms are whole on every rank
     for mine, norms in zip(model.blocks, whole.blocks, strict=True):
         mine.ln1.copy_(norms.ln1), mine.ln2.copy_(norms.ln2)
     model.final_norm.copy_(whole.final_norm)
     loss = model.forward_backward(tokens, targets)
-    block12.sum_norm_grads(model.norm_grads(), tp)  # what train_step does after the last microbatch
+    block12.sum_norm_grads(model.norm_grads(), tp, sequence_parallel)  # what train_step does after the last microbatch
     return loss, model.grads
 
 
@@ -91,8 +88,7 @@ def test_the_loss_and_every_gradient_equal_module_06s_model(world_size, sequence
 
 
 def _stores_left_full(tokens, targets):
-    tp = linear.TPGroup(dist.get_rank(), dist.get_world_size(), Collectives(), True)
-    model = model12.TPLlama(SMALL_VOCAB, tp, seed=3, dtype=f64)
+    model = model12.TPLlama(SMALL_VOCAB, world_group("t"), seed=3, dtype=f64, sequence_parallel=True)
     stores, new_store = [], model.block.new_store
     model.block.new_store = lambda: stores.append(new_store()) or stores[-1]
     model.forward_backward(tokens, targets)
@@ -109,8 +105,8 @@ def test_activation_stores_are_emptied_by_the_backward():
 
 
 def _train(sequence_parallel, n_microbatches):
-    tp = linear.TPGroup(dist.get_rank(), dist.get_world_size(), Collectives(), sequence_parallel)
-    model, losses = model12.train(CFG, STEPS, tp, BATCH, n_microbatches, lr=LR, dtype=f64)
+    model = model12.TPLlama(CFG, world_group("t"), dtype=f64, sequence_parallel=sequence_parallel)
+    model, losses = m06.fit(model, STEPS, BATCH, LR, n_microbatches=n_microbatches)
     return losses, torch.cat([model.embedding, model.lm_head], dim=1), model.blocks[0].wq, model.final_norm
 
 
@@ -135,8 +131,8 @@ def test_training_reproduces_the_single_process_loss_curve(world_size, sequence_
 
 
 def _train_bf16(sequence_parallel):
-    tp = linear.TPGroup(dist.get_rank(), dist.get_world_size(), Collectives(), sequence_parallel)
-    model, losses = model12.train(CFG, STEPS, tp, BATCH, 2, lr=LR, dtype=torch.bfloat16)
+    model = model12.TPLlama(CFG, world_group("t"), dtype=torch.bfloat16, sequence_parallel=sequence_parallel)
+    model, losses = m06.fit(model, STEPS, BATCH, LR, n_microbatches=2)
     return losses, {p.dtype for p in model.parameters()}
 
 

@@ -7,25 +7,23 @@ within 2.2e-16 relative on the loss); we allow 1e-12 relative. The float32 test 
 """
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
-from course.collectives import Collectives
 from course.impl import load
 from course.launch import run_ranks
+from course.mesh import world_group
 
 vocab = load("m12_vocab_parallel")
-linear = load("m12_tp_linear")
 f64 = torch.float64
 VOCAB, N = 50, 24
 
 
 @pytest.mark.exercises("padded_vocab_size")
-@pytest.mark.parametrize("vocab_size, tp_size, divisible_by, padded", [
+@pytest.mark.parametrize("vocab_size, t, divisible_by, padded", [
     (50, 4, 1, 52), (256, 4, 1, 256), (50, 4, 8, 64), (50, 3, 1, 51), (1, 2, 128, 256)])
-def test_the_vocabulary_is_padded_to_a_multiple_of_t(vocab_size, tp_size, divisible_by, padded):
-    got = vocab.padded_vocab_size(vocab_size, tp_size, divisible_by)
-    assert got == padded, f"vocabulary {vocab_size} on t={tp_size} (divisible_by={divisible_by}): got {got}, expected {padded}"
+def test_the_vocabulary_is_padded_to_a_multiple_of_t(vocab_size, t, divisible_by, padded):
+    got = vocab.padded_vocab_size(vocab_size, t, divisible_by)
+    assert got == padded, f"vocabulary {vocab_size} on t={t} (divisible_by={divisible_by}): got {got}, expected {padded}"
 
 
 def logits_with_padding(t, dtype=f64, scale=1.0, seed=0):
@@ -40,22 +38,23 @@ def logits_with_padding(t, dtype=f64, scale=1.0, seed=0):
     return logits, targets, torch.cat([logits, garbage], dim=1)
 
 
-def _loss_on_ranks(padded_logits, targets, grad_scale):
-    rank, t = dist.get_rank(), dist.get_world_size()
-    tp = linear.TPGroup(rank, t, Collectives())
-    loss, dlogits = vocab.vocab_parallel_cross_entropy(padded_logits.chunk(t, dim=1)[rank].clone(), targets, VOCAB, tp,
-                                                       grad_scale)
+def _loss_on_ranks(padded_logits, targets, n_tokens=None):
+    tp = world_group("t")
+    loss, dlogits = vocab.vocab_parallel_cross_entropy(padded_logits.chunk(tp.size, dim=1)[tp.index].clone(), targets,
+                                                       VOCAB, tp, n_tokens)
     return loss, dlogits, [(c.op, c.payload_bytes) for c in tp.collectives.log]
 
 
 @pytest.mark.exercises("vocab_parallel_cross_entropy")
 @pytest.mark.parametrize("world_size", [3, 4])
 def test_the_loss_equals_cross_entropy_of_the_gathered_unpadded_logits(world_size):
+    # The loss of this piece of a step of 2 N tokens: summed over its N real targets, divided by 2 N (module
+    # 06's convention: every piece divides by the step's count); against F.cross_entropy's mean, halved.
     logits, targets, padded = logits_with_padding(world_size)
-    results = run_ranks(_loss_on_ranks, world_size, padded, targets, 0.5, timeout=30)
+    results = run_ranks(_loss_on_ranks, world_size, padded, targets, 2 * N, timeout=30)
     leaf = logits.clone().requires_grad_(True)
-    expected = F.cross_entropy(leaf, targets)
-    (0.5 * expected).backward()
+    expected = 0.5 * F.cross_entropy(leaf, targets)
+    expected.backward()
     dlogits = torch.cat([r[1] for r in results], dim=1)
     for rank, (loss, _, log) in enumerate(results):
         assert loss.dtype == f64 and abs(loss.item() - expected.item()) <= 1e-12 * expected.item(), \
@@ -65,7 +64,27 @@ def test_the_loss_equals_cross_entropy_of_the_gathered_unpadded_logits(world_siz
             f"rank {rank}: expected 3 all-reduces of {N} float64 statistics (max, sum of exponentials, target), got {log}"
     assert not dlogits[:, VOCAB:].any(), "the padding columns must get no gradient"
     torch.testing.assert_close(dlogits[:, :VOCAB], leaf.grad, rtol=1e-12, atol=1e-14,
-                               msg=lambda m: f"dlogits against autograd (of 0.5 * the loss): {m}")
+                               msg=lambda m: f"dlogits against autograd (of the loss divided by n_tokens = 2 N): {m}")
+
+
+@pytest.mark.exercises("vocab_parallel_cross_entropy")
+def test_ignored_targets_add_no_loss_and_get_no_gradient():
+    # Module 06's convention: a target of -100 is no token, and the default count is the real targets':
+    # F.cross_entropy(ignore_index=-100, reduction="sum") / count on the gathered, unpadded logits.
+    logits, targets, padded = logits_with_padding(3)
+    targets[:5], targets[-1] = -100, -100
+    results = run_ranks(_loss_on_ranks, 3, padded, targets, timeout=30)
+    leaf = logits.clone().requires_grad_(True)
+    expected = F.cross_entropy(leaf, targets, ignore_index=-100, reduction="sum") / int((targets != -100).sum())
+    expected.backward()
+    for rank, (loss, _, _) in enumerate(results):
+        assert abs(loss.item() - expected.item()) <= 1e-12 * expected.item(), \
+            (f"rank {rank}: loss {loss.item()!r}, F.cross_entropy(ignore_index=-100, reduction='sum') / count gives "
+             f"{expected.item()!r}: an ignored target adds no loss, and the count is of the real ones")
+    dlogits = torch.cat([r[1] for r in results], dim=1)
+    assert not dlogits[:5].any() and not dlogits[-1].any(), "the rows of ignored targets must get no gradient"
+    torch.testing.assert_close(dlogits[:, :VOCAB], leaf.grad, rtol=1e-12, atol=1e-14,
+                               msg=lambda m: f"dlogits against autograd, with ignored targets: {m}")
 
 
 @pytest.mark.exercises("vocab_parallel_cross_entropy")
@@ -75,7 +94,7 @@ def test_large_float32_logits_do_not_overflow():
     # each exp and sum is rounded at 6e-8 relative; measured 9.0e-8 relative on the loss (~600) and
     # 1.3e-9 absolute on dlogits (entries at most 1/N = 0.04). We allow 1e-6 for both.
     logits, targets, padded = logits_with_padding(2, torch.float32, scale=300.0)
-    results = run_ranks(_loss_on_ranks, 2, padded, targets, 1.0, timeout=30)
+    results = run_ranks(_loss_on_ranks, 2, padded, targets, timeout=30)
     leaf = logits.double().requires_grad_(True)
     expected = F.cross_entropy(leaf, targets)
     expected.backward()
@@ -89,13 +108,13 @@ def test_large_float32_logits_do_not_overflow():
 
 
 def _embedding_on_ranks(sequence_parallel, table, tokens, dx):
-    rank, t = dist.get_rank(), dist.get_world_size()
-    tp = linear.TPGroup(rank, t, Collectives(), sequence_parallel)
-    padded = vocab.padded_vocab_size(VOCAB, t)
-    rows = vocab.vocab_rows(table, padded, rank, t)
-    x = vocab.embedding_forward(tokens, rows, tp)
+    tp = world_group("t")
+    padded = vocab.padded_vocab_size(VOCAB, tp.size)
+    rows = vocab.vocab_rows(table, padded, tp)
+    x = vocab.embedding_forward(tokens, rows, tp, sequence_parallel)
     grad_rows = torch.zeros_like(rows)
-    vocab.embedding_backward(dx.chunk(t, dim=1)[rank] if sequence_parallel else dx, tokens, grad_rows, tp)
+    vocab.embedding_backward(dx.chunk(tp.size, dim=1)[tp.index] if sequence_parallel else dx, tokens, grad_rows, tp,
+                             sequence_parallel)
     return x, grad_rows
 
 

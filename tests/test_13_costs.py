@@ -1,19 +1,22 @@
-"""Module 13 costs: the bytes one rank sends per step and the bytes it keeps, as formulas, against one
-step of the reference 2-D model on the meshes 1x1, 1x4, 2x2 and 4x1 (sent bytes counted by
-course/collectives.py, kept bytes read off the tensors each rank holds), and against a worked example
-counted by hand. The model measured is the reference, so these tests grade the formulas alone.
+"""Module 13 costs: the calls, the bytes one rank sends per step and the bytes it keeps, as formulas,
+against one step of the reference 2-D model on the meshes 1x1, 1x4, 2x2 and 4x1 (calls and sent bytes
+logged by course/collectives.py and read by course/costs.py's measured_cost, kept bytes read off the
+tensors each rank holds), and against a worked example counted by hand. The model measured is the
+reference, so these tests grade the formulas alone.
 """
 import dataclasses
 
 import pytest
 import torch
 
+from course.costs import StepCost, measured_cost
 from course.impl import load, reference
 from course.launch import run_ranks
+from course.mesh import init_mesh
 
 costs = load("m13_costs")
 model_2d = reference("m13_llama_2d")  # the model measured: trusted code, not graded here
-axes = reference("m13_named_axes")
+m06 = reference("m06_llama_model")    # its fit
 # Padded to 50 on t = 2 and 52 on t = 4: on 2x2 the padding shows in the weights' traffic, whose
 # matrix term (d-1)/(d t) vanishes on 1x4.
 CFG = dataclasses.replace(model_2d.CONFIG, vocab_size=49)
@@ -21,27 +24,19 @@ BATCH = 8
 MESHES = [(1, 1), (1, 4), (2, 2), (4, 1)]
 
 
-def part_of(label: str, op: str) -> str:
-    """Which part of the formula a collective of the reference model belongs to, by what it moved."""
-    if op == "all_reduce":  # the cross-entropy's three over t, and the loss's over d
-        return "loss"
-    if "B/d" in label:
-        return "stream"
-    return "weights" if op == "all_gather" else "gradients"
-
-
 def _one_step(d, t, dtype):
-    mesh = axes.init_mesh(d, t)
-    model, _ = model_2d.train(CFG, 1, mesh, BATCH, dtype=dtype)
-    sent = {part: 0.0 for part in ("weights", "gradients", "stream", "loss")}
-    for c in mesh.log:
-        sent[part_of(c.label, c.op)] += c.sent_bytes
+    mesh = init_mesh({"d": d, "t": t})
+    model = model_2d.Llama2D(CFG, mesh, dtype=dtype)
+    # One step, in module 06's fit; the optimizer is not returned, so its state is rebuilt by one more step of
+    # our own (lr 0) to be measured.
+    m06.fit(model, 1, BATCH)
+    log = list(mesh.log)
     params = model.parameters()
-    # The optimizer is not returned by train: its state is rebuilt here by one more step of our own.
     optimizer = torch.optim.AdamW(params, lr=0.0)
     optimizer.step()
     moments = sum(optimizer.state[p][m].nbytes for p in params for m in ("exp_avg", "exp_avg_sq"))
-    return sent, sum(p.nbytes for p in params), sum(p.grad.nbytes for p in params), moments
+    return measured_cost(log, {"parameters": sum(p.nbytes for p in params),
+                               "gradients": sum(p.grad.nbytes for p in params), "optimizer": moments})
 
 
 CASES = [(d, t, torch.float32) for d, t in MESHES] + [(2, 2, torch.float64)]  # float64 once: 8 bytes a value
@@ -50,37 +45,47 @@ CASES = [(d, t, torch.float32) for d, t in MESHES] + [(2, 2, torch.float64)]  # 
 @pytest.mark.exercises("step_traffic", "state_bytes")
 @pytest.mark.parametrize("d, t, dtype", CASES, ids=[f"{d}x{t}-{str(dt)[6:]}" for d, t, dt in CASES])
 def test_the_formulas_equal_what_a_step_sends_and_keeps(d, t, dtype):
-    traffic, kept = costs.step_traffic(CFG, BATCH, d, t, dtype), costs.state_bytes(CFG, d, t, dtype)
-    for rank, (sent, params, grads, moments) in enumerate(run_ranks(_one_step, d * t, d, t, dtype, timeout=60)):
-        formula = dataclasses.asdict(traffic)
-        wrong = {part: (sent[part], formula[part]) for part in sent if sent[part] != formula[part]}
-        assert not wrong, (f"mesh {d}x{t}, rank {rank}: bytes sent per step (measured, formula) by part: {wrong}; "
-                           f"the module docstring lists each part's collectives")
-        got = (kept.parameters, kept.gradients, kept.optimizer)
-        assert got == (params, grads, moments), \
-            (f"mesh {d}x{t}, rank {rank}: (parameters, gradients, AdamW moments) bytes: formula {got}, the rank "
-             f"holds {(params, grads, moments)} (every weight is split over d and t; the vocabulary is padded)")
+    sizes = {"d": d, "t": t}
+    formula = costs.step_traffic(CFG, sizes, BATCH, dtype) + costs.state_bytes(CFG, sizes, dtype)
+    for rank, measured in enumerate(run_ranks(_one_step, d * t, d, t, dtype, timeout=60)):
+        wrong = {key: (measured.sent.get(key, 0), formula.sent.get(key, 0)) for key in {*measured.sent, *formula.sent}
+                 if measured.sent.get(key, 0) != formula.sent.get(key, 0)}
+        assert not wrong, (f"mesh {d}x{t}, rank {rank}: bytes sent per step (measured, formula) by (axis, collective): "
+                           f"{wrong}; the module docstring lists each one's collectives")
+        assert measured.calls == formula.calls, \
+            (f"mesh {d}x{t}, rank {rank}: collectives per step, measured {measured.calls}, formula {formula.calls} "
+             f"(every call counts, also on an axis of size 1)")
+        assert measured.memory == formula.memory, \
+            (f"mesh {d}x{t}, rank {rank}: (parameters, gradients, AdamW moments) bytes: the rank holds "
+             f"{measured.memory}, formula {formula.memory} (every weight is split over d and t; the vocabulary is "
+             f"padded)")
 
 
 @pytest.mark.exercises("step_traffic", "state_bytes")
 def test_a_worked_example_counted_by_hand():
     # The module's model (vocabulary 256, L = 2, M = 32, F = 48, 4 key/value heads of 4 x 2 query heads of
     # D = 4) on 2x2 in float32, a batch of 8 x 16 tokens: N = 4 x 16 = 64 tokens a rank, b = s = 4.
-    # A block's matrices: P = 2 (32 x 32) + 2 (16 x 32) + 3 (48 x 32) = 7,680 values.
-    #   weights:   (d-1)/(dt) b = 1 byte a value: 2 L P + 3 V M = 30,720 + 24,576; norms (dt-1)/(dt) M b = 96
-    #              bytes each, 2 (2L + 1) = 10 of them: 56,256 bytes
-    #   gradients: L P + 2 V M = 15,360 + 16,384, and 5 norms x 96: 32,224 bytes
-    #   stream:    (8L + 4) (t-1)/t N M b = 20 x 4,096 = 81,920 bytes
-    #   loss:      3 x 2 (t-1)/t N s + 2 (d-1)/d s = 768 + 4 = 772 bytes
+    # A block's matrices: P = 2 (32 x 32) + 2 (16 x 32) + 3 (48 x 32) = 7,680 values; 2 L + 1 = 5 norms.
+    # A block of a matrix over d sends (d-1)/(dt) b = 1 byte a value; a norm's step over d (d-1) M/(dt) b =
+    # 32 bytes, over t (t-1) M/t b = 64; a stream collective (t-1)/t N M b = 4,096.
+    #   d all-gathers:     2 L P + 3 V M = 30,720 + 24,576, and 10 norm steps x 32: 55,616 bytes; 14L + 3 + 10 = 41
+    #   t all-gathers:     10 norm steps x 64 + 10 stream x 4,096 = 41,600 bytes; 20 calls
+    #   d reduce-scatters: L P + 2 V M = 15,360 + 16,384, and 5 norm steps x 32: 31,904 bytes; 7L + 2 + 5 = 21
+    #   t reduce-scatters: 5 norm steps x 64 + 10 stream x 4,096 = 41,280 bytes; 15 calls
+    #   t all-reduces:     3 x 2 (t-1)/t N s = 768 bytes; 3 calls.   d all-reduce: 2 (d-1)/d s = 4 bytes; 1 call
     # Kept: (L (P + 2M) + 2 V M + M) / (dt) = (15,488 + 16,384 + 32) / 4 = 7,976 values, 31,904 bytes each
     # for weights and gradients, 63,808 for AdamW's two moments.
-    traffic = costs.step_traffic(model_2d.CONFIG, 8, 2, 2, torch.float32)
-    got = (traffic.weights, traffic.gradients, traffic.stream, traffic.loss)
-    assert got == (56_256, 32_224, 81_920, 772), f"(weights, gradients, stream, loss) = {got} bytes"
-    kept = costs.state_bytes(model_2d.CONFIG, 2, 2, torch.float32)
-    assert (kept.parameters, kept.gradients, kept.optimizer) == (31_904, 31_904, 63_808), f"kept: {kept}"
-    # The same in bfloat16: b = 2 halves every part but the loss, whose statistics stay in float32 (s = 4).
-    traffic = costs.step_traffic(model_2d.CONFIG, 8, 2, 2, torch.bfloat16)
-    got = (traffic.weights, traffic.gradients, traffic.stream, traffic.loss)
-    assert got == (28_128, 16_112, 40_960, 772), \
-        f"bfloat16: (weights, gradients, stream, loss) = {got} bytes (the loss statistics are in compute_dtype)"
+    sizes = {"d": 2, "t": 2}
+    calls = {("d", "all_gather"): 41, ("t", "all_gather"): 20, ("d", "reduce_scatter"): 21,
+             ("t", "reduce_scatter"): 15, ("t", "all_reduce"): 3, ("d", "all_reduce"): 1}
+    sent = {("d", "all_gather"): 55_616, ("t", "all_gather"): 41_600, ("d", "reduce_scatter"): 31_904,
+            ("t", "reduce_scatter"): 41_280, ("t", "all_reduce"): 768, ("d", "all_reduce"): 4}
+    traffic = costs.step_traffic(model_2d.CONFIG, sizes, 8, torch.float32)
+    assert traffic == StepCost(sent, calls), f"float32: {traffic}; counted by hand: {StepCost(sent, calls)}"
+    kept = costs.state_bytes(model_2d.CONFIG, sizes, torch.float32).memory
+    assert kept == {"parameters": 31_904, "gradients": 31_904, "optimizer": 63_808}, f"kept: {kept}"
+    # The same in bfloat16: b = 2 halves every byte count but the loss's, whose statistics stay in float32 (s = 4).
+    halved = {key: value if key[1] == "all_reduce" else value // 2 for key, value in sent.items()}
+    traffic = costs.step_traffic(model_2d.CONFIG, sizes, 8, torch.bfloat16)
+    assert traffic == StepCost(halved, calls), \
+        f"bfloat16: {traffic}; counted by hand: {StepCost(halved, calls)} (the loss statistics are in compute_dtype)"

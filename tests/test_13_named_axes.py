@@ -1,6 +1,7 @@
-"""Module 13 named axes: the spec parser's refusals (given code), the three collectives written from
-their arrows on a 2x2 mesh of gloo ranks against blocks cut by hand from a whole tensor, and
-einsum_unreduced against torch.einsum with the contraction written out by hand.
+"""Module 13 named axes: the spec parser's refusals (m13_specs and course/mesh.py, given code), the
+three collectives written from their arrows on a 2x2 mesh of gloo ranks against blocks cut by hand
+from a whole tensor, and einsum_unreduced against torch.einsum with the contraction written out by
+hand.
 
 The mesh is d x t = 2 x 2, rank = i_d * 2 + i_t, so the d group and the t group both have two ranks:
 a collective over the wrong one has the right shapes and the wrong numbers, which every tensor here
@@ -12,8 +13,10 @@ import torch
 
 from course.impl import load, reference
 from course.launch import RankFailed, run_ranks
+from course.mesh import init_mesh, mesh_of_sizes, parse_mesh
 
 axes = load("m13_named_axes")
+specs = load("m13_specs")
 model_2d = reference("m13_llama_2d")  # its given mesh check only
 f64 = torch.float64
 D, T = 2, 2  # the mesh
@@ -28,13 +31,13 @@ def block(full: torch.Tensor, split: dict[int, list[tuple[int, int]]]) -> torch.
 
 
 def sharded(mesh, spec: str, tensor: torch.Tensor):
-    return axes.Sharded(tensor, axes.parse_spec(spec, mesh.sizes), mesh)
+    return specs.Sharded(tensor, specs.parse_spec(spec, mesh.sizes), mesh)
 
 
 # --- the parser and its checks (given code) ---------------------------------------------------
 
 def _refusals():
-    mesh = axes.mesh_of_sizes(2, 2)
+    mesh = mesh_of_sizes({"d": 2, "t": 2})
     x = sharded(mesh, "B/d T M/t", torch.zeros(2, 3, 4, dtype=f64))
     partial = sharded(mesh, "B/d T M {U_t}", torch.zeros(2, 3, 8, dtype=f64))
     ln = sharded(mesh, "M", torch.ones(8, dtype=f64))
@@ -42,10 +45,10 @@ def _refusals():
     whole = sharded(mesh, "B/d T M", torch.zeros(2, 3, 8, dtype=f64))
     return {
         "unknown mesh axis": (lambda: axes.all_gather("B/d T M/x -> B/d T M", x), "unknown mesh axis 'x'"),
-        "unknown axis in {U}": (lambda: axes.parse_spec("M {U_p}", mesh.sizes), "unknown mesh axis 'p'"),
-        "one axis, two dims": (lambda: axes.parse_spec("B/d M/d", mesh.sizes), "mesh axis 'd' splits both B and M"),
+        "unknown axis in {U}": (lambda: specs.parse_spec("M {U_p}", mesh.sizes), "unknown mesh axis 'p'"),
+        "one axis, two dims": (lambda: specs.parse_spec("B/d M/d", mesh.sizes), "mesh axis 'd' splits both B and M"),
         "mismatched spec": (lambda: axes.all_gather("B/d T/t M -> B/d T M", x), "dimension T/t against T"),
-        "not divisible": (lambda: axes.shard("V/t M/d", torch.zeros(50, 8), axes.mesh_of_sizes(1, 4)),
+        "not divisible": (lambda: specs.shard("V/t M/d", torch.zeros(50, 8), mesh_of_sizes({"d": 1, "t": 4})),
                           "V=50 is not divisible by t=4"),
         "all_gather with a scatter's arrow": (lambda: axes.all_gather("B/d T M {U_t} -> B/d T M/t", partial),
                                               "splits M over t: that arrow is a reduce_scatter's"),
@@ -59,21 +62,27 @@ def _refusals():
                                     "unreduced over t ({U_t}: a partial sum"),
         "partial sum in a residual add": (lambda: whole + partial, "unreduced over t ({U_t}), a partial sum"),
         "partial sum into a local op": (
-            lambda: axes.local("B/d T M, M -> B/d T M, B/d T", lambda a, b: (a, a[..., 0]), partial, ln),
+            lambda: specs.local("B/d T M, M -> B/d T M, B/d T", lambda a, b: (a, a[..., 0]), partial, ln),
             "input 1: the tensor is unreduced over t"),
-        "local op that drops {U}": (lambda: axes.local("B/d T M {U_t} -> B/d T M", lambda a: a, partial),
+        "local op that drops {U}": (lambda: specs.local("B/d T M {U_t} -> B/d T M", lambda a: a, partial),
                                     "every output is too (write {U_t})"),
         "einsum with an ungathered weight": (
             lambda: axes.einsum_unreduced("B/d T M, F/t M/d -> B/d T F/t", whole, w),
             "M is whole in operand 1 but split over d in operand 2"),
         "einsum of a partial sum": (lambda: axes.einsum_unreduced("B/d T M, F/t M -> B/d T F/t", partial, w),
                                     "operand 1: the tensor is unreduced over t"),
-        "an unreadable mesh": (lambda: axes.parse_mesh("2x"), "a mesh is written DxT"),
-        "a mesh with an unknown axis": (lambda: axes.parse_mesh("d=2,p=2"), "unknown mesh axis 'p'"),
-        "a mesh that does not divide the heads": (lambda: model_2d.check_mesh_fits(model_2d.CONFIG, 1, 3),
-                                                  "n_kv_heads=4 (K/t) is not divisible by 3"),
-        "a mesh that does not divide the batch": (lambda: model_2d.check_mesh_fits(model_2d.CONFIG, 4, 1, batch=6),
-                                                  "batch=6 (B/d) is not divisible by 4"),
+        "an unreadable mesh": (lambda: parse_mesh("2x"), "a mesh is written as axis=size pairs"),
+        "a mesh with an unknown axis": (lambda: parse_mesh("d=2,x=2"), "unknown mesh axis 'x'"),
+        "a spec on an axis of another mesh": (lambda: specs.parse_spec("B/p T", mesh.sizes),
+                                              "unknown mesh axis 'p' in 'B/p T': this mesh has axes d, t"),
+        "a mesh that does not divide the heads": (lambda: model_2d.check_mesh_fits(model_2d.CONFIG, {"d": 1, "t": 3}),
+                                                  "t=3 does not divide n_heads H=8, n_kv_heads K=4"),
+        "a mesh that does not divide the batch": (
+            lambda: model_2d.check_mesh_fits(model_2d.CONFIG, {"d": 4, "t": 1}, batch=6), "d=4 does not divide batch B=6"),
+        "a mesh that does not divide the norms": (lambda: model_2d.check_mesh_fits(model_2d.CONFIG, {"d": 3, "t": 4}),
+                                                  "t x d = 12 does not divide dim M (the norms' M/t/d)=32"),
+        "a mesh with a pipeline axis": (lambda: model_2d.check_mesh_fits(model_2d.CONFIG, {"p": 2, "d": 2, "t": 1}),
+                                        "module 13's model runs on a d x t mesh; this mesh also has p=2"),
     }
 
 
@@ -86,13 +95,27 @@ def test_spec_mistakes_are_refused_with_a_message_naming_the_axis(mistake):
     assert message in str(error.value), f"{mistake}: expected a message with {message!r}, got: {error.value}"
 
 
+@pytest.mark.given
+def test_a_spec_may_name_any_axis_of_its_mesh():
+    # course/mesh.py's mesh has axes p, d, c, t (outermost first): a spec on a p x t mesh splits over p and
+    # t, cuts this rank's block by its index along each (rank 3 of p=2 x t=2 is i_p = 1, i_t = 1), and
+    # lists unreduced axes in the mesh's order.
+    mesh = mesh_of_sizes({"p": 2, "t": 2}, rank=3)
+    full = torch.arange(4 * 3 * 6, dtype=f64).reshape(4, 3, 6)
+    x = specs.shard("B/p T M/t", full, mesh)
+    assert torch.equal(x.tensor, full[2:4, :, 3:6]), f"rank 3's block of B/p T M/t: {x.tensor}"
+    assert str(specs.parse_spec("M {U_t,p}", mesh.sizes)) == "M {U_p,t}"
+    with pytest.raises(ValueError, match="unknown mesh axis 'd'"):
+        specs.parse_spec("B/d T", mesh.sizes)
+
+
 def _mesh_of_the_wrong_size():
-    axes.init_mesh(2, 2)
+    init_mesh({"d": 2, "t": 2})
 
 
 @pytest.mark.given
 def test_a_mesh_must_have_as_many_ranks_as_the_job():
-    with pytest.raises(RankFailed, match="a 2x2 mesh needs 4 ranks, the job has 2"):
+    with pytest.raises(RankFailed, match="the mesh d=2 x t=2 has 4 ranks, the job has 2"):
         run_ranks(_mesh_of_the_wrong_size, 2, timeout=20)
 
 
@@ -111,7 +134,7 @@ def assert_labelled(arrow, labels):
 
 
 def _gathers():
-    mesh = axes.init_mesh(D, T)
+    mesh = init_mesh({"d": D, "t": T})
     i_d, i_t = mesh.index["d"], mesh.index["t"]
     full = whole_tensors()
     cases = {
@@ -161,7 +184,7 @@ def _partials(rank):
 
 
 def _scatters():
-    mesh = axes.init_mesh(D, T)
+    mesh = init_mesh({"d": D, "t": T})
     mine = _partials(mesh.rank)
     cases = {"B/d T M {U_t} -> B/d T M/t": mine["x"], "M {U_d,t} -> M/t/d": mine["norm"],
              "M F/t {U_d} -> M/d F/t": mine["w"].t().contiguous().t()}  # not contiguous, as an einsum may leave it
@@ -200,7 +223,7 @@ def test_reduce_scatter_sums_over_the_arrows_axes_and_keeps_this_ranks_block():
 
 
 def _all_reduces():
-    mesh = axes.init_mesh(D, T)
+    mesh = init_mesh({"d": D, "t": T})
     mine = _partials(mesh.rank)
     cases = {"B/d T M {U_t} -> B/d T M": mine["x"], "{U_d} ->": mine["loss"],
              "M {U_d,t} -> M {U_d}": mine["norm"], "M {U_d,t} -> M": mine["norm"]}
@@ -247,7 +270,7 @@ EINSUMS = [  # (equation, hand-written torch.einsum, the axes its result is unre
 @pytest.mark.exercises("einsum_unreduced")
 @pytest.mark.parametrize("equation, by_hand, unreduced", EINSUMS, ids=[e[0] for e in EINSUMS])
 def test_einsum_unreduced_contracts_locally_and_reports_the_axes(equation, by_hand, unreduced):
-    mesh = axes.mesh_of_sizes(2, 2)
+    mesh = mesh_of_sizes({"d": 2, "t": 2})
     g = torch.Generator().manual_seed(0)
     specs = [s.strip() for s in equation.split("->")[0].split(",")]
     local_shapes = {"B": 2, "Batch": 2, "T": 3, "Klen": 3, "M": 8, "F": 3, "K": 2, "Dh": 5}

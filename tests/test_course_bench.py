@@ -36,8 +36,10 @@ def test_alpha_beta_fit_recovers_an_exact_model():
     (["11", "--microbatches", "5"], "--microbatches divide the batch of 32"),
     (["11", "--steps", "1"], "--steps must be at least 2"),
     (["13", "--meshes", "2x3"], "mesh 2x3 needs 6 ranks"),
-    (["13", "--meshes", "1x3"], "n_kv_heads=4 (K/t) is not divisible by 3"),
     (["14", "--nproc", "3"], "must be divisible by every --nproc value (3)"),
+    (["13", "--meshes", "1x3"], "t=3 does not divide n_heads H=8, n_kv_heads K=4"),
+    (["12", "--nproc", "3"], "t=3 does not divide n_heads H=8, n_kv_heads K=4"),
+    (["07", "--nproc", "3"], "d=3 does not divide batch B=8"),
 ])
 def test_bad_bench_arguments_give_one_clear_error_before_any_rank_starts(argv, message, monkeypatch, capsys):
     bench = importlib.import_module(f"course.bench.m{argv[0]}")

@@ -9,82 +9,97 @@ ours (m07_fsdp.py of the selected implementation: solutions/, or steps/ with --i
   step ms              median wall time of one optimizer step (after one warm-up step)
   param bytes/rank     parameter memory one rank keeps between steps (FSDP2 also shards the
                        embedding and LM head; ours keeps them replicated)
-  state bytes/rank     what rank 0 keeps between steps: weights, gradients, AdamW's two moments, and
-                       (ours) the two gather buffers; then the formula (state_formula)
-  all-gathers, reduce-scatters, payload bytes: measured per step / per collective (logged by
-                       course/collectives.py), then the formula of solutions/m07_payload.py
-  final loss           mean over ranks at the last step
+  state bytes/rank     what rank 0 keeps between steps: weights, gradients, AdamW's two moments; then
+                       the formula (ours: solutions/m07_payload.py's fsdp_traffic, its state_bytes;
+                       FSDP2: fsdp2_state_formula below)
+  buffers              ours: the two gather buffers' bytes; then the formula's buffers, which also
+                       count the FSDP Notes' two shard-sized communication buffers (alive only
+                       inside a step, so not in the measured column)
+  all-gathers, reduce-scatters, sent B/step: rank 0's calls and bytes sent in one step (logged by
+                       course/collectives.py, read by course/costs.py's measured_cost), then the
+                       formula's (fsdp_traffic)
+  final loss           mean over the global batch at the last step
 """
 from __future__ import annotations
 
 import argparse
 import math
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
 
 from course.bench import llama_config, report, require_positive
-from course.collectives import Collectives
-from course.dataset import load_text, random_batch
+from course.costs import measured_cost
 from course.impl import load, reference
 from course.launch import run_ranks
+from course.mesh import world_group
+from course.splits import check_splits
+from course.timing import StepTimer
 from course.reference_fsdp import fsdp2_llama
+
+
+class Ours:
+    """Our FSDPLlama as module 06's fit drives it, noting after each step the bytes it keeps:
+    its shards' and replicated weights, their gradients and AdamW's two moments."""
+
+    def __init__(self, model):
+        self.model, self.cfg, self.state = model, model.cfg, 0
+
+    def parameters(self):
+        return self.model.parameters()
+
+    def train_step(self, tokens, targets, n_microbatches, optimizer):
+        loss = self.model.train_step(tokens, targets, n_microbatches, optimizer)  # the global batch
+        self.state = _bytes(self.parameters(), self.model.grads(), optimizer)
+        return loss
+
+
+class FSDP2:
+    """PyTorch's FSDP2 on the nn.Module reference, as module 06's fit drives a model: train_step on
+    the global batch (this rank's rows), returning the global batch's mean loss."""
+
+    def __init__(self, cfg, dp):
+        self.cfg, self.dp, self.state = cfg, dp, 0
+        self.root = fsdp2_llama(reference("m06_llama_model").LlamaModel(cfg))
+
+    def parameters(self):
+        return list(self.root.parameters())
+
+    def train_step(self, tokens, targets, n_microbatches, optimizer):
+        rows = tokens.shape[0] // self.dp.size
+        mine = slice(self.dp.index * rows, (self.dp.index + 1) * rows)
+        loss = self.root(tokens[mine], targets[mine])  # this rank's rows' mean loss
+        loss.backward()  # FSDP2 averages the gradients over the ranks
+        optimizer.step()
+        self.state = _bytes(self.parameters(), [p.grad for p in self.parameters()], optimizer)  # before zero_grad
+        optimizer.zero_grad()
+        return _mean_over_ranks(loss.item())
 
 
 def _run(cfg, steps, batch, lr, which):
     torch.manual_seed(0)
-    # The batches, the FSDP2 row's initial weights and the loss averaging come from the reference
-    # (given code either way): what ours is compared with must not change with the code measured.
-    ref06, ref07 = reference("m06_llama_model"), reference("m07_fsdp")
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    rows = batch // world_size
-    data, generator = load_text(), torch.Generator().manual_seed(0)
-    collectives, block_params = Collectives(), None
+    # The loop and its batches (module 06's fit) and the FSDP2 row's initial weights come from the
+    # reference (given code either way): what ours is compared with must not change with the code measured.
+    dp = world_group("d")  # every rank of the job: one data-parallel group
+    timer = StepTimer(dp.collectives.log)
     if which == "ours":
-        model = load("m07_fsdp").FSDPLlama(cfg, rank, world_size, collectives)  # the implementation measured
-        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-        param_bytes = sum(p.nbytes for p in model.parameters())
-        block_params = model.layout.numel
-
-        def step(tokens, targets):
-            return model.train_step(tokens, targets, 1, optimizer)
-
-        def state_bytes():  # the shards' and replicated weights' state, and the two gather buffers
-            return (_bytes(model.parameters(), model.grads(), optimizer)
-                    + sum(b.flat.nbytes for b in model.weights.buffers))
+        model = Ours(load("m07_fsdp").FSDPLlama(cfg, dp))  # the implementation measured
+        params, buffers = model.parameters(), sum(b.flat.nbytes for b in model.model.weights.buffers)
+        param_bytes = sum(p.nbytes for p in params)
     else:
-        root = fsdp2_llama(ref06.LlamaModel(cfg))
-        optimizer = torch.optim.AdamW(root.parameters(), lr=lr, weight_decay=0.0)
-        param_bytes = sum(p.to_local().nbytes for p in root.parameters())
+        model, buffers = FSDP2(cfg, dp), 0
+        param_bytes = sum(p.to_local().nbytes for p in model.parameters())
+    reference("m06_llama_model").fit(model, steps + 1, batch, lr, on_step=timer)  # the first step: a warm-up
+    cost = measured_cost(dp.collectives.log[:timer.calls[0]]) if which == "ours" else None  # each step the same
+    return {"times": timer.times[1:], "loss": timer.losses[-1], "param_bytes": param_bytes, "buffers": buffers,
+            "state_bytes": model.state, "cost": cost}
 
-        def step(tokens, targets):
-            loss = root(tokens, targets)
-            loss.backward()
-            optimizer.step()
-            kept["state"] = state_bytes()  # before zero_grad frees the gradients
-            optimizer.zero_grad()
-            return loss.item()
 
-        def state_bytes():  # every parameter sharded: this rank's slices of weights, gradients, AdamW state
-            return _bytes(list(root.parameters()), [p.grad for p in root.parameters()], optimizer)
-    times, losses, kept = [], [], {}
-    for _ in range(steps + 1):
-        tokens, targets = random_batch(data, batch, cfg.max_seq_len, generator)
-        mine = slice(rank * rows, (rank + 1) * rows)
-        dist.barrier()
-        began = time.perf_counter()
-        loss = step(tokens[mine], targets[mine])
-        times.append(time.perf_counter() - began)
-        losses.append(ref07.global_mean(loss))
-    log = collectives.log
-    return {"times": times[1:], "loss": losses[-1], "param_bytes": param_bytes,
-            "state_bytes": kept["state"] if "state" in kept else state_bytes(),
-            "all_gathers": sum(c.op == "all_gather" for c in log) / (steps + 1),
-            "reduce_scatters": sum(c.op == "reduce_scatter" for c in log) / (steps + 1),
-            "payloads": sorted({c.payload_bytes for c in log if c.op != "all_reduce"}),
-            "block_params": block_params}
+def _mean_over_ranks(value: float) -> float:
+    total = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(total)
+    return total.item() / dist.get_world_size()
 
 
 def _bytes(params, grads, optimizer) -> int:
@@ -94,19 +109,13 @@ def _bytes(params, grads, optimizer) -> int:
     return sum(getattr(t, "to_local", lambda: t)().nbytes for t in [*params, *grads, *moments])
 
 
-def state_formula(cfg, world_size: int, which: str, dtype_bytes: int = 4) -> int:
-    """Bytes one rank (rank 0) keeps between steps, from the chapter: weights, gradients and AdamW's
-    two moments are 4 copies of what it owns. Ours owns ceil(P / N) of each block's P parameters and
-    the replicated embedding, final norm and LM head, plus two full-block gather buffers; FSDP2 owns
-    ceil(rows / N) rows of every parameter, replicated ones included, and keeps no buffer."""
+def fsdp2_state_formula(cfg, d: int, dtype_bytes: int = 4) -> int:
+    """Bytes one rank (rank 0) of FSDP2 keeps between steps: weights, gradients and AdamW's two moments
+    are 4 copies of what it owns, ceil(rows / d) rows of every parameter, replicated ones included."""
     block = reference("m06_llama_model").LlamaModel(cfg).blocks[0]
     shapes = [tuple(t.shape) for t in block.tensors()] * cfg.n_layers
     replicated = [(cfg.vocab_size, cfg.dim), (cfg.dim,), (cfg.vocab_size, cfg.dim)]
-    if which == "ours":
-        shard = -(-sum(math.prod(s) for s in shapes[:len(shapes) // cfg.n_layers]) // world_size)
-        owned = cfg.n_layers * shard + sum(math.prod(s) for s in replicated)
-        return 4 * owned * dtype_bytes + 2 * world_size * shard * dtype_bytes
-    rows = lambda shape: -(-shape[0] // world_size) * math.prod(shape[1:])  # noqa: E731
+    rows = lambda shape: -(-shape[0] // d) * math.prod(shape[1:])  # noqa: E731
     return 4 * sum(rows(s) for s in shapes + replicated) * dtype_bytes
 
 
@@ -128,33 +137,42 @@ def main(argv: list[str]) -> None:
     for which in ("ours", "FSDP2"):
         result = run_ranks(_run, args.nproc, cfg, args.steps, args.batch, 3e-3, which, timeout=300)[0]
         row = {"impl": which, "ranks": args.nproc, "step ms": 1e3 * statistics.median(result["times"]),
-               "param bytes/rank": result["param_bytes"], "state bytes/rank": result["state_bytes"],
-               "formula state": state_formula(cfg, args.nproc, which)}
+               "param bytes/rank": result["param_bytes"], "state bytes/rank": result["state_bytes"]}
         if which == "ours":
-            t = payload.fsdp_traffic(result["block_params"], 4, args.nproc, cfg.n_layers, 1, kept=min(2, cfg.n_layers))
-            row.update({"all-gathers": result["all_gathers"], "formula AG": t.all_gathers,
-                        "reduce-scatters": result["reduce_scatters"], "formula RS": t.reduce_scatters,
-                        "payload bytes": "/".join(map(str, result["payloads"])), "formula payload": t.payload_bytes})
+            formula = payload.fsdp_traffic(cfg, {"d": args.nproc}, torch.float32, kept=min(2, cfg.n_layers))
+            measured = result["cost"]
+            row.update({"formula state": formula.state_bytes, "buffers": result["buffers"],
+                        "formula buffers": formula.memory["buffers"],
+                        "all-gathers": measured.n_calls("d", "all_gather"),
+                        "formula AG": formula.n_calls("d", "all_gather"),
+                        "reduce-scatters": measured.n_calls("d", "reduce_scatter"),
+                        "formula RS": formula.n_calls("d", "reduce_scatter"),
+                        "sent B/step": measured.sent_bytes(), "formula sent": formula.sent_bytes()})
         else:
-            row.update({"all-gathers": "-", "formula AG": "-", "reduce-scatters": "-", "formula RS": "-",
-                        "payload bytes": "-", "formula payload": "-"})
+            row.update({"formula state": fsdp2_state_formula(cfg, args.nproc), "buffers": "-", "formula buffers": "-",
+                        "all-gathers": "-", "formula AG": "-", "reduce-scatters": "-", "formula RS": "-",
+                        "sent B/step": "-", "formula sent": "-"})
         row["final loss"] = result["loss"]
         rows.append(row)
     report("bench-07", f"FSDP on {args.nproc} CPU ranks: {cfg.n_layers} blocks of dim {cfg.dim}, "
                        f"batch {args.batch} x {cfg.max_seq_len} tokens, float32", rows,
-           notes="Per step, after the first: the all-gathers of blocks still in the two buffers are skipped "
-                 "(kept = 2). FSDP2's collectives are not logged (its own process-group calls).")
+           notes="Per step: the all-gathers of blocks still in the two buffers are skipped (kept = 2). The "
+                 "formula's buffers add the two shard-sized communication buffers of PyTorch's FSDP Notes. FSDP2's "
+                 "collectives are not logged (its own process-group calls).")
 
 
 def check(parser, args):
     """Refuse bad arguments before any rank starts; returns the model's LlamaConfig (a given class,
     from the reference like every option check)."""
     require_positive(parser, args, "nproc", "steps", "layers", "batch")
-    if args.batch % args.nproc:
-        parser.error(f"--batch {args.batch} must be divisible by --nproc {args.nproc}")
     if args.dim < 32 or args.dim % 16:
         parser.error(f"--dim must be a multiple of 16 and at least 32 (dim // 16 query heads of 16, "
                      f"dim // 32 key/value heads), got {args.dim}")
-    return llama_config(parser, f"--dim {args.dim}", dim=args.dim, n_heads=args.dim // 16,
-                        n_kv_heads=args.dim // 32, head_dim=16, ffn_dim=args.dim * 8 // 3 // 16 * 16,
-                        n_layers=args.layers, max_seq_len=64)
+    cfg = llama_config(parser, f"--dim {args.dim}", dim=args.dim, n_heads=args.dim // 16,
+                       n_kv_heads=args.dim // 32, head_dim=16, ffn_dim=args.dim * 8 // 3 // 16 * 16,
+                       n_layers=args.layers, max_seq_len=64)
+    try:
+        check_splits(cfg, {"d": args.nproc}, args.batch)  # --batch over --nproc ranks
+    except ValueError as exc:
+        parser.error(f"--batch, --nproc: {exc}")
+    return cfg

@@ -6,18 +6,20 @@
 
 1. Traffic, memory, speed: module 12's model (m12_tp_model.CONFIG, float32) trained for --steps steps
    (after one untimed step) on t in {1, 2, 4} ranks, sequence parallelism off and on:
-     sent B/step    bytes one rank sends per step, summed over the logged collectives (ring algorithm,
-                    course/collectives.py), then the formula (m12_tp_costs.tp_traffic): must be equal
+     calls/step     collectives one rank issues per step (logged by course/collectives.py), then the
+                    formula (m12_tp_costs.tp_traffic, a course/costs.py StepCost): must be equal
+     sent B/step    bytes one rank sends per step (ring algorithm; measured_cost of the log), then the
+                    formula: must be equal
      kept B/rank    bytes the blocks' stores hold after the forward of one step, then the formula
                     (m12_tp_costs.tp_activation_bytes): must be equal
      step ms        median step time, ours and DTensor's (parallelize_module on the nn.Module Llama,
                     course/reference_tp.py, with the same plan), and their ratio
-2. Overlap, on an emulated device: one column-parallel backward (gate and up of an FFN) whose GEMMs
-   take the time a device of --gflops GFLOP/s would need (a sleep; no arithmetic is done) while the
-   collectives are real gloo ones. The input gradient's collective is timed alone (started and waited
+2. Overlap, on an emulated device (course/emulated.py's EmulatedGemms): one column-parallel backward
+   (gate and up of an FFN) whose GEMMs take the time a device of --gflops GFLOP/s would need (a sleep;
+   no arithmetic is done) while the collectives are real gloo ones. The input gradient's collective is timed alone (started and waited
    at once), then as the backward overlaps it (the time left to wait after the weight-gradient GEMMs).
    hidden = 1 - exposed / alone; "full overlap" = min(1, weight-gradient GEMM time / alone).
-3. Fused weight-gradient accumulation: the error against float64 of M microbatches of bf16 gradients
+3. Fused weight-gradient accumulation: the error against float64 of m microbatches of bf16 gradients
    summed three ways: a bf16 accumulator (each microbatch's gradient in bf16, added in bf16), bf16
    partials added into a float32 main_grad (unfused), and float32 accumulation inside the GEMM (fused).
    On CUDA, also the time of a fused and an unfused accumulation at GPU size.
@@ -27,20 +29,23 @@ formulas, the DTensor model and the reference weights come from the reference.
 from __future__ import annotations
 
 import argparse
-import math
+import dataclasses
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
-from torch.overrides import TorchFunctionMode
 
 from course.bench import report, require_positive
 from course.collectives import Collectives
+from course.costs import measured_activations, measured_cost
 from course.dataset import load_text, random_batch
-from course.demos.m12 import kept_activation_bytes
+from course.emulated import EmulatedGemms
 from course.impl import load, reference
 from course.launch import run_ranks
+from course.mesh import world_group
+from course.splits import check_splits
+from course.timing import StepTimer
 
 PARTS = ("traffic", "overlap", "accumulation")
 
@@ -48,102 +53,64 @@ PARTS = ("traffic", "overlap", "accumulation")
 # --- 1. traffic, memory and step time --------------------------------------------------------
 
 def _train_ours(cfg, sequence_parallel, steps, batch):
-    linear, model_module = load("m12_tp_linear"), load("m12_tp_model")
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    collectives = Collectives()
-    model = model_module.TPLlama(cfg, linear.TPGroup(rank, world_size, collectives, sequence_parallel))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
-    data, generator = load_text(), torch.Generator().manual_seed(0)
-    batches = [random_batch(data, batch, cfg.max_seq_len, generator) for _ in range(steps + 1)]
-    kept = kept_activation_bytes(model, *batches[0])
-    times, losses = [], []
-    for step, (tokens, targets) in enumerate(batches):
-        if step == 1:
-            collectives.log.clear()  # count the timed steps only
-        dist.barrier()
-        began = time.perf_counter()
-        losses.append(model.train_step(tokens, targets, 1, optimizer))
-        times.append(time.perf_counter() - began)
-    return {"times": times[1:], "loss": losses[-1], "kept": kept,
-            "sent": sum(c.sent_bytes for c in collectives.log) / steps}
+    tp = world_group("t")  # every rank of the job: one tensor-parallel group
+    model = load("m12_tp_model").TPLlama(cfg, tp, sequence_parallel=sequence_parallel)  # the code measured
+    first = random_batch(load_text(), batch, cfg.max_seq_len, torch.Generator().manual_seed(0))  # fit's first
+    kept = measured_activations(model, *first)  # train_step zeroes the gradients it leaves
+    tp.collectives.log.clear()
+    timer = StepTimer(tp.collectives.log)
+    reference("m06_llama_model").fit(model, steps + 1, batch, on_step=timer)  # module 06's loop; a warm-up first
+    return {"times": timer.times[1:], "loss": timer.losses[-1], "kept": kept,
+            "cost": measured_cost(tp.collectives.log[:timer.calls[0]])}  # every step issues the same
+
+
+class DTensorModel:
+    """DTensor's tensor parallelism on the nn.Module reference, as module 06's fit drives a model."""
+
+    def __init__(self, cfg, sequence_parallel):
+        from course.reference_tp import dtensor_llama
+        self.cfg = cfg
+        self.llama = dtensor_llama(reference("m06_llama_model").LlamaModel(cfg), sequence_parallel)
+
+    def parameters(self):
+        return self.llama.parameters()
+
+    def train_step(self, tokens, targets, n_microbatches, optimizer):
+        from course.reference_tp import dtensor_loss
+        loss = dtensor_loss(self.llama, tokens, targets)  # forward and backward
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
 
 
 def _train_dtensor(cfg, sequence_parallel, steps, batch):
-    from course.reference_tp import dtensor_llama, dtensor_loss
-    llama = dtensor_llama(reference("m06_llama_model").LlamaModel(cfg), sequence_parallel)
-    optimizer = torch.optim.AdamW(llama.parameters(), lr=3e-3, weight_decay=0.0)
-    data, generator = load_text(), torch.Generator().manual_seed(0)
-    times, losses = [], []
-    for _ in range(steps + 1):
-        tokens, targets = random_batch(data, batch, cfg.max_seq_len, generator)
-        dist.barrier()
-        began = time.perf_counter()
-        losses.append(dtensor_loss(llama, tokens, targets))
-        optimizer.step()
-        optimizer.zero_grad()
-        times.append(time.perf_counter() - began)
-    return {"times": times[1:], "loss": losses[-1]}
+    timer = StepTimer()
+    reference("m06_llama_model").fit(DTensorModel(cfg, sequence_parallel), steps + 1, batch, on_step=timer)
+    return {"times": timer.times[1:], "loss": timer.losses[-1]}
 
 
 def traffic_rows(args) -> list[dict]:
     cfg, costs = reference("m12_tp_model").CONFIG, reference("m12_tp_costs")
     rows = []
-    for world_size in args.nproc:
+    for t in args.nproc:
         for sequence_parallel in (False, True):
-            ours = run_ranks(_train_ours, world_size, cfg, sequence_parallel, args.steps, args.batch, timeout=300)[0]
-            theirs = run_ranks(_train_dtensor, world_size, cfg, sequence_parallel, args.steps, args.batch,
-                               timeout=300)[0]
-            traffic = costs.tp_traffic(cfg, args.batch, cfg.max_seq_len, torch.float32, world_size, sequence_parallel)
-            kept = cfg.n_layers * sum(costs.tp_activation_bytes(cfg, args.batch, cfg.max_seq_len, torch.float32,
-                                                                world_size, sequence_parallel).values())
+            ours = run_ranks(_train_ours, t, cfg, sequence_parallel, args.steps, args.batch, timeout=300)[0]
+            theirs = run_ranks(_train_dtensor, t, cfg, sequence_parallel, args.steps, args.batch, timeout=300)[0]
+            formula_args = (cfg, {"t": t}, args.batch, torch.float32, 1, sequence_parallel)
+            traffic, kept = costs.tp_traffic(*formula_args), costs.tp_activation_bytes(*formula_args)
+            measured = ours["cost"]
             ours_ms, theirs_ms = (1e3 * statistics.median(r["times"]) for r in (ours, theirs))
-            rows.append({"t": world_size, "SP": "on" if sequence_parallel else "off",
-                         "sent B/step": round(ours["sent"]), "sent formula": round(traffic.sent_bytes),
-                         "kept B/rank": ours["kept"], "kept formula": kept,
+            rows.append({"t": t, "SP": "on" if sequence_parallel else "off",
+                         "calls/step": measured.n_calls(), "calls formula": traffic.n_calls(),
+                         "sent B/step": round(measured.sent_bytes()), "sent formula": round(traffic.sent_bytes()),
+                         "kept B/rank": ours["kept"], "kept formula": kept.memory["activations"],
                          "ours ms": ours_ms, "DTensor ms": theirs_ms, "ours/DTensor": ours_ms / theirs_ms,
                          "loss ours": ours["loss"], "loss DTensor": theirs["loss"]})
-            print(f"  measured t={world_size}, sequence parallelism {rows[-1]['SP']}", flush=True)
+            print(f"  measured t={t}, sequence parallelism {rows[-1]['SP']}", flush=True)
     return rows
 
 
 # --- 2. overlap on an emulated device --------------------------------------------------------
-
-MATMULS = {"matmul", "__matmul__", "mm", "addmm", "bmm"}
-
-
-def _on_meta(value):
-    """Tensors (also in lists, tuples and dicts) moved to the meta device: shapes without data."""
-    if isinstance(value, torch.Tensor):
-        return value.to("meta")
-    if isinstance(value, (list, tuple)):
-        return type(value)(_on_meta(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _on_meta(v) for k, v in value.items()}
-    return value
-
-
-class EmulatedGemms(TorchFunctionMode):
-    """Every matrix product sleeps the time a device of `gflops` GFLOP/s would take and does no
-    arithmetic (its result is uninitialized memory of the right shape, or `out` untouched). Sleeping
-    frees the CPU, so a collective in flight progresses as it would beside a busy device."""
-
-    def __init__(self, gflops: float):
-        super().__init__()
-        self.seconds_per_flop, self.slept = 1e-9 / gflops, 0.0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if getattr(func, "__name__", "") not in MATMULS:
-            return func(*args, **kwargs)
-        shape = func(*_on_meta(args), **_on_meta(kwargs)).shape  # the result's shape, computed on no data
-        operand = args[1] if func.__name__ == "addmm" else args[0]  # its last dimension is the one summed over
-        flops = 2 * math.prod(shape) * operand.shape[-1]
-        seconds = flops * self.seconds_per_flop
-        time.sleep(seconds)
-        self.slept += seconds
-        out = kwargs.get("out")
-        return out if out is not None else torch.empty(shape, dtype=operand.dtype)
-
 
 class TimedWaits(Collectives):
     """Collectives whose async works record how long each wait() blocked, by op, in `waited`."""
@@ -176,9 +143,9 @@ class TimedWaits(Collectives):
 
 def _overlap(sequence_parallel, tokens, dim, ffn, gflops, repeats):
     linear = load("m12_tp_linear")
-    rank, t = dist.get_rank(), dist.get_world_size()
     collectives = TimedWaits()
-    tp = linear.TPGroup(rank, t, collectives, sequence_parallel)
+    tp = dataclasses.replace(world_group("t"), collectives=collectives)
+    t, sp = tp.size, sequence_parallel
     x = torch.randn(1, tokens // t if sequence_parallel else tokens, dim)
     weights = [torch.randn(ffn // t, dim) for _ in range(2)]
     dys = [torch.randn(1, tokens, ffn // t) for _ in weights]
@@ -188,19 +155,19 @@ def _overlap(sequence_parallel, tokens, dim, ffn, gflops, repeats):
     for _ in range(repeats):  # the input gradient's collective (and the re-gather of x) with nothing to hide behind
         dist.barrier()
         began = time.perf_counter()
-        linear.enter_tp_backward(torch.randn(1, tokens, dim), tp, async_op=True).wait()
+        linear.enter_tp_backward(torch.randn(1, tokens, dim), tp, sp, async_op=True).wait()
         alone.append(time.perf_counter() - began)
         if sequence_parallel:
             dist.barrier()
             began = time.perf_counter()
-            linear.enter_tp_forward(x, tp, async_op=True).wait()
+            linear.enter_tp_forward(x, tp, sp, async_op=True).wait()
             gather_alone.append(time.perf_counter() - began)
     gemm_s = 2 * 2 * tokens * dim * (ffn // t) * 1e-9 / gflops  # one of the two GEMM kinds: 2 weights
     for _ in range(repeats):
         collectives.waited.clear()
         dist.barrier()
         with EmulatedGemms(gflops):
-            linear.column_parallel_backward(dys, x, weights, grads, tp, "ffn in")
+            linear.column_parallel_backward(dys, x, weights, grads, tp, sp, "ffn in")
         exposed.append(collectives.waited.get(dx_op, 0.0))
         gather_exposed.append(collectives.waited.get("all_gather", 0.0))
     return {"alone": statistics.median(alone), "exposed": statistics.median(exposed), "gemm": gemm_s,
@@ -210,14 +177,14 @@ def _overlap(sequence_parallel, tokens, dim, ffn, gflops, repeats):
 
 def overlap_rows(args) -> list[dict]:
     rows = []
-    for world_size in [t for t in args.nproc if t > 1]:
+    for t in [t for t in args.nproc if t > 1]:
         for sequence_parallel in (False, True):
-            per_rank = run_ranks(_overlap, world_size, sequence_parallel, args.tokens, args.dim, args.ffn, args.gflops,
+            per_rank = run_ranks(_overlap, t, sequence_parallel, args.tokens, args.dim, args.ffn, args.gflops,
                                  args.repeats, timeout=300)
             alone = statistics.mean(r["alone"] for r in per_rank)
             exposed = statistics.mean(r["exposed"] for r in per_rank)
             gemm = per_rank[0]["gemm"]
-            row = {"t": world_size, "SP": "on" if sequence_parallel else "off",
+            row = {"t": t, "SP": "on" if sequence_parallel else "off",
                    "dx collective": "reduce-scatter" if sequence_parallel else "all-reduce",
                    "alone ms": 1e3 * alone, "wgrad GEMMs ms": 1e3 * gemm, "exposed ms": 1e3 * exposed,
                    "hidden": 1 - exposed / alone, "full overlap": min(1.0, gemm / alone)}
@@ -228,7 +195,7 @@ def overlap_rows(args) -> list[dict]:
             else:
                 row["x gather hidden"] = "-"
             rows.append(row)
-            print(f"  measured overlap t={world_size}, sequence parallelism {row['SP']}", flush=True)
+            print(f"  measured overlap t={t}, sequence parallelism {row['SP']}", flush=True)
     return rows
 
 
@@ -252,7 +219,7 @@ def accumulation_rows(args) -> list[dict]:
 
         def error(got):
             return ((got.double() - exact).norm() / exact.norm()).item()
-        rows.append({"M": n_microbatches, "bf16 accumulator": error(bf16_grad),
+        rows.append({"m": n_microbatches, "bf16 accumulator": error(bf16_grad),
                      "fp32 main_grad, unfused": error(unfused), "fp32 main_grad, fused": error(fused)})
     return rows
 
@@ -324,7 +291,7 @@ def main(argv: list[str]) -> None:
                      "behind the input-gradient GEMMs.")
     if "accumulation" in parts:
         report("bench-12-accumulation",
-               f"Module 12: M microbatches of bf16 weight gradients ({args.acc_tokens} tokens, "
+               f"Module 12: m microbatches of bf16 weight gradients ({args.acc_tokens} tokens, "
                f"{args.acc_out} x {args.acc_in}), relative error against float64",
                accumulation_rows(args),
                notes="bf16 accumulator: grad += bf16 GEMM output, in bf16. unfused: the bf16 GEMM output added "
@@ -344,7 +311,7 @@ def check(parser, args):
     cfg = reference("m12_tp_model").CONFIG
     for t in args.nproc:
         try:
-            reference("m12_tp_block").check_tp_size(cfg, t, cfg.max_seq_len)
+            check_splits(cfg, {"t": t}, args.batch, seq_len=cfg.max_seq_len, sequence_parallel=True)
         except ValueError as exc:
             parser.error(f"--nproc: {exc}")
         if args.tokens % t or args.ffn % t:

@@ -10,8 +10,10 @@ implementation, --impl) and PyTorch's DTensor tensor parallelism over t with FSD
   step ms         median wall time of one optimizer step (after one warm-up step), rank 0
   ours/torch      our step time over PyTorch's, same mesh
   sent B/step     bytes rank 0 sends per step with the ring algorithms, then the formula of
-                  solutions/m13_costs.py; ours counted by course/collectives.py, PyTorch's from the
+                  solutions/m13_costs.py (a course/costs.py StepCost); ours logged by
+                  course/collectives.py and read by course/costs.py's measured_cost, PyTorch's from the
                   collectives its FSDP2 and DTensor issue (course/reference_2d.TorchCollectiveLog)
+  calls/step      ours: the collectives rank 0 issues per step, then the formula's
   state B/rank    rank 0's weights, gradients and AdamW moments after a step (local blocks only),
                   then the formula (ours: 1/(d t) of everything; PyTorch's plan keeps the norms whole
                   over t, so it holds a little more)
@@ -21,68 +23,71 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
-import torch.distributed as dist
 import torch.distributed.fsdp  # noqa: F401  imported once here, not in every forked rank
 import torch.distributed.tensor.parallel  # noqa: F401
 
 from course.bench import llama_config, report, require_positive
+from course.costs import measured_cost
 from course.dataset import load_text, random_batch
 from course.impl import load, reference
 from course.launch import run_ranks
+from course.mesh import init_mesh, parse_mesh
+from course.timing import StepTimer
+
+
+class Stepping:
+    """A model as module 06's fit drives it, noting after each step the bytes this rank keeps: its
+    weights, their gradients and AdamW's two moments (before any zero_grad frees the gradients)."""
+
+    def __init__(self, cfg, step, params, zero_grad: bool = False):
+        self.cfg, self.step, self.params, self.zero_grad = cfg, step, params, zero_grad
+        self.state, self.optimizer = 0, None
+
+    def parameters(self):
+        return self.params
+
+    def train_step(self, tokens, targets, n_microbatches, optimizer):
+        loss = self.step(tokens, targets, n_microbatches, optimizer)
+        self.state, self.optimizer = _state_bytes(self.params, optimizer), optimizer
+        if self.zero_grad:  # PyTorch's backward adds into .grad: clear it for the next step
+            optimizer.zero_grad()
+        return loss
 
 
 def _run(cfg, mesh_shape, steps, batch, lr, which):
     torch.manual_seed(0)
     d, t = mesh_shape
-    m06 = reference("m06_llama_model")  # the initial weights of PyTorch's row: given code either way
-    data, generator = load_text(), torch.Generator().manual_seed(0)
+    m06 = reference("m06_llama_model")  # the loop, and the initial weights of PyTorch's row: given code either way
     log = []
     if which == "ours":
-        axes = load("m13_named_axes")  # the implementation measured
-        mesh = axes.init_mesh(d, t)
+        mesh = init_mesh({"d": d, "t": t})
         log = mesh.log
-        model = load("m13_llama_2d").Llama2D(cfg, mesh)
-        params = model.parameters()
-        optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-
-        def step(tokens, targets):
-            return model.train_step(tokens, targets, optimizer)
+        ours = load("m13_llama_2d").Llama2D(cfg, mesh)  # the implementation measured
+        model = Stepping(cfg, ours.train_step, ours.parameters())
     else:
         from course.reference_2d import TorchCollectiveLog, fsdp_tp_llama, loss_and_backward
         llama, device_mesh = fsdp_tp_llama(m06.LlamaModel(cfg), d, t)
-        params = list(llama.parameters())
-        optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
 
-        def step(tokens, targets):
+        def step(tokens, targets, n_microbatches, optimizer):
             loss = loss_and_backward(llama, device_mesh, tokens, targets)
             optimizer.step()
             return loss
-    times, losses = [], []
-    for i in range(steps + 1):
-        tokens, targets = random_batch(data, batch, cfg.max_seq_len, generator)
-        if i == 1:
-            sent_before = sum(c.sent_bytes for c in log)  # from the second step on: no warm-up in the count
-        dist.barrier()
-        began = time.perf_counter()
-        losses.append(step(tokens, targets))
-        times.append(time.perf_counter() - began)
-        if which != "ours":
-            state = _state_bytes(params, optimizer)  # before zero_grad frees the gradients
-            optimizer.zero_grad()
+        model = Stepping(cfg, step, list(llama.parameters()), zero_grad=True)
+    timer = StepTimer(log)
+    m06.fit(model, steps + 1, batch, lr, on_step=timer)  # the first step: a warm-up
     if which == "ours":
-        state = _state_bytes(params, optimizer)
-        sent = (sum(c.sent_bytes for c in log) - sent_before) / steps
+        sent = measured_cost(log[:timer.calls[0]])  # every step issues the same: the first one's
     else:  # one more step, untimed: the dispatch mode that counts would slow the timed ones
         counter = TorchCollectiveLog()
         with counter:
-            step(*random_batch(data, batch, cfg.max_seq_len, generator))
-        sent = sum(c.sent_bytes for c in counter.log)
+            model.train_step(*random_batch(load_text(), batch, cfg.max_seq_len, torch.Generator().manual_seed(1)), 1,
+                             model.optimizer)
+        sent = measured_cost(counter.log)
         if counter.unknown:  # a collective it could not read: no total rather than a wrong one
             sent = f"? ({', '.join(sorted(counter.unknown))})"
-    return {"times": times[1:], "loss": losses[-1], "state": state, "sent": sent}
+    return {"times": timer.times[1:], "loss": timer.losses[-1], "state": model.state, "sent": sent}
 
 
 def _whole(x: float):
@@ -116,16 +121,19 @@ def main(argv: list[str]) -> None:
         results = {which: run_ranks(_run, d * t, cfg, (d, t), args.steps, args.batch, 3e-3, which, timeout=300)[0]
                    for which in ("ours", "torch")}
         ours_ms, torch_ms = (1e3 * statistics.median(results[w]["times"]) for w in ("ours", "torch"))
-        traffic, state = costs.step_traffic(cfg, args.batch, d, t), costs.state_bytes(cfg, d, t)
+        sizes = {"d": d, "t": t}
+        traffic, state = costs.step_traffic(cfg, sizes, args.batch), costs.state_bytes(cfg, sizes).state_bytes
         for which, ms in (("ours", ours_ms), ("torch", torch_ms)):
             r, ours = results[which], which == "ours"
+            sent = r["sent"]
             rows.append({"mesh": f"{d}x{t}", "impl": which, "step ms": ms,
                          "ours/torch": ours_ms / torch_ms if ours else "-",
-                         "sent B/step": r["sent"] if isinstance(r["sent"], str) else _whole(r["sent"]),
-                         "formula sent": _whole(traffic.sent_bytes) if ours else "-",
-                         "state B/rank": r["state"], "formula state": state.total if ours else "-",
-                         "= formula": ("yes" if r["sent"] == traffic.sent_bytes and r["state"] == state.total
-                                       else "NO") if ours else "-",
+                         "calls/step": sent.n_calls() if ours else "-",
+                         "formula calls": traffic.n_calls() if ours else "-",
+                         "sent B/step": sent if isinstance(sent, str) else _whole(sent.sent_bytes()),
+                         "formula sent": _whole(traffic.sent_bytes()) if ours else "-",
+                         "state B/rank": r["state"], "formula state": state if ours else "-",
+                         "= formula": ("yes" if sent == traffic and r["state"] == state else "NO") if ours else "-",
                          "final loss": r["loss"]})
         print(f"  measured {d}x{t}", flush=True)
     report("bench-13", f"2-D sharding (FSDP over d, Megatron over t) on CPU ranks: {cfg.n_layers} blocks of dim "
@@ -141,14 +149,17 @@ def check(parser, args):
         parser.error(f"--dim must be a multiple of 32 (dim // 8 query heads of 8 in 4 groups), got {args.dim}")
     cfg = llama_config(parser, f"--dim {args.dim}", dim=args.dim, n_heads=args.dim // 8, n_kv_heads=4, head_dim=8,
                        ffn_dim=args.dim * 8 // 3 // 16 * 16, n_layers=args.layers, max_seq_len=args.seq)
-    axes, model_2d = reference("m13_named_axes"), reference("m13_llama_2d")
+    model_2d = reference("m13_llama_2d")
     meshes = []
     for text in args.meshes.split(","):
         try:
-            d, t = axes.parse_mesh(text)
+            sizes = parse_mesh(text)
+            if set(sizes) - {"d", "t"}:
+                raise ValueError(f"--meshes lists DxT meshes (d, then t), got {text.strip()!r}")
+            d, t = sizes.get("d", 1), sizes.get("t", 1)
             if d * t > 4:
                 raise ValueError(f"mesh {text.strip()} needs {d * t} ranks: this benchmark runs 4 CPU ranks at most")
-            model_2d.check_mesh_fits(cfg, d, t, args.batch)
+            model_2d.check_mesh_fits(cfg, sizes, args.batch)
         except ValueError as exc:
             parser.error(str(exc))
         meshes.append((d, t))

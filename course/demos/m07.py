@@ -1,13 +1,16 @@
-"""`python main.py run 07 [--nproc N]`: train module 06's Llama with FSDP over N ranks, count the
-collectives against the payload formula, and compare the losses with single-process training."""
+"""`python main.py run 07 [--nproc d]`: train module 06's Llama with FSDP over the d ranks of one data
+group, count the collectives against the payload formula, and compare the losses with single-process
+training."""
 import argparse
 import time
 
 import torch
 
-from course.collectives import Collectives
+from course.costs import StepCost, measured_cost
 from course.demos import log_every
-from course.impl import load
+from course.impl import load, reference
+from course.mesh import world_group
+from course.splits import check_splits
 
 
 def add_args(parser: argparse.ArgumentParser):
@@ -22,36 +25,40 @@ def check_args(args):
     if min(args.steps, args.batch, args.microbatches, args.layers) < 1:
         raise ValueError(f"--steps, --batch, --microbatches and --layers must be positive, got {args.steps}, "
                          f"{args.batch}, {args.microbatches}, {args.layers}")
-    if args.batch % (args.world_size * args.microbatches):
-        raise ValueError(f"--batch {args.batch} must be divisible by ranks * microbatches = {args.world_size} * "
-                         f"{args.microbatches}: every rank and microbatch gets the same number of rows")
+    check_splits(reference("m06_llama_block").LlamaConfig(n_layers=args.layers), {"d": args.world_size}, args.batch,
+                 args.microbatches)
 
 
 def demo(args):
     m02, m06_block, m06_model = load("m02_comms"), load("m06_llama_block"), load("m06_llama_model")
     m07_fsdp, m07_payload = load("m07_fsdp"), load("m07_payload")
     # This module's shards, buffers and collectives are CPU tensors: gloo, even on a machine with GPUs.
-    rank, world_size, _ = m02.init_distributed(backend="gloo")
+    m02.init_distributed(backend="gloo")
     torch.set_num_threads(1)
-    cfg, collectives = m06_block.LlamaConfig(n_layers=args.layers), Collectives()
-    if rank == 0:
-        print(f"FSDP over {world_size} ranks: {cfg.n_layers} blocks, global batch {args.batch} "
-              f"({args.batch // world_size} rows per rank, {args.microbatches} microbatch(es)), {args.steps} steps")
+    dp = world_group("d")  # the whole job is one data-parallel group
+    cfg = m06_block.LlamaConfig(n_layers=args.layers)
+    if dp.index == 0:
+        print(f"FSDP over d={dp.size} ranks: {cfg.n_layers} blocks, global batch {args.batch} "
+              f"({args.batch // dp.size} rows per rank, {args.microbatches} microbatch(es)), {args.steps} steps")
     began = time.perf_counter()
-    on_step = log_every(max(1, args.steps // 5), args.steps) if rank == 0 else None
-    model, losses = m07_fsdp.train_fsdp(cfg, args.steps, args.batch, args.microbatches,
-                                        collectives=collectives, on_step=on_step)
+    on_step = log_every(max(1, args.steps // 5), args.steps) if dp.index == 0 else None
+    model, losses = m06_model.fit(m07_fsdp.FSDPLlama(cfg, dp), args.steps, args.batch,
+                                  n_microbatches=args.microbatches, on_step=on_step)
     elapsed = time.perf_counter() - began
-    traffic = m07_payload.fsdp_traffic(model.layout.numel, model.shards[0].element_size(), world_size,
-                                       cfg.n_layers, args.microbatches, kept=min(2, cfg.n_layers))
-    sent = {op: collectives.counts(op) / args.steps for op in ("all_gather", "reduce_scatter")}
-    payloads = {c.payload_bytes for c in collectives.log if c.op != "all_reduce"}
-    if rank != 0:
+    log = dp.collectives.log
+    measured = measured_cost(log[:len(log) // args.steps])  # every step issues the same: the first one's
+    formula = m07_payload.fsdp_traffic(cfg, {"d": dp.size}, torch.float32, args.microbatches, kept=min(2, cfg.n_layers))
+    if dp.index != 0:
         return
     print(f"  {args.steps} steps in {elapsed:.1f} s")
-    print(f"Per step: {sent['all_gather']:g} all-gathers + {sent['reduce_scatter']:g} reduce-scatters "
-          f"(formula: {traffic.all_gathers} + {traffic.reduce_scatters}), payload {sorted(payloads)} bytes "
-          f"(formula: {traffic.payload_bytes}); {traffic.full_buffer_bytes} bytes in the two full-block buffers")
+    print(f"One step on one rank, measured (formula): {measured.n_calls(op='all_gather')} "
+          f"({formula.n_calls(op='all_gather')}) all-gathers, {measured.n_calls(op='reduce_scatter')} "
+          f"({formula.n_calls(op='reduce_scatter')}) reduce-scatters, {measured.n_calls(op='all_reduce')} "
+          f"({formula.n_calls(op='all_reduce')}) all-reduce; {measured.sent_bytes():,.0f} "
+          f"({formula.sent_bytes():,.0f}) bytes sent -> "
+          f"{'equal' if measured == StepCost(formula.sent, formula.calls) else 'MISMATCH'}")
+    print(f"Kept per rank: {formula.state_bytes:,} bytes of shards, replicated weights, gradients and AdamW "
+          f"moments (formula), {formula.memory['buffers']:,} of buffers (two full blocks, two shards)")
     # The same training in one process, on the whole batch (rank 0 only).
     _, expected = m06_model.train(cfg, args.steps, batch=args.batch)
     worst = max(abs(a - b) for a, b in zip(losses, expected))

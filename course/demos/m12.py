@@ -1,15 +1,18 @@
 """`python main.py run 12 [--nproc t] [--sequence-parallel]`: train module 06's Llama with tensor (and
-sequence) parallelism over t ranks; compare its losses with single-process training, the bytes its
-collectives send with the formula, and the activations each rank keeps with the formula."""
+sequence) parallelism over the t ranks of one tensor group; compare its losses with single-process
+training, the calls and bytes of its collectives with the formula, and the activations each rank
+keeps with the formula."""
 import argparse
 import dataclasses
 import time
 
 import torch
 
-from course.collectives import Collectives
+from course.costs import StepCost, measured_activations, measured_cost
 from course.demos import log_every
 from course.impl import load, reference
+from course.mesh import world_group
+from course.splits import check_splits
 
 
 def add_args(parser: argparse.ArgumentParser):
@@ -31,74 +34,50 @@ def check_args(args):
     if min(args.steps, args.batch, args.microbatches, args.layers) < 1:
         raise ValueError(f"--steps, --batch, --microbatches and --layers must be positive, got {args.steps}, "
                          f"{args.batch}, {args.microbatches}, {args.layers}")
-    if args.batch % args.microbatches:
-        raise ValueError(f"--batch {args.batch} must be divisible by --microbatches {args.microbatches}")
     cfg = config(args)
-    reference("m12_tp_block").check_tp_size(cfg, args.world_size, cfg.max_seq_len if args.sequence_parallel else None)
-
-
-def kept_activation_bytes(model, tokens, targets) -> int:
-    """Bytes every block's store holds once the forward is done (read at the first block's backward),
-    for one forward_backward of `model`; its gradient accumulators are zeroed afterwards."""
-    stores, kept = [], []
-    new_store, backward = model.block.new_store, model.block.backward
-
-    def counted_store():
-        stores.append(new_store())
-        return stores[-1]
-
-    def first_backward(*args, **kwargs):
-        if not kept:
-            kept.append(sum(store.nbytes() for store in stores))
-        return backward(*args, **kwargs)
-    model.block.new_store, model.block.backward = counted_store, first_backward
-    try:
-        model.forward_backward(tokens, targets)
-    finally:
-        del model.block.new_store, model.block.backward  # the class's methods again
-    for g in model.grads.tensors():
-        g.zero_()
-    return kept[0]
+    check_splits(cfg, {"t": args.world_size}, args.batch, args.microbatches, cfg.max_seq_len, args.sequence_parallel)
 
 
 def demo(args):
     m02, m06_model = load("m02_comms"), load("m06_llama_model")
-    m12_linear, m12_model = load("m12_tp_linear"), load("m12_tp_model")
+    m12_model = load("m12_tp_model")
     costs = reference("m12_tp_costs")  # the formulas the measurements are checked against
-    rank, world_size, _ = m02.init_distributed(backend="gloo")  # CPU tensors: gloo, even with GPUs
+    m02.init_distributed(backend="gloo")  # CPU tensors: gloo, even with GPUs
     torch.set_num_threads(1)
     cfg, sp = config(args), args.sequence_parallel
-    collectives = Collectives()
-    tp = m12_linear.TPGroup(rank, world_size, collectives, sp)
-    if rank == 0:
-        print(f"Tensor parallel over t={world_size} ranks, sequence parallelism {'on' if sp else 'off'}: "
+    tp = world_group("t")  # the whole job is one tensor-parallel group
+    t = tp.size
+    if tp.index == 0:
+        print(f"Tensor parallel over t={t} ranks, sequence parallelism {'on' if sp else 'off'}: "
               f"{cfg.n_layers} blocks of dim {cfg.dim}, {cfg.n_heads} query / {cfg.n_kv_heads} key-value heads "
-              f"({cfg.n_heads // world_size} / {cfg.n_kv_heads // world_size} a rank), FFN {cfg.ffn_dim} "
-              f"({cfg.ffn_dim // world_size} a rank); batch {args.batch} x {cfg.max_seq_len}, "
+              f"({cfg.n_heads // t} / {cfg.n_kv_heads // t} a rank), FFN {cfg.ffn_dim} "
+              f"({cfg.ffn_dim // t} a rank); batch {args.batch} x {cfg.max_seq_len}, "
               f"{args.microbatches} microbatch(es), {args.steps} steps")
     began = time.perf_counter()
-    on_step = log_every(max(1, args.steps // 5), args.steps) if rank == 0 else None
-    model, losses = m12_model.train(cfg, args.steps, tp, args.batch, args.microbatches, on_step=on_step)
+    on_step = log_every(max(1, args.steps // 5), args.steps) if tp.index == 0 else None
+    model, losses = m06_model.fit(m12_model.TPLlama(cfg, tp, sequence_parallel=sp), args.steps, args.batch,
+                                  n_microbatches=args.microbatches, on_step=on_step)
     elapsed = time.perf_counter() - began
-    sent = sum(c.sent_bytes for c in collectives.log) / args.steps
-    counts = {op: collectives.counts(op) / args.steps for op in ("all_reduce", "all_gather", "reduce_scatter")}
-    traffic = costs.tp_traffic(cfg, args.batch, cfg.max_seq_len, torch.float32, world_size, sp, args.microbatches)
+    log = tp.collectives.log
+    measured = measured_cost(log[:len(log) // args.steps])  # every step issues the same: the first one's
+    formula = costs.tp_traffic(cfg, {"t": t}, args.batch, torch.float32, args.microbatches, sp)
     tokens = torch.zeros(args.batch // args.microbatches, cfg.max_seq_len, dtype=torch.long)
-    kept = kept_activation_bytes(model, tokens, tokens)
-    formula = cfg.n_layers * sum(costs.tp_activation_bytes(cfg, tokens.shape[0], cfg.max_seq_len, torch.float32,
-                                                           world_size, sp).values())
-    alone = cfg.n_layers * sum(costs.tp_activation_bytes(cfg, tokens.shape[0], cfg.max_seq_len, torch.float32,
-                                                         1, False).values())
-    if rank != 0:
+    kept = measured_activations(model, tokens, tokens)
+    kept_formula = costs.tp_activation_bytes(cfg, {"t": t}, args.batch, torch.float32, args.microbatches, sp)
+    alone = costs.tp_activation_bytes(cfg, {"t": 1}, args.batch, torch.float32, args.microbatches)
+    if tp.index != 0:
         return
     print(f"  {args.steps} steps in {elapsed:.1f} s")
-    print(f"Vocabulary {cfg.vocab_size}, padded to {model.padded_vocab}: {model.padded_vocab // world_size} "
+    print(f"Vocabulary {cfg.vocab_size}, padded to {model.padded_vocab}: {model.padded_vocab // t} "
           f"embedding and LM-head rows a rank")
-    print(f"Per step: {counts['all_reduce']:g} all-reduces, {counts['all_gather']:g} all-gathers, "
-          f"{counts['reduce_scatter']:g} reduce-scatters; bytes sent per rank {sent:,.0f}, formula "
-          f"{traffic.sent_bytes:,.0f} -> {'equal' if sent == traffic.sent_bytes else 'MISMATCH'}")
-    print(f"Activations the blocks keep, per rank and microbatch: {kept:,} bytes, formula {formula:,} -> "
-          f"{'equal' if kept == formula else 'MISMATCH'} (one process keeps {alone:,}: {kept / alone:.2f} of it)")
+    calls = ", ".join(f"{measured.n_calls('t', op):g} ({formula.n_calls('t', op)}) {op.replace('_', '-')}s"
+                      for op in ("all_reduce", "all_gather", "reduce_scatter"))
+    same = measured == StepCost(formula.sent, formula.calls)
+    print(f"One step on one rank, measured (formula): {calls}; bytes sent {measured.sent_bytes():,.0f} "
+          f"({formula.sent_bytes():,.0f}) -> {'equal' if same else 'MISMATCH'}")
+    kept_formula, alone = kept_formula.memory["activations"], alone.memory["activations"]
+    print(f"Activations the blocks keep, per rank and microbatch: {kept:,} bytes, formula {kept_formula:,} -> "
+          f"{'equal' if kept == kept_formula else 'MISMATCH'} (one process keeps {alone:,}: {kept / alone:.2f} of it)")
     _, expected = m06_model.train(cfg, args.steps, args.batch)  # the same training in one process (rank 0 only)
     worst = max(abs(a - b) for a, b in zip(losses, expected))
     print(f"Single-process training of the same model on the same batches: max |loss difference| {worst:.2e} -> "

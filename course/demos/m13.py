@@ -8,13 +8,16 @@ import time
 
 import torch
 
+from course.costs import StepCost, measured_cost
 from course.demos import log_every
 from course.impl import load, reference
+from course.mesh import check_mesh, init_mesh, parse_mesh
 
 
 def add_args(parser: argparse.ArgumentParser):
     parser.add_argument("--mesh", default="2x2",
-                        help="d x t, written DxT or d=D,t=T; d t must be the number of ranks (default 2x2)")
+                        help="d x t, written DxT or d=D,t=T (an axis left out has size 1); d t must be the number "
+                             "of ranks (default 2x2)")
     parser.add_argument("--steps", type=int, default=10, help="training steps (default 10)")
     parser.add_argument("--batch", type=int, default=8, help="global batch, its rows split over d (default 8)")
     parser.add_argument("--layers", type=int, default=2, help="blocks (default 2)")
@@ -25,16 +28,20 @@ def config(args):
     return dataclasses.replace(reference("m13_llama_2d").CONFIG, n_layers=args.layers)
 
 
+def mesh_sizes(text: str) -> dict[str, int]:
+    """{"d": d, "t": t} from --mesh (course/mesh.py's notation), both axes present."""
+    sizes = parse_mesh(text)
+    return {**sizes, "d": sizes.get("d", 1), "t": sizes.get("t", 1)}
+
+
 def check_args(args):
-    """One line for a bad mesh or option, before any rank starts (the reference's given checks)."""
+    """One line for a bad mesh or option, before any rank starts (the given checks)."""
     if min(args.steps, args.batch, args.layers) < 1:
         raise ValueError(f"--steps, --batch and --layers must be positive, got {args.steps}, {args.batch}, "
                          f"{args.layers}")
-    d, t = reference("m13_named_axes").parse_mesh(args.mesh)
-    if d * t != args.world_size:
-        raise ValueError(f"--mesh {args.mesh} has d t = {d * t} ranks, but the run has {args.world_size}: pass "
-                         f"--nproc {d * t}, or a mesh of {args.world_size} ranks")
-    reference("m13_llama_2d").check_mesh_fits(config(args), d, t, args.batch)
+    sizes = mesh_sizes(args.mesh)
+    check_mesh(sizes, args.world_size)
+    reference("m13_llama_2d").check_mesh_fits(config(args), sizes, args.batch)
 
 
 def show_table(title: str, rows: list[tuple[str, object]], rank: int):
@@ -51,24 +58,25 @@ def show_table(title: str, rows: list[tuple[str, object]], rank: int):
 
 def demo(args):
     m02, m06_model = load("m02_comms"), load("m06_llama_model")
-    axes, model_2d = load("m13_named_axes"), load("m13_llama_2d")
+    specs, model_2d = load("m13_specs"), load("m13_llama_2d")
     costs = reference("m13_costs")  # the formulas the measurements are checked against
-    rank, world_size, _ = m02.init_distributed(backend="gloo")  # CPU tensors: gloo, even with GPUs
+    rank, _, _ = m02.init_distributed(backend="gloo")  # CPU tensors: gloo, even with GPUs
     torch.set_num_threads(1)
-    cfg, (d, t) = config(args), axes.parse_mesh(args.mesh)
-    mesh = axes.init_mesh(d, t)
+    cfg, sizes = config(args), mesh_sizes(args.mesh)
+    mesh = init_mesh(sizes)
+    d, t = sizes["d"], sizes["t"]
     if rank == 0:
         print(f"Mesh {d}x{t} (rank = i_d * {t} + i_t): FSDP over d = {d}, Megatron over t = {t}; {cfg.n_layers} "
               f"blocks of dim {cfg.dim}, {cfg.n_heads} query / {cfg.n_kv_heads} key-value heads, FFN {cfg.ffn_dim}; "
               f"global batch {args.batch} x {cfg.max_seq_len} ({args.batch // d} rows a rank), {args.steps} steps")
     began = time.perf_counter()
     on_step = log_every(max(1, args.steps // 5), args.steps) if rank == 0 else None
-    model, losses = model_2d.train(cfg, args.steps, mesh, args.batch, on_step=on_step)
+    model, losses = m06_model.fit(model_2d.Llama2D(cfg, mesh), args.steps, args.batch, on_step=on_step)
     elapsed = time.perf_counter() - began
-    sent = sum(c.sent_bytes for c in mesh.log) / args.steps
-    traffic = costs.step_traffic(cfg, args.batch, d, t, torch.float32)
+    measured = measured_cost(mesh.log[:len(mesh.log) // args.steps])  # every step issues the same: the first one's
+    traffic = costs.step_traffic(cfg, sizes, args.batch, torch.float32)
     kept = sum(p.nbytes + p.grad.nbytes for p in model.parameters())
-    state = costs.state_bytes(cfg, d, t, torch.float32)
+    state = costs.state_bytes(cfg, sizes, torch.float32).memory
 
     # The sharding table: every weight, and every activation one block keeps (a forward on a fresh store).
     weights = [("embedding", model.embedding), *((f"block 0 {name}", getattr(model.blocks[0], name))
@@ -78,19 +86,24 @@ def demo(args):
                weights, rank)
     tokens = torch.zeros(args.batch, cfg.max_seq_len, dtype=torch.long)
     store = reference("m06_llama_block").ActivationStore()
-    x = model.embed(axes.shard("B/d T", tokens, mesh), store)
+    x = model.embed(specs.shard("B/d T", tokens, mesh), store)
     model.ffn_half(model.blocks[0], model.attention_half(model.blocks[0], x, store), store)
     show_table("\nActivations one block keeps (and the embedding's one-hot), the stream x between blocks:",
                [*store.tensors.items(), ("x (stream)", x)], rank)
     if rank != 0:
         return
     print(f"\n  {args.steps} steps in {elapsed:.1f} s")
-    print(f"Bytes sent per step and rank: {sent:,.0f}, formula {traffic.sent_bytes:,.0f} (weights "
-          f"{traffic.weights:,.0f}, gradients {traffic.gradients:,.0f}, stream {traffic.stream:,.0f}, loss "
-          f"{traffic.loss:,.0f}) -> {'equal' if sent == traffic.sent_bytes else 'MISMATCH'}")
-    print(f"Parameters and gradients kept per rank: {kept:,} bytes, formula {state.parameters + state.gradients:,} "
-          f"-> {'equal' if kept == state.parameters + state.gradients else 'MISMATCH'} (one process keeps "
-          f"{costs.state_bytes(cfg, 1, 1).parameters * 2:,})")
+    print("One step on rank 0, by axis and collective: calls measured (formula), bytes sent measured (formula)")
+    for axis, op, calls, sent in measured.rows():
+        print(f"  {axis} {op:15s} {calls:4d} ({traffic.n_calls(axis, op):4d})   {sent:12,.0f} "
+              f"({traffic.sent_bytes(axis, op):12,.0f})")
+    print(f"Bytes sent per step and rank: {measured.sent_bytes():,.0f}, formula {traffic.sent_bytes():,.0f}, in "
+          f"{measured.n_calls()} collectives, formula {traffic.n_calls()} -> "
+          f"{'equal' if measured == StepCost(traffic.sent, traffic.calls) else 'MISMATCH'}")
+    both = state["parameters"] + state["gradients"]
+    print(f"Parameters and gradients kept per rank: {kept:,} bytes, formula {both:,} -> "
+          f"{'equal' if kept == both else 'MISMATCH'} (one process keeps "
+          f"{2 * costs.state_bytes(cfg, {}).memory['parameters']:,})")
     _, expected = m06_model.train(cfg, args.steps, batch=args.batch)  # the same training in one process
     worst = max(abs(a - b) for a, b in zip(losses, expected))
     print(f"Single-process training of the same model on the same global batches: max |loss difference| "

@@ -1,0 +1,63 @@
+"""Which dimension each mesh axis splits, and the one check that the axes' sizes divide them (given).
+
+A parallel model cuts some of its dimensions into equal blocks, one per rank of an axis:
+
+    t (tensor)   the query heads H, the key/value heads K and the FFN width F (module 12), and with
+                 sequence parallelism the sequence T; the vocabulary V is padded to V' instead
+    d (data)     the B sequences of the global batch (modules 07 and 13), and each rank's rows again
+                 into m microbatches
+
+A model that splits more (module 13 splits its norm weights M over t and d) passes its own extra
+dimensions. Modules 15 to 17 add theirs here: the sequence over c, the experts over e.
+
+`check_splits` is called before any rank starts (by the demos' and benchmarks' argument checks)
+and again by the models themselves, so a size that does not divide is one line, never a wrong
+shape deep inside a collective.
+"""
+from __future__ import annotations
+
+import math
+
+from course.mesh import check_mesh
+
+
+def split_dimensions(cfg, batch: int | None = None, n_microbatches: int = 1, seq_len: int | None = None,
+                     sequence_parallel: bool = False) -> list[tuple[str, int, tuple[str, ...]]]:
+    """(dimension, its size, the axes that split it) for a Llama of `cfg`; the batch and the sequence
+    only where they are given (a model's own checks may not know them yet)."""
+    dims = [("n_heads H", cfg.n_heads, ("t",)), ("n_kv_heads K", cfg.n_kv_heads, ("t",)),
+            ("ffn_dim F", cfg.ffn_dim, ("t",))]
+    if sequence_parallel and seq_len is not None:
+        dims.append(("sequence length T", seq_len, ("t",)))
+    if batch is not None:
+        dims.append(("batch B", batch, ("d", "m") if n_microbatches > 1 else ("d",)))
+    return dims
+
+
+def check_splits(cfg, sizes: dict[str, int], batch: int | None = None, n_microbatches: int = 1,
+                 seq_len: int | None = None, sequence_parallel: bool = False, also=()):
+    """Raise ValueError, in one line, unless every axis of `sizes` (a mesh's sizes; an axis left out
+    has size 1) divides each dimension it splits; `also` lists a model's extra (dimension, size,
+    axes). For a single axis that does not fit, the message lists the sizes that would."""
+    check_mesh(sizes)
+    if n_microbatches < 1:
+        raise ValueError(f"the number of microbatches m must be at least 1, got {n_microbatches}")
+    known = {**sizes, "m": n_microbatches}
+    dims = [*split_dimensions(cfg, batch, n_microbatches, seq_len, sequence_parallel), *also]
+    wrong = []
+    for axes in dict.fromkeys(axes for _, _, axes in dims):  # each axis (or product of axes) once, in order
+        by = math.prod(known.get(axis, 1) for axis in axes)
+        mine = [(name, size) for name, size, split in dims if split == axes]
+        failed = [f"{name}={size}" for name, size in mine if size % by]
+        if not failed:
+            continue
+        named = " x ".join(axes)
+        if len(axes) == 1:
+            common = math.gcd(*(size for _, size in mine))
+            working = ", ".join(str(n) for n in range(1, common + 1) if common % n == 0)
+            wrong.append(f"{named}={by} does not divide {', '.join(failed)}: {named} must divide "
+                         f"{', '.join(name.split()[-1] for name, _ in mine)}; {named} in {{{working}}} would work")
+        else:
+            wrong.append(f"{named} = {by} does not divide {', '.join(failed)}")
+    if wrong:
+        raise ValueError("; ".join(wrong))
