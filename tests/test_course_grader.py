@@ -5,8 +5,10 @@ directory (so a learner's work in steps/ never affects them):
 * the learner's starting point, every module a skeleton: every graded test fails fast on a TODO;
 * one module at a time a skeleton, the others solved: each of its graded tests fails on one of
   *its own* TODOs, so a module's grade measures that module's code.
-The subprocesses run four at a time: much of each one's time is starting Python and waiting for its
-ranks, so on two cores four together finish in about half the time of one after another.
+The first runs in the suite; the second, one pytest per module, is a long check (`python -m pytest
+-m long`, run by .ci/run after the suite). Its subprocesses run four at a time: much of each one's
+time is starting Python and waiting for its ranks, so on two cores four together finish in about
+half the time of one after another.
 """
 import json
 import os
@@ -47,20 +49,22 @@ def not_failed_on(results: list[dict], todo: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def graded(tmp_path_factory) -> dict:
-    """The scorecards of every grading run, all skeletons ("all") and each module alone (its number)."""
-    runs = {"all": (set(MODULES_WITH_TODOS), ["tests"])}
-    runs.update({number: ({number}, [str(p) for p in sorted((REPO / "tests").glob(f"test_{number}_*.py"))])
-                 for number in MODULES_WITH_TODOS})
+def skeleton_results(tmp_path_factory) -> list[dict]:
+    """The scorecard of the learner's starting point: every module a skeleton."""
+    return grade(tmp_path_factory.mktemp("grade-all"), set(MODULES_WITH_TODOS), ["tests"])
+
+
+@pytest.fixture(scope="module")
+def graded_alone(tmp_path_factory) -> dict:
+    """Each module's scorecard with only that module a skeleton (the others solved), by number.
+    One pytest per module: most of each one's time is starting Python and collecting, so this is a
+    long check (`python -m pytest -m long`, the second step of .ci/run)."""
+    runs = {number: ({number}, [str(p) for p in sorted((REPO / "tests").glob(f"test_{number}_*.py"))])
+            for number in MODULES_WITH_TODOS}
     with ThreadPoolExecutor(max_workers=4) as pool:
         futures = {key: pool.submit(grade, tmp_path_factory.mktemp(f"grade-{key}"), modules, files)
                    for key, (modules, files) in runs.items()}
         return {key: future.result() for key, future in futures.items()}
-
-
-@pytest.fixture(scope="module")
-def skeleton_results(graded):
-    return graded["all"]
 
 
 def test_the_skeleton_fails_every_graded_test_because_of_a_todo(skeleton_results):
@@ -75,8 +79,9 @@ def test_graded_tests_exist_for_every_module_with_todos(skeleton_results):
     assert not missing, f"modules with TODOs but no graded test: {missing}"
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("number", MODULES_WITH_TODOS)
-def test_each_module_is_graded_on_its_own_todos(number, graded):
-    results = graded[number]
+def test_each_module_is_graded_on_its_own_todos(number, graded_alone):
+    results = graded_alone[number]
     wrong = not_failed_on(results, f"TODO(m{number})")
     assert results and not wrong, f"module {number}'s graded tests that did not fail on its own TODO:\n" + "\n".join(wrong)
