@@ -62,4 +62,6 @@ MODULES = {m.number: m for m in [
            ("m12_tp_linear", "m12_tp_block", "m12_vocab_parallel", "m12_tp_model", "m12_tp_costs")),
     Module("13", "2-D sharding in named axes: the Llama over a d x t mesh, FSDP over d and Megatron over t", 4,
            ("m13_named_axes", "m13_llama_2d", "m13_costs")),
+    Module("16", "Mixture of experts: top-k routing, capacity, load balancing, experts over ranks by all-to-all", 4,
+           ("m16_router", "m16_dispatch", "m16_expert_parallel", "m16_moe_layer", "m16_moe_model", "m16_costs")),
 ]}
