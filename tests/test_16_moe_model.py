@@ -1,6 +1,6 @@
 """Module 16 model: module 06's Llama with MoE blocks, the experts over e = 2 and e = 4 of 4 data-
 parallel ranks, against course/reference_moe.py's MoE Llama (autograd, one process, the whole batch
-at once): the loss curve of a few steps, the router's and the experts' weights afterwards, the
+at once; with a capacity, applied to the same groups of tokens): the loss curve of a few steps, the router's and the experts' weights afterwards, the
 auxiliary-loss-free biases; and the auxiliary loss and its gradient, the same with the experts on
 1, 2 or 4 ranks, with data parallelism and with gradient accumulation.
 
@@ -10,8 +10,6 @@ losses of 3 steps; we allow 1e-12. A gradient summed over the wrong group is off
 more; one off by a constant factor still moves AdamW's step, and so the losses, by far more than that.
 The biases move in steps of γ by the sign of integer load errors: compared exactly.
 """
-import dataclasses
-
 import pytest
 import torch
 
@@ -27,7 +25,8 @@ router = load("m16_router")
 f64 = torch.float64
 CFG = trusted.CONFIG
 AUX = router.MoEConfig(n_experts=8, top_k=2, expert_dim=32, shared_expert=True, balance="aux", aux_coef=0.1)
-BIAS = router.MoEConfig(n_experts=8, top_k=2, expert_dim=32, score="sigmoid", balance="bias", bias_rate=0.01)
+BIAS = router.MoEConfig(n_experts=8, top_k=2, expert_dim=32, score="sigmoid", balance="bias", bias_rate=0.01,
+                        capacity_factor=1.0)   # a capacity, so the loads must be counted before it drops slots
 BATCH, STEPS, LR = 8, 3, 3e-3
 # name: (e, configuration, microbatches, steps), every run on d = 4 ranks
 RUNS = {"e=2, m=2, aux": (2, AUX, 2, STEPS), "e=4, m=1, bias": (4, BIAS, 1, STEPS), "e=4, m=1, aux": (4, AUX, 1, 1)}
@@ -60,13 +59,14 @@ def _train(runs):
     return results
 
 
-def reference_run(moe, steps):
-    """(losses, (aux, router gradients) of the first step, the model afterwards, its last loads)."""
+def reference_run(moe, steps, n_sources):
+    """(losses, (aux, router gradients) of the first step, the model afterwards, its last loads), with the
+    capacity applied per source: the batch cut into n_sources equal groups of rows."""
     ref = ReferenceMoELlama.of(trusted.MoELlama(CFG, moe, trusted.one_rank_mesh(), 0, f64))
     optimizer = torch.optim.AdamW(list(ref.weights.values()), lr=LR, weight_decay=0.0)
     losses, first = [], None
     for step, (tokens, targets) in enumerate(batches(steps)):
-        total, ce, aux, loads, _ = ref.loss(tokens, targets)
+        total, ce, aux, loads, _ = ref.loss(tokens, targets, n_sources)
         total.backward()
         if step == 0:
             first = (aux.detach().item(), [ref.weights[f"{l}.router"].grad.clone() for l in range(CFG.n_layers)])
@@ -85,7 +85,8 @@ def runs():
 
 @pytest.fixture(scope="module")
 def references():
-    return {moe.balance: reference_run(moe, STEPS) for moe in (AUX, BIAS)}
+    # The capacity drops per source: each rank's microbatch (d m = 4 of them in the run with the capacity).
+    return {"aux": reference_run(AUX, STEPS, 1), "bias": reference_run(BIAS, STEPS, 4)}
 
 
 def close(a, b):
@@ -131,16 +132,17 @@ def test_the_auxiliary_loss_and_its_gradient_do_not_depend_on_the_layout(runs, r
 
 
 @pytest.mark.given
-def test_bad_run_options_are_refused_in_one_line():
+def test_bad_run_options_are_refused_in_one_line_before_any_rank_starts():
     import argparse
-    demo = reference("m16_moe_model") and __import__("course.demos.m16", fromlist=["check_args"])
-    good = dict(world_size=4, experts=8, top_k=2, capacity_factor=None, dropless=False, balance="aux", steps=2,
-                batch=8, microbatches=1, expert_ranks=2, layers=2, score="softmax", shared_expert=False)
-    for change, message in [(dict(top_k=9), "top-k 9"), (dict(experts=6, expert_ranks=4), "e must divide E"),
-                            (dict(capacity_factor=0.0), "positive"), (dict(balance="loss"), "unknown balancing"),
-                            (dict(expert_ranks=3), "must divide")]:
+
+    from course.demos.m16 import check_args
+    good = dict(world_size=4, experts=8, top_k=2, capacity_factor=None, dropless=False, balance="aux", score="softmax",
+                shared_expert=False, expert_ranks=2, steps=2, batch=8, microbatches=1, layers=2)
+    check_args(argparse.Namespace(**good))
+    for change, message in [(dict(top_k=9), "top-k 9 must be between 1 and"), (dict(experts=6, expert_ranks=4),
+                            "e must divide E"), (dict(capacity_factor=0.0), "must be positive"),
+                            (dict(balance="loss"), "unknown balancing method"), (dict(expert_ranks=3), "must divide"),
+                            (dict(dropless=True, capacity_factor=1.0), "exclude each other")]:
         with pytest.raises(ValueError, match=message) as error:
-            demo.check_args(argparse.Namespace(**{**good, **change}))
+            check_args(argparse.Namespace(**{**good, **change}))
         assert "\n" not in str(error.value)
-    demo.check_args(argparse.Namespace(**good))
-    assert dataclasses.is_dataclass(router.MoEConfig)
