@@ -129,8 +129,8 @@ def route_backward(d_weights: torch.Tensor, d_scores: torch.Tensor | None, n: to
     #   their gradient, the others none (from this path). Then the score function's backward to the logits u,
     #   and the linear u = n W_r^T.
     # Pitfalls: S depends on every chosen score, so each chosen σ_i gets d_weights_i / S minus a term shared by
-    #   the token; the softmax's backward mixes all E scores, the sigmoid's does not; d_scores is added to the
-    #   chosen scores' gradient before the score function's backward, not after. The tests compare dn and
+    #   the token; the softmax's backward mixes all E scores, the sigmoid's does not; d_scores joins the scores'
+    #   gradient (all E of them) before the score function's backward, not after. The tests compare dn and
     #   dw_router with autograd in float64, softmax and sigmoid, with and without d_scores.
     # Hint 1: three backwards in turn: the normalisation (to the k chosen scores), the gather (scatter them back
     #         among E), the score function (to u); then the linear layer's two products.

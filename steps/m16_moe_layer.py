@@ -1,5 +1,5 @@
 # Generated from solutions/m16_moe_layer.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 16`. (skeleton c33605c10fa8)
+# Grade your work with `python main.py grade 16`. (skeleton 11163d64cc15)
 """Module 16, part 4 - the mixture-of-experts layer, and module 06's block with it in place of the SwiGLU.
 
     n (N, M) -> route -> plan (capacity, expert-major slots) -> rows = n[tokens]
@@ -157,9 +157,9 @@ class MoELayer:
         dy = dy.reshape(-1, shape[-1])
         n, routing, plan, exchange = store["moe_n"], store["moe_routing"], store["moe_plan"], store["moe_exchange"]
         # TODO(m16): the MoE layer's backward: combine, the all-to-alls the other way, experts, router
-        # Contract: return (dn, grads): dn (B, T, M), dy's `shape` (the gradient of the layer's input n, from every path:
-        #   the routed experts' rows, the shared expert, the router); grads = MoEWeights(router=dW_r, bias=None,
-        #   experts=the local experts' gradients, shared=the shared expert's or None).
+        # Contract: return (dn, grads): dn of dy's `shape` (B, T, M), the gradient of the layer's input n from every
+        #   path (the routed experts' rows, the shared expert, the router); grads = MoEWeights(router=dW_r,
+        #   bias=None, experts=the local experts' gradients, shared=the shared expert's or None).
         # Maths: the module docstring, read backwards. The forward's saved values are in the store: 'moe_n',
         #   'moe_routing', 'moe_plan', 'moe_exchange', 'moe_experts' (experts_forward's saved), 'moe_back' (the rows
         #   back from the experts), 'moe_shared' (with a shared expert) and 'moe_d_scores' (with the auxiliary loss:
@@ -185,7 +185,8 @@ def zero_ffn(w: BlockWeights) -> BlockWeights:
     """Module 06's block weights with the dense FFN replaced by one unit of zero weights: it adds
     exactly 0 to the residual stream, and its weights get exactly 0 as their gradients."""
     dim = w.ln2.shape[0]
-    zeros = {"w_gate": w.w_gate.new_zeros(1, dim), "w_up": w.w_up.new_zeros(1, dim), "w_down": w.w_down.new_zeros(dim, 1)}
+    zeros = {"w_gate": w.w_gate.new_zeros(1, dim), "w_up": w.w_up.new_zeros(1, dim),
+             "w_down": w.w_down.new_zeros(dim, 1)}
     return BlockWeights(**{f.name: zeros.get(f.name, getattr(w, f.name)) for f in fields(w)})
 
 

@@ -1,5 +1,5 @@
 # Generated from solutions/m16_router.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 16`. (skeleton 295a48eeee75)
+# Grade your work with `python main.py grade 16`. (skeleton 28aa03cdd258)
 """Module 16, part 1 - the router: which k of the E experts each token goes to, with what weight,
 and the two ways of keeping the experts' loads even.
 
@@ -118,8 +118,8 @@ def route_backward(d_weights: torch.Tensor, d_scores: torch.Tensor | None, n: to
     #   their gradient, the others none (from this path). Then the score function's backward to the logits u,
     #   and the linear u = n W_r^T.
     # Pitfalls: S depends on every chosen score, so each chosen σ_i gets d_weights_i / S minus a term shared by
-    #   the token; the softmax's backward mixes all E scores, the sigmoid's does not; d_scores is added to the
-    #   chosen scores' gradient before the score function's backward, not after. The tests compare dn and
+    #   the token; the softmax's backward mixes all E scores, the sigmoid's does not; d_scores joins the scores'
+    #   gradient (all E of them) before the score function's backward, not after. The tests compare dn and
     #   dw_router with autograd in float64, softmax and sigmoid, with and without d_scores.
     raise NotImplementedError("TODO(m16): the router's backward: through the weights' normalisation, the top-k and the scores")
 

@@ -51,7 +51,8 @@ def test_the_formulas_equal_what_a_step_sends_and_keeps(sizes, n_microbatches, d
             (f"{sizes or 'one rank'}, rank {rank}: (axis, collective) -> bytes: formula {formula.sent}, measured "
              f"{measured.sent}; calls: formula {formula.calls}, measured {measured.calls}")
         kept = costs.state_bytes(trusted.CONFIG, MOE, sizes.get("e", 1), dtype).memory
-        assert kept == memory, f"{sizes or 'one rank'}, rank {rank}: bytes kept: formula {kept}, the rank holds {memory}"
+        assert kept == memory, \
+            f"{sizes or 'one rank'}, rank {rank}: bytes kept: formula {kept}, the rank holds {memory}"
 
 
 @pytest.mark.exercises("step_cost", "state_bytes")

@@ -8,8 +8,6 @@ Tolerance: float64; the expert-parallel layer sums the same products in another 
 several sources, gradients over several ranks): measured within 7e-16 relative; we allow 1e-12, as
 the issue asks. The rows an expert receives and the dropped slots are compared exactly.
 """
-import dataclasses
-
 import pytest
 import torch
 
@@ -82,7 +80,8 @@ def test_the_layer_on_one_rank_equals_autograd(case):
     out, want, _, want_kept = reference(moe, n.view(-1, DIM), dy.view(-1, DIM), w, 1)
     assert torch.equal(kept, want_kept), f"{case}: dropped slots {torch.nonzero(~kept).tolist()}, expected " \
                                          f"{torch.nonzero(~want_kept).tolist()}"
-    torch.testing.assert_close(y.view(-1, DIM), h.view(-1, DIM) + out, **TOL, msg=lambda m: f"{case}: y = h + MoE(n): {m}")
+    torch.testing.assert_close(y.view(-1, DIM), h.view(-1, DIM) + out, **TOL,
+                               msg=lambda m: f"{case}: y = h + MoE(n): {m}")
     if case.endswith("passthrough"):
         gone = ~kept.any(1)
         assert gone.any(), "the test's own check: some tokens lose every slot"
@@ -147,8 +146,8 @@ def check_group(name, e, moe, members, results, h, n, out, want, experts, kept):
         where, mine = f"{name}, rank {rank}", slice(i * rows, (i + 1) * rows)
         own = range(i * per_rank, (i + 1) * per_rank)
         assert torch.equal(got_kept, kept[mine]), \
-            (f"{where}: dropped slots {torch.nonzero(~got_kept).tolist()}, expected {torch.nonzero(~kept[mine]).tolist()}"
-             f" (the capacity applies to each source rank's own tokens)")
+            (f"{where}: dropped slots {torch.nonzero(~got_kept).tolist()}, expected "
+             f"{torch.nonzero(~kept[mine]).tolist()} (the capacity applies to each source rank's own tokens)")
         for j, block in zip(own, arrived.split(counts), strict=True):   # the multiset of rows expert j computes
             token, _ = torch.nonzero((experts == j) & kept, as_tuple=True)
             assert len(block) == len(token) and torch.equal(sorted_rows(block), sorted_rows(n[token])), \

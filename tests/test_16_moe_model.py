@@ -1,8 +1,9 @@
 """Module 16 model: module 06's Llama with MoE blocks, the experts over e = 2 and e = 4 of 4 data-
 parallel ranks, against course/reference_moe.py's MoE Llama (autograd, one process, the whole batch
-at once; with a capacity, applied to the same groups of tokens): the loss curve of a few steps, the router's and the experts' weights afterwards, the
-auxiliary-loss-free biases; and the auxiliary loss and its gradient, the same with the experts on
-1, 2 or 4 ranks, with data parallelism and with gradient accumulation.
+at once; with a capacity, applied to the same groups of tokens): the loss curve of a few steps, the
+router's and the experts' weights afterwards, the auxiliary-loss-free biases; and the auxiliary loss
+and its gradient, the same with the experts on 1, 2 or 4 ranks, with data parallelism and with
+gradient accumulation.
 
 Tolerance: float64; the ranks and the microbatches sum the same terms in another order than the
 reference (and PyTorch's attention and RMSNorm round their own way): measured within 1.8e-15 on the
@@ -110,10 +111,11 @@ def test_training_with_experts_over_ranks_reproduces_the_single_process_loss_cur
             (f"{name}, rank {rank}: after {STEPS} steps these weights differ from one process's: {wrong} (dense "
              f"gradients are summed over every data rank, the experts' over the ranks that hold the same experts)")
         if moe.balance == "bias":
-            assert torch.equal(last_loads, loads), f"{name}, rank {rank}: loads {last_loads.tolist()} vs {loads.tolist()}"
+            assert torch.equal(last_loads, loads), \
+                f"{name}, rank {rank}: loads of the last step {last_loads.tolist()} vs one process's {loads.tolist()}"
             assert all(torch.equal(b, r) for b, r in zip(biases, ref.biases, strict=True)), \
                 (f"{name}, rank {rank}: biases {[b.tolist() for b in biases]} vs one process's "
-                 f"{[b.tolist() for b in ref.biases]}: the loads of the whole global batch, summed over every data rank")
+                 f"{[b.tolist() for b in ref.biases]}: the loads of the whole global batch, over every data rank")
 
 
 @pytest.mark.exercises("sequence_aux_loss", "MoELlama.train_step", "sum_gradients", "route_backward")
@@ -128,7 +130,7 @@ def test_the_auxiliary_loss_and_its_gradient_do_not_depend_on_the_layout(runs, r
             (f"{layout}: auxiliary loss {got_aux} vs {aux} on the whole batch in one process (per sequence: each "
              f"sequence's own counts and means, weighted 1/B; not over the tokens a rank or microbatch holds)")
         wrong = [l for l, (a, b) in enumerate(zip(got_grads, router_grads, strict=True)) if not close(a, b)]
-        assert not wrong, f"{layout}: the router's gradient (cross-entropy and auxiliary loss) differs in layers {wrong}"
+        assert not wrong, f"{layout}: the router's gradient (cross-entropy and auxiliary loss) differs, layers {wrong}"
 
 
 @pytest.mark.given

@@ -28,18 +28,20 @@ def add_args(parser: argparse.ArgumentParser):
                         help="e, the ranks each layer's experts are split over (default: all of them)")
     parser.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
     parser.add_argument("--batch", type=int, default=8, help="global batch, split over the ranks (default 8)")
-    parser.add_argument("--microbatches", type=int, default=1, help="microbatches a rank's share is cut into (default 1)")
+    parser.add_argument("--microbatches", type=int, default=1,
+                        help="microbatches a rank's share is cut into (default 1)")
     parser.add_argument("--layers", type=int, default=2, help="blocks (default 2)")
 
 
 def configs(args):
-    """(LlamaConfig, MoEConfig, e) from the options; MoEConfig raises its own one-line errors (given code)."""
+    """(LlamaConfig, MoEConfig, e) from the options; MoEConfig raises its own one-line errors (given code).
+    λ = 0.1 and γ = 0.01, ten times the published values: a tiny model trained for a few steps."""
     m16 = reference("m16_moe_model")
     router = reference("m16_router")
     cfg = dataclasses.replace(m16.CONFIG, n_layers=args.layers)
     moe = router.MoEConfig(n_experts=args.experts, top_k=args.top_k, expert_dim=m16.MOE.expert_dim,
                            shared_expert=args.shared_expert, score=args.score, capacity_factor=args.capacity_factor,
-                           balance=args.balance, bias_rate=0.01)
+                           balance=args.balance, aux_coef=0.1, bias_rate=0.01)
     return cfg, moe, args.expert_ranks or args.world_size
 
 
@@ -47,8 +49,8 @@ def check_args(args):
     if args.dropless and args.capacity_factor is not None:
         raise ValueError("--dropless and --capacity-factor exclude each other: a capacity drops slots")
     if min(args.steps, args.batch, args.microbatches, args.layers, args.experts) < 1:
-        raise ValueError(f"--steps, --batch, --microbatches, --layers and --experts must be positive, got {args.steps}, "
-                         f"{args.batch}, {args.microbatches}, {args.layers}, {args.experts}")
+        raise ValueError(f"--steps, --batch, --microbatches, --layers and --experts must be positive, got "
+                         f"{args.steps}, {args.batch}, {args.microbatches}, {args.layers}, {args.experts}")
     _, moe, e = configs(args)
     if e < 1 or args.world_size % e:
         raise ValueError(f"--expert-ranks {e} must divide the {args.world_size} ranks: expert groups are carved out "
@@ -68,10 +70,12 @@ def demo(args):
     mesh = init_mesh({"d": world_size, "e": e})
     dtype = torch.float64   # so that the two runs route the same tokens: no near-tie decided by rounding
     if rank == 0:
+        n_tokens = args.batch // world_size // args.microbatches * cfg.max_seq_len
         capacity = "dropless" if moe.capacity_factor is None else \
-            f"capacity factor f={moe.capacity_factor:g}: G={moe.capacity(args.batch // world_size // args.microbatches * cfg.max_seq_len)} slots per expert per rank and microbatch"
+            f"capacity factor f={moe.capacity_factor:g} (G={moe.capacity(n_tokens)} slots per expert, rank, microbatch)"
         print(f"MoE Llama: {cfg.n_layers} blocks of dim {cfg.dim}, E={moe.n_experts} experts of width "
               f"{moe.expert_dim}, top-{moe.top_k} {moe.score}, {capacity}, balance {moe.balance}"
+              f"{dict(aux=f' (λ={moe.aux_coef:g})', bias=f' (γ={moe.bias_rate:g})').get(moe.balance, '')}"
               f"{', a shared expert' if moe.shared_expert else ''}")
         print(f"d={world_size} data ranks; experts over e={e} ({moe.n_experts // e} a rank), each expert on "
               f"{world_size // e} rank(s); batch {args.batch} x {cfg.max_seq_len}, {args.microbatches} microbatch(es), "

@@ -39,8 +39,8 @@ PLANTS = [
           'self.mesh.group("e").collectives.all_reduce(stats, label="step statistics")',
           "the loads (and the loss) summed over the expert group only: the biases differ between expert groups"),
     # The router.
-    Plant(ROUTER, "experts = torch.topk(scores if bias is None else scores + bias.to(dtype), moe.top_k, dim=-1).indices",
-          "experts = torch.topk(scores, moe.top_k, dim=-1).indices",
+    Plant(ROUTER, "torch.topk(scores if bias is None else scores + bias.to(dtype), moe.top_k, dim=-1)",
+          "torch.topk(scores, moe.top_k, dim=-1)",
           "the bias ignored in the selection: the auxiliary-loss-free balancing does nothing"),
     Plant(ROUTER, "d_chosen = (d_weights - (d_weights * weights).sum(-1, keepdim=True)) / total",
           "d_chosen = d_weights / total",
@@ -69,8 +69,8 @@ PLANTS = [
     Plant(DISPATCH, "d_rows = dy_rows * weights.reshape(-1)[plan.slots].to(dy.dtype).unsqueeze(-1)",
           "d_rows = dy_rows", "the rows' gradient without the combine weight"),
     # Expert parallelism.
-    Plant(PARALLEL, "return exchange_rows(rows, exchange.send_splits, exchange.recv_splits, group, label)[exchange.regroup]",
-          "return exchange_rows(rows, exchange.send_splits, exchange.recv_splits, group, label)",
+    Plant(PARALLEL, "exchange.recv_splits, group, label)[exchange.regroup]",
+          "exchange.recv_splits, group, label)",
           "no regroup: each local expert gets source-major rows, other experts' rows among them"),
     Plant(PARALLEL, "return exchange_rows(arrived, exchange.recv_splits, exchange.send_splits, group, label)",
           "return exchange_rows(arrived, exchange.send_splits, exchange.recv_splits, group, label)",
