@@ -31,7 +31,7 @@ import torch
 from course.collectives import Collectives
 from course.dataset import load_text, random_batch
 from course.mesh import Group, Mesh
-from .m06_llama_block import ActivationStore, LlamaConfig
+from .m06_llama_block import LlamaConfig
 from .m06_llama_model import LOSS_CHUNK, LlamaModel, ResidentWeights, chunked_cross_entropy
 from .m06_llama_ops import rmsnorm_backward, rmsnorm_forward
 from .m16_moe_layer import MoEBlock, MoEBlockWeights, init_moe_weights, zero_ffn
@@ -82,8 +82,6 @@ def sum_gradients(dense: list[torch.Tensor], experts: list[torch.Tensor], mesh: 
     #             copy each piece of flat back into its tensor
     for tensors, group, label in ((dense, mesh.group("d", "c"), "dense gradients"),
                                   (experts, mesh.group("ed"), "expert gradients")):
-        if not tensors:
-            continue
         flat = torch.cat([t.reshape(-1) for t in tensors])
         group.collectives.all_reduce(flat, label=label)
         for t, part in zip(tensors, flat.split([t.numel() for t in tensors]), strict=True):
@@ -97,6 +95,9 @@ class MoELlama(LlamaModel):
 
     def __init__(self, cfg: LlamaConfig, moe: MoEConfig, mesh: Mesh, seed: int = 0, dtype=torch.float32,
                  loss_chunk: int = LOSS_CHUNK):
+        if mesh.sizes.get("c", 1) > 1:
+            raise ValueError(f"c={mesh.sizes['c']}: this model splits whole sequences over its data ranks (context "
+                             f"parallelism, which splits one sequence, is module 15's)")
         block = MoEBlock(cfg, moe, mesh.group("e"))
         super().__init__(cfg, seed, dtype, block=block, loss_chunk=loss_chunk)   # the dense model, from the seed
         generator = torch.Generator().manual_seed(seed + 1)   # then every layer's E experts; this rank keeps its own
@@ -127,7 +128,7 @@ class MoELlama(LlamaModel):
         grad_scale, each sequence's auxiliary loss weighted by aux_weight."""
         self.cfg.check_seq_len(tokens.shape[1])
         self.layer.aux_weight = aux_weight
-        stores = [ActivationStore() for _ in range(self.cfg.n_layers)]
+        stores = [self.block.new_store() for _ in range(self.cfg.n_layers)]
         x = self.forward_blocks(self.embedding[tokens], stores)
         n, r = rmsnorm_forward(x, self.final_norm, self.cfg.norm_eps)
         loss, dn, d_head = chunked_cross_entropy(n, self.lm_head, targets, self.loss_chunk)
