@@ -1,7 +1,7 @@
 """Module 16 benchmark: the MoE Llama's experts over ranks, against the formulas; load balancing; the
 price of imbalance on an emulated device.
 
-    python main.py bench 16                  # the four tables below (about a minute on 2 cores)
+    python main.py bench 16                  # the four tables below (about 15 s on 2 idle cores)
     python main.py bench 16 --only bytes     # one table: bytes, memory, balance or imbalance
 
 1. Bytes: one training step of module 16's model (m16_moe_model.CONFIG, float32) on 4 data ranks with
