@@ -85,4 +85,6 @@ MODULES = {m.number: m for m in [
            ("m14_buckets", "m14_data_parallel", "m14_train_step", "m14_zero", "m14_costs")),
     Module("15", "Context parallelism: ring attention, zig-zag balancing, all-gather KV and Ulysses over the sequence",
            4, ("m15_layout", "m15_ring_attention", "m15_allgather_kv", "m15_ulysses", "m15_cp_model", "m15_costs")),
+    Module("16", "Mixture of experts: top-k routing, capacity, load balancing, experts over ranks by all-to-all", 4,
+           ("m16_router", "m16_dispatch", "m16_expert_parallel", "m16_moe_layer", "m16_moe_model", "m16_costs")),
 ]}

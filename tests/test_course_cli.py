@@ -123,6 +123,7 @@ DEMOS = [
     ("14", ["--nproc", "2", "--steps", "2", "--zero", "2", "--microbatches", "2"], r"^Per step and rank: .* -> equal$"),
     ("15", ["--nproc", "4", "--variant", "zigzag", "--steps", "2", "--batch", "4"],
      r"^Bytes rank 0 sends per step over 'c' by send: .* -> equal$"),
+    ("16", ["--nproc", "4", "--steps", "2"], r"^  all_to_all over +e: .* -> equal$"),
 ]
 FAILED = ("MISMATCH", "DIFFERENT", ": False", ": NO")  # what the demos print when a check fails
 

@@ -1,0 +1,106 @@
+# Generated from solutions/m16_expert_parallel.py by `python -m course.skeleton`: fill in the TODOs.
+# Grade your work with `python main.py grade 16`. (skeleton 37972959413d)
+"""Module 16, part 3 - expert parallelism: the E experts split over the e ranks of an expert group,
+rows sent to their expert and back with two all-to-alls.
+
+Member i of the expert group (`Group` "e", carved out of the data ranks: every member has its own
+tokens) holds experts i E/e .. (i + 1) E/e - 1, so the expert-major rows of part 2 are already
+*member-major*: the first block goes to member 0, the next to member 1, ... One exchange is
+
+  1. counts   an all-to-all of the per-expert counts, (E,) -> (e, E/e): received[s, j] is how many rows
+              member s will send this member's local expert j. Both sides of the next all-to-all need
+              its split sizes before it starts, and only the senders know them.
+  2. rows     an all-to-all with uneven splits: member s sends send_splits[s'] rows to each member s'
+              (the sum of its counts of s''s experts) and receives recv_splits[s'] from each (the sum
+              of received[s']). They arrive source-major: member 0's rows for each local expert, then
+              member 1's, ...
+  3. regroup  a local permutation from source-major to expert-major, so each local expert has its rows
+              side by side: local expert j's rows from member 0, then from member 1, ...
+
+and the way back undoes 3 (the inverse permutation), then sends each row home with the all-to-all
+whose splits are the first one's, swapped. In the backward the two directions swap roles: the
+adjoint of "send rows to the experts" is "return rows from the experts", since the adjoint of a
+permutation is its inverse and the adjoint of an all-to-all is the all-to-all the other way. So
+the four functions of a layer's forward and backward are the two below, each used twice.
+
+Every all-to-all goes through the group's `collectives` (course/collectives.py), which logs it
+with the bytes that leave this rank: the rows for the other members.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from course.mesh import Group
+
+
+@dataclass
+class Exchange:
+    """What one exchange needs to know, from the counts' all-to-all."""
+    send_splits: list[int]      # rows this member sends to each member of the group
+    recv_splits: list[int]      # rows it receives from each
+    received: torch.Tensor      # (e, E/e) int64: rows each member sends each of this member's experts
+    regroup: torch.Tensor       # (sum of recv_splits,) int64: grouped = arrived[regroup] (source- to expert-major)
+
+    @property
+    def expert_counts(self) -> torch.Tensor:
+        """(E/e,): rows each local expert processes."""
+        return self.received.sum(0)
+
+
+def local_experts(n_experts: int, group: Group) -> range:
+    """The experts this member of the expert group holds (given)."""
+    per_rank = n_experts // group.size
+    return range(group.index * per_rank, (group.index + 1) * per_rank)
+
+
+def exchange_rows(rows: torch.Tensor, send_splits: list[int], recv_splits: list[int], group: Group,
+                  label: str) -> torch.Tensor:
+    """rows (sum(send_splits), M) cut into one block per member, exchanged: returns (sum(recv_splits), M),
+    the blocks from member 0, 1, ... in turn (given)."""
+    arrived = rows.new_empty(sum(recv_splits), *rows.shape[1:])
+    group.collectives.all_to_all(arrived, rows.contiguous(), recv_splits, send_splits, label=label)
+    return arrived
+
+
+def plan_exchange(counts: torch.Tensor, group: Group) -> Exchange:
+    """The counts' all-to-all: counts (E,) int64 are the rows this member sends to each expert (in
+    expert-major order, so member-major too)."""
+    # TODO(m16): the counts' all-to-all, the split sizes of both sides, and the regroup permutation
+    # Contract: return Exchange(send_splits, recv_splits, received, regroup) as the dataclass describes:
+    #   splits as Python ints (one per member, in group order), received (e, E/e) int64, regroup the permutation
+    #   that turns the arriving source-major rows into local-expert-major order (stable: within one expert,
+    #   member 0's rows first, each member's in the order it sent them).
+    # Maths: the module docstring, steps 1 and 3. The counts tensor, viewed (e, E/e), has one row per member;
+    #   an all-to-all with equal splits hands member s row s of everyone's view.
+    # Pitfalls: each side must use *its own* split sizes: what this member sends comes from its counts, what it
+    #   receives from the counts it received (another member's plan, not its own: the tests route unevenly, and
+    #   taking the receive sizes from the send side breaks the exchange). The all-to-all goes through
+    #   group.collectives with label="counts" (the cost test reads the log). With one member, every step is a
+    #   copy, and regroup is the identity.
+    raise NotImplementedError("TODO(m16): the counts' all-to-all, the split sizes of both sides, and the regroup permutation")
+
+
+def send_to_experts(rows: torch.Tensor, exchange: Exchange, group: Group, label: str = "dispatch") -> torch.Tensor:
+    """Rows in this member's expert-major order (sum(send_splits), M) -> the rows this member's experts
+    process, local-expert-major (sum(recv_splits), M). Also the backward of return_from_experts."""
+    # TODO(m16): the rows' all-to-all to the experts, then the regroup
+    # Contract: return the arrived rows put in local-expert-major order, as described by `exchange`.
+    # Maths: the module docstring, steps 2 and 3: exchange_rows (given) cuts and sends by the splits you give it.
+    # Pitfalls: which splits are sent and which received; the regroup is a gather (arrived[regroup]). The label
+    #   names the all-to-all in the log.
+    raise NotImplementedError("TODO(m16): the rows' all-to-all to the experts, then the regroup")
+
+
+def return_from_experts(rows: torch.Tensor, exchange: Exchange, group: Group, label: str = "combine") -> torch.Tensor:
+    """The experts' output rows, local-expert-major (sum(recv_splits), M) -> back to the members they
+    came from: this member's rows in its own expert-major order (sum(send_splits), M). Also the
+    backward of send_to_experts."""
+    # TODO(m16): undo the regroup, then the all-to-all home
+    # Contract: the inverse of send_to_experts: row r of the result is the output for row r this member sent.
+    # Maths: the inverse of a gather by a permutation is the scatter by the same permutation; then the
+    #   all-to-all with the splits swapped.
+    # Pitfalls: gathering by regroup again applies the permutation twice instead of undoing it (with several
+    #   local experts and several members the rows land on the wrong tokens: the tests check the output).
+    raise NotImplementedError('TODO(m16): undo the regroup, then the all-to-all home')

@@ -1,0 +1,163 @@
+# Generated from solutions/m16_router.py by `python -m course.skeleton`: fill in the TODOs.
+# Grade your work with `python main.py grade 16`. (skeleton 28aa03cdd258)
+"""Module 16, part 1 - the router: which k of the E experts each token goes to, with what weight,
+and the two ways of keeping the experts' loads even.
+
+For one token n (a row of the MoE layer's input, width M), with the router's weight W_r (E, M):
+
+    u = n W_r^T                     the router's logits, one per expert (in compute_dtype: float32 at least)
+    σ = softmax(u)  or  sigmoid(u)  the scores (Mixtral and Qwen3 take the softmax, DeepSeek-V3 the sigmoid)
+    chosen = top-k of σ + ρ         the k experts with the highest biased scores (ρ: the balancing bias, below)
+    w_i = σ_i / Σ_{j chosen} σ_j    for each chosen i: the combine weights, normalised *after* the top-k
+
+The bias ρ (one value per expert) only decides *which* experts are chosen; the weights are the
+unbiased scores. The layer's output for the token is Σ_i w_i expert_i(n), so the router gets its
+gradient through the weights w (and, with the auxiliary loss, through σ directly).
+
+Load balancing. A router left alone sends most tokens to a few experts. Two remedies:
+
+  auxiliary loss (DeepSeek-V3's per-sequence form): for each sequence of T tokens,
+      φ_j = E / (k T) · (tokens of the sequence that chose expert j)      (1 where every expert gets its share)
+      π_j = (1 / T) Σ_t σ'_{t,j}   with σ' = σ / Σ_j σ_j (each token's scores normalised over all E)
+      L_seq = λ Σ_j φ_j π_j
+    φ is a count (no gradient); the gradient reaches the router through π. Per sequence, so it does
+    not depend on how a batch is cut into microbatches or ranks: the loss of a batch is a sum of its
+    sequences' losses. With context parallelism a sequence's tokens are on c ranks: the two sums over
+    its tokens are all-reduced over c before φ and π are formed.
+  auxiliary-loss-free bias (DeepSeek-V3): after each optimizer step, every expert's load (the tokens
+    the router sent it in the step, over the whole global batch: summed over every data rank) is
+    compared with the even share, and ρ_j moves by γ against the error: up for an underloaded
+    expert, down for an overloaded one. No gradient at all.
+
+Shapes: n is (N, M), the N tokens of one rank's microbatch, sequence after sequence (T rows each).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from course.mesh import Group
+from .m06_llama_ops import compute_dtype
+
+SCORES = ("softmax", "sigmoid")
+BALANCE = ("aux", "bias", "none")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """The mixture-of-experts feed-forward: E experts, top-k routing, capacity and balancing."""
+    n_experts: int = 8                      # E
+    top_k: int = 2                          # k, experts per token
+    expert_dim: int = 32                    # F, each expert's SwiGLU width (the shared expert's too)
+    shared_expert: bool = False             # one more SwiGLU that every token goes through, weight 1
+    score: str = "softmax"                  # "softmax" or "sigmoid"
+    capacity_factor: float | None = None    # f; None: dropless (every routed token is computed)
+    balance: str = "aux"                    # "aux" (the loss), "bias" (auxiliary-loss-free) or "none"
+    aux_coef: float = 0.01                  # λ, the auxiliary loss's coefficient
+    bias_rate: float = 0.001                # γ, the bias's step per optimizer step
+
+    def __post_init__(self):
+        if self.n_experts < 1 or self.expert_dim < 1:
+            raise ValueError(f"n_experts and expert_dim must be positive, got {self.n_experts} and {self.expert_dim}")
+        if not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(f"top-k {self.top_k} must be between 1 and the number of experts E={self.n_experts}")
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise ValueError(f"the capacity factor must be positive (or None: dropless), got {self.capacity_factor}")
+        if self.score not in SCORES:
+            raise ValueError(f"unknown router score {self.score!r}: one of {', '.join(SCORES)}")
+        if self.balance not in BALANCE:
+            raise ValueError(f"unknown balancing method {self.balance!r}: one of {', '.join(BALANCE)}")
+
+    def capacity(self, n_tokens: int) -> int | None:
+        """G, the most slots one source's N tokens may fill in one expert: ceil(f k N / E), or None
+        when dropless. Applied per source rank and microbatch, as production dispatchers do."""
+        if self.capacity_factor is None:
+            return None
+        return math.ceil(self.capacity_factor * self.top_k * n_tokens / self.n_experts)
+
+
+def check_expert_split(moe: MoEConfig, e: int):
+    """One line for experts that e ranks cannot share evenly (given)."""
+    if moe.n_experts % e:
+        raise ValueError(f"E={moe.n_experts} experts cannot be split over e={e} ranks: e must divide E")
+
+
+@dataclass
+class Routing:
+    """The router's decision for N tokens."""
+    scores: torch.Tensor    # σ (N, E), compute dtype
+    experts: torch.Tensor   # (N, k) int64: the chosen experts, best first
+    weights: torch.Tensor   # w (N, k), compute dtype: the chosen scores normalised over the k
+
+
+def route(n: torch.Tensor, w_router: torch.Tensor, bias: torch.Tensor | None, moe: MoEConfig) -> Routing:
+    """Scores, the top-k choice (biased by `bias` if given) and the combine weights of tokens n (N, M)."""
+    # TODO(m16): the router's forward: scores, top-k with the bias for selection only, weights after top-k
+    # Contract: n is (N, M), w_router (E, M), bias (E,) or None (no bias). Return Routing(scores, experts,
+    #   weights): σ (N, E) in compute_dtype(n.dtype) (float32 at least), the k chosen experts (N, k) as torch.topk
+    #   orders them (best first), and their weights w (N, k), which sum to 1 over each token's k.
+    # Maths: the module docstring. moe.score picks softmax (over the E experts) or sigmoid.
+    # Pitfalls: the bias ρ moves the *choice* only: the weights are the unbiased scores of the chosen experts.
+    #   Normalise after the top-k, over the k chosen: a softmax normalised over all E and then cut to k
+    #   gives weights summing to less than 1 (the tests compare with autograd on the same maths in float64,
+    #   with a bias that changes the choice).
+    raise NotImplementedError("TODO(m16): the router's forward: scores, top-k with the bias for selection only, weights after top-k")
+
+
+def route_backward(d_weights: torch.Tensor, d_scores: torch.Tensor | None, n: torch.Tensor, w_router: torch.Tensor,
+                   routing: Routing, moe: MoEConfig):
+    """(dn, dw_router) from the gradient of the combine weights (N, k) and, if not None, a gradient
+    reaching the scores directly (N, E) (the auxiliary loss's)."""
+    # TODO(m16): the router's backward: through the weights' normalisation, the top-k and the scores
+    # Contract: d_weights (N, k) is dL/dw for the chosen experts (compute dtype); d_scores (N, E) or None is a
+    #   gradient of σ from elsewhere (the auxiliary loss). Return (dn, dw_router): dn in n's shape and dtype,
+    #   dw_router in w_router's shape and dtype.
+    # Maths: w_i = σ_i / S with S = the sum of the k chosen σ. The top-k is a selection: the chosen scores get
+    #   their gradient, the others none (from this path). Then the score function's backward to the logits u,
+    #   and the linear u = n W_r^T.
+    # Pitfalls: S depends on every chosen score, so each chosen σ_i gets d_weights_i / S minus a term shared by
+    #   the token; the softmax's backward mixes all E scores, the sigmoid's does not; d_scores joins the scores'
+    #   gradient (all E of them) before the score function's backward, not after. The tests compare dn and
+    #   dw_router with autograd in float64, softmax and sigmoid, with and without d_scores.
+    raise NotImplementedError("TODO(m16): the router's backward: through the weights' normalisation, the top-k and the scores")
+
+
+def sequence_aux_loss(scores: torch.Tensor, experts: torch.Tensor, seq_len: int, moe: MoEConfig,
+                      context: Group | None = None):
+    """DeepSeek-V3's per-sequence balance loss. scores σ (N, E) and experts (N, k) of N = S seq_len
+    tokens, S sequences of seq_len tokens each, one after the other. Returns (losses, d_scores): each
+    sequence's L_seq (S,), and the gradient of their sum with respect to σ (N, E).
+
+    `context` is the group of ranks that hold the other parts of the same sequences (context
+    parallelism: each rank holds seq_len of the sequence's c seq_len tokens), or None."""
+    # TODO(m16): the per-sequence auxiliary loss and its gradient
+    # Contract: return (losses, d_scores): losses (S,) holds L_seq = λ Σ_j φ_j π_j of each sequence (λ is
+    #   moe.aux_coef), d_scores (N, E) the gradient of losses.sum() with respect to scores, both in scores' dtype.
+    # Maths: the module docstring. T is the sequence's whole length: seq_len times the context group's size. The
+    #   count behind φ_j is how many of the sequence's tokens have j among their k experts; φ is a count, so no
+    #   gradient flows through it. π_j averages σ' = σ / (the token's sum of σ over all E): for a softmax that sum
+    #   is 1, for a sigmoid it is not, and σ' is what makes the two comparable.
+    # Pitfalls: per *sequence*: the counts and the means run over each sequence's T tokens, not over all N
+    #   tokens this rank holds (that would make the loss depend on how many sequences a rank or a microbatch
+    #   has: the tests compare 1, 2 and 4 ranks, with and without microbatches); the normalisation E / (k T)
+    #   makes perfect balance φ_j = 1. With context parallelism the two per-sequence sums (counts and sums of σ')
+    #   are all-reduced over `context` (its collectives, one call) before they are used.
+    raise NotImplementedError('TODO(m16): the per-sequence auxiliary loss and its gradient')
+
+
+def update_biases(biases: list[torch.Tensor], loads: torch.Tensor, moe: MoEConfig):
+    """The auxiliary-loss-free update, after an optimizer step: biases[l] (E,) is layer l's ρ, updated
+    in place; loads (L, E) the tokens each layer's router sent each expert in the step, over the whole
+    global batch (summed over every data rank by the caller)."""
+    # TODO(m16): the auxiliary-loss-free bias update
+    # Contract: for every layer l, biases[l] moves in place by γ (moe.bias_rate) per expert, in the direction
+    #   that evens the loads: up where expert j got fewer tokens than the even share, down where it got more,
+    #   unchanged where it got exactly its share. Nothing is returned.
+    # Maths: the even share of layer l is its total load divided by E (every token sends k slots, so the total
+    #   is k times the tokens); the error is share - load_j, and the step is γ sign(error) (DeepSeek-V3).
+    # Pitfalls: loads are counts over the whole global batch; a bias updated from one rank's loads would differ
+    #   between ranks (the model test compares the biases after training with a single process's). The bias
+    #   never enters the weights (route's pitfall), so it needs no gradient.
+    raise NotImplementedError('TODO(m16): the auxiliary-loss-free bias update')
