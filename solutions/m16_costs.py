@@ -16,7 +16,7 @@ forward of one layer, with i this rank's index in its expert group:
   calls     5 all-to-alls over "e" (counts; dispatch and combine; their two adjoints)
 
 The routing decides S_out and S_in: evenly spread and dropless, S_out ≈ S_in ≈ k N (e - 1) / e for
-N tokens a rank; a capacity bounds each source's rows to an expert by G. Once per step (ring
+N tokens a rank; a capacity bounds each source's rows to an expert by κ. Once per step (ring
 all-reduces: 2 (n - 1) / n of the tensor over a group of n):
 
   dense gradients    Ψ_dense b over "dc", with Ψ_dense = 2 V M + M + L (2 H D M + 2 K D M + 2 M + E M

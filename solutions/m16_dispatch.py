@@ -8,8 +8,8 @@ every slot of expert 1, ... The rows sent are the tokens of those slots, one row
 chosen by two experts is sent twice). `counts[j]` says how many rows expert j gets.
 
 Capacity. Experts run as fixed-size GEMMs in production, so a source may send expert j at most
-G = ceil(f k N / E) rows (MoEConfig.capacity; f is the capacity factor, N this source's tokens).
-The rule here is deterministic and needs no communication: for each expert, the first G of its
+κ = ceil(f k N / E) rows (MoEConfig.capacity; f is the capacity factor, N this source's tokens).
+The rule here is deterministic and needs no communication: for each expert, the first κ of its
 slots in slot order (earlier tokens first) are kept, the rest dropped (GShard's and Switch's
 position rule; Megatron-LM also offers keeping the highest scores). A dropped slot adds nothing to
 its token's output, so a token whose every slot is dropped leaves the layer unchanged: the
@@ -43,27 +43,27 @@ class DispatchPlan:
 
 
 def plan_dispatch(experts: torch.Tensor, n_experts: int, capacity: int | None) -> DispatchPlan:
-    """The dispatch plan of one source's routing: experts (N, k) int64 from the router; capacity G
+    """The dispatch plan of one source's routing: experts (N, k) int64 from the router; capacity κ
     (None: dropless)."""
     n_tokens, top_k = experts.shape
     # >>> TODO(m16): capacity, and the expert-major order of the rows to send
     # Contract: return DispatchPlan(slots, counts, kept, top_k). kept (N, k) marks the slots the capacity rule
     #   keeps (all of them when capacity is None). slots lists the kept slots (slot = token k + i) in
     #   expert-major order, and within one expert in slot order; counts (E,) the kept slots per expert.
-    # Maths: the module docstring's rule: a slot is kept when fewer than G earlier slots (in slot order) chose
+    # Maths: the module docstring's rule: a slot is kept when fewer than κ earlier slots (in slot order) chose
     #   the same expert. Slot order is token order, then the token's choices in the router's order.
     # Pitfalls: the rule counts per expert, not per token; a stable sort keeps slot order within an expert (an
     #   unstable one may reorder equal keys, and the rows of one expert would not be in token order); empty
     #   experts still get a count of 0 (counts has E entries). The tests compare the dropped set with a loop
     #   over the slots, exactly, and the order of the rows.
     # Hint 1: flatten the choices to N k slots; a running count per expert gives each slot its position among
-    #         its expert's slots; keep position < G; sort the kept slots by expert, stably.
+    #         its expert's slots; keep position < κ; sort the kept slots by expert, stably.
     # Hint 2: torch.nn.functional.one_hot(flat, E).cumsum(0) counts up to and including each slot;
     #         .gather(1, flat[:, None]); torch.nonzero(mask).squeeze(1) or torch.arange(N k)[mask];
     #         torch.argsort(keys, stable=True); torch.bincount(x, minlength=E).
     # Hint 3: flat = experts as (N k,)
     #         position = (one-hot of flat, cumulative sum down the slots, at each slot's own expert) - 1
-    #         kept = position < G (all True without a capacity)
+    #         kept = position < κ (all True without a capacity)
     #         kept_slots = the indices of kept slots;  slots = kept_slots sorted stably by flat[kept_slots]
     #         counts = bincount of flat[slots] with E bins;  return DispatchPlan(slots, counts, kept as (N, k), k)
     flat = experts.reshape(-1)

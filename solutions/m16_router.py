@@ -69,7 +69,7 @@ class MoEConfig:
             raise ValueError(f"unknown balancing method {self.balance!r}: one of {', '.join(BALANCE)}")
 
     def capacity(self, n_tokens: int) -> int | None:
-        """G, the most slots one source's N tokens may fill in one expert: ceil(f k N / E), or None
+        """κ, the most slots one source's N tokens may fill in one expert: ceil(f k N / E), or None
         when dropless. Applied per source rank and microbatch, as production dispatchers do."""
         if self.capacity_factor is None:
             return None

@@ -1,5 +1,5 @@
 # Generated from solutions/m16_dispatch.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 16`. (skeleton 716ff734f26f)
+# Grade your work with `python main.py grade 16`. (skeleton f61766b55a05)
 """Module 16, part 2 - from tokens to expert rows and back, on one rank: capacity, the expert-major
 permutation, and the weighted combine.
 
@@ -10,8 +10,8 @@ every slot of expert 1, ... The rows sent are the tokens of those slots, one row
 chosen by two experts is sent twice). `counts[j]` says how many rows expert j gets.
 
 Capacity. Experts run as fixed-size GEMMs in production, so a source may send expert j at most
-G = ceil(f k N / E) rows (MoEConfig.capacity; f is the capacity factor, N this source's tokens).
-The rule here is deterministic and needs no communication: for each expert, the first G of its
+κ = ceil(f k N / E) rows (MoEConfig.capacity; f is the capacity factor, N this source's tokens).
+The rule here is deterministic and needs no communication: for each expert, the first κ of its
 slots in slot order (earlier tokens first) are kept, the rest dropped (GShard's and Switch's
 position rule; Megatron-LM also offers keeping the highest scores). A dropped slot adds nothing to
 its token's output, so a token whose every slot is dropped leaves the layer unchanged: the
@@ -45,14 +45,14 @@ class DispatchPlan:
 
 
 def plan_dispatch(experts: torch.Tensor, n_experts: int, capacity: int | None) -> DispatchPlan:
-    """The dispatch plan of one source's routing: experts (N, k) int64 from the router; capacity G
+    """The dispatch plan of one source's routing: experts (N, k) int64 from the router; capacity κ
     (None: dropless)."""
     n_tokens, top_k = experts.shape
     # TODO(m16): capacity, and the expert-major order of the rows to send
     # Contract: return DispatchPlan(slots, counts, kept, top_k). kept (N, k) marks the slots the capacity rule
     #   keeps (all of them when capacity is None). slots lists the kept slots (slot = token k + i) in
     #   expert-major order, and within one expert in slot order; counts (E,) the kept slots per expert.
-    # Maths: the module docstring's rule: a slot is kept when fewer than G earlier slots (in slot order) chose
+    # Maths: the module docstring's rule: a slot is kept when fewer than κ earlier slots (in slot order) chose
     #   the same expert. Slot order is token order, then the token's choices in the router's order.
     # Pitfalls: the rule counts per expert, not per token; a stable sort keeps slot order within an expert (an
     #   unstable one may reorder equal keys, and the rows of one expert would not be in token order); empty

@@ -1,5 +1,5 @@
 # Generated from solutions/m16_router.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 16`. (skeleton 28aa03cdd258)
+# Grade your work with `python main.py grade 16`. (skeleton 44d165656c04)
 """Module 16, part 1 - the router: which k of the E experts each token goes to, with what weight,
 and the two ways of keeping the experts' loads even.
 
@@ -71,7 +71,7 @@ class MoEConfig:
             raise ValueError(f"unknown balancing method {self.balance!r}: one of {', '.join(BALANCE)}")
 
     def capacity(self, n_tokens: int) -> int | None:
-        """G, the most slots one source's N tokens may fill in one expert: ceil(f k N / E), or None
+        """κ, the most slots one source's N tokens may fill in one expert: ceil(f k N / E), or None
         when dropless. Applied per source rank and microbatch, as production dispatchers do."""
         if self.capacity_factor is None:
             return None

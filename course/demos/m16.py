@@ -72,7 +72,7 @@ def demo(args):
     if rank == 0:
         n_tokens = args.batch // world_size // args.microbatches * cfg.max_seq_len
         capacity = "dropless" if moe.capacity_factor is None else \
-            f"capacity factor f={moe.capacity_factor:g} (G={moe.capacity(n_tokens)} slots per expert, rank, microbatch)"
+            f"capacity factor f={moe.capacity_factor:g} (κ={moe.capacity(n_tokens)} slots per expert, rank, microbatch)"
         print(f"MoE Llama: {cfg.n_layers} blocks of dim {cfg.dim}, E={moe.n_experts} experts of width "
               f"{moe.expert_dim}, top-{moe.top_k} {moe.score}, {capacity}, balance {moe.balance}"
               f"{dict(aux=f' (λ={moe.aux_coef:g})', bias=f' (γ={moe.bias_rate:g})').get(moe.balance, '')}"
