@@ -80,6 +80,10 @@ def test_flat_layout_pads_to_equal_shards_and_views_into_the_buffer(world_size):
     shards = [layout.shard(buffer, r) for r in range(world_size)]
     assert torch.equal(torch.cat(shards), buffer) and len({s.numel() for s in shards}) == 1, \
         "the shards must be equal slices that concatenate to the buffer"
+    for r, s in enumerate(shards):
+        assert s.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr() \
+            and s.data_ptr() == buffer.data_ptr() + r * layout.shard_numel * buffer.element_size(), \
+            f"shard {r} is a copy, not a view: its elements must be the buffer's own, from r * shard_numel on"
 
 
 # PyTorch's FSDP Notes' worked example: blocks of 1.6B parameters in fp32 over 8 GPUs. This Llama block

@@ -8,22 +8,26 @@ PLANTS = [
     Plant(FLAT, "        start = rank * self.shard_numel\n        return flat[start:start + self.shard_numel]",
           "        start = rank * self.shard_numel\n        return flat[start:start + self.shard_numel].clone()",
           "the shard returned as a copy, not a view: writing a rank's shard no longer writes its slice of the buffer"),
-    Plant(FSDP, "self.shards = [self.layout.shard(self.layout.flatten(b), self.rank).clone() for b in self.blocks]",
-          "self.shards = [self.layout.shard(self.layout.flatten(b), self.rank) for b in self.blocks]",
+    Plant(FSDP, "self.shards = [self.layout.shard(self.layout.flatten(b), self.dp.index).clone() for b in self.blocks]",
+          "self.shards = [self.layout.shard(self.layout.flatten(b), self.dp.index) for b in self.blocks]",
           "a shard kept as a view of the full flat block: every rank still holds the whole block's memory"),
     Plant(FSDP, "        self.finish_reduce_scatter()\n        full = self.layout.flatten(grads)",
           "        full = self.layout.flatten(grads)",
           "a new reduce-scatter started over the one in flight: the earlier one is never waited for nor added"),
-    Plant(FSDP, "self.grad_shards[self.in_flight.layer].add_(self.in_flight.received, alpha=self.grad_scale)",
-          "self.grad_shards[self.in_flight.layer].add_(self.in_flight.received)",
-          "the reduce-scattered gradient not scaled: the sum over ranks and microbatches, not the mean"),
-    Plant(FSDP, "self.grad_shards[self.in_flight.layer].add_(self.in_flight.received, alpha=self.grad_scale)",
-          "self.grad_shards[self.in_flight.layer].copy_(self.in_flight.received * self.grad_scale)",
+    Plant(FSDP, "        n_tokens = real_tokens(targets)\n        rows = tokens.shape[0] // self.dp.size\n"
+                "        mine = slice(self.dp.index * rows, (self.dp.index + 1) * rows)\n",
+          "        rows = tokens.shape[0] // self.dp.size\n"
+          "        mine = slice(self.dp.index * rows, (self.dp.index + 1) * rows)\n"
+          "        n_tokens = real_tokens(targets[mine])\n",
+          "the loss divided by this rank's real tokens, not the global batch's: the sums over ranks are d times the mean"),
+    Plant(FSDP, "self.grad_shards[self.in_flight.layer].add_(self.in_flight.received)",
+          "self.grad_shards[self.in_flight.layer].copy_(self.in_flight.received)",
           "the gradient shard overwritten, not accumulated: only the last microbatch's gradient survives"),
     Plant(FSDP, "        self.in_flight.work.wait()\n", "",
           "the reduce-scatter's slice read before its wait: on gloo (and nccl) it has not arrived yet"),
-    Plant(FSDP, "            acc.add_(g, alpha=self.grad_scale)\n", "            acc.add_(g)\n",
-          "the replicated weights' gradients not scaled like the blocks': embedding and head get N*M times theirs"),
+    Plant(FSDP, "            acc.add_(g)\n", "            acc.add_(g / self.dp.size)\n",
+          "the replicated weights' gradients averaged over d (as DDP does): each rank's loss is already divided by the "
+          "global batch's tokens, so their sum over ranks is the mean, and these get 1/d of theirs"),
     Plant(FSDP, "        optimizer.step()\n        self.weights.invalidate()\n", "        optimizer.step()\n",
           "the gathered blocks not invalidated after the step: the next step reuses last step's weights"),
     Plant(FSDP, """            self.weights.release(layer)
@@ -37,6 +41,6 @@ PLANTS = [
           "the gathered block handed out before its all-gather is waited for: other ranks' shards are missing"),
     Plant(PAYLOAD, "turns = 2 * n_microbatches - 1", "turns = 2 * n_microbatches",
           "one turn too many: the forward of one microbatch and the backward of the next are one turn, not two"),
-    Plant(PAYLOAD, "shard_bytes = -(-block_params // world_size) * dtype_bytes", "shard_bytes = block_params // world_size * dtype_bytes",
+    Plant(PAYLOAD, "    shard = -(-block // d)\n", "    shard = block // d\n",
           "the shard's bytes without padding: a shard is the padded block over N, rounded up"),
 ]

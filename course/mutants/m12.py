@@ -5,22 +5,22 @@ LINEAR, BLOCK, VOCAB, MODEL, COSTS = ("m12_tp_linear.py", "m12_tp_block.py", "m1
                                       "m12_tp_model.py", "m12_tp_costs.py")
 PLANTS = [
     Plant(VOCAB, """    z = z.masked_fill(padding, float("-inf"))
-    top = z.max(dim=-1).values""", """    top = z.max(dim=-1).values
+    z_max = z.max(dim=-1).values""", """    z_max = z.max(dim=-1).values
     z = z.masked_fill(padding, float("-inf"))""",
           "the max taken before the padding is masked: a large padding logit becomes the max, exp underflows to 0"),
-    Plant(VOCAB, "return loss, (dlogits * (grad_scale / n_tokens)).to(logits.dtype)",
-          "return loss, dlogits * (grad_scale / n_tokens)",
+    Plant(VOCAB, "return loss, (dlogits.masked_fill(~real.unsqueeze(-1), 0) / n_tokens).to(logits.dtype)",
+          "return loss, dlogits.masked_fill(~real.unsqueeze(-1), 0) / n_tokens",
           "the logits' gradient handed back in float32: bf16 logits need a bf16 gradient (the GEMMs after it)"),
-    Plant(VOCAB, "return loss, (dlogits * (grad_scale / n_tokens)).to(logits.dtype)",
-          "return loss, (dlogits / n_tokens).to(logits.dtype)",
-          "the microbatch's grad_scale forgotten: accumulated microbatches give M times the batch's gradient"),
-    Plant(VOCAB, '    tp.collectives.all_reduce(target_logit, "loss target")\n', "",
+    Plant(VOCAB, "    if n_tokens is None:\n        n_tokens = real_tokens(targets)\n    rows, per_rank",
+          "    n_tokens = real_tokens(targets)\n    rows, per_rank",
+          "the n_tokens passed in ignored: each microbatch divides by its own real tokens, M times the batch's gradient"),
+    Plant(VOCAB, '    tp.collectives.all_reduce(z_y, "loss target")\n', "",
           "the target logit not summed over the group: only the rank owning the target knows it, the others use 0"),
     Plant(VOCAB, "padding = torch.arange(start, start + per_rank, device=logits.device) >= vocab_size",
           "padding = torch.arange(start, start + per_rank, device=logits.device) > vocab_size",
           "off by one at the padding: the first padded row (index vocab_size) takes part in the softmax"),
-    Plant(VOCAB, "    multiple = divisible_by * tp_size\n", "    multiple = divisible_by\n",
-          "the vocabulary padded to divisible_by only: it must split into tp_size equal shards of that multiple"),
+    Plant(VOCAB, "    multiple = divisible_by * t\n", "    multiple = divisible_by\n",
+          "the vocabulary padded to divisible_by only: it must split into t equal shards of that multiple"),
     Plant(VOCAB, "grad_rows.index_add_(0, local[mine], dx[mine].to(grad_rows.dtype))",
           "grad_rows[local[mine]] += dx[mine].to(grad_rows.dtype)",
           "indexed += on repeated tokens: the gradient of a token seen twice is written once, not added"),
@@ -28,13 +28,13 @@ PLANTS = [
           "off by one at the shard's end: the first token of the next rank's rows is looked up here too"),
     Plant(BLOCK, "wo=block(w.wo, 1)", "wo=block(w.wo, 0)",
           "wo split by output rows: a row-parallel linear splits its input columns (a square wo hides the shape)"),
-    Plant(BLOCK, "    if not tp.sequence_parallel or not norm_grads:\n        return\n",
+    Plant(BLOCK, "    if not sequence_parallel or not norm_grads:\n        return\n",
           "    if not norm_grads:\n        return\n",
           "norm gradients summed without sequence parallelism: every rank already has the whole one, so t times it"),
-    Plant(LINEAR, """    reducing = enter_tp_backward(dx, tp, label, async_op=True)
+    Plant(LINEAR, """    reducing = enter_tp_backward(dx, tp, sequence_parallel, label, async_op=True)
     for dy, main_grad in zip(dys, main_grads, strict=True):
         accumulate_weight_grad(main_grad, dy, x_whole, fused)
-    return reducing.wait()""", """    dx = enter_tp_backward(dx, tp, label).wait()
+    return reducing.wait()""", """    dx = enter_tp_backward(dx, tp, sequence_parallel, label).wait()
     for dy, main_grad in zip(dys, main_grads, strict=True):
         accumulate_weight_grad(main_grad, dy, x_whole, fused)
     return dx""",
@@ -53,4 +53,25 @@ PLANTS = [
           "a ring collective sends (t-1)/t of the data per rank, not 1/t"),
     Plant(COSTS, '"lse": heads * stat', '"lse": cfg.n_heads * stat',
           "lse counted for every head: a rank keeps it for its own n_heads / t heads only"),
+    Plant(BLOCK, "return weight.chunk(tp.size, dim=dim)[tp.index].clone(memory_format=torch.contiguous_format)",
+          "return weight.chunk(tp.size, dim=dim)[tp.index].contiguous()",
+          ".contiguous() instead of a copy: a row block is already contiguous, so it stays a view of the whole weight"),
+    Plant(BLOCK, "return weight.chunk(tp.size, dim=dim)[tp.index].clone(memory_format=torch.contiguous_format)",
+          "return weight.chunk(tp.size, dim=dim)[tp.index]",
+          "the slice kept as a view: the whole weight stays alive behind it, and a column slice is not contiguous"),
+    Plant(BLOCK, "ln1=w.ln1.clone()", "ln1=w.ln1",
+          "ln1 shared with the whole block instead of copied: the sharded model's norm weight is the whole model's"),
+    Plant(BLOCK, "grads.ln2.add_(d_ln2)", "grads.ln2.copy_(d_ln2)",
+          "ln2's gradient overwritten, not accumulated: only the last microbatch's survives"),
+    Plant(BLOCK, "grads.ln1.add_(d_ln1)", "grads.ln1 = d_ln1",
+          "ln1's gradient rebinds the field instead of adding into the accumulator: the model's main_grad never sees it"),
+    Plant(MODEL, "dx, d_final_norm = rmsnorm_backward(dn, x, r, self.final_norm)",
+          "dx, d_final_norm = rmsnorm_backward(dn, x, r, torch.ones_like(self.final_norm))",
+          "the final norm's backward with a weight of ones: right only until the first step changes the weight"),
+    Plant(VOCAB, "loss = torch.where(real, torch.log(sum_exp) + z_max - z_y, 0).sum() / n_tokens",
+          "loss = (torch.log(sum_exp) + z_max - z_y).sum() / n_tokens",
+          "the ignored targets' rows add their log-sum-exp to the loss: an IGNORE_INDEX target is no token"),
+    Plant(VOCAB, "return loss, (dlogits.masked_fill(~real.unsqueeze(-1), 0) / n_tokens).to(logits.dtype)",
+          "return loss, (dlogits / n_tokens).to(logits.dtype)",
+          "the ignored targets' rows keep the softmax as their gradient: an ignored row gets none"),
 ]

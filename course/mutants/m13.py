@@ -3,19 +3,22 @@ from course.mutants import Plant
 
 AXES, LLAMA, COSTS = "m13_named_axes.py", "m13_llama_2d.py", "m13_costs.py"
 PLANTS = [
-    Plant(COSTS, """    weights = matrix * (2 * L * P + 3 * V * M) + norm * 2 * norms
-    gradients = matrix * (L * P + 2 * V * M) + norm * norms""",
-          """    weights = matrix * (2 * L * P + 3 * cfg.vocab_size * M) + norm * 2 * norms
-    gradients = matrix * (L * P + 2 * cfg.vocab_size * M) + norm * norms""",
+    Plant(COSTS, """    sent = {("d", "all_gather"): matrix * (2 * L * P + 3 * V * M) + 2 * norms * norm_d,
+            ("t", "all_gather"): 2 * norms * norm_t + (4 * L + 2) * stream,
+            ("d", "reduce_scatter"): matrix * (L * P + 2 * V * M) + norms * norm_d,""",
+          """    sent = {("d", "all_gather"): matrix * (2 * L * P + 3 * cfg.vocab_size * M) + 2 * norms * norm_d,
+            ("t", "all_gather"): 2 * norms * norm_t + (4 * L + 2) * stream,
+            ("d", "reduce_scatter"): matrix * (L * P + 2 * cfg.vocab_size * M) + norms * norm_d,""",
           "step_traffic with the unpadded vocabulary: the embedding and LM head are padded to split over t"),
     Plant(COSTS, "    matrix = (d - 1) / (d * t) * b\n", "    matrix = (d * t - 1) / (d * t) * b\n",
           "a matrix's all-gather counted over the whole mesh: its block is W/(dt), but it is gathered over d only"),
     Plant(COSTS, "    norms = 2 * L + 1\n", "    norms = 2 * L\n",
           "the final norm forgotten: 2L + 1 norm weights are gathered and reduced in a step"),
-    Plant(COSTS, "    loss = 3 * 2 * (t - 1) / t * N * s + 2 * (d - 1) / d * s\n",
-          "    loss = 3 * 2 * (t - 1) / t * N * s\n",
+    Plant(COSTS, """            ("t", "all_reduce"): 3 * 2 * (t - 1) / t * N * s,
+            ("d", "all_reduce"): 2 * (d - 1) / d * s}""",
+          """            ("t", "all_reduce"): 3 * 2 * (t - 1) / t * N * s}""",
           "the loss's sum over d forgotten: a one-value all-reduce, but traffic all the same"),
-    Plant(COSTS, "return StateBytes(values * b, values * b, 2 * values * b)", "return StateBytes(values * b, values * b, values * b)",
+    Plant(COSTS, '"optimizer": 2 * values * b}', '"optimizer": values * b}',
           "AdamW keeps two moments per value (exp_avg and exp_avg_sq), not one"),
     Plant(COSTS, "values = (L * (block_matrix_params(cfg) + 2 * M) + 2 * V * M + M) // (d * t)",
           "values = (L * block_matrix_params(cfg) + 2 * V * M) // (d * t)",
@@ -41,4 +44,8 @@ PLANTS = [
     Plant(LLAMA, '        d_head = reduce_scatter("V/t M {U_d} -> V/t M/d", d_head)\n',
           '        d_head = reduce_scatter("V/t M {U_d} -> V/t M/d", d_head)\n        d_head.tensor.mul_(1 / self.mesh.sizes["d"])\n',
           "the head's gradient averaged over d: the loss is already a mean over all tokens, so the sum is right"),
+    Plant(LLAMA, """        ln2 = all_gather("M/t/d -> M", w.ln2)
+        n2, r2 = local(""", """        ln2 = all_gather("M/t/d -> M", w.ln1)
+        n2, r2 = local(""",
+          "the FFN half's norm with ln1, the attention half's weight: equal (ones) at the start, apart after a step"),
 ]
