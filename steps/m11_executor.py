@@ -1,5 +1,5 @@
 # Generated from solutions/m11_executor.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 11`. (skeleton 5db89e6f7cef)
+# Grade your work with `python main.py grade 11`. (skeleton 89e5ee703492)
 """Module 11 - the executor: run any valid schedule on real ranks.
 
 Module 05 had one loop per schedule. Here there is one loop for all of them: each rank walks its
@@ -14,9 +14,9 @@ list of actions (m11_actions) and runs each on the stage it names (m11_stage):
 Sends are non-blocking and all waited for at the end of the step (module 05's rules); receives
 block, but StageComms posts each rank's next few receives early, so that their data can arrive
 while the rank computes (gloo moves a message only once its receive is posted). Which schedule can
-run this way without a rank waiting forever is the validator's question (m11_validate), asked before
-the first step: a schedule it passes cannot hang here. Training is module 05's loop (`fit`), with
-run_schedule as its step.
+run this way without a rank waiting forever is the validator's question (course/validate.py), asked
+before the first step: a schedule it passes cannot hang here. Training is module 05's loop (`fit`),
+with run_schedule as its step.
 
 With several stages per rank the stage after s is not always on the next rank (looped placement:
 stage p-1 sends to rank 0), and may be on the same rank (the V's turn). StageComms finds the peer
