@@ -5,12 +5,14 @@ apart: I (input gradient) hatched the other way, W (weight gradient) dotted and 
 several stages, the blocks of its later stages are paler too and labelled stage:microbatch. Waits
 (in a receive, or on a send) and a rank's idle end of the step (its work done, the others' not) are
 thin grey bars, so the bubble is the grey and the gaps between the blocks. Simulated timelines
-(course/simulate.py's Timeline.as_profiles) are drawn the same way, in units instead of ms.
+(course/simulate.py's Timeline.as_profiles) are drawn the same way, in units instead of ms; a forward
+and a backward the simulator ran as one overlapped pair (DualPipe's F&B) get one thick outline.
 """
 from __future__ import annotations
 
 import matplotlib
 from matplotlib.figure import Figure
+from matplotlib.patches import Rectangle
 
 
 HATCH = {"forward": None, "backward": "//", "input": "\\\\", "weight": ".."}
@@ -64,6 +66,11 @@ def plot_timeline(profiles: list[dict], path=None, step: int = -1, title: str = 
         else:
             ax.barh(rows, widths, left=starts, height=0.8, color=colour, alpha=0.45 if pale else 1.0,
                     hatch=HATCH[kind], edgecolor="black", linewidth=0.4)
+    for p in profiles:  # an overlapped pair (spans marked "pair", F then B): one outline round both halves
+        halves = [s for s in p["spans"] if s["step"] == step and s.get("pair")]
+        for forward, backward in zip(halves[::2], halves[1::2]):
+            ax.add_patch(Rectangle(((forward["start"] - origin) * scale, p["rank"] - 0.45),
+                                   (backward["end"] - forward["start"]) * scale, 0.9, fill=False, linewidth=1.6))
     ax.set_yticks(range(len(profiles)), [f"rank {p['rank']}" for p in profiles])
     ax.invert_yaxis()
     kinds = {s["kind"] for p in profiles for s in p["spans"]}

@@ -1,7 +1,8 @@
 """Module 11's independent references (given): the monolith trained with gradient accumulation by
 autograd (`accumulating_monolith`), which every schedule must reproduce bit for bit, and PyTorch's
 own pipeline schedules (torch.distributed.pipelining) on module 11's stages, an independent
-implementation of every schedule of module 11, to compare losses, gradients and step times with.
+implementation of every schedule of module 11 but ZB-H2 (which torch does not ship), to compare losses,
+gradients and step times with.
 Run `run_torch_schedule` on every rank of a gloo group.
 
 Torch runs its stages with autograd, so each stage is wrapped as an nn.Module (`TorchStage`) that
@@ -23,8 +24,8 @@ from course.impl import reference
 from course.mesh import world_group
 
 TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
-                   "zbh1": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble",
-                   "dualpipev": "ScheduleDualPipeV"}
+                   "zbh1": "ScheduleInterleavedZeroBubble", "interleaved_zb": "ScheduleInterleavedZeroBubble",
+                   "zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}  # torch has no ZB-H2
 
 
 def accumulating_monolith(cfg, n_microbatches: int):

@@ -16,10 +16,16 @@ modules 05 and 11 run it. A rank that can never take its next step is a deadlock
     simulate(orders)                    module 05: one stage per rank, orders[r] = [("F", m), ("B", m)...]
     simulate_schedule(orders, placement, costs)   module 11: (stage, kind, microbatch) actions,
                                         any placement of stages on ranks, F/B/I/W
+
+DualPipe overlaps a forward of one stage with a backward of another on the device, one's
+communication hidden behind the other's compute. With `atomic_pairs` the simulator runs each such
+pair as one action of cost τ_F&B (`Costs.FB`; by default τ_F + τ_B, the two one after the other).
+On the course's CPU ranks nothing overlaps: the executor runs a pair's halves in turn, so a pair
+cheaper than its two halves exists only here, in the simulator.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fractions import Fraction
 
 KINDS = ("F", "B", "I", "W")  # the kinds of module 11's actions, as above
@@ -28,15 +34,22 @@ KINDS = ("F", "B", "I", "W")  # the kinds of module 11's actions, as above
 @dataclass(frozen=True)
 class Costs:
     """How long each kind of action takes on one stage, and a message between ranks. A full backward
-    B does the work of I and W together. Fractions (or ints) keep the timeline exact."""
+    B does the work of I and W together. FB is τ_F&B, an overlapped pair (atomic_pairs): None means
+    τ_F + τ_B, no overlap. Fractions (or ints) keep the timeline exact."""
     F: Fraction = Fraction(1)
     I: Fraction = Fraction(1)
     W: Fraction = Fraction(1)
     hop: Fraction = Fraction(0)
+    FB: Fraction | None = None
 
     @property
     def B(self) -> Fraction:
         return self.I + self.W
+
+    @property
+    def pair(self) -> Fraction:
+        """τ_F&B: how long a pair started together (an F with a B of another stage) takes."""
+        return self.F + self.B if self.FB is None else self.FB
 
     def of(self, kind: str) -> Fraction:
         return {"F": self.F, "B": self.B, "I": self.I, "W": self.W}[kind]
@@ -49,15 +62,23 @@ class Timeline:
     idle: list[Fraction]       # per rank: makespan minus its compute
     bubble: Fraction           # idle fraction of all ranks together: sum(idle) / (ranks * makespan)
     peak_live: list[int]       # per rank: most (stage, microbatch) activations kept at once
+    paired: list[list[bool]] = field(default_factory=list)  # per rank, per span: half of a pair run as one
 
     def as_profiles(self) -> list[dict]:
         """The timeline in the profiler's export format (course/profiler.py), times in units, so the
-        pictures and traces of measured runs draw simulated ones too."""
+        pictures and traces of measured runs draw simulated ones too. A span of a pair run as one
+        action (atomic_pairs) has "pair": True (the picture outlines the two together)."""
         kinds = {"F": "forward", "B": "backward", "I": "input", "W": "weight"}
+        paired = self.paired or [[False] * len(spans) for spans in self.spans]
         return [{"rank": rank, "steps": [(0.0, float(self.makespan))], "peak_live": [self.peak_live[rank]],
                  "spans": [{"rank": rank, "kind": kinds[a[1]], "microbatch": a[2], "stage": a[0], "step": 0,
-                            "start": float(start), "end": float(end)} for a, start, end in spans]}
+                            "start": float(start), "end": float(end), "pair": pair}
+                           for (a, start, end), pair in zip(spans, paired[rank])]}
                 for rank, spans in enumerate(self.spans)]
+
+    def spans_of_ranks(self) -> list[Fraction]:
+        """Each rank's own span: from its first action's start to its last action's end."""
+        return [spans[-1][2] - spans[0][1] if spans else Fraction(0) for spans in self.spans]
 
 
 class Deadlock(ValueError):
@@ -103,14 +124,17 @@ def simulate_schedule(orders, placement, costs: Costs = Costs(), atomic_pairs: b
     `placement[s]`. Raises Deadlock if some rank can never take its next step.
 
     atomic_pairs: an F directly followed by a B of another stage on the same rank starts only when
-    both have their inputs, and takes F + B: how DeepSeek's DualPipe runs its overlapped pairs
-    (with F&B = F + B), for checking its published bubble. Our executor runs them one after the other.
+    both have their inputs, and takes τ_F&B (costs.pair: τ_F + τ_B unless costs.FB says less): how
+    DeepSeek's DualPipe runs its overlapped pairs, for checking its published bubble. The pair's spans
+    are its F then its B, each scaled by τ_F&B / (τ_F + τ_B) (so a drawing shows both, and a rank's
+    compute is the time it was busy). Our executor runs a pair's halves one after the other.
     """
     n_stages, world_size = len(placement), len(orders)
     units = [_units(order, n_stages, atomic_pairs) for order in orders]
     done: dict[tuple, tuple[Fraction, int]] = {}  # key -> (time it is ready, rank that made it)
     position, free = [0] * world_size, [Fraction(0)] * world_size
     spans = [[] for _ in range(world_size)]
+    paired = [[] for _ in range(world_size)]
     progressed = True
     while progressed:
         progressed = False
@@ -123,9 +147,11 @@ def simulate_schedule(orders, placement, costs: Costs = Costs(), atomic_pairs: b
             if any(key not in done for key in waits):
                 continue
             start = max([free[rank], *(done[k][0] + (costs.hop if done[k][1] != rank else 0) for k in waits)])
+            overlap = costs.pair / (costs.F + costs.B) if len(unit) == 2 else 1  # a pair takes τ_F&B in all
             for action in unit:
-                end = start + costs.of(action[1])
+                end = start + costs.of(action[1]) * overlap
                 spans[rank].append((action, start, end))
+                paired[rank].append(len(unit) == 2)
                 for key in produces(action):
                     done[key] = (end, rank)
                 start = end
@@ -140,7 +166,7 @@ def simulate_schedule(orders, placement, costs: Costs = Costs(), atomic_pairs: b
     makespan = max(free)
     idle = [makespan - sum(end - start for _, start, end in rank_spans) for rank_spans in spans]
     return Timeline(spans, makespan, idle, sum(idle) / (world_size * makespan) if makespan else Fraction(0),
-                    [peak_live(order) for order in orders])
+                    [peak_live(order) for order in orders], paired)
 
 
 def _units(order, n_stages, atomic_pairs) -> list[tuple]:

@@ -4,20 +4,26 @@ Every generator takes the number of pipeline ranks p (`world_size`: a schedule's
 places 0 .. p - 1 of the pipeline's group) and of microbatches m (`n_microbatches`) and returns a
 Schedule (m11_actions): a placement of the stages on the ranks and one list of actions per rank. The executor (m11_executor) runs any of them; none of them knows how.
 
-    gpipe        one stage per rank; all forwards, then all backwards          (module 05)
-    1f1b         one stage per rank; warm-up, one forward / one backward, cool-down  (module 05)
-    interleaved  v stages per rank, looped; 1F1B over the p v stages          bubble / v
-    zbh1         one stage per rank; backward split into I and W, W deferred into the cool-down
-    zbv          two stages per rank in a V; I/W split; warm-up filled from both ends
-    dualpipev    the V, DualPipe's phases: a forward of one stage paired with a backward of the other
+    gpipe           one stage per rank; all forwards, then all backwards          (module 05)
+    1f1b            one stage per rank; warm-up, one forward / one backward, cool-down  (module 05)
+    interleaved     v stages per rank, looped; 1F1B over the p v stages          bubble / v
+    zbh1            one stage per rank; backward split into I and W, W deferred into the cool-down
+    zbh2            zbh1 with the warm-up filled with forwards and the cool-down with W's: no idle time
+                    between a rank's first and last action, at 2p-1 microbatches kept
+    interleaved_zb  zbh1 on interleaved's loop of v stages per rank (torch's rule; given code)
+    zbv             two stages per rank in a V; I/W split; warm-up filled from both ends
+    dualpipev       the V, DualPipe's phases: a forward of one stage paired with a backward of the other
 
 Arguments a schedule cannot serve are refused by `check_arguments` with a one-line ValueError that
 says what would work.
 
 The bubble of each, as a closed form, is `idle_per_rank`: with stage costs τ_F, τ_I, τ_W (the times
 of one stage's F, I and W actions; τ_B = τ_I + τ_W, see course/simulate.py's Costs) and free
-messages, every rank idles that long in a step. The chapter
-derives them; the tests check the simulator against them.
+messages, every rank idles that long in a step (the synchronous step: from the first rank's start to
+the last rank's end, the optimizer waiting for every rank). `longest_span_idle` is the zero-bubble
+paper's convention: the idle time inside the longest of the ranks' own spans (first action to last),
+the optimizer's synchronisation bypassed. The chapter derives them; the tests check the simulator
+against them.
 """
 from collections import deque
 from fractions import Fraction
@@ -33,19 +39,29 @@ def check_arguments(name: str, world_size: int, n_microbatches: int, stages_per_
         raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
     if p < 1 or m < 1:
         raise ValueError(f"{name} needs at least one rank and one microbatch, got world_size={p}, n_microbatches={m}")
-    if name == "interleaved":
+    if name in LOOPED:
         if stages_per_rank < 2:
-            raise ValueError(f"interleaved needs at least 2 stages per rank, got {stages_per_rank}; "
-                             "with one stage per rank it is 1f1b")
-        if m % p:
-            raise ValueError(f"interleaved sends the microbatches round the ranks in groups of p = {p}: "
-                             f"n_microbatches must be a multiple of {p}, got {m}; use {p * (m // p + 1)}, say")
+            raise ValueError(f"{name} needs at least 2 stages per rank, got {stages_per_rank}; "
+                             f"with one stage per rank it is {LOOPED[name]}")
+        if m % max(1, m // p):
+            below = next(k for k in range(m - 1, 0, -1) if k % max(1, k // p) == 0)
+            above = next(k for k in range(m + 1, 2 * m + p) if k % max(1, k // p) == 0)
+            raise ValueError(f"{name} sends the microbatches round the ranks in max(1, m // p) rounds of equal "
+                             f"size (torch's rule): m = {m} on p = {p} makes {m // p} rounds, which {m} does not "
+                             f"divide; use {below} or {above}")
     if name == "zbv" and m < 2 * p - 1:
         raise ValueError(f"zbv's warm-up runs 2p-1 = {2 * p - 1} forwards of the V's first stage on rank 0: "
                          f"it needs at least {2 * p - 1} microbatches for p = {p}, got {m}")
     if name == "dualpipev" and m < 2 * p:
         raise ValueError(f"dualpipev needs at least 2p = {2 * p} microbatches for p = {p} (its warm-up fills the "
                          f"V's {2 * p} stages), got {m}")
+
+
+def microbatches_per_round(world_size: int, n_microbatches: int) -> int:
+    """g: how many microbatches go round the looped ranks together (interleaved schedules). torch's
+    rule (ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble): max(1, m // p) rounds of equal size,
+    so g = p when p divides m, g = m when m < p, and e.g. 5 for p = 4, m = 10."""
+    return n_microbatches // max(1, n_microbatches // world_size)
 
 
 def gpipe(world_size: int, n_microbatches: int) -> Schedule:
@@ -97,43 +113,49 @@ def one_f_one_b(world_size: int, n_microbatches: int) -> Schedule:
 
 def interleaved(world_size: int, n_microbatches: int, stages_per_rank: int = 2) -> Schedule:
     """Interleaved 1F1B (Megatron-LM): the model cut into p v stages, stage s on rank s % p. Each rank
-    runs 1F1B over its v stages: microbatches go round in groups of p, forwards through its stages
-    first to last, backwards last to first. Each stage is 1/v of a rank's layers, so the bubble's
-    time is divided by v; the warm-up is longer, so a rank keeps more (smaller) activations."""
+    runs 1F1B over its v stages: microbatches go round in groups of g (microbatches_per_round: p when
+    p divides m), forwards through its stages first to last, backwards last to first. Each stage is
+    1/v of a rank's layers, so the bubble's time is divided by v; the warm-up is longer, so a rank
+    keeps more (smaller) activations."""
     check_arguments("interleaved", world_size, n_microbatches, stages_per_rank)
     placement = looped_placement(world_size, stages_per_rank)
     # >>> TODO(m11): interleaved 1F1B's order on every rank
     # Contract: rank r runs v*m forwards and v*m full backwards (kind "B") on its stages r, r+p, r+2p...
-    # Its k-th forward (k from 0) is microbatch (k // (p*v)) * p + k % p on its local stage (k // p) % v;
-    # its k-th backward is the same microbatch on local stage v-1 - (k // p) % v. Warm-up: (v-1)*p +
-    # 2*(p-r-1) forwards, capped at v*m; then pairs F(k + warm-up), B(k); then the backwards left.
+    # The microbatches go round in groups of g = microbatches_per_round(p, m) (g = p when p divides m;
+    # torch's rule otherwise, e.g. g = 6 for p = 4, m = 6). Its k-th forward (k from 0) is microbatch
+    # (k // (g*v)) * g + k % g on its local stage (k // g) % v; its k-th backward is the same microbatch
+    # on local stage v-1 - (k // g) % v. Warm-up: (v-1)*g + 2*(p-r-1) forwards, capped at v*m; then
+    # pairs F(k + warm-up), B(k); then the backwards left.
     # Pitfalls:
     # - local stage j of rank r is stage j*p + r (the looped placement), not r*v + j: the validator says
     #   the rank runs a stage that is not on it;
+    # - a group is g microbatches, not p: the same where p divides m, another order (torch's is the
+    #   reference) where it does not, e.g. p = 4, m = 6;
     # - backwards go through the local stages in reverse (the last stage's backward comes first);
     # - 1F1B's warm-up of p-r-1 is too short here: a rank would run a backward before its own forward
     #   (the validator refuses it). (v-1)p + (p-r-1) runs, and with free messages even has the same
     #   bubble; the p-r-1 more (Megatron-LM's choice, which torch follows and the tests compare with)
     #   keep a rank computing while the first gradients travel back.
     # Hint 1: write forward(k) and backward(k) from the formulas, then 1F1B's three phases over k.
-    # Hint 2: microbatch = (k // (world_size * v)) * world_size + k % world_size;
+    # Hint 2: g = microbatches_per_round(world_size, n_microbatches); microbatch = (k // (g * v)) * g + k % g;
     #         stage = local * world_size + r.
-    # Hint 3: for each rank r: w <- min((v-1)p + 2(p-r-1), v*m)
+    # Hint 3: for each rank r: w <- min((v-1)g + 2(p-r-1), v*m)
     #             order <- forward(0..w-1); for k in 0..vm-w-1: forward(k + w), backward(k)
     #             then backward(vm-w..vm-1)
     orders = []
     v, total = stages_per_rank, stages_per_rank * n_microbatches
+    g = microbatches_per_round(world_size, n_microbatches)
     for r in range(world_size):
         def microbatch(k):
-            return (k // (world_size * v)) * world_size + k % world_size
+            return (k // (g * v)) * g + k % g
 
         def forward(k):
-            return Action(((k // world_size) % v) * world_size + r, "F", microbatch(k))
+            return Action(((k // g) % v) * world_size + r, "F", microbatch(k))
 
         def backward(k):
-            return Action((v - 1 - (k // world_size) % v) * world_size + r, "B", microbatch(k))
+            return Action((v - 1 - (k // g) % v) * world_size + r, "B", microbatch(k))
 
-        warmup = min((v - 1) * world_size + 2 * (world_size - r - 1), total)
+        warmup = min((v - 1) * g + 2 * (world_size - r - 1), total)
         order = [forward(k) for k in range(warmup)]
         for k in range(total - warmup):
             order += [forward(k + warmup), backward(k)]
@@ -183,6 +205,94 @@ def zbh1(world_size: int, n_microbatches: int) -> Schedule:
         orders.append(order + [Action(r, "W", m) for m in range(weights_done, n_microbatches)])
     # <<<
     return Schedule("zbh1", one_stage_per_rank(world_size), orders, n_microbatches)
+
+
+def zbh2(world_size: int, n_microbatches: int) -> Schedule:
+    """ZB-H2 (the zero-bubble paper, section 2.2): ZB-H1 with the warm-up filled with forwards and the
+    cool-down with W's. Rank r runs forwards until its first input gradient can have come back, and
+    holds back W's for its cool-down, so that (at τ_F = τ_I = τ_W, messages free) no rank idles
+    between its first and its last action: the ranks' spans form a parallelogram. Every rank keeps
+    2p-1 microbatches (ZB-H1: p). Idle time (p-1)(τ_F+τ_I-2τ_W) inside the longest rank's span (the
+    paper's bubble, in its notation (p-1)(T_F+T_B-2T_W), its B being our I; it needs the optimizer's
+    synchronisation bypassed), (p-1)·max(τ_F+τ_I-2τ_W, τ_F) per rank in the synchronous step."""
+    check_arguments("zbh2", world_size, n_microbatches)
+    # >>> TODO(m11): ZB-H2's order on every rank
+    # Contract: ZB-H1's shape on stage r: warm-up forwards; then for k = 0..m-1 the next forward (while
+    # one is left), I(k), and the W of the oldest microbatch whose W is pending, except while rank r still
+    # holds back its first W's; then the W's left, oldest first. One F, one I, one W per microbatch.
+    # Two numbers change from ZB-H1:
+    # - the warm-up: ZB-H2 fills the whole gap before rank r's first I with forwards (capped at m);
+    # - the W's held back: as many as rank r's cool-down has gaps to fill, so that it never idles between
+    #   its first and its last action.
+    # The maths: count time in unit actions (τ_F = τ_I = τ_W = 1, messages free). Rank r's first forward
+    # starts at r. Microbatch 0's I on the last rank starts at p and a gradient comes back one rank per
+    # unit: when can rank r's first I start, and how many forwards fit before it (the first round's
+    # forward included)? At the other end: with no idle time inside the spans, rank r ends r units after
+    # rank 0 (it started r units later), while the last gradient reaches it r units before rank 0. How
+    # many more W's than rank 0 must rank r keep for after its last I?
+    # Pitfalls:
+    # - ZB-H1's warm-up (p-r-1): rank r waits for its first gradient, and the idle time inside the ranks'
+    #   spans stays ZB-H1's (p-1)(τ_F+τ_I-τ_W) (the tests compare both conventions with the closed forms);
+    # - one forward too many: every rank keeps 2p microbatches (the tests count 2p-1);
+    # - ZB-H1's r W's held back: the cool-down keeps its gaps; one more than needed: one more microbatch
+    #   kept on every rank for nothing;
+    # - a warm-up not capped at m asks for microbatches that do not exist (m < 2p-1).
+    # Hint 1: ZB-H1's loop with two numbers changed: its warm-up and when its first W runs.
+    # Hint 2: warm-up w = min(2(p-r-1), m) (with the first round's F(w): 2(p-r)-1 forwards before I(0));
+    #         after the k-th I, a W when k >= 2r.
+    # Hint 3: for each rank r: w <- min(2(p-r-1), m); order <- F(0..w-1); done <- 0
+    #             for k in 0..m-1: F(k + w) if it exists; I(k); if k >= 2r: W(done), done += 1
+    #             then W(done..m-1)
+    orders = []
+    for r in range(world_size):
+        warmup = min(2 * (world_size - r - 1), n_microbatches)
+        order = [Action(r, "F", m) for m in range(warmup)]
+        weights_done = 0
+        for k in range(n_microbatches):
+            if k + warmup < n_microbatches:
+                order.append(Action(r, "F", k + warmup))
+            order.append(Action(r, "I", k))
+            if k >= 2 * r:  # rank r keeps its first 2r W's for the cool-down
+                order.append(Action(r, "W", weights_done))
+                weights_done += 1
+        orders.append(order + [Action(r, "W", m) for m in range(weights_done, n_microbatches)])
+    # <<<
+    return Schedule("zbh2", one_stage_per_rank(world_size), orders, n_microbatches)
+
+
+def interleaved_zero_bubble(world_size: int, n_microbatches: int, stages_per_rank: int = 2) -> Schedule:
+    """Interleaved zero bubble (torch.distributed.pipelining's ScheduleInterleavedZeroBubble; the
+    zero-bubble paper's ZB-H1 on interleaved 1F1B's loop). Given code, torch's own rule: the looped
+    placement and interleaved's order of stages and microbatches (groups of g), every B split into I
+    and W; a warm-up of (v-1)g + (p-r-1) forwards (interleaved's, less the p-r-1 forwards it adds while
+    a full backward travels back: an I travels faster); then rounds of F(k + warm-up), I(k) and a W,
+    rank r holding back its first r W's, as ZB-H1 does. Idle per rank, in stage costs (m >= p):
+    (p-1)·max(τ_F+τ_I-τ_W, τ_F, τ_I), ZB-H1's with stages 1/v the size."""
+    check_arguments("interleaved_zb", world_size, n_microbatches, stages_per_rank)
+    v, p, total = stages_per_rank, world_size, stages_per_rank * n_microbatches
+    g = microbatches_per_round(p, n_microbatches)
+    orders = []
+    for r in range(p):
+        def microbatch(k):  # the k-th forward's microbatch, and the k-th input gradient's
+            return (k // (g * v)) * g + k % g
+
+        def forward(k):
+            return Action(((k // g) % v) * p + r, "F", microbatch(k))
+
+        def input_gradient(k):  # backwards visit the local stages last to first
+            return Action((v - 1 - (k // g) % v) * p + r, "I", microbatch(k))
+
+        warmup = min((v - 1) * g + (p - r - 1), total)
+        order, weights_done = [forward(k) for k in range(warmup)], 0
+        for k in range(total):
+            if k + warmup < total:
+                order.append(forward(k + warmup))
+            order.append(input_gradient(k))
+            if k >= r:  # ZB-H1's rule: rank r holds back its first r W's
+                order.append(input_gradient(weights_done)._replace(kind="W"))
+                weights_done += 1
+        orders.append(order + [input_gradient(k)._replace(kind="W") for k in range(weights_done, total)])
+    return Schedule("interleaved_zb", looped_placement(p, v), orders, n_microbatches)
 
 
 def zbv(world_size: int, n_microbatches: int) -> Schedule:
@@ -324,39 +434,47 @@ def dualpipev(world_size: int, n_microbatches: int) -> Schedule:
     return Schedule("dualpipev", placement, orders, n_microbatches)
 
 
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved, "zbh1": zbh1, "zbv": zbv,
-             "dualpipev": dualpipev}
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved, "zbh1": zbh1, "zbh2": zbh2,
+             "interleaved_zb": interleaved_zero_bubble, "zbv": zbv, "dualpipev": dualpipev}
+LOOPED = {"interleaved": "1f1b", "interleaved_zb": "zbh1"}  # take stages_per_rank (v); with v = 1 they are these
 
 
 def make_schedule(name: str, world_size: int, n_microbatches: int, stages_per_rank: int = 2) -> Schedule:
-    """The schedule called `name` (a key of SCHEDULES); stages_per_rank is interleaved's v."""
+    """The schedule called `name` (a key of SCHEDULES); stages_per_rank is the looped schedules' v."""
     check_arguments(name, world_size, n_microbatches, stages_per_rank)
-    if name == "interleaved":
-        return interleaved(world_size, n_microbatches, stages_per_rank)
+    if name in LOOPED:
+        return SCHEDULES[name](world_size, n_microbatches, stages_per_rank)
     return SCHEDULES[name](world_size, n_microbatches)
 
 
 def stages_per_rank_of(name: str, stages_per_rank: int = 2) -> int:
     """How many stages each rank holds in schedule `name`."""
-    return {"interleaved": stages_per_rank, "zbv": 2, "dualpipev": 2}.get(name, 1)
+    return stages_per_rank if name in LOOPED else {"zbv": 2, "dualpipev": 2}.get(name, 1)
 
 
 def idle_per_rank(name: str, world_size: int, n_microbatches: int, costs: Costs = Costs(),
-                  atomic_pairs: bool = False) -> Fraction:
-    """How long each rank idles in one step of `name`, in closed form, with stage costs `costs`
-    (costs.F, costs.I, costs.W are τ_F, τ_I, τ_W; costs.B is τ_B) and free messages (every rank idles
-    the same). The chapter derives each; a ValueError says where a form does not hold. atomic_pairs:
-    DualPipe's row, pairs started together (see simulate_schedule)."""
-    p, m = world_size, n_microbatches
-    check_arguments(name, p, m, stages_per_rank=2)
+                  atomic_pairs: bool = False, stages_per_rank: int = 2) -> Fraction:
+    """How long each rank idles in one synchronous step of `name`, in closed form, with stage costs
+    `costs` (costs.F, costs.I, costs.W are τ_F, τ_I, τ_W; costs.B is τ_B) and free messages (every rank
+    idles the same). The chapter derives each; a ValueError says where a form does not hold.
+    atomic_pairs: DualPipe's row, each pair started as one action of cost τ_F&B (costs.FB; see
+    simulate_schedule); where τ_F&B < τ_F + τ_B the ranks idle differently, and this is the idlest
+    rank's idle time, as DualPipe's table gives it. stages_per_rank: the looped schedules' v."""
+    p, m, v = world_size, n_microbatches, stages_per_rank
+    check_arguments(name, p, m, stages_per_rank)
     if costs.hop:
         raise ValueError("the closed forms assume free messages (τ_hop = 0); simulate a latency instead")
-    if name in ("gpipe", "1f1b", "interleaved"):
+    if name in ("gpipe", "1f1b"):
         return (p - 1) * (costs.F + costs.B)
-    if name == "zbh1":  # (p-1)(τ_F+τ_I-τ_W) while the W's fit in the gaps (τ_W <= τ_F, τ_I)
+    if name == "interleaved":  # with m < p a round is m microbatches: each extra stage waits p - m more
+        return (p - 1 + (v - 1) * max(0, p - m)) * (costs.F + costs.B)
+    if name in ("zbh1", "interleaved_zb"):  # (p-1)(τ_F+τ_I-τ_W) while the W's fit in the gaps (τ_W <= τ_F, τ_I)
         if m < p:
-            raise ValueError("zbh1's closed form needs m >= p: with fewer microbatches too few W's fill the cool-down")
+            raise ValueError(f"{name}'s closed form needs m >= p: with fewer microbatches too few W's fill the cool-down")
         return (p - 1) * max(costs.F + costs.I - costs.W, costs.F, costs.I)
+    if name == "zbh2":
+        _check_zbh2_form(p, m, costs)
+        return (p - 1) * max(costs.F + costs.I - 2 * costs.W, costs.F)  # the last rank starts (p-1) τ_F late
     if name == "zbv":
         if not costs.F == costs.I == costs.W:
             raise ValueError("zbv's closed form holds for τ_F = τ_I = τ_W, the costs it is designed for; simulate others")
@@ -365,17 +483,48 @@ def idle_per_rank(name: str, world_size: int, n_microbatches: int, costs: Costs 
         if not (costs.F == costs.I and costs.W <= costs.F):
             raise ValueError("dualpipev's closed form holds for τ_F = τ_I and τ_W <= τ_F; simulate other costs")
         # DualPipe's table, in its notation: (PP/2 - 1)(F&B + B - 3W) with PP = 2p stages; in ours,
-        # (p-1)(τ_F&B + τ_B - 3 τ_W) with τ_F&B = τ_F + τ_B. Run one after the other, a pair's F goes
-        # ahead while its B waits for a gradient: τ_I less per hop.
+        # (p-1)(τ_F&B + τ_B - 3 τ_W). Run one after the other (τ_F&B = τ_F + τ_B, not started together),
+        # a pair's F goes ahead while its B waits for a gradient: τ_I less per hop.
         if atomic_pairs:
-            return (p - 1) * (costs.F + 2 * costs.B - 3 * costs.W)
+            if not max(costs.F, costs.B) <= costs.pair <= costs.F + costs.B:
+                raise ValueError("an overlapped pair takes at least its longer half and at most both: "
+                                 "max(τ_F, τ_B) <= τ_F&B <= τ_F + τ_B")
+            return (p - 1) * (costs.pair + costs.B - 3 * costs.W)
         return (p - 1) * (costs.F + costs.I - costs.W)
     raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
+
+
+def longest_span_idle(name: str, world_size: int, n_microbatches: int, costs: Costs = Costs(),
+                      stages_per_rank: int = 2) -> Fraction:
+    """The zero-bubble paper's convention: the idle time inside the longest of the ranks' own spans
+    (each rank's first action to its last), as when the optimizer's synchronisation is bypassed and
+    each rank steps as soon as its own work is done. ZB-H2 and ZB-V are built so that no rank idles
+    inside its span; every other schedule here keeps rank 0 busy from the step's start to its end, so
+    its longest span is the step and this is idle_per_rank."""
+    p, m = world_size, n_microbatches
+    if name == "zbh2":
+        check_arguments(name, p, m)
+        _check_zbh2_form(p, m, costs)
+        return (p - 1) * (costs.F + costs.I - 2 * costs.W)
+    if name == "zbv":
+        idle_per_rank(name, p, m, costs)  # the same conditions (τ_F = τ_I = τ_W)
+        return Fraction(0)
+    return idle_per_rank(name, p, m, costs, stages_per_rank=stages_per_rank)
+
+
+def _check_zbh2_form(p: int, m: int, costs: Costs):
+    if m < 2 * p - 1:
+        raise ValueError(f"zbh2's closed form needs m >= 2p-1 = {2 * p - 1}: its warm-up runs 2p-1 forwards on rank 0")
+    if costs.hop or not costs.W <= min(costs.F, costs.I):
+        raise ValueError("zbh2's closed form holds for τ_W <= τ_F, τ_I and free messages; simulate other costs")
 
 
 def bubble_formula(name: str, world_size: int, n_microbatches: int, costs: Costs = Costs(),
                    stages_per_rank: int = 2, atomic_pairs: bool = False) -> Fraction:
     """The idle fraction of a step: idle / (compute + idle), with compute = m v (τ_F + τ_B) per rank."""
+    if atomic_pairs and costs.pair != costs.F + costs.B:
+        raise ValueError("with overlapped pairs (τ_F&B < τ_F + τ_B) each rank computes and idles differently; "
+                         "simulate the step, or take idle_per_rank's idlest rank")
     compute = n_microbatches * stages_per_rank_of(name, stages_per_rank) * (costs.F + costs.B)
-    idle = idle_per_rank(name, world_size, n_microbatches, costs, atomic_pairs)
+    idle = idle_per_rank(name, world_size, n_microbatches, costs, atomic_pairs, stages_per_rank)
     return idle / (compute + idle)

@@ -126,3 +126,49 @@ def test_simulator_runs_pairs_together_only_when_asked():
         assert start[(0, "B", 0)] == (end[(3, "F", 1)] if together else end[(1, "B", 0)])
     assert simulate_schedule(orders, (0, 1, 1, 0), atomic_pairs=True).makespan == 24
     assert simulate_schedule(orders, (0, 1, 1, 0)).makespan == 22
+
+
+def test_an_overlapped_pair_runs_as_one_action_of_its_own_cost():
+    # The V over two ranks above, rank 0's "3F1 0B0" a pair: with τ_F&B = 2 < τ_F + τ_B = 3 it starts when
+    # both have their inputs and lasts 2, drawn as its F then its B scaled by 2/3, one outline round both.
+    orders = [[(0, "F", 0), (3, "F", 0), (0, "F", 1), (3, "B", 0), (3, "F", 1), (0, "B", 0), (3, "B", 1), (0, "B", 1)],
+              [(1, "F", 0), (2, "F", 0), (1, "F", 1), (2, "B", 0), (2, "F", 1), (1, "B", 0), (2, "B", 1), (1, "B", 1)]]
+    plain = simulate_schedule(orders, (0, 1, 1, 0), atomic_pairs=True)
+    overlapped = simulate_schedule(orders, (0, 1, 1, 0), Costs(FB=Fraction(2)), atomic_pairs=True)
+    spans = {a: (s, e) for rank in overlapped.spans for a, s, e in rank}
+    start, end = spans[(3, "F", 1)][0], spans[(0, "B", 0)][1]
+    assert end - start == 2 and spans[(3, "F", 1)][1] - start == Fraction(2, 3), spans
+    assert overlapped.makespan < plain.makespan == 24, (overlapped.makespan, plain.makespan)
+    drawn = overlapped.as_profiles()[0]["spans"]
+    assert [s["pair"] for s in drawn] == [False, False, True, True, True, True, False, False], drawn  # 0F1 3B0, 3F1 0B0
+    assert Costs().pair == 3 and Costs(FB=Fraction(5, 2)).pair == Fraction(5, 2)
+
+
+def test_the_chapters_conventions_table_is_the_simulators():
+    """docs/11's table of published bubbles: every number in it is what course/bubble.py's PUBLISHED
+    evaluates to, the published formula and the simulator read in the source's convention; and the
+    two agree on every row but the one the chapter explains."""
+    from course import REPO
+    from course.bubble import PUBLISHED, conventions_table, in_convention
+
+    chapter = (REPO / "docs" / "11-schedules-as-data.md").read_text()
+    assert conventions_table() in chapter, \
+        "docs/11-schedules-as-data.md's conventions table is not course.bubble.conventions_table()'s: regenerate it"
+    for row in PUBLISHED:
+        simulated = in_convention(row.timeline(), row.convention)
+        assert (simulated == row.published()) == row.agrees, \
+            f"{row.source}, {row.figure}: published {row.published()}, the simulator {simulated} ({row.convention})"
+
+
+def test_the_span_bubble_of_a_run_reads_like_the_simulators():
+    """summarize's span_idle (measured profiles) and in_convention's "span rate" (a simulated timeline)
+    are the same reading: on a simulated timeline drawn as profiles they agree."""
+    from course.bubble import in_convention, summarize
+
+    generators = reference("m11_generators")
+    for name in ("zbh2", "zbh1", "zbv"):
+        schedule = generators.make_schedule(name, 4, 8)
+        timeline = simulate_schedule(schedule.orders, schedule.placement)
+        summary = summarize(timeline.as_profiles(), skip_first=False)
+        assert summary["span_idle"] == pytest.approx(float(in_convention(timeline, "span rate"))), name
+        assert summary["idle"] == pytest.approx(float(timeline.bubble)), name

@@ -1,6 +1,7 @@
 """Module 11 benchmark: every schedule's bubble measured on the emulated device, simulated and by
-formula; peak live activations per rank measured and simulated; and our executor against
-torch.distributed.pipelining's same schedule (step time, losses and gradients).
+formula, in the synchronous step and within each rank's own span; peak live activations per rank
+measured and simulated; and our executor against torch.distributed.pipelining's same schedule (step
+time, losses and gradients; torch has every schedule but ZB-H2).
 
     python main.py bench 11                       # p in {2, 4}, m in {4, 8}, every schedule: ~5 min on 2 cores
     python main.py bench 11 --nproc 4 --microbatches 8 --schedules zbv dualpipev --emulate-ms 8
@@ -9,10 +10,12 @@ Runs on CPU ranks in emulated-device mode (course.emulated.EmulatedSplitStage: e
 --emulate-ms in F, in I and in W, so τ_F = τ_I = τ_W per stage and every closed form holds). Ours trains
 in module 11's train (module 05's loop, keeping the first step's gradients through its `on_step`);
 torch runs the same layers with the same sleeps (course/reference_pipelining.py). A step lasts from the first
-rank's start to the last rank's end; bubble = the ranks' mean idle fraction in that step. Of the
-steps after the first (which pays for warm-up), each row reports the fastest, for ours and torch's
-alike: the one least disturbed by other work on a shared machine. Rows a schedule cannot serve (zbv
-needs m >= 2p-1, dualpipev m >= 2p, interleaved a multiple of p) are left out.
+rank's start to the last rank's end; bubble = the ranks' mean idle fraction in that step. span_bubble
+= 1 - the ranks' mean compute / the longest rank's own span (first compute to last): the zero-bubble
+paper's convention, as if the optimizer did not wait for every rank. Of the steps after the first
+(which pays for warm-up), each row reports the fastest, for ours and torch's alike: the one least
+disturbed by other work on a shared machine. Rows a schedule cannot serve (zbv needs m >= 2p-1,
+dualpipev m >= 2p, the looped schedules an m that max(1, m // p) divides) are left out, said once.
 """
 from __future__ import annotations
 
@@ -85,7 +88,7 @@ def _duration(steps_per_rank, step: int) -> float:
 
 
 def run(name, world_size, n_microbatches, steps, emulate_ms, stages_per_rank) -> dict:
-    from course.reference_pipelining import run_torch_schedule
+    from course.reference_pipelining import TORCH_SCHEDULES, run_torch_schedule
 
     schedule = reference("m11_generators").make_schedule(name, world_size, n_microbatches, stages_per_rank)
     ours = run_ranks(_ours, world_size, name, n_microbatches, steps, emulate_ms, stages_per_rank, timeout=300)
@@ -96,8 +99,12 @@ def run(name, world_size, n_microbatches, steps, emulate_ms, stages_per_rank) ->
     row = {"p": world_size, "m": n_microbatches, "schedule": name, "bubble": rows["summary"]["idle"],
            "simulated": rows["simulated"], "formula": "n/a" if rows["formula"] is None else rows["formula"],
            "diff_pp": 100 * (rows["summary"]["idle"] - rows["simulated"]),
+           "span_bubble": rows["summary"]["span_idle"], "span_sim": rows["span_simulated"],
            "peak_live": "/".join(map(str, rows["peak_measured"])), "peak_sim": "/".join(map(str, rows["peak_simulated"])),
            "step_ms": 1e3 * rows["summary"]["step_s"]}
+    if name not in TORCH_SCHEDULES:
+        row.update(torch_step_ms="n/a", ours_over_torch="n/a", same_as_torch="n/a (not in torch)")
+        return row
     try:
         theirs = run_ranks(run_torch_schedule, world_size, name, world_size, n_microbatches, steps, emulate_ms,
                            stages_per_rank, timeout=300)
@@ -118,7 +125,7 @@ def main(argv):
     parser.add_argument("--nproc", dest="world_sizes", type=int, nargs="+", default=[2, 4], help="pipeline ranks, p")
     parser.add_argument("--microbatches", "--chunks", type=int, nargs="+", default=[4, 8], help="microbatches, m")
     parser.add_argument("--schedules", nargs="+", default=list(gen.SCHEDULES), choices=list(gen.SCHEDULES))
-    parser.add_argument("--stages-per-rank", type=int, default=2, help="interleaved's v")
+    parser.add_argument("--stages-per-rank", type=int, default=2, help="the looped schedules' v (interleaved, interleaved_zb)")
     parser.add_argument("--steps", type=int, default=3, help="steps per run; the first is not timed")
     # A message and its wake-up cost about 1.5 ms on 4 ranks sharing 2 cores: at 16 ms per layer
     # that is within 2 points of the simulator's free messages (at 4 ms, 2.5-4.7 points off).
@@ -138,10 +145,12 @@ def main(argv):
         print(f"  measured p={world_size} m={n_microbatches} {name}", flush=True)
     notes = (f"emulated device: {args.emulate_ms:g} ms per layer in F, in I and in W (τ_B = τ_I + τ_W); {args.steps} steps "
              "per run, the first not timed; each row's step (ours, and torch's) is the fastest of the others. "
-             "bubble = the ranks' mean idle fraction, measured; simulated = the "
+             "bubble = the ranks' mean idle fraction of the synchronous step, measured; simulated = the "
              "schedule simulator at the emulated stage costs; formula = the chapter's closed form; diff_pp = "
-             f"measured - simulated, in points. peak_live: most (stage, microbatch) activations kept per rank. "
-             f"interleaved: v = {args.stages_per_rank}. same_as_torch: losses within 1e-6, gradients within 1e-5.")
+             "measured - simulated, in points. span_bubble / span_sim = 1 - mean compute / the longest rank's own "
+             "span, measured / simulated (the zero-bubble paper's convention). peak_live: most (stage, microbatch) "
+             f"activations kept per rank. interleaved, interleaved_zb: v = {args.stages_per_rank}. same_as_torch: "
+             "losses within 1e-6, gradients within 1e-5.")
     report("bench-11", "Module 11: every schedule's bubble measured vs simulated vs formula, and ours vs "
            "torch.distributed.pipelining", rows, notes=notes)
 

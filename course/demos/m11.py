@@ -20,7 +20,7 @@ from course.validate import validate
 def add_args(parser: argparse.ArgumentParser):
     schedules = reference("m11_generators").SCHEDULES
     parser.add_argument("--schedule", default="zbv", help=f"one of {', '.join(schedules)} (default zbv)")
-    parser.add_argument("--stages-per-rank", type=int, default=2, help="interleaved's v (default 2)")
+    parser.add_argument("--stages-per-rank", type=int, default=2, help="interleaved's and interleaved_zb's v (default 2)")
     # As in run 05: on 4 ranks sharing 2 cores a message and its wake-up cost about 1.5 ms, so a
     # layer's emulated time must be large beside that for the bubble to be the schedule's.
     add_run_options(parser, 16.0, "extra ms per layer in F, in I and in W", "m11-trace")
@@ -88,3 +88,6 @@ def report(profiles, schedule, costs, args):
     print(f" all  {rows['summary']['step_s'] * 1e3:8.2f}  {'':>10}  {rows['summary']['idle']:6.1%}  "
           f"(simulated {rows['simulated']:.1%}, closed form "
           + ("n/a here" if rows["formula"] is None else f"{rows['formula']:.1%}") + ")")
+    print(f"per-rank-span bubble (the zero-bubble paper's: 1 - compute / the longest rank's own span, as if the "
+          f"optimizer did not wait for every rank): {rows['summary']['span_idle']:.1%} (simulated "
+          f"{rows['span_simulated']:.1%})")
