@@ -45,6 +45,10 @@ def test_the_site_builds_without_a_warning(site):
     expected += [f"docs/{p.stem}.html" for p in (REPO / "docs").glob("[0-9][0-9]-*.md")]
     expected += [f"notebooks/{p.stem}.html" for p in (REPO / "notebooks").glob("*.ipynb")]
     assert not [page for page in expected if not (folder / page).is_file()], "pages missing from the site"
+    maths = [page for page in folder.rglob("*.html") if 'class="math' in page.read_text()]
+    assert folder / "explorer.html" in maths, "the explorer's page has no maths (its formula is the bubble's)"
+    untypeset = [page.name for page in maths if "_static/katex/katex.min.js" not in page.read_text()]
+    assert not untypeset, f"pages with maths that do not load KaTeX: {untypeset}"
 
 
 def test_no_asset_from_outside_and_every_link_resolves(site):

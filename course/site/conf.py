@@ -47,7 +47,9 @@ def setup(app):
 
 
 def add_katex(app, pagename, templatename, context, doctree):
-    if context.get("has_maths_elements"):
+    has_maths = context["has_maths_elements"] if "has_maths_elements" in context else (  # Sphinx >= 8.2
+        doctree is not None and app.env.get_domain("math").has_equations(pagename))
+    if has_maths:
         app.builder.add_css_file("katex/katex.min.css")
         for script in ("katex/katex.min.js", "katex/auto-render.min.js", "katex-typeset.js"):
             app.builder.add_js_file(script, defer="defer")

@@ -26,16 +26,20 @@
     return node;
   }
 
-  // The choice: the address's, where it is one of the grid's values, else the default.
+  // The choice: the address's, where it is one of the grid's values, else the default; returns what was
+  // asked for and is not in the grid.
   function readAddress() {
     const query = new URLSearchParams(window.location.search);
     const allowed = {schedule: index.schedules.map((s) => s.name), p: index.grid.p, m: index.grid.m,
                      v: index.grid.v, F: index.grid.costs, I: index.grid.costs, W: index.grid.costs};
+    const outside = [];
     for (const name of CHOICES) {
       const value = name === "schedule" ? query.get(name) : Number(query.get(name));
       state[name] = query.has(name) && allowed[name].includes(value) ? value : index.default[name];
+      if (query.has(name) && state[name] !== value) outside.push(`${name} = ${query.get(name)}`);
     }
     if (!info[state.schedule]) state.schedule = index.schedules[0].name;
+    return outside;
   }
 
   function writeAddress() {
@@ -142,7 +146,7 @@
     const compute = state.m * stagesPerRank * (state.F + tauB);
     const form = data.form ? `${data.form} = ` : "";
     box.append(element("p", {}, "Closed form (", element("code", {}, "idle_per_rank"), ", ",
-                       element("code", {}, "bubble_formula"), "), with τ_B = τ_I + τ_W = ", String(tauB), ":"));
+                       element("code", {}, "bubble_formula"), "), with ", math(`\\tau_B = \\tau_I + \\tau_W = ${tauB}`), ":"));
     box.append(math(`\\text{idle} = ${form}${texFraction(run.closed.idle)}, \\qquad \\text{bubble} = ` +
                     `\\frac{\\text{idle}}{m\\,v\\,(\\tau_F+\\tau_B) + \\text{idle}} = ` +
                     `\\frac{${texFraction(run.closed.idle)}}{${compute} + ${texFraction(run.closed.idle)}} = ` +
@@ -221,7 +225,7 @@
   }
 
   function start() {
-    readAddress();
+    const outside = readAddress();
     const root = document.getElementById("explorer");
     const costs = (kind) => select(kind, element("span", {}, "τ", element("sub", {}, kind)), index.grid.costs);
     root.replaceChildren(
@@ -231,6 +235,8 @@
         element("span", {id: "v-fixed", class: "v-fixed"}),
         costs("F"), costs("I"), costs("W")),
       element("p", {id: "schedule-summary", class: "schedule-summary"}),
+      element("p", {id: "outside-grid", class: "refused"}, outside.length ? `Not in the grid the site was built with: ` +
+              `${outside.join(", ")}; shown with the default value instead.` : ""),
       element("p", {id: "explorer-status", "data-ready": "0"}, "loading..."),
       element("div", {id: "explorer-output"}));
     update();
