@@ -41,7 +41,7 @@ def script_data(path) -> dict:
 def test_the_site_builds_without_a_warning(site):
     folder, warnings = site
     assert not warnings, "Sphinx warned (a link to a page that is not there is one):\n" + "\n".join(warnings)
-    expected = ["index.html", "explorer.html", "timelines.html", "docs/glossary.html"]
+    expected = ["index.html", "explorer.html", "memory.html", "timelines.html", "docs/glossary.html"]
     expected += [f"docs/{p.stem}.html" for p in (REPO / "docs").glob("[0-9][0-9]-*.md")]
     expected += [f"notebooks/{p.stem}.html" for p in (REPO / "notebooks").glob("*.ipynb")]
     assert not [page for page in expected if not (folder / page).is_file()], "pages missing from the site"
@@ -81,6 +81,21 @@ def test_the_explorer_has_every_schedule_of_module_11_as_the_simulator_times_it(
     assert run["start"] == [[start for _, start, _ in spans] for spans in timeline.spans]
     assert zbv["refused"]["4,4,2"].startswith("zbv's warm-up"), "a refusal keeps check_arguments' reason"
     assert Fraction(run["closed"]["bubble"]) == generators.bubble_formula("zbv", 4, 8)
+
+
+def test_the_memory_explorer_has_module_13s_bytes(site):
+    import torch
+
+    costs, cfg = reference("m13_costs"), reference("m06_llama_block").LlamaConfig()
+    data = json.loads((site[0] / "_static" / "memory" / "data.js").read_text().partition(" = ")[2].rstrip().rstrip(";"))
+    table = data["models"][0]["table"]["float32,4,2"]  # 4 ranks, 2 sequences per data rank
+    state = costs.state_bytes(cfg, 2, 2, torch.float32)
+    mesh = table["2x2"]
+    assert (mesh["parameters"], mesh["gradients"], mesh["optimizer"]) == (state.parameters, state.gradients,
+                                                                          state.optimizer)
+    assert mesh["activations"] == cfg.n_layers * costs.block_activation_bytes(cfg, 4, 2, 2, torch.float32)
+    assert mesh["sent"]["stream"] == costs.step_traffic(cfg, 4, 2, 2, torch.float32).stream
+    assert table["1x4"]["refused"].startswith("mesh 1x4 does not fit"), "t = 4 does not divide 2 key/value heads"
 
 
 def test_the_explorer_formulas_are_the_closed_forms_of_module_11():

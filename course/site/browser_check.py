@@ -6,7 +6,8 @@ opening results/site/index.html would, and is driven through its DevTools protoc
 On every page: no console error, no uncaught exception, no failed request and no request out of the site;
 every image drawn; every link into the site reaching a file that exists; the maths typeset by KaTeX (no
 TeX left unrendered, no KaTeX error). A notebook page shows its outputs (a plot). The explorer, opened at
-a few (schedule, p, m) through its address, shows the bubble the course's simulator gives. Screenshots of
+a few (schedule, p, m) through its address, shows the bubble the course's simulator gives; the memory
+explorer shows the bytes module 13's cost functions give. Screenshots of
 a chapter, a notebook and the explorer go to results/site-screenshots/.
 """
 from __future__ import annotations
@@ -52,6 +53,9 @@ INSPECT = """(() => {
   };
 })()"""
 EXPLORER_READY = "document.getElementById('explorer-status')?.dataset.ready"
+MEMORY_READY = "document.getElementById('memory-status')?.dataset.ready"
+MEMORY_READ = "Object.fromEntries(Array.from(document.querySelectorAll('#memory-table tr[data-mesh]'))" \
+              ".map((row) => [row.dataset.mesh, row.dataset.kept]))"
 EXPLORER_READ = """(() => ({
   config: document.getElementById('explorer-output').dataset.config,
   bubble: document.getElementById('bubble-simulated')?.dataset.value,
@@ -245,13 +249,39 @@ def check_explorer(browser: Browser, site: Path) -> tuple[int, list[str]]:
     return checked, problems
 
 
+def check_memory(browser: Browser, site: Path) -> tuple[int, list[str]]:
+    """The memory explorer, opened at 4 ranks of the course's Llama in float32, one sequence per data rank,
+    shows for each mesh the bytes kept that module 13's cost functions give (no mesh refused)."""
+    import torch
+
+    from course.impl import reference
+
+    costs, cfg = reference("m13_costs"), reference("m06_llama_block").LlamaConfig()
+    where = "memory.html?model=0&dtype=float32&ranks=4&sequences=1"
+    problems = [f"{where}: {p}" for p in browser.open(f"{(site / 'memory.html').as_uri()}?{where.split('?')[1]}",
+                                                       MEMORY_READY)]
+    shown = browser.evaluate(MEMORY_READ)
+    for d, t in ((4, 1), (2, 2), (1, 4)):
+        try:
+            reference("m13_llama_2d").check_mesh_fits(cfg, d, t, d)
+            kept = str(costs.state_bytes(cfg, d, t, torch.float32).total
+                       + cfg.n_layers * costs.block_activation_bytes(cfg, d, d, t, torch.float32))
+        except ValueError:
+            kept = ""  # refused: the row says why
+        if shown.get(f"{d}x{t}") != kept:
+            problems.append(f"{where}: mesh {d}x{t} keeps {shown.get(f'{d}x{t}')!r} bytes on the page, "
+                            f"module 13's formulas give {kept!r} ('': the mesh does not fit)")
+    print(f"  {'ok  ' if not problems else 'FAIL'} {where}: bytes kept {shown}", flush=True)
+    return 1, problems
+
+
 def check_pages(browser: Browser, site: Path) -> tuple[int, list[str]]:
     pages = sorted(p for p in site.rglob("*.html") if not p.relative_to(site).parts[0].startswith("_")
                    and p.name not in ("search.html", "genindex.html"))
     problems, plots = [], 0
     for page in pages:
         where = str(page.relative_to(site))
-        ready = EXPLORER_READY if page.name == "explorer.html" else None
+        ready = {"explorer.html": EXPLORER_READY, "memory.html": MEMORY_READY}.get(page.name)
         found = browser.open(page.as_uri(), ready)
         seen = browser.evaluate(INSPECT)
         found += [f"image not drawn: {src}" for src in seen["broken_images"]]
@@ -295,11 +325,13 @@ def check(site: Path) -> int:
         print(f"browser check: {executable}, pages of {site}")
         n_pages, found = check_pages(browser, site)
         n_cases, more = check_explorer(browser, site)
+        n_memory, on_memory = check_memory(browser, site)
     finally:
         browser.close()
-    problems += found + more
+    problems += found + more + on_memory
+    n_cases += n_memory
     print("\n".join(["", *problems]) if problems else "",
-          f"browser check: {n_pages} pages and {n_cases} explorer configurations in "
+          f"browser check: {n_pages} pages and {n_cases} explorers' configurations in "
           f"{time.perf_counter() - started:.0f} s; screenshots in {SCREENSHOTS}", sep="\n")
     failed = len({p.split(":")[0] for p in problems})
     print(f"browser-check: {n_pages + n_cases - failed} passed, {failed} failed")

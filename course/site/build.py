@@ -3,7 +3,8 @@
 Sphinx (with MyST-NB and the book theme, configured in conf.py beside this file) renders a staged copy of
 the course: the chapters of docs/ and the glossary, the notebooks with their outputs (notebooks.py: the
 copies the test suite executed, or executed here), the home page with the two tracks (pages.py), the
-schedule explorer and its data (explorer.py) and the timelines of module 11's schedules (timelines.py).
+schedule explorer and its data (explorer.py), the memory explorer's (memory.py) and the timelines of
+module 11's schedules (timelines.py).
 Nothing on a page comes from the network: open results/site/index.html, or serve the folder with
 `python -m http.server -d results/site`.
 """
@@ -21,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from course import REPO, RESULTS
-from course.site import explorer, notebooks, pages, timelines
+from course.site import explorer, memory, notebooks, pages, timelines
 
 SITE = RESULTS / "site"
 HERE = Path(__file__).resolve().parent
@@ -66,10 +67,12 @@ def stage(source: Path, execute: str, grid: explorer.Grid) -> Path:
                 cell.source = pages.link_pages(cell.source, "notebooks", staged)
         nbformat.write(nb, source / "notebooks" / notebook.name)
     (source / "index.md").write_text(pages.home_page(chapters, nbs))
-    shutil.copyfile(HERE / "explorer.md", source / "explorer.md")
+    for page in ("explorer.md", "memory.md"):
+        shutil.copyfile(HERE / page, source / page)
     (source / "timelines.md").write_text(timelines.write_timelines(source / "timelines"))
     generated = source.parent / "generated"
     explorer.write_explorer_data(generated / "explorer", grid)
+    memory.write_memory_data(generated / "memory")
     return generated
 
 

@@ -17,6 +17,7 @@ TRACK = re.compile(r"^- \*\*(?P<name>[^*(]+?) track \(modules (?P<modules>[\d ,-
 FENCE = re.compile(r"^```.*?^```", re.M | re.S)
 PAGE_SPAN = re.compile(r"(?<!\[)`((?:docs|notebooks)/[\w.-]+\.(?:md|ipynb))`")
 EXPLORER_CHAPTERS = ("05", "11")  # the chapters whose schedules the explorer draws
+MEMORY_CHAPTERS = ("07", "12", "13")  # the chapters whose meshes the memory explorer draws
 
 
 def tracks(readme: str) -> list[tuple[str, list[str], str]]:
@@ -69,6 +70,9 @@ def chapter_page(chapter: Path, notebook: Path | None, staged: set[str]) -> str:
     if chapter.name[:2] in EXPLORER_CHAPTERS:
         extra.append("- The [schedule explorer](../explorer.md): any schedule of module 11 at any p, m, v and "
                      "costs of its grid, and the [timelines](../timelines.md) of all of them at p = 4, m = 8.")
+    if chapter.name[:2] in MEMORY_CHAPTERS:
+        extra.append("- The [memory explorer](../memory.md): what one rank keeps and sends on every d x t mesh, "
+                     "from module 13's cost formulas (d x 1 is FSDP, 1 x t tensor parallelism).")
     if extra:
         text += "\n---\n\n**On this site:**\n\n" + "\n".join(extra) + "\n"
     if notebook is not None:
@@ -83,7 +87,8 @@ def home_page(chapters: dict[str, Path], notebooks: dict[str, Path]) -> str:
     lines = ["# Distributed LLM training, built by hand", "", intro, "",
              "The chapters are the course's `docs/`, the notebooks its `notebooks/` with the outputs of a run "
              "on CPU. The [schedule explorer](explorer.md) shows every schedule of module 11 as the course's "
-             "simulator times it; the [glossary](docs/glossary.md) names every quantity. To take the course, "
+             "simulator times it, the [memory explorer](memory.md) what a rank of module 13's 2-D model keeps and "
+             "sends on every mesh; the [glossary](docs/glossary.md) names every quantity. To take the course, "
              "clone it and run `pip install -r requirements.txt && python main.py`.", ""]
     toctrees, placed = [], set()
     for name, numbers, text in tracks(readme):
@@ -107,5 +112,5 @@ def home_page(chapters: dict[str, Path], notebooks: dict[str, Path]) -> str:
     for caption, numbers in toctrees:
         entries = "\n".join(f"docs/{chapters[n].stem}" for n in numbers)
         lines += ["```{toctree}", f":caption: {caption}", ":hidden:", "", entries, "```", ""]
-    lines += ["```{toctree}", ":caption: Explore", ":hidden:", "", "explorer", "timelines", "docs/glossary", "```", ""]
+    lines += ["```{toctree}", ":caption: Explore", ":hidden:", "", "explorer", "timelines", "memory", "docs/glossary", "```", ""]
     return "\n".join(lines)
