@@ -83,12 +83,16 @@ class Browser:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True)
         self.messages, self.events = queue.Queue(), []
         threading.Thread(target=self._read, daemon=True).start()
-        target = self.send("Target.createTarget", url="about:blank")["targetId"]
-        self.session = self.send("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
-        for domain in ("Page", "Runtime", "Log", "Network"):
-            self.send(f"{domain}.enable", session=True)
-        self.send("Emulation.setDeviceMetricsOverride", session=True, width=1280, height=1800, deviceScaleFactor=1,
-                  mobile=False)  # a laptop's window: the pages are laid out, and screenshots taken, at this width
+        try:
+            target = self.send("Target.createTarget", url="about:blank")["targetId"]
+            self.session = self.send("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
+            for domain in ("Page", "Runtime", "Log", "Network"):
+                self.send(f"{domain}.enable", session=True)
+            self.send("Emulation.setDeviceMetricsOverride", session=True, width=1280, height=1800,
+                      deviceScaleFactor=1, mobile=False)  # a laptop's window: pages laid out, and shot, this wide
+        except BaseException:
+            self.close()
+            raise
 
     def _read(self):
         buffer = b""
@@ -276,8 +280,7 @@ def check_memory(browser: Browser, site: Path) -> tuple[int, list[str]]:
 
 
 def check_pages(browser: Browser, site: Path) -> tuple[int, list[str]]:
-    pages = sorted(p for p in site.rglob("*.html") if not p.relative_to(site).parts[0].startswith("_")
-                   and p.name not in ("search.html", "genindex.html"))
+    pages = sorted(p for p in site.rglob("*.html") if not p.relative_to(site).parts[0].startswith("_"))
     problems, plots = [], 0
     for page in pages:
         where = str(page.relative_to(site))

@@ -41,8 +41,12 @@ def executed_notebooks(execute: str) -> dict[Path, Path | None]:
     to_run = [nb for nb, copy in found.items() if copy is None] if execute != "none" else []
     if to_run:
         print(f"site: executing {len(to_run)} notebook(s) (the test suite's copies are used where current)...", flush=True)
-        with ThreadPoolExecutor(max_workers=2) as pool:
+        pool = ThreadPoolExecutor(max_workers=2)
+        try:
             found.update(zip(to_run, pool.map(notebooks.execute, to_run)))
+        finally:  # after Ctrl-C or a failure too: no notebook left running, none started
+            pool.shutdown(wait=False, cancel_futures=True)
+            notebooks.stop_running()
     return found
 
 

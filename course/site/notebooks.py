@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -56,15 +57,42 @@ def executed_copy(notebook: Path) -> Path | None:
 
 def execute(notebook: Path, timeout: float = 900) -> Path:
     """Run `notebook` top to bottom and keep the executed copy; a RuntimeError with the end of the error
-    (nbclient's names the cell that failed) if it does not run to the end."""
+    (nbclient's names the cell that failed) if it does not run to the end. The run has a session of its
+    own, so that `stop_running` can end it with its kernel."""
     EXECUTED.mkdir(parents=True, exist_ok=True)
     executed = EXECUTED / notebook.name
     partial = executed.with_suffix(".partial")
-    proc = subprocess.run([sys.executable, "-c", EXECUTE, str(notebook), str(partial), str(notebook.parent)],
-                          env={**os.environ, "COURSE_IMPL": "solutions"}, capture_output=True, text=True,
-                          timeout=timeout)
+    proc = subprocess.Popen([sys.executable, "-c", EXECUTE, str(notebook), str(partial), str(notebook.parent)],
+                            env={**os.environ, "COURSE_IMPL": "solutions"}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    RUNNING.add(proc)
+    try:
+        _, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        stderr = f"stopped after {timeout:.0f} s"
+    finally:
+        stop(proc)
     if proc.returncode or not partial.exists():
         partial.unlink(missing_ok=True)
-        raise RuntimeError(f"{notebook.name} did not run to the end:\n{proc.stderr[-3000:]}")
+        raise RuntimeError(f"{notebook.name} did not run to the end:\n{stderr[-3000:]}")
     partial.replace(executed)
     return executed
+
+
+RUNNING: set[subprocess.Popen] = set()  # the notebooks being executed, each the leader of its process group
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """End a notebook's run and its kernel, if they are still running."""
+    RUNNING.discard(proc)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def stop_running() -> None:
+    """End every notebook still running (after Ctrl-C, or another notebook's failure)."""
+    for proc in list(RUNNING):
+        stop(proc)
