@@ -51,8 +51,8 @@ def executed_notebooks(execute: str) -> dict[Path, Path | None]:
 
 
 def stage(source: Path, execute: str, grid: explorer.Grid) -> Path:
-    """Lay out Sphinx's source folder: docs/, notebooks/, index, explorer, timelines; return the folder
-    of generated static files (the explorer's data)."""
+    """Lay out Sphinx's source folder: docs/, notebooks/, the home page, the explorers and the timelines;
+    return the folder of generated static files (the explorers' data)."""
     import nbformat
 
     chapters, nbs = module_files(REPO / "docs", ".md"), module_files(notebooks.NOTEBOOKS, ".ipynb")

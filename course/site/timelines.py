@@ -4,7 +4,6 @@ and traces `python main.py run 05` and `run 11` make of measured runs.
 """
 from __future__ import annotations
 
-from fractions import Fraction
 from pathlib import Path
 
 from course.impl import reference
@@ -41,7 +40,7 @@ def write_timelines(folder: Path) -> str:
         chrome_trace(profiles, folder / f"{name}-trace.json")
         peak = ", ".join(map(str, timeline.peak_live))
         lines += [f"## {name}", "",
-                  f"Bubble {Fraction(timeline.bubble)} = {float(timeline.bubble):.1%}; peak activations per rank "
+                  f"Bubble {timeline.bubble} = {float(timeline.bubble):.1%}; peak activations per rank "
                   f"{peak}. <a href='explorer.html?schedule={name}&p={P}&m={M}'>Explore it</a> · "
                   f"{{download}}`Perfetto trace <{folder.name}/{name}-trace.json>`", "",
                   f"![{name} timeline, p = {P}, m = {M}]({folder.name}/{name}.png)", ""]
