@@ -72,8 +72,9 @@ def execute(notebook: Path, timeout: float = 900) -> Path:
         stderr = f"stopped after {timeout:.0f} s"
     finally:
         stop(proc)
+        if proc.returncode:  # stopped, or failed: what it wrote is no executed notebook
+            partial.unlink(missing_ok=True)
     if proc.returncode or not partial.exists():
-        partial.unlink(missing_ok=True)
         raise RuntimeError(f"{notebook.name} did not run to the end:\n{stderr[-3000:]}")
     partial.replace(executed)
     return executed
