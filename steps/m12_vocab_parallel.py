@@ -1,5 +1,5 @@
 # Generated from solutions/m12_vocab_parallel.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 12`. (skeleton a234f6387f79)
+# Grade your work with `python main.py grade 12`. (skeleton c1f637c9010f)
 """Module 12, part 3 - the vocabulary split over t ranks: embedding rows, LM-head rows, and a
 cross-entropy that never gathers the logits.
 
@@ -88,13 +88,13 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vo
     compute_dtype, the same on every rank; dlogits (N, V'/t) in logits' dtype, its gradient (0 in the
     padding columns and in the rows of ignored targets).
     """
-    # TODO(m12): the max, the sum of exponentials and the target logit, each reduced over the group
-    # Contract: three all-reduces of N values each (labels "loss max", "loss sum exp", "loss target"): no rank
-    #   ever holds another rank's logits. The loss equals F.cross_entropy(reduction="sum", ignore_index=-100) on
+    # TODO(m12): the cross-entropy from this rank's columns: three reductions over the group, no logits gathered
+    # Contract: three all-reduces of N values each, labelled "loss ..." ("loss max" for the largest logit): no
+    #   rank ever holds another rank's logits. The loss equals F.cross_entropy(reduction="sum", ignore_index=-100) on
     #   the gathered, unpadded logits, divided by n_tokens; dlogits is the gradient of that loss (module 06's),
     #   this rank's columns. Write the loss and the gradient in terms of the three reduced quantities.
     # Pitfalls: padding columns must not count, whatever they hold. exp overflows in float32 for logits above
     #   about 88 (the tests use logits of several hundred). A rank that does not own a token's target column
     #   must still take part in every all-reduce, with a value that leaves the result right; an ignored target
     #   (-100) is owned by no rank, and its row adds nothing (loss or gradient).
-    raise NotImplementedError('TODO(m12): the max, the sum of exponentials and the target logit, each reduced over the group')
+    raise NotImplementedError("TODO(m12): the cross-entropy from this rank's columns: three reductions over the group, no logits gathered")
