@@ -396,8 +396,9 @@ def _stack_dump(tmp, rank) -> str:
 
 
 def _innermost_course_frames(dump: str, depth: int = 3) -> str:
-    """'file:line in func <- caller...' for the innermost course frames of a faulthandler dump."""
-    frames = []
+    """'file:line in func <- caller...' for the innermost course frames of a faulthandler dump; when
+    the rank is stuck in given code, the learner's own frames first, as where_raised shows them."""
+    frames = []  # (filename, 'file:line in func'), innermost first
     for line in dump.splitlines():  # faulthandler lists the most recent call first
         line = line.strip()
         if line.startswith("File "):
@@ -406,8 +407,12 @@ def _innermost_course_frames(dump: str, depth: int = 3) -> str:
             if func == "_rank_main":
                 break  # older frames belong to the parent the rank was forked from
             if _is_course_file(filename):
-                frames.append(f"{_short(filename)}:{lineno} in {func}")
-    return " <- ".join(frames[:depth]) or "(no course frame on the stack)"
+                frames.append((filename, f"{_short(filename)}:{lineno} in {func}"))
+    mine = [f for f in frames if is_learners_file(f[0])]
+    if mine and frames[0] is not mine[0]:
+        callers = [f for f in mine if f[0] != mine[0][0]]
+        return " <- ".join(text for _, text in [mine[0], *callers[:1]]) + f"; stuck in given code at {frames[0][1]}"
+    return " <- ".join(text for _, text in frames[:depth]) or "(no course frame on the stack)"
 
 
 def where_running(frame) -> str:

@@ -184,3 +184,20 @@ def test_an_error_from_the_learners_code_in_the_check_itself_says_where(tmp_path
     result = grade(tmp_path, source, COURSE_IMPL="steps", COURSE_STEPS_DIR=str(steps))
     assert re.fullmatch(r"NotImplementedError: TODO\(m01\): .* \(at .*steps/m01_manual_split\.py:\d+ in train_step\)",
                         result["reason"]), result["reason"]
+
+
+def test_a_stuck_rank_shows_the_learners_own_frame_first(monkeypatch):
+    # A rank stuck in given code (a collective's wait) is reported at the learner's line that called it.
+    from course.launch import _innermost_course_frames
+    monkeypatch.setenv("COURSE_IMPL", "steps")
+    monkeypatch.delenv("COURSE_STEPS_DIR", raising=False)
+    dump = "\n".join(["Stack (most recent call first):",
+                      f'  File "{REPO}/course/collectives.py", line 120 in all_gather',
+                      f'  File "{REPO}/steps/m07_sharded_weights.py", line 110 in gather',
+                      f'  File "{REPO}/steps/m07_fsdp.py", line 130 in backward_blocks',
+                      f'  File "{REPO}/course/launch.py", line 300 in _rank_main'])
+    assert _innermost_course_frames(dump) == ("steps/m07_sharded_weights.py:110 in gather <- steps/m07_fsdp.py:130 in "
+                                              "backward_blocks; stuck in given code at course/collectives.py:120 in "
+                                              "all_gather")
+    learners_first = dump.replace("course/collectives.py", "steps/m02_comms.py")
+    assert _innermost_course_frames(learners_first).startswith("steps/m02_comms.py:120 in all_gather <- steps/m07")
