@@ -10,7 +10,7 @@ Schedule (m11_actions): a placement of the stages on the ranks and one list of a
     zbh1            one stage per rank; backward split into I and W, W deferred into the cool-down
     zbh2            zbh1 with the warm-up filled with forwards and the cool-down with W's: no idle time
                     between a rank's first and last action, at 2p-1 microbatches kept
-    interleaved_zb  zbh1 on interleaved's loop of v stages per rank (torch's rule; given code)
+    interleaved_zb  zbh1 on interleaved's order of v stages per rank (torch's rule; given code)
     zbv             two stages per rank in a V; I/W split; warm-up filled from both ends
     dualpipev       the V, DualPipe's phases: a forward of one stage paired with a backward of the other
 
@@ -120,25 +120,33 @@ def interleaved(world_size: int, n_microbatches: int, stages_per_rank: int = 2) 
     check_arguments("interleaved", world_size, n_microbatches, stages_per_rank)
     placement = looped_placement(world_size, stages_per_rank)
     # >>> TODO(m11): interleaved 1F1B's order on every rank
-    # Contract: rank r runs v*m forwards and v*m full backwards (kind "B") on its stages r, r+p, r+2p...
-    # The microbatches go round in groups of g = microbatches_per_round(p, m) (g = p when p divides m;
-    # torch's rule otherwise, e.g. g = 6 for p = 4, m = 6). Its k-th forward (k from 0) is microbatch
-    # (k // (g*v)) * g + k % g on its local stage (k // g) % v; its k-th backward is the same microbatch
-    # on local stage v-1 - (k // g) % v. Warm-up: (v-1)*g + 2*(p-r-1) forwards, capped at v*m; then
-    # pairs F(k + warm-up), B(k); then the backwards left.
+    # Contract: rank r runs v*m forwards and v*m full backwards (kind "B") on its local stages, local stage
+    # j being the looped placement's stage j*p + r, in Megatron-LM's order (torch's ScheduleInterleaved1F1B
+    # follows it; the tests compare the two for every m torch accepts):
+    # - forwards: the microbatches in rounds of g = microbatches_per_round(p, m) (given); a round's g
+    #   microbatches go through local stage 0, in microbatch order, then the same g through local stage 1,
+    #   and so on to the last local stage; then the next round;
+    # - backwards: the same rounds and groups, the local stages visited last to first;
+    # - 1F1B's three phases over those two sequences: warm-up forwards; pairs of the next forward and the
+    #   oldest backward; the backwards left;
+    # - the warm-up, capped at v*m: the chapter's 1F1B argument (docs/11, "1F1B's order, from arrival
+    #   times") carried to the loop, with Megatron-LM's slack of one pair per hop.
+    # The questions: which (stage, microbatch) is rank r's k-th forward, and its k-th backward? How many
+    # forwards come before the forward that the first backward needs on this rank, and how many does the
+    # slack add?
     # Pitfalls:
-    # - local stage j of rank r is stage j*p + r (the looped placement), not r*v + j: the validator says
-    #   the rank runs a stage that is not on it;
+    # - local stage j of rank r is not stage r*v + j: the validator says the rank runs a stage not on it;
     # - a group is g microbatches, not p: the same where p divides m, another order (torch's is the
     #   reference) where it does not, e.g. p = 4, m = 6;
-    # - backwards go through the local stages in reverse (the last stage's backward comes first);
-    # - 1F1B's warm-up of p-r-1 is too short here: a rank would run a backward before its own forward
-    #   (the validator refuses it). (v-1)p + (p-r-1) runs, and with free messages even has the same
-    #   bubble; the p-r-1 more (Megatron-LM's choice, which torch follows and the tests compare with)
-    #   keep a rank computing while the first gradients travel back.
-    # Hint 1: write forward(k) and backward(k) from the formulas, then 1F1B's three phases over k.
-    # Hint 2: g = microbatches_per_round(world_size, n_microbatches); microbatch = (k // (g * v)) * g + k % g;
-    #         stage = local * world_size + r.
+    # - the backwards go through the local stages in reverse (the last stage's backward comes first);
+    # - 1F1B's warm-up, p-r-1, is too short here: a rank would run a backward before its own forward (the
+    #   validator refuses it); the warm-up without the slack passes the validator, but is not Megatron-LM's
+    #   order (the tests compare it with torch's, and count the activations it keeps).
+    # Hint 1: write forward(k) and backward(k), rank r's k-th of each, then 1F1B's three phases over k.
+    # Hint 2: g = microbatches_per_round(world_size, n_microbatches); forward k: microbatch
+    #         (k // (g * v)) * g + k % g on local stage (k // g) % v, i.e. stage ((k // g) % v) * world_size + r;
+    #         backward k: the same microbatch on local stage v-1 - (k // g) % v.
+    #         warm-up: (v-1)*g (the last rank's: every round-0 forward before its last stage's) + 2 per later rank.
     # Hint 3: for each rank r: w <- min((v-1)g + 2(p-r-1), v*m)
     #             order <- forward(0..w-1); for k in 0..vm-w-1: forward(k + w), backward(k)
     #             then backward(vm-w..vm-1)
@@ -262,37 +270,31 @@ def zbh2(world_size: int, n_microbatches: int) -> Schedule:
 
 def interleaved_zero_bubble(world_size: int, n_microbatches: int, stages_per_rank: int = 2) -> Schedule:
     """Interleaved zero bubble (torch.distributed.pipelining's ScheduleInterleavedZeroBubble; the
-    zero-bubble paper's ZB-H1 on interleaved 1F1B's loop). Given code, torch's own rule: the looped
-    placement and interleaved's order of stages and microbatches (groups of g), every B split into I
-    and W; a warm-up of (v-1)g + (p-r-1) forwards (interleaved's, less the p-r-1 forwards it adds while
-    a full backward travels back: an I travels faster); then rounds of F(k + warm-up), I(k) and a W,
-    rank r holding back its first r W's, as ZB-H1 does. Idle per rank, in stage costs (m >= p):
-    (p-1)·max(τ_F+τ_I-τ_W, τ_F, τ_I), ZB-H1's with stages 1/v the size."""
+    zero-bubble paper's ZB-H1 on interleaved 1F1B's loop). Given code, on top of your `interleaved`:
+    its forwards and its backwards in its order, every B split into I and W, woven by ZB-H1's rules:
+    rank r holds back its first r W's, and its warm-up drops the slack Megatron-LM gives a full
+    backward's trip back (an I travels faster), keeping 1F1B's count carried to the loop (torch's
+    rule). Idle per rank, in stage costs (m >= p): (p-1)·max(τ_F+τ_I-τ_W, τ_F, τ_I), ZB-H1's with
+    stages 1/v the size."""
     check_arguments("interleaved_zb", world_size, n_microbatches, stages_per_rank)
-    v, p, total = stages_per_rank, world_size, stages_per_rank * n_microbatches
-    g = microbatches_per_round(p, n_microbatches)
+    p, total = world_size, stages_per_rank * n_microbatches
+    looped = interleaved(p, n_microbatches, stages_per_rank)  # your order of forwards and of backwards
     orders = []
-    for r in range(p):
-        def microbatch(k):  # the k-th forward's microbatch, and the k-th input gradient's
-            return (k // (g * v)) * g + k % g
-
-        def forward(k):
-            return Action(((k // g) % v) * p + r, "F", microbatch(k))
-
-        def input_gradient(k):  # backwards visit the local stages last to first
-            return Action((v - 1 - (k // g) % v) * p + r, "I", microbatch(k))
-
-        warmup = min((v - 1) * g + (p - r - 1), total)
-        order, weights_done = [forward(k) for k in range(warmup)], 0
+    for r, order in enumerate(looped.orders):
+        forwards = [a for a in order if a.kind == "F"]
+        inputs = [a._replace(kind="I") for a in order if a.kind == "B"]
+        # The forwards before the one the first backward needs here, and 1F1B's one per later rank.
+        warmup = min(forwards.index(inputs[0]._replace(kind="F")) + (p - r - 1), total)
+        ours, weights_done = forwards[:warmup], 0
         for k in range(total):
             if k + warmup < total:
-                order.append(forward(k + warmup))
-            order.append(input_gradient(k))
+                ours.append(forwards[k + warmup])
+            ours.append(inputs[k])
             if k >= r:  # ZB-H1's rule: rank r holds back its first r W's
-                order.append(input_gradient(weights_done)._replace(kind="W"))
+                ours.append(inputs[weights_done]._replace(kind="W"))
                 weights_done += 1
-        orders.append(order + [input_gradient(k)._replace(kind="W") for k in range(weights_done, total)])
-    return Schedule("interleaved_zb", looped_placement(p, v), orders, n_microbatches)
+        orders.append(ours + [a._replace(kind="W") for a in inputs[weights_done:]])
+    return Schedule("interleaved_zb", looped.placement, orders, n_microbatches)
 
 
 def zbv(world_size: int, n_microbatches: int) -> Schedule:
@@ -306,18 +308,18 @@ def zbv(world_size: int, n_microbatches: int) -> Schedule:
     # Contract: with down = r and up = 2p-1-r, rank r's list is ZB-V's as torch.distributed.pipelining's
     # ScheduleZBVZeroBubble builds it (the tests compare the two action by action, and with orders checked
     # by hand for p = 2), microbatches taken in order for each (stage, kind), in five phases:
-    #   1. forwards of down only, until microbatch 0 can have come back up the V to stage up;
+    #   1. forwards of down only, until microbatch 0 can have come down the V to stage up;
     #   2. forwards of up and down by turns, until up's first input gradient can have arrived;
-    #   3. up's first backwards, each I followed at once by its W, a forward of up before each;
+    #   3. rounds of F(up), I(up), W(up), until phase 4's first I(down) finds its gradient there;
     #   4. the steady state, a round at a time: down's F (while it has had fewer than m), I and W, then
     #      up's F, I and W, until both stages have had m forwards;
     #   5. the cool-down: I's of both stages by turns, then down's last I's, each followed by the oldest W
     #      down still owes (the turns left r W's owed, so on rank r > 0 not that I's own), then every W left
     #      of up, then of down.
-    # The maths: count time in unit actions (τ_F = τ_I = τ_W = 1, messages free). Rank r's first F(down)
-    # starts at r; microbatch 0 reaches stage up after 2p-1-r forwards; a gradient travels back one stage per
-    # unit. Each phase lasts until what the next one needs can have arrived, which gives its length as a
-    # function of p and r.
+    # The maths: docs/11's ZB-V section derives each phase's length as a function of p and r, counting time
+    # in unit actions (τ_F = τ_I = τ_W = 1, messages free): each phase lasts until what the next one needs
+    # can have arrived, and the cool-down runs the I's first (the stage before waits for them) and fills
+    # the gaps between down's last I's with its W's.
     # Pitfalls:
     # - the other half of the V (up = p+r) is not on rank r: the validator names the action;
     # - the phases' lengths depend on r; one forward more or less in phase 1 and a rank waits (the
@@ -369,30 +371,41 @@ def dualpipev(world_size: int, n_microbatches: int) -> Schedule:
     check_arguments("dualpipev", world_size, n_microbatches)
     placement = v_placement(world_size)
     # >>> TODO(m11): DualPipeV's order on every rank
-    # Contract: DualPipe's phases, a published design rather than a derivation (the tests compare the order
-    # with torch's ScheduleDualPipeV action by action). With down = r and up = 2p-1-r, microbatches counted
-    # per stage for F, and per stage for B and I together (either gives the input gradient); the W of every
-    # I is queued, oldest first:
-    #   1. 2(p-r-1) times F(down)
-    #   2. r+1 times: F(down), F(up)
-    #   3. p-r-1 times: I(up), the oldest queued W, F(up)
-    #   4. m-2p+r+1 times: F(down), B(up), F(up), B(down)         (two pairs)
-    #   5. p-r-1 times: B(up), F(up), B(down)
-    #   6. r+1 times (k = 0..r): X(up), X(down), where X is B at first and I from the switch on; the
-    #      switch comes at k = (r+1)//2: before X(up) on odd ranks, between X(up) and X(down) on even ones
-    #   7. p-r-1 times: the oldest queued W, I(down)
-    #   8. r+1 times: the oldest queued W
+    # Contract: torch's ScheduleDualPipeV's order (the tests compare the two action by action, and with
+    # orders checked by hand for p = 2). With down = r and up = 2p-1-r, microbatches are taken in order,
+    # counted per stage for F and per stage for B and I together (either gives the input gradient); the W of
+    # every I is queued, and "a W" below is the oldest queued one. DualPipe's eight phases, each a number of
+    # rounds of the same actions:
+    #   1. F(down)
+    #   2. F(down), F(up)
+    #   3. I(up), a W, F(up)
+    #   4. F(down), B(up), F(up), B(down)         (two pairs: a forward of one stage with a backward of the other)
+    #   5. B(up), F(up), B(down)
+    #   6. X(up), X(down), where X is B for the first half of the phase's backwards and I for the second half
+    #      (DualPipe's switch: from there on the W's are kept for the cool-down's gaps)
+    #   7. a W, I(down)
+    #   8. a W
+    # How many rounds each phase has is yours to derive, as the chapter derives ZB-V's: count time in unit
+    # actions (τ_F = τ_I = τ_W = 1, a B 2, messages free). Phase 1 ends so that phase 2's first F(up) starts
+    # when microbatch 0 can have reached stage up; phase 2 so that up's first backward starts when its
+    # gradient can have arrived; phase 3 lasts the fewest rounds after which phase 4's first B(down) finds its
+    # gradient there (it comes back up the V's first leg: work it out from rank p-1 to rank 0); phase 4 ends
+    # when down has had its m forwards, phase 5 when up has; phases 6 and 7 run the backwards left, phase 8
+    # the W's left.
     # Pitfalls:
     # - a B is the microbatch's I and W in one: it takes the next I number and queues no W;
     # - popping the newest W instead of the oldest still gives a valid schedule, but not DualPipeV's
     #   order (the tests compare the orders with torch's);
-    # - the switch on the wrong parity changes how many I's phase 6 runs: phase 8 then pops an empty
-    #   queue or leaves W's unrun.
-    # Hint 1: a counter per (stage, "F") and (stage, "I"), and a collections.deque of the queued I's.
+    # - a phase one round too long or too short still passes the validator on some ranks: the tests compare
+    #   the order with torch's, and the simulated idle time with the closed form.
+    # Hint 1: a counter per (stage, "F") and (stage, "I"), and a collections.deque of the queued I's; the
+    #         rounds: 1. 2(p-r-1); 2. r+1; 3. p-r-1 (for rank r, the gradient of phase 4's first B(down)
+    #         arrives as phase 3 ends); 4. m-2p+r+1; 5. p-r-1; 6. r+1; 7. p-r-1; 8. r+1.
     # Hint 2: a helper appending the next microbatch of a (stage, kind) that queues the action when the kind
     #         is I; another that pops the oldest queued I and appends its W (Action._replace(kind="W")).
-    # Hint 3: the eight phases as listed, each a loop of those two helpers; in phase 6 keep a flag
-    #         split <- False, set it at the switch, and add I when it is set, else B
+    # Hint 3: the eight phases, each a loop of those two helpers; phase 6 has 2(r+1) backwards, the last r+1
+    #         of them I's: with rounds i = 0..r, the switch comes before X(up) when i == (r+1)//2 on an odd
+    #         rank, after it on an even one
     orders = []
     for r in range(world_size):
         down, up, order, count, queued = r, 2 * world_size - 1 - r, [], {}, deque()

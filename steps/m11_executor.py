@@ -1,15 +1,11 @@
 # Generated from solutions/m11_executor.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 11`. (skeleton 89e5ee703492)
+# Grade your work with `python main.py grade 11`. (skeleton d89cc9926053)
 """Module 11 - the executor: run any valid schedule on real ranks.
 
 Module 05 had one loop per schedule. Here there is one loop for all of them: each rank walks its
-list of actions (m11_actions) and runs each on the stage it names (m11_stage):
-
-    F  receive the stage's input (unless it is stage 0), forward, send the output to the next stage
-       (or, on the last stage, keep the loss share)
-    B  receive the output's gradient (unless it is the last stage), backward I then W, send the
-    I  input's gradient to the stage before (unless it is stage 0); I leaves W for later
-    W  the weight gradients, from what I kept: no message at all
+list of actions (m11_actions) and runs each on the stage it names (m11_stage), receiving what the
+action needs from the stage that computed it and sending its result to the stage that waits for it
+(the chapter's table of actions says which).
 
 Sends are non-blocking and all waited for at the end of the step (module 05's rules); receives
 block, but StageComms posts each rank's next few receives early, so that their data can arrive
@@ -157,19 +153,20 @@ def run_action(action: Action, stage: SplitStage, comms: StageComms, xs, ys, sen
     m, n_microbatches = action.microbatch, len(xs)
     shape = (xs[m].shape[0], stage.hidden)
     # TODO(m11): one action: F, B, I or W, with its messages
-    # Contract:
-    # - F: the input is xs[m] on the first stage, else comms.recv("act", action.stage, m, shape); then
-    #   stage.forward(input, m, ys[m], n_microbatches). On the last stage return what it returns (the
-    #   loss share); elsewhere send the output as the "act" message of stage action.stage + 1.
-    # - B and I: the output's gradient is comms.recv("grad", action.stage, m, shape), except on the last
-    #   stage (None: the loss is its own start); then stage.backward (B) or stage.backward_input (I);
-    #   except on the first stage, send the result as the "grad" message of stage action.stage - 1.
-    # - W: the stage's weight gradients for the microbatch (backward_weight); no message.
-    # Every send's handle goes into `sends`; return None except for the last stage's F.
+    # Contract: the action's computation runs on `stage` (SplitStage: forward, backward, backward_input,
+    # backward_weight) on the input it needs, and every stage that will wait for its result is sent it:
+    # - what each kind needs and who waits for its result is the chapter's table of actions (docs/11, "An
+    #   action, a schedule"); an input that comes from the batch or from the loss travels in no message;
+    # - StageComms names a message by the stage that receives it and what it is ("act": that stage's input,
+    #   "grad": the gradient of that stage's output), whichever rank holds the two stages; recv's shape is
+    #   `shape` (every message of this pipeline has it);
+    # - every send's handle goes into `sends` (the step waits for them all);
+    # - returns the loss share the last stage's forward returns, else None.
+    # The question, per kind: what does it receive, from which stage, and what does it send, to which; on
+    # which stages is there nothing to receive or to send?
     # Pitfalls:
-    # - a message is named by the stage that *receives* it: the output of stage s is "act" of s + 1;
-    #   StageComms refuses a wrong name at once (on rank 0: "no stage sends 'act' to stage 0: stage 0
-    #   receives no activation, ..."), where the receiver would otherwise wait forever;
+    # - a message named after the wrong stage is refused by StageComms at once (e.g. "no stage sends 'act' to
+    #   stage 0: ..."), where the receiver would otherwise wait forever;
     # - a handle not kept is a send gloo may drop: the peer then waits forever in its recv;
     # - B is backward_input and backward_weight in one: no W follows it in the schedule.
     raise NotImplementedError('TODO(m11): one action: F, B, I or W, with its messages')

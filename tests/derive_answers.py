@@ -10,7 +10,10 @@ chapter may derive the method on a smaller or neighbouring case (chapter 13 work
 attention half's specs; chapter 07 the shards of 10 values on 4 ranks); the hint levels
 (`python main.py hint`) may hold the answers, and are not checked.
 
-Module 11's TODOs get their entries with part B of the issue (the same keys: its functions).
+Module 11: the interleaved order's k-th forward and backward and its warm-up (chapter 11 derives
+1F1B's order from arrival times and asks for the loop), DualPipeV's rounds per phase (chapter 11
+derives ZB-V's phases, the neighbouring case), the executor's calls (the chapter's table of actions
+says what each kind needs and who waits for it).
 """
 
 FORBIDDEN = {
@@ -39,6 +42,29 @@ FORBIDDEN = {
         "ShardedWeights.release": [
             "only the state changes", "keep the layer and version it remembers",
             "state becomes FREE, and nothing else changes", "resetting layer or version here",
+        ],
+    },
+    "11": {
+        "interleaved": [
+            "(k // (g * v)) * g + k % g", "(k // (g*v)) g", "k // (g v)", "(k // g) % v", "(k // p) % v",
+            "v - 1 - (k // g) % v", "(k // (p * v)) * p + k % p", "(v-1)g + 2(p-r-1)", "(v-1)·g + 2(p-r-1)",
+            "(v - 1) * g + 2 * (p - r - 1)", "(v-1)p + 2(p-r-1)", "(v-1)·p + 2(p-r-1)", "(v - 1) * p + 2 * (p - r - 1)",
+            "(v - 1) * g + 2 * (world_size - r - 1)", "(v-1)·p + 2(p-1) + 1", "(v-1)·g + (p-r-1)",
+            "(v-1)g + (p-r-1)", "(v - 1) * g + (p - r - 1)", "(v-1)·g + p stage activations",
+            "2(p-r-1) forwards", "each later rank counted twice", "2 per later rank",
+        ],
+        "dualpipev": [
+            "2(p-r-1) times F(down)", "r+1 times: F(down), F(up)", "p-r-1 times: I(up)", "m-2p+r+1",
+            "m - 2p + r + 1", "p-r-1 times: B(up), F(up), B(down)", "r+1 times (k = 0..r)", "(r+1)//2",
+            "p-r-1 times: the oldest queued W, I(down)", "r+1 times: the oldest queued W", "2(r+1) backwards",
+        ],
+        "run_action": [
+            'comms.recv("act", action.stage, m', 'comms.recv("grad", action.stage, m', '"act", action.stage + 1',
+            '"grad", action.stage - 1', '"act" message of stage action.stage + 1',
+            '"grad" message of stage action.stage - 1', "stage.forward(input, m, ys[m], n_microbatches)",
+            "stage.forward(inp, m, ys[m], n_microbatches)", "the output of stage s is \"act\" of s + 1",
+            "stage s's output is the \"act\" of stage s+1", "send the input's gradient to the stage before",
+            "send the output to the next stage",
         ],
     },
     "12": {

@@ -21,8 +21,8 @@ ref = reference("m11_generators")
 parse_schedule = reference("m11_actions").parse_schedule
 
 ALL = list(ref.SCHEDULES)
-GIVEN = ("interleaved_zb",)  # given code (torch's rule): checked by the given tests below, not graded
-GRADED = [name for name in ALL if name not in GIVEN]
+ON_YOURS = ("interleaved_zb",)  # given code on your interleaved order: checked below as your interleaved's
+GRADED = [name for name in ALL if name not in ON_YOURS]
 GENERATORS = ("gpipe", "one_f_one_b", "interleaved", "zbh1", "zbh2", "zbv", "dualpipev")  # the functions behind GRADED
 GRID = [(P, M) for P in (2, 4, 8) for M in (P, 2 * P, 4 * P)] + [(2, 3), (4, 6), (4, 7), (4, 2), (8, 3)]  # M < P too
 EQUAL = Costs(F=Fraction(1), I=Fraction(1), W=Fraction(1))
@@ -225,10 +225,11 @@ def _check_peaks(name):
                                  "reverse)")
 
 
-@pytest.mark.given
-@pytest.mark.parametrize("name", GIVEN)
-def test_the_given_schedules_are_valid_with_their_closed_forms_and_peaks(name):
-    """interleaved_zb (torch's rule, given code): the same checks as the graded schedules'."""
+@pytest.mark.exercises("interleaved")
+@pytest.mark.parametrize("name", ON_YOURS)
+def test_interleaved_zero_bubble_on_your_interleaved_order_is_valid_with_its_closed_form_and_peaks(name):
+    """interleaved_zb (given code, torch's rule, woven from your interleaved's forwards and backwards): the
+    same checks as the graded schedules'."""
     _check_valid(name)
     _check_closed_forms(name)
     _check_peaks(name)
@@ -356,10 +357,11 @@ def test_orders_equal_torch_pipelinings_as_a_second_check(name, v):
     _check_torch_orders(name, v)
 
 
-@pytest.mark.given
+@pytest.mark.exercises("interleaved")
 @pytest.mark.parametrize("v", [2, 3])
-def test_interleaved_zero_bubble_is_torchs_order(v):
-    """ScheduleInterleavedZeroBubble with v stages per rank, its empty (None) slots dropped."""
+def test_interleaved_zero_bubble_on_your_interleaved_order_is_torchs(v):
+    """ScheduleInterleavedZeroBubble with v stages per rank, its empty (None) slots dropped: the given weave
+    of your interleaved order's forwards and backwards."""
     _check_torch_orders("interleaved_zb", v)
 
 

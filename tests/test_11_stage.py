@@ -54,12 +54,32 @@ def test_i_then_w_gives_autograds_gradients_bit_for_bit(n_stages, n_microbatches
                 got, want = getattr(ours, what).grad, getattr(theirs, what).grad
                 assert got is not None, f"stage {s} linear {i}: {what}.grad is None after backward_weight"
                 if not torch.equal(got, want):
-                    hint = ("dz^T x, not its transpose x^T dz" if what == "weight" and torch.allclose(got.t(), want)
-                            else f"{n_microbatches} microbatches' gradients must be added, not the last one kept"
-                            if n_microbatches > 1 and torch.allclose(got * n_microbatches, want, rtol=0.3)
-                            else "the ReLU mask is the layer's output > 0; dx = dz W")
-                    pytest.fail(f"{n_stages} stages, m={n_microbatches}: stage {s} linear {i} {what} gradient differs "
-                                f"from autograd's by up to {(got - want).abs().max().item():.2e}; {hint}")
+                    pytest.fail(f"{n_stages} stages, m={n_microbatches}: stage {s} linear {i}'s {what} gradient "
+                                f"{_how_it_differs(got, want, what, n_microbatches)}")
+
+
+def _how_it_differs(got, want, what, n_microbatches) -> str:
+    """How `got` differs from autograd's `want`, relative to want's scale (a gradient can be 1e-8 small,
+    so an absolute gap says nothing), and the likeliest cause: a transpose, a constant factor (one
+    microbatch kept, or one added twice, or a mean for a sum), or else the values themselves."""
+    scale = want.abs().max().item()
+    relative = (got - want).abs().max().item() / scale if scale else float("inf")
+    said = (f"differs from autograd's by up to {relative:.2g} of its largest entry ({scale:.2g}): ")
+    if got.shape != want.shape:
+        return f"has shape {tuple(got.shape)}, autograd's {tuple(want.shape)}"
+    if what == "weight" and got.shape[0] == got.shape[1] and torch.allclose(got.t(), want, rtol=1e-4, atol=1e-6 * scale):
+        return said + "it is autograd's transposed: dW = dz^T x, not x^T dz"
+    factor = (got * want).sum().item() / (want * want).sum().item() if scale else 0.0
+    if scale and abs(factor - 1) > 1e-3 and torch.allclose(got, factor * want, rtol=1e-3, atol=1e-6 * scale):
+        causes = [(n_microbatches, f"every microbatch's gradient counted {n_microbatches} times"),
+                  (1 / n_microbatches, "one microbatch's gradient kept: W adds into .grad, it does not overwrite"),
+                  (2, "added twice: W run twice, or I's work counted in .grad as well")]
+        cause = " or ".join(text for f, text in causes if f != 1 and abs(factor - f) < 1e-3 * max(1, f)) or \
+            "a constant factor: a mean where a sum is asked (the bias sums dz over the rows), or a scale"
+        return said + f"it is {factor:.4g} times autograd's: {cause}"
+    if n_microbatches > 1 and torch.allclose(got * n_microbatches, want, rtol=0.3, atol=0.3 * scale):
+        return said + f"about 1/{n_microbatches} of it: the last microbatch's gradient kept, not the {n_microbatches} added"
+    return said + "not a constant factor of it: the ReLU mask is the layer's output > 0, dx = dz W, dW = dz^T x"
 
 
 @pytest.mark.exercises("SplitStage.backward_input", "SplitStage.backward_weight")
@@ -90,7 +110,8 @@ def test_i_leaves_what_w_needs_and_w_frees_the_microbatch():
     for i, (ours, theirs) in enumerate(zip(stage.layers, autograd_layers)):
         for what in ("weight", "bias"):
             got, want = getattr(ours, what).grad, getattr(theirs, what).grad
-            assert got is not None and torch.equal(got, want), f"layer {i}: {what} gradient differs from autograd's"
+            assert got is not None, f"layer {i}: {what}.grad is None after backward_weight"
+            assert torch.equal(got, want), f"layer {i}'s {what} gradient {_how_it_differs(got, want, what, 1)}"
 
 
 @pytest.mark.exercises("SplitStage.backward_input")

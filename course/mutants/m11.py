@@ -79,4 +79,17 @@ PLANTS = [
     Plant(GEN, "warmup = min((v - 1) * g + 2 * (world_size - r - 1), total)",
           "warmup = min((v - 1) * world_size + 2 * (world_size - r - 1), total)",
           "interleaved's warm-up counted in groups of p, not of g: torch's order only where p divides m"),
+    # issue 26: the counts the chapter's arguments give (ZB-V's, carried to DualPipeV), the executor's messages
+    Plant(GEN, """        for _ in range(p - r - 1):
+            add((up, "I"))""", """        for _ in range(p - r):
+            add((up, "I"))""",
+          "DualPipeV's phase 3 one round too long: phase 4's first B(down) had its gradient a round earlier"),
+    Plant(GEN, 'add(*[(up, "F"), (up, "I"), (up, "W")] * (world_size - r))',
+          'add(*[(up, "F"), (up, "I"), (up, "W")] * (world_size - r - 1))',
+          "ZB-V's phase 3 one round short (p-r-1): the first I(down) comes before its gradient can have arrived"),
+    Plant(GEN, 'add(*[(down, "I"), (up, "I")] * r)', 'add(*[(up, "I"), (down, "I")] * r)',
+          "ZB-V's cool-down turns start with up's I: valid, but not ZB-V's order (down's gradient arrives first)"),
+    Plant(EXEC, 'sends.append(comms.send(grad_input, "grad", action.stage - 1, m))',
+          'sends.append(comms.send(grad_input, "grad", action.stage, m))',
+          "the input gradient named after the stage that sends it: a message is named by the stage that receives it"),
 ]
