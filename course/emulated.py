@@ -4,6 +4,10 @@ For pipeline stages (modules 05 and 11): each layer's forward takes a fixed extr
 (time.sleep), its backward twice that. Module 11's stages, whose backward comes in two halves, take
 that time once in I (input gradient) and once in W (weight gradient).
 
+For any autograd model: `SleepInBackward.apply(x, seconds)` is the identity whose backward sleeps
+`seconds` first; put after a layer, it emulates that layer's backward (module 14's overlap
+benchmark and notebook: gradients that become ready one layer at a time, as on a busy device).
+
 For GEMMs (module 12's overlap benchmark): `EmulatedGemms` makes every matrix product sleep the
 time a device of a given speed would take, and do no arithmetic.
 
@@ -22,8 +26,8 @@ import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
 
-class _SleepInBackward(torch.autograd.Function):
-    """Identity whose backward first sleeps: the emulated cost of the stage's backward."""
+class SleepInBackward(torch.autograd.Function):
+    """Identity whose backward first sleeps `seconds`: the emulated cost of a stage's (or a layer's) backward."""
 
     @staticmethod
     def forward(ctx, x, seconds):
@@ -48,7 +52,7 @@ class EmulatedStage(nn.Module):
     def forward(self, x):
         out = self.stage(x)
         time.sleep(self.seconds)
-        return _SleepInBackward.apply(out, 2 * self.seconds)
+        return SleepInBackward.apply(out, 2 * self.seconds)
 
     def loss(self, logits, targets):
         return self.stage.loss(logits, targets)

@@ -40,7 +40,7 @@ from torch.nn.parallel import DistributedDataParallel
 from course.bench import llama_config, report, require_positive
 from course.costs import measured_cost
 from course.dataset import load_text, random_batch
-from course.emulated import _SleepInBackward
+from course.emulated import SleepInBackward
 from course.impl import load, reference
 from course.launch import run_ranks
 from course.mesh import world_group
@@ -141,7 +141,7 @@ class EmulatedMLP(nn.Module):
         for layer in self.layers:
             x = F.relu(layer(x))
             time.sleep(self.seconds)
-            x = _SleepInBackward.apply(x, 2 * self.seconds)  # runs just before this layer's backward
+            x = SleepInBackward.apply(x, 2 * self.seconds)  # runs just before this layer's backward
         return self.head(x)
 
 

@@ -124,9 +124,28 @@ PLANTS = [
     Plant(STEP, "        if sync:\n            ddp.finish()\n        loss_sum += loss.detach()",
           "        ddp.finish()\n        loss_sum += loss.detach()",
           "finish() after a micro-step that sent nothing: no gradient was marked, so it reports them all missing"),
-    Plant(STEP, "grads.tensors(), strict=True):\n            self.ddp.ready(weight, grad * self.grad_scale)",
-          "grads.tensors(), strict=True):\n            self.ddp.ready(weight, grad)",
-          "module 06's per-microbatch mean handed over unscaled: d m times the step's gradient"),
+    Plant(STEP, "    count = (targets != IGNORE_INDEX).sum()\n", "    count = (targets != IGNORE_INDEX).sum().float()\n",
+          "a float32 count: not exact beyond 2^24 tokens, and 4 bytes on the wire where the formulas say 8"),
+    # --- module 06's Llama: the count handed to forward_backward ---------------------------------------------
+    Plant(STEP, "loss, grads = self.forward_backward(tok, tgt, n_tokens)  # the blocks'",
+          "loss, grads = self.forward_backward(tok, tgt)  # the blocks'",
+          "module 06's default n_tokens, the microbatch's own count: a mean per microbatch, about d m times the "
+          "step's gradient"),
+    Plant(STEP, "        n_tokens = int(count)", "        n_tokens = int((targets != IGNORE_INDEX).sum())",
+          "this rank's count instead of the step's: every rank's gradient d times too big"),
+    Plant(STEP, """                for weight, grad in ((self.embedding, grads.embedding), (self.final_norm, grads.final_norm),
+                                     (self.lm_head, grads.lm_head)):
+                    self.ddp.ready(weight, grad)
+""", "",
+          "the gradients forward_backward returns at the end (embedding, final norm, LM head) never handed to the "
+          "buckets: their bucket is never sent"),
+    Plant(STEP, "            loss_sum += loss.detach().to(torch.float64) * n_tokens\n",
+          "            loss_sum += loss.detach().to(torch.float64)\n",
+          "forward_backward's loss taken for the summed token losses: it is already divided by n_tokens, so the "
+          "logged loss is divided twice"),
+    Plant(STEP, "            sync = i == n_microbatches - 1\n", "            sync = True\n",
+          "module 06's Llama sending on every micro-step: the buckets already summed are summed again with the next "
+          "micro-step's"),
     # --- ZeRO --------------------------------------------------------------------------------------------------
     Plant(ZERO, "    return slice(index * size, (index + 1) * size)\n",
           "    return slice((index + 1) % d * size, ((index + 1) % d + 1) * size)\n",
@@ -188,4 +207,7 @@ PLANTS = [
     Plant(COSTS, "\"gradients\": (shard if stage == 2 else values) * b,",
           "\"gradients\": (shard if stage >= 1 else values) * b,",
           "ZeRO-1's gradients counted as a shard: it all-reduces, so every rank keeps them whole"),
+    Plant(ZERO, "        if bucket.index > 0:\n            self.complete(self.buckets[bucket.index - 1])\n",
+          "        if bucket.index > 1:\n            self.complete(self.buckets[bucket.index - 2])\n",
+          "ZeRO-2 completing the bucket sent two before: two whole buckets in flight at every launch, not one"),
 ]
