@@ -89,13 +89,16 @@ def test_the_memory_explorer_has_module_13s_bytes(site):
     costs, cfg = reference("m13_costs"), reference("m06_llama_block").LlamaConfig()
     data = json.loads((site[0] / "_static" / "memory" / "data.js").read_text().partition(" = ")[2].rstrip().rstrip(";"))
     table = data["models"][0]["table"]["float32,4,2"]  # 4 ranks, 2 sequences per data rank
-    state = costs.state_bytes(cfg, 2, 2, torch.float32)
+    sizes = {"d": 2, "t": 2}
+    state = costs.state_bytes(cfg, sizes, torch.float32).memory
     mesh = table["2x2"]
-    assert (mesh["parameters"], mesh["gradients"], mesh["optimizer"]) == (state.parameters, state.gradients,
-                                                                          state.optimizer)
-    assert mesh["activations"] == cfg.n_layers * costs.block_activation_bytes(cfg, 4, 2, 2, torch.float32)
-    assert mesh["sent"]["stream"] == costs.step_traffic(cfg, 4, 2, 2, torch.float32).stream
-    assert table["1x4"]["refused"].startswith("mesh 1x4 does not fit"), "t = 4 does not divide 2 key/value heads"
+    assert (mesh["parameters"], mesh["gradients"], mesh["optimizer"]) == (state["parameters"], state["gradients"],
+                                                                          state["optimizer"])
+    assert mesh["activations"] == costs.block_activation_bytes(cfg, sizes, 4, torch.float32).memory["activations"]
+    sent = costs.step_traffic(cfg, sizes, 4, torch.float32).sent
+    assert mesh["sent"]["t all_gather"] == sent[("t", "all_gather")] > 0
+    assert sum(mesh["sent"].values()) == sum(sent.values())
+    assert table["1x4"]["refused"].startswith("t=4 does not divide n_kv_heads"), "t = 4 does not divide 2 key/value heads"
 
 
 def test_the_explorer_formulas_are_the_closed_forms_of_module_11():

@@ -29,16 +29,21 @@ def meshes(ranks: int) -> list[tuple[int, int]]:
     return [(ranks // t, t) for t in range(1, ranks + 1) if ranks % t == 0]
 
 
+# What a rank sends, by axis and kind of collective, as module 13's step_traffic counts it (StepCost.sent).
+SENT = (("d", "all_gather"), ("d", "reduce_scatter"), ("t", "all_gather"), ("t", "reduce_scatter"),
+        ("t", "all_reduce"), ("d", "all_reduce"))
+
+
 def mesh_data(costs, fits, cfg, d: int, t: int, per_rank: int, dtype) -> dict:
-    batch = per_rank * d
+    batch, sizes = per_rank * d, {"d": d, "t": t}
     try:
-        fits(cfg, d, t, batch)
+        fits(cfg, sizes, batch)
     except ValueError as error:
         return {"refused": str(error)}
-    state, sent = costs.state_bytes(cfg, d, t, dtype), costs.step_traffic(cfg, batch, d, t, dtype)
-    return {"parameters": state.parameters, "gradients": state.gradients, "optimizer": state.optimizer,
-            "activations": cfg.n_layers * costs.block_activation_bytes(cfg, batch, d, t, dtype),
-            "sent": {"weights": sent.weights, "gradients": sent.gradients, "stream": sent.stream, "loss": sent.loss}}
+    kept = (costs.state_bytes(cfg, sizes, dtype) + costs.block_activation_bytes(cfg, sizes, batch, dtype)).memory
+    sent = costs.step_traffic(cfg, sizes, batch, dtype).sent
+    return {**{what: kept.get(what, 0) for what in ("parameters", "gradients", "optimizer", "activations")},
+            "sent": {f"{axis} {op}": sent.get((axis, op), 0) for axis, op in SENT}}
 
 
 def write_memory_data(folder: Path) -> None:

@@ -7,7 +7,10 @@
   const data = window.MEMORY;
   const KEPT = [["parameters", "#1f77b4"], ["gradients", "#ff7f0e"], ["optimizer", "#2ca02c"],
                 ["activations", "#d62728"]];
-  const SENT = [["weights", "#9467bd"], ["gradients", "#8c564b"], ["stream", "#e377c2"], ["loss", "#7f7f7f"]];
+  // What a rank sends, by axis and kind of collective (module 13's StepCost.sent).
+  const SENT = [["d all_gather", "#9467bd"], ["d reduce_scatter", "#8c564b"], ["t all_gather", "#e377c2"],
+                ["t reduce_scatter", "#7f7f7f"], ["t all_reduce", "#bcbd22"], ["d all_reduce", "#17becf"]];
+  const total = (s) => SENT.reduce((sum, [key]) => sum + s[key], 0);
   const SVG = "http://www.w3.org/2000/svg";
   const state = {};
 
@@ -82,7 +85,7 @@
     out.replaceChildren();
     const fit = Object.entries(table).filter(([, v]) => !v.refused);
     const kept = (v) => v.parameters + v.gradients + v.optimizer + v.activations;
-    const sent = (v) => v.sent.weights + v.sent.gradients + v.sent.stream + v.sent.loss;
+    const sent = (v) => total(v.sent);
     out.append(element("p", {}, `One rank of ${state.ranks}, a global batch of ${state.sequences} x d sequences ` +
                        `of ${model.tokens} tokens, weights and activations in ${state.dtype}, AdamW.`));
     if (fit.length) {
@@ -90,7 +93,7 @@
       out.append(bars(fit, KEPT, kept, Math.max(...fit.map(([, v]) => kept(v)))));
       out.append(element("h3", {}, "Bytes one rank sends in a step"), legend(SENT));
       out.append(bars(fit.map(([mesh, v]) => [mesh, v.sent]), SENT,
-                      (s) => s.weights + s.gradients + s.stream + s.loss,
+                      total,
                       Math.max(...fit.map(([, v]) => sent(v)))));
     }
     const head = ["mesh d x t", "parameters", "gradients", "optimizer", "activations", "kept", "sent"];
