@@ -126,6 +126,8 @@ PLANTS = [
           "finish() after a micro-step that sent nothing: no gradient was marked, so it reports them all missing"),
     Plant(STEP, "    count = (targets != IGNORE_INDEX).sum()\n", "    count = (targets != IGNORE_INDEX).sum().float()\n",
           "a float32 count: not exact beyond 2^24 tokens, and 4 bytes on the wire where the formulas say 8"),
+    Plant(STEP, "    count = (targets != IGNORE_INDEX).sum()\n", "    count = (targets != IGNORE_INDEX).sum().int()\n",
+          "an int32 count: it overflows past 2^31 tokens, and it is 4 bytes on the wire where the formulas say 8"),
     # --- module 06's Llama: the count handed to forward_backward ---------------------------------------------
     Plant(STEP, "loss, grads = self.forward_backward(tok, tgt, n_tokens)  # the blocks'",
           "loss, grads = self.forward_backward(tok, tgt)  # the blocks'",
@@ -170,6 +172,9 @@ PLANTS = [
         if bucket.index > 0:
             self.complete(self.buckets[bucket.index - 1])""",
           "the previous bucket completed after the next one is sent: two whole buckets in flight, not one"),
+    Plant(ZERO, "        if bucket.index > 0:\n            self.complete(self.buckets[bucket.index - 1])\n",
+          "        if bucket.index > 1:\n            self.complete(self.buckets[bucket.index - 2])\n",
+          "ZeRO-2 completing the bucket sent two before: two whole buckets in flight at every launch, not one"),
     Plant(ZERO, "        bucket.received = torch.empty(bucket.padded_numel // self.group.size, dtype=bucket.grads.dtype,\n"
                 "                                      device=bucket.grads.device)\n",
           "        bucket.received = self.grad_shards[bucket.index]\n",
@@ -181,6 +186,8 @@ PLANTS = [
     Plant(ZERO, "        factor = torch.clamp(max_norm / (norm + 1e-6), max=1.0)\n",
           "        factor = max_norm / (norm + 1e-6)\n",
           "clipping that also scales up: a norm below max_norm must be left alone"),
+    Plant(ZERO, "        return norm\n", "        return norm * factor\n",
+          "the norm after clipping returned: clip_grad_norm_ returns the norm the gradients had before it"),
     Plant(ZERO, """        works = [self.group.collectives.all_gather(self.weights[k], shard, label=f"weights {k}", async_op=True)
                  for k, shard in enumerate(self.shards)]
         for work in works:
@@ -207,7 +214,4 @@ PLANTS = [
     Plant(COSTS, "\"gradients\": (shard if stage == 2 else values) * b,",
           "\"gradients\": (shard if stage >= 1 else values) * b,",
           "ZeRO-1's gradients counted as a shard: it all-reduces, so every rank keeps them whole"),
-    Plant(ZERO, "        if bucket.index > 0:\n            self.complete(self.buckets[bucket.index - 1])\n",
-          "        if bucket.index > 1:\n            self.complete(self.buckets[bucket.index - 2])\n",
-          "ZeRO-2 completing the bucket sent two before: two whole buckets in flight at every launch, not one"),
 ]
