@@ -385,8 +385,10 @@ def test_bad_run_options_give_one_line_before_any_rank_starts(options, message, 
     (["--caps-kib", "1", "1e-9"], "argument --caps-kib: invalid int value: '1e-9'"),
     (["--caps-kib", "0"], "--caps-kib values must be at least 1, got [0]"),
     (["--speed-caps-kib", "inf"], "argument --speed-caps-kib: invalid int value: 'inf'"),
+    (["--emulate-ms", "nan"], "--emulate-ms must be at least 0, got nan"),
+    (["--emulate-ms", "inf"], "--emulate-ms must be a finite number of ms, got inf"),
 ])
-def test_bad_bench_caps_give_one_line_before_any_rank_starts(options, message, capsys, monkeypatch):
+def test_bad_bench_options_give_one_line_before_any_rank_starts(options, message, capsys, monkeypatch):
     from course.bench import m14 as bench
     monkeypatch.setattr(bench, "run_ranks", lambda *a, **k: pytest.fail("ranks started before the check"))
     with pytest.raises(SystemExit) as exit_:

@@ -27,6 +27,7 @@ formulas come from the reference.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
 import warnings
@@ -323,6 +324,8 @@ def check(parser, args):
             parser.error(f"--{name.replace('_', '-')} values must be at least 1, got {values}")
     if not args.emulate_ms >= 0:
         parser.error(f"--emulate-ms must be at least 0, got {args.emulate_ms:g}")
+    if not math.isfinite(args.emulate_ms):  # a layer that never ends: every rank would sleep until the timeout
+        parser.error(f"--emulate-ms must be a finite number of ms, got {args.emulate_ms:g}")
     for d in args.nproc or [2, 4]:
         if args.batch % d or args.rows % d:
             parser.error(f"--batch {args.batch} and --rows {args.rows} must be divisible by every --nproc value ({d})")
