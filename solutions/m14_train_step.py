@@ -165,7 +165,7 @@ class DataParallelLlama(LlamaModel):
         #   forward_backward(tok, tgt, n_tokens), whose loss and gradients are the chunk's summed token losses divided
         #   by n_tokens; during it, the blocks' gradients reach the buckets through on_block_grads (above); hand the
         #   three it returns at the end (embedding, final_norm, lm_head) to self.ddp.ready. Every micro-step but the
-        #   last inside self.ddp.no_sync(); self.ddp.finish() after the last. The tests train on 2 ranks x 2
+        #   last inside the buckets' no_sync(); their finish() after the last. The tests train on 2 ranks x 2
         #   micro-steps and on the d axis of a d x t mesh against module 06's single-process train(), at 1e-12.
         # Maths: which n_tokens makes the sum, over the ranks and the micro-steps, of the pieces' losses and
         #   gradients those of the step's mean? Module 06's own train_step answers it for one process.
