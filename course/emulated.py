@@ -4,6 +4,10 @@ For pipeline stages (modules 05 and 11): each layer's forward takes a fixed extr
 (time.sleep), its backward twice that. Module 11's stages, whose backward comes in two halves, take
 that time once in I (input gradient) and once in W (weight gradient).
 
+For any autograd model: `SleepInBackward.apply(x, seconds)` is the identity whose backward sleeps
+`seconds` first; put after a layer, it emulates that layer's backward (module 14's overlap
+benchmark and notebook: gradients that become ready one layer at a time, as on a busy device).
+
 For GEMMs (module 12's overlap benchmark): `EmulatedGemms` makes every matrix product sleep the
 time a device of a given speed would take, and do no arithmetic.
 
@@ -22,8 +26,8 @@ import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
 
-class _SleepInBackward(torch.autograd.Function):
-    """Identity whose backward first sleeps: the emulated cost of the stage's backward."""
+class SleepInBackward(torch.autograd.Function):
+    """Identity whose backward first sleeps `seconds`: the emulated cost of a stage's (or a layer's) backward."""
 
     @staticmethod
     def forward(ctx, x, seconds):
@@ -48,7 +52,7 @@ class EmulatedStage(nn.Module):
     def forward(self, x):
         out = self.stage(x)
         time.sleep(self.seconds)
-        return _SleepInBackward.apply(out, 2 * self.seconds)
+        return SleepInBackward.apply(out, 2 * self.seconds)
 
     def loss(self, logits, targets):
         return self.stage.loss(logits, targets)
@@ -85,7 +89,7 @@ class EmulatedSplitStage:
         return grad_input
 
 
-MATMULS = {"matmul", "__matmul__", "mm", "addmm", "bmm"}
+MATMULS = {"matmul", "__matmul__", "mm", "addmm", "bmm", "baddbmm"}
 
 
 def _on_meta(value):
@@ -100,23 +104,33 @@ def _on_meta(value):
 
 
 class EmulatedGemms(TorchFunctionMode):
-    """Every matrix product sleeps the time a device of `gflops` GFLOP/s would take and does no
-    arithmetic (its result is uninitialized memory of the right shape, or `out` untouched). Sleeping
-    frees the CPU, so a collective in flight progresses as it would beside a busy device."""
+    """Every matrix product sleeps the time a device of `gflops` GFLOP/s would take. By default it does
+    no arithmetic (its result is uninitialized memory of the right shape, or `out` untouched); with
+    compute=True it computes the product too, before sleeping, for code whose later steps need the
+    values. Sleeping frees the CPU, so a collective in flight progresses as it would beside a busy
+    device. With a `spans` list, each sleep is recorded as ("compute", start, end, seconds asked for)."""
 
-    def __init__(self, gflops: float):
+    def __init__(self, gflops: float, compute: bool = False, spans: list | None = None):
         super().__init__()
         self.seconds_per_flop, self.slept = 1e-9 / gflops, 0.0
+        self.compute, self.spans = compute, spans
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if getattr(func, "__name__", "") not in MATMULS:
             return func(*args, **kwargs)
         shape = func(*_on_meta(args), **_on_meta(kwargs)).shape  # the result's shape, computed on no data
-        operand = args[1] if func.__name__ == "addmm" else args[0]  # its last dimension is the one summed over
-        flops = 2 * math.prod(shape) * operand.shape[-1]
-        seconds = flops * self.seconds_per_flop
+        # Its operand's last dimension is the one summed over (addmm's and baddbmm's first is the bias).
+        operand = args[1] if func.__name__ in ("addmm", "baddbmm") else args[0]
+        seconds = 2 * math.prod(shape) * operand.shape[-1] * self.seconds_per_flop
+        if self.compute:
+            out = func(*args, **kwargs)
+        else:
+            out = kwargs.get("out")
+            out = out if out is not None else torch.empty(shape, dtype=operand.dtype)
+        began = time.perf_counter()
         time.sleep(seconds)
         self.slept += seconds
-        out = kwargs.get("out")
-        return out if out is not None else torch.empty(shape, dtype=operand.dtype)
+        if self.spans is not None:
+            self.spans.append(("compute", began, time.perf_counter(), seconds))  # as slept, and as asked for
+        return out

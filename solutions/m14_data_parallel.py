@@ -184,7 +184,8 @@ class DataParallel:
         #   offers find_unused_parameters=True instead). The test checks the names and "requires_grad" are in the
         #   message; all ranks raise it, none waits forever for a bucket that will never be sent.
         # Pitfalls: waiting for a bucket that was never launched (its work is None: it would not hang here, but the
-        #   gradients would be unsummed); re-arming before checking what is missing; forgetting next_bucket.
+        #   gradients would be unsummed); re-arming before checking what is missing; forgetting next_bucket; a bucket
+        #   not re-armed makes the next backward's `ready` report the gradient as marked twice.
         # Hint 1: collect the names of the pending positions of every bucket; raise if there are any; otherwise
         #         complete each bucket, then arm each and reset the counter.
         # Hint 2: bucket.names[i] for i in sorted(bucket.pending); ", ".join(...).

@@ -99,7 +99,8 @@ class ZeroDataParallel(DataParallel):
     def no_sync(self):
         if self.stage == 2:
             raise RuntimeError("ZeRO-2 keeps only its shard of the gradients, so it reduce-scatters on every "
-                               "micro-step: it has no no_sync()")
+                               "micro-step: it has no no_sync() (your train_step must sync every micro-step "
+                               "when ddp.syncs_every_microstep)")
         return super().no_sync()
 
     def ready(self, param: torch.Tensor, grad: torch.Tensor | None = None):
@@ -119,7 +120,9 @@ class ZeroDataParallel(DataParallel):
         #   (self.complete; bucket.index - 1, if any), so that at most one bucket's whole gradient is in flight; then
         #   start, asynchronously, a reduce-scatter of bucket.grads into a new tensor bucket.received of one shard
         #   (padded_numel / d values), labelled "bucket <index>", and keep the work in bucket.work. land() (below)
-        #   adds bucket.received to this rank's gradient shard once it is done.
+        #   adds bucket.received to this rank's gradient shard once it is done. The tests check each rank's summed
+        #   gradient shards, and that when each reduce-scatter starts no other bucket's is still in flight (with 3
+        #   and 4 buckets).
         # Maths: the reduce-scatter gives member i the sum over ranks of slice i of the buffer: shard_range's slice.
         # Pitfalls: a reduce-scatter for stage 1 too (the update is right, but ZeRO-1 promises every rank the whole
         #   gradient, and the bytes differ from the formula); receiving into the gradient shard itself (a second
@@ -159,7 +162,8 @@ class ZeroDataParallel(DataParallel):
         # Contract: the norm of the whole gradient (every parameter, all ranks' shards together), computed from this
         #   rank's gradient shards (self.grad_shard(k) for every bucket) and one collective; then multiply this rank's
         #   shards by min(1, max_norm / (norm + 1e-6)), PyTorch's clip_grad_norm_ rule, in place. Return the norm.
-        #   The test compares the trained weights with one process that clips with torch.nn.utils.clip_grad_norm_.
+        #   The test compares the norm it returns and the trained weights with one process that clips with
+        #   torch.nn.utils.clip_grad_norm_.
         # Maths: norm^2 = sum over ranks of (sum over its shards of g^2): the padding is zero, and every value belongs
         #   to exactly one rank's shard.
         # Pitfalls: this rank's norm alone (each rank clips by a different factor); summing norms instead of squares;

@@ -1,5 +1,5 @@
 # Generated from solutions/m14_data_parallel.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 14`. (skeleton 37b9544d7ad0)
+# Grade your work with `python main.py grade 14`. (skeleton 155bde55aa94)
 """Module 14, part 2 - replicas: every rank holds the whole model, and the gradients are summed
 bucket by bucket while the backward is still running (PyTorch's DDP, written out).
 
@@ -160,7 +160,8 @@ class DataParallel:
         #   offers find_unused_parameters=True instead). The test checks the names and "requires_grad" are in the
         #   message; all ranks raise it, none waits forever for a bucket that will never be sent.
         # Pitfalls: waiting for a bucket that was never launched (its work is None: it would not hang here, but the
-        #   gradients would be unsummed); re-arming before checking what is missing; forgetting next_bucket.
+        #   gradients would be unsummed); re-arming before checking what is missing; forgetting next_bucket; a bucket
+        #   not re-armed makes the next backward's `ready` report the gradient as marked twice.
         raise NotImplementedError('TODO(m14): after the backward: refuse gradients that never came, wait for every bucket, re-arm')
 
     def step(self, optimizer: torch.optim.Optimizer, max_norm: float | None = None):

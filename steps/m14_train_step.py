@@ -1,5 +1,5 @@
 # Generated from solutions/m14_train_step.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 14`. (skeleton eba667fe8c04)
+# Grade your work with `python main.py grade 14`. (skeleton b4bb3560adb4)
 """Module 14, part 3 - one optimizer step of a data-parallel model: its rows of the global batch,
 m micro-steps of gradient accumulation that send nothing until the last, and a loss normalised by
 the step's global count of real tokens.
@@ -24,7 +24,10 @@ sends on every micro-step (`syncs_every_microstep`, m14_zero).
 
 Two models: `train_step` drives an autograd model whose forward returns logits (module 00's MLP,
 course/reference_llama.py's ModularLlama); `DataParallelLlama` is module 06's Llama, whose
-hand-written backward hands each block's gradients to `ready` through `on_block_grads`.
+hand-written backward hands each block's gradients to `ready` through `on_block_grads`. Module 06's
+`forward_backward(tokens, targets, n_tokens)` already divides a piece's summed token losses by the
+count it is given (its `train_step` gives every microbatch the step's): given the global count,
+its gradients are this rank's share of the step's, ready for the buckets as they are.
 """
 from __future__ import annotations
 
@@ -37,10 +40,8 @@ import torch.nn.functional as F
 
 from course.mesh import Group
 from .m06_llama_block import BlockWeights, LlamaConfig
-from .m06_llama_model import LOSS_CHUNK, LlamaModel
+from .m06_llama_model import IGNORE_INDEX, LOSS_CHUNK, LlamaModel  # IGNORE_INDEX = -100: padding, not counted
 from .m14_data_parallel import DataParallel
-
-IGNORE_INDEX = -100  # a target that is padding: no loss term, not counted (F.cross_entropy's default)
 
 
 def my_rows(batch: int, group: Group) -> slice:
@@ -109,7 +110,6 @@ class DataParallelLlama(LlamaModel):
                  loss_chunk: int = LOSS_CHUNK):
         super().__init__(cfg, seed, dtype, loss_chunk=loss_chunk)
         self.ddp = DataParallel(self.ready_order()[::-1], group, bucket_cap_bytes)
-        self.grad_scale = 1.0  # set per microbatch (train_step)
 
     def ready_order(self) -> list[tuple[str, torch.Tensor]]:
         """(name, weight) in the order the backward hands their gradients over: blocks from the last, then
@@ -122,18 +122,11 @@ class DataParallelLlama(LlamaModel):
         return blocks + [("embedding", self.embedding), ("final_norm", self.final_norm), ("lm_head", self.lm_head)]
 
     def on_block_grads(self, layer: int, grads: BlockWeights):
-        """Module 06's backward calls this once block `layer`'s gradients are final."""
-        # TODO(m14): hand each of the block's gradients, scaled, to the buckets
-        # Contract: grads holds block `layer`'s gradients of this microbatch's loss as module 06 computes it (a mean
-        #   over the microbatch's tokens); self.blocks[layer] holds the weights, field for field. Hand each gradient,
-        #   times self.grad_scale, to self.ddp.ready(weight, gradient). The test trains on 2 ranks against module
-        #   06's single-process train() and checks from the log that the first bucket is sent before block 0's
-        #   gradients exist.
-        # Maths: grad_scale turns module 06's per-microbatch mean into the step's loss: the microbatch's tokens over
-        #   the step's global token count (train_step sets it).
-        # Pitfalls: pairing a gradient with the wrong weight (zip the two BlockWeights' tensors(), same field order);
-        #   forgetting the scale (the gradient d m times too big, which AdamW hides but the 1e-12 test does not).
-        raise NotImplementedError("TODO(m14): hand each of the block's gradients, scaled, to the buckets")
+        """Module 06's backward calls this once block `layer`'s gradients are final: each goes to its bucket
+        at once, while the earlier blocks' backwards still run. They are already gradients of this rank's
+        share of the step's loss (train_step passes the step's count to forward_backward)."""
+        for weight, grad in zip(self.blocks[layer].tensors(), grads.tensors(), strict=True):
+            self.ddp.ready(weight, grad)
 
     def train_step(self, tokens: torch.Tensor, targets: torch.Tensor, n_microbatches: int, optimizer) -> float:
         """One optimizer step on the global batch (every rank passes all of it and keeps its rows), in
@@ -142,21 +135,22 @@ class DataParallelLlama(LlamaModel):
         group = self.ddp.group
         mine = my_rows(tokens.shape[0], group)
         tokens, targets = tokens[mine], targets[mine]
-        count = global_token_count(targets, group)
-        loss_sum = torch.zeros((), dtype=torch.float64)
-        for i, (tok, tgt) in enumerate(zip(tokens.chunk(n_microbatches), targets.chunk(n_microbatches), strict=True)):
-            sync = i == n_microbatches - 1
-            # Module 06's loss is the mean over the microbatch's tokens (it has no padding): scaled by
-            # (its tokens / the step's tokens) it is the microbatch's share of the step's loss.
-            self.grad_scale = tgt.numel() / count.item()
-            with contextlib.nullcontext() if sync else self.ddp.no_sync():
-                loss, grads = self.forward_backward(tok, tgt)  # the blocks' gradients went to on_block_grads
-                for weight, grad in ((self.embedding, grads.embedding), (self.final_norm, grads.final_norm),
-                                     (self.lm_head, grads.lm_head)):
-                    self.ddp.ready(weight, grad * self.grad_scale)
-            if sync:
-                self.ddp.finish()
-            loss_sum += loss.detach().to(torch.float64) * tgt.numel()
+        # TODO(m14): module 06's micro-steps: each microbatch's loss over the step's count, its gradients to the buckets
+        # Contract: tokens, targets are this rank's rows. Set `count` to the step's count of real tokens (as train_step
+        #   above) and loss_sum to this rank's summed token losses (float64, 0-d): global_mean_loss (below) divides
+        #   their sum over the group by count. For each of the n_microbatches equal chunks, in order: module 06's
+        #   forward_backward(tok, tgt, n_tokens), whose loss and gradients are the chunk's summed token losses divided
+        #   by n_tokens; during it, the blocks' gradients reach the buckets through on_block_grads (above); hand the
+        #   three it returns at the end (embedding, final_norm, lm_head) to self.ddp.ready. Every micro-step but the
+        #   last inside the buckets' no_sync(); their finish() after the last. The tests train on 2 ranks x 2
+        #   micro-steps and on the d axis of a d x t mesh against module 06's single-process train(), at 1e-12.
+        # Maths: which n_tokens makes the sum, over the ranks and the micro-steps, of the pieces' losses and
+        #   gradients those of the step's mean? Module 06's own train_step answers it for one process.
+        # Pitfalls: forward_backward's default n_tokens (the chunk's own count: a mean per microbatch, about m d
+        #   times the step's gradient, which AdamW hides but 1e-12 does not); this rank's count (d times too big);
+        #   the three gradients forward_backward returns left out (their bucket is never sent: finish names them);
+        #   forward_backward's loss is already divided by n_tokens.
+        raise NotImplementedError("TODO(m14): module 06's micro-steps: each microbatch's loss over the step's count, its gradients to the buckets")
         self.ddp.step(optimizer)
         self.weights.invalidate()  # the weights changed: a weight source must not serve old copies
         self.ddp.zero_grad()

@@ -69,6 +69,7 @@ def one_process():
 
 def _accumulate(n_microbatches):
     group = world_group()
+    count = ts.global_token_count(global_batch(0)[1][ts.my_rows(BATCH, group)], group)
     model = build()
     ddp = dp.replicate(model, group, CAP)
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=LR)
@@ -77,34 +78,42 @@ def _accumulate(n_microbatches):
     del group.collectives.log[:]
     losses = [ts.train_step(ddp, model, *global_batch(step), n_microbatches, optimizer) for step in range(STEPS)]
     buckets = [i for i, record in enumerate(group.collectives.log) if record.label.startswith("bucket")]
-    return [p.detach().clone() for p in model.parameters()], losses, forwards, buckets, len(ddp.buckets)
+    return [p.detach().clone() for p in model.parameters()], losses, forwards, buckets, len(ddp.buckets), count
 
 
 @pytest.mark.exercises("train_step",
                         "global_token_count",
                         "DataParallel.ready",
-                        "DataParallel.launch",
                         "DataParallel.finish",
-                        "assign_buckets",
-                        "broadcast_from_first")
+                        "DataParallel.launch",
+                        "broadcast_from_first",
+                        "assign_buckets")
 @pytest.mark.parametrize("world_size, n_microbatches", [(1, 4), (2, 2), (4, 1)])
 def test_accumulation_over_uneven_microbatches_equals_one_process(world_size, n_microbatches):
     expected, expected_losses = one_process()
-    for rank, (weights, losses, forwards, buckets, n_buckets) in enumerate(
+    real = int((global_batch(0)[1] != -100).sum())
+    for rank, (weights, losses, forwards, buckets, n_buckets, count) in enumerate(
             run_ranks(_accumulate, world_size, n_microbatches, timeout=60)):
         where = f"rank {rank} of d={world_size}, m={n_microbatches}"
+        assert isinstance(count, torch.Tensor) and count.dtype == torch.int64 and count.dim() == 0, (
+            f"{where}: your global_token_count returned {count!r}: a 0-d int64 tensor is asked for (an int64 sum "
+            f"is exact at any size, and the count is 8 bytes on the wire as the formulas say)")
+        assert count.item() == real, \
+            (f"{where}: your global_token_count returned {count.item()}, the global batch holds {real} real tokens "
+             f"(every rank's targets that are not IGNORE_INDEX, summed over the group)")
         gap = max(abs(a - b) for a, b in zip(losses, expected_losses, strict=True))
         assert gap <= TOLERANCE, (f"{where}: losses {losses}, one process {expected_losses}: the step's loss is the "
                                   f"mean over every real token of the global batch")
         gap = max((a - b).abs().max().item() for a, b in zip(weights, expected, strict=True))
         assert gap <= TOLERANCE, (
             f"{where}: the weights after {STEPS} steps differ by {gap:.2e} from one process on the whole batch "
-            f"(tolerance {TOLERANCE:g}); microbatches hold 16, 11, 5 and 1 real tokens: each microbatch's summed "
-            f"loss is divided by the step's global count, not averaged on its own")
+            f"(tolerance {TOLERANCE:g}); microbatches hold 16, 11, 5 and 1 real tokens: your train_step divides each "
+            f"microbatch's summed loss by the step's global count, it does not average it on its own")
         assert len(forwards) == STEPS * n_microbatches and len(buckets) == STEPS * n_buckets, \
-            f"{where}: {len(buckets)} buckets sent in {STEPS} steps of {n_buckets} buckets: each once a step"
+            (f"{where}: {len(buckets)} buckets sent in {STEPS} steps of {n_buckets} buckets: each once a step (your "
+             f"train_step)")
         for position in buckets:
             micro_step = sum(start <= position for start in forwards) - 1
             assert micro_step % n_microbatches == n_microbatches - 1, (
                 f"{where}: a bucket was sent during micro-step {micro_step % n_microbatches}; gradient accumulation "
-                f"sends only during the last one, {n_microbatches - 1} (no_sync() around the others)")
+                f"sends only during the last one, {n_microbatches - 1} (your train_step: no_sync() around the others)")

@@ -1,10 +1,13 @@
 """Module 14 ZeRO-1 and ZeRO-2 on forked ranks: the trained weights against one process (with and
-without clipping by global norm), what each rank keeps, and what it sends, against the formulas.
+without clipping by global norm), then what each rank keeps and sends against the formulas: two
+checks that share one run of the ranks per configuration.
 
 References: module 00's MLP trained in one process on the whole batch with autograd, PyTorch's
-AdamW and torch.nn.utils.clip_grad_norm_; the tensors each rank really holds (the storages behind
-its parameters and gradients, AdamW's state); the collectives log (course/costs.py's measured_cost).
-Collectives arrive late, as in test_14_data_parallel.py (a result is there only once waited for).
+AdamW and torch.nn.utils.clip_grad_norm_ (its norms too); ZeRO-0's (DDP's) summed gradients, for
+ZeRO-1's whole gradients and ZeRO-2's shards; the tensors each rank really holds (the storages
+behind its parameters and gradients, AdamW's state); the collectives log (course/costs.py's
+measured_cost). Collectives arrive late (course/late_collectives.py: a result is there only once
+waited for), and each records which others of its kind were still in flight when it started.
 
 Tolerance. ZeRO changes where AdamW runs, not its arithmetic (it is elementwise): the weights equal
 the replicated run's but for the order of the gradient sums and, with clipping, of the norm's sum of
@@ -20,8 +23,8 @@ import torch.nn.functional as F
 
 from course.costs import measured_cost
 from course.impl import load, reference
-from course.launch import run_ranks
-from test_14_data_parallel import check_waited, late_group  # collectives that deliver only at wait()
+from course.late_collectives import check_waited, late_group  # collectives that deliver only at wait()
+from course.launch import RankFailed, RankTimeout, run_ranks
 
 dp = load("m14_data_parallel")
 ts = load("m14_train_step")
@@ -31,7 +34,7 @@ m00 = reference("m00_monolith")
 
 f64 = torch.float64
 MLP = m00.MLPConfig(hidden=16, layers=6, batch=8)
-LR, STEPS, TOLERANCE, CAP = 1e-2, 3, 1e-12, 5000
+LR, STEPS, TOLERANCE = 1e-2, 3, 1e-12
 MAX_NORM = 0.2  # the gradient norms are about 0.76, 0.11 and 0.28: clipping acts on steps 0 and 2, not 1 (checked)
 
 
@@ -61,80 +64,167 @@ def bytes_of_storages(tensors) -> int:
     return sum(storages.values())
 
 
-def _stages(mesh, n_microbatches, max_norm):
+def flat_bucket(bucket, grads: dict[str, torch.Tensor]) -> torch.Tensor:
+    """`grads` (by parameter name) laid out as the bucket's padded flat buffer."""
+    flat = torch.zeros(bucket.padded_numel, dtype=f64)
+    for name, start in zip(bucket.names, bucket.offsets):
+        flat[start:start + grads[name].numel()] = grads[name].reshape(-1)
+    return flat
+
+
+def _stages(mesh, n_microbatches, max_norm, cap):
     group = late_group(mesh)
-    results = {}
+    results, summed = {}, {}  # summed: ZeRO-0's gradients at the first optimizer step, by name
     for stage in (0, 1, 2):
         model = m00.build_model(MLP).to(f64)
-        ddp = (dp.replicate(model, group, CAP) if stage == 0 else
-               dp.replicate(model, group, CAP, zero.ZeroDataParallel, stage=stage))
+        ddp = (dp.replicate(model, group, cap) if stage == 0 else
+               dp.replicate(model, group, cap, zero.ZeroDataParallel, stage=stage))
         optimizer = torch.optim.AdamW(ddp.parameters(), lr=LR)
-        whole = []  # each parameter's .grad as the optimizer step begins (first step)
+        whole, shards, norms = [], [], []  # at the first step: each .grad, ZeRO-2's gradient shards; every clip
         step_of = ddp.step
 
-        def step(optimizer, max_norm=None, step_of=step_of, whole=whole, model=model):
+        def step(optimizer, max_norm=None, step_of=step_of, whole=whole, shards=shards, model=model, ddp=ddp):
             if not whole:
                 whole.extend(None if p.grad is None else p.grad.clone() for p in model.parameters())
+                shards.extend(g.clone() for g in getattr(ddp, "grad_shards", []))
             return step_of(optimizer, max_norm)
         ddp.step = step
+        if stage > 0:
+            clip_of = ddp.clip_grad_norm_
+
+            def clip(max_norm, clip_of=clip_of, norms=norms, ddp=ddp):
+                def squares():  # of this rank's shards
+                    return sum((ddp.grad_shard(k).double() ** 2).sum().item() for k in range(len(ddp.buckets)))
+                before = squares()
+                norm = clip_of(max_norm)
+                norms.append((float(norm), math.sqrt(squares() / before)))  # the norm it returned, the factor applied
+                return norm
+            ddp.clip_grad_norm_ = clip
+        del group.collectives.pending_at_start[:]
         for s in range(STEPS):
             del group.collectives.log[:]
             ts.train_step(ddp, model, *mlp_batch(s), n_microbatches, optimizer, max_norm)
             check_waited(group)
-        sent = measured_cost(group.collectives.log)  # the last step's collectives
-        in_flight = group.collectives.most_in_flight.pop("reduce_scatter", 0)
+        if stage == 0:
+            summed = {name: g for (name, _), g in zip(model.named_parameters(), whole)}
         grads = [p.grad for p in model.parameters()] + [b.grads for b in ddp.buckets] + list(getattr(ddp, "grad_shards", []))
-        kept = {"parameters": bytes_of_storages(model.parameters()), "gradients": bytes_of_storages(grads),
-                "optimizer": sum(state[k].nbytes for state in optimizer.state.values() for k in ("exp_avg", "exp_avg_sq"))}
-        numels = [b.numel for b in ddp.buckets]
-        formula = costs.traffic(numels, 8, group.size, stage, n_microbatches, max_norm is not None, group.axis)
-        results[stage] = {"weights": [p.detach().clone() for p in model.parameters()], "whole grads": whole,
-                          "sent": sent, "sent formula": formula, "kept": kept, "in flight": in_flight,
-                          "kept formula": costs.state(numels, 8, group.size, stage).memory}
+        size = [b.padded_numel // group.size for b in ddp.buckets]
+        results[stage] = {
+            "weights": [p.detach().clone() for p in model.parameters()], "whole grads": whole, "norms": norms,
+            # ZeRO-2: this rank's gradient shards against slice `index` of ZeRO-0's summed buckets
+            "shard gaps": [(g - flat_bucket(b, summed)[group.index * n:(group.index + 1) * n]).abs().max().item()
+                           for g, b, n in zip(shards, ddp.buckets, size)],
+            "in flight": [(label, others) for op, label, others in group.collectives.pending_at_start
+                          if op == "reduce_scatter" and others],
+            "sent": measured_cost(group.collectives.log),  # the last step's collectives
+            "kept": {"parameters": bytes_of_storages(model.parameters()), "gradients": bytes_of_storages(grads),
+                     "optimizer": sum(state[k].nbytes for state in optimizer.state.values()
+                                      for k in ("exp_avg", "exp_avg_sq"))},
+            "numels": [b.numel for b in ddp.buckets], "d": group.size, "axis": group.axis}
     return results
 
 
-CONFIGS = [(None, 2, 1, None), (None, 4, 2, MAX_NORM), ({"d": 2, "t": 2}, 4, 2, MAX_NORM)]
+# name: (mesh, ranks, micro-steps, max_norm, bucket cap). Cap 5000 bytes: 3 buckets of the MLP; 3000: 4 buckets
+# (layers 5 .. head, 3 .. 5, 1 .. 3, 0 .. 1).
+CONFIGS = {"2-ranks": (None, 2, 1, None, 5000),
+           "4-ranks-2-microbatches-clipped-4-buckets": (None, 4, 2, MAX_NORM, 3000),
+           "mesh-d2-t2-clipped": ({"d": 2, "t": 2}, 4, 2, MAX_NORM, 5000)}
+_runs = {}
 
 
-@pytest.mark.exercises("shard_range",
-                        "ZeroDataParallel.launch",
+def stages(config: str) -> list[dict]:
+    """Every rank's results for one configuration: one run of the ranks, shared by the two checks below."""
+    if config not in _runs:
+        mesh, world_size, n_microbatches, max_norm, cap = CONFIGS[config]
+        try:
+            _runs[config] = run_ranks(_stages, world_size, mesh, n_microbatches, max_norm, cap, timeout=90)
+        except (RankFailed, RankTimeout) as error:  # the second check reports it too, without running it again
+            _runs[config] = error
+    if isinstance(_runs[config], Exception):
+        raise _runs[config]
+    return _runs[config]
+
+
+@pytest.mark.exercises("ZeroDataParallel.launch",
                         "ZeroDataParallel.step",
                         "ZeroDataParallel.clip_grad_norm_",
-                        "traffic",
-                        "state",
+                        "shard_range",
                         "DataParallel.ready",
-                        "DataParallel.launch",
                         "DataParallel.finish",
-                        "train_step")
-@pytest.mark.parametrize("mesh, world_size, n_microbatches, max_norm", CONFIGS,
-                         ids=["2-ranks", "4-ranks-2-microbatches-clipped", "mesh-d2-t2-clipped"])
-def test_zero_1_and_2_equal_one_process_keep_a_shard_and_send_the_formula(mesh, world_size, n_microbatches, max_norm):
+                        "train_step",
+                        "DataParallel.launch")
+@pytest.mark.parametrize("config", CONFIGS)
+def test_zero_1_and_2_train_as_one_process_with_one_bucket_in_flight(config):
+    _, _, n_microbatches, max_norm, _ = CONFIGS[config]
     expected, norms = one_process(max_norm)
     if max_norm is not None:
         assert min(norms) < max_norm < max(norms), \
             f"the test's clipping must act on some steps and not others: gradient norms {norms}, max_norm {max_norm}"
-    for rank, results in enumerate(run_ranks(_stages, world_size, mesh, n_microbatches, max_norm, timeout=90)):
+    for rank, results in enumerate(stages(config)):
+        if config.endswith("4-buckets"):
+            assert len(results[0]["numels"]) >= 4, f"this configuration needs 4 buckets at least, got {results[0]['numels']}"
         for stage, r in results.items():
             where = f"rank {rank}, ZeRO-{stage}, m={n_microbatches}{', clipped' if max_norm else ''}"
             gap = max((a - b).abs().max().item() for a, b in zip(r["weights"], expected, strict=True))
-            assert gap <= TOLERANCE, (f"{where}: the weights after {STEPS} steps differ by {gap:.2e} from one process "
-                                      f"(tolerance {TOLERANCE:g})")
+            if stage == 0:  # plain data parallelism: none of ZeRO's code runs
+                assert gap <= TOLERANCE, (f"{where}: the weights after {STEPS} steps differ by {gap:.2e} from one "
+                                          f"process (tolerance {TOLERANCE:g}): DDP's path, your ready, your finish "
+                                          f"or your train_step (test_14_data_parallel.py says more)")
+                continue
             if stage == 1:
-                gap = max((a - b).abs().max().item() for a, b in zip(r["whole grads"], results[0]["whole grads"]))
-                assert gap <= TOLERANCE, (f"{where}: every parameter's .grad must hold the whole gradient summed over "
-                                          f"ranks, as DDP's does (differs by {gap:.2e}): ZeRO-1 all-reduces")
+                gap_grads = max((a - b).abs().max().item() for a, b in zip(r["whole grads"], results[0]["whole grads"]))
+                assert gap_grads <= TOLERANCE, (
+                    f"{where}: every parameter's .grad must hold the whole gradient summed over ranks, as DDP's does "
+                    f"(differs by {gap_grads:.2e}): ZeroDataParallel.launch all-reduces at stage 1")
             if stage == 2:
                 assert all(g is None for g in r["whole grads"]), \
                     f"{where}: ZeRO-2 keeps no parameter's whole gradient (.grad must be None after ready)"
-                assert r["in flight"] == 1, (
-                    f"{where}: {r['in flight']} buckets' reduce-scatters were in flight at once: each keeps its whole "
-                    f"bucket alive until waited for; complete the bucket before, then send the next (one at a time)")
+                worst_shard = max(r["shard gaps"], default=0.0)
+                assert worst_shard <= TOLERANCE, (
+                    f"{where}: this rank's summed gradient shards (bucket by bucket, at the first step) differ by "
+                    f"{worst_shard:.2e} from its slice of the gradients summed over ranks: ZeroDataParallel.launch "
+                    f"reduce-scatters each bucket into a new bucket.received, which land() adds to the shard")
+                for label, others in r["in flight"]:
+                    assert not others, (
+                        f"{where}: when {label}'s reduce-scatter started, {', '.join(others)}'s was still in flight: "
+                        f"each keeps its whole bucket alive until waited for. ZeroDataParallel.launch completes the "
+                        f"bucket sent just before (bucket.index - 1), so that one bucket at most is in flight")
+            if max_norm is not None and r["norms"]:  # ZeroDataParallel.step called clip_grad_norm_: once a step
+                got = [norm for norm, _ in r["norms"]]
+                assert len(got) == STEPS and all(math.isclose(a, b, rel_tol=1e-9) for a, b in zip(got, norms)), (
+                    f"{where}: your clip_grad_norm_ returned the norms {got}, one process's are {norms} (the norm of "
+                    f"the whole gradient: the squares of every rank's shards, summed over the group)")
+                factors = [min(1.0, max_norm / (norm + 1e-6)) for norm in norms]
+                applied = [factor for _, factor in r["norms"]]
+                assert all(math.isclose(a, b, rel_tol=1e-9) for a, b in zip(applied, factors)), (
+                    f"{where}: your clip_grad_norm_ scaled this rank's shards by {applied}, expected "
+                    f"min(1, max_norm / (norm + 1e-6)) = {factors}")
+            assert gap <= TOLERANCE, (
+                f"{where}: the weights after {STEPS} steps differ by {gap:.2e} from one process (tolerance "
+                f"{TOLERANCE:g}), yet the gradients were summed right: ZeroDataParallel.step (each shard's gradient "
+                f"attached, AdamW, every bucket all-gathered and waited for), or your shard_range")
+
+
+@pytest.mark.exercises("traffic",
+                        "state",
+                        "ZeroDataParallel.launch",
+                        "ZeroDataParallel.step",
+                        "train_step")
+@pytest.mark.parametrize("config", CONFIGS)
+def test_zero_bytes_sent_and_kept_equal_the_formulas(config):
+    _, _, n_microbatches, max_norm, _ = CONFIGS[config]
+    for rank, results in enumerate(stages(config)):
+        for stage, r in results.items():
+            where = f"rank {rank}, ZeRO-{stage}, m={n_microbatches}{', clipped' if max_norm else ''}"
+            kept = costs.state(r["numels"], 8, r["d"], stage).memory
             for what in ("parameters", "gradients", "optimizer"):
-                got, want = r["kept"][what], r["kept formula"].get(what, 0)
-                assert got == want, f"{where}: keeps {got:,} bytes of {what}, the formula says {want:,}"
-            got, want = r["sent"], r["sent formula"]
-            assert got.calls == want.calls, f"{where}: collectives issued in a step {got.calls}, formula {want.calls}"
-            for key in set(got.sent) | set(want.sent):
-                assert math.isclose(got.sent.get(key, 0), want.sent.get(key, 0), rel_tol=1e-12), \
-                    f"{where}: bytes sent per step {got.sent}, formula {want.sent}"
+                got, want = r["kept"][what], kept.get(what, 0)
+                assert got == want, (f"{where}: keeps {got:,} bytes of {what}, your state says {want:,} (the tensors "
+                                     f"a rank holds, with buckets of {r['numels']} values)")
+            got = r["sent"]
+            want = costs.traffic(r["numels"], 8, r["d"], stage, n_microbatches, max_norm is not None, r["axis"])
+            same = got.calls == want.calls and all(
+                math.isclose(got.sent.get(key, 0), want.sent.get(key, 0), rel_tol=1e-12)
+                for key in set(got.sent) | set(want.sent))
+            assert same, (f"{where}: a step sends {got.sent} in {got.calls} collectives, your traffic says "
+                          f"{want.sent} in {want.calls} (buckets of {r['numels']} values)")

@@ -172,12 +172,17 @@ def test_ctrl_c_in_a_single_process_run_is_one_line_saying_where(capfd):
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(30)  # interrupted here
 
+    # Python's own Ctrl-C handler, even where this pytest was started with SIGINT ignored (a
+    # background job of a non-interactive shell inherits SIG_IGN, and Python then keeps it).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with pytest.raises(SystemExit) as exit_:
             with failures_explained("06", "solutions"):
                 run_demo(demo, argparse.Namespace(world_size=1, timeout=60))
     except KeyboardInterrupt:
         pytest.fail("the Ctrl-C went through failures_explained: a traceback")
+    finally:
+        signal.signal(signal.SIGINT, previous)
     err = capfd.readouterr().err
     assert exit_.value.code == 1 and len(err.splitlines()) == 1, err
     assert re.fullmatch(r"error: interrupted by Ctrl-C \(at tests/test_course_launch.py:\d+ in demo\)\n", err), err

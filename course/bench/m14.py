@@ -27,6 +27,7 @@ formulas come from the reference.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
 import warnings
@@ -40,7 +41,7 @@ from torch.nn.parallel import DistributedDataParallel
 from course.bench import llama_config, report, require_positive
 from course.costs import measured_cost
 from course.dataset import load_text, random_batch
-from course.emulated import _SleepInBackward
+from course.emulated import SleepInBackward
 from course.impl import load, reference
 from course.launch import run_ranks
 from course.mesh import world_group
@@ -141,7 +142,7 @@ class EmulatedMLP(nn.Module):
         for layer in self.layers:
             x = F.relu(layer(x))
             time.sleep(self.seconds)
-            x = _SleepInBackward.apply(x, 2 * self.seconds)  # runs just before this layer's backward
+            x = SleepInBackward.apply(x, 2 * self.seconds)  # runs just before this layer's backward
         return self.head(x)
 
 
@@ -323,6 +324,8 @@ def check(parser, args):
             parser.error(f"--{name.replace('_', '-')} values must be at least 1, got {values}")
     if not args.emulate_ms >= 0:
         parser.error(f"--emulate-ms must be at least 0, got {args.emulate_ms:g}")
+    if not math.isfinite(args.emulate_ms):  # a layer that never ends: every rank would sleep until the timeout
+        parser.error(f"--emulate-ms must be a finite number of ms, got {args.emulate_ms:g}")
     for d in args.nproc or [2, 4]:
         if args.batch % d or args.rows % d:
             parser.error(f"--batch {args.batch} and --rows {args.rows} must be divisible by every --nproc value ({d})")

@@ -40,8 +40,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from course.bench import report, require_positive
-from course.costs import measured_cost
-from course.demos.m15 import emulated_attention
+from course.costs import measured_activations, measured_cost
+from course.cp_timeline import emulated_attention
 from course.impl import load, reference
 from course.launch import run_ranks
 from course.mesh import init_mesh
@@ -52,27 +52,6 @@ VARIANT_NAMES = ("ring", "zigzag", "allgather", "ulysses")
 
 # --- 1. traffic and memory -------------------------------------------------------------------------
 
-def kept_bytes(model, tokens, targets) -> int:
-    """Bytes every block's store holds once the forward is done (read at the first block's backward)."""
-    stores, kept = [], []
-    new_store, backward = model.block.new_store, model.block.backward
-
-    def counted_store():
-        stores.append(new_store())
-        return stores[-1]
-
-    def first_backward(*args, **kwargs):
-        if not kept:
-            kept.append(sum(store.nbytes() for store in stores))
-        return backward(*args, **kwargs)
-    model.block.new_store, model.block.backward = counted_store, first_backward
-    try:
-        model.forward_backward(tokens, targets)
-    finally:
-        del model.block.new_store, model.block.backward  # the class's methods again
-    return kept[0]
-
-
 def _traffic(batch):
     cp_model = load("m15_cp_model")
     cfg = reference("m15_cp_model").CONFIG
@@ -81,7 +60,7 @@ def _traffic(batch):
     results = {}
     for variant in VARIANT_NAMES:
         model = cp_model.CPLlama(cfg, mesh, variant)
-        kept = kept_bytes(model, model.share(data), model.share(data))
+        kept = measured_activations(model, model.share(data), model.share(data))
         start = len(mesh.log)
         model.train_step(data, data, 1, torch.optim.AdamW(model.parameters(), lr=1e-3))
         results[variant] = (measured_cost(mesh.log[start:]), kept)

@@ -4,6 +4,7 @@ MiB, plain (ZeRO-0, DDP) or sharded (ZeRO-1, ZeRO-2); print the buckets and when
 the backward, the bytes sent per step and kept per rank against the formulas, and the losses
 against one process trained on the whole batch."""
 import argparse
+import math
 import time
 
 import torch
@@ -34,6 +35,12 @@ def add_args(parser: argparse.ArgumentParser):
 def check_args(args):
     if not args.bucket_mb > 0:
         raise ValueError(f"--bucket-mb must be a positive number of MiB, got {args.bucket_mb:g}")
+    if not math.isfinite(args.bucket_mb):
+        raise ValueError(f"--bucket-mb must be a finite number of MiB, got {args.bucket_mb:g} (one bucket of "
+                         f"everything: give more MiB than the model holds, e.g. 1000)")
+    if int(args.bucket_mb * MiB) < 1:
+        raise ValueError(f"--bucket-mb {args.bucket_mb:g} is under one byte (the cap is whole bytes): give at least "
+                         f"{1 / MiB:.3g} MiB")
     if args.zero not in (0, 1, 2):
         raise ValueError(f"--zero must be a ZeRO stage, 0, 1 or 2, got {args.zero} (stage 3 is module 07's FSDP)")
     if min(args.steps, args.batch, args.microbatches, args.layers) < 1:

@@ -11,16 +11,14 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.overrides import TorchFunctionMode
 
-from course.collectives import Collectives
 from course.costs import measured_cost
+from course.cp_timeline import emulated_attention
 from course.demos import check_writable, log_every, same_curve
 from course.impl import load, reference
-from course.mesh import Group, init_mesh
+from course.mesh import init_mesh
 
 VARIANT_NAMES = ("ring", "zigzag", "allgather", "ulysses")
-MATMULS = {"matmul", "__matmul__", "mm", "bmm", "addmm", "baddbmm"}
 
 
 def add_args(parser: argparse.ArgumentParser):
@@ -63,94 +61,6 @@ def check_timeline(prefix: str):
     def refuse(message):
         raise ValueError(message)
     check_writable(prefix, "--timeline", refuse)
-
-
-# --- an emulated device and timed waits (the benchmark uses them too) ----------------------------
-
-class EmulatedDevice(TorchFunctionMode):
-    """Every matrix product sleeps the time a device of `gflops` GFLOP/s would take, recorded as a
-    compute span; with compute=False it does no arithmetic (its result is uninitialised memory of the
-    right shape). Sleeping frees the CPU, so messages in flight progress as beside a busy device."""
-
-    def __init__(self, gflops: float, spans: list, compute: bool = True):
-        super().__init__()
-        self.seconds_per_flop, self.spans, self.compute = 1e-9 / gflops, spans, compute
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if getattr(func, "__name__", "") not in MATMULS:
-            return func(*args, **kwargs)
-        operand = args[1] if func.__name__ in ("addmm", "baddbmm") else args[0]
-        if self.compute:
-            out = func(*args, **kwargs)
-        else:
-            meta = [a.to("meta") if isinstance(a, torch.Tensor) else a for a in args]
-            out = torch.empty(func(*meta).shape, dtype=operand.dtype)
-        seconds = 2 * out.numel() * operand.shape[-1] * self.seconds_per_flop
-        began = time.perf_counter()
-        time.sleep(seconds)
-        self.spans.append(("compute", began, time.perf_counter(), seconds))  # as slept, and as asked for
-        return out
-
-
-class _TimedWork:
-    def __init__(self, work, spans):
-        self.work, self.spans = work, spans
-
-    def wait(self):
-        began = time.perf_counter()
-        self.work.wait()
-        self.spans.append(("wait", began, time.perf_counter(), None))
-        return True
-
-
-class TimedCollectives(Collectives):
-    """The same collectives, logged the same, with the time spent blocked in each recorded as a wait span."""
-
-    def __init__(self, collectives: Collectives, spans: list):
-        super().__init__(collectives.group, collectives.axis, collectives.ranks, collectives.log)
-        self.spans = spans
-
-    def _timed(self, call, *args, **kwargs):
-        began = time.perf_counter()
-        work = call(*args, **kwargs)
-        if work is None:  # a blocking collective: all of its time was spent waiting for it
-            self.spans.append(("wait", began, time.perf_counter(), None))
-            return None
-        return _TimedWork(work, self.spans)
-
-    def isend(self, *args, **kwargs):
-        return self._timed(super().isend, *args, **kwargs)
-
-    def irecv(self, *args, **kwargs):
-        return self._timed(super().irecv, *args, **kwargs)
-
-    def all_gather(self, *args, **kwargs):
-        return self._timed(super().all_gather, *args, **kwargs)
-
-    def reduce_scatter(self, *args, **kwargs):
-        return self._timed(super().reduce_scatter, *args, **kwargs)
-
-    def all_to_all(self, *args, **kwargs):
-        return self._timed(super().all_to_all, *args, **kwargs)
-
-
-def timed_group(group: Group, spans: list) -> Group:
-    """`group` whose collectives also record their waits in `spans`."""
-    return Group(group.axis, group.index, group.ranks, TimedCollectives(group.collectives, spans))
-
-
-def emulated_attention(variant: str, group: Group, q, k, v, gflops: float, compute: bool = True) -> list:
-    """The spans (kind, start, end, emulated seconds or None) of one forward of `variant`'s attention (the
-    selected implementation) on this rank, on the emulated device."""
-    spans = []
-    attention = load("m15_cp_model").context_attention(variant, timed_group(group, spans))
-    dist.barrier()
-    began = time.perf_counter()
-    with EmulatedDevice(gflops, spans, compute):
-        attention.forward(q, k, v)
-    spans.append(("step", began, time.perf_counter(), None))
-    return spans
 
 
 def text_timeline(per_rank: list[list], width: int = 64) -> list[str]:

@@ -124,9 +124,30 @@ PLANTS = [
     Plant(STEP, "        if sync:\n            ddp.finish()\n        loss_sum += loss.detach()",
           "        ddp.finish()\n        loss_sum += loss.detach()",
           "finish() after a micro-step that sent nothing: no gradient was marked, so it reports them all missing"),
-    Plant(STEP, "grads.tensors(), strict=True):\n            self.ddp.ready(weight, grad * self.grad_scale)",
-          "grads.tensors(), strict=True):\n            self.ddp.ready(weight, grad)",
-          "module 06's per-microbatch mean handed over unscaled: d m times the step's gradient"),
+    Plant(STEP, "    count = (targets != IGNORE_INDEX).sum()\n", "    count = (targets != IGNORE_INDEX).sum().float()\n",
+          "a float32 count: not exact beyond 2^24 tokens, and 4 bytes on the wire where the formulas say 8"),
+    Plant(STEP, "    count = (targets != IGNORE_INDEX).sum()\n", "    count = (targets != IGNORE_INDEX).sum().int()\n",
+          "an int32 count: it overflows past 2^31 tokens, and it is 4 bytes on the wire where the formulas say 8"),
+    # --- module 06's Llama: the count handed to forward_backward ---------------------------------------------
+    Plant(STEP, "loss, grads = self.forward_backward(tok, tgt, n_tokens)  # the blocks'",
+          "loss, grads = self.forward_backward(tok, tgt)  # the blocks'",
+          "module 06's default n_tokens, the microbatch's own count: a mean per microbatch, about d m times the "
+          "step's gradient"),
+    Plant(STEP, "        n_tokens = int(count)", "        n_tokens = int((targets != IGNORE_INDEX).sum())",
+          "this rank's count instead of the step's: every rank's gradient d times too big"),
+    Plant(STEP, """                for weight, grad in ((self.embedding, grads.embedding), (self.final_norm, grads.final_norm),
+                                     (self.lm_head, grads.lm_head)):
+                    self.ddp.ready(weight, grad)
+""", "",
+          "the gradients forward_backward returns at the end (embedding, final norm, LM head) never handed to the "
+          "buckets: their bucket is never sent"),
+    Plant(STEP, "            loss_sum += loss.detach().to(torch.float64) * n_tokens\n",
+          "            loss_sum += loss.detach().to(torch.float64)\n",
+          "forward_backward's loss taken for the summed token losses: it is already divided by n_tokens, so the "
+          "logged loss is divided twice"),
+    Plant(STEP, "            sync = i == n_microbatches - 1\n", "            sync = True\n",
+          "module 06's Llama sending on every micro-step: the buckets already summed are summed again with the next "
+          "micro-step's"),
     # --- ZeRO --------------------------------------------------------------------------------------------------
     Plant(ZERO, "    return slice(index * size, (index + 1) * size)\n",
           "    return slice((index + 1) % d * size, ((index + 1) % d + 1) * size)\n",
@@ -151,6 +172,9 @@ PLANTS = [
         if bucket.index > 0:
             self.complete(self.buckets[bucket.index - 1])""",
           "the previous bucket completed after the next one is sent: two whole buckets in flight, not one"),
+    Plant(ZERO, "        if bucket.index > 0:\n            self.complete(self.buckets[bucket.index - 1])\n",
+          "        if bucket.index > 1:\n            self.complete(self.buckets[bucket.index - 2])\n",
+          "ZeRO-2 completing the bucket sent two before: two whole buckets in flight at every launch, not one"),
     Plant(ZERO, "        bucket.received = torch.empty(bucket.padded_numel // self.group.size, dtype=bucket.grads.dtype,\n"
                 "                                      device=bucket.grads.device)\n",
           "        bucket.received = self.grad_shards[bucket.index]\n",
@@ -162,6 +186,8 @@ PLANTS = [
     Plant(ZERO, "        factor = torch.clamp(max_norm / (norm + 1e-6), max=1.0)\n",
           "        factor = max_norm / (norm + 1e-6)\n",
           "clipping that also scales up: a norm below max_norm must be left alone"),
+    Plant(ZERO, "        return norm\n", "        return norm * factor\n",
+          "the norm after clipping returned: clip_grad_norm_ returns the norm the gradients had before it"),
     Plant(ZERO, """        works = [self.group.collectives.all_gather(self.weights[k], shard, label=f"weights {k}", async_op=True)
                  for k, shard in enumerate(self.shards)]
         for work in works:

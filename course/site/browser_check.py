@@ -267,9 +267,10 @@ def check_memory(browser: Browser, site: Path) -> tuple[int, list[str]]:
     shown = browser.evaluate(MEMORY_READ)
     for d, t in ((4, 1), (2, 2), (1, 4)):
         try:
-            reference("m13_llama_2d").check_mesh_fits(cfg, d, t, d)
-            kept = str(costs.state_bytes(cfg, d, t, torch.float32).total
-                       + cfg.n_layers * costs.block_activation_bytes(cfg, d, d, t, torch.float32))
+            sizes = {"d": d, "t": t}
+            reference("m13_llama_2d").check_mesh_fits(cfg, sizes, d)
+            kept = str(sum((costs.state_bytes(cfg, sizes, torch.float32)
+                            + costs.block_activation_bytes(cfg, sizes, d, torch.float32)).memory.values()))
         except ValueError:
             kept = ""  # refused: the row says why
         if shown.get(f"{d}x{t}") != kept:
