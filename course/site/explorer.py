@@ -42,6 +42,8 @@ IDLE_FORMS = {
     "1f1b": "(p-1)*(F+B)",
     "interleaved": "(p-1)*(F+B)",
     "zbh1": "(p-1)*max(F+I-W, F, I)",
+    "zbh2": "(p-1)*max(F+I-2*W, F)",
+    "interleaved_zb": "(p-1)*max(F+I-W, F, I)",
     "zbv": "(p-1)*F",
     "dualpipev": "(p-1)*(F+I-W)",
 }
