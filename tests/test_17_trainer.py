@@ -213,3 +213,24 @@ def test_8_ranks_equal_one_process(name):
     cfg = dataclasses.replace(CFG, n_layers=8) if sizes.get("p", 1) == 8 else CFG
     results = run_ranks(_train, 8, cfg, sizes, "1f1b", 1, None, timeout=300)
     check_against_one_process(cfg, name, results, sizes, None)
+
+
+@pytest.mark.exercises("fsdp_traffic")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fsdp_formula_counts_the_padded_slice_and_the_gradients_dtype(dtype):
+    # A block whose slice does not divide by d c = 5 (padding) and bf16 weights with float32 gradients, read off
+    # module 07's and 12's own layout: the trusted count of what one gather and one reduce-scatter move.
+    cfg = dataclasses.replace(CFG, dim=12, n_heads=2, n_kv_heads=2, head_dim=6, ffn_dim=10)
+    sizes, n_blocks = {"p": 2, "d": 5, "t": 2}, 2
+    whole = reference("m06_llama_model").LlamaModel(cfg, 0, dtype)
+    tp = reference("m12_tp_block")
+    group = type("OneRankOfT", (), {"size": 2, "index": 0})()
+    slice_ = tp.shard_block_weights(whole.blocks[0], cfg, group)
+    layout = reference("m07_flat_shards").FlatLayout(slice_, 5)
+    assert layout.padded_numel != layout.numel, "the test's slice must need padding"
+    grad_bytes = torch.promote_types(dtype, torch.float32).itemsize
+    want_sent = {("dc", "all_gather"): n_blocks * 4 * layout.shard_numel * dtype.itemsize,
+                 ("dc", "reduce_scatter"): n_blocks * 4 * layout.shard_numel * grad_bytes}
+    got = costs.fsdp_traffic(cfg, sizes, dtype, n_blocks)
+    assert got.sent == want_sent and got.calls == {("dc", "all_gather"): 2, ("dc", "reduce_scatter"): 2}, \
+        f"{dtype}, d c = 5, t = 2: formula {got}, module 07's layout of module 12's slice gives sent {want_sent}"
