@@ -33,6 +33,7 @@ import json
 import os
 import re
 import shutil
+import warnings
 from dataclasses import asdict
 from pathlib import Path
 
@@ -206,8 +207,9 @@ def check_checkpoint(directory, cfg: LlamaConfig, vocab: str = ""):
                               f"checkpoint's settings, or use another --checkpoint-dir")
 
 
-def save(model, optimizer, train_state: dict, root, step: int, description: dict, storage_writer=None) -> Path:
-    """Write the checkpoint of `step` under `root` on every rank together; return its directory."""
+def save(model, optimizer, train_state: dict, root, step: int, description: dict, make_writer=None) -> Path:
+    """Write the checkpoint of `step` under `root` on every rank together; return its directory.
+    `make_writer(directory)` makes DCP's storage writer (default: dcp.FileSystemWriter; a test's kills a rank)."""
     final = step_directory(root, step)
     partial = final.with_name(final.name + ".partial")
     state = state_dict(model, optimizer, model.mesh.device_mesh, train_state)
@@ -219,13 +221,14 @@ def save(model, optimizer, train_state: dict, root, step: int, description: dict
     #   one rank's (rank 0), the others wait for them.
     # The order: prepare `partial` (rank 0), wait; every rank: dcp.save(state, storage_writer=... into partial);
     #   wait; rank 0 renames `partial` to `final`; wait. A rename within one file system is atomic.
+    #   The storage writer is make_writer(partial), or dcp.FileSystemWriter(partial) without one.
     # Pitfalls: saving straight into `final` leaves a half-written checkpoint under a complete-looking name when
     #   a rank is killed mid-save (the long check kills one, then resumes from what is left). Renaming before
     #   every rank's save has returned publishes files still being written.
     # Hint 1: rank 0 prepares, everyone saves, rank 0 renames; barriers between the phases.
     # Hint 2: shutil.rmtree(partial, ignore_errors=True); partial.mkdir(parents=True); (partial / "config.json")
-    #         .write_text(json.dumps(description)); dcp.save(state, storage_writer=storage_writer or
-    #         dcp.FileSystemWriter(partial)); dist.barrier(); os.rename(partial, final).
+    #         .write_text(json.dumps(description)); dcp.save(state, storage_writer=(make_writer or
+    #         dcp.FileSystemWriter)(partial)); dist.barrier(); os.rename(partial, final).
     # Hint 3: rank 0: remove partial, make it, write config.json;  barrier
     #         dcp.save(state, storage_writer=the writer, or a FileSystemWriter of partial);  barrier
     #         rank 0: os.rename(partial, final);  barrier;  return final
@@ -234,7 +237,7 @@ def save(model, optimizer, train_state: dict, root, step: int, description: dict
         partial.mkdir(parents=True)
         (partial / "config.json").write_text(json.dumps(description))
     dist.barrier()
-    dcp.save(state, storage_writer=storage_writer or dcp.FileSystemWriter(partial))
+    dcp.save(state, storage_writer=(make_writer or dcp.FileSystemWriter)(partial))
     dist.barrier()
     if dist.get_rank() == 0:
         os.rename(partial, final)
@@ -270,5 +273,7 @@ def load_into_one_process(directory, cfg: LlamaConfig, dtype=torch.float32):
     state = {"model.embedding": model.embedding, "model.final_norm": model.final_norm, "model.lm_head": model.lm_head}
     for layer, block in enumerate(model.blocks):
         state.update({f"model.layers.{layer}.{name}": getattr(block, name) for name in NAMES})
-    dcp.load(state, storage_reader=dcp.FileSystemReader(directory), no_dist=True)
+    with warnings.catch_warnings():  # DCP warns that it loads in a single process: that is the point here
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, storage_reader=dcp.FileSystemReader(directory), no_dist=True)
     return model

@@ -34,7 +34,7 @@ def training_state(generator: torch.Generator, losses: list[float]) -> dict:
 
 def train(model, text: CharText, steps: int, batch: int = 8, lr: float = 3e-3, seed: int = 0, n_microbatches: int = 1,
           checkpoint_dir=None, checkpoint_every: int = 0, resume: bool = False, eval_every: int = 0,
-          eval_batches: int = 2, on_step=None, storage_writer=None):
+          eval_batches: int = 2, on_step=None, make_writer=None):
     """Train `model` (a ComposedLlama) to `steps` steps on text.train; returns (losses, validation): every
     step's loss (those before a resume included) and [(step, validation loss)]. With checkpoint_dir and
     checkpoint_every, a checkpoint every checkpoint_every steps; with resume, from the latest complete one."""
@@ -55,7 +55,7 @@ def train(model, text: CharText, steps: int, batch: int = 8, lr: float = 3e-3, s
         # Contract: append the step's loss (model.train_step on the global batch, optimizer) to `losses`; then, when
         #   checkpoint_dir is set and checkpoint_every divides the number of steps done (step + 1), save the
         #   checkpoint of that number: save(model, optimizer, training_state(generator, losses), checkpoint_dir,
-        #   step + 1, description, storage_writer).
+        #   step + 1, description, make_writer).
         # The question: checkpoint "step k" is what a run that has done k steps holds; a run resumed from it draws
         #   batch k next and must compute what the uninterrupted run computes there.
         # Pitfalls: a checkpoint written before the optimizer's step holds the weights of step k - 1 beside the data
@@ -67,7 +67,7 @@ def train(model, text: CharText, steps: int, batch: int = 8, lr: float = 3e-3, s
         losses.append(model.train_step(tokens, targets, n_microbatches, optimizer))
         if checkpoint_dir and checkpoint_every and (step + 1) % checkpoint_every == 0:
             save(model, optimizer, training_state(generator, losses), checkpoint_dir, step + 1, description,
-                 storage_writer)
+                 make_writer)
         # <<<
         if eval_every and ((step + 1) % eval_every == 0 or step + 1 == steps):
             validation.append((step + 1, validation_loss(model, text, batch, eval_batches)))

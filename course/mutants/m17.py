@@ -2,6 +2,7 @@
 from course.mutants import Plant
 
 COMPOSITION, STAGE, TRAINER, COSTS = "m17_composition.py", "m17_stage.py", "m17_trainer.py", "m17_costs.py"
+CHECKPOINT, RUN = "m17_checkpoint.py", "m17_run.py"
 PLANTS = [
     # The issue's list.
     Plant(TRAINER, "        n_tokens = real_tokens(targets)\n        for stage in self.stages.values():\n"
@@ -56,9 +57,33 @@ PLANTS = [
     Plant(COSTS, "n_blocks * (n - 1) * shard * grad_dtype(dtype).itemsize",
           "n_blocks * (n - 1) * shard * dtype.itemsize",
           "the gradients' bytes counted in the weights' dtype: they travel in the float32 accumulators"),
-    Plant(COSTS, "n_blocks * (n - 1) * shard * grad_dtype(dtype).itemsize",
-          "n_blocks * (n - 1) * shard * dtype.itemsize",
-          "the gradients' bytes counted in the weights' dtype: they travel in the float32 accumulators"),
     Plant(COSTS, "shard = -(-P // n)", "shard = P // n",
           "the shard of the unpadded slice: the flat buffer is padded to a multiple of d c"),
+    # Checkpoints.
+    Plant(RUN, "        losses.append(model.train_step(tokens, targets, n_microbatches, optimizer))\n"
+               "        if checkpoint_dir and checkpoint_every and (step + 1) % checkpoint_every == 0:\n"
+               "            save(model, optimizer, training_state(generator, losses), checkpoint_dir, step + 1, description,\n"
+               "                 make_writer)\n",
+          "        if checkpoint_dir and checkpoint_every and (step + 1) % checkpoint_every == 0:\n"
+          "            save(model, optimizer, training_state(generator, losses + [0.0]), checkpoint_dir, step + 1,\n"
+          "                 description, make_writer)\n"
+          "        losses.append(model.train_step(tokens, targets, n_microbatches, optimizer))\n",
+          "the checkpoint saved before the optimizer's step: step k's data position beside step k - 1's weights"),
+    Plant(CHECKPOINT, "    return DTensor.from_local(piece, device_mesh, placements, run_check=False, shape=torch.Size(shape),\n",
+          "    return piece\n    return DTensor.from_local(piece, device_mesh, placements, run_check=False, shape=torch.Size(shape),\n",
+          "a shard saved as a plain tensor: DCP takes it for a replicated copy and keeps one rank's"),
+    Plant(CHECKPOINT, "    elif field in ROW_PARALLEL:\n        over_t = Shard(1)\n",
+          "    elif field in ROW_PARALLEL:\n        over_t = Shard(0)\n",
+          "a row-parallel weight (wo, w_down) placed by rows: round-trips on the same t, scrambled on another"),
+    Plant(CHECKPOINT, "    if field in COLUMN_PARALLEL or field in (\"embedding\", \"lm_head\"):\n",
+          "    if field in COLUMN_PARALLEL:\n",
+          "the vocabulary rows saved as replicated: DCP keeps one t rank's rows for all of them"),
+    Plant(CHECKPOINT, "    if dist.get_rank() == 0:\n        os.rename(partial, final)\n    dist.barrier()\n    return final",
+          "    return final",
+          "the partial directory never renamed: the run's checkpoints are invisible to a resume"),
+    Plant(CHECKPOINT, "    dist.barrier()\n    dcp.save(state, storage_writer=(make_writer or dcp.FileSystemWriter)(partial))\n"
+                      "    dist.barrier()\n    if dist.get_rank() == 0:\n        os.rename(partial, final)\n",
+          "    dist.barrier()\n    if dist.get_rank() == 0:\n        os.rename(partial, final)\n"
+          "    dcp.save(state, storage_writer=(make_writer or dcp.FileSystemWriter)(final))\n",
+          "renamed before the save: a rank killed mid-save leaves a half-written checkpoint under a complete name"),
 ]
