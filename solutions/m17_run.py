@@ -34,10 +34,12 @@ def training_state(generator: torch.Generator, losses: list[float]) -> dict:
 
 def train(model, text: CharText, steps: int, batch: int = 8, lr: float = 3e-3, seed: int = 0, n_microbatches: int = 1,
           checkpoint_dir=None, checkpoint_every: int = 0, resume: bool = False, eval_every: int = 0,
-          eval_batches: int = 2, on_step=None, make_writer=None):
+          eval_batches: int = 2, on_step=None, on_validation=None, checkpoint_last: bool = False, make_writer=None):
     """Train `model` (a ComposedLlama) to `steps` steps on text.train; returns (losses, validation): every
     step's loss (those before a resume included) and [(step, validation loss)]. With checkpoint_dir and
-    checkpoint_every, a checkpoint every checkpoint_every steps; with resume, from the latest complete one."""
+    checkpoint_every, a checkpoint every checkpoint_every steps (and with checkpoint_last, after the last
+    step too); with resume, from the latest complete one. `on_step(step, loss)` and `on_validation(step,
+    loss)` are called as they come; `make_writer`: see m17_checkpoint.save."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     generator = torch.Generator().manual_seed(seed)
     description = describe(model.cfg, text.chars)
@@ -69,8 +71,13 @@ def train(model, text: CharText, steps: int, batch: int = 8, lr: float = 3e-3, s
             save(model, optimizer, training_state(generator, losses), checkpoint_dir, step + 1, description,
                  make_writer)
         # <<<
-        if eval_every and ((step + 1) % eval_every == 0 or step + 1 == steps):
-            validation.append((step + 1, validation_loss(model, text, batch, eval_batches)))
         if on_step is not None:
             on_step(step, losses[-1])
+        if eval_every and ((step + 1) % eval_every == 0 or step + 1 == steps):
+            validation.append((step + 1, validation_loss(model, text, batch, eval_batches)))
+            if on_validation is not None:
+                on_validation(*validation[-1])
+    saved_last = checkpoint_every and steps % checkpoint_every == 0
+    if checkpoint_dir and checkpoint_last and steps > start and not saved_last:
+        save(model, optimizer, training_state(generator, losses), checkpoint_dir, steps, description, make_writer)
     return losses, validation
