@@ -93,3 +93,55 @@ def test_a_mesh_that_is_not_the_job_and_a_moe_mesh_with_t_are_refused():
         check_mesh({"p": 2, "d": 2, "t": 2}, 4)
     with pytest.raises(ValueError, match="the MoE model runs with t=1 and c=1"):
         moe_stage.check_moe_mesh({"d": 2, "t": 2}, MoEConfig())
+
+
+def demo_args(*argv, world_size=8):
+    """`python main.py run 17`'s options as main.py parses them (the demo's own parser), before any rank starts."""
+    import argparse
+
+    from course.demos import m17 as demo
+    parser = argparse.ArgumentParser()
+    demo.add_args(parser)
+    args = parser.parse_args(list(argv))
+    args.world_size = world_size
+    return demo, args
+
+
+@pytest.mark.given
+@pytest.mark.parametrize("argv, world_size, message", [
+    ((), 4, "the mesh p=2 x d=2 x t=2 has 8 ranks, the job has 4"),
+    (("--mesh", "p=3,d=1,t=2",), 6, "p x v = 3 does not divide n_layers L=4"),
+    (("--mesh", "d=2,t=4", "--dim", "36"), 8, "--dim 36: the model has 4 heads"),
+    (("--mesh", "t=8",), 8, "t=8 does not divide n_heads H=4"),
+    (("--mesh", "d=2,c=4", "--seq-len", "34"), 8, "c=4 does not divide sequence length T=34"),
+    (("--mesh", "d=2,c=4", "--seq-len", "36"), 8, "the zigzag layout cuts the sequence into 2c = 8 equal pieces"),
+    (("--mesh", "d=8",), 8, "d x m = 32 does not divide batch B=16"),
+    (("--mesh", "d=8,e=8", "--experts", "6", "--checkpoint-every", "0"), 8, "e=8 does not divide experts E=6"),
+    (("--schedule", "zbh1",), 8, "the zero-bubble schedules need the backward split into I and W"),
+])
+def test_the_run_refuses_a_bad_mesh_in_one_line_before_any_rank_starts(argv, world_size, message):
+    demo, args = demo_args(*argv, world_size=world_size)
+    with pytest.raises(ValueError) as refused:
+        demo.check_args(args)
+    assert message in str(refused.value) and "\n" not in str(refused.value), str(refused.value)
+
+
+@pytest.mark.given
+def test_the_run_refuses_a_checkpoint_of_another_model_before_any_rank_starts(tmp_path):
+    import json
+
+    from course.chars import load_chars
+    checkpoint = reference("m17_checkpoint")
+    demo, args = demo_args("--resume", str(tmp_path), "--dim", "64")
+    other = demo.config(args, load_chars().vocab_size)
+    saved = tmp_path / "step_000200"
+    saved.mkdir()
+    (saved / ".metadata").write_bytes(b"")
+    (saved / "config.json").write_text(json.dumps(checkpoint.describe(other, load_chars().chars)))
+    demo, args = demo_args("--resume", str(tmp_path))  # the default --dim 128
+    with pytest.raises(ValueError) as refused:
+        demo.check_args(args)
+    assert "dim=64 (this run: 128)" in str(refused.value) and "\n" not in str(refused.value), str(refused.value)
+    demo, args = demo_args("--checkpoint-dir", str(tmp_path))
+    with pytest.raises(ValueError, match="holds an earlier run's checkpoints: continue it with --resume"):
+        demo.check_args(args)
