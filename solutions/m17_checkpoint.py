@@ -52,6 +52,9 @@ STEP_DIR = re.compile(r"step_(\d{6})")
 class CheckpointError(ValueError):
     """A checkpoint this run cannot load (one line, before any step runs)."""
 
+    def __init__(self, message: str):
+        super().__init__(message)
+
 
 def to_dtensor(name: str, piece: torch.Tensor, shape: tuple[int, ...], device_mesh) -> DTensor:
     """This rank's `piece` of the weight `name` ('embedding', 'layers.3.wq', 'final_norm', ...; its field is the

@@ -56,8 +56,8 @@ def train(model, text: CharText, steps: int, batch: int = 8, lr: float = 3e-3, s
         # >>> TODO(m17): one step, then (every checkpoint_every steps) its checkpoint
         # Contract: append the step's loss (model.train_step on the global batch, optimizer) to `losses`; then, when
         #   checkpoint_dir is set and checkpoint_every divides the number of steps done (step + 1), save the
-        #   checkpoint of that number: save(model, optimizer, training_state(generator, losses), checkpoint_dir,
-        #   step + 1, description, make_writer).
+        #   checkpoint of that number with m17_checkpoint's save: the model, the optimizer, this run's
+        #   training_state (the generator, the losses), under checkpoint_dir, with `description` and `make_writer`.
         # The question: checkpoint "step k" is what a run that has done k steps holds; a run resumed from it draws
         #   batch k next and must compute what the uninterrupted run computes there.
         # Pitfalls: a checkpoint written before the optimizer's step holds the weights of step k - 1 beside the data

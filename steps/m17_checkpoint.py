@@ -1,5 +1,5 @@
 # Generated from solutions/m17_checkpoint.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 17`. (skeleton f4cdb85d7d50)
+# Grade your work with `python main.py grade 17`. (skeleton ae7d7e8ab363)
 """Module 17, part 6 - checkpoints with torch.distributed.checkpoint (DCP): saved in the model's own
 shapes, loaded onto any mesh, never half-written.
 
@@ -53,6 +53,9 @@ STEP_DIR = re.compile(r"step_(\d{6})")
 
 class CheckpointError(ValueError):
     """A checkpoint this run cannot load (one line, before any step runs)."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
 
 
 def to_dtensor(name: str, piece: torch.Tensor, shape: tuple[int, ...], device_mesh) -> DTensor:
