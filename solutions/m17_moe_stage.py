@@ -11,8 +11,9 @@ expert group `groups.experts` and back by all-to-all. The stage holds, per block
 
 The experts take whole tokens (module 16 routes each token on its rank), so this stage runs with
 t = 1 and c = 1; check_moe_mesh says so before any rank starts. The loss is the mean cross-entropy
-of the step's real tokens (every share divided by N_real, as LlamaStage) plus module 16's auxiliary
-loss, each sequence's weighted 1/B; the reported loss is the cross-entropy, as module 16 reports it.
+of the step's real tokens (every share divided by the step's divisor, as LlamaStage) plus module
+16's auxiliary loss, each sequence's weighted 1/B; the reported loss is the cross-entropy, as module
+16 reports it.
 """
 from __future__ import annotations
 

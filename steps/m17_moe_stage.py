@@ -1,5 +1,5 @@
 # Generated from solutions/m17_moe_stage.py by `python -m course.skeleton`. Given code: nothing
-# to fill in here; read it, then run it with `python main.py run 17`. (skeleton 4dd38f4f8585)
+# to fill in here; read it, then run it with `python main.py run 17`. (skeleton bfe5029e3ebd)
 """Module 17, part 4 - a pipeline stage of module 16's MoE Llama: experts over e, the rest FSDP over d.
 
 Each block is module 16's MoEBlock: module 06's block with a zero FFN (attention, both norms), then
@@ -13,8 +13,9 @@ expert group `groups.experts` and back by all-to-all. The stage holds, per block
 
 The experts take whole tokens (module 16 routes each token on its rank), so this stage runs with
 t = 1 and c = 1; check_moe_mesh says so before any rank starts. The loss is the mean cross-entropy
-of the step's real tokens (every share divided by N_real, as LlamaStage) plus module 16's auxiliary
-loss, each sequence's weighted 1/B; the reported loss is the cross-entropy, as module 16 reports it.
+of the step's real tokens (every share divided by the step's divisor, as LlamaStage) plus module
+16's auxiliary loss, each sequence's weighted 1/B; the reported loss is the cross-entropy, as module
+16 reports it.
 """
 from __future__ import annotations
 
