@@ -80,9 +80,10 @@ class LlamaStage:
     """Stage `stage` of `n_stages` of module 06's Llama `whole`, on this rank of the mesh `groups`."""
 
     def __init__(self, cfg: LlamaConfig, groups: Groups, stage: int, n_stages: int, whole, variant: str = "zigzag",
-                 attention_chunk: int = ATTENTION_CHUNK):
+                 attention_chunk: int = ATTENTION_CHUNK, recompute: bool = False):
         tp, cp, fsdp = groups.tp, groups.cp, groups.fsdp
         self.cfg, self.groups, self.stage, self.variant = cfg, groups, stage, variant
+        self.recompute = recompute  # module 10's "block" option: keep each block's input only
         self.is_first, self.is_last = stage == 0, stage == n_stages - 1
         self.layers = stage_layers(cfg, stage, n_stages)
         self.dtype, self.grad_dtype = whole.embedding.dtype, grad_dtype(whole.embedding.dtype)
@@ -219,12 +220,21 @@ class LlamaStage:
         return self.block.forward(self.weights[i], x, store)
 
     def block_backward(self, i: int, dy: torch.Tensor, store: ActivationStore) -> torch.Tensor:
-        """Block i's backward, its weights' gradients added into self.block_grads[i] (given)."""
+        """Block i's backward, its weights' gradients added into self.block_grads[i] (given). With recompute,
+        the block's forward runs again first, from its kept input, into a store that keeps everything."""
+        if self.recompute:
+            store, kept = self.block.new_store(), store
+            self.block_forward(i, kept["x"], store)
         return self.block.backward(self.weights[i], dy, store, self.block_grads[i])
 
     def new_store(self) -> ActivationStore:
-        """A store for one block's forward: nothing kept when evaluating (given)."""
-        return self.block.new_store() if self.training else ActivationStore(keep=frozenset())
+        """A store for one block's forward (given): nothing kept when evaluating; with recompute (module 10's
+        "block" option) only the block's input x, which the backward runs the block's forward from again: the
+        same ops on the same values, so the same gradients bit for bit, for a second forward's work and its
+        tensor-parallel collectives (Megatron's full recompute)."""
+        if not self.training:
+            return ActivationStore(keep=frozenset())
+        return ActivationStore(keep=frozenset({"x"})) if self.recompute else self.block.new_store()
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor, microbatch: int, targets: torch.Tensor | None = None, n_microbatches: int = 1):

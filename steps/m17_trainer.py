@@ -1,9 +1,14 @@
 # Generated from solutions/m17_trainer.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 17`. (skeleton 4fbdcd7cbe1a)
+# Grade your work with `python main.py grade 17`. (skeleton 20c07007ddd9)
 """Module 17, part 3 - the composed trainer: this rank's stages, module 11's executor, one step.
 
     ComposedLlama(cfg, mesh, n_microbatches, schedule="1f1b")   this rank's stages of the schedule's
                                                                 placement (m17_stage), its StageComms
+
+Switches: n_microbatches is module 10's gradient accumulation (m microbatches a step, one update);
+recompute=True is module 10's "block" recompute (each block keeps its input only and runs its forward
+again in the backward). Module 09's FP8 linears are not composed: module 12's tensor-parallel linears
+take no matmul policy.
 
 One optimizer step on the global batch (every rank draws the same B sequences from the seed, as in
 module 06's `fit`, which trains this model as it trains every Llama of the course):
@@ -88,7 +93,7 @@ class ComposedLlama:
 
     def __init__(self, cfg: LlamaConfig, mesh: Mesh, n_microbatches: int = 1, schedule: str = "1f1b",
                  stages_per_rank: int = 2, seed: int = 0, dtype=torch.float32, variant: str = "zigzag", moe=None,
-                 whole=None, attention_chunk: int = ATTENTION_CHUNK):
+                 whole=None, attention_chunk: int = ATTENTION_CHUNK, recompute: bool = False):
         self.cfg, self.mesh, self.moe, self.dtype = cfg, mesh, moe, dtype
         self.groups = groups = compose_groups(mesh)
         v = stages_per_rank_of(schedule, stages_per_rank)
@@ -98,10 +103,10 @@ class ComposedLlama:
         whole = whole if whole is not None else initial_model(cfg, seed, dtype, moe)
         if moe is None:
             def make(stage):
-                return LlamaStage(cfg, groups, stage, self.schedule.n_stages, whole, variant, attention_chunk)
+                return LlamaStage(cfg, groups, stage, self.schedule.n_stages, whole, variant, attention_chunk, recompute)
         else:
             from .m17_moe_stage import MoEStage, check_moe_mesh
-            check_moe_mesh(mesh.sizes, moe)
+            check_moe_mesh(mesh.sizes, moe, recompute)
 
             def make(stage):
                 return MoEStage(cfg, groups, stage, self.schedule.n_stages, whole, moe, attention_chunk)

@@ -42,6 +42,9 @@ def add_args(parser: argparse.ArgumentParser):
     parser.add_argument("--seed", type=int, default=0, help="the weights' and the batches' seed (default 0)")
     parser.add_argument("--experts", type=int, default=0,
                         help="E > 0: module 16's MoE blocks with E experts, top-2, over the mesh's e (default 0: dense)")
+    parser.add_argument("--recompute", action="store_true",
+                        help="module 10's block recompute: each block keeps its input only and reruns its forward "
+                             "in the backward")
     parser.add_argument("--eval-every", type=int, default=100, help="a validation loss every N steps (default 100)")
     parser.add_argument("--checkpoint-every", type=int, default=200, help="a checkpoint every N steps (default 200)")
     parser.add_argument("--checkpoint-dir", default=None,
@@ -91,7 +94,7 @@ def check_args(args):
     if moe is None and "e" in sizes:
         raise ValueError("the mesh has an axis e: pass --experts E for the MoE model (dense blocks have no experts)")
     if moe is not None:
-        reference("m17_moe_stage").check_moe_mesh(sizes, moe)
+        reference("m17_moe_stage").check_moe_mesh(sizes, moe, args.recompute)
         if args.resume or args.checkpoint_every:
             raise ValueError("checkpoints of the MoE model are not composed here: pass --checkpoint-every 0 (and no "
                              "--resume) with --experts")
@@ -171,7 +174,7 @@ def demo(args):
     cfg, moe, sizes = config(args, text.vocab_size), moe_config(args), mesh_sizes(args)
     mesh = init_mesh(sizes)
     model = trainer.ComposedLlama(cfg, mesh, args.microbatches, args.schedule, args.stages_per_rank, args.seed,
-                                  torch.float32, args.variant, moe)
+                                  torch.float32, args.variant, moe, recompute=args.recompute)
     tokens_per_step = args.batch * cfg.max_seq_len
     checkpoint_dir = args.checkpoint_dir if moe is None else None
     if rank == 0:
