@@ -1,7 +1,7 @@
 """Module 17 checkpoints: a run of 4 steps on characters of Shakespeare (V = 62), checkpointed after
 steps 2 and 4 with torch.distributed.checkpoint; resumed from step 2 on the same mesh it continues the
 uninterrupted loss curve bit for bit, resumed on other meshes (t = 4: vocabulary rows 16, 16, 16, 14;
-p = 4; and, in the long checks, 2x2x2 -> 1x4x2 -> 8x1x1) within 1e-10; a rank killed (SIGKILL) in the
+d = 2, t = 2; and, in the long checks, p = 4 and 2x2x2 -> 1x4x2 -> 8x1x1) within 1e-10; a rank killed (SIGKILL) in the
 middle of a save leaves the last complete checkpoint, from which the run resumes; the checkpoint is
 readable by one process with no process group at all (module 06's model, whose loss on a batch is
 the trained model's); a checkpoint of another model is refused in one line before any step runs.
@@ -91,6 +91,15 @@ def test_resuming_with_t_4_reshards_rows_that_do_not_divide(uninterrupted, tmp_p
     for rank, losses in enumerate(resumed_from_step_2(uninterrupted, tmp_path, CFG, {"t": 4})):
         worst = max(abs(a - b) for a, b in zip(losses, expected, strict=True))
         assert worst <= TOLERANCE, f"rank {rank}: resumed with t=4, losses {losses}, uninterrupted {expected}"
+
+
+@pytest.mark.exercises(*TODOS)
+def test_resuming_with_d_2_reads_one_copy_into_both_data_ranks(uninterrupted, tmp_path):
+    # p = 2, t = 2 -> d = 2, t = 2: the two stages' names into one stage, every weight's t slice on two d ranks.
+    _, expected, _ = uninterrupted
+    for rank, losses in enumerate(resumed_from_step_2(uninterrupted, tmp_path, CFG, {"d": 2, "t": 2})):
+        worst = max(abs(a - b) for a, b in zip(losses, expected, strict=True))
+        assert worst <= TOLERANCE, f"rank {rank}: resumed with d=2, t=2, losses {losses}, uninterrupted {expected}"
 
 
 @pytest.mark.exercises(*TODOS)
