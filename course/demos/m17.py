@@ -153,10 +153,11 @@ def plot_losses(losses, validation, path: Path, title: str):
 
 def describe_mesh(mesh, model):
     g = model.groups
-    lines = [f"  rank 0's groups: p {g.pp.ranks} (pipeline neighbours), dc {g.fsdp.ranks} (FSDP shards, replicated "
-             f"gradients), t {g.tp.ranks} (tensor and sequence parallel), c {g.cp.ranks} (attention's ring)"]
+    lines = [f"  rank 0's groups: pp {g.pp.ranks} (pipeline neighbours), fsdp {g.fsdp.ranks} (FSDP shards), replicas "
+             f"{g.replicas.ranks} (replicated gradients), tp {g.tp.ranks} (tensor and sequence parallel), cp "
+             f"{g.cp.ranks} (attention's ring)"]
     if g.experts is not None:
-        lines.append(f"  experts over e {g.experts.ranks}, their gradients over ed {g.expert_data.ranks}")
+        lines.append(f"  experts {g.experts.ranks}, their gradients over expert_data {g.expert_data.ranks}")
     stage = next(iter(model.stages.values()))
     lines.append(f"  rank 0 holds stage(s) {list(model.stages)} of {model.schedule.n_stages} ({model.schedule.name}): "
                  f"blocks {[list(s.layers) for s in model.stages.values()]}, each a t slice in {stage.layout.padded_numel:,} "
