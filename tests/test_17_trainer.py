@@ -267,6 +267,7 @@ def _trace(cfg, prefix):
     trace_one_step(model, text, args, torch.distributed.get_rank())
 
 
+@pytest.mark.long  # given code, and a picture drawn: a slow check, kept out of the suite's budget
 @pytest.mark.given
 def test_the_timeline_has_every_rank_and_every_axis_labelled(tmp_path):
     import json
