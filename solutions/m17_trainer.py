@@ -1,0 +1,210 @@
+"""Module 17, part 3 - the composed trainer: this rank's stages, module 11's executor, one step.
+
+    ComposedLlama(cfg, mesh, n_microbatches, schedule="1f1b")   this rank's stages of the schedule's
+                                                                placement (m17_stage), its StageComms
+
+Switches: n_microbatches is module 10's gradient accumulation (m microbatches a step, one update);
+recompute=True is module 10's "block" recompute (each block keeps its input only and runs its forward
+again in the backward). Module 09's FP8 linears are not composed: module 12's tensor-parallel linears
+take no matmul policy.
+
+One optimizer step on the global batch (every rank draws the same B sequences from the seed, as in
+module 06's `fit`, which trains this model as it trains every Llama of the course):
+
+  1. the step's divisor, given to every stage: every piece of the loss (a microbatch, of a rank's B/d
+     rows, of its T/c positions) is divided by it (what it is: train_step's question)
+  2. this rank's B/d rows go to module 11's run_schedule: the stages' forwards and backwards, in the
+     schedule's order, the microbatches' gradients adding up in the stages' whole buffers
+  3. every gradient summed over the ranks that hold the same weight and saw other tokens of it: the
+     blocks' by the stages' reduce-scatters (once per step, m17_stage), the others by one all-reduce
+     per group (which weights over which group: finish_gradients' question)
+  4. AdamW on this rank's shards and copies (elementwise: the single process's update, sliced)
+  5. the step's loss: the last stage's shares, summed over d and c, reported on every rank
+
+Float64, every rank sums the same terms as one process in another order: the losses and the final
+weights equal module 06's single-process training within 1e-10 (tests/test_17_trainer.py states
+the measured gaps).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from course.mesh import Group, Mesh
+from course.validate import validate
+from .m06_llama_block import LlamaConfig
+from .m06_llama_model import LlamaModel, real_tokens
+from .m06_llama_ops import ATTENTION_CHUNK
+from .m11_actions import Action, Schedule
+from .m11_executor import StageComms, run_schedule
+from .m11_generators import make_schedule, stages_per_rank_of
+from .m17_composition import check_composition, compose_groups
+from .m17_stage import EvalMode, LlamaStage
+
+
+def initial_model(cfg: LlamaConfig, seed: int = 0, dtype=torch.float32, moe=None):
+    """The single-process model every rank takes its pieces from (given): module 06's Llama, or with
+    `moe` module 16's MoE Llama (on one process: every expert), both drawn from the seed."""
+    if moe is None:
+        return LlamaModel(cfg, seed, dtype)
+    from .m16_moe_model import MoELlama, one_rank_mesh
+    return MoELlama(cfg, moe, one_rank_mesh(), seed, dtype)
+
+
+def sum_over(group: Group, parts: list, label: str):
+    """Sum tensors (or some of their elements) over `group`, in place, in one all-reduce (given).
+    Each part is a tensor, or (tensor, index): its elements at `index` (a 1-D tensor of positions)."""
+    parts = [part if isinstance(part, tuple) else (part, None) for part in parts]
+    if not parts:
+        return
+    pieces = [(t if index is None else t[index]).reshape(-1) for t, index in parts]
+    flat = torch.cat(pieces)
+    group.collectives.all_reduce(flat, label=label)
+    for (t, index), summed in zip(parts, flat.split([p.numel() for p in pieces]), strict=True):
+        if index is None:
+            t.copy_(summed.view_as(t))
+        else:
+            t[index] = summed
+
+
+def step_loss(loss, groups) -> float:
+    """The step's loss on every rank (given): the last stage's shares, which each (d, c) rank holds
+    for its tokens (the same on its t ranks), summed over the world with one uncounted all-reduce:
+    reporting, not training traffic."""
+    mine = loss.item() if loss is not None and groups.tp.index == 0 else 0.0
+    total = torch.tensor([mine], dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(total)
+    return total.item()
+
+
+def forward_only(schedule: Schedule) -> Schedule:
+    """The forwards of `schedule`, microbatch after microbatch, each rank's stages in order (given):
+    what an evaluation runs. Every F waits only on earlier stages' F, so no rank waits forever."""
+    orders = [[Action(stage, "F", i) for i in range(schedule.n_microbatches) for stage in schedule.stages_of(rank)]
+              for rank in range(schedule.world_size)]
+    return Schedule(f"{schedule.name} forwards", schedule.placement, orders, schedule.n_microbatches)
+
+
+class ComposedLlama:
+    """This rank's stages of the Llama `cfg` on a p x d x c x t mesh (e carved out of d x c for a MoE model)."""
+
+    def __init__(self, cfg: LlamaConfig, mesh: Mesh, n_microbatches: int = 1, schedule: str = "1f1b",
+                 stages_per_rank: int = 2, seed: int = 0, dtype=torch.float32, variant: str = "zigzag", moe=None,
+                 whole=None, attention_chunk: int = ATTENTION_CHUNK, recompute: bool = False):
+        self.cfg, self.mesh, self.moe, self.dtype = cfg, mesh, moe, dtype
+        self.groups = groups = compose_groups(mesh)
+        v = stages_per_rank_of(schedule, stages_per_rank)
+        check_composition(cfg, mesh.sizes, None, n_microbatches, v, moe.n_experts if moe else None)
+        self.schedule = make_schedule(schedule, groups.pp.size, n_microbatches, v)
+        validate(self.schedule)
+        whole = whole if whole is not None else initial_model(cfg, seed, dtype, moe)
+        if moe is None:
+            def make(stage):
+                return LlamaStage(cfg, groups, stage, self.schedule.n_stages, whole, variant, attention_chunk, recompute)
+        else:
+            from .m17_moe_stage import MoEStage, check_moe_mesh
+            check_moe_mesh(mesh.sizes, moe, recompute)
+
+            def make(stage):
+                return MoEStage(cfg, groups, stage, self.schedule.n_stages, whole, moe, attention_chunk)
+        self.stages = {stage: make(stage) for stage in self.schedule.stages_of(groups.pp.index)}
+        self.comms = self.stage_comms(self.schedule)
+        self.eval_schedule = forward_only(self.schedule)
+        self.eval_comms = self.stage_comms(self.eval_schedule)
+
+    def stage_comms(self, schedule: Schedule) -> StageComms:
+        pp = self.groups.pp
+        return StageComms(pp, schedule.placement, schedule.n_microbatches, dtype=self.dtype,
+                          order=schedule.orders[pp.index])
+
+    def parameters(self) -> list[torch.Tensor]:
+        """What this rank's optimizer updates, stage after stage, in the order of grads()."""
+        return [p for stage in self.stages.values() for p in stage.parameters()]
+
+    def grads(self) -> list[torch.Tensor]:
+        return [g for stage in self.stages.values() for g in stage.grads()]
+
+    def share(self, tokens: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a global batch: block i_d of d (given)."""
+        data = self.groups.data
+        rows = tokens.shape[0] // data.size
+        return tokens[data.index * rows:(data.index + 1) * rows]
+
+    def finish_gradients(self):
+        """After the schedule: every gradient this rank holds summed over the ranks that hold the same weight
+        and saw other tokens (the module docstring's step 3)."""
+        groups, stages = self.groups, list(self.stages.values())
+        # >>> TODO(m17): each gradient summed over the ranks that hold the same weight and saw other tokens
+        # Contract: afterwards every gradient this rank holds (each stage's grad_shards, replicated_grads and
+        #   expert_grads) is the whole gradient of its piece: the sum over every rank that holds the same piece and
+        #   saw other tokens of it. The blocks' by stage.reduce_scatter (once a step), each other sum by one
+        #   all-reduce (sum_over) labelled "norm grads" (the norm weights: the elements stage.norms of the grad
+        #   shards, and the final norm's accumulator), "replicated grads" (stage.replicated_grads) or, with a MoE
+        #   model (groups.expert_data is not None), "expert grads" (stage.expert_grads).
+        # The question, for each kind of weight (a block's t slice, the block norms inside it, the final norm, the
+        #   vocabulary rows, a router, an expert): along which axes do the ranks hold the same copy of it, and along
+        #   which of those did they see other tokens (rows, positions) of it? Its gradient is partial over those.
+        # Pitfalls: the block norms sit inside the flat shards: their extra sum is of the reduce-scattered shards
+        #   (stage.norms are positions in a shard). Summing a weight over an axis whose ranks hold different slices
+        #   of it (a column's slice, vocabulary rows) adds other ranks' slices into it.
+        # Hint 1: reduce-scatter every stage's blocks; then three sums, each over its group, each in one collective.
+        # Hint 2: sum_over(group, parts, label) (above) takes tensors and (tensor, index) pairs.
+        # Hint 3: each stage: reduce_scatter()
+        #         sum_over(t, [(shard, stage.norms) for every stage and shard] + [last stage's "final_norm"], "norm grads")
+        #         sum_over(replicas, [every replicated accumulator], "replicated grads")
+        #         with experts: sum_over(expert_data, [every expert gradient], "expert grads")
+        for stage in stages:
+            stage.reduce_scatter()
+        norms = [(shard, stage.norms) for stage in stages for shard in stage.grad_shards]
+        norms += [stage.replicated_grads["final_norm"] for stage in stages if stage.is_last]
+        sum_over(groups.tp, norms, "norm grads")
+        sum_over(groups.replicas, [g for stage in stages for g in stage.replicated_grads.values()], "replicated grads")
+        if groups.expert_data is not None:
+            sum_over(groups.expert_data, [g for stage in stages for g in stage.expert_grads], "expert grads")
+        # <<<
+
+    def train_step(self, tokens: torch.Tensor, targets: torch.Tensor, n_microbatches: int, optimizer) -> float:
+        """One optimizer step on the global batch tokens, targets (B, T), the same on every rank (module 06's
+        `fit` contract); returns the step's mean loss over its real tokens, the same on every rank."""
+        if n_microbatches != self.schedule.n_microbatches:
+            raise ValueError(f"this model runs {self.schedule.name} with {self.schedule.n_microbatches} microbatches "
+                             f"(ComposedLlama's n_microbatches), not {n_microbatches}")
+        # >>> TODO(m17): one composed step: the loss's divisor, this rank's rows through the schedule, the sums, AdamW
+        # Contract: give every stage the step's divisor and the global batch's size (stage.begin_step(n_tokens, B)),
+        #   run module 11's run_schedule(self.schedule, self.stages, self.comms, x, y) on this rank's rows of tokens
+        #   and targets (self.share), finish the gradients (above), hand each parameter its gradient (p.grad, in p's
+        #   dtype; parameters() and grads() are in the same order), step the optimizer; return the step's loss on
+        #   every rank (step_loss of what run_schedule returned).
+        # The question: the loss is the mean over the step's real targets (module 06's IGNORE_INDEX marks the
+        #   others). Each rank's share of a microbatch is summed, plainly, over the m microbatches (run_schedule),
+        #   and over the ranks (step_loss; the gradients in finish_gradients): what must every share be divided by, counted
+        #   where, so that those plain sums are that mean and its gradient, with no scale left to apply anywhere?
+        # Pitfalls: a divisor off by a constant factor puts the loss off by that factor and every gradient too;
+        #   AdamW hides most of it, but not from the tests' 1e-10 against one process (their message says the ratio).
+        # Hint 1: count, set, run the schedule, finish the gradients, step, report.
+        # Hint 2: real_tokens(targets) on the whole global batch; self.share(tokens); tokens.shape[0] is B.
+        # Hint 3: n_tokens = real tokens of the global targets;  every stage: begin_step(n_tokens, B)
+        #         loss = run_schedule(self.schedule, self.stages, self.comms, share of tokens, share of targets)
+        #         finish_gradients();  p.grad = g.to(p.dtype) for each pair;  optimizer.step()
+        #         return step_loss(loss, self.groups)
+        n_tokens = real_tokens(targets)
+        for stage in self.stages.values():
+            stage.begin_step(n_tokens, tokens.shape[0])
+        loss = run_schedule(self.schedule, self.stages, self.comms, self.share(tokens), self.share(targets))
+        self.finish_gradients()
+        for p, g in zip(self.parameters(), self.grads(), strict=True):
+            p.grad = g.to(p.dtype)
+        optimizer.step()
+        return step_loss(loss, self.groups)
+        # <<<
+
+    @torch.no_grad()
+    def evaluate(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
+        """The mean loss of a global batch, forwards only, no gradient, no update (given): a validation loss."""
+        for stage in self.stages.values():
+            stage.begin_step(real_tokens(targets), tokens.shape[0])
+        with EvalMode(self.stages.values()):
+            loss = run_schedule(self.eval_schedule, self.stages, self.eval_comms, self.share(tokens),
+                                self.share(targets))
+        return step_loss(loss, self.groups)
