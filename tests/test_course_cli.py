@@ -124,6 +124,9 @@ DEMOS = [
     ("15", ["--nproc", "4", "--variant", "zigzag", "--steps", "2", "--batch", "4"],
      r"^Bytes rank 0 sends per step over 'c' by send: .* -> equal$"),
     ("16", ["--nproc", "4", "--steps", "2"], r"^  all_to_all over +e: .* -> equal$"),
+    ("17", ["--nproc", "4", "--mesh", "p=2,t=2", "--steps", "2", "--dim", "32", "--seq-len", "32", "--layers", "2",
+            "--batch", "4", "--microbatches", "2", "--checkpoint-dir", "{tmp}/ck", "--checkpoint-every", "2",
+            "--sample", "8"], r"^2 steps in "),
 ]
 FAILED = ("MISMATCH", "DIFFERENT", ": False", ": NO")  # what the demos print when a check fails
 
