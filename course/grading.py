@@ -191,9 +191,15 @@ def hint_for(report) -> str | None:
 
 def in_order_of_blame(names: list[str], params: str, reason: str) -> list[str]:
     """`names` (a check's exercises, listed likeliest culprit first) reordered by what this failure
-    says: the ones its parameters name first, then the ones its message names (a qualified name such
-    as "Llama2D.ffn_half_backward", or "your tp_traffic"), by where the message names them."""
-    ran = [n for n in names if re.search(rf"(?<!\w){re.escape(n.rsplit('.', 1)[-1])}(?!\w)", params)]
+    says: the ones in whose code it was raised first (the learner's frames the message shows,
+    "at steps/m12_tp_model.py:88 in embedding_backward", innermost first), then the ones its
+    parameters name, then the ones its message names (a qualified name such as
+    "Llama2D.ffn_half_backward", or "your tp_traffic"), by where the message names them."""
+    frames = re.findall(r"(?:steps|solutions)/m\d\d_\w+\.py:\d+ in (\w+)", reason)
+    raised_in = [n for f in dict.fromkeys(frames) for n in names if n.rsplit(".", 1)[-1] == f]
+    names = list(dict.fromkeys(raised_in + names))
+    ran = [n for n in names if n not in raised_in
+           and re.search(rf"(?<!\w){re.escape(n.rsplit('.', 1)[-1])}(?!\w)", params)]
 
     def named_at(name: str) -> int | None:
         patterns = [rf"\byour {re.escape(name.rsplit('.', 1)[-1])}(?!\w)"]
@@ -202,8 +208,9 @@ def in_order_of_blame(names: list[str], params: str, reason: str) -> list[str]:
         found = [m.start() for p in patterns for m in [re.search(p, reason)] if m]
         return min(found) if found else None
 
-    named = sorted((n for n in names if n not in ran and named_at(n) is not None), key=named_at)
-    return ran + named + [n for n in names if n not in ran and n not in named]
+    first = raised_in + ran
+    named = sorted((n for n in names if n not in first and named_at(n) is not None), key=named_at)
+    return first + named + [n for n in names if n not in first and n not in named]
 
 
 def hung(reason: str) -> bool:

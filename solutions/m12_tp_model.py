@@ -118,7 +118,8 @@ class TPLlama:
         model, not the data), in n_microbatches; returns the step's mean loss."""
         # >>> TODO(m12): zero the accumulators, accumulate the microbatches, sum the norm gradients, step
         # Contract: the step's gradient is that of the mean loss over the real tokens of the whole batch; the
-        #   optimizer reads each parameter's .grad (self.grads.tensors() is in parameters()' order). Return the
+        #   optimizer reads each parameter's .grad (self.grads.tensors() is in parameters()' order), which must
+        #   have the parameter's dtype, while the accumulators are float32 at least (bf16 weights). Return the
         #   step's mean loss, a float.
         # Pitfalls: the norm gradients are summed over the group once per step, after the last microbatch
         #   (sum_norm_grads with self.norm_grads()). Every microbatch's loss is divided by the real tokens of the

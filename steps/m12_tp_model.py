@@ -1,5 +1,5 @@
 # Generated from solutions/m12_tp_model.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 12`. (skeleton 42126a3da0a1)
+# Grade your work with `python main.py grade 12`. (skeleton d429e9fb757c)
 """Module 12, part 4 - module 06's Llama trained by t ranks in tensor (and sequence) parallel.
 
     tokens ─ embedding (vocabulary rows) ─ blocks (heads, FFN width) ─ final norm ─ LM head (vocabulary
@@ -93,7 +93,8 @@ class TPLlama:
         model, not the data), in n_microbatches; returns the step's mean loss."""
         # TODO(m12): zero the accumulators, accumulate the microbatches, sum the norm gradients, step
         # Contract: the step's gradient is that of the mean loss over the real tokens of the whole batch; the
-        #   optimizer reads each parameter's .grad (self.grads.tensors() is in parameters()' order). Return the
+        #   optimizer reads each parameter's .grad (self.grads.tensors() is in parameters()' order), which must
+        #   have the parameter's dtype, while the accumulators are float32 at least (bf16 weights). Return the
         #   step's mean loss, a float.
         # Pitfalls: the norm gradients are summed over the group once per step, after the last microbatch
         #   (sum_norm_grads with self.norm_grads()). Every microbatch's loss is divided by the real tokens of the

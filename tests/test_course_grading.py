@@ -140,6 +140,11 @@ def test_in_order_of_blame_ranks_what_was_run_then_what_is_named():
     assert in_order_of_blame(names, "", "get the shard first") == names
     assert in_order_of_blame(names, "fsdp_traffic-2", "your get") == \
         ["fsdp_traffic", "ShardedWeights.get", "FlatLayout.shard", "ShardedWeights.release"]
+    # Raised in the learner's own code: the function it was raised in first, then its caller.
+    raised = ("IndexError: index 9 is out of bounds (at steps/m07_sharded_weights.py:88 in release <- "
+              "steps/m07_fsdp.py:120 in get; raised in given code at course/checks.py:3 in check)")
+    assert in_order_of_blame(names, "fsdp_traffic-2", raised) == \
+        ["ShardedWeights.release", "ShardedWeights.get", "fsdp_traffic", "FlatLayout.shard"]
 
 
 def _raise_through(monkeypatch, files: list[str]):
