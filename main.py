@@ -6,6 +6,7 @@
     python main.py grade NN             grade module NN: a scorecard
     python main.py hint NN [TODO]       the next level of help with a TODO
     python main.py bench NN             measured-versus-theory tables
+    python main.py site [--check]       the course as a website, in results/site/ (checked in Chromium)
     python main.py plan --model M --gpus N --gpu G   module 18's planner: the layouts of a real cluster, ranked
 
 Every command runs your steps/; add `--impl solutions` for the reference (the tour runs it).
@@ -83,6 +84,12 @@ def cmd_bench(args):
         importlib.import_module(f"course.bench.m{args.module.number}").main(args.extra)
 
 
+def cmd_site(args):
+    from course.site.build import main as build_site
+
+    sys.exit(build_site(args))
+
+
 def cmd_plan(args):
     from course.plan import main as plan
 
@@ -125,6 +132,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
                      help="number of ranks (default: the module's)")
     run.add_argument("--timeout", type=float, default=None,
                      help="seconds before the run is stopped (default: 60 with ranks, 600 without)")
+    site = sub.add_parser("site")
+    site.add_argument("--execute", action="store_true", help="run every notebook again (default: reuse the "
+                      "executed copies the test suite keeps in results/executed/, run the others)")
+    site.add_argument("--open", action="store_true", help="open the site in your web browser")
+    site.add_argument("--check", action="store_true", help="then check every page in headless Chromium")
     args, args.extra = parser.parse_known_args(argv)
     if args.command != "run" and "TORCHELASTIC_RUN_ID" in os.environ:  # course.launch.in_torchrun
         parser.error(f"only `run` runs under torchrun (each rank would run its own "
@@ -149,7 +161,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str]) -> None:
     args = parse(argv)
     commands = {None: cmd_tour, "list": cmd_list, "run": cmd_run, "grade": cmd_grade, "hint": cmd_hint, "bench": cmd_bench,
-                "plan": cmd_plan}
+                "site": cmd_site, "plan": cmd_plan}
     commands[args.command](args)
 
 

@@ -2,15 +2,20 @@
 
 A step lasts from the first rank's start to the last rank's end; a rank's idle fraction (its
 bubble) is 1 - its compute / that step time. `profiles` are the ranks' `course.profiler.export`
-dicts.
+dicts. Module 05's theory is one formula (`theoretical_bubble`); module 11's is the schedule
+simulator and each schedule's closed form (`bubble_rows`, for `run 11` and `bench 11`).
 """
 from __future__ import annotations
 
+from fractions import Fraction
+
+from course.impl import reference
 from course.profiler import COMPUTE
+from course.simulate import Costs, simulate_schedule
 
 
 def theoretical_bubble(world_size: int, n_microbatches: int) -> float:
-    """Idle fraction of a GPipe or 1F1B step with equal stages and free messages: (P-1)/(M+P-1)."""
+    """Idle fraction of a GPipe or 1F1B step with equal stages and free messages: (p-1)/(m+p-1)."""
     return (world_size - 1) / (n_microbatches + world_size - 1)
 
 
@@ -48,5 +53,30 @@ def format_report(profiles: list[dict], n_microbatches: int) -> str:
         lines.append(f"{r['rank']:>4}  {r['step_s'] * 1e3:8.2f}  {r['compute_s'] * 1e3:10.2f}  "
                      f"{r['idle']:6.1%}  {r['peak_live']:>22}")
     lines.append(f" all  {summary['step_s'] * 1e3:8.2f}  {'':>10}  {summary['idle']:6.1%}  "
-                 f"(theory (P-1)/(M+P-1) = {theoretical_bubble(world_size, n_microbatches):.1%})")
+                 f"(theory (p-1)/(m+p-1) = {theoretical_bubble(world_size, n_microbatches):.1%})")
     return "\n".join(lines)
+
+
+def stage_costs(schedule, cfg, emulate_ms: float) -> Costs:
+    """The emulated device's τ_F, τ_I and τ_W of one stage of `schedule`, in ms (equal:
+    course/emulated.py's EmulatedSplitStage sleeps `emulate_ms` per layer in each), or unit costs
+    when nothing is emulated."""
+    if not emulate_ms:
+        return Costs()
+    per_stage = Fraction(emulate_ms).limit_denominator(1000) * (cfg.layers // schedule.n_stages)
+    return Costs(F=per_stage, I=per_stage, W=per_stage)
+
+
+def bubble_rows(profiles, schedule, costs: Costs, stages_per_rank: int = 2) -> dict:
+    """Module 11's bubble of a measured run (`profiles`) beside the simulator's at `costs` and the
+    schedule's closed form (the reference's bubble_formula; None where it does not hold), and the
+    peak live (stage, microbatch) activations per rank, measured and simulated."""
+    timeline = simulate_schedule(schedule.orders, schedule.placement, costs)
+    try:
+        formula = float(reference("m11_generators").bubble_formula(
+            schedule.name, schedule.world_size, schedule.n_microbatches, costs, stages_per_rank))
+    except ValueError:  # outside where the closed form holds (e.g. zbh1 with m < p): the simulator still answers
+        formula = None
+    return {"summary": summarize(profiles), "simulated": float(timeline.bubble), "formula": formula,
+            "peak_measured": [max(p["peak_live"]) for p in profiles], "peak_simulated": timeline.peak_live,
+            "step_simulated_ms": float(timeline.makespan)}

@@ -76,7 +76,7 @@ MODULES = {m.number: m for m in [
            ("m09_fp8_scaling", "m09_fp8_matmul")),
     Module("10", "Recompute: trade activation memory for forward work in the backward", 1, ("m10_recompute",)),
     Module("11", "Schedules as data: interleaved 1F1B, zero bubble (ZB-H1, ZB-V) and DualPipeV", 4,
-           ("m11_actions", "m11_generators", "m11_validate", "m11_stage", "m11_executor")),
+           ("m11_actions", "m11_generators", "m11_stage", "m11_executor")),
     Module("12", "Tensor and sequence parallelism: the block split by heads and FFN width, the vocabulary too", 2,
            ("m12_tp_linear", "m12_tp_block", "m12_vocab_parallel", "m12_tp_model", "m12_tp_costs")),
     Module("13", "2-D sharding in named axes: the Llama over a d x t mesh, FSDP over d and Megatron over t", 4,

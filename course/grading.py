@@ -1,5 +1,5 @@
-"""pytest plugin behind the scorecard: one line per check, and for a failure the one line that
-says what went wrong (the first line of the error), not the whole traceback.
+"""pytest plugin behind the scorecard: one line per check, and for a failure what went wrong (the
+error's whole message, wrapped; not the traceback) and the hint for the TODO most likely at fault.
 
 Loaded by the root conftest.py. `--grading-json PATH` writes the outcomes for tools:
 `python main.py grade NN` and the grader's self-check (tests/test_course_grader.py).
@@ -11,12 +11,15 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
+import textwrap
 import threading
+import traceback
 
 import pytest
 
-from course.launch import where_running
+from course.launch import RankFailed, RankTimeout, is_learners_file, where_raised, where_running
 from course.skeleton import todo_owner
 
 GIVEN = "given"  # marker for tests of given code: not graded, not expected to fail on skeletons
@@ -94,9 +97,18 @@ class Scorecard:
     def pytest_sessionstart(self, session):
         self.session = session
 
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(self, item, call):
+        """An error raised in this process by the learner's code (a rank's error says where itself):
+        keep where, their own frame first, for the reason."""
+        report = (yield).get_result()
+        error = call.excinfo.value if call.excinfo is not None else None
+        if report.failed and error is not None and not isinstance(error, (RankFailed, RankTimeout, CheckTimeout)):
+            report.course_where = where_raised(error) if raised_by_code_under_test(error) else ""
+
     def pytest_runtest_logreport(self, report):
         if report.when == "call" or report.outcome != "passed":
-            result = {"test": report.nodeid, "outcome": report.outcome, "reason": one_line_reason(report)}
+            result = {"test": report.nodeid, "outcome": report.outcome, "reason": failure_reason(report)}
             if report.outcome == "failed":
                 result["hint"] = hint_for(report)
             if self.results and self.results[-1]["test"] == report.nodeid:  # a teardown that failed too
@@ -136,34 +148,62 @@ class Scorecard:
                 json.dump(self.results, f, indent=1)
 
 
-def scorecard_line(result: dict) -> str:
-    """'  PASS  test_name', and for a failure or skip its reason on the next line, then for a
-    failure the hint command for the TODO it points at."""
+def scorecard_line(result: dict, width: int | None = None) -> str:
+    """'  PASS  test_name', and for a failure or skip its whole reason below it, wrapped to the
+    terminal's width (never cut), then for a failure the hint command for the TODO it points at."""
     mark = {"passed": "PASS", "failed": "FAIL", "skipped": "SKIP"}[result["outcome"]]
     line = f"  {mark}  {result['test'].split('::', 1)[-1]}"
-    line += f"\n        {result['reason'][:800]}" if result["reason"] and mark != "PASS" else ""
+    if result["reason"] and mark != "PASS":
+        line += "\n" + wrapped(result["reason"], width)
     return line + (f"\n        help: {result['hint']}" if result.get("hint") else "")
+
+
+def wrapped(text: str, width: int | None = None, indent: str = " " * 8) -> str:
+    """Every line of `text`, indented and folded at spaces to `width` columns (the terminal's, at
+    least 60): words are never cut, so a long path or number stays whole on a line of its own."""
+    width = width or max(60, shutil.get_terminal_size((100, 24)).columns)
+    return "\n".join(textwrap.fill(line, width, initial_indent=indent, subsequent_indent=indent,
+                                   break_long_words=False, break_on_hyphens=False) or indent
+                      for line in text.splitlines())
 
 
 def hint_for(report) -> str | None:
     """The `python main.py hint` command for a failed check: the TODO its error names (an unfinished
-    one), else the TODOs of the functions it exercises (its `exercises` marker)."""
+    one), else the TODOs of the functions it exercises (its `exercises` marker), the likeliest culprit
+    first: the function a parametrized check ran ("test_orders[zbh1-P3-M4]"), then the functions its
+    message names ("your tp_traffic", "ShardedWeights.release", in the order named), then the rest
+    in the marker's order of blame."""
     from course.hints import hint_command_for
 
     match = re.search(r"test_(\d\d)_", report.nodeid)
     if not match:
         return None
-    reason = one_line_reason(report)
+    reason = failure_reason(report)
     owner = todo_owner(reason)
     if owner:  # possibly another module's TODO that this one builds on
         return hint_command_for(owner, reason)
     exercised = dict(report.user_properties).get(EXERCISES)
     if not exercised:
         return None
-    # A check run once per schedule or function ("test_orders[zbh1-P3-M4]") points at the one it ran.
-    names, params = [n.strip() for n in exercised.split(",")], report.nodeid.partition("[")[2]
+    return hint_command_for(match.group(1), ", ".join(in_order_of_blame(
+        [n.strip() for n in exercised.split(",")], report.nodeid.partition("[")[2], reason)))
+
+
+def in_order_of_blame(names: list[str], params: str, reason: str) -> list[str]:
+    """`names` (a check's exercises, listed likeliest culprit first) reordered by what this failure
+    says: the ones its parameters name first, then the ones its message names (a qualified name such
+    as "Llama2D.ffn_half_backward", or "your tp_traffic"), by where the message names them."""
     ran = [n for n in names if re.search(rf"(?<!\w){re.escape(n.rsplit('.', 1)[-1])}(?!\w)", params)]
-    return hint_command_for(match.group(1), ", ".join(ran + [n for n in names if n not in ran]))
+
+    def named_at(name: str) -> int | None:
+        patterns = [rf"\byour {re.escape(name.rsplit('.', 1)[-1])}(?!\w)"]
+        if "." in name:
+            patterns.append(rf"(?<![\w.]){re.escape(name)}(?!\w)")
+        found = [m.start() for p in patterns for m in [re.search(p, reason)] if m]
+        return min(found) if found else None
+
+    named = sorted((n for n in names if n not in ran and named_at(n) is not None), key=named_at)
+    return ran + named + [n for n in names if n not in ran and n not in named]
 
 
 def hung(reason: str) -> bool:
@@ -171,7 +211,17 @@ def hung(reason: str) -> bool:
     return "timed out after" in reason or "was stopped at" in reason
 
 
-def one_line_reason(report) -> str:
+def raised_by_code_under_test(error: BaseException) -> bool:
+    """Whether an error went through the learner's code (the check's own failed assertions need no
+    location: their message says what was expected)."""
+    return any(is_learners_file(frame.filename) for frame in traceback.extract_tb(error.__traceback__))
+
+
+def failure_reason(report) -> str:
+    """What a failed check says: its error's whole message, without what follows it (a rank's
+    traceback, the stuck ranks' stacks, pytest's explanation of an assert); for a tensor mismatch,
+    how many elements and how far off; for an error raised by the learner's code in this process,
+    where (their own frame first). A skipped check: why."""
     if report.outcome == "passed":
         return ""
     if report.outcome == "skipped":
@@ -181,11 +231,17 @@ def one_line_reason(report) -> str:
     lines = text.strip().splitlines()
     if not lines:
         return "failed"
-    # torch.testing.assert_close says how far off on later lines: keep how many and how much (once:
-    # a rank's error repeats its message in the traceback that follows).
-    details = {}
+    assertion = lines[0].startswith("AssertionError")
+    message = [lines[0] + getattr(report, "course_where", "")]
     for line in lines[1:]:
+        if not line.strip() or line.startswith("assert "):
+            break  # the message ends at a blank line, or where pytest explains a failed assert
+        message.append(line[2:] if assertion and line.startswith("  ") else line)  # pytest indents its lines
+    # torch.testing.assert_close says how far off after a blank line: keep how many and how much
+    # (once: a rank's error repeats its message in the traceback that follows).
+    details = {}
+    for line in lines[len(message):]:
         for what in ("Mismatched elements", "Greatest absolute"):
             if line.strip().startswith(what):
                 details.setdefault(what, line.strip())
-    return lines[0] + (f" ({'; '.join(details.values())})" if details else "")
+    return "\n".join(message) + (f" ({'; '.join(details.values())})" if details else "")

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import functools
 import multiprocessing as mp
 import os
 import pickle
@@ -48,7 +49,7 @@ import torch.distributed as dist
 
 from course import REPO
 from course.interrupts import SIGNALS, interruption, signals_deferred
-from course.skeleton import todo_owner
+from course.skeleton import has_solution_blocks, todo_owner
 
 STACK_DUMP_GRACE_S = 0.5  # time a rank gets to write its stack after SIGUSR1
 MAX_TIMEOUT_S = 86400.0   # a day: longer is a typo (inf, 1e300), and overflows the timers below
@@ -271,16 +272,43 @@ def _die_with_parent():
 
 
 def where_raised(exc: BaseException) -> str:
-    """' (at steps/m02_comms.py:107 in isend_backward <- steps/m05_schedules.py:80 in backward_step)':
-    the innermost course frame, and the innermost one in another file that led there (the bug is
-    often in the caller), or ''."""
+    """' (at steps/m13_named_axes.py:40 in all_gather <- steps/m13_llama_2d.py:215 in attention_half;
+    raised in given code at steps/m13_specs.py:180 in check_matches)': the learner's own frames first
+    (the innermost one in a file they fill in, and the innermost in another such file that led
+    there: the bug is often in the caller), then where it was raised if that is given code; or ''.
+    With no learner's frame on the stack: the innermost course frame and its caller in steps/ or
+    solutions/."""
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if _is_course_file(f.filename)]
     if not frames:
         return ""
-    callers = [f for f in reversed(frames) if f.filename != frames[-1].filename
-               and _short(f.filename).startswith(("steps/", "solutions/"))]
-    shown = [frames[-1], *callers[:1]]
-    return " (at " + " <- ".join(f"{_short(f.filename)}:{f.lineno} in {f.name}" for f in shown) + ")"
+    mine = [f for f in frames if is_learners_file(f.filename)]
+    innermost = mine[-1] if mine else frames[-1]
+    callers = [f for f in reversed(mine or frames) if f.filename != innermost.filename
+               and (mine or _short(f.filename).startswith(("steps/", "solutions/")))]
+    where = " <- ".join(_frame(f) for f in [innermost, *callers[:1]])
+    if mine and frames[-1] is not innermost:
+        where += f"; raised in given code at {_frame(frames[-1])}"
+    return f" (at {where})"
+
+
+def _frame(f: traceback.FrameSummary) -> str:
+    return f"{_short(f.filename)}:{f.lineno} in {f.name}"
+
+
+def is_learners_file(filename: str) -> bool:
+    """Whether `filename` is one the learner fills in: a file of the implementation being run (steps/,
+    or solutions/ when it is the one graded) whose module has TODOs (not a given file such as
+    m13_specs.py, and not the reference that a test calls as a trusted helper)."""
+    from course.impl import selected, steps_dir
+    path = Path(filename).resolve()
+    home = steps_dir() if selected() == "steps" else REPO / "solutions"
+    return path.parent == home.resolve() and _has_todos(path.name)
+
+
+@functools.cache
+def _has_todos(name: str) -> bool:
+    solution = REPO / "solutions" / name
+    return solution.is_file() and has_solution_blocks(solution.read_text())
 
 
 def _describe_exception(exc, rank, world_size) -> str:
@@ -368,8 +396,9 @@ def _stack_dump(tmp, rank) -> str:
 
 
 def _innermost_course_frames(dump: str, depth: int = 3) -> str:
-    """'file:line in func <- caller...' for the innermost course frames of a faulthandler dump."""
-    frames = []
+    """'file:line in func <- caller...' for the innermost course frames of a faulthandler dump; when
+    the rank is stuck in given code, the learner's own frames first, as where_raised shows them."""
+    frames = []  # (filename, 'file:line in func'), innermost first
     for line in dump.splitlines():  # faulthandler lists the most recent call first
         line = line.strip()
         if line.startswith("File "):
@@ -378,8 +407,12 @@ def _innermost_course_frames(dump: str, depth: int = 3) -> str:
             if func == "_rank_main":
                 break  # older frames belong to the parent the rank was forked from
             if _is_course_file(filename):
-                frames.append(f"{_short(filename)}:{lineno} in {func}")
-    return " <- ".join(frames[:depth]) or "(no course frame on the stack)"
+                frames.append((filename, f"{_short(filename)}:{lineno} in {func}"))
+    mine = [f for f in frames if is_learners_file(f[0])]
+    if mine and frames[0] is not mine[0]:
+        callers = [f for f in mine if f[0] != mine[0][0]]
+        return " <- ".join(text for _, text in [mine[0], *callers[:1]]) + f"; stuck in given code at {frames[0][1]}"
+    return " <- ".join(text for _, text in frames[:depth]) or "(no course frame on the stack)"
 
 
 def where_running(frame) -> str:

@@ -69,6 +69,16 @@ def single_group(axis: str = "world") -> Group:
     return Group(axis, 0, (0,), Collectives(None, axis, (0,)))
 
 
+def group_of(axis: str, index: int, ranks) -> Group:
+    """Member `index` of the group of global `ranks`, made without torch.distributed: what a test
+    or a notebook needs to build every member's part in one process (a pipeline stage's layers, its
+    neighbours' ranks). Point-to-point messages name global ranks, so they work over any `ranks`;
+    its other collectives run over the default group, right only when `ranks` is the whole job
+    (init_mesh makes the process groups a sub-group's collectives need)."""
+    ranks = tuple(ranks)
+    return Group(axis, index, ranks, Collectives(None, axis, ranks))
+
+
 @dataclass
 class Mesh:
     """This rank's place in a grid of ranks with named axes, and its group along each."""

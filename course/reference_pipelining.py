@@ -20,6 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from course.impl import reference
+from course.mesh import world_group
 
 TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
                    "zbh1": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble",
@@ -28,7 +29,7 @@ TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleave
 
 def accumulating_monolith(cfg, n_microbatches: int):
     """Module 00's monolith trained for cfg.steps steps with autograd, each step's gradient accumulated
-    over the batch's n_microbatches microbatches in order (each loss share divided by M, one backward
+    over the batch's n_microbatches microbatches in order (each loss share divided by m, one backward
     each). Returns (model, losses), the loss of a step being the sum of its shares. Every module-11
     schedule adds each stage's microbatch gradients in this order, so it matches bit for bit; the
     model's .grad still holds the last step's accumulated gradient."""
@@ -97,7 +98,7 @@ def run_torch_schedule(name: str, world_size: int, n_microbatches: int, steps: i
     m00, m11 = reference("m00_monolith"), reference("m11_executor")
     cfg = m00.MLPConfig(steps=steps)
     plan = reference("m11_generators").make_schedule(name, world_size, n_microbatches, stages_per_rank)
-    split = m11.build_stages(cfg, plan, rank)
+    split = m11.build_stages(cfg, plan, world_group())
     pipe_stages = [PipelineStage(TorchStage(split[s], ms_per_layer), s, plan.n_stages, torch.device("cpu"))
                    for s in sorted(split)]
     kind = getattr(schedules, TORCH_SCHEDULES[name])

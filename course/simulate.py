@@ -22,6 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from fractions import Fraction
 
+KINDS = ("F", "B", "I", "W")  # the kinds of module 11's actions, as above
+
 
 @dataclass(frozen=True)
 class Costs:

@@ -1,9 +1,12 @@
 """Module 04 - the sharded model.
 
-Each rank holds only its own slice of the 16 layers (the last rank also holds the head and
-computes the loss), so the parameter memory per rank is divided by the number of ranks. A forward
-pass becomes a relay: rank 0 feeds the batch in, every rank runs its layers and sends the result
-on, and the last rank produces the logits.
+The model is cut into stages of consecutive layers, one per rank of the pipeline (the last stage
+also holds the head and computes the loss), so the parameter memory per rank is divided by the
+number of pipeline ranks, p. A forward pass becomes a relay: the first stage feeds the batch in,
+every stage runs its layers and sends the result on, and the last stage produces the logits.
+
+The pipeline's ranks are a group (course/mesh.py's `Group`): every rank of the job by default, or
+one axis of a bigger mesh. A stage's place in the pipeline is its index in that group.
 
 For the split to be an exact copy of the monolith, every rank must start from the monolith's
 weights for its layers. We get them by replaying the monolith's construction from the same seed:
@@ -15,51 +18,57 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from course.mesh import Group
 from .m00_monolith import MLPConfig
 from .m02_comms import PipelineComms
 
 
-def check_world_size(cfg: MLPConfig, world_size: int):
-    if world_size < 1 or cfg.layers % world_size != 0:
-        raise ValueError(f"{cfg.layers} layers cannot be split evenly over {world_size} ranks; "
-                         f"use a world size that divides {cfg.layers}")
+def check_stages(cfg: MLPConfig, n_stages: int):
+    """Refuse a cut of the model into stages of unequal length (here one stage per pipeline rank;
+    module 11 cuts it into p v stages)."""
+    if n_stages < 1 or cfg.layers % n_stages != 0:
+        raise ValueError(f"{cfg.layers} layers cannot be split evenly into {n_stages} stages; "
+                         f"use a number of stages that divides {cfg.layers}")
 
 
-def layer_range(cfg: MLPConfig, rank: int, world_size: int) -> range:
-    """The indices of the layers that `rank` holds."""
-    check_world_size(cfg, world_size)
-    # >>> TODO(m04): return the block of consecutive layer indices a rank owns
-    # Contract: a range of layer indices. Over ranks 0 .. world_size - 1, in order, the ranges are
-    # consecutive blocks of equal length L/P (L = cfg.layers, P = world_size) that together
-    # cover 0 .. L - 1 exactly once and in order: rank r's block starts where rank r - 1's ends.
-    # check_world_size (given, above) has already refused a P that does not divide L.
+def layer_range(cfg: MLPConfig, stage: int, n_stages: int) -> range:
+    """The indices of the layers that stage `stage` of `n_stages` holds."""
+    check_stages(cfg, n_stages)
+    # >>> TODO(m04): return the block of consecutive layer indices a stage owns
+    # Contract: a range of layer indices. Over stages 0 .. n_stages - 1, in order, the ranges are
+    # consecutive blocks of equal length L/S (L = cfg.layers, S = n_stages; here one stage per
+    # pipeline rank, S = p) that together cover 0 .. L - 1 exactly once and in order: stage s's
+    # block starts where stage s - 1's ends. check_stages (given, above) has already refused an S
+    # that does not divide L.
     # Pitfalls: a range's stop is excluded, so an off-by-one drops or repeats a layer at every
-    # boundary; dealing the layers out in turn (r, r + P, ...) covers every layer but not in
-    # blocks, and a pipeline needs each rank's layers to be consecutive. The grader lists the
-    # ranges it got for P = 1, 2, 4, 8 and 16.
-    # Hint 1: Every rank gets the same number of layers; rank r's block comes after r such blocks.
-    # Hint 2: per_rank = L // P (an int); rank r's first index is r * per_rank; range(start, stop)
+    # boundary; dealing the layers out in turn (s, s + S, ...) covers every layer but not in
+    # blocks, and a pipeline needs each stage's layers to be consecutive. The grader lists the
+    # ranges it got for S = 1, 2, 4, 8 and 16.
+    # Hint 1: Every stage gets the same number of layers; stage s's block comes after s such blocks.
+    # Hint 2: per_stage = L // S (an int); stage s's first index is s * per_stage; range(start, stop)
     #         stops before stop.
-    # Hint 3: per_rank <- layers divided by world_size (integer division)
-    #         return the range from rank's first index up to the next rank's first index
-    per_rank = cfg.layers // world_size
-    return range(rank * per_rank, (rank + 1) * per_rank)
+    # Hint 3: per_stage <- layers divided by n_stages (integer division)
+    #         return the range from the stage's first index up to the next stage's first index
+    per_stage = cfg.layers // n_stages
+    return range(stage * per_stage, (stage + 1) * per_stage)
     # <<<
 
 
 class ShardedMLP(nn.Module):
-    """This rank's layers of the monolith; the last rank also holds the head."""
+    """This rank's stage of the monolith: its layers, and the head on the last stage.
 
-    def __init__(self, cfg: MLPConfig, rank: int, world_size: int):
+    `pp` is the pipeline's group: this rank holds stage pp.index of pp.size."""
+
+    def __init__(self, cfg: MLPConfig, pp: Group):
         super().__init__()
-        self.rank, self.world_size, self.hidden = rank, world_size, cfg.hidden
+        self.pp, self.hidden = pp, cfg.hidden
         # Where this stage sits in the pipeline: the first takes the batch, the last computes the loss.
-        self.is_first, self.is_last = rank == 0, rank == world_size - 1
-        mine = layer_range(cfg, rank, world_size)
+        self.is_first, self.is_last = pp.index == 0, pp.index == pp.size - 1
+        mine = layer_range(cfg, pp.index, pp.size)
         # >>> TODO(m04): build this rank's layers, and the head on the last rank, with the monolith's initial weights
         # Contract: self.layers is an nn.ModuleList of this rank's layers (the indices in `mine`, in
         # order), each hidden to hidden, with exactly the initial weights of the monolith's layers of
-        # the same indices; self.head is the monolith's head (hidden to classes) on the last rank
+        # the same indices; self.head is the monolith's head (hidden to classes) on the last stage
         # and None on every other. What the process drew from the random stream before this
         # constructor must not matter.
         # The invariant: the monolith's weights come from one stream seeded with cfg.seed, drawn
@@ -70,12 +79,12 @@ class ShardedMLP(nn.Module):
         # Pitfalls: not seeding here makes the shard depend on what the caller drew (the grader
         # draws with another seed before building each shard). Creating only this rank's layers
         # after seeding gives rank 0 the right weights and every other rank wrong ones: the grader
-        # names the world size, rank and layer. The head before the layers, or on every rank:
+        # names the world size, rank and layer. The head before the layers, or on every stage:
         # the grader compares the head and demands None elsewhere. Layers in a plain Python list
         # are not parameters: the grader counts the parameters the shards hold together.
         # Hint 1: Replay the monolith's construction from its seed on every rank, keeping only this
         #         rank's layers and letting the others go as soon as they are made; then, on the
-        #         last rank only, the head (the last draws).
+        #         last stage only, the head (the last draws).
         # Hint 2: torch.manual_seed(the config's seed); nn.Linear(cfg.hidden, cfg.hidden) for
         #         every index in range(cfg.layers), kept when the index is in `mine`;
         #         nn.ModuleList(kept layers); nn.Linear(cfg.hidden, cfg.classes); self.is_last.
@@ -83,7 +92,7 @@ class ShardedMLP(nn.Module):
         #         for each layer index, in order: make a hidden-to-hidden Linear; keep it if the
         #             index is this rank's
         #         self.layers <- ModuleList of the kept ones
-        #         self.head <- a hidden-to-classes Linear on the last rank, else None
+        #         self.head <- a hidden-to-classes Linear on the last stage, else None
         torch.manual_seed(cfg.seed)
         kept = []
         for index in range(cfg.layers):
@@ -95,21 +104,22 @@ class ShardedMLP(nn.Module):
         # <<<
 
     def forward(self, x):
-        """This rank's part of the forward pass: hidden activations, or logits on the last rank."""
+        """This stage's part of the forward pass: hidden activations, or logits on the last stage."""
         for layer in self.layers:
             x = F.relu(layer(x))
         return self.head(x) if self.is_last else x
 
     def loss(self, logits, targets):
         if not self.is_last:
-            raise RuntimeError(f"rank {self.rank} has no head: only the last rank computes the loss")
+            raise RuntimeError(f"stage {self.pp.index} of {self.pp.size} has no head: only the last stage computes "
+                               "the loss")
         return F.cross_entropy(logits, targets)
 
 
 def sharded_forward(model: ShardedMLP, comms: PipelineComms, x: torch.Tensor) -> torch.Tensor:
-    """Relay the batch `x` through all ranks; return this rank's output (logits on the last rank).
+    """Relay the batch `x` through the pipeline; return this rank's output (logits on the last stage).
 
-    The first rank feeds the batch in; the others only read its number of rows from `x` (to size
+    The first stage feeds the batch in; the others only read its number of rows from `x` (to size
     their receive buffer, (rows, hidden)), so they may be handed just those rows.
     """
     # >>> TODO(m04): pass the batch through this rank's stage of the relay and return its output

@@ -2,10 +2,10 @@
 
 An all-gather moves one contiguous tensor, so FSDP lays all of a block's weights end to end in a
 single flat buffer (ln1, wq, wk, wv, wo, ln2, w_gate, w_up, w_down, in BlockWeights order), padded
-with zeros to a multiple of the number of ranks. Rank r keeps only elements
-[r * shard_numel, (r + 1) * shard_numel): its shard. After an all-gather every rank holds the whole
-flat buffer again, and the block's weights are *views* into it (no copy), exactly as FSDP's
-"flat parameter" does.
+with zeros so that it cuts into world_size equal shards, one per rank in rank order: rank r keeps
+only the r-th, and the shards of ranks 0, 1, ... laid end to end are the buffer again. After an
+all-gather every rank holds the whole flat buffer again, and the block's weights are *views* into it
+(no copy), exactly as FSDP's "flat parameter" does.
 """
 from dataclasses import fields
 from math import prod
@@ -86,8 +86,9 @@ class FlatLayout:
         """Rank `rank`'s slice of a padded flat buffer (a view)."""
         # >>> TODO(m07): the rank's shard: its slice of the padded buffer
         # Return rank `rank`'s shard of a padded flat buffer: a view of shard_numel consecutive elements. Rank r's is
-        # the r-th of world_size equal consecutive pieces (the module docstring), so the shards of ranks 0 .. d - 1,
-        # in order, concatenate to the whole buffer (the test checks this).
+        # the r-th of world_size equal consecutive pieces, so the shards of ranks 0 .. d - 1, in order, concatenate
+        # to the whole buffer (the test checks this; docs/07-fsdp.md works out where 4 ranks' shards of 10 values
+        # start).
         # Pitfall: sizes computed from the unpadded numel leave a gap or an overlap when d does not divide it.
         # Hint 1: the shard starts rank shards into the buffer and is one shard long.
         # Hint 2: basic slicing (flat[a:b]) is a view.

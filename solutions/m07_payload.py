@@ -1,24 +1,26 @@
 """Module 07, part 2 - FSDP's communication and memory arithmetic, before running anything.
 
 A block holds P + 2M values (its seven matrices, P, and its two norm weights of M each: the
-FlatLayout's numel), of b bytes each, sharded over the d ranks of the data group (padded to a
-multiple of d):
+FlatLayout's numel), of b bytes each, sharded over the d ranks of the data group as FlatLayout cuts
+it. What one optimizer step costs follows from what the code does, counted by the log's rule:
 
-  payload per collective  = ceil((P + 2M) / d) b   one rank's shard, all-gathers and reduce-scatters alike
-  per block and microbatch: an all-gather in the forward, another in the backward, a reduce-scatter
-                            of its gradient: 3 collectives, 3 payloads
-  sent per collective     = (d - 1) payloads       the ring algorithm: a rank passes on d - 1 shards
-  buffers                 = 2 full blocks (d ceil((P + 2M) / d) b each: one in use, one being gathered)
-                          + 2 shard-sized communication buffers (one payload each)
-
-A block that is still in a buffer when it is needed again (same layer, weights unchanged since it
-was gathered) is reused without a collective: `kept` such blocks at each turn between a forward
-and a backward save `kept` all-gathers per turn. Our double buffer keeps the last two layers, so
-kept = min(2, L); PyTorch's FSDP Notes (its worked example of buffer sizes) count with kept = 0.
+  the passes   a step runs a forward and a backward over the L blocks for each of its microbatches;
+               every pass asks the weight source for every block, and the source all-gathers a block
+               unless its buffer still holds it, current (m07_sharded_weights); every backward
+               reduce-scatters each block's gradient (m07_fsdp)
+  the turns    between two consecutive passes: `kept` is how many blocks are still in the buffers,
+               current, at a turn (our double buffer: min(2, L); PyTorch's FSDP Notes, whose worked
+               example of buffer sizes the tests check, count with kept = 0)
+  the log      course/collectives.py records each collective's payload (for an all-gather or a
+               reduce-scatter: one rank's shard) and what one rank sends with the ring algorithm:
+               n - 1 payloads over n ranks; for an all-reduce, 2 (n - 1) / n of the tensor
+  the buffers  the full-size buffers ShardedWeights gathers blocks into, and the Notes' two
+               shard-sized communication buffers a collective sends from and receives into
 
 The embedding, the LM head (V M each) and the final norm (M) are replicated: their gradients are
-summed by one all-reduce of (2 V M + M) b per step, 2 (d - 1) / d of it sent. Between steps a rank
-keeps its L shards and the replicated weights, as many gradients, and AdamW's two moments of each.
+summed by one all-reduce per step, the worked example of the log's rule in the given lines below:
+(2 V M + M) b, of which one rank sends 2 (d - 1) / d. Between steps a rank keeps its L shards and
+the replicated weights, as many gradients, and AdamW's two moments of each.
 
 `fsdp_traffic` returns all of it as a course/costs.py `StepCost` over the axis d, with the
 signature of every cost formula of the course: (cfg, sizes, dtype, ...), sizes a mesh's axis sizes
@@ -54,15 +56,14 @@ def fsdp_traffic(cfg: LlamaConfig, sizes: dict[str, int], dtype: torch.dtype, n_
     # >>> TODO(m07): one optimizer step's all-gathers and reduce-scatters, the buffers, and the state kept
     # Return all_reduce + a StepCost of the blocks over the axis "d": calls[("d", op)] the number of all-gathers
     #   and reduce-scatters in one step, sent[("d", op)] the bytes one rank sends for them, and memory: "buffers"
-    #   (the two full-block buffers and the two communication buffers), "parameters" (the L shards and the
-    #   replicated weights), "gradients" (as many) and "optimizer" (AdamW's two moments of each), in bytes.
-    # Maths: a payload is one rank's shard, padded like FlatLayout's; every pass gathers every block, except the
-    #   `kept` blocks still in the buffers at a turn; every block's gradient is reduce-scattered once per
-    #   microbatch; a collective over d ranks sends d - 1 payloads; a full buffer holds d shards.
-    # Pitfall: counting the turns: a step alternates forward, backward, forward, ..., backward, and the turns are
-    #   the boundaries between consecutive passes. The tests check PyTorch's FSDP Notes' worked example (kept 0),
-    #   counts written out by hand for kept 1 and 2, several microbatches, a payload that needs padding, and the
-    #   log and the tensors of a real step.
+    #   (the full-size buffers and the communication buffers), "parameters" (the L shards and the replicated
+    #   weights), "gradients" (as many) and "optimizer" (AdamW's two moments of each), in bytes.
+    # Derive each from the module docstring: how many passes a step of n_microbatches makes, how many turns lie
+    #   between them and what `kept` saves at each, which collective each pass issues per block, what one of
+    #   them sends by the log's rule, and how big each buffer is. docs/07-fsdp.md works out the Notes' forward.
+    # Pitfalls: a payload is one rank's shard, padded like FlatLayout's (the tests use a block that needs
+    #   padding). The tests check PyTorch's FSDP Notes' worked example (kept 0), counts written out by hand for
+    #   kept 1 and 2, several microbatches, and the log and the tensors of a real step.
     # Hint 1: count the passes (two per microbatch) and the turns between them (one fewer than the passes); each
     #         turn saves `kept` all-gathers.
     # Hint 2: payload = ceil(block / d) b (integer ceiling); turns = 2m - 1; all-gathers = 2 L m - kept turns;

@@ -10,10 +10,11 @@ It implements module 06's WeightSource protocol, so the model loop does not chan
 Two buffers (double buffering): block l always goes to buffer l % 2, so while block l is computed
 in one buffer, block l + 1 (forward) or l - 1 (backward) is gathered into the other.
 
-Each buffer remembers which layer it holds and the weights' *version* when it was gathered. If
-gather(l) finds layer l already there at the current version, nothing is sent: at the turn from
-forward to backward the last two layers are still in the buffers, and at the turn from one
-micro-step's backward to the next forward the first two are.
+A gather may find its block already in the buffer: at the turn from forward to backward the last
+two layers are still there, and at the turn from one micro-step's backward to the next forward the
+first two are. Then nothing need be sent, if those weights are still the current ones: the optimizer
+changes the shards between steps, and invalidate() counts those changes as versions. Each buffer's
+fields (GatherBuffer) say what it holds; the three methods keep them true.
 
 Misuse raises at once, with the same message on every rank (all ranks make the same calls), so a
 mistake never leaves a peer waiting in a collective.
@@ -54,6 +55,11 @@ def check_release(buf, layer: int):
 
 @dataclass
 class GatherBuffer:
+    """One of the two full-size buffers and what it knows of its contents. Between any two calls:
+    `flat` holds block `layer` as it was at the weights' version `version`, or will once `pending`
+    (the all-gather in flight into it) has completed; `state` is where the buffer is in the
+    protocol's cycle, FREE -> gather -> GATHERING -> get -> IN_USE -> release -> FREE (the check_*
+    functions above refuse a call in any other state)."""
     flat: torch.Tensor        # one padded block, all ranks' shards
     layer: int = -1           # the layer whose weights it holds (-1: none yet)
     version: int = -1         # the weights' version when they were gathered
@@ -76,17 +82,15 @@ class ShardedWeights:
         buf = self.buffer_for(layer)
         check_gather(buf, layer)
         # >>> TODO(m07): start gathering the layer into its buffer, unless it is there and current
-        # After check_gather, buf (buffer layer % 2) is FREE. If it already holds this layer at the current version
-        # (the weights have not changed since it was gathered), nothing is sent. Otherwise start an all-gather of
-        # every rank's shard of this layer (self.shards[layer] is this rank's) into buf.flat, and record in buf the
-        # layer and version it will hold. Either way: buf.pending is what get() must wait for (None if nothing), and
-        # the buffer is now GATHERING.
-        # Contract with the tests: gather() returns at once (a blocking all-gather fails them: the next block's
-        # transfer must overlap this block's compute), and the collective is labelled "block <layer>" (the tests
-        # read the layer number from the label).
-        # Pitfalls: a hit needs the same layer *and* the current version: after invalidate() (an optimizer step) a
-        # stale copy must be gathered again. The tests count the all-gathers of a step: exactly the turns' hits
-        # are skipped. All ranks take the same branch; a rank that skipped a collective its peers ran would hang them.
+        # Contract: after check_gather, buf (buffer layer % 2) is FREE. Leave it GATHERING, its fields true to
+        #   GatherBuffer's docstring for this layer at the current weights (self.version), so that get(layer) can
+        #   hand the block out; and send only what that needs: nothing when buf.flat already holds this layer as
+        #   the weights are now. The tests count the all-gathers of a step: exactly the reuses at the turns are
+        #   skipped, and a copy from before an optimizer step is not one.
+        # Contract with the tests: gather() returns at once, waiting for nothing (a blocking all-gather fails them:
+        #   the next block's transfer must overlap this block's compute); this rank's shard of the layer is
+        #   self.shards[layer]; the collective is labelled "block <layer>" (the tests read the layer number).
+        # Pitfall: all ranks take the same branch; a rank that skipped a collective its peers ran would hang them.
         # Hint 1: compare what the buffer remembers (layer, version) with what is asked; on a miss, start the
         #         transfer without waiting and remember what the buffer will hold.
         # Hint 2: self.collectives.all_gather(output, shard, label=..., async_op=True) returns a work with .wait()
@@ -107,11 +111,12 @@ class ShardedWeights:
         buf = self.buffer_for(layer)
         check_get(buf, layer)
         # >>> TODO(m07): hand out the gathered layer once its transfer has arrived
-        # After check_get the buffer is GATHERING this layer. Return the block's weights as views into buf.flat
-        # (your FlatLayout.views), but only once the all-gather in flight, if any, has completed: until then the
-        # buffer holds the previous block or a partial one. Mark the buffer IN_USE; afterwards nothing is pending.
-        # Pitfall: a hit (gather sent nothing) has nothing to wait for. Waiting in gather() instead would give the
-        # same numbers, but gather(l + 1) comes before layer l computes: the transfer would no longer overlap it.
+        # Contract: after check_get the buffer is GATHERING this layer. Return the block's weights as views into
+        #   buf.flat (your FlatLayout.views) that hold this layer's current weights, and leave the buffer IN_USE, its
+        #   fields true to GatherBuffer's docstring. The tests deliver a collective's data only when its work is
+        #   waited for: until then buf.flat holds NaN.
+        # Pitfall: waiting in gather() instead would give the same numbers, but gather(l + 1) comes before layer l
+        #   computes: the transfer would no longer overlap it.
         # Hint 1: wait if there is something to wait for, change the state, hand out views.
         # Hint 2: the work's .wait(); self.layout.views(flat).
         # Hint 3: if buf.pending is set: wait for it, then clear it
@@ -126,11 +131,11 @@ class ShardedWeights:
     def release(self, layer: int) -> None:
         buf = self.buffer_for(layer)
         check_release(buf, layer)
-        # >>> TODO(m07): free the buffer for the next gather (its contents stay valid for a hit)
-        # After check_release the buffer holds this layer, IN_USE. The loop is done with it: mark it so the next
-        # gather into this buffer may overwrite it. Keep the layer and version it remembers: if the same layer is
-        # gathered again before the weights change (the turn from forward to backward), that gather is a hit.
-        # Pitfall: resetting layer or version here turns every turn's hits into all-gathers (the tests count them).
+        # >>> TODO(m07): free the buffer for the next gather (its contents stay valid for a reuse)
+        # Contract: after check_release the buffer holds this layer, IN_USE, and the loop is done with it. Leave it
+        #   FREE, so that the next gather into it may overwrite it, its fields true to GatherBuffer's docstring: its
+        #   contents are still this layer's, and a gather of this layer before the weights change (the turn from
+        #   forward to backward) must be able to reuse them. The tests count the all-gathers of a step.
         # Hint 1: only the state changes.
         # Hint 2: the three states are FREE, GATHERING and IN_USE (top of the file).
         # Hint 3: the buffer's state becomes FREE, and nothing else changes

@@ -14,13 +14,15 @@ An action is (stage, kind, microbatch); its text form is those three run togethe
 
 A Schedule is one list of actions per rank and a placement: placement[stage] is the rank that
 holds it. With one stage per rank (modules 04-05) stage r is on rank r; with v stages per rank the
-model is cut into P*v stages, placed round the ranks in a loop or folded into a V.
+model is cut into S = p v stages (p pipeline ranks, v stages each), placed round the ranks in a
+loop or folded into a V. A rank here is a place in the pipeline's group, 0 .. p - 1.
 """
 import re
 from dataclasses import dataclass
 from typing import NamedTuple
 
-KINDS = ("F", "B", "I", "W")
+from course.simulate import KINDS  # F, B, I, W: what each needs and produces is the simulator's
+
 TEXT = re.compile(r"(\d+)([FBIW])(\d+)")  # the text form of an action: stage, kind, microbatch
 
 
@@ -100,14 +102,14 @@ def one_stage_per_rank(world_size: int) -> tuple[int, ...]:
 
 
 def looped_placement(world_size: int, stages_per_rank: int) -> tuple[int, ...]:
-    """P*v stages round the ranks in a loop: stage s on rank s % P, so rank r holds r, r+P, r+2P...
-    The activation of stage P-1 travels from the last rank back to rank 0."""
+    """p v stages round the p ranks in a loop: stage s on rank s % p, so rank r holds r, r+p, r+2p...
+    The activation of stage p-1 travels from the last rank back to rank 0."""
     return tuple(stage % world_size for stage in range(world_size * stages_per_rank))
 
 
 def v_placement(world_size: int) -> tuple[int, ...]:
-    """2P stages folded into a V: down the ranks, then back up. Rank r holds stages r and 2P-1-r, so
-    rank 0 holds the first and the last stage, and the V turns on the last rank (stages P-1 and P),
+    """2p stages folded into a V: down the p ranks, then back up. Rank r holds stages r and 2p-1-r, so
+    rank 0 holds the first and the last stage, and the V turns on the last rank (stages p-1 and p),
     where the activation does not travel at all."""
     return tuple(stage if stage < world_size else 2 * world_size - 1 - stage for stage in range(2 * world_size))
 

@@ -22,12 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .m00_monolith import MLPConfig
-
-
-def check_stages(cfg: MLPConfig, n_stages: int):
-    if n_stages < 1 or cfg.layers % n_stages:
-        raise ValueError(f"{cfg.layers} layers cannot be cut into {n_stages} equal stages; use a number of "
-                         f"stages that divides {cfg.layers}")
+from .m04_sharded import layer_range
 
 
 @dataclass
@@ -42,15 +37,13 @@ class Saved:
 
 
 class SplitStage(nn.Module):
-    """Stage `stage` of `n_stages`: layers stage*k .. stage*k + k-1 of the monolith (k = layers / n_stages)."""
+    """Stage `stage` of `n_stages`: its block of the monolith's layers (module 04's layer_range)."""
 
     def __init__(self, cfg: MLPConfig, stage: int, n_stages: int):
         super().__init__()
-        check_stages(cfg, n_stages)
+        mine = layer_range(cfg, stage, n_stages)  # refuses stages of unequal length
         self.stage, self.hidden = stage, cfg.hidden
         self.is_first, self.is_last = stage == 0, stage == n_stages - 1
-        per_stage = cfg.layers // n_stages
-        mine = range(stage * per_stage, (stage + 1) * per_stage)
         torch.manual_seed(cfg.seed)  # every stage draws every layer, so the weights are the monolith's
         self.layers = nn.ModuleList(_keep(cfg, mine))
         self.head = nn.Linear(cfg.hidden, cfg.classes) if self.is_last else None

@@ -6,11 +6,10 @@
 The rank at place i_t of the group (`tp.index`) keeps query heads [i_t H/t, (i_t+1) H/t) and
 key/value heads [i_t K/t, (i_t+1) K/t): exactly the key/value heads its query heads read (query
 head h reads key/value head h // (H / K)), so attention needs no communication at all. The FFN
-keeps hidden units [i_t F/t, (i_t+1) F/t): SwiGLU is elementwise. Each half of the block is one enter/leave pair (m12_tp_linear): without sequence
-parallelism two all-reduces a block in each direction; with it, two all-gathers and two
-reduce-scatters forward, and in the backward the same plus the re-gathers of the two inputs. The
-norms and residual adds run on the whole stream, replicated, or with sequence parallelism on this
-rank's T/t positions, which divides their activation memory by t.
+keeps hidden units [i_t F/t, (i_t+1) F/t): SwiGLU is elementwise. Each half of the block is one
+enter/leave pair (m12_tp_linear), and its collectives are the pair's. The norms and residual adds
+run on the whole stream, replicated, or with sequence parallelism on this rank's T/t positions,
+which divides their activation memory by t.
 
 The block is module 06's, op for op (its local ops are imported from m06_llama_ops), with the
 weights sliced and the collectives at the seams; the attention and the rotary tables are a module-06

@@ -2,23 +2,22 @@
 
 Traffic. A global batch of B sequences of T tokens in m microbatches: one microbatch holds
 N = B T / m tokens (every rank of the group sees all of them), and a residual-stream activation
-(N, M) of b bytes a value is A = N M b bytes. Per microbatch, for L blocks:
+(N, M) of b bytes a value is A = N M b bytes. Every collective of a step is one of:
 
-  without sequence parallelism   all-reduces of A: 2 per block forward (o, down), 2 per block
-                                 backward (the inputs of q, k, v and of gate, up), 1 for the
-                                 embedding, 1 for the LM head's input gradient: 4L + 2
-  with sequence parallelism      each of those becomes a reduce-scatter or an all-gather of A, and
-                                 the backward gathers each column-parallel input again:
-                                 all-gathers 6L + 3, reduce-scatters 4L + 2
-  either way                     3 all-reduces of N statistics of s bytes for the loss (z_max, Z, z_y)
-  per optimizer step, with sequence parallelism: 1 all-reduce of the (2L + 1) norm weights'
-                                 gradients, M values each, in the accumulators' dtype (s bytes)
+  the operators   each f and each g, forward and backward, issues what m12_tp_linear makes it issue
+                  (nothing, or one collective of a stream activation), wherever the model calls one:
+                  the blocks' two pairs, the embedding's g, the LM head's f
+  the loss        the vocabulary-parallel cross-entropy's all-reduces of N statistics, s bytes each
+  the norms       with sequence parallelism, sum_norm_grads' one all-reduce of the (2L + 1) norm
+                  weights' gradients, M values each, in the accumulators' dtype (s bytes), per step
 
 With the ring algorithms one rank sends (t - 1)/t A for an all-gather or a reduce-scatter of A and
-2 (t - 1)/t A for an all-reduce (course/collectives.py's `sent_bytes`). So the forward costs the
-same with sequence parallelism or without; the backward's extra all-gathers are the price of
-keeping 1/t of the norms' activations. `tp_traffic` returns these as a course/costs.py `StepCost`
-over the axis t: the calls and the bytes of each kind of collective in one optimizer step.
+2 (t - 1)/t A for an all-reduce (course/collectives.py's `sent_bytes`). One term, worked: without
+sequence parallelism the forward of a microbatch leaves each block's two pairs through g (after o
+and after down) and the embedding through g, 2L + 1 all-reduces of A, each sending 2 (t - 1)/t A.
+The backward, sequence parallelism, the loss and the norms are yours to count (the chapter says
+what each operator sends). `tp_traffic` returns them as a course/costs.py `StepCost` over the axis
+t: the calls and the bytes of each kind of collective in one optimizer step.
 
 Activations. One block keeps module 06's fourteen tensors (the names of its store). On t ranks,
 the ones after the column-parallel split are 1/t of module 06's (q, k, v, o, lse: this rank's
@@ -54,8 +53,9 @@ def tp_traffic(cfg: LlamaConfig, sizes: dict[str, int], batch: int, dtype: torch
     # >>> TODO(m12): count the collectives of one step and the bytes one rank sends for them
     # Contract: a StepCost(sent, calls) over the axis "t": calls[("t", op)] the number of collectives of each kind
     #   (op "all_reduce", "all_gather", "reduce_scatter") in one step, sent[("t", op)] the bytes one rank sends for
-    #   them; the counts of the module docstring, times m where they are per microbatch. The tests compare it with
-    #   the log of a real step (course/costs.py's measured_cost), to the byte and to the call.
+    #   them, counted as the module docstring says, times m where they are per microbatch. The tests compare it
+    #   with a hand count and with the log of a real step (course/costs.py's measured_cost), to the byte and to
+    #   the call.
     # Pitfalls: the norm gradients' all-reduce is once per step, and only with sequence parallelism. An all-gather's
     #   payload is its shard, but what a rank sends is (t - 1) shards: (t - 1)/t of the whole A. On t = 1 every
     #   collective is still called (and logged), sending nothing. The loss's all-reduces are all-reduces too.

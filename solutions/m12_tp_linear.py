@@ -12,30 +12,26 @@ t ranks (one tensor-parallel group, a `course.mesh.Group`: `tp.index` = i_t, `tp
                     of the t partials.
 
 Column then row (q, k, v then o; gate, up then down) needs nothing in between: the column output's
-slice is exactly the row input's slice. Two operators connect such a pair to the residual stream,
-each the other's *conjugate* (its forward is the other's backward):
+slice is exactly the row input's slice. Two operators connect such a pair to the residual stream:
 
-  enter (Megatron's f)   before the column-parallel linears   forward identity,   backward all-reduce
-  leave (Megatron's g)   after the row-parallel linear        forward all-reduce, backward identity
+  enter (Megatron's f)   before the column-parallel linears: their input must be whole
+  leave (Megatron's g)   after the row-parallel linear: the stream needs the sum of the partials
 
-With sequence parallelism the residual stream between the pairs is not replicated but split along
-the sequence, and each all-reduce becomes one of its two halves (all-reduce = reduce-scatter, then
-all-gather):
-
-  enter (f)   forward all-gather along the sequence       backward reduce-scatter along the sequence
-  leave (g)   forward reduce-scatter along the sequence   backward all-gather along the sequence
+Each is the other's *conjugate*: one's forward is the other's backward. With sequence parallelism
+the residual stream between the pairs is not replicated but split along the sequence (each rank
+its T / t positions), and an all-reduce is a reduce-scatter followed by an all-gather. What each
+operator does, forward and backward, in either layout, follows from the layouts it connects:
+docs/12-tensor-parallel.md derives f's without sequence parallelism, and the rest is yours.
 
 The column-parallel backward is where communication can hide behind compute (Megatron-LM's linear
-"with gradient accumulation and async communication"): the input gradient's collective is started,
-without waiting, *before* the weight-gradient GEMM, which does not need its result, and waited for
-after it. With sequence parallelism the backward also gathers the input again (the forward kept
-only this rank's sequence shard), started before the input-gradient GEMM, which does not need it
-either.
+"with gradient accumulation and async communication"): a collective started without waiting
+travels while a GEMM that does not need its result computes. Which GEMM hides which collective
+follows from what each needs (the chapter works it out without sequence parallelism).
 
-Weight gradients are added into `main_grad` accumulators inside the GEMM (torch.addmm with
-out=main_grad): over m microbatches each gradient is summed in main_grad's precision (float32 for
-bf16 weights), never rounded to the weights' dtype on the way (Megatron's gradient-accumulation
-fusion).
+Weight gradients are added into `main_grad` accumulators inside the GEMM (a GEMM whose output is
+the accumulator itself): over m microbatches each gradient is summed in main_grad's precision
+(float32 for bf16 weights), never rounded to the weights' dtype on the way (Megatron's
+gradient-accumulation fusion).
 
 Every collective goes through `tp.collectives` (course/collectives.py), which logs it. Shapes: the
 residual stream is (B, T, dim) on every rank, or (B, T / t, dim) with sequence parallelism.
@@ -71,13 +67,13 @@ class InFlight:
 def enter_tp_forward(x: torch.Tensor, tp: Group, sequence_parallel: bool, label: str = "",
                      async_op: bool = False) -> InFlight:
     """f's forward: the whole input of the column-parallel linears, (B, T, dim), from the residual
-    stream x. Without sequence parallelism x is already whole (identity); with it, x is this rank's
-    (B, T / t, dim) shard and the ranks' shards are gathered in rank order."""
-    # >>> TODO(m12): f forward: identity, or an all-gather along the sequence
-    # Contract: return an InFlight whose wait() gives the whole (B, T, dim) input. With async_op=True the
-    #   collective is only started (the column-parallel backward gathers while it computes).
-    # Pitfalls: rank i_t's shard is sequence positions [i_t T/t, (i_t+1) T/t): gather along SEQUENCE_DIM, not the
-    #   batch. Gather into a new tensor, never into x.
+    stream x: (B, T, dim) on every rank, or with sequence parallelism this rank's (B, T / t, dim)
+    positions [i_t T/t, (i_t + 1) T/t)."""
+    # >>> TODO(m12): f's forward: the column-parallel linears' whole input, from the residual stream
+    # Contract: return an InFlight whose wait() gives the whole (B, T, dim) input, the same on every rank. With
+    #   async_op=True any collective is only started (the column-parallel backward runs it behind a GEMM).
+    # Pitfalls: the sequence is SEQUENCE_DIM, not the batch. Never write into x: a new tensor holds what others
+    #   send.
     # Hint 1: without sequence parallelism there is nothing to send: wrap x itself.
     # Hint 2: tp.collectives.all_gather(output, shard, label, async_op=..., dim=SEQUENCE_DIM) fills output
     #       (B, T, dim); what it returns is the work to wait on (None when async_op is False).
@@ -93,13 +89,15 @@ def enter_tp_forward(x: torch.Tensor, tp: Group, sequence_parallel: bool, label:
 def enter_tp_backward(dx: torch.Tensor, tp: Group, sequence_parallel: bool, label: str = "",
                       async_op: bool = False) -> InFlight:
     """f's backward: each rank's dx (B, T, dim) is its partial of the input's gradient (its slice of the
-    output features contributed only its part); the gradient of the residual stream is their sum, whole
-    on every rank, or with sequence parallelism only this rank's (B, T / t, dim) shard of it."""
-    # >>> TODO(m12): f backward: all-reduce, or reduce-scatter along the sequence
-    # Contract: an InFlight whose wait() gives the summed gradient in the residual stream's layout. With
-    #   async_op=True the collective is only started: the caller computes the weight gradients meanwhile.
-    # Pitfalls: an all-reduce with sequence parallelism gives every rank the whole sum (wrong shape for the
-    #   sharded stream); a reduce-scatter along dim 0 cuts the batch, not the sequence. No 1/t: it is a sum.
+    output features contributed only its part); the gradient of the residual stream is their sum, in
+    the stream's layout: whole on every rank, or with sequence parallelism only this rank's
+    (B, T / t, dim) positions of it."""
+    # >>> TODO(m12): f's backward: the residual stream's gradient, summed over the group
+    # Contract: an InFlight whose wait() gives the sum over the group of the ranks' dx, in the residual stream's
+    #   layout. With async_op=True any collective is only started: the caller computes the weight gradients
+    #   meanwhile.
+    # Pitfalls: the result's shape is the stream's, (B, T / t, dim) with sequence parallelism, cut along
+    #   SEQUENCE_DIM, not the batch. No 1/t: it is a sum.
     # Hint 1: all-reduce sums in place; a reduce-scatter writes this rank's block into a new tensor.
     # Hint 2: tp.collectives.all_reduce(tensor, label, async_op=...) and
     #       tp.collectives.reduce_scatter(shard, full, label, async_op=..., dim=SEQUENCE_DIM).
@@ -115,13 +113,14 @@ def enter_tp_backward(dx: torch.Tensor, tp: Group, sequence_parallel: bool, labe
 
 def leave_tp_forward(y: torch.Tensor, tp: Group, sequence_parallel: bool, label: str = "") -> torch.Tensor:
     """g's forward: y (B, T, dim) is this rank's partial product of a row-parallel linear; the residual
-    stream needs the sum over ranks: whole on every rank, or this rank's sequence shard of it."""
-    # >>> TODO(m12): g forward: all-reduce, or reduce-scatter along the sequence
+    stream needs the sum over ranks, in its layout: whole on every rank, or this rank's positions."""
+    # >>> TODO(m12): g's forward: the row-parallel partial products, summed into the residual stream
     # Contract: returns the sum over the group of the ranks' y, (B, T, dim) on every rank, or with sequence
     #   parallelism this rank's positions of it, (B, T / t, dim). Summing into y in place is fine: the callers
     #   pass a fresh product.
-    # Pitfalls: this is f's backward collective, in the forward; the same shapes and the same sum.
-    # Hint 1: the conjugate operators share their collectives: g's forward is f's backward.
+    # Pitfall: nothing runs beside it here, so nothing is gained by leaving a collective in flight.
+    # Hint 1: the conjugate operators share their collectives: g's forward is f's backward, the same shapes and
+    #       the same sum.
     # Hint 2: enter_tp_backward does exactly this sum (nothing runs beside it here, so no need to go async).
     # Hint 3: call it with y and wait for its InFlight at once.
     return enter_tp_backward(y, tp, sequence_parallel, label).wait()
@@ -129,14 +128,17 @@ def leave_tp_forward(y: torch.Tensor, tp: Group, sequence_parallel: bool, label:
 
 
 def leave_tp_backward(dy: torch.Tensor, tp: Group, sequence_parallel: bool, label: str = "") -> torch.Tensor:
-    """g's backward: the gradient of the residual stream, whole (identity), or gathered from the
-    ranks' sequence shards; every rank's row-parallel linear needs all of it."""
-    # >>> TODO(m12): g backward: identity, or an all-gather along the sequence
-    # Contract: returns the whole (B, T, dim) gradient of g's output: dy itself without sequence parallelism;
-    #   with it, the ranks' (B, T / t, dim) shards of dy gathered in rank order along the sequence.
-    # The maths: y = sum of the partials, so d y / d partial_r is the identity: every rank's partial gets dy.
-    # Pitfalls: an all-reduce here would add the t identical copies of the gradient: t times too big.
-    # Hint 1: the conjugate operators share their collectives: g's backward is f's forward.
+    """g's backward: the gradient each rank's partial product receives, from dy, the gradient of g's
+    output in the residual stream's layout; every rank's row-parallel linear needs it for all T positions."""
+    # >>> TODO(m12): g's backward: the gradient every rank's partial product receives
+    # Contract: returns, on every rank, the gradient of the loss with respect to this rank's partial product y_r,
+    #   (B, T, dim), all T positions; dy is the gradient of g's output, (B, T, dim) on every rank, or with sequence
+    #   parallelism this rank's (B, T / t, dim) positions of it.
+    # Pitfalls: derive it from g's forward (what is y's derivative with respect to one partial?); a factor of t
+    #   is the classic mistake.
+    # Hint 1: y = the sum of the partials, so the derivative of y with respect to each partial is the identity:
+    #       every rank's partial receives dy itself, all of it (an all-reduce would add t identical copies). The
+    #       conjugate operators share their collectives: g's backward is f's forward.
     # Hint 2: enter_tp_forward does exactly this (identity, or the all-gather along the sequence).
     # Hint 3: call it with dy and wait for its InFlight at once.
     return enter_tp_forward(dy, tp, sequence_parallel, label).wait()
@@ -162,7 +164,7 @@ def addmm_into(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor):
 
 
 def accumulate_weight_grad(main_grad: torch.Tensor, dy: torch.Tensor, x: torch.Tensor, fused: bool = True):
-    """main_grad (out, in) += dy^T x, the weight gradient of y = x W^T summed over the tokens.
+    """main_grad (out, in) += the gradient of W for y = x W^T, summed over the tokens.
 
     dy is (..., out) and x (..., in), with the same leading (token) dimensions. `fused` (the default)
     adds inside the GEMM, in main_grad's precision; fused=False is the path it replaces, kept to
@@ -173,9 +175,11 @@ def accumulate_weight_grad(main_grad: torch.Tensor, dy: torch.Tensor, x: torch.T
     if not fused:
         main_grad.add_(dy.t() @ x)
         return
-    # >>> TODO(m12): add dy^T x into main_grad inside the GEMM
-    # Contract: main_grad is updated in place (same tensor, same storage), summed in main_grad's dtype even
-    #   when dy and x are bf16; nothing of the gradient's size is allocated in the inputs' dtype.
+    # >>> TODO(m12): add the weight gradient into main_grad inside the GEMM
+    # Contract: main_grad (out, in) grows by the gradient of W for y = x W^T, summed over every token (dy and x
+    #   are (tokens, out) and (tokens, in) here), updated in place (same tensor, same storage), summed in
+    #   main_grad's dtype even when dy and x are bf16; nothing of the gradient's size is allocated in the inputs'
+    #   dtype. The unfused path above computes the same sum: yours does it in one GEMM that writes main_grad.
     # Pitfalls: main_grad += dy.t() @ x rounds each microbatch's gradient to bf16 first (the unfused path
     #   above); after m microbatches the sum is off by about m bf16 roundings instead of float32 ones.
     # Hint 1: torch.addmm(acc, a, b, out=acc) computes acc + a @ b in one kernel, writing acc.
@@ -214,22 +218,23 @@ def column_parallel_backward(dys: list[torch.Tensor], x: torch.Tensor, weights: 
 
     x is what the forward was given, as the block saved it: this rank's sequence shard with sequence
     parallelism, so the whole input is gathered again here instead of being kept since the forward.
-    The order is what hides communication behind compute:
-
-        start gathering x (sequence parallelism)     in flight during the input-gradient GEMMs
-        input-gradient GEMMs: dx = sum_i dy_i W_i    this rank's partial
-        wait for x; start dx's all-reduce / reduce-scatter (async)
-        weight-gradient GEMMs: main_grad_i += dy_i^T x    in flight behind them
-        wait for dx, return it
+    The order of the work is what hides communication behind compute: every collective in flight
+    while a GEMM that does not need it computes (docs/12-tensor-parallel.md derives the order without
+    sequence parallelism).
     """
     # >>> TODO(m12): column-parallel backward: the input-gradient collective in flight behind the weight-gradient GEMMs
     # Contract: every main_grads[i] (out_i / t, dim) grows by dy_i^T x_whole (summed over all B T tokens); the
     #   returned dx is sum over ranks of sum_i dy_i W_i, whole (B, T, dim) or this rank's (B, T / t, dim).
-    # Pitfalls: waiting for dx's collective before the weight-gradient GEMMs (or starting it after them) hides
-    #   nothing: the tests read the order of calls. Keeping the gathered x from the forward instead of
-    #   gathering again costs t times the memory (the store's size is tested).
-    # Hint 1: follow the docstring's five lines; each collective comes from enter_tp_forward / enter_tp_backward
-    #       with async_op=True, and its InFlight.wait() is the wait.
+    # The order: each collective is started (async_op=True) as soon as what it sends exists, and waited for only
+    #   just before something needs its result; the GEMMs that need neither run in between. Which GEMMs need
+    #   which result, with and without sequence parallelism, is yours to work out: the tests read the order of
+    #   the calls (the collectives, their waits and every matrix product).
+    # Pitfalls: waiting for a collective right after starting it is correct and hides nothing. Keeping the
+    #   gathered x from the forward instead of gathering again costs t times the memory (the store's size is
+    #   tested).
+    # Hint 1: start the gather of x (sequence parallelism) -> input-gradient GEMMs -> wait for x, start dx's
+    #       collective -> weight-gradient GEMMs -> wait for dx; each collective comes from enter_tp_forward /
+    #       enter_tp_backward with async_op=True, and its InFlight.wait() is the wait.
     # Hint 2: the input gradient of y = x W^T is dy W; the weight gradient goes through accumulate_weight_grad.
     # Hint 3: start the gather of x (async) -> sum the dy_i W_i -> wait for the gathered x -> start dx's
     #       collective (async) -> accumulate_weight_grad(each main_grad, its dy, the gathered x, fused)
@@ -265,7 +270,8 @@ def row_parallel_backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, ma
     # >>> TODO(m12): row-parallel backward: leave's backward, then the two GEMMs
     # Contract: main_grad (dim, in / t) grows by dy_whole^T x, summed over all B T tokens; returns dx = dy_whole W,
     #   (B, T, in / t): this rank's slice of the input features, final as it is (no sum over ranks).
-    # Pitfalls: both GEMMs need the whole sequence of dy: with sequence parallelism, gather it first.
+    # Pitfalls: both GEMMs need dy at all T positions, and with sequence parallelism a rank holds only its own:
+    #   g's backward is what gives each rank what it needs.
     # Hint 1: g's backward first; then the two products of any linear's backward, on this rank's slices.
     # Hint 2: leave_tp_backward gives dy as every rank needs it (whole); dx = dy W; the weight gradient through
     #       accumulate_weight_grad (with fused), as in the column-parallel backward.

@@ -76,7 +76,7 @@ class TPLlama:
         #   (B, T, V'/t) `logits`, and keep the loss and dlogits (the gradient of the loss, divided by n_tokens) from
         #   vocab_parallel_cross_entropy; the backward TODO reads them. n_tokens goes to the loss as it is.
         # Pitfalls: the LM head is column-parallel (vocabulary rows): its input must be the whole sequence, which
-        #   column_parallel_forward gathers with sequence parallelism; the loss takes (N, V'/t) and (N,).
+        #   column_parallel_forward makes whole from the stream's layout; the loss takes (N, V'/t) and (N,).
         #   The real vocabulary is cfg.vocab_size, not the padded one.
         # Hint 1: module 06's forward_backward, with each piece replaced by its tensor-parallel one.
         # Hint 2: embedding_forward, then self.block.forward for each block with its own store, rmsnorm_forward,

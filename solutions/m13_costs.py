@@ -7,37 +7,27 @@ global batch of B sequences of T tokens in m microbatches, so N = B T / (m d) to
 a microbatch, and A = N M b bytes in one residual-stream activation. One block's matrices hold
 P = 2 H D M + 2 K D M + 3 F M values.
 
-Bytes sent. With the ring algorithms (course/collectives.py's `sent_bytes`), one rank sends, for
-an all-gather or a reduce-scatter over n ranks, (n - 1) times its block; for an all-reduce,
-2 (n - 1) / n of its tensor. A rank's block of a matrix split over both axes is 1/(d t) of it. Reading
-the equations of one microbatch (a step repeats them m times), by axis and kind of collective:
+Bytes sent. Every collective of the model is one arrow of its code, and the log records each with
+its payload: for an all-gather over n ranks this rank's block of the input, for a reduce-scatter
+this rank's block of the output, for an all-reduce the whole tensor. With the ring algorithms
+(course/collectives.py's `sent_bytes`) one rank sends n - 1 payloads for an all-gather or a
+reduce-scatter, and 2 (n - 1) / n of the tensor for an all-reduce; a two-axis arrow is one call on
+each axis. A rank's block follows from the spec: a matrix split over both axes is 1/(d t) of it,
+the stream [B/d T M/t] is A / t. Every collective is called (and logged) on an axis of size 1
+too, sending nothing.
 
-  over d, all-gathers      each block's 7 matrices in the forward and again in the backward, the
-                           embedding once (its backward needs no table), the LM head twice:
-                           14 L + 3 calls, (d - 1) / (d t) b (2 L P + 3 V' M) bytes; and the first
-                           step of each norm weight's gather, M/t/d -> M/t over d, (d - 1) M / (d t) b
-                           each, for the 2 L + 1 norms in the forward and in the backward: 2 (2 L + 1)
-  over t, all-gathers      the second step of each norm's gather, M/t -> M over t, (t - 1) M / t b
-                           each, 2 (2 L + 1) of them; the residual stream: before each half-block's
-                           norm and the final norm in the forward (2 L + 1), and in the backward the
-                           conjugate of each reduce-scatter of the stream onto M/t (2 L + 1): 4 L + 2,
-                           (t - 1) / t A each
-  over d, reduce-scatters  each matrix's gradient once: 7 L + 2 calls, (d - 1) / (d t) b (L P + 2 V' M)
-                           bytes; the second step of each norm gradient's, M/t {U_d} -> M/t/d,
-                           (d - 1) M / (d t) b each, 2 L + 1 of them
-  over t, reduce-scatters  the first step of each norm gradient's, M {U_d,t} -> M/t {U_d}, (t - 1) M / t b
-                           each, 2 L + 1 of them; the stream: after each half-block and at the
-                           embedding in the forward (2 L + 1), and in the backward the conjugate of
-                           each all-gather of the stream (2 L + 1): 4 L + 2, (t - 1) / t A each
-  over t, all-reduces      the cross-entropy's 3 statistics (z_max, Z, z_y) of N values:
-                           2 (t - 1) / t N s each
-  over d, all-reduces      the loss, a scalar: 2 (d - 1) / d s
+One term, worked: the forward gathers each of a block's seven matrices over d just before its
+contraction (`"K/t Q D M/d -> K/t Q D M"` for wq). A rank's block of a matrix of n values is
+n / (d t) values; the gather over d sends d - 1 of those blocks: (d - 1) / (d t) n b. For a
+block's seven matrices that is 7 calls and (d - 1) / (d t) P b per microbatch, and L times that
+for the forward's blocks. The rest (the backward's gathers, the embedding and the LM head, the
+norms' two-axis arrows, the stream's collectives over t, the gradients' reduce-scatters, the loss's
+all-reduces) is read off the model's code the same way, by axis and kind of collective, and a step
+repeats a microbatch's m times.
 
-Every collective is called (and logged) on an axis of size 1 too, sending nothing.
-
-Bytes kept. Every weight is split over both axes, so one rank keeps 1 / (d t) of every one:
-(L (P + 2 M) + 2 V' M + M) / (d t) values, and as many gradients, and AdamW's two moments of each
-(its scalar step counters aside): 4 copies in all. The activations a block keeps for its backward
+Bytes kept. A rank keeps its block of every weight, as the weights' specs say (the model's
+TOP_SPECS and BLOCK_SPECS), as many gradients (a gradient has its weight's spec), and AdamW's two
+moments of each (its scalar step counters aside). The activations a block keeps for its backward
 are split over d (the rows), but only some over t: the gathered stream and the norms' outputs are
 [B/d T M] on every rank of a t group (`block_activation_bytes`, given).
 
@@ -82,17 +72,17 @@ def step_traffic(cfg: LlamaConfig, sizes: dict[str, int], batch: int, dtype: tor
     N = batch // (m * d) * cfg.max_seq_len  # tokens one rank sees in a microbatch
     A = N * M * b
     # >>> TODO(m13): the calls and the bytes one rank sends in a step, by axis and kind of collective
-    # Contract: return StepCost(sent, calls): for each (axis, op) of the module docstring's table, calls[(axis, op)]
-    #   the collectives issued in one step and sent[(axis, op)] the bytes this rank sends for them, exactly what
+    # Contract: return StepCost(sent, calls): for each (axis, op) the model's code issues, calls[(axis, op)] the
+    #   collectives issued in one step and sent[(axis, op)] the bytes this rank sends for them, exactly what
     #   course/costs.py's measured_cost reads off the model's log (the tests compare on the meshes 1x1, 1x4, 2x2
     #   and 4x1, to the byte and to the call). Axes "d" and "t"; ops "all_gather", "reduce_scatter", "all_reduce".
-    # Maths: the module docstring reads each line off the equations: which tensor each collective moves, how big
-    #   this rank's block of it is, how many ranks its group has, and how many times a microbatch moves it.
+    # Maths: the module docstring's counting rule and its worked term: for each arrow of the forward and the
+    #   backward (m13_llama_2d), which axis, how big this rank's block of the tensor is, and how many times a
+    #   microbatch issues it.
     # Pitfalls: a block of a matrix split over both axes is 1/(d t) of it, but its all-gather runs over d only;
-    #   the norms' gathers and scatters cross both axes, one after the other (one call on each); the embedding is
-    #   gathered once, the LM head twice; the loss statistics are in compute_dtype (s bytes), the rest in dtype
-    #   (b bytes). On a mesh axis of size 1 nothing is sent, yet every call is made. Floats are fine: the tests
-    #   compare sums of (n - 1) / n terms.
+    #   a two-axis arrow is one call on each axis, each with its own block size; the loss statistics are in
+    #   compute_dtype (s bytes), the rest in dtype (b bytes). On a mesh axis of size 1 nothing is sent, yet
+    #   every call is made. Floats are fine: the tests compare sums of (n - 1) / n terms.
     # Hint 1: write each (axis, op) as (how many collectives) and (what they send), from the docstring's table,
     #         then multiply both by m.
     # Hint 2: matrix = (d - 1) / (d t) b;  norm over d = (d - 1) M / (d t) b;  norm over t = (t - 1) M / t b;
@@ -132,11 +122,11 @@ def state_bytes(cfg: LlamaConfig, sizes: dict[str, int], dtype: torch.dtype = to
     # Contract: return StepCost(memory={"parameters": ..., "gradients": ..., "optimizer": ...}) in bytes (integers):
     #   the tests compare them with the tensors a rank of the 2-D model really holds after a step (its weights'
     #   blocks, its gradients' blocks, AdamW's exp_avg and exp_avg_sq), on four meshes.
-    # Maths: every weight (the L blocks' matrices and norms, the padded embedding and LM head, the final norm) is
-    #   split over both axes: a rank keeps 1 / (d t) of it. Gradients have the weights' specs; AdamW keeps two
+    # Maths: a rank keeps its block of every weight (the L blocks' matrices and norms, the padded embedding and
+    #   LM head, the final norm), as the weights' specs say; gradients have the weights' specs; AdamW keeps two
     #   moments of each weight, in the weight's dtype.
     # Pitfalls: the vocabulary is the padded one (V'); the norms count too; integer bytes: the mesh divides every
-    #   size, so divide the total by d t exactly.
+    #   size, so the blocks' sizes are exact.
     # Hint 1: count the values of the whole model (padded), divide by d t, times b; gradients the same; AdamW twice.
     # Hint 2: block_matrix_params(cfg) for one block's matrices; + 2 M for its norms; 2 V' M + M for the rest.
     # Hint 3: values = (L (P + 2 M) + 2 V' M + M) // (d t)

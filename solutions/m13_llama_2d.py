@@ -157,16 +157,15 @@ class Llama2D:
         """tokens[B/d T] -> x[B/d T M/t], the residual stream."""
         rows = self.padded_vocab // self.mesh.sizes["t"]
         # >>> TODO(m13): the embedding: a one-hot over this rank's vocabulary rows, contracted with the gathered table
-        # Contract: return x[B/d T M/t], the embedding of this rank's rows of tokens, this rank's block of M; save
-        #   the one-hot under 'onehot' (the backward reads it). The chapter's equations, in order: the table
-        #   gathered over d, the one-hot x[B/d T V/t] of the tokens that fall in this rank's rows (vocab_one_hot,
-        #   given: first row i_t * rows), the contraction over V/t, and the reduce-scatter that sums over t and
-        #   splits M.
-        # Maths: a lookup is a product with a one-hot. Each rank's V/t block holds only its rows, so its product is
-        #   a partial sum; the einsum reports {U_t}, and the arrow of the reduce-scatter must say so.
-        # Pitfalls: this rank's first vocabulary row is its position along t times rows (not its rank); the
-        #   one-hot takes the weights' dtype (self.embedding.tensor.dtype). Every collective through the module's
-        #   functions (the tests read the log).
+        # Contract: return x[B/d T M/t], the embedding of this rank's rows of tokens, this rank's block of M; save the
+        #   one-hot, a Sharded [B/d T V/t], under 'onehot' (the backward reads it).
+        # Maths: a lookup is a product with a one-hot: x = onehot . E, a sum over the vocabulary, onehot the tokens
+        #   that fall in this rank's vocabulary rows (vocab_one_hot, given: first row i_t * rows). Which collectives
+        #   make the table's block usable for that product, and bring its result to the stream's spec, follows from
+        #   the embedding's spec (TOP_SPECS), the stream's and the chapter's rules.
+        # Pitfalls: this rank's first vocabulary row is its position along t times rows (not its rank); the one-hot
+        #   takes the weights' dtype (self.embedding.tensor.dtype). Every collective through the module's functions
+        #   (the tests read the log).
         # Hint 1: four lines of the chapter's table: AllGather_d, Lookup, the einsum, ReduceScatter_t.
         # Hint 2: all_gather("V/t M/d -> ...", self.embedding); local("B/d T -> B/d T V/t", vocab_one_hot, tokens,
         #         first=..., rows=rows, dtype=...); einsum_unreduced("B/d T V/t, V/t M -> ...", ...);
@@ -237,14 +236,15 @@ class Llama2D:
     def ffn_half(self, w: BlockWeights, h: Sharded, store: ActivationStore) -> Sharded:
         """h[B/d T M/t] -> y[B/d T M/t] = h + FFN(RMSNorm(h)), saving what the backward reads."""
         cfg = self.cfg
-        # >>> TODO(m13): the FFN half, line for line with the chapter's equations
-        # Contract: return y[B/d T M/t] = h + the FFN output; save, as Sharded values, 'hg' (h gathered over t),
-        #   'n2', 'r2', 'g', 'u', 's'. Specs: hg, n2 [B/d T M]; r2 [B/d T]; g, u, s [B/d T F/t].
-        # The equations: h gathered over t; ln2 gathered over d and t; RMSNorm; w_gate and w_up gathered over d and
-        #   contracted over M (nothing unreduced: M is whole); SwiGLU (module 06's swiglu_forward, local); w_down
-        #   gathered over d and contracted over F/t: unreduced over t, reduce-scattered onto M/t; the residual add.
-        # Pitfalls: as in the attention half. The contraction over F/t is a partial sum on every rank: the
-        #   reduce-scatter's arrow must start from {U_t}.
+        # >>> TODO(m13): the FFN half in named axes: each line's collectives and specs
+        # Contract: return y[B/d T M/t] = h + the FFN output; save, as Sharded values, 'hg' (h with all of M, the
+        #   norm's input), 'n2', 'r2', 'g', 'u', 's'. Specs: hg, n2 [B/d T M]; r2 [B/d T]; g, u, s [B/d T F/t].
+        # Maths (module 06's FFN half): n2, r2 = RMSNorm(h) with ln2; g = n2 W_gate^T and u = n2 W_up^T; s = SwiGLU(g,
+        #   u) (module 06's swiglu_forward, a local op); y = h + s W_down^T. The chapter writes the attention half
+        #   line by line; this half follows from the same rules, the weights' specs (BLOCK_SPECS) and the stream's.
+        # Pitfalls: an einsum with a weight still split over d is refused, naming the axis; so is adding a partial
+        #   sum to the residual. Every collective goes through the module's functions, so the tests can count them
+        #   against the formula.
         # Hint 1: the attention half's pattern: gather the stream, norm, column-split products, a local op, the
         #         row-split product, reduce-scatter, add.
         # Hint 2: einsum_unreduced("B/d T M, F/t M -> B/d T F/t", n2, w_gate_gathered);
@@ -276,14 +276,13 @@ class Llama2D:
         cfg = self.cfg
         # >>> TODO(m13): the final norm, the LM head's logits, the vocabulary-parallel loss, its sum over d
         # Contract: return loss[], the mean cross-entropy over all n_tokens tokens of the global batch, the same on
-        #   every rank. Save 'xf' (x gathered over t), 'nf', 'rf' (the final norm's output and statistics) and
-        #   'dlogits' (cross_entropy_over_t computes the gradient with the loss).
-        # The equations: x gathered over t; the final norm's weight gathered over d and t; RMSNorm; the LM head
-        #   gathered over d and contracted over M: logits[B/d T V/t], nothing unreduced; the cross-entropy over t
-        #   (given); its result is this rank's rows' share, {U_d}, summed over d by an all-reduce.
+        #   every rank. Save 'xf' (x with all of M, the final norm's input), 'nf', 'rf' (the norm's output and
+        #   statistics) and 'dlogits' (cross_entropy_over_t computes the gradient with the loss).
+        # Maths: nf, rf = RMSNorm(x) with the final norm; logits = nf LM_head^T, a sum over M, in the spec
+        #   cross_entropy_over_t takes (given: [B/d T V/t]); its loss is this rank's rows' share of the mean, {U_d}.
+        #   The collectives and specs on the way follow from the chapter's rules.
         # Pitfalls: n_tokens is the global batch's token count (the caller passes it): the gradient of the mean over
-        #   the global batch is 1 / (B T) per token, not 1 / (B/d T). The all-reduce's arrow for a scalar is
-        #   '{U_d} ->'.
+        #   the global batch is 1 / (B T) per token, not 1 / (B/d T). A scalar's spec lists no dimension.
         # Hint 1: the FFN half's first lines (gather the stream, gather the norm weight, local RMSNorm), then the
         #         head's product, then the given loss, then a sum over d.
         # Hint 2: einsum_unreduced("B/d T M, V/t M -> B/d T V/t", nf, head_gathered);
@@ -309,15 +308,13 @@ class Llama2D:
         # >>> TODO(m13): the backward of the LM head and the final norm
         # Contract: return (dx, d_final_norm, d_lm_head): the gradient of the last block's output in the stream's
         #   layout [B/d T M/t], and the two weights' gradients, each in its weight's spec (this rank's block only).
-        # The equations (the chapter's backward table): the head gathered over d again; dn = dlogits contracted
-        #   over V/t with it (unreduced over t); the head's gradient = dlogits contracted with nf over B/d and T
-        #   (unreduced over d), reduce-scattered over d; the norm's backward (module 06's rmsnorm_backward, linear
-        #   in dn, so it runs on the partial sums: its outputs stay unreduced over t, and the weight's gradient,
-        #   a sum over B/d, is unreduced over d too); the weight's gradient reduce-scattered over t and d onto
-        #   M/t/d; dx reduce-scattered over t onto M/t: the backward of the forward's all-gather.
-        # Pitfalls: the norm weight's gradient is a partial sum over both axes (M {U_d,t}); reducing it over one
-        #   of them leaves the ranks of the other with different, partial gradients. dx must be summed over t
-        #   (reduce-scattered), not just sliced.
+        # Maths (module 06's, from what loss_forward saved): dn = dlogits LM_head, a sum over the vocabulary;
+        #   dLM_head = dlogits^T nf, a sum over the tokens; dxf, dfinal_norm = RMSNorm's backward (module 06's
+        #   rmsnorm_backward, linear in dn) at xf, rf. Each line's collectives and specs follow from the chapter's two
+        #   rules of the backward.
+        # Pitfalls: the norm weight's gradient is a sum over the rows of the batch *and* linear in dn: work out over
+        #   which axes it is a partial sum (reducing it over too few leaves ranks with different, partial gradients).
+        #   dx must be summed, not just sliced, into the stream's layout.
         # Hint 1: two contractions with dlogits (one for dn, one for the head's gradient), the local norm backward,
         #         then three reduce-scatters.
         # Hint 2: einsum_unreduced("B/d T V/t, V/t M -> B/d T M", ...); einsum_unreduced("B/d T V/t, B/d T M -> V/t
@@ -341,19 +338,16 @@ class Llama2D:
 
     def ffn_half_backward(self, w: BlockWeights, dy: Sharded, store: ActivationStore, grads: dict) -> Sharded:
         """dy[B/d T M/t] -> dh[B/d T M/t]; puts the gradients of w_down, w_gate, w_up and ln2 into grads."""
-        # >>> TODO(m13): the FFN half's backward, line for line with the chapter's equations
+        # >>> TODO(m13): the FFN half's backward in named axes: the forward's collectives conjugated, each weight's gradient
         # Contract: return dh[B/d T M/t], the gradient of the half's input h; set grads["w_down"], grads["w_gate"],
         #   grads["w_up"], grads["ln2"], each in its weight's spec (BLOCK_SPECS). Read g, u, s, hg, n2, r2 from the
         #   store.
-        # The equations, the forward's in reverse: dy gathered over t (the backward of the forward's
-        #   reduce-scatter); ds = dy contracted with w_down (gathered over d) over M; w_down's gradient, a sum over
-        #   B/d and T, unreduced over d, reduce-scattered over d; SwiGLU's backward (local); dn2 = the two products
-        #   of dg and du with w_gate and w_up over F/t, each unreduced over t, added; their weights' gradients, as
-        #   w_down's; the norm's backward on the partial sums (outputs {U_t}, the weight's {U_d,t}); ln2's gradient
-        #   reduce-scattered onto M/t/d; dh = dy + (the norm's input gradient reduce-scattered over t).
-        # Pitfalls: the backward of the forward's all-gather over t is a reduce-scatter over t (not an
-        #   all-reduce: the stream is split over t); the gradient of every weight is reduce-scattered over d back
-        #   to its own block. The residual adds dy exactly once.
+        # Maths (module 06's FFN backward, the forward in reverse): ds = dy W_down; dW_down = dy^T s over the tokens;
+        #   dg, du = SwiGLU's backward (module 06's swiglu_backward, local); dn2 = dg W_gate + du W_up; dW_gate =
+        #   dg^T n2 and dW_up = du^T n2; dhg, dln2 = RMSNorm's backward at hg, r2; dh = dy + dhg. Each line's
+        #   collectives and specs follow from the chapter's two rules of the backward and the forward's specs.
+        # Pitfalls: the residual adds dy exactly once. Every weight's gradient must end in its weight's spec: this
+        #   rank's block, summed over every rank that contributed to it.
         # Hint 1: read the forward bottom to top; each all-gather of the stream becomes a reduce-scatter, each
         #         reduce-scatter an all-gather, and each contraction with a weight gives two: one for the input's
         #         gradient, one for the weight's.
@@ -391,18 +385,17 @@ class Llama2D:
     def attention_half_backward(self, w: BlockWeights, dh: Sharded, store: ActivationStore, grads: dict) -> Sharded:
         """dh[B/d T M/t] -> dx[B/d T M/t]; puts the gradients of wo, wq, wk, wv and ln1 into grads."""
         rope = self.rope(dh.tensor.shape[1], dh.tensor.dtype)
-        # >>> TODO(m13): the attention half's backward, line for line with the chapter's equations
+        # >>> TODO(m13): the attention half's backward in named axes
         # Contract: return dx[B/d T M/t], the gradient of the block's input; set grads["wo"], grads["wq"],
         #   grads["wk"], grads["wv"], grads["ln1"], each in its weight's spec. Read xg, n1, r1, q, k, v, o, lse from
         #   the store.
-        # The equations: dh gathered over t; do = dh contracted with wo (gathered over d) over M; wo's gradient over
-        #   B/d and T, reduce-scattered over d; attention's backward (grouped_attention_backward, local, chunk
-        #   self.attention_chunk); RoPE's backward on dq and dk (rope_backward with the forward's tables); dn1 = the
-        #   three products of dq, dk, dv with wq, wk, wv (gathered over d) over K/t and D: each unreduced over t,
-        #   added; the three weights' gradients reduce-scattered over d; the norm's backward on the partial sums;
-        #   ln1's gradient onto M/t/d; dx = dh + (the norm's input gradient reduce-scattered over t).
-        # Pitfalls: as in the FFN half's backward; the attention backward's inputs are the saved q and k after RoPE,
-        #   v, o and lse; RoPE's backward applies to dq and dk, not dv.
+        # Maths (module 06's attention backward, the forward in reverse): do = dh W_o; dW_o = dh^T o over the
+        #   tokens; dq, dk, dv = attention's backward (grouped_attention_backward, local, chunk
+        #   self.attention_chunk, from the saved q and k after RoPE, v, o and lse); RoPE's backward on dq and dk
+        #   (rope_backward with the forward's tables), never on dv; dn1 = dq W_q + dk W_k + dv W_v; dW_q = dq^T n1,
+        #   and so for k and v; dxg, dln1 = RMSNorm's backward at xg, r1; dx = dh + dxg. The collectives and specs
+        #   follow from the chapter's two rules of the backward, as in the FFN half's backward.
+        # Pitfalls: as in the FFN half's backward.
         # Hint 1: the FFN half's backward, with attention in place of SwiGLU and three projections in place of two.
         # Hint 2: einsum_unreduced("B/d T M, M K/t Q D -> B/d T K/t Q D", dhg, wo); local("B/d T K/t Q D, B/d T K/t
         #         Q D, B/d T K/t D, B/d T K/t D, B/d T K/t Q D, B/d K/t Q T -> B/d T K/t Q D, B/d T K/t D, B/d T K/t
@@ -449,11 +442,11 @@ class Llama2D:
         """dx[B/d T M/t] (the gradient of the first block's input) -> d embedding[V/t M/d]."""
         # >>> TODO(m13): the embedding's gradient, back to this rank's block of the table
         # Contract: return the embedding's gradient in its spec V/t M/d: this rank's block only.
-        # The equations: dx gathered over t (the backward of the forward's reduce-scatter); the one-hot (saved)
-        #   contracted with it over B/d and T: unreduced over d, since each d rank saw other rows of the batch;
-        #   reduce-scattered over d onto M/d.
-        # Pitfalls: the gradient must land in this rank's block [V/t M/d], not stay [V/t M] on every rank; a token
-        #   seen twice adds twice (the contraction does it).
+        # Maths: the forward's product transposed: dE = onehot^T dx, a sum over the tokens (the saved one-hot, the
+        #   gradient of the first block's input). Its collectives and specs follow from the chapter's two rules of the
+        #   backward.
+        # Pitfalls: the gradient must land in this rank's block [V/t M/d], summed over every rank whose rows of the
+        #   batch contributed, not stay [V/t M] on every rank; a token seen twice adds twice (the contraction does it).
         # Hint 1: three lines: AllGather_t, the einsum with the one-hot, ReduceScatter_d.
         # Hint 2: einsum_unreduced("B/d T V/t, B/d T M -> V/t M", store["onehot"], dxg); reduce_scatter("V/t M {U_d}
         #         -> V/t M/d", ...).

@@ -20,7 +20,7 @@ Arrows between specs are the collectives (m13_named_axes, the chapter lists them
     all_gather     "B/d T M/t -> B/d T M"          one dimension loses its innermost mesh axes
     reduce_scatter "B/d T M {U_t} -> B/d T M/t"    a sum over t, and M split over t
     all_reduce     "B/d T M {U_t} -> B/d T M"      a sum over t, nothing split
-    einsum_unreduced "B/d T M, F/t M -> B/d T F/t" a local contraction, unreduced over the mesh axes
+    einsum_unreduced "B/d T M, E/t M -> B/d T E/t" a local contraction, unreduced over the mesh axes
                                                    of the dimensions it sums over
 
 A `Sharded` is this rank's block of a tensor, with its spec and its mesh. The parser and the

@@ -10,22 +10,22 @@ block already calls it through its `attention` object. RoPE rotates by the token
 whole sequence, which on a zig-zag rank are two runs far apart: CPBlock overrides the block's
 `rope` tables with those of the rank's own positions.
 
-The loss is the mean over the step's *global* tokens (B T of them, on all d c ranks together):
-each rank adds its tokens' losses and divides by that global count, and the gradients are summed
-over the d c ranks (the "dc" group), never averaged. Dividing by a rank's own token count instead
-and summing gives a loss and gradients d c times too large (averaging them instead hides the
-mistake only while every rank has the same number of real tokens). The sum over "dc" is one
-all-reduce here, `sum_over_data_and_context`; module 14's data parallelism replaces it with its
-bucketed, overlapped version.
+The loss is the mean over the step's *real* tokens (module 06's `real_tokens` of the global
+targets: padding, IGNORE_INDEX, is no token), on all d c ranks together: each rank adds its tokens'
+losses and divides by that one global count, and the gradients are summed over the d c ranks (the
+"dc" group), never averaged. Dividing by a rank's own token count instead and summing gives a loss
+and gradients d c times too large; averaging the ranks' means hides the mistake only while every
+rank has the same number of real tokens. The sum over "dc" is one all-reduce here,
+`sum_over_data_and_context`; module 14's data parallelism replaces it with its bucketed, overlapped
+version. Module 06's `fit` trains the model: `fit(CPLlama(cfg, mesh, variant), steps)`.
 """
 from __future__ import annotations
 
 import torch
 
-from course.dataset import load_text, random_batch
 from course.mesh import Group, Mesh
 from .m06_llama_block import LlamaBlock, LlamaConfig
-from .m06_llama_model import LOSS_CHUNK, LlamaModel
+from .m06_llama_model import LOSS_CHUNK, LlamaModel, microbatches, real_tokens
 from .m06_llama_ops import ATTENTION_CHUNK, compute_dtype, rope_tables_at
 from .m15_allgather_kv import AllGatherKVAttention
 from .m15_layout import SequenceLayout, check_layout
@@ -121,64 +121,47 @@ class CPLlama(LlamaModel):
 
     def train_step(self, tokens: torch.Tensor, targets: torch.Tensor, n_microbatches: int, optimizer) -> float:
         """One optimizer step on the global batch tokens, targets (B, T), the same on every rank; returns
-        the step's global mean loss (the same on every rank)."""
-        # >>> TODO(m15): one step: this rank's share, the loss over the global token count, the sum over d x c
-        # Contract: the gradient handed to the optimizer (each parameter's .grad, in its dtype) is that of the global
-        #   mean loss, sum over every token of the batch of its loss / B T; the returned float is that loss. This
-        #   rank runs self.forward_backward (module 06's: it returns the *mean* over the tokens it was given and
-        #   that mean's gradients, a LlamaGrads) on each of n_microbatches slices of its rows (self.share of the
-        #   batch, cut along the rows). Then the gradients and the loss are summed over the d x c ranks
-        #   (self.mesh.group("d", "c")): the gradients with sum_over_data_and_context, the loss in an all-reduce
-        #   of its own (label "loss"). Then the optimizer steps, and the weight source is told (as module 06's train).
-        # Maths: a microbatch's mean over its N tokens times N / (B T) is its share of the global mean; so are its
-        #   gradients. Summed over the microbatches and the d c ranks, they are the global mean and its gradient.
-        # Pitfalls: dividing by this rank's own token count (the mean as forward_backward returns it) and then
-        #   summing over d c ranks is d c times too large; the tests compare the gradients of 2 x 2 ranks with one
-        #   process. Accumulate in the gradients' compute dtype (compute_dtype), not in place in the LlamaGrads.
-        # Hint 1: share, then for each microbatch: mean and gradients, scaled by its token count over the global one,
-        #         added up; then one sum over "dc" for the gradients and one for the loss; .grad; step.
-        # Hint 2: tokens.numel() is B T; tok.chunk(n_microbatches) cuts rows; grads.tensors() is in parameters()'s
-        #         order; self.mesh.group("d", "c").collectives.all_reduce(loss, label="loss").
-        # Hint 3: tok, tgt = self.share(tokens), self.share(targets);  total = tokens.numel()
+        the step's mean loss over its real tokens (the same on every rank). What module 06's `fit` calls."""
+        # >>> TODO(m15): one step: this rank's share, every piece divided by the step's real tokens, the sum over d x c
+        # Contract: the gradient handed to the optimizer (each parameter's .grad, in its dtype) is that of the step's
+        #   mean loss: the sum of the losses of the global batch's real tokens (targets != IGNORE_INDEX) divided by
+        #   their count; the returned float is that loss. This rank runs self.forward_backward on each of
+        #   n_microbatches slices of its share (self.share of the batch, cut along the rows); then the gradients
+        #   and the loss are summed over the d x c ranks (self.mesh.group("d", "c")): the gradients with
+        #   sum_over_data_and_context, the loss in an all-reduce of its own (label "loss"). Then the optimizer steps.
+        # Maths: module 06's forward_backward(tokens, targets, n_tokens) divides the summed loss of the tokens it is
+        #   given (and so its gradients) by n_tokens, by default their own real count. Which count makes the pieces'
+        #   losses and gradients, summed over the microbatches and the d c ranks, the step's mean and its gradient?
+        # Pitfalls: a piece's own mean, summed over d c ranks, is d c times too large; averaging the pieces' means
+        #   (1 / (m d c) each) is right only while every piece holds as many real tokens as the others, which
+        #   padding breaks: the tests pad the batch unevenly and compare with one process on the whole batch.
+        #   Accumulate in the gradients' compute dtype (compute_dtype), not in place in the LlamaGrads.
+        # Hint 1: count the real tokens of the whole batch once; take this rank's share; for each microbatch,
+        #         forward_backward with that count and add its loss and gradients up; one sum over "dc" for the
+        #         gradients and one for the loss; .grad; step.
+        # Hint 2: real_tokens(targets), before self.share; microbatches(tok, tgt, n_microbatches) cuts the rows;
+        #         grads.tensors() is in parameters()'s order; self.mesh.group("d", "c").collectives.all_reduce(loss,
+        #         label="loss").
+        # Hint 3: n_tokens = real_tokens(targets);  tok, tgt = self.share(tokens), self.share(targets)
         #         acc = zeros like each parameter, in compute_dtype;  loss = zero scalar (compute dtype)
-        #         for each pair of chunks: mean, grads = forward_backward;  w = chunk.numel() / total
-        #             loss += w mean;  each acc += w * its gradient
-        #         sum acc over "dc"; all-reduce loss over "dc"; p.grad = acc in p's dtype; step; invalidate
-        #         return loss.item()
+        #         for each microbatch: part, grads = forward_backward(tok_m, tgt_m, n_tokens)
+        #             loss += part;  each acc += its gradient
+        #         sum acc over "dc"; all-reduce loss over "dc"; p.grad = acc in p's dtype; step; return loss.item()
         dc = self.mesh.group("d", "c")
+        n_tokens = real_tokens(targets)  # of the whole global batch: every piece divides by the same count
         tok, tgt = self.share(tokens), self.share(targets)
-        total = tokens.numel()
         params = self.parameters()
         acc = [torch.zeros(p.shape, dtype=compute_dtype(p.dtype), device=p.device) for p in params]
         loss = torch.zeros((), dtype=compute_dtype(self.embedding.dtype))
-        for tok_m, tgt_m in zip(tok.chunk(n_microbatches), tgt.chunk(n_microbatches), strict=True):
-            mean, grads = self.forward_backward(tok_m, tgt_m)
-            weight = tok_m.numel() / total
-            loss += weight * mean
+        for tok_m, tgt_m in microbatches(tok, tgt, n_microbatches):
+            part, grads = self.forward_backward(tok_m, tgt_m, n_tokens)
+            loss += part
             for a, g in zip(acc, grads.tensors(), strict=True):
-                a.add_(g, alpha=weight)
+                a.add_(g)
         sum_over_data_and_context(acc, dc)
         dc.collectives.all_reduce(loss, label="loss")
         for p, a in zip(params, acc, strict=True):
             p.grad = a.to(p.dtype)
         optimizer.step()
-        self.weights.invalidate()
         return loss.item()
         # <<<
-
-
-def train(cfg: LlamaConfig, steps: int, mesh: Mesh, variant: str, batch: int = 8, n_microbatches: int = 1,
-          lr: float = 3e-3, seed: int = 0, dtype=torch.float32, chunk: int = ATTENTION_CHUNK, on_step=None):
-    """Module 06's `train` on the ranks of `mesh` (d x c): the same initial model and the same global
-    batches (every rank draws them all from the seed and keeps its share). Returns (model, losses),
-    the same losses on every rank. `on_step(step, loss)`, if given, is called after every step."""
-    model = CPLlama(cfg, mesh, variant, seed, dtype, chunk)
-    data, generator = load_text(), torch.Generator().manual_seed(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    losses = []
-    for step in range(steps):
-        tokens, targets = random_batch(data, batch, cfg.max_seq_len, generator)
-        losses.append(model.train_step(tokens, targets, n_microbatches, optimizer))
-        if on_step:
-            on_step(step, losses[-1])
-    return model, losses

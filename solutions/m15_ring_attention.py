@@ -62,7 +62,8 @@ def merge_partials(o: torch.Tensor, lse: torch.Tensor, o_block: torch.Tensor, ls
     # >>> TODO(m15): merge two partial attention results by their log-sum-exps, without overflow
     # Contract: return (o, lse) with lse = log(exp(lse) + exp(lse_block)) and o the softmax-weighted average of the
     #   values over both sets of keys; shapes and dtypes of the inputs. A row whose lse is -inf (no key yet, o = 0)
-    #   takes the other side's result unchanged.
+    #   takes the other side's result unchanged. (Both -inf at once cannot happen in the ring: every block it
+    #   merges has at least one key for each of its queries.)
     # Maths: each o is sum_j p_j v_j with p_j = exp(s_j - its lse): undo each normalisation and redo it with the
     #   joint one. The chapter's merge, and why it cannot overflow.
     # Pitfalls: summing or averaging the two outputs ignores how much weight each set of keys has (the lse's);

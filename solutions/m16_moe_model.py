@@ -15,12 +15,14 @@ Which ranks sum which gradients:
       experts; each copy's gradient already holds every token its expert group routed to it: summed
       over "ed" only (d c / e ranks)
 
-The loss of a step is the mean cross-entropy of the global batch's tokens plus, with the auxiliary
-loss, (1/B) Σ over its sequences of Σ over the layers of L_seq: each microbatch's cross-entropy
-gradient is scaled by 1 / (d c m) (its share of the mean), each sequence's auxiliary loss by 1 / B.
-With the auxiliary-loss-free bias, the step's loads (summed over every data rank) move the biases
-after the optimizer's step. Dropless, the losses follow one process's on the whole batch; with a
-capacity they follow one process that drops by the same groups: d c m microbatches, one per source.
+The loss of a step is the mean cross-entropy over the global batch's real tokens (module 06's
+`real_tokens`: IGNORE_INDEX marks padding) plus, with the auxiliary loss, (1/B) Σ over its sequences
+of Σ over the layers of L_seq: each microbatch's summed cross-entropy is divided by the real tokens
+of the whole global batch (so the pieces add up to the step's mean, however the padding falls), each
+sequence's auxiliary loss weighted by 1 / B. With the auxiliary-loss-free bias, the step's loads
+(summed over every data rank) move the biases after the optimizer's step. Dropless, the losses
+follow one process's on the whole batch; with a capacity they follow one process that drops by the
+same groups: d c m microbatches, one per source. Module 06's `fit` trains it.
 """
 from __future__ import annotations
 
@@ -29,11 +31,9 @@ from dataclasses import dataclass
 import torch
 
 from course.collectives import Collectives
-from course.dataset import load_text, random_batch
 from course.mesh import Group, Mesh
 from .m06_llama_block import LlamaConfig
-from .m06_llama_model import LOSS_CHUNK, LlamaModel, ResidentWeights, chunked_cross_entropy
-from .m06_llama_ops import rmsnorm_backward, rmsnorm_forward
+from .m06_llama_model import LOSS_CHUNK, LlamaModel, ResidentWeights, fit, microbatches, real_tokens
 from .m16_moe_layer import MoEBlock, MoEBlockWeights, init_moe_weights, zero_ffn
 from .m16_router import MoEConfig, update_biases
 
@@ -54,7 +54,7 @@ def one_rank_mesh() -> Mesh:
 @dataclass
 class StepStats:
     """One training step, over the whole global batch (the same on every rank)."""
-    loss: float            # mean cross-entropy
+    loss: float            # mean cross-entropy over the real tokens
     aux: float             # the auxiliary loss: (1/B) Σ over sequences and layers of L_seq (0 without it)
     dropped: int           # slots the capacity dropped, over all layers and ranks
     loads: torch.Tensor    # (L, E) int64: slots the router sent each expert of each layer (before the capacity)
@@ -121,29 +121,24 @@ class MoELlama(LlamaModel):
     def biases(self) -> list[torch.Tensor]:
         return [b.moe.bias for b in self.blocks]
 
-    def forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor, grad_scale: float = 1.0,
+    def forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor, n_tokens: int | None = None,
                          aux_weight: float = 1.0):
         """Module 06's forward_backward with MoE blocks, given: returns (loss, dense grads, expert grads), in
-        the order of dense_parameters() and expert_parameters(); the cross-entropy's gradient is scaled by
-        grad_scale, each sequence's auxiliary loss weighted by aux_weight."""
-        self.cfg.check_seq_len(tokens.shape[1])
+        the order of dense_parameters() and expert_parameters(); the cross-entropy summed over the real
+        targets is divided by n_tokens (module 06's convention), each sequence's auxiliary loss weighted by
+        aux_weight."""
         self.layer.aux_weight = aux_weight
-        stores = [self.block.new_store() for _ in range(self.cfg.n_layers)]
-        x = self.forward_blocks(self.embedding[tokens], stores)
-        n, r = rmsnorm_forward(x, self.final_norm, self.cfg.norm_eps)
-        loss, dn, d_head = chunked_cross_entropy(n, self.lm_head, targets, self.loss_chunk)
-        dx, d_final = rmsnorm_backward(dn * grad_scale, x, r, self.final_norm)
-        dx, grads = self.backward_blocks(dx, stores)
-        d_embedding = torch.zeros_like(self.embedding).index_add_(0, tokens.reshape(-1), dx.reshape(-1, self.cfg.dim))
-        blocks = [t for g in grads for t in (g.dense.ln1, g.dense.wq, g.dense.wk, g.dense.wv, g.dense.wo, g.dense.ln2,
-                                             *g.moe.dense_tensors())]
-        dense = [d_embedding, *blocks, d_final, d_head * grad_scale]
-        return loss, dense, [t for g in grads for t in g.moe.experts.tensors()]
+        loss, grads = super().forward_backward(tokens, targets, n_tokens)
+        blocks = [t for g in grads.blocks for t in (g.dense.ln1, g.dense.wq, g.dense.wk, g.dense.wv, g.dense.wo,
+                                                    g.dense.ln2, *g.moe.dense_tensors())]
+        dense = [grads.embedding, *blocks, grads.final_norm, grads.lm_head]
+        return loss, dense, [t for g in grads.blocks for t in g.moe.experts.tensors()]
 
     def train_step(self, tokens: torch.Tensor, targets: torch.Tensor, n_microbatches: int, optimizer) -> float:
         """One optimizer step on the global batch tokens, targets (B, T) (the same on every rank): this rank
         takes its share, in n_microbatches microbatches. Returns the step's mean cross-entropy over the whole
-        batch (the same on every rank); self.last_step holds the step's statistics (StepStats) afterwards."""
+        batch's real tokens (the same on every rank); self.last_step holds the step's statistics (StepStats)
+        afterwards."""
         data, n_layers, n_experts = self.mesh.group("d", "c"), self.cfg.n_layers, self.moe.n_experts
         n_sequences = tokens.shape[0]
         if n_sequences % (data.size * n_microbatches):
@@ -155,32 +150,41 @@ class MoELlama(LlamaModel):
         #   cut them into n_microbatches, run forward_backward on each, add up the gradients, sum them with
         #   sum_gradients, hand them to the optimizer (p.grad, in parameters()' order: dense, then experts), step.
         #   Then leave in `stats` the step's statistics summed over the whole global batch, float64: [cross-entropy
-        #   sum of the microbatches' mean losses, auxiliary loss sum (the records' aux), dropped slots, then the loads
-        #   (L, E) flattened], and with self.moe.balance == "bias" update the biases with those loads.
-        # Maths: the module docstring: the cross-entropy of a microbatch counts 1 / (d c m) in the step's mean,
-        #   each sequence's auxiliary loss 1 / B. self.layer.records holds one RoutingRecord per layer and
+        #   (the microbatches' losses added up), auxiliary loss sum (the records' aux), dropped slots (the records'
+        #   dropped), then the loads (L, E) flattened], and with self.moe.balance == "bias" update the biases with
+        #   those loads.
+        # Maths: the module docstring: every microbatch's summed cross-entropy is divided by the real tokens of the
+        #   whole global batch (module 06's real_tokens of `targets`), so that the microbatches' losses and
+        #   gradients, added up over the microbatches and the ranks, are the step's mean and its gradient; each
+        #   sequence's auxiliary loss weighs 1 / B. self.layer.records holds one RoutingRecord per layer and
         #   microbatch, in call order (microbatch by microbatch, layer by layer).
-        # Pitfalls: every statistic the step's loss or the biases read is summed over every data rank ("d", "c"),
-        #   in one all-reduce labelled "step statistics". The loads are the router's choices before the capacity,
-        #   summed over the microbatches per layer. The tests train on 2 and 4 ranks, with experts over 2 and 4 of
-        #   them, with and without microbatches, the auxiliary loss and the biases, against one process.
-        # Hint 1: a loop over the microbatches with the two scales, adding up the gradients; sum_gradients; .grad;
-        #         the optimizer's step; the statistics from the records, one all-reduce; the bias update.
-        # Hint 2: tokens.chunk(data.size)[data.index].chunk(m); self.forward_backward(tok, tgt, 1 / (d c m), 1 / B);
-        #         torch.stack([r.loads for r in records]).view(m, L, E).sum(0); data.collectives.all_reduce(stats,
+        # Pitfalls: counting the real tokens of this rank's rows or of a microbatch: without padding that only
+        #   rescales, with padding it weighs the pieces wrongly (the tests pad sequences unevenly with
+        #   IGNORE_INDEX). Every statistic the step's loss or the biases read is summed over every data rank
+        #   ("d", "c"), in one all-reduce labelled "step statistics". The loads are the router's choices before the
+        #   capacity, summed over the microbatches layer by layer (with m > 1 a layer's records are not side by
+        #   side). The tests train on 2 and 4 ranks, with experts over 2 and 4 of them, with and without
+        #   microbatches, the auxiliary loss and the biases, against one process, loads and dropped slots included.
+        # Hint 1: count the real tokens; a loop over this rank's microbatches, adding up the gradients;
+        #         sum_gradients; .grad; the optimizer's step; the statistics from the records, one all-reduce; the
+        #         bias update.
+        # Hint 2: real_tokens(targets); module 06's microbatches(tokens[mine], targets[mine], m) cuts this rank's
+        #         rows; self.forward_backward(tok, tgt, n_tokens, 1 / B); torch.stack([r.loads for r in
+        #         records]).view(m, L, E).sum(0); data.collectives.all_reduce(stats,
         #         label="step statistics"); update_biases(self.biases(), loads, self.moe).
-        # Hint 3: dense, experts = None;  for each microbatch of this rank's share:
-        #             loss, d, x = forward_backward(tok, tgt, 1 / (d c m), 1 / B);  add d, x into dense, experts;
+        # Hint 3: n_tokens = real tokens of the whole targets;  mine = rows i B/(d c) .. (i + 1) B/(d c), i = data.index
+        #         dense, experts = None;  for each microbatch of this rank's rows:
+        #             loss, d, x = forward_backward(tok, tgt, n_tokens, 1 / B);  add d, x into dense, experts;
         #             loss_sum += loss.item()
         #         sum_gradients(dense, experts, self.mesh);  p.grad = g over parameters() and dense + experts;  step
         #         stats = float64 [loss_sum, sum of records' aux, sum of dropped, loads (m, L, E) summed over m, flat]
         #         all-reduce stats over data;  if balance is "bias": update_biases(self.biases(), stats[3:] as (L, E))
-        scale, weight = 1.0 / (data.size * n_microbatches), 1.0 / n_sequences
+        n_tokens, rows = real_tokens(targets), n_sequences // data.size
+        mine = slice(data.index * rows, (data.index + 1) * rows)
         dense = experts = None
         loss_sum = 0.0
-        for tok, tgt in zip(tokens.chunk(data.size)[data.index].chunk(n_microbatches),
-                            targets.chunk(data.size)[data.index].chunk(n_microbatches), strict=True):
-            loss, d, x = self.forward_backward(tok, tgt, scale, weight)
+        for tok, tgt in microbatches(tokens[mine], targets[mine], n_microbatches):
+            loss, d, x = self.forward_backward(tok, tgt, n_tokens, 1.0 / n_sequences)
             dense = d if dense is None else [a + b for a, b in zip(dense, d, strict=True)]
             experts = x if experts is None else [a + b for a, b in zip(experts, x, strict=True)]
             loss_sum += loss.item()
@@ -197,23 +201,15 @@ class MoELlama(LlamaModel):
         if self.moe.balance == "bias":
             update_biases(self.biases(), stats[3:].view(n_layers, n_experts), self.moe)
         # <<<
-        self.last_step = StepStats(stats[0].item() / (data.size * n_microbatches), stats[1].item() / n_sequences,
-                                   int(stats[2].item()), stats[3:].view(n_layers, n_experts).long())
+        self.last_step = StepStats(stats[0].item(), stats[1].item() / n_sequences, int(stats[2].item()),
+                                   stats[3:].view(n_layers, n_experts).long())
         return self.last_step.loss
 
 
 def train(cfg: LlamaConfig, moe: MoEConfig, steps: int, mesh: Mesh, batch: int = 8, n_microbatches: int = 1,
           lr: float = 3e-3, seed: int = 0, dtype=torch.float32, on_step=None):
-    """Module 06's `train` for the MoE Llama on the ranks of `mesh` (one_rank_mesh() for one process):
-    the same initial model and batches on every rank. Returns (model, losses); `on_step(step, loss)`
-    is called after every step (the model's layer.records then hold the step's routing)."""
-    model = MoELlama(cfg, moe, mesh, seed, dtype)
-    data, generator = load_text(), torch.Generator().manual_seed(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    losses = []
-    for step in range(steps):
-        tokens, targets = random_batch(data, batch, cfg.max_seq_len, generator)
-        losses.append(model.train_step(tokens, targets, n_microbatches, optimizer))
-        if on_step:
-            on_step(step, losses[-1])
-    return model, losses
+    """The MoE Llama on the ranks of `mesh` (one_rank_mesh() for one process), trained by module 06's `fit`:
+    the same initial model and batches on every rank. Returns (model, losses); `on_step(step, loss)` is
+    called after every step (the model's last_step and layer.records then hold the step's statistics and
+    routing)."""
+    return fit(MoELlama(cfg, moe, mesh, seed, dtype), steps, batch, lr, seed, n_microbatches, on_step)

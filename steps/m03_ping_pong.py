@@ -1,13 +1,14 @@
 # Generated from solutions/m03_ping_pong.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 03`. (skeleton f3a99a37fd3a)
+# Grade your work with `python main.py grade 03`. (skeleton e091f43cf3c3)
 """Module 03 - ping-pong.
 
 Two ranks bounce one tensor back and forth. Rank 0 serves; whoever receives the ball adds 1 and
-returns it. After n round trips rank 0 holds x + 2n and rank 1 holds x + 2n - 1, which checks that
-every message arrived, in order, intact.
+returns it. After `round_trips` round trips rank 0 holds x + 2 round_trips and rank 1 one less,
+which checks that every message arrived, in order, intact.
 
-Timing the same exchange measures the link: a round trip of an n-byte message costs about
-2 * (latency + n / bandwidth). Small messages show the latency, large ones the bandwidth.
+Timing the same exchange measures the link: a round trip of a message of `bytes` bytes costs about
+2 (α + bytes / β), α the latency and β the bandwidth. Small messages show the latency, large ones
+the bandwidth.
 """
 import statistics
 import time
@@ -18,16 +19,18 @@ from .m02_comms import PipelineComms
 
 
 def ping_pong(comms: PipelineComms, x: torch.Tensor, round_trips: int) -> torch.Tensor:
-    """Bounce `x` between ranks 0 and 1 `round_trips` times; return the last tensor this rank held.
+    """Bounce `x` between the two stages of the pipeline `round_trips` times; return the last tensor
+    this rank held.
 
-    Rank 0 sends first. The receiver of each message adds 1 to it before sending it back.
+    The first stage (rank 0, in the default group) sends first. The receiver of each message adds 1
+    to it before sending it back.
     """
     # TODO(m03): bounce the ball for the given number of round trips, each receiver adding 1
-    # Contract: runs on both ranks at once, with the same x and round_trips; comms is rank 0's or
-    # rank 1's PipelineComms (rank 0 is the pipeline's first stage, rank 1 its last). One round
-    # trip is one message each way, so each rank sends exactly round_trips messages. The ball
+    # Contract: runs on both ranks at once, with the same x and round_trips; comms is the first or
+    # the last stage's PipelineComms (comms.pp.index 0 or 1; "rank 0" and "rank 1" below). One
+    # round trip is one message each way, so each rank sends exactly round_trips messages. The ball
     # keeps x's shape and dtype. Returns the last ball this rank held: on rank 0 the one it
-    # received last (x + 2n after n round trips), on rank 1 the one it sent back last (x + 2n - 1).
+    # received last (x + 2 round_trips), on rank 1 the one it sent back last (x + 2 round_trips - 1).
     # The invariant: every hop adds exactly 1, so the value counts the messages delivered; a
     # message lost, repeated or taken out of order shows in the count.
     # Pitfalls: both ranks starting with a receive (or both with a send that waits for its

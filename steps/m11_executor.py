@@ -1,5 +1,5 @@
 # Generated from solutions/m11_executor.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 11`. (skeleton 4ba8a96a54ca)
+# Grade your work with `python main.py grade 11`. (skeleton 89e5ee703492)
 """Module 11 - the executor: run any valid schedule on real ranks.
 
 Module 05 had one loop per schedule. Here there is one loop for all of them: each rank walks its
@@ -14,26 +14,33 @@ list of actions (m11_actions) and runs each on the stage it names (m11_stage):
 Sends are non-blocking and all waited for at the end of the step (module 05's rules); receives
 block, but StageComms posts each rank's next few receives early, so that their data can arrive
 while the rank computes (gloo moves a message only once its receive is posted). Which schedule can
-run this way without a rank waiting forever is the validator's question (m11_validate), asked before
-the first step: a schedule it passes cannot hang here.
+run this way without a rank waiting forever is the validator's question (course/validate.py), asked
+before the first step: a schedule it passes cannot hang here. Training is module 05's loop (`fit`),
+with run_schedule as its step.
 
 With several stages per rank the stage after s is not always on the next rank (looped placement:
-stage P-1 sends to rank 0), and may be on the same rank (the V's turn). StageComms finds the peer
+stage p-1 sends to rank 0), and may be on the same rank (the V's turn). StageComms finds the peer
 from the placement and tags each message with what it is, so messages may arrive in any order.
+
+The ranks of a schedule (its placement's values, the index of its lists) are places in the
+pipeline's group (course/mesh.py's `Group`): every rank of the job, or one axis of a bigger mesh.
+StageComms turns a place into the global rank a message goes to.
 """
 import torch
 import torch.distributed as dist
 
-from .m00_monolith import MLPConfig, make_batch
-from .m05_schedules import split_microbatches, wait_all
+from course.mesh import Group
+from course.validate import validate
+from .m00_monolith import MLPConfig
+from .m04_sharded import check_stages
+from .m05_schedules import fit, split_microbatches, wait_all
 from .m11_actions import Action, Schedule
-from .m11_stage import SplitStage, check_stages
-from .m11_validate import validate
+from .m11_stage import SplitStage
 
 MESSAGES = ("act", "grad")  # an activation for stage s, or the gradient of stage s's output
 # gloo sends a message's data only once the receiver has posted its receive: a receive posted at the
 # moment of need costs a round trip and two wake-ups (about 1.5 ms with 4 ranks on 2 cores). Posting
-# the next receives early hides that behind compute. Measured (bench 11, P = 4, M = 8, 16 ms per
+# the next receives early hides that behind compute. Measured (bench 11, p = 4, m = 8, 16 ms per
 # layer): DualPipeV's bubble 7.1 points above the simulator's with none ahead, 1.1 with three.
 RECEIVES_AHEAD = 3
 
@@ -48,8 +55,10 @@ class _Delivered:
 class StageComms:
     """Point-to-point messages between stages, by stage rather than by rank (given).
 
-    send(tensor, "act", stage, m) sends stage `stage`'s input for microbatch m to the rank that holds
-    it; recv("act", stage, m, shape) receives it there. "grad" is the gradient of stage `stage`'s
+    `pp` is the pipeline's group and `placement[stage]` the place in it (0 .. pp.size - 1) of the
+    rank that holds the stage; a message goes to global rank pp.ranks[place].
+    send(tensor, "act", stage, i) sends stage `stage`'s input for microbatch i to the rank that holds
+    it; recv("act", stage, i, shape) receives it there. "grad" is the gradient of stage `stage`'s
     output, sent back by stage + 1. Each message has its own tag, so the receiver gets the one it
     asks for whatever else is in flight. Built on module 02's non-blocking send (dist.isend), on
     gloo: nccl ignores tags and matches messages by their order alone.
@@ -59,9 +68,12 @@ class StageComms:
     has one), so that a message whose receive is due later can travel in the meantime.
     """
 
-    def __init__(self, rank: int, placement, n_microbatches: int, device=torch.device("cpu"), dtype=torch.float32,
+    def __init__(self, pp: Group, placement, n_microbatches: int, device=torch.device("cpu"), dtype=torch.float32,
                  order=()):
-        self.rank, self.placement, self.n_microbatches = rank, tuple(placement), n_microbatches
+        if any(not 0 <= place < pp.size for place in placement):
+            raise ValueError(f"the placement {list(placement)} names places beyond the pipeline group's "
+                             f"{pp.size} ranks (0 .. {pp.size - 1})")
+        self.pp, self.placement, self.n_microbatches = pp, tuple(placement), n_microbatches
         self.device, self.dtype = torch.device(device), dtype
         self.local: dict[tuple, torch.Tensor] = {}  # messages between two stages of this rank
         self.expected = [key for action in order for key in self._remote_receives(action)]
@@ -75,16 +87,16 @@ class StageComms:
         return the handle to wait on before the step ends."""
         self._check(message, stage, microbatch, "send", self._sender(message, stage))
         peer = self.placement[stage]
-        if peer == self.rank:
+        if peer == self.pp.index:
             self.local[(message, stage, microbatch)] = tensor
             return _Delivered()
-        return dist.isend(tensor.contiguous(), peer, tag=self.tag(message, stage, microbatch))
+        return dist.isend(tensor.contiguous(), self.pp.ranks[peer], tag=self.tag(message, stage, microbatch))
 
     def recv(self, message: str, stage: int, microbatch: int, shape) -> torch.Tensor:
         """Wait for `message` for `stage` and microbatch; it comes from the stage before ("act") or after ("grad")."""
         self._check(message, stage, microbatch, "receive", stage)
         key = (message, stage, microbatch)
-        if self.placement[self._sender(message, stage)] == self.rank:
+        if self.placement[self._sender(message, stage)] == self.pp.index:
             return self.local.pop(key)
         upcoming = self.expected[self.expected.index(key) + 1:][:RECEIVES_AHEAD] if key in self.expected else []
         for posting in (key, *upcoming):
@@ -98,7 +110,7 @@ class StageComms:
         """Start receiving message `key` into a new buffer; return (buffer, handle)."""
         message, stage, microbatch = key
         buffer = torch.empty(shape, dtype=self.dtype, device=self.device)
-        peer = self.placement[self._sender(message, stage)]
+        peer = self.pp.ranks[self.placement[self._sender(message, stage)]]
         return buffer, dist.irecv(buffer, peer, tag=self.tag(message, stage, microbatch))
 
     def _remote_receives(self, action: Action):
@@ -110,7 +122,7 @@ class StageComms:
             key = ("grad", action.stage, action.microbatch)
         else:
             return []
-        return [key] if self.placement[self._sender(key[0], action.stage)] != self.rank else []
+        return [key] if self.placement[self._sender(key[0], action.stage)] != self.pp.index else []
 
     @staticmethod
     def _sender(message: str, stage: int) -> int:
@@ -124,16 +136,19 @@ class StageComms:
         if not (0 <= stage < len(self.placement) and 0 <= self._sender(message, stage) < len(self.placement)):
             raise ValueError(f"no stage sends {message!r} to stage {stage}: stage 0 receives no activation, the "
                              f"last stage ({len(self.placement) - 1}) no gradient")
-        if self.placement[mine] != self.rank:
-            raise ValueError(f"rank {self.rank} cannot {verb} {message!r} of stage {stage}, microbatch {microbatch}: "
+        if self.placement[mine] != self.pp.index:
+            raise ValueError(f"rank {self.pp.index} cannot {verb} {message!r} of stage {stage}, microbatch {microbatch}: "
                              f"stage {mine} does that, on rank {self.placement[mine]}. A message is named by the "
                              "stage that receives it")
 
 
-def build_stages(cfg: MLPConfig, schedule: Schedule, rank: int) -> dict[int, SplitStage]:
-    """This rank's stages of the schedule's placement, by stage index, with the monolith's weights."""
+def build_stages(cfg: MLPConfig, schedule: Schedule, pp: Group) -> dict[int, SplitStage]:
+    """This rank's stages of the schedule's placement (those at its place in the pipeline group `pp`),
+    by stage index, with the monolith's weights."""
+    if schedule.world_size != pp.size:
+        raise ValueError(f"{schedule.name} has lists for {schedule.world_size} ranks, the pipeline group has {pp.size}")
     check_stages(cfg, schedule.n_stages)
-    return {stage: SplitStage(cfg, stage, schedule.n_stages) for stage in schedule.stages_of(rank)}
+    return {stage: SplitStage(cfg, stage, schedule.n_stages) for stage in schedule.stages_of(pp.index)}
 
 
 def run_action(action: Action, stage: SplitStage, comms: StageComms, xs, ys, sends: list):
@@ -165,7 +180,8 @@ def run_schedule(schedule: Schedule, stages: dict[int, SplitStage], comms: Stage
     the shares) on the rank holding the last stage, else None; every send has completed."""
     xs, ys = split_microbatches(x, schedule.n_microbatches), split_microbatches(y, schedule.n_microbatches)
     # TODO(m11): run every action of this rank's list in order; wait for every send; return the loss
-    # Contract: run_action for each action of schedule.orders[comms.rank], on stages[action.stage], all in
+    # Contract: run_action for each action of schedule.orders[comms.pp.index] (this rank's list: its place in
+    # the pipeline group), on stages[action.stage], all in
     # order. Returns the sum of the loss shares run_action returned, or None on a rank without the last
     # stage. Before it returns, every handle of the step's sends has been waited for.
     # Pitfalls:
@@ -176,20 +192,14 @@ def run_schedule(schedule: Schedule, stages: dict[int, SplitStage], comms: Stage
 
 
 def train(schedule: Schedule, stages: dict[int, SplitStage], comms: StageComms, cfg: MLPConfig = MLPConfig(),
-          run_step=None):
-    """Train this rank's `stages` with `schedule` for cfg.steps steps; return (stages, losses), the
-    losses on the rank holding the last stage only (elsewhere an empty list). The schedule is
-    validated first: one that could deadlock is refused before any message is sent. `run_step`
-    stands in for run_schedule (the demo hands it a profiled one, as module 05's demo does)."""
+          run_step=None, on_step=None):
+    """Train this rank's `stages` with `schedule` for cfg.steps steps in module 05's loop (`fit`, with
+    its `on_step`); return (stages, losses), the losses on the rank holding the last stage only
+    (elsewhere an empty list). The schedule is validated first: one that could deadlock is refused
+    before any message is sent. `run_step` stands in for run_schedule (the demo hands it a profiled
+    one, as module 05's demo does)."""
     validate(schedule)
     run_step = run_step or run_schedule
-    optimizer = torch.optim.Adam([p for stage in stages.values() for p in stage.parameters()], lr=cfg.lr)
-    x, y = (t.to(comms.device) for t in make_batch(cfg))
-    losses = []
-    for _ in range(cfg.steps):
-        optimizer.zero_grad()
-        loss = run_step(schedule, stages, comms, x, y)
-        optimizer.step()
-        if loss is not None:
-            losses.append(loss.item())
+    parameters = [p for stage in stages.values() for p in stage.parameters()]
+    losses = fit(lambda x, y: run_step(schedule, stages, comms, x, y), parameters, cfg, comms.device, on_step)
     return stages, losses

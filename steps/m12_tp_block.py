@@ -1,5 +1,5 @@
 # Generated from solutions/m12_tp_block.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 12`. (skeleton 0d616b289339)
+# Grade your work with `python main.py grade 12`. (skeleton bac3d54f1c35)
 """Module 12, part 2 - module 06's block on t ranks: attention split by heads, the FFN by its width.
 
     residual x ─ RMSNorm ─ enter ─ q, k, v (column) ─ RoPE, attention ─ o (row) ─ leave ─ + ─ h
@@ -8,11 +8,10 @@
 The rank at place i_t of the group (`tp.index`) keeps query heads [i_t H/t, (i_t+1) H/t) and
 key/value heads [i_t K/t, (i_t+1) K/t): exactly the key/value heads its query heads read (query
 head h reads key/value head h // (H / K)), so attention needs no communication at all. The FFN
-keeps hidden units [i_t F/t, (i_t+1) F/t): SwiGLU is elementwise. Each half of the block is one enter/leave pair (m12_tp_linear): without sequence
-parallelism two all-reduces a block in each direction; with it, two all-gathers and two
-reduce-scatters forward, and in the backward the same plus the re-gathers of the two inputs. The
-norms and residual adds run on the whole stream, replicated, or with sequence parallelism on this
-rank's T/t positions, which divides their activation memory by t.
+keeps hidden units [i_t F/t, (i_t+1) F/t): SwiGLU is elementwise. Each half of the block is one
+enter/leave pair (m12_tp_linear), and its collectives are the pair's. The norms and residual adds
+run on the whole stream, replicated, or with sequence parallelism on this rank's T/t positions,
+which divides their activation memory by t.
 
 The block is module 06's, op for op (its local ops are imported from m06_llama_ops), with the
 weights sliced and the collectives at the seams; the attention and the rotary tables are a module-06

@@ -1,5 +1,5 @@
 # Generated from solutions/m12_tp_model.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 12`. (skeleton ee0b91e5a89d)
+# Grade your work with `python main.py grade 12`. (skeleton 42126a3da0a1)
 """Module 12, part 4 - module 06's Llama trained by t ranks in tensor (and sequence) parallel.
 
     tokens ─ embedding (vocabulary rows) ─ blocks (heads, FFN width) ─ final norm ─ LM head (vocabulary
@@ -78,7 +78,7 @@ class TPLlama:
         #   (B, T, V'/t) `logits`, and keep the loss and dlogits (the gradient of the loss, divided by n_tokens) from
         #   vocab_parallel_cross_entropy; the backward TODO reads them. n_tokens goes to the loss as it is.
         # Pitfalls: the LM head is column-parallel (vocabulary rows): its input must be the whole sequence, which
-        #   column_parallel_forward gathers with sequence parallelism; the loss takes (N, V'/t) and (N,).
+        #   column_parallel_forward makes whole from the stream's layout; the loss takes (N, V'/t) and (N,).
         #   The real vocabulary is cfg.vocab_size, not the padded one.
         raise NotImplementedError('TODO(m12): the forward and the loss: embedding, blocks, final norm, LM head, vocabulary-parallel loss')
         # TODO(m12): the backward: LM head, final norm, blocks in reverse, embedding, into self.grads

@@ -1,5 +1,5 @@
 # Generated from solutions/m12_vocab_parallel.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 12`. (skeleton efe75e488e5a)
+# Grade your work with `python main.py grade 12`. (skeleton c1f637c9010f)
 """Module 12, part 3 - the vocabulary split over t ranks: embedding rows, LM-head rows, and a
 cross-entropy that never gathers the logits.
 
@@ -10,23 +10,18 @@ ever one of them, and the loss masks their logits out, so they never take probab
 the max, and never receive a gradient.
 
 Embedding: each rank looks up the tokens that fall in its rows and writes zeros for the others;
-the sum over ranks is the embedding, so leaving the TP region (m12_tp_linear's g: all-reduce, or
-reduce-scatter with sequence parallelism) finishes the lookup.
+the sum over ranks is the embedding, so leaving the TP region (m12_tp_linear's g) finishes the
+lookup.
 
 Cross-entropy: the LM head is a column-parallel linear, so each rank holds its V'/t columns of the
-logits z. The loss of a token is log(sum_v exp(z_v)) - z_y (y its target), and everything in it is
-a sum or a max over the vocabulary, which the ranks reduce piece by piece instead of gathering the
-(N, V) logits:
-
-    z_max = max over ranks of the local max          all-reduce (max)   N values
-    Z     = sum over ranks of sum exp(z - z_max)     all-reduce (sum)   N values
-    z_y   = the target's logit, from its owner       all-reduce (sum)   N values (zeros elsewhere)
-    loss  = log Z + z_max - z_y
-
-Subtracting z_max keeps exp from overflowing; every rank then has the loss, and the gradient of its
-own columns, dlogits = softmax - onehot(target), without any other communication. As in module 06,
-a target equal to IGNORE_INDEX adds no loss and gets no gradient, and the sum over the real targets
-is divided by the step's count of real tokens (n_tokens).
+logits z. A token's loss, log(sum_v exp(z_v)) - z_y for its target y, and its gradient (module 06's
+softmax - onehot) are built from sums and maxima over the vocabulary; a sum or a max over the
+vocabulary is the sum or the max over the ranks of each rank's own, one all-reduce of N numbers for
+N tokens. So the ranks never gather the (N, V) logits. docs/12-tensor-parallel.md works out the
+first reduction, the largest logit; which others the loss needs, and the loss and each rank's
+gradient columns in terms of them, are yours. As in module 06, a target equal to IGNORE_INDEX adds
+no loss and gets no gradient, and the sum over the real targets is divided by the step's count of
+real tokens (n_tokens).
 """
 from __future__ import annotations
 
@@ -77,7 +72,8 @@ def embedding_backward(dx: torch.Tensor, tokens: torch.Tensor, grad_rows: torch.
     # Contract: grad_rows[local row of token v] grows by the sum of dx over every position holding v, for the
     #   tokens v this rank owns; the other rows are untouched. Nothing is returned (the tokens need no gradient).
     # Pitfalls: with sequence parallelism dx holds only this rank's positions, but its rows receive gradient
-    #   from tokens at every position: gather first. A token seen twice adds twice (index_add_, not indexing).
+    #   from tokens at every position: leave's backward gives every position's. A token seen twice adds twice
+    #   (index_add_, not indexing).
     raise NotImplementedError("TODO(m12): vocabulary-parallel embedding backward: leave's backward, then add dx into the owned rows")
 
 
@@ -92,12 +88,13 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vo
     compute_dtype, the same on every rank; dlogits (N, V'/t) in logits' dtype, its gradient (0 in the
     padding columns and in the rows of ignored targets).
     """
-    # TODO(m12): the max, the sum of exponentials and the target logit, each reduced over the group
-    # Contract: three all-reduces of N values each (labels "loss max", "loss sum exp", "loss target"): no rank
-    #   ever holds another rank's logits. The loss equals F.cross_entropy(reduction="sum", ignore_index=-100) on
-    #   the gathered, unpadded logits, divided by n_tokens; dlogits is the gradient of that loss.
-    # Pitfalls: padding columns must not count: mask them to -inf before the max and the sum (whatever they
-    #   hold). Without subtracting the max, exp overflows in float32 for logits above about 88 (the tests use
-    #   logits of several hundred). A target another rank owns contributes 0 here, not logits[:, 0] or a wrapped
-    #   index; an ignored target (-100) is owned by no rank, and its row adds nothing (loss or gradient).
-    raise NotImplementedError('TODO(m12): the max, the sum of exponentials and the target logit, each reduced over the group')
+    # TODO(m12): the cross-entropy from this rank's columns: three reductions over the group, no logits gathered
+    # Contract: three all-reduces of N values each, labelled "loss ..." ("loss max" for the largest logit): no
+    #   rank ever holds another rank's logits. The loss equals F.cross_entropy(reduction="sum", ignore_index=-100) on
+    #   the gathered, unpadded logits, divided by n_tokens; dlogits is the gradient of that loss (module 06's),
+    #   this rank's columns. Write the loss and the gradient in terms of the three reduced quantities.
+    # Pitfalls: padding columns must not count, whatever they hold. exp overflows in float32 for logits above
+    #   about 88 (the tests use logits of several hundred). A rank that does not own a token's target column
+    #   must still take part in every all-reduce, with a value that leaves the result right; an ignored target
+    #   (-100) is owned by no rank, and its row adds nothing (loss or gradient).
+    raise NotImplementedError("TODO(m12): the cross-entropy from this rank's columns: three reductions over the group, no logits gathered")

@@ -1,5 +1,5 @@
 # Generated from solutions/m13_named_axes.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 13`. (skeleton 069174593e0e)
+# Grade your work with `python main.py grade 13`. (skeleton 95ab2b93fc4b)
 """Module 13, part 2 - the collectives, each written from its arrow between two specs.
 
 m13_specs (given) parses a spec such as "B/d T M/t" (B split over the mesh axis d, M over t) and
@@ -11,7 +11,7 @@ every group of one mesh writes into the one log `mesh.log`, in call order.
     all_gather       "M/t/d -> M"                  one dimension loses its innermost mesh axes
     reduce_scatter   "M {U_t,d} -> M/t/d"          sums over mesh axes, splitting one dimension over them
     all_reduce       "B/d T M {U_t} -> B/d T M"    sums over mesh axes, nothing split
-    einsum_unreduced "B/d T F/t, M F/t -> B/d T M" no communication: torch.einsum on this rank's blocks,
+    einsum_unreduced "B/d T E/t, M E/t -> B/d T M" no communication: torch.einsum on this rank's blocks,
                                                    the result unreduced ({U_t}) over the mesh axes of
                                                    the dimensions it sums over
 """
@@ -59,8 +59,8 @@ def reduce_scatter(arrow: str, x: Sharded) -> Sharded:
 
 
 def all_reduce(arrow: str, x: Sharded) -> Sharded:
-    """'B/d T M {U_t} -> B/d T M' (or '{U_d} ->' for a scalar): the sum over the mesh axes the right
-    side no longer lists as unreduced."""
+    """'B/d T M {U_t} -> B/d T M' (a scalar's spec lists no dimension: '{U_d}' before the sum): the
+    sum over the mesh axes the right side no longer lists as unreduced."""
     left, right = parse_one_to_one(arrow, x.mesh.sizes, "all_reduce")
     check_matches(left, x, f"all_reduce {arrow!r}")
     axes = check_all_reduce(left, right, arrow)
@@ -74,8 +74,8 @@ def all_reduce(arrow: str, x: Sharded) -> Sharded:
 
 
 def einsum_unreduced(equation: str, *operands: Sharded) -> Sharded:
-    """'B/d T M, F/t M -> B/d T F/t': torch.einsum on this rank's blocks, the result marked unreduced
-    over the mesh axes that split a dimension it sums over ('B/d T F/t, M F/t -> B/d T M' is {U_t})."""
+    """'B/d T M, E/t M -> B/d T E/t': torch.einsum on this rank's blocks, the result marked unreduced
+    over the mesh axes that split a dimension it sums over ('B/d T E/t, M E/t -> B/d T M' is {U_t})."""
     mesh = operands[0].mesh
     inputs, (output, *more) = parse_arrow(equation, mesh.sizes)
     if more or len(inputs) != len(operands):
@@ -89,7 +89,7 @@ def einsum_unreduced(equation: str, *operands: Sharded) -> Sharded:
     #   blocks, with one letter per dimension name (names may be longer than a letter). unreduced = the mesh axes
     #   that split a contracted dimension (`contracted`, the given check's list): each rank summed only its block
     #   of that dimension, so the true result is the sum over those axes' ranks.
-    # Pitfalls: a contracted dimension that is whole (M in 'B/d T M, F/t M -> B/d T F/t') leaves nothing
+    # Pitfalls: a contracted dimension that is whole (M in 'B/d T M, E/t M -> B/d T E/t') leaves nothing
     #   unreduced; B/d contracted gives {U_d}, not {U_t}; two contracted dimensions give the union of their axes.
     #   The tests compare both the values and the reported axes.
     raise NotImplementedError('TODO(m13): the local contraction, and the mesh axes over which its result is unreduced')

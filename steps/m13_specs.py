@@ -1,5 +1,5 @@
 # Generated from solutions/m13_specs.py by `python -m course.skeleton`. Given code: nothing
-# to fill in here; read it, then run it with `python main.py run 13`. (skeleton 8c347f059751)
+# to fill in here; read it, then run it with `python main.py run 13`. (skeleton ee2aa3381bc4)
 """Module 13, part 1 - the spec notation (given): each tensor says which of its dimensions is split
 over which axis of the mesh it lives on, and every collective is an arrow between two such specs.
 
@@ -22,7 +22,7 @@ Arrows between specs are the collectives (m13_named_axes, the chapter lists them
     all_gather     "B/d T M/t -> B/d T M"          one dimension loses its innermost mesh axes
     reduce_scatter "B/d T M {U_t} -> B/d T M/t"    a sum over t, and M split over t
     all_reduce     "B/d T M {U_t} -> B/d T M"      a sum over t, nothing split
-    einsum_unreduced "B/d T M, F/t M -> B/d T F/t" a local contraction, unreduced over the mesh axes
+    einsum_unreduced "B/d T M, E/t M -> B/d T E/t" a local contraction, unreduced over the mesh axes
                                                    of the dimensions it sums over
 
 A `Sharded` is this rank's block of a tensor, with its spec and its mesh. The parser and the

@@ -1,5 +1,5 @@
 # Generated from solutions/m15_ring_attention.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 15`. (skeleton 5f808d5b7521)
+# Grade your work with `python main.py grade 15`. (skeleton f75fec2d346c)
 """Module 15, part 2 - ring attention: keys and values travel round the context ranks.
 
 Each of the c ranks of the context group holds its layout's share of q, k and v (T/c positions).
@@ -64,7 +64,8 @@ def merge_partials(o: torch.Tensor, lse: torch.Tensor, o_block: torch.Tensor, ls
     # TODO(m15): merge two partial attention results by their log-sum-exps, without overflow
     # Contract: return (o, lse) with lse = log(exp(lse) + exp(lse_block)) and o the softmax-weighted average of the
     #   values over both sets of keys; shapes and dtypes of the inputs. A row whose lse is -inf (no key yet, o = 0)
-    #   takes the other side's result unchanged.
+    #   takes the other side's result unchanged. (Both -inf at once cannot happen in the ring: every block it
+    #   merges has at least one key for each of its queries.)
     # Maths: each o is sum_j p_j v_j with p_j = exp(s_j - its lse): undo each normalisation and redo it with the
     #   joint one. The chapter's merge, and why it cannot overflow.
     # Pitfalls: summing or averaging the two outputs ignores how much weight each set of keys has (the lse's);

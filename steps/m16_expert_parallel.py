@@ -1,5 +1,5 @@
 # Generated from solutions/m16_expert_parallel.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 16`. (skeleton 37972959413d)
+# Grade your work with `python main.py grade 16`. (skeleton 6ea6a257ac98)
 """Module 16, part 3 - expert parallelism: the E experts split over the e ranks of an expert group,
 rows sent to their expert and back with two all-to-alls.
 
@@ -31,6 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from course.mesh import Group
 
@@ -62,6 +63,29 @@ def exchange_rows(rows: torch.Tensor, send_splits: list[int], recv_splits: list[
     arrived = rows.new_empty(sum(recv_splits), *rows.shape[1:])
     group.collectives.all_to_all(arrived, rows.contiguous(), recv_splits, send_splits, label=label)
     return arrived
+
+
+def check_exchange(exchange: Exchange, group: Group):
+    """A debug check (given; the tests run it after plan_exchange, before any rows move): raises ValueError
+    unless every member receives from each member t the rows t sends it. Splits that disagree make the
+    rows' all-to-all fail inside gloo ("Connection reset by peer", or an abort) without saying which
+    sizes were wrong. It gathers every member's splits with one more collective, outside
+    group.collectives (it is no part of a training step, and is not logged); every member raises the
+    same error, so none is left waiting."""
+    if group.size == 1:
+        return
+    every = [None] * group.size
+    dist.all_gather_object(every, (list(exchange.send_splits), list(exchange.recv_splits)),
+                           group=group.collectives.group)
+    for s, (send, recv) in enumerate(every):
+        if len(send) != group.size or len(recv) != group.size:
+            raise ValueError(f"member {s} has {len(send)} send splits and {len(recv)} recv splits: one per member of "
+                             f"the group ({group.size}) each")
+    for s, (_, recv) in enumerate(every):
+        for t, (send, _) in enumerate(every):
+            if int(recv[t]) != int(send[s]):
+                raise ValueError(f"member {s} receives {int(recv[t])} rows from member {t} by its recv_splits, but "
+                                 f"{t} sends {int(send[s])}; take them from the counts you received")
 
 
 def plan_exchange(counts: torch.Tensor, group: Group) -> Exchange:

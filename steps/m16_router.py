@@ -1,5 +1,5 @@
 # Generated from solutions/m16_router.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 16`. (skeleton 44d165656c04)
+# Grade your work with `python main.py grade 16`. (skeleton 9232268a3a2f)
 """Module 16, part 1 - the router: which k of the E experts each token goes to, with what weight,
 and the two ways of keeping the experts' loads even.
 
@@ -135,6 +135,8 @@ def sequence_aux_loss(scores: torch.Tensor, experts: torch.Tensor, seq_len: int,
     # TODO(m16): the per-sequence auxiliary loss and its gradient
     # Contract: return (losses, d_scores): losses (S,) holds L_seq = λ Σ_j φ_j π_j of each sequence (λ is
     #   moe.aux_coef), d_scores (N, E) the gradient of losses.sum() with respect to scores, both in scores' dtype.
+    #   With a context group, the per-sequence counts and sums of σ' travel as one tensor, (S, 2E), in one
+    #   all-reduce through context.collectives labelled "aux loss statistics" (the test reads the log).
     # Maths: the module docstring. T is the sequence's whole length: seq_len times the context group's size. The
     #   count behind φ_j is how many of the sequence's tokens have j among their k experts; φ is a count, so no
     #   gradient flows through it. π_j averages σ' = σ / (the token's sum of σ over all E): for a softmax that sum
@@ -143,7 +145,7 @@ def sequence_aux_loss(scores: torch.Tensor, experts: torch.Tensor, seq_len: int,
     #   tokens this rank holds (that would make the loss depend on how many sequences a rank or a microbatch
     #   has: the tests compare 1, 2 and 4 ranks, with and without microbatches); the normalisation E / (k T)
     #   makes perfect balance φ_j = 1. With context parallelism the two per-sequence sums (counts and sums of σ')
-    #   are all-reduced over `context` (its collectives, one call) before they are used.
+    #   are all-reduced over `context` before they are used: a part of a sequence alone has neither.
     raise NotImplementedError('TODO(m16): the per-sequence auxiliary loss and its gradient')
 
 

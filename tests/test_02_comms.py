@@ -1,4 +1,7 @@
-"""Module 02: neighbours, the process-group setup, and the four send/receive verbs."""
+"""Module 02: neighbours, the process-group setup, and the four send/receive verbs.
+
+A pipeline is a group of ranks (course/mesh.py's `Group`): every rank of the job by default, or
+one axis of a bigger mesh, whose members are not consecutive ranks."""
 import os
 from datetime import timedelta
 
@@ -8,17 +11,35 @@ import torch.distributed as dist
 
 from course.impl import load
 from course.launch import run_ranks
+from course.mesh import group_of, init_mesh
 
 m02 = load("m02_comms")
 
 
+def pipeline(ranks, index):
+    """PipelineComms for member `index` of a pipeline over the global `ranks` (no process group needed)."""
+    return m02.PipelineComms(group_of("p", index, ranks))
+
+
+def expected_neighbours(ranks, index):
+    return (ranks[index - 1] if index > 0 else None, ranks[index + 1] if index < len(ranks) - 1 else None)
+
+
+# Every rank of 1, 2 or 4 (the default group), and pipelines along one axis of a bigger mesh, whose
+# members are not consecutive: the "d" groups of a d=2 x t=2 mesh, (0, 2) and (1, 3), and a pipeline
+# over four ranks of eight in a shuffled order.
+GROUPS = [(0,), (0, 1), (0, 1, 2, 3), (0, 2), (1, 3), (6, 1, 7, 4)]
+
+
 @pytest.mark.exercises("PipelineComms.__init__")
-@pytest.mark.parametrize("world_size", [1, 2, 4])
-def test_neighbours(world_size):
-    for rank in range(world_size):
-        comms = m02.PipelineComms(rank, world_size)
-        assert comms.prev == (rank - 1 if rank > 0 else None), f"rank {rank} of {world_size}: prev"
-        assert comms.next == (rank + 1 if rank < world_size - 1 else None), f"rank {rank} of {world_size}: next"
+@pytest.mark.parametrize("ranks", GROUPS, ids=[str(g) for g in GROUPS])
+def test_neighbours(ranks):
+    for index, rank in enumerate(ranks):
+        comms = pipeline(ranks, index)
+        want = expected_neighbours(ranks, index)
+        assert (comms.prev, comms.next) == want, \
+            (f"member {index} (rank {rank}) of the pipeline group of ranks {ranks}: (prev, next) = "
+             f"({comms.prev}, {comms.next}), expected the global ranks of the members before and after it, {want}")
 
 
 def _init_in_existing_group():
@@ -143,9 +164,10 @@ def neighbours_first(world_size):
     neighbour then fails in a line, instead of a rank waiting for a message from a rank that does not
     exist (until the timeout), or gloo crashing on it."""
     wrong = []
-    for rank in range(world_size):
-        comms = m02.PipelineComms(rank, world_size)
-        expected = (rank - 1 if rank > 0 else None, rank + 1 if rank < world_size - 1 else None)
+    ranks = tuple(range(world_size))
+    for rank in ranks:
+        comms = pipeline(ranks, rank)
+        expected = expected_neighbours(ranks, rank)
         if (comms.prev, comms.next) != expected:
             wrong.append(f"rank {rank}: (prev, next) = ({comms.prev}, {comms.next}), expected {expected}")
     assert not wrong, (f"{world_size} ranks, before any message: the neighbours are wrong, so this check could only "
@@ -154,7 +176,7 @@ def neighbours_first(world_size):
 
 def _relay(world_size):
     """Down the pipeline adding the rank, back up multiplying by 2; float64 to check the dtype."""
-    comms = m02.PipelineComms(dist.get_rank(), world_size)
+    comms = m02.PipelineComms()  # every rank of the job, in rank order
     shape = (3, 5)
     x = torch.arange(15, dtype=torch.float64).reshape(shape) if comms.prev is None \
         else comms.recv_forward(shape, torch.float64)
@@ -189,7 +211,7 @@ def test_forward_and_backward_relays_deliver_every_value(world_size):
 
 
 def _relay_default_dtype(direction):
-    comms = m02.PipelineComms(dist.get_rank(), 2, dtype=torch.float16)
+    comms = m02.PipelineComms(dtype=torch.float16)
     sender = 0 if direction == "forward" else 1
     if comms.rank == sender:
         getattr(comms, f"send_{direction}")(torch.full((2,), 1.5, dtype=torch.float16))
@@ -212,7 +234,7 @@ def test_receive_uses_the_comms_default_dtype(direction):
 
 def _send_transposed(verb):
     """Rank `sender` sends a transposed (non-contiguous) view with `verb`; the other rank receives it."""
-    comms = m02.PipelineComms(dist.get_rank(), 2, dtype=torch.float64)
+    comms = m02.PipelineComms(dtype=torch.float64)
     sent = torch.arange(12, dtype=torch.float64).reshape(3, 4).t()
     sender = 0 if verb.endswith("forward") else 1
     if comms.rank == sender:
@@ -246,7 +268,7 @@ def test_sending_none_is_a_clear_error(verb):
     # What a schedule sends when a gradient was never computed (a received activation that is not a
     # leaf requiring grad leaves .grad None): the error must say so, not fail inside torch.distributed.
     with pytest.raises(TypeError, match=f"{verb} got NoneType, not a tensor .a gradient that was never computed"):
-        getattr(m02.PipelineComms(0 if verb.endswith("forward") else 1, 2), verb)(None)
+        getattr(pipeline((0, 1), 0 if verb.endswith("forward") else 1), verb)(None)
 
 
 class _RecordedWork:
@@ -296,7 +318,7 @@ def test_each_verb_talks_to_its_neighbour_with_the_right_buffer(verb, peer, kind
     # The comms' device is "meta" (tensors with a shape and dtype but no data), a stand-in for a GPU
     # that this test needs no GPU for: a receive buffer left on the CPU shows as "cpu".
     calls = _record_point_to_point(monkeypatch)
-    comms = m02.PipelineComms(1, 3, device="meta", dtype=torch.float16)
+    comms = m02.PipelineComms(group_of("p", 1, (0, 1, 2)), device="meta", dtype=torch.float16)
     if kind == "recv":
         got = [getattr(comms, verb)((2, 3)), getattr(comms, verb)((4,), torch.float64)]
     else:
@@ -329,7 +351,7 @@ def test_each_verb_talks_to_its_neighbour_with_the_right_buffer(verb, peer, kind
 
 def _exchange_both_ways():
     """Every rank sends forward and backward at once, without blocking, then receives both."""
-    comms = m02.PipelineComms(dist.get_rank(), dist.get_world_size())
+    comms = m02.PipelineComms()
     mine = torch.full((4,), float(comms.rank))
     handles = []
     if comms.next is not None:
@@ -354,6 +376,50 @@ def test_non_blocking_sends_in_both_directions():
     assert results == [[None, [1.0] * 4], [[0.0] * 4, [2.0] * 4], [[1.0] * 4, None]]
 
 
+def _relay_along_one_axis():
+    """Two pipelines at once, each along the d axis of a d=2 x t=2 mesh: ranks (0, 2) and (1, 3). A
+    value goes down each pipeline (the last stage adds its rank) and comes back (the first doubles it)."""
+    pp = init_mesh({"d": 2, "t": 2}).group("d")
+    comms = m02.PipelineComms(pp, dtype=torch.float64)
+    if comms.prev is None:
+        comms.send_forward(torch.full((2, 3), float(comms.rank), dtype=torch.float64))
+        handle = comms.isend_forward(torch.full((2, 3), 10.0 + comms.rank, dtype=torch.float64))
+        back = comms.recv_backward((2, 3))
+        handle.wait()
+        return pp.ranks, (comms.prev, comms.next), back[0].tolist()
+    first = comms.recv_forward((2, 3))
+    second = comms.recv_forward((2, 3))
+    comms.send_backward(first + second + comms.rank)
+    return pp.ranks, (comms.prev, comms.next), (first[0] + second[0]).tolist()
+
+
+@pytest.mark.exercises("PipelineComms.__init__",
+                        "PipelineComms.send_forward",
+                        "PipelineComms.recv_forward",
+                        "PipelineComms.send_backward",
+                        "PipelineComms.recv_backward",
+                        "PipelineComms.isend_forward")
+def test_a_pipeline_along_one_axis_of_a_mesh_talks_to_its_own_members():
+    # Checked first in this process, so that a wrong neighbour fails in a line instead of a hang.
+    for ranks in ((0, 2), (1, 3)):
+        for index in (0, 1):
+            got, want = (pipeline(ranks, index).prev, pipeline(ranks, index).next), expected_neighbours(ranks, index)
+            assert got == want, \
+                (f"member {index} of the pipeline group of ranks {ranks}: (prev, next) = {got}, expected {want}: the "
+                 "neighbours are the group's members before and after this one (pp.ranks), not rank - 1 and rank + 1")
+    results = run_ranks(_relay_along_one_axis, 4, timeout=30)
+    for rank, (members, neighbours, values) in enumerate(results):
+        first, last = members
+        assert neighbours == expected_neighbours(members, members.index(rank)), (rank, members, neighbours)
+        if rank == first:  # its own activations, from its last stage, plus that stage's rank
+            want = [2 * first + 10.0 + last] * 3
+        else:  # what its own first stage sent: its rank, then 10 + its rank
+            want = [2 * first + 10.0] * 3
+        assert values == want, \
+            (f"rank {rank} (pipeline {members}) holds {values}, expected {want}: each pipeline's messages must stay "
+             "between its own two members")
+
+
 @pytest.mark.exercises("PipelineComms.__init__")
 @pytest.mark.parametrize("rank, verb, end", [
     (1, "send_forward", "last"), (1, "isend_forward", "last"), (1, "recv_backward", "last"),
@@ -362,7 +428,7 @@ def test_non_blocking_sends_in_both_directions():
 def test_talking_past_either_end_is_a_clear_error(rank, verb, end):
     # No process group is needed: the error must come before any message (a receive from
     # "None" would otherwise accept a message from any rank).
-    comms = m02.PipelineComms(rank, 2)
+    comms = pipeline((0, 1), rank)
     method = getattr(comms, verb)
     with pytest.raises(RuntimeError, match=f"rank {rank} is the {end} stage"):
         method((1,)) if verb.startswith("recv") else method(torch.zeros(1))

@@ -5,6 +5,7 @@ import torch.distributed as dist
 
 from course.impl import load, reference
 from course.launch import run_ranks
+from course.mesh import group_of
 
 m03 = load("m03_ping_pong")
 ReferenceComms = reference("m02_comms").PipelineComms  # grade this module, not module 02
@@ -29,31 +30,41 @@ def _start():
     return torch.arange(6, dtype=torch.float64).reshape(2, 3)
 
 
-def _play(round_trips):
-    comms = CountingComms(dist.get_rank(), 2)
+def _play(round_trips, members=None):
+    """One ping-pong on every rank of 2 (members None), or between the two `members` of 3 ranks, in
+    that order (the third rank waits)."""
+    if members is not None and dist.get_rank() not in members:
+        return None, 0
+    comms = CountingComms() if members is None else CountingComms(group_of("p", members.index(dist.get_rank()), members))
     ball = m03.ping_pong(comms, _start(), round_trips)
     return ball, comms.sent
 
 
 @pytest.mark.exercises("ping_pong")
-@pytest.mark.parametrize("round_trips", [1, 5])
-def test_each_hop_adds_one(round_trips):
-    (ball0, sent0), (ball1, sent1) = run_ranks(_play, 2, round_trips, timeout=20)
+@pytest.mark.parametrize("round_trips, members", [(1, None), (5, None), (3, (2, 1))],
+                         ids=["1 round trip", "5 round trips", "3 round trips, pipeline of ranks (2, 1)"])
+def test_each_hop_adds_one(round_trips, members):
+    # With members (2, 1), rank 2 is the pipeline's first stage (comms.pp.index 0) and serves.
+    results = run_ranks(_play, 3 if members else 2, round_trips, members, timeout=20)
+    (ball0, sent0), (ball1, sent1) = [results[r] for r in members] if members else results
     start = _start()
-    for rank, ball, hops in [(0, ball0, 2 * round_trips), (1, ball1, 2 * round_trips - 1)]:
+    names = [f"rank {r} (stage {k} of the pipeline {members})" for k, r in enumerate(members)] if members \
+        else ["rank 0", "rank 1"]
+    for stage, ball, hops in [(0, ball0, 2 * round_trips), (1, ball1, 2 * round_trips - 1)]:
         expected = start + hops
         assert isinstance(ball, torch.Tensor) and ball.shape == expected.shape and ball.dtype == expected.dtype, \
-            (f"rank {rank} returned {ball!r}, expected a {tuple(expected.shape)} {expected.dtype} ball like the one "
+            (f"{names[stage]} returned {ball!r}, expected a {tuple(expected.shape)} {expected.dtype} ball like the one "
              "served: size the receives with the ball's own shape and dtype")
         assert torch.equal(ball, expected), \
-            (f"rank {rank} holds {ball.tolist()} after {round_trips} round trips, expected {expected.tolist()} "
-             f"(x + {hops}: every hop adds 1, and rank {rank} returns the last ball it "
-             f"{'received' if rank == 0 else 'sent back'})")
-    assert sent0 == sent1 == round_trips, f"messages sent: rank 0 {sent0}, rank 1 {sent1}, expected {round_trips} each"
+            (f"{names[stage]} holds {ball.tolist()} after {round_trips} round trips, expected {expected.tolist()} "
+             f"(x + {hops}: every hop adds 1, and the {'first' if stage == 0 else 'last'} stage returns the last ball "
+             f"it {'received' if stage == 0 else 'sent back'}; the first stage, comms.pp.index 0, serves)")
+    assert sent0 == sent1 == round_trips, \
+        f"messages sent: {names[0]} {sent0}, {names[1]} {sent1}, expected {round_trips} each"
 
 
 def _time(numel, repeats, warmup):
-    comms = CountingComms(dist.get_rank(), 2)
+    comms = CountingComms()
     seconds = m03.time_round_trip(comms, numel, repeats=repeats, warmup=warmup)
     return seconds, comms.sent
 
@@ -93,7 +104,7 @@ class ClockedComms:
     duration (rank 0 sends once per round trip, rank 1 receives once), and every receive returns a ball."""
 
     def __init__(self, rank, clock, device):
-        self.rank, self.world_size, self.device, self.clock = rank, 2, torch.device(device), clock
+        self.pp, self.rank, self.device, self.clock = group_of("p", rank, (0, 1)), rank, torch.device(device), clock
         self.prev, self.next = (None, 1) if rank == 0 else (0, None)
         self.sent, self.received = [], []  # what went out (shape, dtype, device), what was asked for (shape, dtype)
 

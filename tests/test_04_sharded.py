@@ -1,46 +1,54 @@
-"""Module 04: each rank holds exactly the monolith's slice, and the relay reproduces its logits."""
+"""Module 04: each rank holds exactly the monolith's slice, and the relay reproduces its logits.
+
+The pipeline's ranks are a group (course/mesh.py's `Group`): a stage's place is its index in it."""
 import pytest
 import torch
 import torch.distributed as dist
 
 from course.impl import load, reference
 from course.launch import run_ranks
+from course.mesh import group_of
 
 m04 = load("m04_sharded")
 m00 = reference("m00_monolith")
 ReferenceComms = reference("m02_comms").PipelineComms  # grade this module, not module 02
 cfg = m00.MLPConfig()
-WORLD_SIZES = [1, 2, 4, 8, 16]  # every world size that divides 16 layers
+WORLD_SIZES = [1, 2, 4, 8, 16]  # every pipeline size that divides 16 layers
 # A small model whose sizes differ from the course's (16 layers, width 128, 2 classes), so that a
 # number copied from the course's model shows: 12 layers split over 3 or 6 ranks.
 SMALL = m00.MLPConfig(layers=12, hidden=8, classes=3)
 
 
+def pipeline(world_size, rank):
+    """Member `rank` of a pipeline over ranks 0 .. world_size - 1 (no process group needed)."""
+    return group_of("p", rank, range(world_size))
+
+
 @pytest.mark.exercises("layer_range")
-@pytest.mark.parametrize("cfg, world_size", [*((cfg, p) for p in WORLD_SIZES), (SMALL, 3), (SMALL, 6)],
-                         ids=[*(f"P={p}" for p in WORLD_SIZES), "12 layers, P=3", "12 layers, P=6"])
-def test_layer_ranges_split_the_layers_evenly_and_in_order(cfg, world_size):
-    ranges = [list(m04.layer_range(cfg, rank, world_size)) for rank in range(world_size)]
-    expected = [list(range(r * cfg.layers // world_size, (r + 1) * cfg.layers // world_size)) for r in range(world_size)]
+@pytest.mark.parametrize("cfg, n_stages", [*((cfg, p) for p in WORLD_SIZES), (SMALL, 3), (SMALL, 6)],
+                         ids=[*(f"S={p}" for p in WORLD_SIZES), "12 layers, S=3", "12 layers, S=6"])
+def test_layer_ranges_split_the_layers_evenly_and_in_order(cfg, n_stages):
+    ranges = [list(m04.layer_range(cfg, stage, n_stages)) for stage in range(n_stages)]
+    expected = [list(range(s * cfg.layers // n_stages, (s + 1) * cfg.layers // n_stages)) for s in range(n_stages)]
     assert ranges == expected, \
-        (f"{cfg.layers} layers over {world_size} ranks: got the ranges {ranges}, expected consecutive blocks of "
-         f"cfg.layers // world_size = {cfg.layers // world_size}: {expected}")
+        (f"{cfg.layers} layers in {n_stages} stages: got the ranges {ranges}, expected consecutive blocks of "
+         f"cfg.layers // n_stages = {cfg.layers // n_stages}: {expected}")
 
 
 @pytest.mark.given
 def test_uneven_split_is_rejected_with_a_clear_error():
-    with pytest.raises(ValueError, match="16 layers cannot be split evenly over 3 ranks"):
+    with pytest.raises(ValueError, match="16 layers cannot be split evenly into 3 stages"):
         m04.layer_range(cfg, 0, 3)
 
 
 @pytest.mark.exercises("layer_range", "ShardedMLP.__init__")
 @pytest.mark.parametrize("cfg, world_size", [*((cfg, p) for p in WORLD_SIZES), (SMALL, 3)],
-                         ids=[*(f"P={p}" for p in WORLD_SIZES), "12 layers, width 8, 3 classes, P=3"])
+                         ids=[*(f"p={p}" for p in WORLD_SIZES), "12 layers, width 8, 3 classes, p=3"])
 def test_every_rank_starts_from_its_slice_of_the_monolith(cfg, world_size):
     monolith = m00.build_model(cfg)
     for rank in range(world_size):
         torch.manual_seed(1234 + rank)  # whatever the rank drew before must not matter
-        shard = m04.ShardedMLP(cfg, rank, world_size)
+        shard = m04.ShardedMLP(cfg, pipeline(world_size, rank))
         first = rank * cfg.layers // world_size
         assert len(shard.layers) == cfg.layers // world_size, f"rank {rank} holds {len(shard.layers)} layers"
         for i, layer in enumerate(shard.layers):
@@ -55,23 +63,23 @@ def test_every_rank_starts_from_its_slice_of_the_monolith(cfg, world_size):
         else:
             assert shard.head is None, f"rank {rank} must not hold the head"
     total = sum(p.numel() for p in monolith.parameters())
-    held = sum(sum(p.numel() for p in m04.ShardedMLP(cfg, r, world_size).parameters()) for r in range(world_size))
+    held = sum(sum(p.numel() for p in m04.ShardedMLP(cfg, pipeline(world_size, r)).parameters()) for r in range(world_size))
     assert held == total, f"the ranks hold {held} parameters together, the monolith {total}"
 
 
 def _forward(cfg, world_size):
-    rank = dist.get_rank()
-    model = m04.ShardedMLP(cfg, rank, world_size)
+    comms = ReferenceComms()  # every rank of the job, in rank order
+    model = m04.ShardedMLP(cfg, comms.pp)
     x, _ = m00.make_batch(cfg)
-    if rank > 0:  # the contract: the other ranks only read the batch's number of rows from x
+    if dist.get_rank() > 0:  # the contract: the other ranks only read the batch's number of rows from x
         x = x[:, :1]
     with torch.no_grad():
-        return m04.sharded_forward(model, ReferenceComms(rank, world_size), x)
+        return m04.sharded_forward(model, comms, x)
 
 
 @pytest.mark.exercises("layer_range", "ShardedMLP.__init__", "sharded_forward")
 @pytest.mark.parametrize("cfg, world_size", [(cfg, 1), (cfg, 2), (cfg, 4), (SMALL, 3)],
-                         ids=["P=1", "P=2", "P=4", "12 layers, width 8, 3 classes, P=3"])
+                         ids=["p=1", "p=2", "p=4", "12 layers, width 8, 3 classes, p=3"])
 def test_relay_reproduces_the_monolith_logits_bit_for_bit(cfg, world_size):
     outputs = run_ranks(_forward, world_size, cfg, world_size, timeout=30)
     x, _ = m00.make_batch(cfg)

@@ -3,13 +3,13 @@
 The stage and comms come from the reference modules 02 and 04 (or are defined here: a float64 model
 whose input is wider than its activations, and comms that record instead of sending), so only the
 schedules are graded.
-Microbatched schedules add the gradients of M microbatches instead of computing the full batch's
+Microbatched schedules add the gradients of m microbatches instead of computing the full batch's
 at once: the same sum in another order, so float32 results may differ in the last bits. We allow
-that rounding (relative 1e-5, about 100 float32 ulps) and no more: a missing 1/M is a factor M.
+that rounding (relative 1e-5, about 100 float32 ulps) and no more: a missing 1/m is a factor m.
 Trained weights drift further: Adam moves every weight by about lr = 1e-3 a step whatever its
 gradient's size, so a gradient rounded differently can change a step by a good fraction of lr where
 the gradient is tiny (comparable to eps). After 50 steps we allow 1e-5 (1% of one step; measured on
-2-core CPUs: up to 1.6e-6); a wrong microbatch or a missing 1/M is off by far more.
+2-core CPUs: up to 1.6e-6); a wrong microbatch or a missing 1/m is off by far more.
 """
 import pytest
 import torch
@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from course.emulated import EmulatedStage
 from course.impl import load, reference
 from course.launch import RankTimeout, run_ranks
+from course.mesh import group_of, init_mesh
 from course.profiler import Profiler
 
 m05 = load("m05_schedules")
@@ -35,13 +36,14 @@ def _train(schedule, world_size, n_microbatches, steps, profile=False):
     """On each rank: train its stage with `schedule`; return losses, parameters, profiled F/B orders."""
     rank = dist.get_rank()
     cfg = m00.MLPConfig(steps=steps)
-    stage = ShardedMLP(cfg, rank, world_size)
+    comms = ReferenceComms()  # every rank of the job, in rank order
+    stage = ShardedMLP(cfg, comms.pp)
     optimizer = torch.optim.Adam(stage.parameters(), lr=cfg.lr)
     profiler = Profiler(rank)
     # The stage the demo and the benchmark pass: an emulated device around the ShardedMLP (here with
     # no extra time). It offers is_first, is_last, hidden, loss and parameters, not ShardedMLP's
-    # rank or layers: a schedule takes the rank and world size from its comms.
-    model, comms = EmulatedStage(stage, 0.0), ReferenceComms(rank, world_size)
+    # pp or layers: a schedule takes its place in the pipeline from its comms (comms.pp).
+    model = EmulatedStage(stage, 0.0)
     if profile:
         model, comms = profiler.wrap_stage(model), profiler.wrap_comms(comms)
     run_step = profiler.wrap_schedule(m05.SCHEDULES[schedule])
@@ -98,7 +100,7 @@ def _check_against_monolith(schedule, world_size, n_microbatches, steps):
     model, expected_losses = _monolith(steps)
     losses = results[-1][0]
     exact = schedule == "naive" or n_microbatches == 1
-    label = f"{schedule}, P={world_size}, M={n_microbatches}"
+    label = f"{schedule}, p={world_size}, m={n_microbatches}"
     if exact:
         assert losses == expected_losses, f"{label}: losses {losses[:3]}... differ from the monolith's {expected_losses[:3]}..."
     else:
@@ -169,8 +171,8 @@ def _check_receive(comms, verb, shape, dtype, rows, note):
 class CheckedComms(ReferenceComms):
     """The reference comms in float64, checking the shape and dtype of every receive first."""
 
-    def __init__(self, rank, world_size, rows, note):
-        super().__init__(rank, world_size, dtype=torch.float64)
+    def __init__(self, rows, note):
+        super().__init__(dtype=torch.float64)
         self.rows, self.note = rows, note
 
     def recv_forward(self, shape, dtype=None):
@@ -192,7 +194,7 @@ def _train_wide(schedule, world_size, n_microbatches):
     rank = dist.get_rank()
     stage = WideStage(rank, world_size)
     x, y = _wide_batch()
-    comms = CheckedComms(rank, world_size, *_rows_and_note(schedule, n_microbatches))
+    comms = CheckedComms(*_rows_and_note(schedule, n_microbatches))
     loss = m05.SCHEDULES[schedule](stage, comms, x, y, n_microbatches)
     return (None if loss is None else loss.item()), [None if p.grad is None else p.grad.clone() for p in stage.parameters()]
 
@@ -211,6 +213,7 @@ class RecordingComms:
     they were waited for, blocking sends are noted."""
 
     def __init__(self, rank, world_size, rows, note):
+        self.pp = group_of("p", rank, range(world_size))
         self.rank, self.world_size, self.rows, self.note = rank, world_size, rows, note
         self.prev = rank - 1 if rank > 0 else None
         self.next = rank + 1 if rank < world_size - 1 else None
@@ -276,7 +279,7 @@ def test_every_send_is_non_blocking_and_waited_for_before_the_step_ends(schedule
     expected = {"recv_forward": messages * (comms.prev is not None), "recv_backward": messages * (comms.next is not None),
                 "isend_forward": messages * (comms.next is not None), "isend_backward": messages * (comms.prev is not None)}
     assert comms.calls == expected, \
-        (f"{where}, M={n_microbatches}: made the calls {comms.calls}, expected {expected} (one message each way per "
+        (f"{where}, m={n_microbatches}: made the calls {comms.calls}, expected {expected} (one message each way per "
          "microbatch, to each neighbour it has)")
     unwaited = sum(not handle.waited for handle in comms.handles)
     assert unwaited == 0, \
@@ -290,7 +293,7 @@ def test_every_send_is_non_blocking_and_waited_for_before_the_step_ends(schedule
 def test_a_single_stage_is_first_and_last_and_sends_nothing(schedule):
     # `python main.py run 05 --nproc 1`: one stage, both the first (it reads x) and the last (it
     # computes the loss), with nobody to talk to. Reference: autograd of the same model in float64
-    # (M = 4 microbatches sum in another order: measured up to 4.3e-16 relative, we allow 1e-10).
+    # (m = 4 microbatches sum in another order: measured up to 4.3e-16 relative, we allow 1e-10).
     n_microbatches = 4
     comms = RecordingComms(0, 1, *_rows_and_note(schedule, n_microbatches))
     stage, x, y = WideStage(0, 1), *_wide_batch()
@@ -311,7 +314,7 @@ def test_a_single_stage_is_first_and_last_and_sends_nothing(schedule):
 @pytest.mark.exercises("forward_step", "backward_step", "naive", "gpipe", "one_f_one_b")
 @pytest.mark.parametrize("schedule", ["naive", "gpipe", "1f1b"])
 def test_a_stage_whose_input_is_wider_than_its_activations_in_float64(schedule):
-    # P = 3 (an odd number of stages; 1F1B's middle rank warms up with one forward), M = 4, and the
+    # p = 3 (an odd number of stages; 1F1B's middle rank warms up with one forward), m = 4, and the
     # first stage's input 6 wide where the activations are 4 wide. Reference: autograd of the
     # whole model on the whole batch, in one process. In float64 the microbatches' sums round
     # differently (measured: up to 4.3e-16 relative); we allow 1e-10, and a wrong scale is a factor.
@@ -332,7 +335,7 @@ def test_a_stage_whose_input_is_wider_than_its_activations_in_float64(schedule):
             assert got is not None, f"{schedule}: rank {rank} parameter {i} got no gradient: did its backward run?"
             error = ((got - ref).norm() / ref.norm()).item()
             assert error <= 1e-10, \
-                (f"{schedule}, P=3, M=4, float64: rank {rank} gradient {i} has relative error {error:.2e} "
+                (f"{schedule}, p=3, m=4, float64: rank {rank} gradient {i} has relative error {error:.2e} "
                  f"(|got|/|autograd| = {(got.norm() / ref.norm()).item():.4f}); expected <= 1e-10")
     got_loss = results[-1][0]
     assert got_loss is not None and abs(got_loss - loss.item()) <= 1e-12, \
@@ -351,7 +354,7 @@ def test_fifty_steps_reproduce_the_monolith(schedule, world_size, n_microbatches
     ("naive", 2, 1), ("naive", 4, 8), ("gpipe", 2, 1), ("gpipe", 2, 2), ("gpipe", 2, 8), ("gpipe", 4, 1), ("gpipe", 4, 16),
     ("1f1b", 2, 1), ("1f1b", 2, 8), ("1f1b", 4, 2), ("1f1b", 4, 8), ("1f1b", 4, 32)])
 def test_three_steps_reproduce_the_monolith(schedule, world_size, n_microbatches):
-    # With one microbatch (M = 1) nothing is summed in another order: the results must be the
+    # With one microbatch (m = 1) nothing is summed in another order: the results must be the
     # monolith's bit for bit, whatever the schedule. The demo hands every schedule the command
     # line's microbatch count, naive included: naive must still run the whole batch at once.
     _check_against_monolith(schedule, world_size, n_microbatches, steps=3)
@@ -371,14 +374,49 @@ def test_gradients_equal_autograd_of_the_full_batch(schedule, world_size, n_micr
         for i, (got, ref) in enumerate(zip(results[rank][1], want)):
             ratio = (got.norm() / ref.norm()).item()
             error = ((got - ref).norm() / ref.norm()).item()
-            hint = ("is each microbatch loss divided by M?" if abs(ratio - n_microbatches) < 0.1 * n_microbatches or
+            hint = ("is each microbatch loss divided by m?" if abs(ratio - n_microbatches) < 0.1 * n_microbatches or
                     abs(ratio - 1 / n_microbatches) < 0.1 / n_microbatches else
                     "does each backward use its own microbatch's saved input and output (oldest first in 1F1B)?")
             assert error <= (0 if schedule == "naive" else GRAD_RTOL), \
-                (f"{schedule}, P={world_size}, M={n_microbatches}: rank {rank} gradient {i} has relative error "
+                (f"{schedule}, p={world_size}, m={n_microbatches}: rank {rank} gradient {i} has relative error "
                  f"{error:.2e} (|got|/|autograd| = {ratio:.4f}); {hint}")
     assert abs(results[-1][0][0] - loss.item()) <= LOSS_ATOL, \
         f"returned loss {results[-1][0][0]:.7f}, full-batch loss {loss.item():.7f}"
+
+
+def _train_along_one_axis(schedule, n_microbatches, steps):
+    """A 2-stage pipeline along the p axis of a p=2 x d=2 mesh: ranks (0, 2) and (1, 3) are two
+    pipelines, one per d replica, each training its own model on its own batch (seed 42 + i_d)."""
+    mesh = init_mesh({"p": 2, "d": 2})
+    pp = mesh.group("p")
+    cfg = m00.MLPConfig(steps=steps, seed=42 + mesh.index["d"])
+    profiler = Profiler(dist.get_rank())
+    _, losses = m05.train(profiler.wrap_schedule(m05.SCHEDULES[schedule]), profiler.wrap_stage(ShardedMLP(cfg, pp)),
+                          profiler.wrap_comms(ReferenceComms(pp)), n_microbatches, cfg)
+    return pp.ranks, mesh.index["d"], losses, profiler.ops()
+
+
+@pytest.mark.exercises("forward_step", "backward_step", "one_f_one_b")
+def test_a_pipeline_along_one_axis_of_a_mesh_trains_like_the_monolith():
+    # The schedule's place in the pipeline is comms.pp.index, not the global rank: on ranks 2 and 3
+    # (the last stage of each pipeline) a warm-up read off the global rank asks for stages that do not
+    # exist. m = 4 microbatches: module 05's 1e-6 on losses against the monolith.
+    schedule, n_microbatches, steps = "1f1b", 4, 3
+    results = run_ranks(_train_along_one_axis, 4, schedule, n_microbatches, steps, timeout=30)
+    for rank, (members, replica, losses, ops) in enumerate(results):
+        assert members == (replica, replica + 2), (rank, members, replica)
+        want = _canonical_1f1b(2, members.index(rank), n_microbatches)
+        assert ops == want, \
+            (f"rank {rank}, stage {members.index(rank)} of the pipeline {members}: ran {ops}, expected 1F1B's {want}: "
+             "the warm-up counts the stages after this one in the pipeline group (comms.pp), not in the whole job")
+        if rank != members[-1]:
+            assert losses == [], f"rank {rank} holds the first stage of pipeline {members}: it has no loss, got {losses}"
+            continue
+        _, want = m00.train(m00.MLPConfig(steps=steps, seed=42 + replica))
+        worst = max((abs(a - b) for a, b in zip(losses, want)), default=float("inf"))
+        assert len(losses) == steps and worst <= LOSS_ATOL, \
+            (f"{schedule}, m={n_microbatches}, the pipeline of ranks {members} (replica d={replica}, its own batch) "
+             f"along the p axis of a p=2 x d=2 mesh: losses {losses}, that replica's monolith {want}")
 
 
 def _canonical_1f1b(world_size, rank, n_microbatches):
@@ -396,7 +434,7 @@ def test_1f1b_runs_the_canonical_order_and_holds_at_most_p_minus_rank_microbatch
     results = run_ranks(_train, world_size, "1f1b", world_size, n_microbatches, 1, True, timeout=20)
     for rank, (_, _, ops, peak) in enumerate(results):
         assert ops == _canonical_1f1b(world_size, rank, n_microbatches), \
-            f"rank {rank} of {world_size}, M={n_microbatches}: ran {ops}, expected {_canonical_1f1b(world_size, rank, n_microbatches)}"
+            f"rank {rank} of {world_size}, m={n_microbatches}: ran {ops}, expected {_canonical_1f1b(world_size, rank, n_microbatches)}"
         assert peak == [min(world_size - rank, n_microbatches)], \
             f"rank {rank}: at most {peak[0]} microbatches' activations alive, expected {min(world_size - rank, n_microbatches)}"
 
@@ -414,16 +452,17 @@ def test_gpipe_runs_all_forwards_then_all_backwards_holding_m_microbatches(world
 @pytest.mark.exercises("gpipe", "one_f_one_b")
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_microbatch_counts_that_do_not_divide_the_batch_are_a_clear_error(schedule):
-    stage = ShardedMLP(m00.MLPConfig(), 0, 2)
+    pp = group_of("p", 0, (0, 1))
+    stage = ShardedMLP(m00.MLPConfig(), pp)
     x, y = m00.make_batch()
     with pytest.raises(ValueError, match="cannot split a batch of 32 into 5"):
-        m05.SCHEDULES[schedule](stage, ReferenceComms(0, 2), x, y, 5)  # before any message is sent
+        m05.SCHEDULES[schedule](stage, ReferenceComms(pp), x, y, 5)  # before any message is sent
 
 
 def _blocking_1f1b_steady_state():
-    """A broken 1F1B step for P = 2: rank 0 sends its second forward with a *blocking* send while
+    """A broken 1F1B step for p = 2: rank 0 sends its second forward with a *blocking* send while
     rank 1, also blocking, sends back the first gradient. Each waits for the other's receive."""
-    comms = ReferenceComms(dist.get_rank(), 2)
+    comms = ReferenceComms()
     activation = torch.zeros(4, 128)
     if comms.rank == 0:
         comms.send_forward(activation)  # warm-up: F0
@@ -448,7 +487,7 @@ def test_a_deadlocked_schedule_fails_within_its_timeout_naming_ranks_and_lines()
 @pytest.mark.given
 @pytest.mark.parametrize("argv,message", [
     (["--schedule", "zigzag"], "unknown schedule 'zigzag'"),
-    (["--nproc", "3"], "16 layers cannot be split evenly over 3 ranks"),
+    (["--nproc", "3"], "16 layers cannot be split evenly into 3 stages"),
     (["--microbatches", "5"], "a batch of 32 cannot be split into 5"),
     (["--microbatches", "0"], "--microbatches must be at least 1"),
 ])

@@ -5,19 +5,19 @@ one runs all of your module together). The stage does the monolith's operations 
 adds each stage's microbatch gradients in microbatch order, so the reference is the monolith trained
 with gradient accumulation over the same microbatches (course/reference_pipelining.py's
 `accumulating_monolith`): losses and weights must equal it bit for bit, whatever the schedule. Against the
-plain monolith (one batch, not M microbatches) only the summation order differs: losses within
-1e-6 (module 05's bound). torch.distributed.pipelining scales the summed gradients by 1/M instead
-of each loss before its backward: the same numbers when M is a power of two (measured: equal bit for
-bit for every schedule at P = 2 and 4, torch 2.13), but another torch may sum in another order, so
+plain monolith (one batch, not m microbatches) only the summation order differs: losses within
+1e-6 (module 05's bound). torch.distributed.pipelining scales the summed gradients by 1/m instead
+of each loss before its backward: the same numbers when m is a power of two (measured: equal bit for
+bit for every schedule at p = 2 and 4, torch 2.13), but another torch may sum in another order, so
 gradients are compared within 1e-5 relative and losses within 1e-6.
 """
 import pytest
 import torch
-import torch.distributed as dist
 from torch.utils.flop_counter import FlopCounterMode
 
 from course.impl import load, reference
 from course.launch import run_ranks
+from course.mesh import init_mesh, world_group
 from course.profiler import Profiler
 from course.reference_pipelining import accumulating_monolith
 
@@ -62,11 +62,12 @@ def _train(name, world_size, n_microbatches, steps, profile=False):
     """On each rank: train its reference stages with the learner's executor; return the losses,
     every stage's parameters, (profiled) the actions run and the peak live activations, and the
     first step's gradients."""
-    rank = dist.get_rank()
+    pp = world_group()  # the pipeline is every rank of the job
+    rank = pp.index
     cfg = m00.MLPConfig(steps=steps)
     schedule = generators.make_schedule(name, world_size, n_microbatches)
-    stages = ref.build_stages(cfg, schedule, rank)
-    comms = _WatchedComms(m11.StageComms(rank, schedule.placement, n_microbatches, order=schedule.orders[rank]))
+    stages = ref.build_stages(cfg, schedule, pp)
+    comms = _WatchedComms(m11.StageComms(pp, schedule.placement, n_microbatches, order=schedule.orders[rank]))
     profiler = Profiler(rank)
     run = {s: profiler.wrap_split_stage(stage) for s, stage in stages.items()} if profile else stages
     optimizer = torch.optim.Adam([p for stage in stages.values() for p in stage.parameters()], lr=cfg.lr)
@@ -106,7 +107,7 @@ def test_every_schedule_trains_like_the_monolith_bit_for_bit(name, world_size, n
     results = run_ranks(_train, world_size, name, world_size, n_microbatches, steps, timeout=20)
     schedule = generators.make_schedule(name, world_size, n_microbatches)
     model, want = accumulating_monolith(m00.MLPConfig(steps=steps), n_microbatches)
-    label = f"{name}, P={world_size}, M={n_microbatches}"
+    label = f"{name}, p={world_size}, m={n_microbatches}"
     losses = results[schedule.placement[-1]][0]
     assert losses == want, (f"{label}: losses {losses} differ from the monolith's with gradient accumulation {want}: "
                             "is the loss the sum of the last stage's shares?")
@@ -133,20 +134,20 @@ def test_each_rank_runs_its_list_in_order_keeping_what_the_simulator_predicts(na
         want = [tuple(a) for a in schedule.orders[rank]]
         assert ran == want, f"{name}: rank {rank} ran\n  {ran}\nits list is\n  {want}"
         assert peak == [predicted[rank]], \
-            (f"{name}, P={world_size}, M={n_microbatches}: rank {rank} kept at most {peak[0]} (stage, microbatch) "
+            (f"{name}, p={world_size}, m={n_microbatches}: rank {rank} kept at most {peak[0]} (stage, microbatch) "
              f"activations, the simulator predicts {predicted[rank]}")
 
 
 def _count_one_step(name, world_size, n_microbatches):
-    rank = dist.get_rank()
+    pp = world_group()
     cfg = m00.MLPConfig(steps=1)
     schedule = generators.make_schedule(name, world_size, n_microbatches)
-    stages = ref.build_stages(cfg, schedule, rank)
-    comms = _WatchedComms(m11.StageComms(rank, schedule.placement, n_microbatches, order=schedule.orders[rank]))
+    stages = ref.build_stages(cfg, schedule, pp)
+    comms = _WatchedComms(m11.StageComms(pp, schedule.placement, n_microbatches, order=schedule.orders[pp.index]))
     x, y = m00.make_batch(cfg)
     with FlopCounterMode(display=False) as counter:
         m11.run_schedule(schedule, stages, comms, x, y)
-    comms.check_all_waited(rank)
+    comms.check_all_waited(pp.index)
     return counter.get_total_flops()
 
 
@@ -188,13 +189,43 @@ def test_ours_equals_torch_pipelinings_same_schedule(name, world_size, n_microba
 def test_all_of_your_module_together():
     """Your generator, validator, stage and executor: ZB-V on 2 ranks, three steps, bit for bit."""
     def everything(world_size, n_microbatches, steps):
-        rank = dist.get_rank()
+        pp = world_group()
         cfg = m00.MLPConfig(steps=steps)
         schedule = load("m11_generators").zbv(world_size, n_microbatches)
-        stages = m11.build_stages(cfg, schedule, rank)
-        comms = m11.StageComms(rank, schedule.placement, n_microbatches, order=schedule.orders[rank])
+        stages = m11.build_stages(cfg, schedule, pp)
+        comms = m11.StageComms(pp, schedule.placement, n_microbatches, order=schedule.orders[pp.index])
         _, losses = m11.train(schedule, stages, comms, cfg)
         return losses
     results = run_ranks(everything, 2, 2, 4, 3, timeout=20)
     _, want = accumulating_monolith(m00.MLPConfig(steps=3), 4)
     assert results[0] == want, f"ZB-V with all of your module 11: losses {results[0]}, the monolith's {want}"
+
+
+def _train_along_one_axis(name, n_microbatches, steps):
+    """A 2-rank pipeline along the p axis of a p=2 x d=2 mesh: ranks (0, 2) and (1, 3) are two
+    pipelines, one per d replica, each training its own model on its own batch (seed 42 + i_d)."""
+    mesh = init_mesh({"p": 2, "d": 2})
+    pp = mesh.group("p")
+    cfg = m00.MLPConfig(steps=steps, seed=42 + mesh.index["d"])
+    schedule = generators.make_schedule(name, pp.size, n_microbatches)
+    comms = _WatchedComms(m11.StageComms(pp, schedule.placement, n_microbatches, order=schedule.orders[pp.index]))
+    _, losses = ref.train(schedule, ref.build_stages(cfg, schedule, pp), comms, cfg, run_step=m11.run_schedule)
+    return pp.ranks, mesh.index["d"], losses
+
+
+@pytest.mark.exercises("run_action", "run_schedule")
+def test_a_pipeline_along_one_axis_of_a_mesh_trains_like_the_monolith_bit_for_bit():
+    # ZB-V on each pipeline: rank 0 of a pipeline holds its first and last stage, so the loss is on the
+    # first member (global rank 0 or 1); run_schedule must read this rank's list at its place in the
+    # pipeline group (comms.pp.index), not at its global rank.
+    name, n_microbatches, steps = "zbv", 4, 3
+    results = run_ranks(_train_along_one_axis, 4, name, n_microbatches, steps, timeout=30)
+    for rank, (members, replica, losses) in enumerate(results):
+        assert members == (replica, replica + 2), (rank, members, replica)
+        if rank != members[0]:
+            assert losses == [], f"rank {rank} of pipeline {members} holds no last stage, but has the losses {losses}"
+            continue
+        _, want = accumulating_monolith(m00.MLPConfig(steps=steps, seed=42 + replica), n_microbatches)
+        assert losses == want, \
+            (f"{name}, m={n_microbatches}, the pipeline of ranks {members} (replica d={replica}, its own batch) along "
+             f"the p axis of a p=2 x d=2 mesh: losses {losses}, that replica's monolith with gradient accumulation {want}")

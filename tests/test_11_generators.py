@@ -1,10 +1,11 @@
 """Module 11: each generator against the properties that define its schedule.
 
 The references are independent of the code graded: module 05's canonical orders written out
-here; the placements written out here; hand-checked orders for small P and M (the same as
+here; the placements written out here; hand-checked orders for small p and m (the same as
 torch.distributed.pipelining generates, which a guarded second check compares on a grid); the
 given validator; and the given schedule simulator (course/simulate.py) timed against the closed
-forms of the chapter (the given `idle_per_rank`). Every number is exact (Fractions).
+forms of the chapter (the given `idle_per_rank`). Every number is exact (Fractions). In the code, P and
+M are the pipeline ranks p and the microbatches m of the chapter.
 """
 from fractions import Fraction
 
@@ -12,17 +13,17 @@ import pytest
 
 from course.impl import load, reference
 from course.simulate import Costs, simulate_schedule
+from course.validate import validate
 
 m11 = load("m11_generators")
 ref = reference("m11_generators")
-validate = reference("m11_validate").validate
 parse_schedule = reference("m11_actions").parse_schedule
 
 ALL = list(ref.SCHEDULES)
 GENERATORS = ("gpipe", "one_f_one_b", "interleaved", "zbh1", "zbv", "dualpipev")  # the functions behind ALL
 GRID = [(P, M) for P in (2, 4, 8) for M in (P, 2 * P, 4 * P)] + [(2, 3), (4, 6), (4, 7), (4, 2), (8, 3)]  # M < P too
 EQUAL = Costs(F=Fraction(1), I=Fraction(1), W=Fraction(1))
-# Where each closed form holds (see idle_per_rank): every schedule at F = I = W; most at others too.
+# Where each closed form holds (see idle_per_rank): every schedule at τ_F = τ_I = τ_W; most at others too.
 COSTS = {"gpipe": [EQUAL, Costs(F=Fraction(1), I=Fraction(3), W=Fraction(1, 2))],
          "1f1b": [EQUAL, Costs(F=Fraction(2), I=Fraction(1), W=Fraction(1))],
          "interleaved": [EQUAL, Costs(F=Fraction(1), I=Fraction(2), W=Fraction(3))],
@@ -76,7 +77,7 @@ def test_gpipe_and_1f1b_are_module_05s_orders(name, canonical, P, M):
     for r in range(P):
         want = [tuple(a) for a in canonical(P, r, M)]
         got = [tuple(a) for a in schedule.orders[r]]
-        assert got == want, (f"{name}, P={P}, M={M}: rank {r}'s {_first_difference(got, want)}; it runs\n"
+        assert got == want, (f"{name}, p={P}, m={M}: rank {r}'s {_first_difference(got, want)}; it runs\n"
                              f"  {_text(schedule.orders[r])}\nexpected module 05's\n  "
                              + " ".join(f"{s}{k}{m}" for s, k, m in want))
 
@@ -100,7 +101,7 @@ HAND_CHECKED = {
 
 
 @pytest.mark.exercises("interleaved", "zbh1", "zbv", "dualpipev")
-@pytest.mark.parametrize("key", list(HAND_CHECKED), ids=lambda k: f"{k[0]}-P{k[1]}-M{k[2]}")
+@pytest.mark.parametrize("key", list(HAND_CHECKED), ids=lambda k: f"{k[0]}-p{k[1]}-m{k[2]}")
 def test_small_schedules_are_the_hand_checked_orders(key):
     name, P, M = key
     schedule = _make(name, P, M)
@@ -108,7 +109,7 @@ def test_small_schedules_are_the_hand_checked_orders(key):
     for r in range(P):
         got = [tuple(a) for a in schedule.orders[r]]
         assert got == [tuple(a) for a in want.orders[r]], \
-            (f"{name}, P={P}, M={M}: rank {r}'s {_first_difference(got, [tuple(a) for a in want.orders[r]])}; it "
+            (f"{name}, p={P}, m={M}: rank {r}'s {_first_difference(got, [tuple(a) for a in want.orders[r]])}; it "
              f"runs\n  {_text(schedule.orders[r])}\nexpected\n  {_text(want.orders[r])}")
 
 
@@ -128,10 +129,10 @@ def test_every_schedule_is_valid_on_its_placement(name):
             if not _servable(name, P, M, v):
                 continue
             schedule = _make(name, P, M, v)
-            label = f"{name}, P={P}, M={M}" + (f", v={v}" if name == "interleaved" else "")
+            label = f"{name}, p={P}, m={M}" + (f", v={v}" if name == "interleaved" else "")
             assert tuple(schedule.placement) == _expected_placement(name, P, v), \
                 f"{label}: placement {schedule.placement}, expected {_expected_placement(name, P, v)}"
-            assert schedule.n_microbatches == M and schedule.world_size == P, f"{label}: {schedule.world_size} ranks, M={schedule.n_microbatches}"
+            assert schedule.n_microbatches == M and schedule.world_size == P, f"{label}: {schedule.world_size} ranks, m={schedule.n_microbatches}"
             try:
                 validate(schedule)
             except ValueError as exc:
@@ -150,7 +151,7 @@ def test_simulated_bubble_equals_the_closed_form(name):
         for costs in COSTS[name]:
             timeline = simulate_schedule(schedule.orders, schedule.placement, costs)
             want = ref.idle_per_rank(name, P, M, costs)
-            label = f"{name}, P={P}, M={M}, costs F={costs.F} I={costs.I} W={costs.W}"
+            label = f"{name}, p={P}, m={M}, costs τ_F={costs.F} τ_I={costs.I} τ_W={costs.W}"
             assert timeline.idle == [want] * P, \
                 (f"{label}: ranks idle {[str(i) for i in timeline.idle]} in the simulator, the closed form says "
                  f"{want} each (look at the warm-up and at where the W's go)")
@@ -166,15 +167,15 @@ def _expected_peak(name, P, r, M, v=2):
 @pytest.mark.exercises(*GENERATORS)
 @pytest.mark.parametrize("name", ALL)
 def test_peak_live_activations_per_rank(name):
-    # 1F1B's rank r keeps P - r; ZB-H1 keeps P on every rank (1F1B's peak, rank 0's); ZB-V 2P
-    # half-size stages (the same memory); DualPipeV one more (the DualPipe table's PP + 1).
+    # 1F1B's rank r keeps p - r; ZB-H1 keeps p on every rank (1F1B's peak, rank 0's); ZB-V 2p
+    # half-size stages (the same memory); DualPipeV one more (2p + 1: the DualPipe table's PP + 1).
     for P, M in GRID:
         if not _servable(name, P, M):
             continue
         schedule = _make(name, P, M)
         got = simulate_schedule(schedule.orders, schedule.placement).peak_live
         want = [_expected_peak(name, P, r, M) for r in range(P)]
-        assert got == want, (f"{name}, P={P}, M={M}: peak live (stage, microbatch) activations per rank {got}, "
+        assert got == want, (f"{name}, p={P}, m={M}: peak live (stage, microbatch) activations per rank {got}, "
                              f"expected {want} (more: a W or B comes late, or a forward early; fewer: the reverse)")
 
 
@@ -182,7 +183,7 @@ def test_peak_live_activations_per_rank(name):
 def test_interleaving_divides_the_bubble_by_v():
     """Megatron's result: with v stages per rank each 1/v as long, the bubble's time is 1/v of 1F1B's."""
     P, M = 4, 8
-    layers = 16 // P  # per rank; each layer costs 1 in F, in I and in W
+    layers = 16 // P  # per rank; each layer costs 1 in F, in I and in W (τ_F = τ_I = τ_W per layer)
     compute = M * layers * 3  # what a rank computes in a step, however its layers are cut into stages
     base = simulate_schedule(*_orders(_make("1f1b", P, M)), _stage_costs(Fraction(layers))).makespan - compute
     for v in (2, 4):
@@ -193,7 +194,8 @@ def test_interleaving_divides_the_bubble_by_v():
 
 @pytest.mark.exercises("zbh1")
 def test_zbh1_beats_1f1b_by_what_the_w_fills():
-    # The zero-bubble paper: 1F1B's bubble (P-1)(F+B) becomes (P-1)(F+I-W) with the same memory peak.
+    # The zero-bubble paper: 1F1B's idle time (p-1)(τ_F+τ_B) becomes (p-1)(τ_F+τ_I-τ_W) with the same
+    # memory peak.
     P, M, costs = 4, 8, Costs(F=Fraction(1), I=Fraction(1), W=Fraction(1))
     zb = simulate_schedule(*_orders(_make("zbh1", P, M)), costs)
     one = simulate_schedule(*_orders(_make("1f1b", P, M)), costs)
@@ -205,15 +207,16 @@ def test_zbh1_beats_1f1b_by_what_the_w_fills():
 @pytest.mark.parametrize("P, M", [(2, 4), (4, 8), (4, 16), (8, 16)])
 @pytest.mark.parametrize("W", [Fraction(1), Fraction(1, 2)])
 def test_dualpipev_matches_the_published_row_when_pairs_start_together(P, M, W):
-    # deepseek-ai/DualPipe's table: DualPipeV idles (PP/2-1)(F&B + B - 3W), PP = 2P stages, under its
-    # assumptions (F = I, W <= F) and with its pairs started together. F&B = F + B: our executor does
-    # not overlap the two, so a pair takes both. Run one after the other (as we do), each pair's F goes
-    # ahead while its B waits for a gradient, and the idle time drops by I per hop.
+    # deepseek-ai/DualPipe's table, in its notation: DualPipeV idles (PP/2-1)(F&B + B - 3W), PP = 2p
+    # stages; in ours (p-1)(τ_F&B + τ_B - 3 τ_W), under its assumptions (τ_F = τ_I, τ_W <= τ_F) and with
+    # its pairs started together. τ_F&B = τ_F + τ_B: our executor does not overlap the two, so a pair
+    # takes both. Run one after the other (as we do), each pair's F goes ahead while its B waits for a
+    # gradient, and the idle time drops by τ_I per hop.
     costs = Costs(F=Fraction(1), I=Fraction(1), W=W)
     schedule = _make("dualpipev", P, M)
     together = simulate_schedule(*_orders(schedule), costs, atomic_pairs=True)
     published = (P - 1) * ((costs.F + costs.B) + costs.B - 3 * costs.W)
-    assert together.idle == [published] * P, f"P={P}, M={M}: idle {together.idle}, DualPipe's table {published}"
+    assert together.idle == [published] * P, f"p={P}, m={M}: idle {together.idle}, DualPipe's table {published}"
     ours = simulate_schedule(*_orders(schedule), costs)
     assert ours.idle == [published - (P - 1) * costs.I] * P, f"one after the other: idle {ours.idle}"
 
@@ -230,8 +233,8 @@ def _stage_costs(forward):
 @pytest.mark.parametrize("name, P, M, v, message", [
     ("interleaved", 4, 6, 2, "multiple of 4, got 6; use 8"),
     ("interleaved", 4, 8, 1, "at least 2 stages per rank, got 1; with one stage per rank it is 1f1b"),
-    ("zbv", 4, 6, 2, "at least 7 microbatches for P = 4, got 6"),
-    ("dualpipev", 4, 7, 2, "at least 2P = 8 microbatches for P = 4"),
+    ("zbv", 4, 6, 2, "at least 7 microbatches for p = 4, got 6"),
+    ("dualpipev", 4, 7, 2, "at least 2p = 8 microbatches for p = 4"),
     ("1f1b", 4, 0, 2, "at least one rank and one microbatch"),
     ("zigzag", 4, 8, 2, "unknown schedule 'zigzag'"),
 ])
@@ -275,5 +278,5 @@ def test_orders_equal_torch_pipelinings_as_a_second_check(name, v):
         for r in range(P):
             ours = [tuple(a) for a in schedule.orders[r]]
             assert ours == theirs[r], \
-                f"{name}, P={P}, M={M}: rank {r}'s {_first_difference(ours, theirs[r])} (torch's); it runs\n  " \
+                f"{name}, p={P}, m={M}: rank {r}'s {_first_difference(ours, theirs[r])} (torch's); it runs\n  " \
                 f"{_text(schedule.orders[r])}\ntorch's\n  " + " ".join(f"{s}{k}{m}" for s, k, m in theirs[r])

@@ -58,7 +58,7 @@ def test_i_then_w_gives_autograds_gradients_bit_for_bit(n_stages, n_microbatches
                             else f"{n_microbatches} microbatches' gradients must be added, not the last one kept"
                             if n_microbatches > 1 and torch.allclose(got * n_microbatches, want, rtol=0.3)
                             else "the ReLU mask is the layer's output > 0; dx = dz W")
-                    pytest.fail(f"{n_stages} stages, M={n_microbatches}: stage {s} linear {i} {what} gradient differs "
+                    pytest.fail(f"{n_stages} stages, m={n_microbatches}: stage {s} linear {i} {what} gradient differs "
                                 f"from autograd's by up to {(got - want).abs().max().item():.2e}; {hint}")
 
 

@@ -1,15 +1,17 @@
-"""Module 11's given machinery: the validator refuses what cannot run, with a message that says why,
-and the schedule simulator times what can (with messages that cost, and with DualPipe's pairs)."""
+"""Module 11's given machinery: the validator (course/validate.py) refuses what cannot run, with a
+message that says why, and the schedule simulator times what can (with messages that cost, and with
+DualPipe's pairs)."""
 from fractions import Fraction
 
 import pytest
 
+import course.validate as validator
 from course.impl import reference
+from course.mesh import group_of
 from course.simulate import Costs, simulate_schedule
 
 pytestmark = pytest.mark.given
 actions = reference("m11_actions")
-validator = reference("m11_validate")
 parse = actions.parse_schedule
 
 
@@ -69,8 +71,9 @@ def test_a_deadlocking_schedule_is_refused_before_the_executor_sends_anything():
     schedule = parse("0F0 0B0 0F1 0B1\n1F0 1F1 1B0 1B1")
     cfg = m00.MLPConfig(steps=1)
     with pytest.raises(validator.ScheduleError, match="deadlocks"):  # no process group exists: nothing was sent
-        executor.train(schedule, executor.build_stages(cfg, schedule, 0),
-                       executor.StageComms(0, schedule.placement, 2), cfg)
+        pp = group_of("p", 0, (0, 1))
+        executor.train(schedule, executor.build_stages(cfg, schedule, pp), executor.StageComms(pp, schedule.placement, 2),
+                       cfg)
 
 
 def test_stage_comms_knows_which_receives_its_order_will_post_early():
@@ -78,7 +81,8 @@ def test_stage_comms_knows_which_receives_its_order_will_post_early():
     # other rank are posted early: 2F's input comes from stage 1, on rank 1 itself.
     executor = reference("m11_executor")
     schedule = parse("0F0 3F0 3B0 0B0\n1F0 2F0 2B0 1B0", placement=(0, 1, 1, 0))
-    ahead = [executor.StageComms(rank, schedule.placement, 1, order=schedule.orders[rank]).expected for rank in (0, 1)]
+    ahead = [executor.StageComms(group_of("p", rank, (0, 1)), schedule.placement, 1, order=schedule.orders[rank]).expected
+             for rank in (0, 1)]
     assert ahead == [[("act", 3, 0), ("grad", 0, 0)], [("act", 1, 0), ("grad", 2, 0)]]
 
 
@@ -86,19 +90,19 @@ def test_stage_comms_leaves_no_receive_posted_after_a_step():
     from course.launch import run_ranks
 
     def one_step():
-        import torch.distributed as dist
+        from course.mesh import world_group
         executor, generators, m00 = (reference(m) for m in ("m11_executor", "m11_generators", "m00_monolith"))
-        rank, cfg = dist.get_rank(), m00.MLPConfig(steps=1)
+        pp, cfg = world_group(), m00.MLPConfig(steps=1)
         schedule = generators.make_schedule("zbv", 2, 4)
-        comms = executor.StageComms(rank, schedule.placement, 4, order=schedule.orders[rank])
-        executor.run_schedule(schedule, executor.build_stages(cfg, schedule, rank), comms, *m00.make_batch(cfg))
+        comms = executor.StageComms(pp, schedule.placement, 4, order=schedule.orders[pp.index])
+        executor.run_schedule(schedule, executor.build_stages(cfg, schedule, pp), comms, *m00.make_batch(cfg))
         return len(comms.expected), comms.posted
 
     assert run_ranks(one_step, 2, timeout=20) == [(8, {}), (8, {})]
 
 
 def test_simulator_times_messages_between_ranks_but_not_within_one():
-    # GPipe, P = 2, M = 1, with a latency h per message between ranks: F, h, F, B, h, B.
+    # GPipe, p = 2, m = 1, with a latency h per message between ranks: F, h, F, B, h, B.
     h = Fraction(1, 4)
     timeline = simulate_schedule([[(0, "F", 0), (0, "B", 0)], [(1, "F", 0), (1, "B", 0)]], (0, 1), Costs(hop=h))
     assert timeline.makespan == 1 + h + 1 + 2 + h + 2

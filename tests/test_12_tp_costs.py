@@ -39,6 +39,19 @@ def test_the_traffic_formula_matches_a_hand_count(sequence_parallel, calls, sent
     assert got == want, f"one step on t = 4: formula {got}, counted by hand {want}"
 
 
+def differences(measured: StepCost, formula: StepCost, owners: dict[str, str]) -> str:
+    """Where the reference model's log and stores (given code) and the learner's formula differ, each
+    part named with the function of the learner's that gives it (owners: part -> function)."""
+    parts = []
+    for part in ("calls", "sent", "memory"):
+        got, want = getattr(formula, part), getattr(measured, part)
+        keys = sorted(set(got) | set(want), key=str)
+        wrong = {key: (got.get(key), want.get(key)) for key in keys if got.get(key) != want.get(key)}
+        if wrong:
+            parts.append(f"{part} (your {owners[part]}, measured): {wrong}")
+    return "; ".join(parts)
+
+
 def _one_step(sequence_parallel, n_microbatches):
     tp = world_group("t")
     model = ref_model.TPLlama(CFG, tp, dtype=torch.float32, sequence_parallel=sequence_parallel)
@@ -58,7 +71,9 @@ def test_the_formulas_equal_the_log_and_the_stores_of_a_real_step(world_size, se
     measured = run_ranks(_one_step, world_size, sequence_parallel, n_microbatches, timeout=30)[0]
     args = (CFG, {"t": world_size}, 8, torch.float32, n_microbatches, sequence_parallel)
     formula = costs.tp_traffic(*args) + costs.tp_activation_bytes(*args)
-    assert measured == formula, f"one step on t = {world_size}: measured {measured}, formula {formula}"
+    assert measured == formula, (f"one step of the reference model (given code) on t = {world_size} against the "
+                                 f"formulas, where they differ: " + differences(measured, formula, {
+                                     "calls": "tp_traffic", "sent": "tp_traffic", "memory": "tp_activations_by_name"}))
 
 
 @pytest.mark.exercises("tp_activations_by_name")

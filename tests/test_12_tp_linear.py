@@ -49,15 +49,9 @@ def _pair_on_ranks(sequence_parallel, inputs):
     return y, dx, grads
 
 
-@pytest.mark.exercises("enter_tp_forward",
-                        "enter_tp_backward",
-                        "leave_tp_forward",
-                        "leave_tp_backward",
-                        "accumulate_weight_grad",
-                        "column_parallel_forward",
-                        "column_parallel_backward",
-                        "row_parallel_forward",
-                        "row_parallel_backward")
+@pytest.mark.exercises("enter_tp_forward", "leave_tp_forward", "column_parallel_forward", "row_parallel_forward",
+                        "leave_tp_backward", "row_parallel_backward", "enter_tp_backward", "column_parallel_backward",
+                        "accumulate_weight_grad")
 @pytest.mark.parametrize("world_size, sequence_parallel", [(2, False), (4, False), (2, True), (4, True)])
 def test_a_column_then_row_pair_equals_the_whole_linears(world_size, sequence_parallel):
     inputs = pair_inputs()
@@ -71,9 +65,21 @@ def test_a_column_then_row_pair_equals_the_whole_linears(world_size, sequence_pa
     d_gate, d_up = (torch.cat([r[2][i] for r in results]) for i in (0, 1))
     d_down = torch.cat([r[2][2] for r in results], dim=1)
     layout = "each rank's sequence shard, joined" if sequence_parallel else "rank 0's"
-    assert_all_close([(f"y ({layout})", y, expected.detach()), ("d down (row-parallel)", d_down, leaves[3].grad),
-                      ("d gate (column-parallel)", d_gate, leaves[1].grad), ("d up (column-parallel)", d_up, leaves[2].grad),
-                      (f"dx ({layout})", dx, leaves[0].grad)], rtol=1e-12, atol=1e-13)
+    try:
+        assert_all_close([(f"y ({layout})", y, expected.detach()), ("d down (row-parallel)", d_down, leaves[3].grad),
+                          ("d gate (column-parallel)", d_gate, leaves[1].grad),
+                          ("d up (column-parallel)", d_up, leaves[2].grad), (f"dx ({layout})", dx, leaves[0].grad)],
+                         rtol=1e-12, atol=1e-13)
+    except AssertionError as mismatch:  # the first wrong tensor in the order computed says where to look
+        first = str(mismatch).split(": ", 1)[1]
+        where = ("the forward: your enter_tp_forward, leave_tp_forward, column_parallel_forward and "
+                 "row_parallel_forward" if first.startswith("y ") else
+                 "the row-parallel backward: your leave_tp_backward and row_parallel_backward"
+                 if first.startswith("d down") else
+                 "the column-parallel backward: your column_parallel_backward, and the operator that gathers x again"
+                 if first.startswith(("d gate", "d up")) else
+                 "the input's gradient: your enter_tp_backward and column_parallel_backward")
+        raise AssertionError(f"{mismatch}; the first is computed by {where}") from None
     if not sequence_parallel:  # replicated: every rank must hold the same whole tensors
         for rank, (y_r, dx_r, _) in enumerate(results):
             assert torch.equal(y_r, results[0][0]) and torch.equal(dx_r, results[0][1]), \
@@ -154,28 +160,37 @@ def _position(events, kind, op, what):
 
 
 @pytest.mark.exercises(
-    "enter_tp_forward", "enter_tp_backward", "accumulate_weight_grad", "column_parallel_backward")
+    "column_parallel_backward", "enter_tp_backward", "enter_tp_forward", "accumulate_weight_grad")
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["replicated", "sequence-parallel"])
 def test_the_input_gradient_collective_is_in_flight_during_the_weight_gradient_gemms(sequence_parallel):
     events = run_ranks(_record_column_backward, 2, sequence_parallel, timeout=30)[0]
     t = 2
     op = "reduce_scatter" if sequence_parallel else "all_reduce"
+    started = [i for i, e in enumerate(events) if e[0] in ("start", "blocking") and e[1] in ("all_reduce", "reduce_scatter")]
+    assert len(started) <= 1, \
+        (f"{len(started)} sums over the group in one column-parallel backward, where only dx is summed: "
+         + ("x needs no sum: your enter_tp_forward gathers it" if sequence_parallel else
+            "without sequence parallelism x is whole already, and your enter_tp_forward sends nothing")
+         + f"; recorded order: {events}")
     assert not any(e[:2] == ("blocking", op) for e in events), \
-        f"the input gradient's {op} was blocking: start it with async_op=True and wait after the weight-gradient GEMMs"
+        (f"the input gradient's {op} was blocking: your column_parallel_backward starts it with async_op=True and "
+         f"waits after the weight-gradient GEMMs")
     start, wait = (_position(events, kind, op, "dx's collective") for kind in ("start", "wait"))
     weight_gemms = [i for i, e in enumerate(events) if e == ("gemm", (F // t, DIM))]
     assert len(weight_gemms) == 2, f"expected 2 weight-gradient GEMMs with a ({F // t}, {DIM}) result, got {events}"
     assert all(start < i < wait for i in weight_gemms), \
-        (f"the weight-gradient GEMMs must run while dx's {op} is in flight (after its start, before its wait); "
-         f"recorded order: {events}")
+        (f"your column_parallel_backward: the weight-gradient GEMMs must run while dx's {op} is in flight (after its "
+         f"start, before its wait); recorded order: {events}")
     input_gemms = [i for i, e in enumerate(events) if e[0] == "gemm" and e[1][-1] == DIM and i not in weight_gemms]
     assert input_gemms and max(input_gemms) < start, \
-        f"dx's {op} must start after the input-gradient GEMMs that compute dx; recorded order: {events}"
+        (f"your column_parallel_backward: dx's {op} must start after the input-gradient GEMMs that compute dx; "
+         f"recorded order: {events}")
     if sequence_parallel:  # the forward kept x's shard: gather it again, in flight behind dx's GEMMs
         gather, gathered = (_position(events, kind, "all_gather", "x's all-gather") for kind in ("start", "wait"))
         assert gather < min(input_gemms) and max(input_gemms) < gathered < min(weight_gemms), \
-            ("with sequence parallelism, start gathering x (async) before the input-gradient GEMMs and wait for it "
-             f"after them, before the weight-gradient GEMMs that need it; recorded order: {events}")
+            ("your column_parallel_backward, with sequence parallelism: x's all-gather must be in flight during the "
+             f"input-gradient GEMMs, which do not need it, and waited for before the weight-gradient GEMMs, which "
+             f"do; recorded order: {events}")
 
 
 # --- weight gradients accumulated in float32 inside the GEMM ------------------------------------

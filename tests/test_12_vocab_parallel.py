@@ -99,8 +99,13 @@ def test_large_float32_logits_do_not_overflow():
     expected = F.cross_entropy(leaf, targets)
     expected.backward()
     loss = results[0][0]
+    why = ("every exponential underflowed to 0 (log Z = -inf): the shift is larger than every logit; is z_max the "
+           "largest logit over the group, all-reduced with op=\"max\" (a sum of the ranks' maxima is too large)?"
+           if loss.item() == float("-inf") else
+           "exp overflowed: is the largest logit over the group subtracted before exp?" if not torch.isfinite(loss)
+           else "off by more than float32's rounding")
     assert torch.isfinite(loss) and abs(loss.item() - expected.item()) <= 1e-6 * expected.item(), \
-        f"float32 loss {loss.item()} vs {expected.item()} (float64): is the max subtracted before exp?"
+        f"float32 loss {loss.item()} vs {expected.item()} (float64): {why}"
     dlogits = torch.cat([r[1] for r in results], dim=1)
     assert dlogits.dtype == torch.float32, f"dlogits must come back in the logits' dtype, got {dlogits.dtype}"
     torch.testing.assert_close(dlogits[:, :VOCAB].double(), leaf.grad, rtol=0, atol=1e-6,
@@ -130,8 +135,10 @@ def test_the_embedding_equals_a_lookup_of_the_whole_table(world_size, sequence_p
     results = run_ranks(_embedding_on_ranks, world_size, sequence_parallel, table, tokens, dx, timeout=30)
     x = torch.cat([r[0] for r in results], dim=1) if sequence_parallel else results[0][0]
     assert torch.equal(x, table[tokens]), \
-        "the embedding must equal the whole table's lookup (a token another rank owns contributes zeros here)"
+        ("your embedding_forward must equal the whole table's lookup (a token another rank owns contributes zeros "
+         "here)")
     grad = torch.cat([r[1] for r in results])
     expected = torch.zeros(grad.shape[0], 8, dtype=f64).index_add_(0, tokens.reshape(-1), dx.reshape(-1, 8))
     torch.testing.assert_close(grad, expected, rtol=1e-12, atol=1e-14,
-                               msg=lambda m: f"the rows' gradients, joined over the ranks (padding rows last): {m}")
+                               msg=lambda m: f"your embedding_backward: the rows' gradients, joined over the ranks "
+                                             f"(padding rows last): {m}")

@@ -18,44 +18,61 @@ LlamaConfig = reference("m06_llama_block").LlamaConfig
 CFG = LlamaConfig(dim=16, n_heads=4, n_kv_heads=2, head_dim=4, ffn_dim=32, n_layers=2, max_seq_len=16)
 
 
+# Once a step over the d c ranks: the gradients, Psi = 2 * 256 * 16 + 2 * 2,336 + 16 = 12,880 values accumulated in
+# float32 (s = 4 bytes, whatever the values' dtype), and the loss (4 bytes): 2 all-reduces of 51,524 bytes, each
+# sending 2 (dc - 1)/dc of it: 77,286 bytes over d c = 4 ranks, 51,524 over 2.
+DC_SENT = {4: 77_286, 2: 51_524}
+
+
 @pytest.mark.exercises("cp_traffic")
-@pytest.mark.parametrize("variant, c_entries", [
+@pytest.mark.parametrize("variant, dtype, c, d, c_entries", [
     # L = 2 blocks, a global batch of 8 x 16 tokens in m = 2 microbatches, float32, c = 4, d = 1: a rank's
     # microbatch is 4 sequences of 4 tokens, N = 16; one key/value block KV = 2 * 16 * 2 * 4 * 4 = 1,024
     # bytes, its float32 gradient accumulator the same. Per block and microbatch, times m L = 4:
     # ring: 3 + 3 block sends and 4 accumulator sends: 10 calls, 6 * 1,024 + 4 * 1,024 = 10,240 bytes.
-    ("ring", {"send": (40, 40_960)}),
-    ("zigzag", {"send": (40, 40_960)}),
+    ("ring", "float32", 4, 1, {"send": (40, 40_960)}),
+    ("zigzag", "float32", 4, 1, {"send": (40, 40_960)}),
     # all-gather: 2 all-gathers of KV, each sending 3 shards (6,144), and a reduce-scatter sending 3 (3,072).
-    ("allgather", {"all_gather": (8, 24_576), "reduce_scatter": (4, 12_288)}),
+    ("allgather", "float32", 4, 1, {"all_gather": (8, 24_576), "reduce_scatter": (4, 12_288)}),
     # Ulysses: K = 2 < c = 4, each key/value head copied twice (K' = 4). q, o, do, dq: 16 * 4 * 4 * 4 = 1,024;
     # k, v, dk, dv with K' heads: 1,024; lse 16 * 4 * 4 = 256, with delta 512. Forward 1,024 + 2,048 + 1,024
     # + 256 = 4,352, backward 512 + 1,024 + 2,048 + 1,024 + 1,024 + 2,048 = 7,680; 3/4 of it leaves the rank:
     # 9,024 per block, 13 all-to-alls.
-    ("ulysses", {"all_to_all": (52, 36_096)}),
-], ids=["ring", "zigzag", "allgather", "ulysses"])
-def test_the_traffic_formula_matches_a_hand_count(variant, c_entries):
-    # Once a step over the d c = 4 ranks: the gradients, Psi = 2 * 256 * 16 + 2 * 2,336 + 16 = 12,880 float32
-    # values, and the loss (4 bytes): 2 all-reduces sending 2 * 3/4 of 51,524 bytes = 77,286.
-    expected = StepCost({**{("c", op): size for op, (_, size) in c_entries.items()}, ("dc", "all_reduce"): 77_286},
+    ("ulysses", "float32", 4, 1, {"all_to_all": (52, 36_096)}),
+    # bf16 (b = 2), statistics and accumulators still s = 4 bytes: KV = 512, its gradients' shard 1,024.
+    # all-gather: 2 * 3 * 512 = 3,072 gathered, 3 * 1,024 = 3,072 reduce-scattered, per block.
+    ("allgather", "bfloat16", 4, 1, {"all_gather": (8, 12_288), "reduce_scatter": (4, 12_288)}),
+    # Ulysses: q, o, do, dq, k, v, dk, dv halve (512 each), the lse (256) and lse with delta (512) do not:
+    # forward 512 + 1,024 + 512 + 256 = 2,304, backward 512 + 512 + 1,024 + 512 + 512 + 1,024 = 4,096; 3/4 of
+    # 6,400 = 4,800 per block.
+    ("ulysses", "bfloat16", 4, 1, {"all_to_all": (52, 19_200)}),
+    # c = 1, d = 2: a group of one still logs its collectives (0 bytes), so the all-gather's and Ulysses' calls
+    # count; the ring has no neighbour and sends nothing (a microbatch of 8 / (2 * 2) = 2 sequences).
+    ("ring", "float32", 1, 2, {}),
+    ("allgather", "float32", 1, 2, {"all_gather": (8, 0), "reduce_scatter": (4, 0)}),
+    ("ulysses", "float32", 1, 2, {"all_to_all": (52, 0)}),
+], ids=["ring", "zigzag", "allgather", "ulysses", "allgather-bf16", "ulysses-bf16", "ring-c1-d2", "allgather-c1-d2",
+        "ulysses-c1-d2"])
+def test_the_traffic_formula_matches_a_hand_count(variant, dtype, c, d, c_entries):
+    expected = StepCost({**{("c", op): size for op, (_, size) in c_entries.items()},
+                         ("dc", "all_reduce"): DC_SENT[c * d]},
                         {**{("c", op): n for op, (n, _) in c_entries.items()}, ("dc", "all_reduce"): 2})
-    got = costs.cp_traffic(CFG, 8, 16, torch.float32, 4, variant, d=1, n_microbatches=2)
-    assert got == expected, \
-        f"{variant}: formula sent {got.sent}, calls {got.calls}; hand count {expected.sent}, {expected.calls}"
+    got = costs.cp_traffic(CFG, 8, 16, getattr(torch, dtype), c, variant, d=d, n_microbatches=2)
+    assert got == expected, (f"{variant}, {dtype}, c={c}, d={d}: formula sent {got.sent}, calls {got.calls}; hand "
+                             f"count {expected.sent}, {expected.calls} (statistics and accumulators are s = 4 bytes a "
+                             f"value; a group of one still logs its calls)")
 
 
 @pytest.mark.exercises("cp_traffic")
-def test_the_rings_accumulators_travel_in_float32_and_one_rank_sends_nothing():
+def test_the_rings_accumulators_travel_in_float32():
     # bf16, as above otherwise: a block is 512 bytes, its accumulator (float32 statistics) 1,024: per block
     # 6 * 512 + 4 * 1,024 = 7,168, times 4. The gradients are accumulated in float32 too: 77,286 as above.
+    expected = StepCost({("c", "send"): 28_672, ("dc", "all_reduce"): 77_286},
+                        {("c", "send"): 40, ("dc", "all_reduce"): 2})
     got = costs.cp_traffic(CFG, 8, 16, torch.bfloat16, 4, "ring", d=1, n_microbatches=2)
-    assert got == StepCost({("c", "send"): 28_672, ("dc", "all_reduce"): 77_286},
-                           {("c", "send"): 40, ("dc", "all_reduce"): 2}), f"ring, bf16: {got.sent}, {got.calls}"
-    # c = 1, d = 2: the ring has no neighbour to send to; the two all-reduces go over d = 2 ranks (half of
-    # 51,524 bytes each way: 51,524), of a microbatch of 8 / (2 * 2) = 2 sequences.
-    got = costs.cp_traffic(CFG, 8, 16, torch.float32, 1, "ring", d=2, n_microbatches=2)
-    assert got == StepCost({("dc", "all_reduce"): 51_524}, {("dc", "all_reduce"): 2}), \
-        f"ring, c = 1, d = 2: {got.sent}, {got.calls} (a ring of one rank sends nothing)"
+    assert got == expected, (f"ring, bf16: formula sent {got.sent}, calls {got.calls}; expected {expected.sent}, "
+                             f"{expected.calls}: the blocks are b = 2 bytes a value, the accumulators are s = 4 "
+                             f"bytes a value")
 
 
 def _one_step_each(variants):

@@ -1,14 +1,26 @@
 """Module 15 ring attention: the merge of partial results against one softmax over all the keys
 (float64, and scores large enough to overflow exp in float32); the ring on c = 4 ranks, both layouts,
 against torch.nn.functional.scaled_dot_product_attention on the whole sequence (output, and the q, k
-and v gradients by autograd) and the lse against a float64 log-sum-exp of the masked scores; the
-messages it sends, counted by the group's log; and PyTorch's own (private) ring attention.
+and v gradients by autograd) and the lse against a float64 log-sum-exp of the masked scores, the
+forward and the backward checked apart; in bf16; the messages it sends and their order, read off the
+group's log; and PyTorch's own (private) ring attention.
 
 Tolerances. float64: the ranks add the same terms in another order (blocks merged, gradients summed
 over blocks and ranks): measured up to 1.1e-15 absolute on values of order 1 (torch 2.13 CPU); the
 issue's bound is 1e-10. float32: the same reorderings at float32's unit roundoff 6e-8, through
 exp/log merges: measured up to 7.4e-7 relative (c = 4); we allow 1e-5. A wrong offset, a merge without the
 lse weights or a block from the wrong owner is off by O(1e-1).
+bf16 (zig-zag): the lse is a float32 statistic, merged in float32: within 1e-5 (relative) of module 06's
+lse on the whole sequence in one process from the same bf16 inputs (measured 1.1e-7; an lse rounded to
+bf16 is off by ~1e-3). o, dq, dk, dv: bf16 keeps 8 significant bits, so one rounding moves a value by up
+to 2^-8 of itself. Module 06's attention in one process, in bf16, is already several roundings from
+float64 on the same rounded inputs (its scores and probabilities are bf16: measured up to 1.8e-2 of the
+largest |dk|); the ring rounds each block's partial output and gradients to bf16 once more before
+merging or summing them in float32, one rounding of each part (parts of both signs: their roundings
+can add to more than one rounding of the sum), then casts the result once. We allow one process's error
+(largest |error| / largest |value| against float64) plus 2^-7, two roundings: measured at most 1.0
+rounding more than one process, over 8 seeds. The accumulators' messages are read off the log: float32,
+4 bytes a value, whatever the values' dtype.
 """
 import functools
 import math
@@ -24,8 +36,9 @@ from course.mesh import init_mesh
 
 ring = load("m15_ring_attention")
 layout = load("m15_layout")
+m06_ops = reference("m06_llama_ops")  # one process's attention: trusted code, not graded here
 
-f64 = torch.float64
+f64, BF16 = torch.float64, torch.bfloat16
 B, T, H, K, D, C = 2, 16, 4, 2, 4, 4  # c = 4 ranks, 4 positions each: chunks of 2 with zig-zag
 
 
@@ -87,21 +100,23 @@ def test_merging_two_partials_is_the_softmax_over_all_the_keys(dtype, size, tole
 
 # --- the ring on c = 4 ranks ------------------------------------------------------------------
 
+RUNS = [(kind, dtype) for kind in layout.LAYOUTS for dtype in (f64, torch.float32)] + [("zigzag", BF16)]
+
+
 def _ring(q, k, v, do):
     mesh = init_mesh({"c": dist.get_world_size()})
     group, results = mesh.group("c"), {}
-    for kind in layout.LAYOUTS:
+    for kind, dtype in RUNS:
         split = layout.SequenceLayout(kind, q.shape[1], group.size)
-        for dtype in (f64, torch.float32):
-            mine = [split.shard(t, group.index).to(dtype).contiguous() for t in (q, k, v, do)]
-            attention = ring.RingAttention(group, kind, chunk=3)
-            start = len(mesh.log)
-            o, lse = attention.forward(*mine[:3])
-            forward_log = [(c.op, c.payload_bytes, c.axis) for c in mesh.log[start:]]
-            start = len(mesh.log)
-            grads = attention.backward(mine[3], *mine[:3], o, lse)
-            backward_log = [(c.op, c.payload_bytes, c.axis) for c in mesh.log[start:]]
-            results[kind, dtype] = (o, lse, *grads, forward_log, backward_log)
+        mine = [split.shard(t, group.index).to(dtype).contiguous() for t in (q, k, v, do)]
+        attention = ring.RingAttention(group, kind, chunk=3)
+        start = len(mesh.log)
+        o, lse = attention.forward(*mine[:3])
+        forward_log = [(c.op, c.label, c.payload_bytes, c.axis) for c in mesh.log[start:]]
+        start = len(mesh.log)
+        grads = attention.backward(mine[3], *mine[:3], o, lse)
+        backward_log = [(c.op, c.label, c.payload_bytes, c.axis) for c in mesh.log[start:]]
+        results[kind, dtype] = (o, lse, *grads, forward_log, backward_log)
     return results
 
 
@@ -119,30 +134,90 @@ def joined(results, key, kind):
 
 
 NAMES = ("o", "lse", "dq", "dk", "dv")
+FORWARD, BACKWARD = (0, 1), (2, 3, 4)  # which of NAMES each pass computes
+# float64: absolute; float32: relative to the largest |value| (see the module docstring)
+TOLERANCES = {f64: (1e-10, False), torch.float32: (1e-5, True)}
 
 
-@pytest.mark.exercises("RingAttention.forward", "RingAttention.backward", "merge_partials")
+def too_far(kind, dtype, which):
+    """The results of the ring (`which` of NAMES) farther from SDPA and autograd than dtype's tolerance."""
+    got, expected = joined(ring_results(), (kind, dtype), kind), whole_attention(*inputs())
+    tolerance, relative = TOLERANCES[dtype]
+    wrong = []
+    for i in which:
+        error = (got[i].double() - expected[i]).abs().max() / (expected[i].abs().max() if relative else 1)
+        if got[i].dtype != dtype or not error <= tolerance:
+            wrong.append(f"{NAMES[i]}: {got[i].dtype}, {'relative ' if relative else ''}error {error.item():.1e}")
+    return wrong
+
+
+@pytest.mark.exercises("RingAttention.forward", "merge_partials")
+@pytest.mark.parametrize("dtype", [f64, torch.float32], ids=["float64", "float32"])
 @pytest.mark.parametrize("kind", ["contiguous", "zigzag"])
-def test_ring_attention_equals_attention_on_the_whole_sequence(kind):
-    got = joined(ring_results(), (kind, f64), kind)
-    expected = whole_attention(*inputs())
-    wrong = [f"{name}: {(g - e).abs().max().item():.1e}" for name, g, e in zip(NAMES, got, expected, strict=True)
-             if not (g - e).abs().max() <= 1e-10]
-    assert not wrong, (f"c={C}, {kind} layout, float64: largest |difference| from SDPA and autograd on the whole "
-                       f"sequence above 1e-10, first in the order computed: " + "; ".join(wrong))
+def test_ring_forward_equals_attention_on_the_whole_sequence(kind, dtype):
+    wrong = too_far(kind, dtype, FORWARD)
+    assert not wrong, (f"c={C}, {kind} layout, {dtype} in: forward above {TOLERANCES[dtype][0]:.0e} from SDPA and a "
+                       f"float64 log-sum-exp on the whole sequence (o in {dtype}): " + "; ".join(wrong))
 
 
-@pytest.mark.exercises("RingAttention.forward", "RingAttention.backward", "merge_partials")
+@pytest.mark.exercises("RingAttention.backward", "RingAttention.forward", "merge_partials")
+@pytest.mark.parametrize("dtype", [f64, torch.float32], ids=["float64", "float32"])
 @pytest.mark.parametrize("kind", ["contiguous", "zigzag"])
-def test_ring_attention_in_float32_is_within_rounding(kind):
-    results = ring_results()
-    got = joined(results, (kind, torch.float32), kind)
-    assert [t.dtype for t in got] == [torch.float32] * 5, f"dtypes {[t.dtype for t in got]}: float32 in, float32 out"
-    expected = whole_attention(*inputs())
-    wrong = [f"{name}: {((g.double() - e).abs().max() / e.abs().max()).item():.1e}"
-             for name, g, e in zip(NAMES, got, expected, strict=True)
-             if not (g.double() - e).abs().max() <= 1e-5 * e.abs().max()]
-    assert not wrong, f"c={C}, {kind}, float32: relative error above 1e-5: " + "; ".join(wrong)
+def test_ring_backward_equals_autograd_on_the_whole_sequence(kind, dtype):
+    wrong = too_far(kind, dtype, BACKWARD)
+    assert not wrong, (f"c={C}, {kind} layout, {dtype} in: backward above {TOLERANCES[dtype][0]:.0e} from autograd "
+                       f"on the whole sequence (gradients in {dtype}), first in the order computed: "
+                       + "; ".join(wrong))
+
+
+def one_process_bf16(q, k, v, do):
+    """Module 06's attention on the whole sequence in one process, in bf16 (trusted reference code):
+    o, lse (B, H, T), dq, dk, dv."""
+    q, k, v, do = (t.to(BF16) for t in (q, k, v, do))
+    o, lse = m06_ops.attention_forward(q, k, v, 3)
+    return (o, lse.reshape(B, H, T), *m06_ops.attention_backward(do, q, k, v, o, lse, 3))
+
+
+def beyond_bf16_rounding(got, which):
+    """bf16 results (`which` of NAMES) whose error against float64 exceeds one process's bf16 error by
+    more than two bf16 roundings of the largest value (the module docstring's tolerance)."""
+    exact = whole_attention(*(t.to(BF16) for t in inputs()))  # the same rounded inputs, in float64
+    alone = one_process_bf16(*inputs())
+    wrong = []
+    for i in which:
+        scale = exact[i].abs().max()
+        error, error_alone = ((x.double() - exact[i]).abs().max() / scale for x in (got[i], alone[i]))
+        if got[i].dtype != BF16 or not error <= error_alone + 2 ** -7:
+            wrong.append(f"{NAMES[i]}: {got[i].dtype}, error {error.item():.1e}, one process {error_alone.item():.1e}")
+    return wrong
+
+
+@pytest.mark.exercises("RingAttention.forward", "merge_partials")
+def test_ring_forward_in_bf16_merges_in_float32():
+    got = joined(ring_results(), ("zigzag", BF16), "zigzag")
+    lse_alone = one_process_bf16(*inputs())[1]
+    lse_error = ((got[1].double() - lse_alone).abs().max() / lse_alone.abs().max()).item()
+    assert got[1].dtype == torch.float32 and lse_error <= 1e-5, \
+        (f"c={C}, zigzag, bf16: lse is {got[1].dtype}, {lse_error:.1e} from one process's float32 lse (relative); "
+         f"expected float32, within 1e-5: the lse's of the blocks are float32 statistics, merged in float32")
+    wrong = beyond_bf16_rounding(got, (0,))
+    assert not wrong, (f"c={C}, zigzag, bf16: o (bf16) farther from float64 SDPA than one process's bf16 attention "
+                       f"plus two bf16 roundings (2^-7 of the largest |o|): " + "; ".join(wrong))
+
+
+@pytest.mark.exercises("RingAttention.backward", "RingAttention.forward", "merge_partials")
+def test_ring_backward_in_bf16_sends_float32_accumulators():
+    # Every dk, dv accumulator holds 2 * B * T/c * K * D = 128 values; in float32 (lse's dtype), 512 bytes.
+    values = 2 * B * (T // C) * K * D
+    for rank, results in enumerate(ring_results()):
+        sizes = [size for op, label, size, _ in results["zigzag", BF16][6] if label == "dkv"]
+        assert sizes == [4 * values] * (2 * C), \
+            (f"rank {rank}, zigzag, bf16: the accumulators' messages (sends and receives) are {sizes} bytes; expected "
+             f"{2 * C} of {4 * values}: {values} values of 4 bytes, in lse's dtype (float32), not the values' bf16")
+    got = joined(ring_results(), ("zigzag", BF16), "zigzag")
+    wrong = beyond_bf16_rounding(got, BACKWARD)
+    assert not wrong, (f"c={C}, zigzag, bf16: gradients (bf16) farther from float64 autograd than one process's bf16 "
+                       f"attention plus two bf16 roundings (2^-7 of the largest value): " + "; ".join(wrong))
 
 
 @pytest.mark.exercises("RingAttention.forward", "RingAttention.backward")
@@ -155,14 +230,29 @@ def test_every_block_and_every_gradient_accumulator_goes_round_the_ring_once():
     for rank, results in enumerate(ring_results()):
         for kind in layout.LAYOUTS:
             forward_log, backward_log = results[kind, f64][5:]
-            sends = [entry for entry in forward_log if entry[0] == "send"]
+            sends = [(op, size, axis) for op, _, size, axis in forward_log if op == "send"]
             assert sends == [("send", block, "c")] * 3 and len(forward_log) == 6, \
-                f"rank {rank}, {kind}: forward messages (op, bytes, axis) {forward_log}; expected 3 sends of {block}"
-            sent = sorted(size for op, size, _ in backward_log if op == "send")
-            received = sorted(size for op, size, _ in backward_log if op == "recv")
+                (f"rank {rank}, {kind}: forward messages (op, label, bytes, axis) {forward_log}; expected 3 sends of "
+                 f"{block}")
+            sent = sorted(size for op, _, size, _ in backward_log if op == "send")
+            received = sorted(size for op, _, size, _ in backward_log if op == "recv")
             assert sent == [block] * 7 and received == [block] * 7, \
                 (f"rank {rank}, {kind}: backward sends {sent}, receives {received}; expected 7 of {block} bytes each "
                  f"(3 blocks, 4 accumulators: each accumulator ends at its owner)")
+
+
+@pytest.mark.exercises("RingAttention.forward", "RingAttention.backward")
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+def test_every_step_posts_the_blocks_receive_before_its_send(direction):
+    # gloo moves a message only once its receive is posted: at every step the receive of the next block
+    # ("kv", from rank i - 1) is posted before the block in hand is sent on (to rank i + 1).
+    for rank, results in enumerate(ring_results()):
+        for kind in layout.LAYOUTS:
+            log = results[kind, f64][5 if direction == "forward" else 6]
+            order = [op for op, label, _, _ in log if label == "kv"]
+            assert order == ["recv", "send"] * (C - 1), \
+                (f"rank {rank}, {kind}, {direction}: the blocks' messages were posted in the order {order}; expected "
+                 f"{C - 1} steps of recv then send: post each step's receive before its send")
 
 
 # --- against PyTorch's own ring attention (private API) -----------------------------------------

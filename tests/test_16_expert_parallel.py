@@ -1,23 +1,29 @@
 """Module 16 expert parallelism: the exchange of rows between the members of an expert group, on 4
 ranks with e = 4 and e = 2, every rank sending an uneven number of rows to each expert (none to
-some): each local expert receives exactly the rows sent to it, from member 0 first, each member's in
-the order sent; the way back returns every row to the slot it came from; every all-to-all goes
-through the group's collectives. Rows are labelled with where they come from, so the checks are
-exact."""
+some, many to one): the split sizes of every pair of members agree (checked before any rows move);
+each local expert receives exactly the rows sent to it, from member 0 first, each member's in the
+order sent; the way back returns every row to the slot it came from; every all-to-all goes through
+the group's collectives. Rows are labelled with where they come from, so the checks are exact."""
 import pytest
 import torch
 
-from course.impl import load
+from course.impl import load, reference
 from course.launch import run_ranks
 from course.mesh import init_mesh
 
 parallel = load("m16_expert_parallel")
+trusted = reference("m16_expert_parallel")   # check_exchange (given code)
 N_EXPERTS = 8
 
 
 def counts_of(rank):
-    """Rows rank `rank` sends each expert: uneven, zero for some experts, different on every rank."""
-    return torch.randint(0, 4, (N_EXPERTS,), generator=torch.Generator().manual_seed(10 + rank))
+    """Rows rank `rank` sends each expert: uneven, zero for some experts, different on every rank. Expert 0
+    is crowded (33 + rank rows from each rank): the member that holds it receives 67 or more rows of one
+    local expert, equal keys for the regroup's sort, enough that an unstable sort reorders them (torch's
+    CPU sort keeps the order of equal keys on a few rows: an unstable regroup would pass with few)."""
+    counts = torch.randint(0, 4, (N_EXPERTS,), generator=torch.Generator().manual_seed(10 + rank))
+    counts[0] = 33 + rank
+    return counts
 
 
 def rows_of(rank):
@@ -37,6 +43,7 @@ def _exchange(e):
     rank = mesh.rank
     rows = rows_of(rank)
     exchange = parallel.plan_exchange(counts_of(rank), group)
+    trusted.check_exchange(exchange, group)   # splits that disagree would abort gloo in the rows' all-to-all
     arrived = parallel.send_to_experts(rows, exchange, group)
     processed = arrived.clone()
     processed[:, 3] = 100 * arrived[:, 1] + arrived[:, 2]   # each "expert" writes what it saw in the last column

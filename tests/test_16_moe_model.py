@@ -1,15 +1,18 @@
 """Module 16 model: module 06's Llama with MoE blocks, the experts over e = 2 and e = 4 of 4 data-
-parallel ranks, against course/reference_moe.py's MoE Llama (autograd, one process, the whole batch
-at once; with a capacity, applied to the same groups of tokens): the loss curve of a few steps, the
-router's and the experts' weights afterwards, the auxiliary-loss-free biases; and the auxiliary loss
-and its gradient, the same with the experts on 1, 2 or 4 ranks, with data parallelism and with
-gradient accumulation.
+parallel ranks, trained by module 06's fit, against course/reference_moe.py's MoE Llama (autograd,
+one process, the whole batch at once; with a capacity, applied to the same groups of tokens): the
+loss curve of a few steps (also with targets padded unevenly with IGNORE_INDEX, so that ranks and
+microbatches hold different numbers of real tokens), the router's and the experts' weights
+afterwards, the loads and the dropped slots of the last step, the auxiliary-loss-free biases; and
+the auxiliary loss and its gradient, the same with the experts on 1, 2 or 4 ranks, with data
+parallelism and with gradient accumulation.
 
 Tolerance: float64; the ranks and the microbatches sum the same terms in another order than the
 reference (and PyTorch's attention and RMSNorm round their own way): measured within 1.8e-15 on the
 losses of 3 steps; we allow 1e-12. A gradient summed over the wrong group is off by a factor of 2 or
 more; one off by a constant factor still moves AdamW's step, and so the losses, by far more than that.
-The biases move in steps of γ by the sign of integer load errors: compared exactly.
+The loads and the dropped slots are integer counts, and the biases move in steps of γ by the sign of
+integer load errors: compared exactly.
 """
 import pytest
 import torch
@@ -21,6 +24,9 @@ from course.mesh import init_mesh
 from course.reference_moe import ReferenceMoELlama
 
 model_module = load("m16_moe_model")
+m06 = load("m06_llama_model")   # fit, the Llama track's one training loop (given code)
+layer_module = load("m16_moe_layer")
+check_exchange = reference("m16_expert_parallel").check_exchange   # given code
 trusted = reference("m16_moe_model")   # the initial weights only (given code), for the autograd reference
 router = load("m16_router")
 f64 = torch.float64
@@ -29,45 +35,76 @@ AUX = router.MoEConfig(n_experts=8, top_k=2, expert_dim=32, shared_expert=True, 
 BIAS = router.MoEConfig(n_experts=8, top_k=2, expert_dim=32, score="sigmoid", balance="bias", bias_rate=0.01,
                         capacity_factor=1.0)   # a capacity, so the loads must be counted before it drops slots
 BATCH, STEPS, LR = 8, 3, 3e-3
-# name: (e, configuration, microbatches, steps), every run on d = 4 ranks
-RUNS = {"e=2, m=2, aux": (2, AUX, 2, STEPS), "e=4, m=1, bias": (4, BIAS, 1, STEPS), "e=4, m=1, aux": (4, AUX, 1, 1)}
+# The last PADDING[i] targets of sequence i are IGNORE_INDEX: on d = 4 ranks of 2 sequences, in m = 2
+# microbatches of one, the ranks hold 17, 29, 23 and 15 real tokens and the microbatches 16, 1, 13, 16, ...
+PADDING = (0, 15, 3, 0, 9, 0, 12, 5)
+# name: (e, configuration, microbatches, steps, padded), every run on d = 4 ranks
+RUNS = {"e=2, m=2, aux": (2, AUX, 2, STEPS, False), "e=4, m=1, bias": (4, BIAS, 1, STEPS, False),
+        "e=2, m=2, aux, padded": (2, AUX, 2, 2, True), "e=4, m=1, aux": (4, AUX, 1, 1, False)}
 
 
 def batches(steps):
+    """The global batches fit draws (from seed 0)."""
     data, generator = load_text(), torch.Generator().manual_seed(0)
     return [random_batch(data, BATCH, CFG.max_seq_len, generator) for _ in range(steps)]
 
 
-def train_steps(model, n_microbatches, steps):
-    """The training loop module 06's fit will run: train_step on the whole global batch."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
-    losses, first = [], None
-    for step, (tokens, targets) in enumerate(batches(steps)):
-        losses.append(model.train_step(tokens, targets, n_microbatches, optimizer))
+def padded(targets):
+    """A copy of targets with the last PADDING[i] of sequence i IGNORE_INDEX."""
+    targets = targets.clone()
+    for i, n in enumerate(PADDING):
+        targets[i, targets.shape[1] - n:] = m06.IGNORE_INDEX
+    return targets
+
+
+class WithPadding:
+    """The model as fit sees it, each batch's targets padded on their way to train_step."""
+
+    def __init__(self, model):
+        self.model, self.cfg, self.parameters = model, model.cfg, model.parameters
+
+    def train_step(self, tokens, targets, n_microbatches, optimizer):
+        return self.model.train_step(tokens, padded(targets), n_microbatches, optimizer)
+
+
+def train_steps(model, n_microbatches, steps, pad=False):
+    """Module 06's fit; returns (losses, (aux, router gradients) of the first step)."""
+    first = []
+
+    def on_step(step, loss):
         if step == 0:
-            first = (model.last_step.aux, [b.moe.router.grad.clone() for b in model.blocks])
-    return losses, first
+            first.append((model.last_step.aux, [b.moe.router.grad.clone() for b in model.blocks]))
+    _, losses = m06.fit(WithPadding(model) if pad else model, steps, BATCH, LR, 0, n_microbatches, on_step)
+    return losses, first[0]
 
 
 def _train(runs):
+    plan = layer_module.plan_exchange
+
+    def checked(counts, group):   # splits that disagree would abort gloo in the rows' all-to-all: say which
+        exchange = plan(counts, group)
+        check_exchange(exchange, group)
+        return exchange
+    layer_module.plan_exchange = checked
     results = {}
-    for name, (e, moe, n_microbatches, steps) in runs.items():
+    for name, (e, moe, n_microbatches, steps, pad) in runs.items():
         mesh = init_mesh({"d": 4, "e": e})
         model = model_module.MoELlama(CFG, moe, mesh, 0, f64)
-        losses, first = train_steps(model, n_microbatches, steps)
+        losses, first = train_steps(model, n_microbatches, steps, pad)
         results[name] = (mesh.group("e").index, losses, first, [b.moe.router for b in model.blocks],
-                         [b.moe.experts for b in model.blocks], model.biases(), model.last_step.loads)
+                         [b.moe.experts for b in model.blocks], model.biases(), model.last_step.loads,
+                         model.last_step.dropped)
     return results
 
 
-def reference_run(moe, steps, n_sources):
-    """(losses, (aux, router gradients) of the first step, the model afterwards, its last loads), with the
-    capacity applied per source: the batch cut into n_sources equal groups of rows."""
+def reference_run(moe, steps, n_sources, pad=False):
+    """(losses, (aux, router gradients) of the first step, the model afterwards, the last step's loads and
+    dropped slots), with the capacity applied per source: the batch cut into n_sources equal groups of rows."""
     ref = ReferenceMoELlama.of(trusted.MoELlama(CFG, moe, trusted.one_rank_mesh(), 0, f64))
     optimizer = torch.optim.AdamW(list(ref.weights.values()), lr=LR, weight_decay=0.0)
     losses, first = [], None
     for step, (tokens, targets) in enumerate(batches(steps)):
-        total, ce, aux, loads, _ = ref.loss(tokens, targets, n_sources)
+        total, ce, aux, loads, dropped = ref.loss(tokens, padded(targets) if pad else targets, n_sources)
         total.backward()
         if step == 0:
             first = (aux.detach().item(), [ref.weights[f"{l}.router"].grad.clone() for l in range(CFG.n_layers)])
@@ -76,7 +113,7 @@ def reference_run(moe, steps, n_sources):
         if moe.balance == "bias":
             ref.update_biases(loads)
         losses.append(ce.item())
-    return losses, first, ref, loads
+    return losses, first, ref, loads, dropped
 
 
 @pytest.fixture(scope="module")
@@ -86,8 +123,10 @@ def runs():
 
 @pytest.fixture(scope="module")
 def references():
-    # The capacity drops per source: each rank's microbatch (d m = 4 of them in the run with the capacity).
-    return {"aux": reference_run(AUX, STEPS, 1), "bias": reference_run(BIAS, STEPS, 4)}
+    # With a capacity, one process drops by the same groups: d m sources, one per rank and microbatch.
+    return {name: reference_run(moe, steps, 4 * m if moe.capacity_factor is not None else 1, pad)
+            for name, (_, moe, m, steps, pad) in RUNS.items()
+            if name != "e=4, m=1, aux"}   # that run's single step is the first of "e=2, m=2, aux"
 
 
 def close(a, b):
@@ -95,14 +134,18 @@ def close(a, b):
 
 
 @pytest.mark.exercises("MoELlama.train_step", "sum_gradients", "update_biases", "MoELayer.backward")
-@pytest.mark.parametrize("name", ["e=2, m=2, aux", "e=4, m=1, bias"])
+@pytest.mark.parametrize("name", ["e=2, m=2, aux", "e=4, m=1, bias", "e=2, m=2, aux, padded"])
 def test_training_with_experts_over_ranks_reproduces_the_single_process_loss_curve(name, runs, references):
-    e, moe, _, _ = RUNS[name]
-    expected, _, ref, loads = references[moe.balance]
+    e, moe, n_microbatches, _, pad = RUNS[name]
+    expected, _, ref, loads, dropped = references[name]
+    if moe.capacity_factor is not None:
+        assert dropped > 0, "the test's own check: the capacity drops slots"
     for rank, result in enumerate(r[name] for r in runs):
-        index, losses, _, routers, experts, biases, last_loads = result
+        index, losses, _, routers, experts, biases, last_loads, last_dropped = result
         worst = max(abs(a - b) for a, b in zip(losses, expected, strict=True))
-        assert worst <= 1e-12, f"{name}, rank {rank}: losses {losses} vs one process {expected}: off by {worst:.1e}"
+        assert worst <= 1e-12, \
+            (f"{name}, rank {rank}: losses {losses} vs one process {expected}: off by {worst:.1e}"
+             f"{pad * ' (each microbatch divided by the real tokens of the whole global batch, not its own)'}")
         wrong = [f"layer {l} router" for l, w in enumerate(routers) if not close(w, ref.weights[f"{l}.router"])]
         own = slice(index * 8 // e, (index + 1) * 8 // e)
         wrong += [f"layer {l} experts {own.start}..{own.stop - 1} {k}" for l, w in enumerate(experts)
@@ -110,9 +153,14 @@ def test_training_with_experts_over_ranks_reproduces_the_single_process_loss_cur
         assert not wrong, \
             (f"{name}, rank {rank}: after {STEPS} steps these weights differ from one process's: {wrong} (dense "
              f"gradients are summed over every data rank, the experts' over the ranks that hold the same experts)")
+        assert torch.equal(last_loads, loads), \
+            (f"{name}, rank {rank}: loads (layer by layer) of the last step {last_loads.tolist()} vs one process's "
+             f"{loads.tolist()}: the router's choices before the capacity, over the global batch; the records come "
+             f"microbatch by microbatch ({n_microbatches}), layer by layer")
+        assert last_dropped == dropped, \
+            (f"{name}, rank {rank}: dropped slots of the last step {last_dropped} vs one process's {dropped} "
+             f"(dropping by the same groups), over every layer and rank")
         if moe.balance == "bias":
-            assert torch.equal(last_loads, loads), \
-                f"{name}, rank {rank}: loads of the last step {last_loads.tolist()} vs one process's {loads.tolist()}"
             assert all(torch.equal(b, r) for b, r in zip(biases, ref.biases, strict=True)), \
                 (f"{name}, rank {rank}: biases {[b.tolist() for b in biases]} vs one process's "
                  f"{[b.tolist() for b in ref.biases]}: the loads of the whole global batch, over every data rank")
@@ -120,7 +168,7 @@ def test_training_with_experts_over_ranks_reproduces_the_single_process_loss_cur
 
 @pytest.mark.exercises("sequence_aux_loss", "MoELlama.train_step", "sum_gradients", "route_backward")
 def test_the_auxiliary_loss_and_its_gradient_do_not_depend_on_the_layout(runs, references):
-    _, (aux, router_grads), _, _ = references["aux"]
+    _, (aux, router_grads), _, _, _ = references["e=2, m=2, aux"]
     one_rank = model_module.MoELlama(CFG, AUX, model_module.one_rank_mesh(), 0, f64)
     layouts = {"experts on 1 rank, m=2": train_steps(one_rank, 2, 1)[1]}
     for name in ("e=2, m=2, aux", "e=4, m=1, aux"):
@@ -142,7 +190,9 @@ def test_bad_run_options_are_refused_in_one_line_before_any_rank_starts():
                 shared_expert=False, expert_ranks=2, steps=2, batch=8, microbatches=1, layers=2)
     check_args(argparse.Namespace(**good))
     for change, message in [(dict(top_k=9), "top-k 9 must be between 1 and"), (dict(experts=6, expert_ranks=4),
-                            "e must divide E"), (dict(capacity_factor=0.0), "must be positive"),
+                            "e must divide E"), (dict(capacity_factor=0.0), r"must be positive \(or --dropless\)"),
+                            (dict(world_size=3, expert_ranks=None), r"e must divide E \(e = --expert-ranks, default "
+                                                                    r"--nproc\)"),
                             (dict(balance="loss"), "unknown balancing method"), (dict(expert_ranks=3), "must divide"),
                             (dict(dropless=True, capacity_factor=1.0), "exclude each other")]:
         with pytest.raises(ValueError, match=message) as error:

@@ -122,7 +122,7 @@ def _split_sequences(scores, experts, moe):
     c = mesh.group("c")
     mine = lambda t: t.view(2, 16, -1)[:, 8 * c.index:8 * (c.index + 1)].reshape(16, -1)  # noqa: E731
     losses, d_scores = router.sequence_aux_loss(mine(scores), mine(experts), 8, moe, context=c)
-    return losses, d_scores, [(r.op, r.axis) for r in mesh.log]
+    return losses, d_scores, [(r.op, r.axis, r.label) for r in mesh.log]
 
 
 @pytest.mark.exercises("sequence_aux_loss")
@@ -138,7 +138,9 @@ def test_with_context_parallelism_the_auxiliary_loss_is_that_of_whole_sequences(
                            f"are over the whole sequence: all-reduce them over the context group; T is c seq_len)"))
         mine = d_whole.view(2, 16, -1)[:, 8 * rank:8 * (rank + 1)].reshape(16, -1)
         torch.testing.assert_close(d_scores, mine, **TOL, msg=lambda m: f"rank {rank}: d_scores of its tokens: {m}")
-        assert log == [("all_reduce", "c")], f"rank {rank}: collectives {log}, expected one all-reduce over c"
+        assert log == [("all_reduce", "c", "aux loss statistics")], \
+            (f"rank {rank}: collectives {log}, expected one all-reduce over c labelled 'aux loss statistics' (the "
+             f"counts and the sums of σ' as one tensor)")
 
 
 @pytest.mark.exercises("update_biases")

@@ -27,13 +27,13 @@ def test_alpha_beta_fit_recovers_an_exact_model():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["05", "--nproc", "3"], "16 layers cannot be split evenly over 3 ranks"),
+    (["05", "--nproc", "3"], "16 layers cannot be split evenly into 3 stages"),
     (["05", "--microbatches", "5"], "cannot be split into 5 equal microbatches"),
     (["07", "--dim", "16"], "--dim must be a multiple of 16 and at least 32"),
     (["07", "--dim", "80"], "n_heads=5 is not divisible by n_kv_heads=2"),
     (["08", "--heads", "5"], "--dim 4096 must be divisible by --heads 5"),
     (["10", "--kv-heads", "3"], "n_heads=4 is not divisible by n_kv_heads=3"),
-    (["11", "--microbatches", "5"], "--microbatches divide the batch of 32"),
+    (["11", "--microbatches", "5"], "a batch of 32 cannot be split into 5 equal microbatches"),
     (["11", "--steps", "1"], "--steps must be at least 2"),
     (["13", "--meshes", "2x3"], "mesh 2x3 needs 6 ranks"),
     (["14", "--nproc", "3"], "must be divisible by every --nproc value (3)"),

@@ -20,7 +20,7 @@ def keep_course_impl(monkeypatch):
 
 @pytest.mark.parametrize("argv, message", [
     (["run", "99"], "unknown module '99'"),
-    (["run", "04", "--nproc", "3"], "16 layers cannot be split evenly over 3 ranks"),
+    (["run", "04", "--nproc", "3"], "16 layers cannot be split evenly into 3 stages"),
     (["run", "02", "--nproc", "1"], "needs --nproc of at least 2"),
     (["run", "00", "--nproc", "2"], "runs in a single process"),
     (["run", "03", "--nproc", "4"], "exactly 2 ranks"),

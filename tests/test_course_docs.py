@@ -21,6 +21,9 @@ from pathlib import Path
 import pytest
 
 from course import REPO
+# EXECUTE: run by a fresh Python each, it executes a notebook as the reference (COURSE_IMPL=solutions) and
+# writes the executed notebook, outputs included, to a file; the site shows the copies kept.
+from course.site.notebooks import EXECUTE, keep_executed
 DOCS = [REPO / "README.md", REPO / "docs" / "glossary.md", *sorted((REPO / "docs").glob("[0-9][0-9]-*.md"))]
 NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
 
@@ -106,18 +109,6 @@ def test_the_checks_catch_bad_references(tmp_path):
     assert bad_calls(doc) == ["comms.teleport_forward()"]
 
 
-# Run by a fresh Python each: it executes the notebook (the kernel inherits COURSE_IMPL=solutions, so
-# notebooks show the reference) and writes the executed notebook, outputs included, to a file.
-EXECUTE = """
-import sys, nbclient, nbformat
-notebook, executed = sys.argv[1], sys.argv[2]
-nb = nbformat.read(notebook, as_version=4)
-nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
-                        resources={"metadata": {"path": sys.argv[3]}}).execute()
-nbformat.write(nb, executed)
-"""
-
-
 @pytest.fixture(scope="module")
 def executed_notebooks(tmp_path_factory) -> dict:
     """Every notebook executed, two at a time (each is mostly one busy core: a kernel; CI has two):
@@ -131,6 +122,8 @@ def executed_notebooks(tmp_path_factory) -> dict:
         proc = subprocess.run([sys.executable, "-c", EXECUTE, str(notebook), str(executed), str(notebook.parent)],
                               env={**os.environ, "COURSE_IMPL": "solutions"}, capture_output=True, text=True,
                               timeout=900)
+        if proc.returncode == 0 and executed.exists():
+            keep_executed(executed)  # for the site (`python main.py site`), which shows the outputs
         return proc, (nbformat.read(executed, as_version=4) if executed.exists() else None)
     with ThreadPoolExecutor(max_workers=2) as pool:
         return dict(zip((nb.name for nb in NOTEBOOKS), pool.map(execute, NOTEBOOKS)))

@@ -102,3 +102,102 @@ def test_every_graded_test_names_the_todos_it_exercises():
                 wrong.append(f"{test_file.name}::{name} exercises {named or 'nothing declared'}")
     assert not wrong, ("graded tests without @pytest.mark.exercises(...) naming functions that hold their module's "
                        "TODOs:\n" + "\n".join(wrong))
+
+
+LONG = ("the order of calls differs at event 12: got gather(3) before release(1), expected release(1) first; "
+        "a buffer is reused only after its layer is released, so the gather into it must wait for that release")
+
+
+def test_a_failure_message_is_kept_whole_and_wrapped_never_cut(tmp_path):
+    # Every line of the message, and nothing of pytest's explanation of the assert (what it compared).
+    result = grade(tmp_path, f"def test_order():\n    x = [1, 2]\n    assert x == [1, 3], {LONG!r} + '\\nsecond line'\n")
+    assert result["reason"] == f"AssertionError: {LONG}\nsecond line", result["reason"]
+    from course.grading import scorecard_line
+    lines = scorecard_line(result, width=60).splitlines()
+    assert lines[0] == "  FAIL  test_order" and lines[-1] == "        second line", lines
+    assert all(len(line) <= 60 for line in lines[1:-1]) and len(lines) > 4, lines
+    assert " ".join(line.strip() for line in lines[1:-1]) == f"AssertionError: {LONG}", "a word was cut or lost"
+
+
+def test_the_hint_points_at_the_todo_the_message_names_first(tmp_path):
+    # The marker lists the likeliest culprit first (TODO 1 here); a message that says which of the
+    # learner's functions fed the check ("your train_step", or Class.method) moves it to the front.
+    source = ("import pytest\n\n@pytest.mark.exercises('PartOne.__init__', 'train_step')\n"
+              "def test_value():\n    assert False, {!r}\n")
+    named = grade(tmp_path, source.format("the loss is off: the gradient your train_step hands back is twice too big"))
+    assert named["hint"] == "python main.py hint 01 3 (it also exercises TODOs 1)", named
+    unnamed = grade(tmp_path, source.format("the loss is off by a factor of 2"))
+    assert unnamed["hint"] == "python main.py hint 01 1 (it also exercises TODOs 3)", unnamed
+
+
+def test_in_order_of_blame_ranks_what_was_run_then_what_is_named():
+    from course.grading import in_order_of_blame
+    names = ["FlatLayout.shard", "ShardedWeights.get", "ShardedWeights.release", "fsdp_traffic"]
+    assert in_order_of_blame(names, "", "no name here") == names
+    assert in_order_of_blame(names, "", "ShardedWeights.release reset the layer; see also your fsdp_traffic") == \
+        ["ShardedWeights.release", "fsdp_traffic", "FlatLayout.shard", "ShardedWeights.get"]
+    # A bare word that is also a method's short name ("get", "shard") is not a name: only "your get" is.
+    assert in_order_of_blame(names, "", "get the shard first") == names
+    assert in_order_of_blame(names, "fsdp_traffic-2", "your get") == \
+        ["fsdp_traffic", "ShardedWeights.get", "FlatLayout.shard", "ShardedWeights.release"]
+
+
+def _raise_through(monkeypatch, files: list[str]):
+    """An error raised in the last of `files` (paths under the repository), called from each before it."""
+    monkeypatch.setenv("COURSE_IMPL", "steps")
+    monkeypatch.delenv("COURSE_STEPS_DIR", raising=False)
+    namespace, caller = {}, None
+    for depth, name in enumerate(reversed(files)):
+        body = "raise ValueError('bad spec')" if depth == 0 else f"f{depth - 1}()"
+        exec(compile("\n" * (10 * depth) + f"def f{depth}():\n    {body}\n", str(REPO / name), "exec"), namespace)
+        caller = f"f{depth}"
+    try:
+        namespace[caller]()
+    except ValueError as exc:
+        return exc
+
+
+def test_a_failure_shows_the_learners_own_frame_first(monkeypatch):
+    from course.launch import where_raised
+    # Raised in given code (m13_specs.py has no TODOs), called from the learner's two files.
+    error = _raise_through(monkeypatch, ["steps/m13_llama_2d.py", "steps/m13_named_axes.py", "steps/m13_specs.py"])
+    assert where_raised(error) == (" (at steps/m13_named_axes.py:12 in f1 <- steps/m13_llama_2d.py:22 in f2; "
+                                   "raised in given code at steps/m13_specs.py:2 in f0)")
+    # Raised in the learner's file: as before, that frame, then the learner's caller in another file.
+    error = _raise_through(monkeypatch, ["steps/m12_tp_model.py", "steps/m12_vocab_parallel.py"])
+    assert where_raised(error) == " (at steps/m12_vocab_parallel.py:2 in f0 <- steps/m12_tp_model.py:12 in f1)"
+    # The reference called by a test as a trusted helper is not the learner's code.
+    error = _raise_through(monkeypatch, ["steps/m12_tp_model.py", "solutions/m12_vocab_parallel.py"])
+    assert where_raised(error) == (" (at steps/m12_tp_model.py:12 in f1; raised in given code at "
+                                   "solutions/m12_vocab_parallel.py:2 in f0)")
+
+
+def test_an_error_from_the_learners_code_in_the_check_itself_says_where(tmp_path):
+    # Raised in pytest's process (not in a rank, whose error says where itself): their line, in steps/.
+    from course.skeleton import generate
+    steps = tmp_path / "skeleton" / "steps"
+    steps.mkdir(parents=True)
+    for name, text in generate().items():
+        (steps / name).write_text(text)
+    source = ("from types import SimpleNamespace\nfrom course.impl import load\n\ndef test_step():\n"
+              "    load('m01_manual_split').train_step(None, None, SimpleNamespace(zero_grad=lambda: None), None, None)\n")
+    result = grade(tmp_path, source, COURSE_IMPL="steps", COURSE_STEPS_DIR=str(steps))
+    assert re.fullmatch(r"NotImplementedError: TODO\(m01\): .* \(at .*steps/m01_manual_split\.py:\d+ in train_step\)",
+                        result["reason"]), result["reason"]
+
+
+def test_a_stuck_rank_shows_the_learners_own_frame_first(monkeypatch):
+    # A rank stuck in given code (a collective's wait) is reported at the learner's line that called it.
+    from course.launch import _innermost_course_frames
+    monkeypatch.setenv("COURSE_IMPL", "steps")
+    monkeypatch.delenv("COURSE_STEPS_DIR", raising=False)
+    dump = "\n".join(["Stack (most recent call first):",
+                      f'  File "{REPO}/course/collectives.py", line 120 in all_gather',
+                      f'  File "{REPO}/steps/m07_sharded_weights.py", line 110 in gather',
+                      f'  File "{REPO}/steps/m07_fsdp.py", line 130 in backward_blocks',
+                      f'  File "{REPO}/course/launch.py", line 300 in _rank_main'])
+    assert _innermost_course_frames(dump) == ("steps/m07_sharded_weights.py:110 in gather <- steps/m07_fsdp.py:130 in "
+                                              "backward_blocks; stuck in given code at course/collectives.py:120 in "
+                                              "all_gather")
+    learners_first = dump.replace("course/collectives.py", "steps/m02_comms.py")
+    assert _innermost_course_frames(learners_first).startswith("steps/m02_comms.py:120 in all_gather <- steps/m07")

@@ -1,13 +1,11 @@
 """Benchmark 03: round-trip time between two ranks versus message size, and the alpha-beta model.
 
-A message of n bytes costs about t(n) = alpha + n / beta one way: alpha is the fixed latency
-(software stack, synchronisation), beta the bandwidth. We fit both to the measurements by least
+A message of `bytes` bytes costs about t = α + bytes / β one way: α is the fixed latency
+(software stack, synchronisation), β the bandwidth. We fit both to the measurements by least
 squares and print the model's prediction beside every measurement, so you can see where the
 model holds (and where it does not, e.g. when a message no longer fits in a cache).
 """
 import argparse
-
-import torch.distributed as dist
 
 from course.bench import report, require_positive
 from course.impl import load
@@ -20,12 +18,12 @@ def measure(sizes, repeats):
     """On each of 2 ranks: the median seconds per round trip for each size (float32 elements), with
     the selected implementation (`main.py bench 03 --impl`, or COURSE_IMPL in the notebook)."""
     m02, m03 = load("m02_comms"), load("m03_ping_pong")
-    comms = m02.PipelineComms(dist.get_rank(), 2)
+    comms = m02.PipelineComms()  # both ranks of the job: a pipeline of two stages
     return [m03.time_round_trip(comms, numel, repeats=repeats) for numel in sizes]
 
 
 def fit_alpha_beta(nbytes: list[float], one_way: list[float]) -> tuple[float, float]:
-    """Fit t = alpha + n / beta minimising *relative* error (weights 1/t^2), so the small messages
+    """Fit t = α + bytes / β minimising *relative* error (weights 1/t^2), so the small messages
     set alpha and the large ones beta; returns (alpha seconds, beta bytes per second)."""
     w = [1 / t ** 2 for t in one_way]
     sw, sx, st = sum(w), sum(wi * x for wi, x in zip(w, nbytes)), sum(wi * t for wi, t in zip(w, one_way))

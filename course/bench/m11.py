@@ -2,16 +2,17 @@
 formula; peak live activations per rank measured and simulated; and our executor against
 torch.distributed.pipelining's same schedule (step time, losses and gradients).
 
-    python main.py bench 11                       # P in {2, 4}, M in {4, 8}, every schedule: ~5 min on 2 cores
+    python main.py bench 11                       # p in {2, 4}, m in {4, 8}, every schedule: ~5 min on 2 cores
     python main.py bench 11 --nproc 4 --microbatches 8 --schedules zbv dualpipev --emulate-ms 8
 
 Runs on CPU ranks in emulated-device mode (course.emulated.EmulatedSplitStage: each layer sleeps
---emulate-ms in F, in I and in W, so F = I = W per stage and every closed form holds). torch runs the
-same layers with the same sleeps (course/reference_pipelining.py). A step lasts from the first
+--emulate-ms in F, in I and in W, so τ_F = τ_I = τ_W per stage and every closed form holds). Ours trains
+in module 11's train (module 05's loop, keeping the first step's gradients through its `on_step`);
+torch runs the same layers with the same sleeps (course/reference_pipelining.py). A step lasts from the first
 rank's start to the last rank's end; bubble = the ranks' mean idle fraction in that step. Of the
 steps after the first (which pays for warm-up), each row reports the fastest, for ours and torch's
 alike: the one least disturbed by other work on a shared machine. Rows a schedule cannot serve (zbv
-needs M >= 2P-1, dualpipev M >= 2P, interleaved a multiple of P) are left out.
+needs m >= 2p-1, dualpipev m >= 2p, interleaved a multiple of p) are left out.
 """
 from __future__ import annotations
 
@@ -19,14 +20,14 @@ import argparse
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from course.bench import SelectedModule, report, require_positive
-from course.bubble import timed_steps
-from course.demos.m11 import bubble_rows, stage_costs
+from course.bubble import bubble_rows, stage_costs, timed_steps
 from course.emulated import EmulatedSplitStage
 from course.impl import reference
 from course.launch import run_ranks
+from course.mesh import world_group
+from course.pipeline_options import check_microbatches, check_schedule
 from course.profiler import Profiler, export
 
 m00, gen, ex = (SelectedModule(s) for s in ("m00_monolith", "m11_generators", "m11_executor"))
@@ -35,31 +36,27 @@ m00, gen, ex = (SelectedModule(s) for s in ("m00_monolith", "m11_generators", "m
 @dataclass
 class RankRun:
     """What one rank of our run brings back."""
-    losses: list          # each step's loss on the rank holding the last stage, None elsewhere
+    losses: list          # each step's loss on the rank holding the last stage, nothing elsewhere
     first_grads: dict     # stage -> its gradients after the first step, to compare with torch's
     profile: dict         # the profiler's export
 
 
-def _ours(name, world_size, n_microbatches, steps, emulate_ms, stages_per_rank):
-    rank = dist.get_rank()
+def _ours(name, n_microbatches, steps, emulate_ms, stages_per_rank):
+    pp = world_group()  # the pipeline is every rank of the job
     cfg = m00.MLPConfig(steps=steps)
-    schedule = gen.make_schedule(name, world_size, n_microbatches, stages_per_rank)
-    profiler = Profiler(rank)
-    stages = ex.build_stages(cfg, schedule, rank)
+    schedule = gen.make_schedule(name, pp.size, n_microbatches, stages_per_rank)
+    profiler = Profiler(pp.index)
+    stages = ex.build_stages(cfg, schedule, pp)
     run = {s: profiler.wrap_split_stage(EmulatedSplitStage(stage, emulate_ms)) for s, stage in stages.items()}
-    comms = ex.StageComms(rank, schedule.placement, n_microbatches, order=schedule.orders[rank])
-    comms = profiler.wrap_stage_comms(comms)
-    run_step = profiler.wrap_schedule(ex.run_schedule)
-    optimizer = torch.optim.Adam([p for stage in stages.values() for p in stage.parameters()], lr=cfg.lr)
-    x, y = m00.make_batch(cfg)
-    losses, first_grads = [], None
-    for step in range(steps):  # module 11's train, keeping the first step's gradients to compare
-        optimizer.zero_grad()
-        loss = run_step(schedule, run, comms, x, y)
-        losses.append(None if loss is None else loss.item())
+    comms = profiler.wrap_stage_comms(ex.StageComms(pp, schedule.placement, n_microbatches,
+                                                    order=schedule.orders[pp.index]))
+    first_grads = {}
+
+    def keep_first_grads(step, loss):  # module 05's loop calls it before the optimizer moves the weights
         if step == 0:
-            first_grads = {s: [p.grad.clone() for p in stage.parameters()] for s, stage in stages.items()}
-        optimizer.step()
+            first_grads.update({s: [p.grad.clone() for p in stage.parameters()] for s, stage in stages.items()})
+    _, losses = ex.train(schedule, run, comms, cfg, run_step=profiler.wrap_schedule(ex.run_schedule),
+                         on_step=keep_first_grads)
     return RankRun(losses, first_grads, export(profiler))
 
 
@@ -91,13 +88,12 @@ def run(name, world_size, n_microbatches, steps, emulate_ms, stages_per_rank) ->
     from course.reference_pipelining import run_torch_schedule
 
     schedule = reference("m11_generators").make_schedule(name, world_size, n_microbatches, stages_per_rank)
-    ours = run_ranks(_ours, world_size, name, world_size, n_microbatches, steps, emulate_ms, stages_per_rank,
-                     timeout=300)
+    ours = run_ranks(_ours, world_size, name, n_microbatches, steps, emulate_ms, stages_per_rank, timeout=300)
     profiles = [r.profile for r in ours]
     fastest = _fastest([p["steps"] for p in profiles])
     costs = stage_costs(schedule, m00.MLPConfig(), emulate_ms)
     rows = bubble_rows(_only_step(profiles, fastest), schedule, costs, stages_per_rank)
-    row = {"P": world_size, "M": n_microbatches, "schedule": name, "bubble": rows["summary"]["idle"],
+    row = {"p": world_size, "m": n_microbatches, "schedule": name, "bubble": rows["summary"]["idle"],
            "simulated": rows["simulated"], "formula": "n/a" if rows["formula"] is None else rows["formula"],
            "diff_pp": 100 * (rows["summary"]["idle"] - rows["simulated"]),
            "peak_live": "/".join(map(str, rows["peak_measured"])), "peak_sim": "/".join(map(str, rows["peak_simulated"])),
@@ -107,7 +103,7 @@ def run(name, world_size, n_microbatches, steps, emulate_ms, stages_per_rank) ->
                            stages_per_rank, timeout=300)
     except Exception as exc:  # e.g. a configuration torch refuses: report it, keep the table
         reason = str(exc).splitlines()[0].split(" raised ", 1)[-1]
-        print(f"  (torch.distributed.pipelining refused P={world_size}, M={n_microbatches}, {name}: {reason})")
+        print(f"  (torch.distributed.pipelining refused p={world_size}, m={n_microbatches}, {name}: {reason})")
         row.update(torch_step_ms="n/a", ours_over_torch="n/a", same_as_torch="n/a (refused)")
         return row
     torch_steps = [t["steps"] for t in theirs]
@@ -119,8 +115,8 @@ def run(name, world_size, n_microbatches, steps, emulate_ms, stages_per_rank) ->
 
 def main(argv):
     parser = argparse.ArgumentParser(prog="main.py bench 11", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--nproc", dest="world_sizes", type=int, nargs="+", default=[2, 4], help="ranks, P")
-    parser.add_argument("--microbatches", "--chunks", type=int, nargs="+", default=[4, 8], help="M")
+    parser.add_argument("--nproc", dest="world_sizes", type=int, nargs="+", default=[2, 4], help="pipeline ranks, p")
+    parser.add_argument("--microbatches", "--chunks", type=int, nargs="+", default=[4, 8], help="microbatches, m")
     parser.add_argument("--schedules", nargs="+", default=list(gen.SCHEDULES), choices=list(gen.SCHEDULES))
     parser.add_argument("--stages-per-rank", type=int, default=2, help="interleaved's v")
     parser.add_argument("--steps", type=int, default=3, help="steps per run; the first is not timed")
@@ -139,8 +135,8 @@ def main(argv):
     rows = []
     for world_size, n_microbatches, name in plan:
         rows.append(run(name, world_size, n_microbatches, args.steps, args.emulate_ms, args.stages_per_rank))
-        print(f"  measured P={world_size} M={n_microbatches} {name}", flush=True)
-    notes = (f"emulated device: {args.emulate_ms:g} ms per layer in F, in I and in W (B = I + W); {args.steps} steps "
+        print(f"  measured p={world_size} m={n_microbatches} {name}", flush=True)
+    notes = (f"emulated device: {args.emulate_ms:g} ms per layer in F, in I and in W (τ_B = τ_I + τ_W); {args.steps} steps "
              "per run, the first not timed; each row's step (ours, and torch's) is the fastest of the others. "
              "bubble = the ranks' mean idle fraction, measured; simulated = the "
              "schedule simulator at the emulated stage costs; formula = the chapter's closed form; diff_pp = "
@@ -151,22 +147,23 @@ def main(argv):
 
 
 def check(parser, args) -> list[tuple[int, int, str]]:
-    """The (P, M, schedule) rows to run; bad options are refused before any rank starts (the model must
-    cut into the stages, M must divide the batch); rows a schedule cannot serve are left out, said once."""
-    cfg, stage_module = reference("m00_monolith").MLPConfig(), reference("m11_stage")
-    ref_gen = reference("m11_generators")
+    """The (p, m, schedule) rows to run; bad options are refused before any rank starts (m must divide
+    the batch); rows a schedule cannot serve (its own refusal, or stages that do not cut the model
+    evenly) are left out, said once."""
     plan, left_out = [], []
     for world_size in args.world_sizes:
         for n_microbatches in args.microbatches:
-            if world_size < 2 or cfg.batch % n_microbatches:
-                parser.error(f"--nproc must be at least 2 and --microbatches divide the batch of {cfg.batch}; got "
-                             f"P={world_size}, M={n_microbatches}")
+            if world_size < 2:
+                parser.error(f"--nproc must be at least 2, got {world_size}")
+            try:
+                check_microbatches(n_microbatches)
+            except ValueError as exc:
+                parser.error(str(exc))
             for name in args.schedules:
                 try:
-                    ref_gen.check_arguments(name, world_size, n_microbatches, args.stages_per_rank)
-                    stage_module.check_stages(cfg, world_size * ref_gen.stages_per_rank_of(name, args.stages_per_rank))
+                    check_schedule(name, world_size, n_microbatches, args.stages_per_rank)
                 except ValueError as exc:
-                    left_out.append(f"P={world_size} M={n_microbatches} {name} ({str(exc).split(';')[0]})")
+                    left_out.append(f"p={world_size} m={n_microbatches} {name} ({str(exc).split(';')[0]})")
                     continue
                 plan.append((world_size, n_microbatches, name))
     if left_out:

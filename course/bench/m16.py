@@ -35,7 +35,6 @@ import torch.distributed as dist
 from course.bench import report, require_positive
 from course.emulated import EmulatedGemms
 from course.costs import measured_cost
-from course.dataset import load_text, random_batch
 from course.impl import load, reference
 from course.launch import run_ranks
 from course.mesh import init_mesh
@@ -46,13 +45,12 @@ PARTS = ("bytes", "memory", "balance", "imbalance")
 # --- 1 and 2. bytes and memory of one step ---------------------------------------------------------
 
 def _one_step(e, moe, batch):
-    m16 = load("m16_moe_model")
+    m06, m16 = load("m06_llama_model"), load("m16_moe_model")
     mesh = init_mesh({"d": dist.get_world_size(), "e": e})
-    model = m16.MoELlama(m16.CONFIG, moe, mesh)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
-    tokens, targets = random_batch(load_text(), batch, m16.CONFIG.max_seq_len, torch.Generator().manual_seed(0))
-    model.train_step(tokens, targets, 1, optimizer)
+    model, _ = m06.fit(m16.MoELlama(m16.CONFIG, moe, mesh), 1, batch)
     params = model.parameters()
+    optimizer = torch.optim.AdamW(params, lr=0.0)   # the state fit's AdamW held, rebuilt by one step that moves nothing
+    optimizer.step()
     held = {"parameters": sum(p.nbytes for p in params), "gradients": sum(p.grad.nbytes for p in params),
             "optimizer": sum(optimizer.state[p][m].nbytes for p in params for m in ("exp_avg", "exp_avg_sq")),
             "buffers": sum(b.nbytes for b in model.biases())}
@@ -94,21 +92,18 @@ def step_rows(args) -> tuple[list[dict], list[dict]]:
 # --- 3. balance over training ----------------------------------------------------------------------
 
 def balance_rows(args) -> list[dict]:
-    m16 = load("m16_moe_model")
+    m06, m16 = load("m06_llama_model"), load("m16_moe_model")
     methods = {"none": dict(balance="none"), "aux": dict(balance="aux", aux_coef=0.1),
                "bias": dict(balance="bias", bias_rate=0.01)}
     ratios, losses = {}, {}
     for name, fields in methods.items():
-        moe = dataclasses.replace(m16.MOE, **fields)
-        model = m16.MoELlama(m16.CONFIG, moe, m16.one_rank_mesh())
-        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
-        data, generator = load_text(), torch.Generator().manual_seed(0)
+        model = m16.MoELlama(m16.CONFIG, dataclasses.replace(m16.MOE, **fields), m16.one_rank_mesh())
         ratios[name] = []
-        for _ in range(args.steps):
-            tokens, targets = random_batch(data, args.batch, m16.CONFIG.max_seq_len, generator)
-            losses[name] = model.train_step(tokens, targets, 1, optimizer)
+
+        def max_over_mean(step, loss):
             loads = model.last_step.loads.double()
             ratios[name].append((loads.max(-1).values / loads.mean(-1)).mean().item())
+        losses[name] = m06.fit(model, args.steps, args.batch, on_step=max_over_mean)[1][-1]
         print(f"  trained with balance {name}", flush=True)
     every = max(1, args.steps // 10)
     rows = []

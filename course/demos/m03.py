@@ -13,7 +13,7 @@ def check_args(args):
 def demo(args):
     m02, m03 = load("m02_comms"), load("m03_ping_pong")
     rank, world_size, device = m02.init_distributed()
-    comms = m02.PipelineComms(rank, world_size, device)
+    comms = m02.PipelineComms(device=device)
     ball = m03.ping_pong(comms, torch.zeros(3, device=device), round_trips=5)
     print(f"rank {rank}: after 5 round trips holds {ball.tolist()} (expected {10 - rank})")
     for numel in (1, 1 << 20):

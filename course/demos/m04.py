@@ -2,22 +2,24 @@
 monolith's logits."""
 import torch
 
-from course.impl import load, reference
+from course.impl import load
+from course.pipeline_options import check_one_stage_per_rank
 
 
 def check_args(args):
-    reference("m04_sharded").check_world_size(reference("m00_monolith").MLPConfig(), args.world_size)
+    check_one_stage_per_rank(args.world_size)
 
 
 def demo(args):
     m00, m02, m04 = load("m00_monolith"), load("m02_comms"), load("m04_sharded")
     rank, world_size, device = m02.init_distributed()
     cfg = m00.MLPConfig()
-    model = m04.ShardedMLP(cfg, rank, world_size).to(device)
+    comms = m02.PipelineComms(device=device)  # the pipeline is every rank of the job: comms.pp
+    model = m04.ShardedMLP(cfg, comms.pp).to(device)
     x, y = m00.make_batch(cfg)
-    out = m04.sharded_forward(model, m02.PipelineComms(rank, world_size, device), x.to(device))
+    out = m04.sharded_forward(model, comms, x.to(device))
     params = sum(p.numel() for p in model.parameters())
-    print(f"rank {rank}: layers {list(m04.layer_range(cfg, rank, world_size))}, {params} parameters")
+    print(f"rank {rank}: layers {list(m04.layer_range(cfg, comms.pp.index, comms.pp.size))}, {params} parameters")
     if model.is_last:
         expected = m00.build_model(cfg)(x)
         same = torch.equal(out.cpu(), expected)

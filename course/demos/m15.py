@@ -15,7 +15,7 @@ from torch.overrides import TorchFunctionMode
 
 from course.collectives import Collectives
 from course.costs import measured_cost
-from course.demos import log_every, same_curve
+from course.demos import check_writable, log_every, same_curve
 from course.impl import load, reference
 from course.mesh import Group, init_mesh
 
@@ -50,6 +50,19 @@ def check_args(args):
         raise ValueError(f"--data {args.data} must divide the {args.world_size} ranks: c = nproc / d")
     c = args.world_size // args.data
     reference("m15_cp_model").check_cp(config(args), args.variant, c, args.seq_len, args.data, args.batch)
+    if args.timeline:
+        check_timeline(args.timeline)
+
+
+def check_timeline(prefix: str):
+    """One line unless PREFIX.png can be written: its folder must exist (a typo is not made a new folder)."""
+    folder = os.path.dirname(prefix)
+    if folder and not os.path.isdir(folder):
+        raise ValueError(f"--timeline {prefix}: there is no folder {folder} (make it first, or pick another PATH)")
+
+    def refuse(message):
+        raise ValueError(message)
+    check_writable(prefix, "--timeline", refuse)
 
 
 # --- an emulated device and timed waits (the benchmark uses them too) ----------------------------
@@ -190,7 +203,8 @@ def demo(args):
               f"{cfg.n_kv_heads} key-value heads; batch {args.batch} x {cfg.max_seq_len} tokens, {args.steps} steps")
     began = time.perf_counter()
     on_step = log_every(max(1, args.steps // 5), args.steps) if rank == 0 else None
-    _, losses = cp_model.train(cfg, args.steps, mesh, args.variant, args.batch, on_step=on_step)
+    _, losses = m06_model.fit(cp_model.CPLlama(cfg, mesh, args.variant), args.steps, args.batch,
+                              on_step=on_step)  # module 06's loop: the same batches as one process's
     elapsed = time.perf_counter() - began
     measured = measured_cost(mesh.log)
     formula = costs.cp_traffic(cfg, args.batch, cfg.max_seq_len, torch.float32, c, args.variant, d)
@@ -223,7 +237,6 @@ def demo(args):
     print("\n".join(text_timeline(per_rank)))
     if args.timeline:
         from course.plotting import plot_timeline
-        os.makedirs(os.path.dirname(args.timeline) or ".", exist_ok=True)
         plot_timeline(as_profiles(per_rank), args.timeline + ".png", step=0,
                       title=f"{args.variant}, c={c}: one attention forward (colour: ring step)")
         print(f"timeline: {args.timeline}.png")

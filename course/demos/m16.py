@@ -10,7 +10,6 @@ import time
 import torch
 
 from course.costs import measured_cost
-from course.dataset import load_text, random_batch
 from course.impl import load, reference
 from course.mesh import init_mesh
 
@@ -48,6 +47,8 @@ def configs(args):
 def check_args(args):
     if args.dropless and args.capacity_factor is not None:
         raise ValueError("--dropless and --capacity-factor exclude each other: a capacity drops slots")
+    if args.capacity_factor is not None and not args.capacity_factor > 0:
+        raise ValueError(f"--capacity-factor must be positive (or --dropless), got {args.capacity_factor:g}")
     if min(args.steps, args.batch, args.microbatches, args.layers, args.experts) < 1:
         raise ValueError(f"--steps, --batch, --microbatches, --layers and --experts must be positive, got "
                          f"{args.steps}, {args.batch}, {args.microbatches}, {args.layers}, {args.experts}")
@@ -55,14 +56,17 @@ def check_args(args):
     if e < 1 or args.world_size % e:
         raise ValueError(f"--expert-ranks {e} must divide the {args.world_size} ranks: expert groups are carved out "
                          f"of the data ranks")
-    reference("m16_router").check_expert_split(moe, e)
+    try:
+        reference("m16_router").check_expert_split(moe, e)
+    except ValueError as error:
+        raise ValueError(f"{error} (e = --expert-ranks, default --nproc)") from None
     if args.batch % (args.world_size * args.microbatches):
         raise ValueError(f"--batch {args.batch} must be divisible by ranks x microbatches = "
                          f"{args.world_size} x {args.microbatches}")
 
 
 def demo(args):
-    m02, m16 = load("m02_comms"), load("m16_moe_model")
+    m02, m06, m16 = load("m02_comms"), load("m06_llama_model"), load("m16_moe_model")
     costs = reference("m16_costs")   # the formulas the measurements are checked against
     rank, world_size, _ = m02.init_distributed(backend="gloo")
     torch.set_num_threads(1)
@@ -81,26 +85,26 @@ def demo(args):
               f"{world_size // e} rank(s); batch {args.batch} x {cfg.max_seq_len}, {args.microbatches} microbatch(es), "
               f"{args.steps} steps, float64")
     model = m16.MoELlama(cfg, moe, mesh, 0, dtype)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
-    data, generator = load_text(), torch.Generator().manual_seed(0)
-    losses, began, every = [], time.perf_counter(), max(1, args.steps // 5)
-    for step in range(args.steps):
-        mesh.log.clear()
-        tokens, targets = random_batch(data, args.batch, cfg.max_seq_len, generator)
-        losses.append(model.train_step(tokens, targets, args.microbatches, optimizer))
+    every = max(1, args.steps // 5)
+
+    def on_step(step, loss):
         stats = model.last_step
         if rank == 0 and (step % every == 0 or step == args.steps - 1):
             mean = stats.loads.sum(-1, keepdim=True) / moe.n_experts
             imbalance = " ".join(f"{x:.2f}" for x in (stats.loads.max(-1).values / mean.squeeze(-1)).tolist())
-            print(f"  step {step:3d}  loss {losses[-1]:.4f}  aux {stats.aux:.5f}  dropped slots {stats.dropped:4d}  "
+            print(f"  step {step:3d}  loss {loss:.4f}  aux {stats.aux:.5f}  dropped slots {stats.dropped:4d}  "
                   f"max/mean load per layer {imbalance}")
+        if step < args.steps - 1:
+            mesh.log.clear()   # keep the last step's collectives only, for the bytes below
+    began = time.perf_counter()
+    _, losses = m06.fit(model, args.steps, args.batch, seed=0, n_microbatches=args.microbatches, on_step=on_step)
     elapsed = time.perf_counter() - began
     measured = measured_cost(mesh.log)   # the last step's
     formula = costs.step_cost(cfg, moe, mesh.sizes, mesh.group("e").index, model.layer.records, dtype)
     if rank != 0:
         return
     print(f"  {args.steps} steps in {elapsed:.1f} s")
-    print(f"Tokens per expert in the last step (slots the routers chose, over the whole batch), layer by layer:")
+    print("Tokens per expert in the last step (slots the routers chose, over the whole batch), layer by layer:")
     for layer, loads in enumerate(model.last_step.loads.tolist()):
         print(f"  layer {layer}: {loads}")
     print("Bytes rank 0 sent in the last step (the all-to-alls depend on its routing), measured and formula:")

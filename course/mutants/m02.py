@@ -3,11 +3,14 @@ from course.mutants import Plant
 
 F = "m02_comms.py"
 PLANTS = [
-    Plant(F, "self.next = rank + 1 if rank < world_size - 1 else None",
-          "self.next = rank + 1 if rank < world_size else None",
-          "off by one at the end: the last rank gets a next neighbour (world_size) that does not exist"),
-    Plant(F, "self.prev = rank - 1 if rank > 0 else None", "self.prev = (rank - 1) % world_size",
-          "neighbours as a ring: the first stage's prev is the last rank, where a pipeline has no one"),
+    Plant(F, "self.next = self.pp.ranks[index + 1] if index < size - 1 else None",
+          "self.next = self.pp.ranks[index + 1] if index < size else None",
+          "off by one at the end: the last stage gets a next neighbour past the group's members"),
+    Plant(F, "self.prev = self.pp.ranks[index - 1] if index > 0 else None", "self.prev = self.pp.ranks[index - 1]",
+          "neighbours as a ring: the first stage's prev is the group's last member, where a pipeline has no one"),
+    Plant(F, "self.prev = self.pp.ranks[index - 1] if index > 0 else None",
+          "self.prev = self.rank - 1 if index > 0 else None",
+          "a place is not a rank: the neighbour is the group's previous member, not the global rank below"),
     Plant(F, """        buffer = torch.empty(shape, dtype=dtype or self.dtype, device=self.device)
         dist.recv(buffer, self._peer("prev", "recv_forward"))""",
           """        buffer = torch.empty(shape, dtype=self.dtype, device=self.device)

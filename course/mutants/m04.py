@@ -3,10 +3,10 @@ from course.mutants import Plant
 
 F = "m04_sharded.py"
 PLANTS = [
-    Plant(F, "return range(rank * per_rank, (rank + 1) * per_rank)", "return range(rank, cfg.layers, world_size)",
+    Plant(F, "return range(stage * per_stage, (stage + 1) * per_stage)", "return range(stage, cfg.layers, n_stages)",
           "round-robin layers (rank, rank + P, ...): not consecutive, so the relay applies them out of order"),
-    Plant(F, "return range(rank * per_rank, (rank + 1) * per_rank)",
-          "return range(rank * per_rank, (rank + 1) * per_rank + 1)",
+    Plant(F, "return range(stage * per_stage, (stage + 1) * per_stage)",
+          "return range(stage * per_stage, (stage + 1) * per_stage + 1)",
           "one layer too many per rank, off by one at the end: neighbouring ranks both apply a layer"),
     Plant(F, "self.head = nn.Linear(cfg.hidden, cfg.classes) if self.is_last else None",
           "self.head = nn.Linear(cfg.hidden, cfg.classes)",
@@ -20,7 +20,7 @@ PLANTS = [
           "each rank draws only its own layers: they take the first draws of the stream, not the monolith's weights"),
     Plant(F, "        torch.manual_seed(cfg.seed)\n        kept = []\n", "        kept = []\n",
           "no seed: each rank's layers start from whatever the random stream holds, not the monolith's weights"),
-    Plant(F, "torch.manual_seed(cfg.seed)\n        kept = []", "torch.manual_seed(cfg.seed + rank)\n        kept = []",
+    Plant(F, "torch.manual_seed(cfg.seed)\n        kept = []", "torch.manual_seed(cfg.seed + pp.index)\n        kept = []",
           "a seed per rank: different random streams, so the layers are not the monolith's"),
     Plant(F, "        x = comms.recv_forward((x.shape[0], model.hidden))\n", "        x = comms.recv_forward(x.shape)\n",
           "the receive sized from x: later ranks may be handed only the batch's rows, so the shape is wrong"),

@@ -51,4 +51,7 @@ PLANTS = [
           "W overwrites .grad instead of accumulating: only the last microbatch's weight gradient survives"),
     Plant(STAGE, "(layer.bias, dz.sum(0))", "(layer.bias, dz.mean(0))",
           "the bias gradient averaged over the microbatch's rows: the loss's 1/M scale is already in dz"),
+    Plant(EXEC, "for action in schedule.orders[comms.pp.index]:",
+          "for action in schedule.orders[comms.pp.ranks[comms.pp.index]]:",
+          "a rank's list is at its place in the pipeline's group, not at its global rank: on a mesh they differ"),
 ]

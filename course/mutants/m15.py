@@ -124,8 +124,8 @@ PLANTS = [
      replace= "            self._rope[key] = rope_tables_at(self.group.index * seq_len + torch.arange(seq_len), self.cfg.head_dim,",
      teaches= "zig-zag positions not following the chunks: RoPE must rotate by the layout's positions"),
     Plant(file="m15_cp_model.py",
-     find= "            weight = tok_m.numel() / total",
-     replace= "            weight = 1 / n_microbatches",
+     find= "        n_tokens = real_tokens(targets)  # of the whole global batch",
+     replace= "        n_tokens = real_tokens(self.share(targets))  # of the whole global batch",
      teaches= "a loss averaged over the local tokens only: summed over d c ranks it is d c times too large"),
     Plant(file="m15_cp_model.py",
      find= "        dc.collectives.all_reduce(loss, label=\"loss\")",
@@ -136,7 +136,7 @@ PLANTS = [
      replace= "        sum_over_data_and_context(acc, self.mesh.group(\"d\"))",
      teaches= "context ranks hold different tokens: their weight gradients are partial sums too"),
     # --- costs -------------------------------------------------------------------------------------
-        Plant(file="m15_costs.py",
+    Plant(file="m15_costs.py",
      find= "        per_block = {\"send\": (3 * c - 2, 2 * (c - 1) * kv + c * dkv) if c > 1 else (0, 0)}",
      replace= "        per_block = {\"send\": (3 * c - 2, 2 * (c - 1) * kv + (c - 1) * dkv) if c > 1 else (0, 0)}",
      teaches= "each accumulator makes one more hop than its block: home"),
@@ -144,4 +144,90 @@ PLANTS = [
      find= "        per_block = {\"all_to_all\": (13, (c - 1) * (forward + backward) / c)}",
      replace= "        per_block = {\"all_to_all\": (13, forward + backward)}",
      teaches= "an all-to-all keeps 1/c of its input at home"),
+    # --- learner run: bf16 accumulators and lse, the order of a ring step's messages ----------------
+    Plant(file="m15_ring_attention.py",
+     find= "                buffer = torch.empty(kv.shape, dtype=lse.dtype, device=kv.device)\n"
+             "                receive = group.collectives.irecv(buffer, (me - 1) % c, label=\"dkv\", tag=DKV_TAG)\n"
+             "            acc = torch.zeros(kv.shape, dtype=lse.dtype, device=kv.device)",
+     replace= "                buffer = torch.empty_like(kv)\n"
+                "                receive = group.collectives.irecv(buffer, (me - 1) % c, label=\"dkv\", tag=DKV_TAG)\n"
+                "            acc = torch.zeros_like(kv)",
+     teaches= "the ring's dk, dv accumulators in the values' dtype: every hop rounds a bf16 running sum again"),
+    Plant(file="m15_allgather_kv.py",
+     find= "        dkv = torch.zeros(kv.shape, dtype=lse.dtype, device=kv.device)\n"
+             "        dqs = []\n"
+             "        for q_start, rows in layout.local_pieces(me):\n"
+             "            dq, dk, dv = attention_backward(do[:, rows], q[:, rows], kv[0], kv[1], None, lse[..., rows], self.chunk,\n"
+             "                                            q_start, 0, delta[..., rows])\n"
+             "            dqs.append(dq)\n"
+             "            dkv[0] += dk\n"
+             "            dkv[1] += dv\n"
+             "        mine = torch.empty((2, *k.shape), dtype=lse.dtype, device=k.device)\n",
+     replace= "        dkv = torch.zeros_like(kv)\n"
+                "        dqs = []\n"
+                "        for q_start, rows in layout.local_pieces(me):\n"
+                "            dq, dk, dv = attention_backward(do[:, rows], q[:, rows], kv[0], kv[1], None, lse[..., rows], self.chunk,\n"
+                "                                            q_start, 0, delta[..., rows])\n"
+                "            dqs.append(dq)\n"
+                "            dkv[0] += dk\n"
+                "            dkv[1] += dv\n"
+                "        mine = torch.empty((2, *k.shape), dtype=k.dtype, device=k.device)\n",
+     teaches= "the all-gather's dk, dv summed in the values' dtype: bf16 sums over the pieces and the ranks"),
+    Plant(file="m15_allgather_kv.py",
+     find= "        mine = torch.empty((2, *k.shape), dtype=lse.dtype, device=k.device)",
+     replace= "        mine = torch.empty((2, *k.shape), dtype=k.dtype, device=k.device)\n"
+                "        dkv = dkv.to(k.dtype)",
+     teaches= "the gradients reduce-scattered in the values' dtype: the sum over the ranks rounds in bf16"),
+    Plant(file="m15_ring_attention.py",
+     find= "grouped_output(o_b, kv_heads, D).to(dtype), lse_b)",
+     replace= "grouped_output(o_b, kv_heads, D).to(dtype), lse_b.to(q.dtype))",
+     teaches= "an lse rounded to bf16 moves every softmax weight exp(s - lse) by up to 1 %: it stays float32"),
+    Plant(file="m15_ring_attention.py",
+     find= "                recv = group.collectives.irecv(incoming, (me - 1) % c, label=\"kv\", tag=KV_TAG)\n"
+             "                send = group.collectives.isend(kv, (me + 1) % c, label=\"kv\", tag=KV_TAG)\n"
+             "            for q_start",
+     replace= "                send = group.collectives.isend(kv, (me + 1) % c, label=\"kv\", tag=KV_TAG)\n"
+                "                recv = group.collectives.irecv(incoming, (me - 1) % c, label=\"kv\", tag=KV_TAG)\n"
+                "            for q_start",
+     teaches= "post the receive before the send: gloo moves a message only once its receive is posted"),
+    Plant(file="m15_ring_attention.py",
+     find= "                recv = group.collectives.irecv(incoming, (me - 1) % c, label=\"kv\", tag=KV_TAG)\n"
+             "                send = group.collectives.isend(kv, (me + 1) % c, label=\"kv\", tag=KV_TAG)\n"
+             "            if c > 1:",
+     replace= "                send = group.collectives.isend(kv, (me + 1) % c, label=\"kv\", tag=KV_TAG)\n"
+                "                recv = group.collectives.irecv(incoming, (me - 1) % c, label=\"kv\", tag=KV_TAG)\n"
+                "            if c > 1:",
+     teaches= "the backward's blocks too: post the receive before the send"),
+    # --- learner run: Ulysses' lse with several key/value heads a rank ---------------------------------
+    Plant(file="m15_ulysses.py",
+     find= "lse = self.to_sequence(lse_h.reshape(B, heads // c, T)",
+     replace= "lse = self.to_sequence(lse_h.transpose(1, 2).reshape(B, heads // c, T)",
+     teaches= "a rank's lse heads are (key/value head, group), in that order: visible once a rank has 2 kv heads"),
+    Plant(file="m15_ulysses.py",
+     find= "stats_h[..., i].transpose(1, 2).reshape(B, k_heads, -1, T)",
+     replace= "stats_h[..., i].transpose(1, 2).reshape(B, -1, k_heads, T).transpose(1, 2)",
+     teaches= "the backward regroups a rank's heads as (key/value head, group), like the forward's lse"),
+    # --- learner run: costs at c = 1 and in bf16 -------------------------------------------------------
+    Plant(file="m15_costs.py",
+     find= "        per_block = {\"all_gather\": (2, 2 * (c - 1) * kv), \"reduce_scatter\": (1, (c - 1) * dkv)}",
+     replace= "        per_block = {\"all_gather\": (2 if c > 1 else 0, 2 * (c - 1) * kv),\n"
+                "                     \"reduce_scatter\": (1 if c > 1 else 0, (c - 1) * dkv)}",
+     teaches= "a group of one still logs its collectives: the all-gather's calls count at c = 1"),
+    Plant(file="m15_costs.py",
+     find= "        per_block = {\"all_to_all\": (13, (c - 1) * (forward + backward) / c)}",
+     replace= "        per_block = {\"all_to_all\": (13 if c > 1 else 0, (c - 1) * (forward + backward) / c)}",
+     teaches= "a group of one still logs its collectives: Ulysses' all-to-alls count at c = 1"),
+    Plant(file="m15_costs.py",
+     find= "\"reduce_scatter\": (1, (c - 1) * dkv)}",
+     replace= "\"reduce_scatter\": (1, (c - 1) * kv)}",
+     teaches= "the all-gather's gradients are reduce-scattered in the statistics' dtype, s bytes a value"),
+    # --- learner run: the loss of padded batches -------------------------------------------------------
+    Plant(file="m15_cp_model.py",
+     find= "            part, grads = self.forward_backward(tok_m, tgt_m, n_tokens)",
+     replace= "            part, grads = self.forward_backward(tok_m, tgt_m, real_tokens(tgt_m) * n_microbatches * dc.size)",
+     teaches= "averaging the pieces' means is the step's mean only while every piece has as many real tokens"),
+    Plant(file="m15_cp_model.py",
+     find= "        n_tokens = real_tokens(targets)  # of the whole global batch",
+     replace= "        n_tokens = targets.numel()  # of the whole global batch",
+     teaches= "padding (IGNORE_INDEX) is no token: divide by the real tokens, not the batch's size"),
 ]

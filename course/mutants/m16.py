@@ -85,11 +85,14 @@ PLANTS = [
           'd_out = return_from_experts(d_back, exchange, group, "combine backward")',
           "the combine's adjoint taken as the combine itself: the gradient must go to the experts"),
     # Training.
-    Plant(MODEL, "scale, weight = 1.0 / (data.size * n_microbatches), 1.0 / n_sequences",
-          "scale, weight = 1.0 / n_microbatches, 1.0 / n_sequences",
-          "the cross-entropy's gradient not divided by the data ranks: d times the step's gradient"),
-    Plant(MODEL, "scale, weight = 1.0 / (data.size * n_microbatches), 1.0 / n_sequences",
-          "scale, weight = 1.0 / (data.size * n_microbatches), data.size * n_microbatches / n_sequences",
+    Plant(MODEL, "        n_tokens, rows = real_tokens(targets), n_sequences // data.size\n"
+                 "        mine = slice(data.index * rows, (data.index + 1) * rows)\n",
+          "        rows = n_sequences // data.size\n"
+          "        mine = slice(data.index * rows, (data.index + 1) * rows)\n"
+          "        n_tokens = real_tokens(targets[mine])\n",
+          "the cross-entropy divided by this rank's real tokens, not the global batch's: d times the step's loss"),
+    Plant(MODEL, "self.forward_backward(tok, tgt, n_tokens, 1.0 / n_sequences)",
+          "self.forward_backward(tok, tgt, n_tokens, 1.0 / len(tok))",
           "each sequence's auxiliary loss weighted by the microbatch's own count: a local mean, d m times too big"),
     Plant(MODEL, "loads = torch.stack([r.loads for r in records])", "loads = torch.stack([r.sent for r in records])",
           "the loads counted after the capacity: the router's overload is hidden by the drops"),
@@ -105,4 +108,30 @@ PLANTS = [
     Plant(COSTS, "values = dense_values(cfg, moe) + L * E // e * 3 * moe.expert_dim * cfg.dim",
           "values = dense_values(cfg, moe) + L * E * 3 * moe.expert_dim * cfg.dim",
           "every expert counted on every rank: a rank keeps E / e of them"),
+    # A learner's run (issue: plants that survived or were reported badly).
+    Plant(MODEL, ".view(n_microbatches, n_layers, n_experts).sum(0)",
+          ".view(n_layers, n_microbatches, n_experts).sum(1)",
+          "the records read layer by layer (loads[i // m]): they come microbatch by microbatch, so with m > 1 one "
+          "layer gets another's loads"),
+    Plant(MODEL, "sum(r.dropped for r in records)", "0",
+          "the dropped slots never counted: the step reports none while the capacity drops tokens"),
+    Plant(PARALLEL, "received, torch.argsort(labels, stable=True)", "received, torch.argsort(labels)",
+          "an unstable sort for the regroup: one expert's rows from several members may come in any order (torch's "
+          "CPU sort keeps equal keys in order only on a few rows)"),
+    Plant(ROUTER, '        context.collectives.all_reduce(stats, label="aux loss statistics")\n',
+          '        counts, sums = (part.contiguous() for part in stats.split(n_experts, dim=1))\n'
+          '        context.collectives.all_reduce(counts, label="aux loss statistics")\n'
+          '        context.collectives.all_reduce(sums, label="aux loss statistics")\n'
+          '        stats = torch.cat([counts, sums], dim=1)\n',
+          "the counts and the sums of σ' all-reduced in two calls: one tensor, one call"),
+    Plant(ROUTER, 'context.collectives.all_reduce(stats, label="aux loss statistics")',
+          'context.collectives.all_reduce(stats, label="aux")',
+          "the context all-reduce under another label than the contract's: the log (and the costs) name it"),
+    Plant(MODEL, "self.forward_backward(tok, tgt, n_tokens, 1.0 / n_sequences)",
+          "self.forward_backward(tok, tgt, real_tokens(tgt) * data.size * n_microbatches, 1.0 / n_sequences)",
+          "each microbatch divided by d m times its own real tokens (the mean's 1 / (d c m) share): the global count "
+          "only when every microbatch has as many real tokens; padding makes them differ"),
+    Plant(DISPATCH, "slots = kept_slots[torch.argsort(flat[kept_slots], stable=True)]",
+          "slots = kept_slots[torch.argsort(flat[kept_slots])]",
+          "an unstable sort for the expert-major order: one expert's slots may leave token order"),
 ]

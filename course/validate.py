@@ -1,6 +1,4 @@
-# Generated from solutions/m11_validate.py by `python -m course.skeleton`. Given code: nothing
-# to fill in here; read it, then run it with `python main.py run 11`. (skeleton 99fcb2ea9c94)
-"""Module 11 - the validator (given): is a schedule one that the executor can run to the end?
+"""The validator of module 11's schedules (given): is a schedule one that the executor can run to the end?
 
 A schedule is refused, with a ScheduleError (a ValueError) whose first line says what is wrong,
 before any process starts: a rank that waits forever for a message nobody sends is a hang, and
@@ -16,12 +14,12 @@ a hang is the worst way to learn that a list was wrong. Checks, in order:
 
 The dry run is the schedule simulator (course/simulate.py) at unit costs: a schedule it can
 finish, the executor can too, whatever the real costs, because only the order of each rank's list
-matters.
+matters. A schedule is module 11's `Schedule` (m11_actions): `placement`, `orders`, its sizes and
+`table`; the ranks it names are places in the pipeline's group.
 """
 from collections import Counter
 
-from course.simulate import Deadlock, needs, produces, simulate_schedule
-from .m11_actions import KINDS, Schedule
+from course.simulate import KINDS, Deadlock, needs, produces, simulate_schedule
 
 
 class ScheduleError(ValueError):
@@ -31,7 +29,7 @@ class ScheduleError(ValueError):
         super().__init__(message)
 
 
-def validate(schedule: Schedule) -> None:
+def validate(schedule) -> None:
     """Raise ScheduleError if `schedule` is malformed or would deadlock; return None if it is fine."""
     _check_actions(schedule)
     _check_counts(schedule)
@@ -39,7 +37,7 @@ def validate(schedule: Schedule) -> None:
     _dry_run(schedule)
 
 
-def _check_actions(schedule: Schedule):
+def _check_actions(schedule):
     if any(not 0 <= rank < schedule.world_size for rank in schedule.placement):
         raise ScheduleError(f"{schedule.name}: the placement {list(schedule.placement)} names ranks beyond the "
                             f"{schedule.world_size} that have a list of actions")
@@ -58,7 +56,7 @@ def _check_actions(schedule: Schedule):
                                     f"rank {schedule.placement[action.stage]}")
 
 
-def _check_counts(schedule: Schedule):
+def _check_counts(schedule):
     counts = Counter((a.stage, a.microbatch, a.kind) for order in schedule.orders for a in order)
     for stage in range(schedule.n_stages):
         for microbatch in range(schedule.n_microbatches):
@@ -72,7 +70,7 @@ def _check_counts(schedule: Schedule):
                                                             "gradient)" if n["I"] > n["W"] else ""))
 
 
-def _check_local_order(schedule: Schedule):
+def _check_local_order(schedule):
     for rank, order in enumerate(schedule.orders):
         seen = set()
         for action in order:
@@ -83,7 +81,7 @@ def _check_local_order(schedule: Schedule):
             seen.add((action.stage, action.kind, action.microbatch))
 
 
-def _dry_run(schedule: Schedule):
+def _dry_run(schedule):
     try:
         simulate_schedule(schedule.orders, schedule.placement)
     except Deadlock as stuck:
@@ -97,7 +95,7 @@ def _dry_run(schedule: Schedule):
         raise ScheduleError(f"{schedule.name} deadlocks: {'; '.join(waiting)}\n{schedule.table(marks)}") from None
 
 
-def _describe(key, schedule: Schedule) -> str:
+def _describe(key, schedule) -> str:
     what, stage, microbatch = key
     rank = schedule.placement[stage]
     if what == "act":

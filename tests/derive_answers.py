@@ -1,0 +1,125 @@
+"""Answers that a TODO asks the learner to derive, which neither its module's chapter nor its
+skeleton may state (issue 26: passing means deriving). Read by tests/test_course_derive.py.
+
+FORBIDDEN[module][function] lists, for the TODOs of `function` (as `python main.py hint` names it),
+the strings that would hand the answer over: the spec strings a line must derive, the count
+formula a cost function returns, the schedule a docstring used to spell out. The check compares
+lower-case text with all whitespace, backticks, table bars and comment marks taken out, so
+"2Lm - kept (2m - 1)" also catches "2 L m-kept(2m-1)" in a table cell or a wrapped comment. A
+chapter may derive the method on a smaller or neighbouring case (chapter 13 works out the
+attention half's specs; chapter 07 the shards of 10 values on 4 ranks); the hint levels
+(`python main.py hint`) may hold the answers, and are not checked.
+
+Module 11's TODOs get their entries with part B of the issue (the same keys: its functions).
+"""
+
+FORBIDDEN = {
+    "07": {
+        "FlatLayout.shard": [
+            "[r * s, (r + 1) * s)", "r * shard_numel", "(r + 1) * shard_numel", "rank * shard_numel",
+            "rank * self.shard_numel",
+        ],
+        "FlatLayout.__init__": [
+            "s = ceil((P + 2M) / d)", "ceil(numel / world_size)", "-(-numel // world_size)",
+        ],
+        "fsdp_traffic": [
+            "2Lm - kept (2m - 1)", "2 L m - kept", "kept (2m - 1)", "kept * (2 * m - 1)", "2m - 1 turns",
+            "turns = 2m - 1", "Lm reduce-scatters", "3 collectives, 3 payloads", "3 per block",
+            "collectives x (d - 1) x payload", "2 x d x ceil", "2 d payloads + 2 payloads",
+            "d ceil((P + 2M) / d) b", "(L shard + replicated) b",
+        ],
+        "ShardedWeights.gather": [
+            "buf.layer == layer and buf.version == self.version", "record in buf the layer and version",
+            "buf.pending is what get() must wait for", "if it already holds this layer at the current version",
+            "finds layer l in its buffer at the current version sends nothing",
+        ],
+        "ShardedWeights.get": [
+            "mark the buffer IN_USE; afterwards nothing is pending", "buf.pending.wait()",
+        ],
+        "ShardedWeights.release": [
+            "only the state changes", "keep the layer and version it remembers",
+            "state becomes FREE, and nothing else changes", "resetting layer or version here",
+        ],
+    },
+    "12": {
+        # The conjugate operators: which collective each runs, forward and backward, with and without
+        # sequence parallelism (chapter 12 derives f's backward without it).
+        "enter_tp_forward": [
+            "identity, or an all-gather along the sequence", "forward all-gather along the sequence",
+            "f (enter), sequence-parallel | all-gather", "f (enter) | before the column-parallel linears | identity",
+            "forward identity, backward all-reduce",
+        ],
+        "enter_tp_backward": [
+            "all-reduce, or reduce-scatter along the sequence", "backward reduce-scatter along the sequence",
+            "all-gather along the sequence | reduce-scatter along the sequence",
+        ],
+        "leave_tp_forward": [
+            "g forward: all-reduce", "forward reduce-scatter along the sequence",
+            "g (leave), sequence-parallel | reduce-scatter", "| all-reduce: sum the partials | identity",
+            "forward all-reduce, backward identity",
+        ],
+        "leave_tp_backward": [
+            "identity, or an all-gather along the sequence", "backward all-gather along the sequence",
+            "reduce-scatter along the sequence | all-gather along the sequence", "every rank's partial gets dy",
+            "every rank's partial receives dy itself", "an all-reduce here would add the t identical copies",
+            "in g's backward (the gradient does)",
+        ],
+        "column_parallel_backward": [
+            "start gathering x (sequence parallelism)", "start the all-gather of x (sequence parallelism)",
+            "wait for x; start dx's", "wait for dx, return it", "x travels during the next line",
+            "re-gather of x, behind the input-gradient GEMMs", "x's re-gather behind the input-gradient GEMMs",
+        ],
+        "accumulate_weight_grad": [
+            "addmm(main_grad, dyᵀ, x, out=main_grad)", "addmm(main_grad, dy", "addmm_into(main_grad, dy",
+            "torch.addmm with out=main_grad",
+        ],
+        "vocab_parallel_cross_entropy": [
+            "log Z + z_max - z_y", "exp(z - z_max) / Z", "exp(z_v - z_max) / Z", "sum exp(z - z_max)",
+            "Σ exp(z_v - z_max)", "the target's logit, from its owner", "the target's logit, from the rank owning it",
+            "(sum; the others give 0)", "contributes 0 here",
+        ],
+        "tp_traffic": [
+            "4L + 2", "6L + 3", "8L + 4", "10L + 5", "2L + 1 all-reduces (blocks, LM head input)",
+            "2 per block backward", "4L + 2 all-gathers",
+        ],
+    },
+    "13": {
+        # The spec strings of every line but the attention half's forward, which chapter 13 works out.
+        "Llama2D.embed": [
+            "B/d T V/t, V/t M -> B/d T M", "V/t M/d -> V/t M", "B/d T -> B/d T V/t",
+        ],
+        "Llama2D.ffn_half": [
+            "B/d T M, F/t M -> B/d T F/t", "F/t M/d -> F/t M", "B/d T F/t, B/d T F/t -> B/d T F/t",
+            "M/d F/t -> M F/t", "B/d T F/t, M F/t -> B/d T M",
+        ],
+        "Llama2D.loss_forward": [
+            "B/d T M, V/t M -> B/d T V/t", '"{U_d} ->"', "'{U_d} ->'",
+        ],
+        "Llama2D.loss_backward": [
+            "B/d T V/t, V/t M -> B/d T M", "B/d T V/t, B/d T M -> V/t M", "V/t M {U_d} -> V/t M/d",
+            "B/d T M {U_t}, B/d T M, B/d T, M -> B/d T M {U_t}, M {U_d,t}",
+        ],
+        "Llama2D.ffn_half_backward": [
+            "B/d T M, M F/t -> B/d T F/t", "B/d T M, B/d T F/t -> M F/t", "M F/t {U_d} -> M/d F/t",
+            "F/t M {U_d} -> F/t M/d", "B/d T F/t, B/d T M -> F/t M", "B/d T F/t, F/t M -> B/d T M",
+            "B/d T F/t, B/d T F/t, B/d T F/t -> B/d T F/t, B/d T F/t",
+        ],
+        "Llama2D.attention_half_backward": [
+            "B/d T M, M K/t Q D -> B/d T K/t Q D", "B/d T M, B/d T K/t Q D -> M K/t Q D",
+            "M K/t Q D {U_d} -> M/d K/t Q D", "B/d T K/t Q D, K/t Q D M -> B/d T M",
+            "B/d T K/t D, K/t D M -> B/d T M", "B/d T K/t Q D, B/d T M -> K/t Q D M",
+            "K/t Q D M {U_d} -> K/t Q D M/d", "K/t D M {U_d} -> K/t D M/d", "B/d T K/t D, B/d T M -> K/t D M",
+        ],
+        "Llama2D.embed_backward": [
+            "B/d T V/t, B/d T M -> V/t M", "V/t M {U_d} -> V/t M/d",
+        ],
+        "step_traffic": [
+            "14L + 3", "7L + 2", "4L + 2", "2 L P + 3 V' M", "L P + 2 V' M", "2 (2L + 1) + 4L + 2",
+            "2L + 1 + 4L + 2", "6 (t-1)/t N s", "2 (2L+1) (d-1)/(d t) M b", "(2L+1) (t-1)/t M b",
+            "3 (d-1)/(d t) P b", "8 (t-1)/t A a block",
+        ],
+        "state_bytes": [
+            "L (P + 2M) + 2 V' M + M", "(L (P + 2 M) + 2 V' M + M) // (d t)",
+        ],
+    },
+}

@@ -1,0 +1,157 @@
+"""The course's website (course/site/) builds, loads nothing from outside, and every link in it resolves.
+
+The site is built once, into a temporary folder, with the explorer's small grid and without executing a
+notebook (those the suite has executed are shown with their outputs, the others without): about 10 s on two
+cores. Its pages in a real browser, the notebooks' outputs among them, are the browser check's
+(`python main.py site --check`, the second step of .ci/run).
+"""
+from __future__ import annotations
+
+import json
+from fractions import Fraction
+
+import pytest
+
+import main
+from course import REPO
+from course.catalog import MODULES
+from course.impl import reference
+from course.simulate import Costs, simulate_schedule
+
+# Sphinx's deprecations of the API the theme and MyST still use are theirs to act on, not the course's.
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::PendingDeprecationWarning")
+pytest.importorskip("myst_nb", reason="the site's packages are not installed (pip install -r requirements.txt)")
+
+from course.site import explorer, notebooks, pages  # noqa: E402
+from course.site.build import build  # noqa: E402
+from course.site.html_check import check_site  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    index, warnings = build(tmp_path_factory.mktemp("site") / "site", execute="none", grid=explorer.SMALL)
+    return index.parent, warnings
+
+
+def script_data(path) -> dict:
+    """The JSON object a data script of the explorer assigns on its last line, `EXPLORER.x = {...};`."""
+    return json.loads(path.read_text().splitlines()[-1].partition(" = ")[2].rstrip(";"))
+
+
+def test_the_site_builds_without_a_warning(site):
+    folder, warnings = site
+    assert not warnings, "Sphinx warned (a link to a page that is not there is one):\n" + "\n".join(warnings)
+    expected = ["index.html", "explorer.html", "memory.html", "timelines.html", "docs/glossary.html"]
+    expected += [f"docs/{p.stem}.html" for p in (REPO / "docs").glob("[0-9][0-9]-*.md")]
+    expected += [f"notebooks/{p.stem}.html" for p in (REPO / "notebooks").glob("*.ipynb")]
+    assert not [page for page in expected if not (folder / page).is_file()], "pages missing from the site"
+    maths = [page for page in folder.rglob("*.html") if 'class="math' in page.read_text()]
+    assert folder / "explorer.html" in maths, "the explorer's page has no maths (its formula is the bubble's)"
+    untypeset = [page.name for page in maths if "_static/katex/katex.min.js" not in page.read_text()]
+    assert not untypeset, f"pages with maths that do not load KaTeX: {untypeset}"
+
+
+def test_no_asset_from_outside_and_every_link_resolves(site):
+    problems = check_site(site[0])
+    assert not problems, f"{len(problems)} problems in the built site:\n" + "\n".join(problems[:30])
+
+
+def test_the_navigation_follows_the_tracks(site):
+    tracks = pages.tracks((REPO / "README.md").read_text())
+    assert [name for name, _, _ in tracks] == ["Pipeline", "Llama"], f"README.md's tracks read as {tracks}"
+    placed = [n for _, numbers, _ in tracks for n in numbers]
+    assert len(set(placed)) == len(placed) and set(placed) <= set(MODULES), f"README.md's tracks: {placed}"
+    home = (site[0] / "index.html").read_text()
+    for name, numbers, _ in tracks:
+        assert f"{name} track" in home
+        links = [home.index(f'href="docs/{next((REPO / "docs").glob(f"{n}-*.md")).stem}.html"') for n in numbers]
+        assert links == sorted(links), f"the {name} track's chapters are not in the catalog's order"
+
+
+def test_the_explorer_has_every_schedule_of_module_11_as_the_simulator_times_it(site):
+    generators = reference("m11_generators")
+    data = site[0] / "_static" / "explorer"
+    index = script_data(data / "index.js")
+    assert [s["name"] for s in index["schedules"]] == list(generators.SCHEDULES)
+    zbv = script_data(data / "zbv.js")
+    run = zbv["configs"]["4,8,2"]["runs"]["1,1,1"]
+    schedule = generators.make_schedule("zbv", 4, 8)
+    timeline = simulate_schedule(schedule.orders, schedule.placement, Costs())
+    assert Fraction(run["bubble"]) == timeline.bubble and run["makespan"] == timeline.makespan
+    assert run["start"] == [[start for _, start, _ in spans] for spans in timeline.spans]
+    assert zbv["refused"]["4,4,2"].startswith("zbv's warm-up"), "a refusal keeps check_arguments' reason"
+    assert Fraction(run["closed"]["bubble"]) == generators.bubble_formula("zbv", 4, 8)
+
+
+def test_the_memory_explorer_has_module_13s_bytes(site):
+    import torch
+
+    costs, cfg = reference("m13_costs"), reference("m06_llama_block").LlamaConfig()
+    data = json.loads((site[0] / "_static" / "memory" / "data.js").read_text().partition(" = ")[2].rstrip().rstrip(";"))
+    table = data["models"][0]["table"]["float32,4,2"]  # 4 ranks, 2 sequences per data rank
+    sizes = {"d": 2, "t": 2}
+    state = costs.state_bytes(cfg, sizes, torch.float32).memory
+    mesh = table["2x2"]
+    assert (mesh["parameters"], mesh["gradients"], mesh["optimizer"]) == (state["parameters"], state["gradients"],
+                                                                          state["optimizer"])
+    assert mesh["activations"] == costs.block_activation_bytes(cfg, sizes, 4, torch.float32).memory["activations"]
+    sent = costs.step_traffic(cfg, sizes, 4, torch.float32).sent
+    assert mesh["sent"]["t all_gather"] == sent[("t", "all_gather")] > 0
+    assert sum(mesh["sent"].values()) == sum(sent.values())
+    assert table["1x4"]["refused"].startswith("t=4 does not divide n_kv_heads"), "t = 4 does not divide 2 key/value heads"
+
+
+def test_the_explorer_formulas_are_the_closed_forms_of_module_11():
+    generators = reference("m11_generators")
+    grid = explorer.Grid(p=(2, 3, 4), m=(4, 6, 8), v=(2, 3), costs=(1, 2))
+    for name in set(explorer.IDLE_FORMS) & set(generators.SCHEDULES):
+        assert explorer.verified_form(name, explorer.schedule_data(generators, name, grid)), name
+    wrong = explorer.schedule_data(generators, "zbh1", grid)
+    explorer.IDLE_FORMS["zbh1-wrong"] = "(p-1)*(F+I)"
+    try:
+        assert explorer.verified_form("zbh1-wrong", wrong) is None, "a wrong formula was not caught"
+    finally:
+        del explorer.IDLE_FORMS["zbh1-wrong"]
+    assert explorer.tex("(p-1)*max(F+I-W, F, I)") == r"(p-1)\max(\tau_F+\tau_I-\tau_W, \tau_F, \tau_I)"
+
+
+def test_the_html_check_finds_what_is_wrong(tmp_path):
+    (tmp_path / "pic.png").write_bytes(b"")
+    (tmp_path / "style.css").write_text("a { background: url(https://example.org/x.png) } b { x: url(gone.woff2) }")
+    (tmp_path / "other.html").write_text('<p id="here">')
+    (tmp_path / "index.html").write_text(
+        '<script src="https://cdn.example.org/lib.js"></script><link rel="stylesheet" href="style.css">'
+        '<img src="pic.png"><img src="missing.png"><iframe src="//example.org/frame"></iframe>'
+        '<a href="other.html#here">ok</a><a href="other.html#nowhere">bad anchor</a><a href="nope.html">gone</a>'
+        '<a href="https://ui.perfetto.dev">a link out is fine</a><div style="background: url(http://x.org/a.png)">')
+    problems = "\n".join(check_site(tmp_path))
+    for found in ("loads https://cdn.example.org/lib.js from outside", "missing.png, which is not in the site",
+                  "//example.org/frame from outside", "has no #nowhere", "nope.html, which is not in the site",
+                  "https://example.org/x.png from outside the site (CSS", "url(gone.woff2) names no file",
+                  "http://x.org/a.png from outside"):
+        assert found in problems, f"not found: {found}\nin:\n{problems}"
+    assert "pic.png" not in problems and "perfetto" not in problems and "#here" not in problems
+
+
+def test_an_executed_copy_is_used_only_while_it_is_the_committed_notebook(tmp_path, monkeypatch):
+    import nbformat
+
+    monkeypatch.setattr(notebooks, "EXECUTED", tmp_path / "executed")
+    notebook = tmp_path / "01-x.ipynb"
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("1 + 1")])
+    nbformat.write(nb, notebook)
+    assert notebooks.executed_copy(notebook) is None
+    nb.cells[0].outputs = [nbformat.v4.new_output("execute_result", {"text/plain": "2"}, execution_count=1)]
+    (tmp_path / "run").mkdir()
+    nbformat.write(nb, tmp_path / "run" / notebook.name)
+    notebooks.keep_executed(tmp_path / "run" / notebook.name)
+    assert notebooks.executed_copy(notebook) == tmp_path / "executed" / notebook.name
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("1 + 2")]), notebook)
+    assert notebooks.executed_copy(notebook) is None, "a copy of an edited notebook is stale"
+
+
+def test_the_site_command_parses():
+    args = main.parse(["site", "--check", "--execute"])
+    assert (args.command, args.check, args.execute, args.open) == ("site", True, True, False)
+    with pytest.raises(SystemExit):
+        main.parse(["site", "--no-such-option"])
