@@ -87,4 +87,7 @@ MODULES = {m.number: m for m in [
            4, ("m15_layout", "m15_ring_attention", "m15_allgather_kv", "m15_ulysses", "m15_cp_model", "m15_costs")),
     Module("16", "Mixture of experts: top-k routing, capacity, load balancing, experts over ranks by all-to-all", 4,
            ("m16_router", "m16_dispatch", "m16_expert_parallel", "m16_moe_layer", "m16_moe_model", "m16_costs")),
+    Module("17", "Composition: pipeline, data, tensor, context and expert parallelism on one mesh; DCP checkpoints",
+           8, ("m17_composition", "m17_stage", "m17_moe_stage", "m17_trainer", "m17_costs", "m17_checkpoint",
+               "m17_run")),
 ]}

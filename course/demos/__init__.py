@@ -73,7 +73,9 @@ def parse_run_options(args, run_parser, error):
         error(f"module {args.number} runs in a single process; drop --nproc")
     if default > 1 and args.world_size < 2:
         error(f"module {args.number} is distributed: it needs --nproc of at least 2, got {args.world_size}")
-    args.timeout = args.timeout if args.timeout is not None else 60.0 if args.world_size > 1 else 600.0
+    # A demo may say how long it runs by default (TIMEOUT_S, e.g. module 17's real run); else 60 s with ranks.
+    default_timeout = getattr(demo, "TIMEOUT_S", 60.0 if args.world_size > 1 else 600.0)
+    args.timeout = args.timeout if args.timeout is not None else default_timeout
     if not 0 < args.timeout <= MAX_TIMEOUT_S:
         error(f"--timeout must be a positive number of seconds, at most {MAX_TIMEOUT_S:g} (a day), got {args.timeout:g}")
     if getattr(args, "trace", None):

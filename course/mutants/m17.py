@@ -1,0 +1,89 @@
+"""Module 17's planted bugs (the composed trainer, its checkpoints): see course/mutants/__init__.py."""
+from course.mutants import Plant
+
+COMPOSITION, STAGE, TRAINER, COSTS = "m17_composition.py", "m17_stage.py", "m17_trainer.py", "m17_costs.py"
+CHECKPOINT, RUN = "m17_checkpoint.py", "m17_run.py"
+PLANTS = [
+    # The issue's list.
+    Plant(TRAINER, "        n_tokens = real_tokens(targets)\n        for stage in self.stages.values():\n"
+                   "            stage.begin_step(n_tokens, tokens.shape[0])\n        loss = run_schedule(",
+          "        n_tokens = real_tokens(self.share(targets))\n        for stage in self.stages.values():\n"
+          "            stage.begin_step(n_tokens, tokens.shape[0])\n        loss = run_schedule(",
+          "the loss normalised over one axis too few: this rank's rows' tokens, not the step's (off by d)"),
+    Plant(COMPOSITION, 'fsdp=mesh.group("d", "c")', 'fsdp=mesh.group("d")',
+          "FSDP over d only: with c > 1 the context ranks hold the same slice, so their gradients go unsummed"),
+    Plant(STAGE, "works = [fsdp.collectives.all_gather(full, shard,",
+          "works = [self.groups.tp.collectives.all_gather(full, shard,",
+          "the FSDP gather over the wrong group (t): it assembles other slices' shards into this slice"),
+    Plant(COMPOSITION, 'pp=mesh.group("p")',
+          'pp=Group("p", mesh.index["p"], tuple(range(mesh.sizes["p"])), mesh.group("p").collectives)',
+          "the pipeline's neighbours taken from the world (ranks 0 .. p-1) instead of the p axis's members"),
+    Plant(TRAINER, "        sum_over(groups.tp, norms, \"norm grads\")\n", "",
+          "the gradient of a replicated norm not summed over t: each t rank normed only T/t positions"),
+    # Groups and sums.
+    Plant(TRAINER, "norms = [(shard, stage.norms) for stage in stages for shard in stage.grad_shards]",
+          "norms = []",
+          "only the final norm summed over t: the blocks' ln1 and ln2 (inside the flat shards) are partial too"),
+    Plant(TRAINER, 'sum_over(groups.replicas, [g for stage in stages for g in stage.replicated_grads.values()]',
+          'sum_over(groups.data, [g for stage in stages for g in stage.replicated_grads.values()]',
+          "the embedding's and LM head's gradients summed over d only: the context ranks saw other positions"),
+    Plant(TRAINER, 'sum_over(groups.expert_data, [g for stage in stages for g in stage.expert_grads], "expert grads")',
+          'sum_over(groups.replicas, [g for stage in stages for g in stage.expert_grads], "expert grads")',
+          "expert gradients summed over every data rank: the other expert groups' members hold other experts"),
+    Plant(COMPOSITION, 'replicas=mesh.group("d", "c")', 'replicas=mesh.group("d")',
+          "the replicated weights' copies summed over d only: with c > 1 each context rank saw other positions"),
+    # How a stage holds an FSDP x TP block.
+    Plant(STAGE, "self.shards = [self.layout.shard(self.layout.flatten(s), fsdp.index).clone() for s in slices]",
+          "self.shards = [self.layout.shard(self.layout.flatten(s), tp.index).clone() for s in slices]",
+          "the fsdp shard picked by the rank's t index: the d c ranks of a slice keep the same piece"),
+    Plant(STAGE, "for layer in self.layers]\n        self.layout = FlatLayout(slices[0], fsdp.size)",
+          "for layer in self.layers]\n        self.layout = FlatLayout(whole.blocks[self.layers[0]], fsdp.size)",
+          "the flat layout of the whole block, not of the t slice: the shards cut the wrong tensors"),
+    Plant(STAGE, "works = [fsdp.collectives.reduce_scatter(shard, full,",
+          "works = [self.groups.data.collectives.reduce_scatter(shard, full,",
+          "the gradients reduce-scattered over d only: with c > 1 each shard misses the context ranks' part"),
+    # The loss.
+    Plant(STAGE, "self.positions(targets).reshape(-1), cfg.vocab_size, tp,\n"
+                 "                                                     self.n_tokens)",
+          "self.positions(targets).reshape(-1), cfg.vocab_size, tp)",
+          "each microbatch's loss divided by its own tokens on this rank (the mean of a piece, not of the step)"),
+    Plant(TRAINER, "loss = run_schedule(self.schedule, self.stages, self.comms, self.share(tokens), self.share(targets))",
+          "loss = run_schedule(self.schedule, self.stages, self.comms, tokens, targets)",
+          "every data rank trains on the whole global batch: d copies of every token's gradient"),
+    # FSDP across the microbatches.
+    Plant(STAGE, "        self.full_grads = [torch.zeros(self.layout.padded_numel, dtype=self.grad_dtype) for _ in self.shards]\n",
+          "        self.full_grads = [torch.empty(self.layout.padded_numel, dtype=self.grad_dtype) for _ in self.shards]\n",
+          "the whole gradient buffers not zeroed: the step's microbatches add into what the memory held"),
+    Plant(COSTS, "n_blocks * (n - 1) * shard * grad_dtype(dtype).itemsize",
+          "n_blocks * (n - 1) * shard * dtype.itemsize",
+          "the gradients' bytes counted in the weights' dtype: they travel in the float32 accumulators"),
+    Plant(COSTS, "shard = -(-P // n)", "shard = P // n",
+          "the shard of the unpadded slice: the flat buffer is padded to a multiple of d c"),
+    # Checkpoints.
+    Plant(RUN, "        losses.append(model.train_step(tokens, targets, n_microbatches, optimizer))\n"
+               "        if checkpoint_dir and checkpoint_every and (step + 1) % checkpoint_every == 0:\n"
+               "            save(model, optimizer, training_state(generator, losses), checkpoint_dir, step + 1, description,\n"
+               "                 make_writer)\n",
+          "        if checkpoint_dir and checkpoint_every and (step + 1) % checkpoint_every == 0:\n"
+          "            save(model, optimizer, training_state(generator, losses + [0.0]), checkpoint_dir, step + 1,\n"
+          "                 description, make_writer)\n"
+          "        losses.append(model.train_step(tokens, targets, n_microbatches, optimizer))\n",
+          "the checkpoint saved before the optimizer's step: step k's data position beside step k - 1's weights"),
+    Plant(CHECKPOINT, "    return DTensor.from_local(piece, device_mesh, placements, run_check=False, shape=torch.Size(shape),\n",
+          "    return piece\n    return DTensor.from_local(piece, device_mesh, placements, run_check=False, shape=torch.Size(shape),\n",
+          "a shard saved as a plain tensor: DCP takes it for a replicated copy and keeps one rank's"),
+    Plant(CHECKPOINT, "    elif field in ROW_PARALLEL:\n        over_t = Shard(1)\n",
+          "    elif field in ROW_PARALLEL:\n        over_t = Shard(0)\n",
+          "a row-parallel weight (wo, w_down) placed by rows: round-trips on the same t, scrambled on another"),
+    Plant(CHECKPOINT, "    if field in COLUMN_PARALLEL or field in (\"embedding\", \"lm_head\"):\n",
+          "    if field in COLUMN_PARALLEL:\n",
+          "the vocabulary rows saved as replicated: DCP keeps one t rank's rows for all of them"),
+    Plant(CHECKPOINT, "    if dist.get_rank() == 0:\n        os.rename(partial, final)\n    dist.barrier()\n    return final",
+          "    return final",
+          "the partial directory never renamed: the run's checkpoints are invisible to a resume"),
+    Plant(CHECKPOINT, "    dist.barrier()\n    dcp.save(state, storage_writer=(make_writer or dcp.FileSystemWriter)(partial))\n"
+                      "    dist.barrier()\n    if dist.get_rank() == 0:\n        os.rename(partial, final)\n",
+          "    dist.barrier()\n    if dist.get_rank() == 0:\n        os.rename(partial, final)\n"
+          "    dcp.save(state, storage_writer=(make_writer or dcp.FileSystemWriter)(final))\n",
+          "renamed before the save: a rank killed mid-save leaves a half-written checkpoint under a complete name"),
+]

@@ -1,0 +1,64 @@
+"""Module 17, part 5 - what FSDP costs across the pipeline's microbatches.
+
+A stage gathers each of its blocks once per step and reduce-scatters each block's gradient once per
+step (m17_stage), whatever the number of microbatches m. One block's tensor-parallel slice holds
+
+    P_t = 2 M + (H/t) D M + 2 (K/t) D M + M (H/t) D + 3 (F/t) M       values (the norms whole, the rest 1/t)
+
+laid out flat and padded to P_t' (a multiple of n = d c), so a rank keeps P_t'/n of it. Per block
+and step, over the n ranks of "dc", one rank sends (course/collectives.py's ring formulas)
+
+    all-gather       (n - 1) P_t'/n b          b: bytes of a weight
+    reduce-scatter   (n - 1) P_t'/n s          s: bytes of a gradient accumulator (float32 at least)
+
+Module 07's policy, a gather for each microbatch's forward and again for its backward and a
+reduce-scatter of each microbatch's gradient, costs 2 m gathers and m reduce-scatters a block: with
+m microbatches in flight in a pipeline the weights would travel 2 m times instead of once. The price
+of gathering once: the stage's whole slices and their whole gradients live for the step (`buffers`),
+P_t' (b + s) a block, where module 07 keeps two blocks at a time.
+"""
+from __future__ import annotations
+
+import torch
+
+from course.costs import StepCost
+from .m06_llama_block import LlamaConfig
+from .m12_tp_linear import grad_dtype
+
+
+def slice_numel(cfg: LlamaConfig, t: int) -> int:
+    """P_t: the values of one block's tensor-parallel slice (given)."""
+    M, D = cfg.dim, cfg.head_dim
+    return 2 * M + (cfg.n_heads // t) * D * M * 2 + 2 * (cfg.n_kv_heads // t) * D * M + 3 * (cfg.ffn_dim // t) * M
+
+
+def fsdp_traffic(cfg: LlamaConfig, sizes: dict[str, int], dtype: torch.dtype, n_blocks: int) -> StepCost:
+    """The FSDP collectives of one optimizer step on a rank that holds `n_blocks` blocks (its stages'),
+    over the "dc" group of a mesh of `sizes`, weights in `dtype`: calls and bytes sent, by the module's policy."""
+    # >>> TODO(m17): the bytes FSDP sends in one step when it gathers and reduce-scatters once a step
+    # Contract: a StepCost with sent[("dc", "all_gather")], sent[("dc", "reduce_scatter")] (bytes one rank sends in
+    #   one step, every block of the rank counted) and calls[...] for both. The module docstring has the formulas.
+    # Pitfalls: the padded slice (a multiple of n = d c), not P_t itself; the gradients travel in grad_dtype(dtype)
+    #   (float32 at least), the weights in dtype. The test compares with what the collectives log measured, with m
+    #   = 2 microbatches: the number of microbatches appears nowhere in this policy.
+    # Hint 1: per block: one gather of the padded slice, one reduce-scatter of its gradient; times n_blocks.
+    # Hint 2: slice_numel(cfg, t); padded = -(-P_t // n) * n; (n - 1) * padded // n values a rank sends; .itemsize.
+    # Hint 3: n = d c;  shard = padded slice / n
+    #         sent: all_gather n_blocks (n - 1) shard b;  reduce_scatter n_blocks (n - 1) shard s;  calls: n_blocks each
+    n = sizes.get("d", 1) * sizes.get("c", 1)
+    P = slice_numel(cfg, sizes.get("t", 1))
+    shard = -(-P // n)
+    sent = {("dc", "all_gather"): n_blocks * (n - 1) * shard * dtype.itemsize,
+            ("dc", "reduce_scatter"): n_blocks * (n - 1) * shard * grad_dtype(dtype).itemsize}
+    return StepCost(sent, {("dc", "all_gather"): n_blocks, ("dc", "reduce_scatter"): n_blocks})
+    # <<<
+
+
+def fsdp_memory(cfg: LlamaConfig, sizes: dict[str, int], dtype: torch.dtype, n_blocks: int) -> StepCost:
+    """What the blocks cost one rank to keep (given): their shards and gradient shards between steps, and during
+    a step the whole slices and their whole gradients (`buffers`)."""
+    n = sizes.get("d", 1) * sizes.get("c", 1)
+    padded = -(-slice_numel(cfg, sizes.get("t", 1)) // n) * n
+    b, s = dtype.itemsize, grad_dtype(dtype).itemsize
+    return StepCost(memory={"parameters": n_blocks * padded // n * b, "gradients": n_blocks * padded // n * s,
+                            "buffers": n_blocks * padded * (b + s)})

@@ -1,0 +1,250 @@
+# Generated from solutions/m17_checkpoint.py by `python -m course.skeleton`: fill in the TODOs.
+# Grade your work with `python main.py grade 17`. (skeleton ae7d7e8ab363)
+"""Module 17, part 6 - checkpoints with torch.distributed.checkpoint (DCP): saved in the model's own
+shapes, loaded onto any mesh, never half-written.
+
+FSDP's flat shards are no layout for a checkpoint: a shard is a run of a block's flattened t slice
+(one tensor's end, the next one's start, cut where d c and t put the cut), readable only on the mesh
+that wrote it. DCP saves each tensor as one global tensor of its logical shape, every rank writing
+the chunks it holds with their offsets, and loads onto any other cut by reading, for each rank's new
+pieces, the saved chunks they overlap. So every weight (and AdamW's two moments of it) is saved the
+way the model reads it, a per-parameter layout:
+
+    name                                 logical shape   over t                          over p, d, c
+    layers.l.wq, wk, wv, w_gate, w_up    (out, M)        Shard(0): rows (module 12)      Replicate
+    layers.l.wo, w_down                  (M, in)         Shard(1): columns               Replicate
+    layers.l.ln1, ln2, final_norm        (M,)            Replicate                       Replicate
+    embedding, lm_head                   (V, M)          Shard(0), unpadded: V'/t rows a rank, the last fewer
+
+A `DTensor` is a rank's piece with its placements on the device mesh, DTensor.from_local(piece,
+mesh, placements, shape=..., stride=...). Over d and c the pieces are Replicate: after FSDP's gather
+every d c rank holds the same t slice (DCP writes each chunk once). Over p too: a stage's weights are
+only on its ranks, under names no other stage has, and DCP merges every rank's names into one
+checkpoint. A plain tensor is, to DCP, a replicated copy: it keeps one of the ranks' tensors, so a t
+slice saved as a plain tensor silently loses every other slice.
+
+One directory per step, step_000100/, made visible by a rename only once DCP's save has returned on
+every rank (its metadata, written last, is then on disk): a run killed in the middle of a save
+leaves step_000100.partial/, which no load ever reads, and the last complete checkpoint. Beside the
+weights: the step, the losses so far and the batch generator's state (the data position), so a
+resumed run draws the batches the uninterrupted one would have drawn.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import warnings
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from .m06_llama_block import BlockWeights, LlamaConfig
+from .m07_flat_shards import NAMES
+
+COLUMN_PARALLEL, ROW_PARALLEL = ("wq", "wk", "wv", "w_gate", "w_up"), ("wo", "w_down")
+STEP_DIR = re.compile(r"step_(\d{6})")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint this run cannot load (one line, before any step runs)."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+
+
+def to_dtensor(name: str, piece: torch.Tensor, shape: tuple[int, ...], device_mesh) -> DTensor:
+    """This rank's `piece` of the weight `name` ('embedding', 'layers.3.wq', 'final_norm', ...; its field is the
+    last part of the name), whose logical shape is `shape`, as a DTensor on `device_mesh` (the mesh's, with
+    dimensions named p, d, c, t)."""
+    # TODO(m17): the DTensor of a rank's piece of a weight: its placement on every axis of the mesh
+    # Contract: return DTensor.from_local(piece, device_mesh, placements, run_check=False, shape=shape,
+    #   stride=the contiguous strides of `shape`), with one placement per dimension of the device mesh
+    #   (device_mesh.mesh_dim_names gives their names, in order): the module docstring's table.
+    # The question: along which axes do the ranks hold different parts of the weight (Shard(dim): which dim?),
+    #   and along which the same (Replicate)? The piece is what the model computes with: after FSDP's gather a
+    #   rank holds its whole t slice.
+    # Pitfalls: a Shard where the ranks hold copies makes DCP stack the copies (a wrong shape, or their sizes
+    #   refused); a Replicate where they hold different slices keeps one slice and drops the others, silently
+    #   (the tests resume on other meshes and compare the losses). The vocabulary's padding rows are no part of
+    #   the weight: the caller passes the unpadded rows, so `shape` is the real (V, M).
+    raise NotImplementedError("TODO(m17): the DTensor of a rank's piece of a weight: its placement on every axis of the mesh")
+
+
+# ---------------------------------------------------------------------------------------------
+# A rank's pieces in the logical layout, and back (given)
+# ---------------------------------------------------------------------------------------------
+def whole_slices(stage, flats: list[torch.Tensor]) -> list[BlockWeights]:
+    """The stage's blocks' t slices from flat shards laid out as its weights' (the weights themselves, or one
+    of AdamW's moments of them): all-gathered over fsdp, cut into the block's tensors (copies)."""
+    fsdp, slices = stage.groups.fsdp, []
+    for flat in flats:
+        whole = torch.empty(stage.layout.padded_numel, dtype=flat.dtype)
+        fsdp.collectives.all_gather(whole, flat, label="checkpoint")
+        slices.append(BlockWeights(*(t.clone() for t in stage.layout.views(whole).tensors())))
+    return slices
+
+
+def vocab_piece(rows: torch.Tensor, vocab_size: int, index: int) -> torch.Tensor:
+    """This t rank's unpadded rows of an embedding or LM head it holds padded (rows V'/t of them)."""
+    per_rank = rows.shape[0]
+    real = max(0, min(per_rank, vocab_size - index * per_rank))
+    return rows[:real]
+
+
+def logical_pieces(stage, tensors: dict) -> dict[str, tuple[torch.Tensor, tuple[int, ...]]]:
+    """{name: (this rank's piece, logical shape)} for one stage's weights, or for one of AdamW's moments
+    (`tensors`: parameter -> its moment, for each of stage.parameters(); the weights: p -> p)."""
+    cfg, t = stage.cfg, stage.groups.tp
+    full = {"wq": (cfg.n_heads * cfg.head_dim, cfg.dim), "wk": (cfg.n_kv_heads * cfg.head_dim, cfg.dim),
+            "wv": (cfg.n_kv_heads * cfg.head_dim, cfg.dim), "wo": (cfg.dim, cfg.n_heads * cfg.head_dim),
+            "w_gate": (cfg.ffn_dim, cfg.dim), "w_up": (cfg.ffn_dim, cfg.dim), "w_down": (cfg.dim, cfg.ffn_dim),
+            "ln1": (cfg.dim,), "ln2": (cfg.dim,)}
+    pieces = {}
+    for layer, block in zip(stage.layers, whole_slices(stage, [tensors[s] for s in stage.shards]), strict=True):
+        for name, piece in zip(NAMES, block.tensors(), strict=True):
+            pieces[f"layers.{layer}.{name}"] = (piece, full[name])
+    for name, weight in stage.replicated.items():
+        value = tensors[weight]
+        if name in ("embedding", "lm_head"):
+            pieces[name] = (vocab_piece(value, cfg.vocab_size, t.index).clone(), (cfg.vocab_size, cfg.dim))
+        else:
+            pieces[name] = (value.clone(), tuple(value.shape))
+    return pieces
+
+
+def put_back(stage, tensors: dict, loaded: dict[str, torch.Tensor]):
+    """The inverse of logical_pieces: each loaded piece (this rank's, of the new mesh) into the stage's own
+    layout, in place: blocks flattened and this rank's fsdp shard kept, vocabulary rows padded with zeros."""
+    for i, layer in enumerate(stage.layers):
+        block = BlockWeights(*(loaded[f"layers.{layer}.{name}"] for name in NAMES))
+        flat = stage.layout.flatten(block)
+        tensors[stage.shards[i]].copy_(stage.layout.shard(flat, stage.groups.fsdp.index))
+    for name, weight in stage.replicated.items():
+        target = tensors[weight]
+        if name in ("embedding", "lm_head"):
+            target.zero_()
+            piece = loaded[name]
+            target[:piece.shape[0]] = piece
+        else:
+            target.copy_(loaded[name])
+
+
+def moments(optimizer, params: list[torch.Tensor], key: str) -> dict:
+    """parameter -> AdamW's state `key` ("exp_avg", "exp_avg_sq") for it, made (zeros) if it has none yet."""
+    for p in params:
+        state = optimizer.state[p]
+        if key not in state:
+            state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    return {p: optimizer.state[p][key] for p in params}
+
+
+def state_dict(model, optimizer, device_mesh, train_state: dict) -> dict:
+    """Everything a checkpoint holds, by name: the weights and AdamW's moments as DTensors, AdamW's step
+    count and the training's state (step, losses, data position) as plain tensors (the same on every rank)."""
+    state = {}
+    for stage in model.stages.values():
+        params = stage.parameters()
+        sources = {"model": {p: p for p in params}, "optim.exp_avg": moments(optimizer, params, "exp_avg"),
+                   "optim.exp_avg_sq": moments(optimizer, params, "exp_avg_sq")}
+        for prefix, tensors in sources.items():
+            for name, (piece, shape) in logical_pieces(stage, tensors).items():
+                state[f"{prefix}.{name}"] = to_dtensor(name, piece, shape, device_mesh)
+    steps = [optimizer.state[p].get("step") for p in model.parameters()]
+    state["optim.step"] = (steps[0] if steps and steps[0] is not None else torch.tensor(0.0)).clone()
+    state.update({f"train.{key}": value for key, value in train_state.items()})
+    return state
+
+
+# ---------------------------------------------------------------------------------------------
+# Directories: one per step, committed by a rename
+# ---------------------------------------------------------------------------------------------
+def step_directory(root, step: int) -> Path:
+    return Path(root) / f"step_{step:06d}"
+
+
+def latest_checkpoint(root) -> Path | None:
+    """The complete checkpoint of the highest step under `root` (step_NNNNNN/, never a .partial one), or None."""
+    root = Path(root)
+    steps = sorted(int(m[1]) for d in (root.iterdir() if root.is_dir() else ()) if (m := STEP_DIR.fullmatch(d.name)))
+    return step_directory(root, steps[-1]) if steps else None
+
+
+def describe(cfg: LlamaConfig, vocab: str = "") -> dict:
+    """What a checkpoint must match to be loaded: the model's configuration and its vocabulary."""
+    return {"model": asdict(cfg), "vocab": vocab}
+
+
+def check_checkpoint(directory, cfg: LlamaConfig, vocab: str = ""):
+    """One line unless `directory` is a complete checkpoint of this model (given): said before any step runs."""
+    directory = Path(directory)
+    if not (directory / ".metadata").exists() or not (directory / "config.json").exists():
+        raise CheckpointError(f"{directory} is not a complete checkpoint (no .metadata or config.json); "
+                              f"remove it or point --resume at a step_NNNNNN directory")
+    saved, mine = json.loads((directory / "config.json").read_text()), describe(cfg, vocab)
+    different = [f"{key}={saved['model'].get(key)!r} (this run: {value!r})" for key, value in mine["model"].items()
+                 if saved["model"].get(key) != value]
+    if saved["vocab"] != mine["vocab"]:
+        different.append(f"a vocabulary of {len(saved['vocab'])} characters (this run: {len(mine['vocab'])})")
+    if different:
+        raise CheckpointError(f"{directory} was saved for another model: {', '.join(different)}; run with the "
+                              f"checkpoint's settings, or use another --checkpoint-dir")
+
+
+def save(model, optimizer, train_state: dict, root, step: int, description: dict, make_writer=None) -> Path:
+    """Write the checkpoint of `step` under `root` on every rank together; return its directory.
+    `make_writer(directory)` makes DCP's storage writer (default: dcp.FileSystemWriter; a test's kills a rank)."""
+    final = step_directory(root, step)
+    partial = final.with_name(final.name + ".partial")
+    state = state_dict(model, optimizer, model.mesh.device_mesh, train_state)
+    # TODO(m17): save into a partial directory, make it visible by a rename once the save has returned
+    # Contract: when this returns on any rank, `final` is a complete checkpoint (DCP's files, its .metadata, and
+    #   config.json holding `description` as JSON); until the moment it is complete, nothing under the name
+    #   `final` exists, so a run killed at any instant leaves either no `final` or a complete one. A `partial`
+    #   left by an earlier, killed run is removed first. Every rank calls save; the directory operations are
+    #   one rank's (rank 0), the others wait for them.
+    # The order: prepare `partial` (rank 0), wait; every rank: dcp.save(state, storage_writer=... into partial);
+    #   wait; rank 0 renames `partial` to `final`; wait. A rename within one file system is atomic.
+    #   The storage writer is make_writer(partial), or dcp.FileSystemWriter(partial) without one.
+    # Pitfalls: saving straight into `final` leaves a half-written checkpoint under a complete-looking name when
+    #   a rank is killed mid-save (the long check kills one, then resumes from what is left). Renaming before
+    #   every rank's save has returned publishes files still being written.
+    raise NotImplementedError('TODO(m17): save into a partial directory, make it visible by a rename once the save has returned')
+
+
+def load(model, optimizer, train_state: dict, directory, description: dict):
+    """Read the checkpoint in `directory` into this rank's pieces of `model` (on any mesh) and `optimizer`,
+    and `train_state`'s tensors (same names and shapes as saved) in place (given)."""
+    saved = json.loads((Path(directory) / "config.json").read_text())
+    if saved != description:
+        raise CheckpointError(f"{directory} was saved for another model or vocabulary: {saved['model']}")
+    state = state_dict(model, optimizer, model.mesh.device_mesh, train_state)  # this mesh's pieces, to fill
+    dcp.load(state, storage_reader=dcp.FileSystemReader(directory))
+    for stage in model.stages.values():
+        params = stage.parameters()
+        for prefix, tensors in (("model", {p: p for p in params}), ("optim.exp_avg", moments(optimizer, params, "exp_avg")),
+                                ("optim.exp_avg_sq", moments(optimizer, params, "exp_avg_sq"))):
+            loaded = {name[len(prefix) + 1:]: value.to_local() if isinstance(value, DTensor) else value
+                      for name, value in state.items() if name.startswith(prefix + ".")}
+            put_back(stage, tensors, loaded)
+    for p in model.parameters():
+        optimizer.state[p]["step"] = state["optim.step"].clone()
+
+
+def load_into_one_process(directory, cfg: LlamaConfig, dtype=torch.float32):
+    """Module 06's single-process LlamaModel with the weights of the checkpoint in `directory` (given): the
+    resharding of DCP, down to one process and no process group at all (e.g. to sample text)."""
+    from .m06_llama_model import LlamaModel
+    model = LlamaModel(cfg, 0, dtype)
+    state = {"model.embedding": model.embedding, "model.final_norm": model.final_norm, "model.lm_head": model.lm_head}
+    for layer, block in enumerate(model.blocks):
+        state.update({f"model.layers.{layer}.{name}": getattr(block, name) for name in NAMES})
+    with warnings.catch_warnings():  # DCP warns that it loads in a single process: that is the point here
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, storage_reader=dcp.FileSystemReader(directory), no_dist=True)
+    return model

@@ -1,0 +1,247 @@
+# Generated from solutions/m17_stage.py by `python -m course.skeleton`: fill in the TODOs.
+# Grade your work with `python main.py grade 17`. (skeleton 788a22ceec58)
+"""Module 17, part 2 - one pipeline stage of the composed Llama, for module 11's executor.
+
+Stage s of S = p v holds blocks [s L/S, (s+1) L/S) (the first also the embedding, the last the final
+norm, the LM head and the loss). Every block is module 12's tensor-parallel block with sequence
+parallelism over `groups.tp`, and each block's tensor-parallel slice is module 07's flat buffer cut
+over `groups.fsdp`: a rank keeps 1/(d c) of 1/t of each of its stage's blocks.
+
+    whole block ─ module 12's shard_block_weights over t ─ slice (H/t heads, F/t units)
+                ─ module 07's FlatLayout over d c ─ this rank's shard (what the optimizer updates)
+
+The executor (m11_executor.run_schedule) calls, for each action of this rank's list,
+
+    forward(x, microbatch, targets)   x: the microbatch's token rows on the first stage, else the
+                                      previous stage's output (rows, hidden), as the message arrived
+    backward(microbatch, grad)        grad: the gradient of this stage's output (None on the last)
+
+and a message between stages is the residual stream as this rank holds it: the microbatch's rows,
+its T/c positions (context), of those its T/(c t) (sequence parallelism), dim M: (rows, hidden)
+with hidden = T M / (c t). Each rank exchanges its own piece with the rank at the same place of
+the next stage: no gather before the pipeline's send.
+
+FSDP across the pipeline's microbatches: the stage all-gathers its blocks once per step (before its
+first forward) and keeps them until the step's last backward; the gradients of the m microbatches
+add up in whole (unsharded) flat buffers, and each block's sum is reduce-scattered once, after the
+schedule (m17_trainer). 2 collectives a block a step instead of 3 m (module 07 re-gathers for the
+backward of every microbatch and reduce-scatters each one's gradient), for the memory of this
+stage's whole slices and their gradients during the step: 1/(p t) of the model, not 1/(p t d c).
+
+Every piece of the loss is divided by the real tokens of the whole step (`n_tokens`, set by the
+trainer before the schedule runs), so the executor's n_microbatches is not used.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .m06_llama_block import ActivationStore, LlamaBlock, LlamaConfig
+from .m06_llama_ops import ATTENTION_CHUNK, rmsnorm_backward, rmsnorm_forward
+from .m07_flat_shards import NAMES, FlatLayout
+from .m12_tp_block import TPBlock, shard_block_weights
+from .m12_tp_linear import column_parallel_backward, column_parallel_forward, grad_dtype
+from .m12_vocab_parallel import (embedding_backward, embedding_forward, padded_vocab_size,
+                                 vocab_parallel_cross_entropy, vocab_rows)
+from .m15_cp_model import VARIANTS, CPBlock, context_attention
+from .m15_layout import SequenceLayout
+from .m17_composition import Groups
+
+
+def stage_layers(cfg: LlamaConfig, stage: int, n_stages: int) -> range:
+    """The blocks of stage `stage` of `n_stages`: L/S consecutive ones (given; check_composition has
+    checked that S divides L)."""
+    per_stage = cfg.n_layers // n_stages
+    return range(stage * per_stage, (stage + 1) * per_stage)
+
+
+def norm_positions(layout: FlatLayout, index: int) -> torch.Tensor:
+    """Where the norm weights (ln1, ln2) lie in shard `index` of a block's flat buffer (given): their
+    gradients are partial over t with sequence parallelism (each t rank normed T/t positions)."""
+    is_norm = torch.zeros(layout.padded_numel, dtype=torch.bool)
+    offset = 0
+    for name, numel in zip(NAMES, layout.numels, strict=True):
+        if name in ("ln1", "ln2"):
+            is_norm[offset:offset + numel] = True
+        offset += numel
+    return layout.shard(is_norm, index).nonzero().squeeze(1)
+
+
+@dataclass
+class Saved:
+    """What one microbatch's forward keeps on a stage until its backward."""
+    stores: list[ActivationStore]          # one per block
+    tokens: torch.Tensor | None = None     # first stage: this rank's positions of the token rows
+    h: torch.Tensor | None = None          # last stage: the final norm's input, its output n, its r,
+    n: torch.Tensor | None = None          # and the gradient of the loss share with respect to the
+    r: torch.Tensor | None = None          # local logits (vocabulary-parallel cross-entropy)
+    dlogits: torch.Tensor | None = None
+
+
+class LlamaStage:
+    """Stage `stage` of `n_stages` of module 06's Llama `whole`, on this rank of the mesh `groups`."""
+
+    def __init__(self, cfg: LlamaConfig, groups: Groups, stage: int, n_stages: int, whole, variant: str = "zigzag",
+                 attention_chunk: int = ATTENTION_CHUNK):
+        tp, cp, fsdp = groups.tp, groups.cp, groups.fsdp
+        self.cfg, self.groups, self.stage, self.variant = cfg, groups, stage, variant
+        self.is_first, self.is_last = stage == 0, stage == n_stages - 1
+        self.layers = stage_layers(cfg, stage, n_stages)
+        self.dtype, self.grad_dtype = whole.embedding.dtype, grad_dtype(whole.embedding.dtype)
+        self.stream_len = cfg.max_seq_len // (cp.size * tp.size)  # positions of the residual stream a rank holds
+        self.hidden = self.stream_len * cfg.dim                  # a message's width (module 11's stage.hidden)
+        self.block = self.make_block(attention_chunk)
+        self.padded_vocab = padded_vocab_size(cfg.vocab_size, tp.size)
+        # TODO(m17): hold the stage's blocks as FSDP x TP shards, and its vocabulary rows
+        # Contract: set self.layout (the FlatLayout of one block's tensor-parallel slice, cut over the fsdp group) and
+        #   self.shards (one per block of self.layers, in order: this rank's shard of that block's slice, a tensor
+        #   of its own, not a view of a whole block); self.embedding (first stage) and self.lm_head (last stage):
+        #   this rank's vocabulary rows, padded (module 12); self.final_norm (last stage): a copy; None elsewhere.
+        # The question: in which order are the two splits taken? Each t rank computes with its slice (H/t heads, F/t
+        #   units, module 12), and the d c ranks that hold that slice share it out between them.
+        # Pitfalls: a layout over the whole block (or of the wrong group's size) gathers blocks of the wrong shape
+        #   or from the wrong ranks; module 12's slices are per t rank (groups.tp), module 07's shards per fsdp
+        #   rank. Every rank reads its weights from `whole` (module 06's model, the same on every rank).
+        raise NotImplementedError("TODO(m17): hold the stage's blocks as FSDP x TP shards, and its vocabulary rows")
+        # The weights every rank of groups.replicas holds the same copy of, by name, and their accumulators.
+        self.replicated = {name: w for name, w in (("embedding", self.embedding), ("final_norm", self.final_norm),
+                                                   ("lm_head", self.lm_head)) if w is not None}
+        self.grad_shards = [torch.zeros_like(s, dtype=self.grad_dtype) for s in self.shards]
+        self.replicated_grads = {name: torch.zeros_like(w, dtype=self.grad_dtype) for name, w in self.replicated.items()}
+        self.experts, self.expert_grads = [], []  # a MoE stage's experts (m17_moe_stage)
+        self.norms = norm_positions(self.layout, fsdp.index)
+        self.weights = self.block_grads = None  # the whole slices and their gradients, during a step
+        self.full = self.full_grads = None
+        self.saved: dict[int, Saved] = {}
+        self.n_tokens, self.training = None, True
+
+    def make_block(self, attention_chunk: int):
+        """Module 12's block on groups.tp with sequence parallelism; with c > 1 its attention is module 15's
+        over groups.cp and its RoPE rotates each token by its position in the whole sequence (given)."""
+        block = TPBlock(self.cfg, self.groups.tp, sequence_parallel=True, attention_chunk=attention_chunk)
+        if self.groups.cp.size > 1:  # module 12's block runs its heads' attention and RoPE through `local`
+            block.local = CPBlock(self.cfg, self.groups.cp, VARIANTS[self.variant][1],
+                                  context_attention(self.variant, self.groups.cp, attention_chunk))
+        return block
+
+    def layout_of_sequence(self) -> SequenceLayout:
+        return SequenceLayout(VARIANTS[self.variant][1], self.cfg.max_seq_len, self.groups.cp.size)
+
+    def positions(self, rows: torch.Tensor) -> torch.Tensor:
+        """This rank's positions of token (or target) rows (rows, T): (rows, T/c), in the layout's order (given)."""
+        return self.layout_of_sequence().shard(rows, self.groups.cp.index)
+
+    def parameters(self) -> list[torch.Tensor]:
+        """What this rank's optimizer updates for this stage, in the order of grads()."""
+        return [*self.shards, *self.replicated.values(), *self.experts]
+
+    def grads(self) -> list[torch.Tensor]:
+        return [*self.grad_shards, *self.replicated_grads.values(), *self.expert_grads]
+
+    def begin_step(self, n_tokens: int, n_sequences: int):
+        """Before the schedule: the step's real tokens (every piece of the loss divides by them), zeroed
+        accumulators (given). n_sequences, the global batch's B, is for the MoE stage's auxiliary loss."""
+        self.n_tokens = n_tokens
+        for g in self.grads():
+            g.zero_()
+
+    # --- FSDP across the step's microbatches ---
+    def gather(self):
+        """Every block of the stage whole (its t slice), for the whole step: views into flat buffers."""
+        fsdp = self.groups.fsdp
+        # TODO(m17): gather the stage's blocks once per step, and the whole gradient buffers they add into
+        # Contract: set self.full (one whole padded flat buffer per block, every fsdp rank's shard in it), self.weights
+        #   (a BlockWeights of views of each, for the block), self.full_grads (one zeroed flat buffer per block, in
+        #   self.grad_dtype) and self.block_grads (BlockWeights of views of each: the main_grad accumulators that module
+        #   12's block adds into). One all-gather per block over fsdp, labelled "block <layer>"; the m microbatches
+        #   of the step all use these copies.
+        # Pitfalls: gather over the fsdp group (the ranks that share this slice), not over t (other slices) or the
+        #   world. The gradient buffers start at zero: every microbatch's backward adds into them.
+        raise NotImplementedError("TODO(m17): gather the stage's blocks once per step, and the whole gradient buffers they add into")
+
+    def reduce_scatter(self):
+        """After the schedule: each block's gradient, summed over the step's microbatches, summed over fsdp
+        into this rank's shard; the whole copies are dropped."""
+        fsdp = self.groups.fsdp
+        # TODO(m17): reduce-scatter each block's whole gradient once per step; drop the whole copies
+        # Contract: afterwards self.grad_shards[i] holds this rank's slice (its fsdp shard) of the sum over the fsdp
+        #   group of block i's whole gradient (self.full_grads[i]); one reduce-scatter per block, labelled "block
+        #   <layer>"; then self.full, self.weights, self.full_grads and self.block_grads are None again (the next step
+        #   gathers anew: the optimizer changes the shards). A stage that ran no forward this step has nothing.
+        # Pitfalls: the slice must land where the weights' shard is (the same layout and the same group); the
+        #   sum is over fsdp only: t ranks hold different slices, the pipeline's other places other blocks.
+        raise NotImplementedError("TODO(m17): reduce-scatter each block's whole gradient once per step; drop the whole copies")
+
+    def release(self):
+        """Drop the whole copies without a gradient (after an evaluation's forwards; given)."""
+        self.full = self.weights = self.full_grads = self.block_grads = None
+
+    # --- what the executor calls ---
+    def block_forward(self, i: int, x: torch.Tensor, store: ActivationStore) -> torch.Tensor:
+        """Block i of the stage (given; the MoE stage runs its own)."""
+        return self.block.forward(self.weights[i], x, store)
+
+    def block_backward(self, i: int, dy: torch.Tensor, store: ActivationStore) -> torch.Tensor:
+        """Block i's backward, its weights' gradients added into self.block_grads[i] (given)."""
+        return self.block.backward(self.weights[i], dy, store, self.block_grads[i])
+
+    def new_store(self) -> ActivationStore:
+        """A store for one block's forward: nothing kept when evaluating (given)."""
+        return self.block.new_store() if self.training else ActivationStore(keep=frozenset())
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor, microbatch: int, targets: torch.Tensor | None = None, n_microbatches: int = 1):
+        """The stage's output (rows, hidden), or on the last stage this rank's share of the step's loss."""
+        if self.weights is None:
+            self.gather()
+        cfg, tp = self.cfg, self.groups.tp
+        rows = x.shape[0]
+        stores = [self.new_store() for _ in self.layers]
+        # TODO(m17): the stage's forward on this rank's piece of the microbatch
+        # Contract: on the first stage x is (rows, T) tokens: embed this rank's positions of them (self.positions) into
+        #   the residual stream (rows, T/(c t), M) with module 12's vocabulary-parallel embedding (sequence parallel);
+        #   elsewhere x is the message (rows, self.hidden): view it as that stream. Run every block (block_forward,
+        #   each with its store). Not the last stage: keep Saved(stores, tokens) in self.saved[microbatch] (only
+        #   while self.training) and return the stream as (rows, self.hidden). Last stage: the final norm, the LM
+        #   head (module 12's column-parallel linear over the vocabulary rows) and the vocabulary-parallel loss of
+        #   this rank's positions of the targets, divided by self.n_tokens; keep h, n, r and dlogits in Saved too;
+        #   return the loss (a 0-d tensor).
+        # The maths: the step's loss is the sum over every real target of the global batch of its cross-entropy,
+        #   divided once by their count N_real (self.n_tokens): each rank's share of a microbatch, summed over
+        #   the microbatches and the d c ranks, is that mean; no piece divides by its own token count.
+        # Pitfalls: the executor's n_microbatches is not the loss's divisor (the step's real tokens are). The
+        #   targets are cut by the same layout as the tokens (position j's target is token j + 1's id).
+        raise NotImplementedError("TODO(m17): the stage's forward on this rank's piece of the microbatch")
+
+    @torch.no_grad()
+    def backward(self, microbatch: int, grad_output: torch.Tensor | None = None):
+        """The gradient of the stage's input (rows, hidden), None on the first stage; every weight's
+        gradient added into its accumulator (the blocks' whole buffers, the replicated weights' own)."""
+        saved = self.saved.pop(microbatch)
+        tp = self.groups.tp
+        # TODO(m17): the stage's backward: loss, head and final norm (last stage), blocks, embedding (first)
+        # Contract: the forward in reverse. Last stage: from the saved dlogits through the LM head (column-parallel
+        #   backward, adding into the LM head's accumulator) and the final norm (adding into its accumulator);
+        #   elsewhere grad_output (rows, hidden) viewed as the stream. Every block from the last: block_backward,
+        #   then clear its store. First stage: the embedding's backward into its accumulator, return None; else
+        #   return the stream's gradient as (rows, self.hidden).
+        # Pitfalls: the accumulators are self.replicated_grads["embedding"], ["final_norm"], ["lm_head"] (those the
+        #   stage has). Add, never assign: the m microbatches of the step add up.
+        raise NotImplementedError("TODO(m17): the stage's backward: loss, head and final norm (last stage), blocks, embedding (first)")
+
+
+class EvalMode:
+    """`with EvalMode(stages):` the stages' forwards keep nothing and need no backward (given)."""
+
+    def __init__(self, stages):
+        self.stages = list(stages)
+
+    def __enter__(self):
+        for stage in self.stages:
+            stage.training = False
+
+    def __exit__(self, *exc):
+        for stage in self.stages:
+            stage.training = True
+            stage.release()

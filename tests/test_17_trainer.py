@@ -1,0 +1,266 @@
+"""Module 17 trainer: the composed Llama (module 11's executor over p, module 07's FSDP over d x c,
+module 12's tensor and sequence parallelism over t, module 15's ring attention over c, module 16's
+experts over e) trained for 2 steps of 2 microbatches on 4 ranks, against one process: module 06's
+LlamaModel (and module 16's MoELlama) trained by module 06's `fit` on the same global batches (the
+trusted references). The losses of both steps, and every weight after them, reassembled here from
+the ranks' shards by the tests' own code (module 07's flat layout read backwards, module 12's slices
+put side by side), equal the single process's. The bytes FSDP sends in a step equal the formula,
+and the policy's count: one gather and one reduce-scatter a block a step.
+
+Tolerance: float64. The ranks sum the same products in another order (tensor-parallel partial sums,
+microbatches, the d c ranks' gradients, ring attention's merged blocks): measured (torch 2.13 CPU)
+within 1.8e-15 on the losses and 6.2e-13 relative to each weight's largest entry after the two
+steps, on every mesh here and on the 8-rank meshes of the long checks (AdamW divides each gradient
+by its own running magnitude, so an entry whose gradient is a rounding error moves by a rounding's
+worth of the learning rate). We allow 1e-10. A loss
+normalised over one axis too few is off by a factor of 2; a gradient off by a constant factor moves
+AdamW's first step by ~1e-3 or more.
+"""
+import dataclasses
+import functools
+
+import pytest
+import torch
+
+from course.costs import measured_cost
+from course.impl import load, reference
+from course.launch import run_ranks
+from course.mesh import init_mesh
+
+trainer = load("m17_trainer")
+costs = load("m17_costs")
+given = reference("m17_composition")  # CONFIG and full_sizes (given constants)
+m06 = reference("m06_llama_model")    # the single-process model and module 06's fit: trusted, not graded here
+m16 = reference("m16_moe_model")      # the single-process MoE model (module 16's given and graded code)
+MoEConfig = reference("m16_router").MoEConfig
+
+f64 = torch.float64
+CFG = given.CONFIG
+MOE = MoEConfig(n_experts=4, top_k=2, expert_dim=16, shared_expert=True, aux_coef=0.1)
+STEPS, BATCH, M, LR = 2, 8, 2, 3e-3
+TOLERANCE = 1e-10
+COLUMNS, ROWS, NORMS = ("wq", "wk", "wv", "w_gate", "w_up"), ("wo", "w_down"), ("ln1", "ln2")
+FIELDS = ("ln1", "wq", "wk", "wv", "wo", "ln2", "w_gate", "w_up", "w_down")
+ALL_TODOS = ("compose_groups", "LlamaStage.__init__", "LlamaStage.gather", "LlamaStage.forward",
+             "LlamaStage.backward", "LlamaStage.reduce_scatter", "ComposedLlama.finish_gradients",
+             "ComposedLlama.train_step")
+
+
+def whole_model(cfg, moe):
+    """The single-process model both sides start from, its norm weights drawn around 1 (equal entries would
+    hide a permuted gather or one norm's weight used for another)."""
+    model = m16.MoELlama(cfg, moe, m16.one_rank_mesh(), 0, f64) if moe else m06.LlamaModel(cfg, 0, f64)
+    g = torch.Generator().manual_seed(4)
+    blocks = [b.dense if moe else b for b in model.blocks]
+    for norm in [*(w for b in blocks for w in (b.ln1, b.ln2)), model.final_norm]:
+        norm.add_(0.1 * torch.randn(norm.shape, generator=g, dtype=f64))
+    return model
+
+
+def _train(cfg, sizes, schedule, stages_per_rank, moe):
+    mesh = init_mesh(given.full_sizes(sizes))
+    model = trainer.ComposedLlama(cfg, mesh, M, schedule, stages_per_rank, dtype=f64, moe=moe,
+                                  whole=whole_model(cfg, moe))
+    marks = []
+    _, losses = m06.fit(model, STEPS, BATCH, LR, n_microbatches=M, on_step=lambda step, loss: marks.append(len(mesh.log)))
+    last_step = [r for r in mesh.log[marks[-2]:marks[-1]] if r.axis == "dc" and r.op in ("all_gather", "reduce_scatter")]
+    g = model.groups
+    stages = {index: {"layers": list(stage.layers), "shards": stage.shards, "replicated": stage.replicated,
+                      "experts": stage.experts} for index, stage in model.stages.items()}
+    places = {"fsdp": g.fsdp.index, "t": g.tp.index, "e": g.experts.index if g.experts is not None else 0}
+    return losses, stages, places, measured_cost(last_step), sum(len(s.layers) for s in model.stages.values())
+
+
+@functools.cache
+def trained(name):
+    sizes, schedule, stages_per_rank, moe = MESHES[name]
+    return run_ranks(_train, 4, CFG, sizes, schedule, stages_per_rank, moe, timeout=120)
+
+
+@functools.cache
+def expected(cfg, moe):
+    model, losses = m06.fit(whole_model(cfg, moe), STEPS, BATCH, LR, n_microbatches=M)
+    return model, losses
+
+
+def weights_by_name(model, moe) -> dict:
+    """The single process's weights: 'embedding', 'block 0 wq', ..., 'block 0 router', 'block 0 experts gate', ..."""
+    named = {"embedding": model.embedding, "final_norm": model.final_norm, "lm_head": model.lm_head}
+    for layer, block in enumerate(model.blocks):
+        dense = block.dense if moe else block
+        named.update({f"block {layer} {f}": getattr(dense, f) for f in FIELDS})
+        if moe:
+            named[f"block {layer} router"] = block.moe.router
+            named.update({f"block {layer} experts {n}": t for n, t in zip(("gate", "up", "down"),
+                                                                         block.moe.experts.tensors())})
+            named.update({f"block {layer} shared {n}": t for n, t in zip(("gate", "up", "down"),
+                                                                        block.moe.shared.tensors())})
+    return named
+
+
+def reassembled(results, reference_weights, sizes, moe) -> dict:
+    """Every weight, put back together from the ranks' pieces by this test's own reading of the layouts:
+    a block's t slice is its fsdp shards end to end (module 07), cut into its tensors in BlockWeights order;
+    the slices side by side along the split dimension (module 12); the vocabulary rows over t, unpadded."""
+    t = sizes.get("t", 1)
+    shards, copies, experts = {}, {}, {}
+    for _, stages, places, _, _ in results:
+        for stage in stages.values():
+            for layer, shard in zip(stage["layers"], stage["shards"]):
+                shards.setdefault(layer, {}).setdefault(places["t"], {})[places["fsdp"]] = shard
+            for name, copy in stage["replicated"].items():
+                copies.setdefault(name, {}).setdefault(places["t"], copy)
+            per_layer = len(stage["experts"]) // max(1, len(stage["layers"]))
+            for i, layer in enumerate(stage["layers"]):
+                for n, tensor in zip(("gate", "up", "down"), stage["experts"][i * per_layer:(i + 1) * per_layer]):
+                    experts.setdefault(f"block {layer} experts {n}", {})[places["e"]] = tensor
+    got = {}
+    for layer, by_t in shards.items():
+        slices = []
+        for i_t in range(t):
+            flat = torch.cat([by_t[i_t][i] for i in sorted(by_t[i_t])])
+            names = [f"block {layer} {f}" for f in FIELDS]
+            shapes = [slice_shape(f, reference_weights[n].shape, t) for f, n in zip(FIELDS, names)]
+            sizes_ = [torch.Size(s).numel() for s in shapes]
+            pieces = flat[:sum(sizes_)].split(sizes_)
+            slices.append({f: p.view(s) for f, p, s in zip(FIELDS, pieces, shapes)})
+        for f in FIELDS:
+            got[f"block {layer} {f}"] = slices[0][f] if f in NORMS or t == 1 else \
+                torch.cat([s[f] for s in slices], dim=0 if f in COLUMNS else 1)
+    for name, by_t in copies.items():
+        if name in ("embedding", "lm_head"):
+            got[name] = torch.cat([by_t[i] for i in range(t)])[:reference_weights[name].shape[0]]
+        else:
+            got[name] = by_t[0]
+    for name, by_e in experts.items():
+        got[name] = torch.cat([by_e[i] for i in sorted(by_e)])
+    return got
+
+
+def slice_shape(field, shape, t):
+    shape = list(shape)
+    if field in COLUMNS:
+        shape[0] //= t
+    elif field in ROWS:
+        shape[1] //= t
+    return tuple(shape)
+
+
+# name: (mesh sizes, schedule, stages per rank, MoE config or None); every mesh has 4 ranks
+MESHES = {"p2 d2 (interleaved)": ({"p": 2, "d": 2}, "interleaved", 2, None),
+          "d2 t2": ({"d": 2, "t": 2}, "1f1b", 1, None),
+          "p2 t2 (gpipe)": ({"p": 2, "t": 2}, "gpipe", 1, None),
+          "d2 c2": ({"d": 2, "c": 2}, "1f1b", 1, None),
+          "p2 d2 e2 (MoE)": ({"p": 2, "d": 2, "e": 2}, "1f1b", 1, MOE)}
+
+
+def check_against_one_process(cfg, name, results, sizes, moe):
+    model, expected_losses = expected(cfg, moe)
+    for rank, (losses, *_) in enumerate(results):
+        worst = max(abs(a - b) for a, b in zip(losses, expected_losses, strict=True))
+        hint = ""
+        if abs(losses[0] / expected_losses[0] - 1) > 0.1:
+            hint = (f" (their ratio is {losses[0] / expected_losses[0]:.3g}: is every piece of the loss divided by "
+                    f"the real tokens of the whole step, counted once?)")
+        assert worst <= TOLERANCE, (f"{name}, rank {rank}: losses {losses}, one process {expected_losses}: off by "
+                                    f"{worst:.1e}{hint}")
+    reference_weights = weights_by_name(model, moe)
+    got = reassembled(results, reference_weights, sizes, moe)
+    missing = sorted(set(reference_weights) - set(got))
+    assert not missing, f"{name}: no rank holds {missing[:4]}"
+    wrong = []
+    for key, want in reference_weights.items():
+        error = ((got[key] - want).abs().max() / want.abs().max().clamp_min(1e-300)).item()  # the zero FFN: 0
+        if not error <= TOLERANCE:
+            wrong.append(f"{key}: relative error {error:.1e}")
+    assert not wrong, (f"{name}: after {STEPS} steps, {len(wrong)} weights differ from one process's (reassembled "
+                       f"from every rank's shards): " + "; ".join(wrong[:6]))
+
+
+@pytest.mark.exercises(*ALL_TODOS)
+@pytest.mark.parametrize("name", [n for n in MESHES if MESHES[n][3] is None])
+def test_losses_and_weights_equal_one_process(name):
+    sizes, _, _, moe = MESHES[name]
+    check_against_one_process(CFG, name, trained(name), sizes, moe)
+
+
+@pytest.mark.exercises(*ALL_TODOS)
+def test_the_moe_model_with_experts_over_e_equals_one_process():
+    sizes, _, _, moe = MESHES["p2 d2 e2 (MoE)"]
+    check_against_one_process(CFG, "p2 d2 e2 (MoE)", trained("p2 d2 e2 (MoE)"), sizes, moe)
+
+
+@pytest.mark.exercises("LlamaStage.gather", "LlamaStage.reduce_scatter", "fsdp_traffic", "ComposedLlama.finish_gradients")
+@pytest.mark.parametrize("name", ["p2 d2 (interleaved)", "d2 c2"])
+def test_fsdp_gathers_and_reduce_scatters_each_block_once_a_step(name):
+    sizes = MESHES[name][0]
+    for rank, (_, _, _, measured, n_blocks) in enumerate(trained(name)):
+        calls = {op: measured.n_calls("dc", op) for op in ("all_gather", "reduce_scatter")}
+        assert calls == {"all_gather": n_blocks, "reduce_scatter": n_blocks}, \
+            (f"{name}, rank {rank}: {calls} over dc in one step of {M} microbatches, for {n_blocks} blocks: the policy "
+             f"is one gather and one reduce-scatter a block a step, whatever the microbatches")
+        formula = costs.fsdp_traffic(CFG, given.full_sizes(sizes), f64, n_blocks)
+        assert measured == formula, f"{name}, rank {rank}: FSDP's collectives measured {measured}, formula {formula}"
+
+
+LONG_MESHES = {"p2 d2 t2": {"p": 2, "d": 2, "t": 2}, "p8": {"p": 8}, "d2 t4": {"d": 2, "t": 4},
+               "p2 t4": {"p": 2, "t": 4}}
+
+
+@pytest.mark.long
+@pytest.mark.exercises(*ALL_TODOS)
+@pytest.mark.parametrize("name", LONG_MESHES)
+def test_8_ranks_equal_one_process(name):
+    sizes = LONG_MESHES[name]
+    cfg = dataclasses.replace(CFG, n_layers=8) if sizes.get("p", 1) == 8 else CFG
+    results = run_ranks(_train, 8, cfg, sizes, "1f1b", 1, None, timeout=300)
+    check_against_one_process(cfg, name, results, sizes, None)
+
+
+@pytest.mark.exercises("fsdp_traffic")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fsdp_formula_counts_the_padded_slice_and_the_gradients_dtype(dtype):
+    # A block whose slice does not divide by d c = 5 (padding) and bf16 weights with float32 gradients, read off
+    # module 07's and 12's own layout: the trusted count of what one gather and one reduce-scatter move.
+    cfg = dataclasses.replace(CFG, dim=12, n_heads=2, n_kv_heads=2, head_dim=6, ffn_dim=10)
+    sizes, n_blocks = {"p": 2, "d": 5, "t": 2}, 2
+    whole = reference("m06_llama_model").LlamaModel(cfg, 0, dtype)
+    tp = reference("m12_tp_block")
+    group = type("OneRankOfT", (), {"size": 2, "index": 0})()
+    slice_ = tp.shard_block_weights(whole.blocks[0], cfg, group)
+    layout = reference("m07_flat_shards").FlatLayout(slice_, 5)
+    assert layout.padded_numel != layout.numel, "the test's slice must need padding"
+    grad_bytes = torch.promote_types(dtype, torch.float32).itemsize
+    want_sent = {("dc", "all_gather"): n_blocks * 4 * layout.shard_numel * dtype.itemsize,
+                 ("dc", "reduce_scatter"): n_blocks * 4 * layout.shard_numel * grad_bytes}
+    got = costs.fsdp_traffic(cfg, sizes, dtype, n_blocks)
+    assert got.sent == want_sent and got.calls == {("dc", "all_gather"): 2, ("dc", "reduce_scatter"): 2}, \
+        f"{dtype}, d c = 5, t = 2: formula {got}, module 07's layout of module 12's slice gives sent {want_sent}"
+
+
+def _trace(cfg, prefix):
+    import types
+
+    from course.chars import load_chars
+    from course.timeline import trace_one_step
+    text = load_chars()
+    cfg = dataclasses.replace(cfg, vocab_size=text.vocab_size)
+    model = trainer.ComposedLlama(cfg, init_mesh(given.full_sizes({"p": 2, "t": 2})), M, "1f1b", dtype=torch.float32)
+    args = types.SimpleNamespace(seed=0, batch=BATCH, microbatches=M, trace=prefix, mesh="p=2,t=2")
+    trace_one_step(model, text, args, torch.distributed.get_rank())
+
+
+@pytest.mark.given
+def test_the_timeline_has_every_rank_and_every_axis_labelled(tmp_path):
+    import json
+    run_ranks(_trace, 4, CFG, str(tmp_path / "step"), timeout=120)
+    events = json.loads((tmp_path / "step.json").read_text())["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X"]
+    lanes = {(e["pid"], e["cat"]) for e in spans}
+    for rank in range(4):
+        for lane in ("compute", "p", "dc", "t"):
+            assert (rank, lane) in lanes, f"rank {rank} has no span on the {lane} row of the trace"
+    names = {e["name"] for e in spans}
+    assert {"F0 s0", "B1 s1", "all_gather block 0", "reduce_scatter block 3", "all_reduce norm grads"} <= names, \
+        sorted(names)[:20]
+    assert (tmp_path / "step.png").stat().st_size > 10_000
