@@ -50,10 +50,27 @@ def test_the_plan_is_the_brute_forces_ranking_of_what_fits():
     want = brute_force(gpu)
     assert 0 < len(want) < plan.considered, "the case under test: some candidates fit and some do not"
     got = [dataclasses.astuple(planned.layout) for planned in plan.fits]   # steps' Layout is another class
-    assert got == want, (f"{len(want)} layouts fit; the brute force ranks first {want[:3]}, the plan {got[:3]} "
+    same = got == want   # compared outside the assert: pytest's diff of two long lists takes minutes
+    assert same, (f"{len(want)} layouts fit; the brute force ranks first {want[:3]}, the plan {got[:3]} "
                          f"(p, d, c, t, e, zero, schedule, m, recompute, fp8, cp)")
     assert plan.closest is None, "something fits: there is no closest miss to report"
     assert plan.considered == len(given.candidates(TINY, 8, 8, gpu))
+
+
+@pytest.mark.exercises("search")
+def test_of_a_family_the_plan_keeps_the_fastest_recompute_option_that_fits():
+    # A slow GPU on a fast network: the compute sets the step. Recomputing attention (its q, k, v projections
+    # and the causal core: 5120 FLOPs a token of the tiny model) is cheaper than recomputing the FFN (its gate
+    # and up projections: 8192), but the FFN's option saves more memory and comes first in module 10's order.
+    fixed = {"p": 1, "d": 8, "c": 1, "t": 1, "zero": 1, "m": 1}
+    memory = {layout.recompute: sum(costs.rank_cost(TINY, layout, 8, layouts.MIXED).memory.values())
+              for layout in given.candidates(TINY, 8, 8, tiny_gpu(1e9), fixed)}
+    budget = (memory["attention"] + memory["norms"]) / 2     # ffn, attention and block fit; norms does not
+    gpu = presets.GPU("slow GPU", budget / (1 - given.RESERVE), 1e9, None, 1e12, 1e12, per_node=4)
+    plan = search.search(TINY, 8, 8, gpu, layouts.MIXED, TIME, fixed)
+    got = [planned.layout.recompute for planned in plan.fits]
+    assert got == ["attention"], (f"of ffn, attention and block (all fit), attention recomputes the fewest FLOPs; "
+                                  f"the plan keeps {got}")
 
 
 @pytest.mark.exercises("search")
