@@ -79,17 +79,27 @@ class BalancedRecord:
     received: torch.Tensor
 
 
-def balanced_records(model: Model, layout: Layout, batch: int) -> list[BalancedRecord]:
-    """The records of one step (one per layer and microbatch): N = B T / (d c m) tokens a source, k N
-    slots spread evenly, k N / E rows to each expert (at most κ, with a capacity)."""
+def balanced_record(model: Model, layout: Layout, batch: int) -> BalancedRecord:
+    """The record of one layer and microbatch: N = B T / (d c m) tokens a source, k N slots spread
+    evenly, k N / E rows to each expert (at most κ, with a capacity)."""
     moe, e = model.moe, layout.e
     tokens = batch // (layout.d * layout.m) * (model.cfg.max_seq_len // layout.c)
     rows = moe.top_k * tokens / moe.n_experts
     if moe.capacity(tokens) is not None:
         rows = min(rows, moe.capacity(tokens))
-    record = BalancedRecord(torch.full((moe.n_experts,), rows, dtype=torch.float64),
-                            torch.full((e, moe.n_experts // e), rows, dtype=torch.float64))
-    return [record] * (stage_config(model.cfg, layout).n_layers * layout.m)
+    return BalancedRecord(torch.full((moe.n_experts,), rows, dtype=torch.float64),
+                          torch.full((e, moe.n_experts // e), rows, dtype=torch.float64))
+
+
+def exchange_cost(model: Model, layout: Layout, batch: int, precision: Precision) -> StepCost:
+    """Module 16's step_cost for a step of balanced records (given): its exchange is a sum over the step's
+    records, one per layer and microbatch, all equal here, so it is computed on one and its "e" entries
+    multiplied by their number ⌈L/p⌉ m (a search would otherwise sum thousands of equal records)."""
+    seq = sequence_config(model.cfg, layout)
+    one = moe_step_cost(seq, model.moe, layout.sizes, 0, [balanced_record(model, layout, batch)], precision.dtype)
+    n = seq.n_layers * layout.m
+    return StepCost({k: n * v for k, v in one.sent.items() if k[0] == "e"},
+                    {k: n * v for k, v in one.calls.items() if k[0] == "e"})
 
 
 def pipeline_sends(model: Model, layout: Layout, batch: int, precision: Precision) -> StepCost:
@@ -237,8 +247,7 @@ def axes_cost(model: Model, layout: Layout, batch: int, precision: Precision) ->
     #      the mesh {"t": t} and the B/d sequences that one t group shares;
     #   c: module 15's cp_traffic's "c" entries for attention_view(stage, t) (H/t and K/t heads), the global batch B
     #      of T-token sequences, c, layout.cp, d and m;
-    #   e (an MoE model only): module 16's step_cost's "e" entries (moe_step_cost) for seq, model.moe, layout.sizes,
-    #      member index 0 and balanced_records(model, layout, batch);
+    #   e (an MoE model only): module 16's step_cost's "e" entries for a step of balanced routing (exchange_cost);
     #   p: pipeline_sends(model, layout, batch, precision).
     # Maths: each formula counts a whole model on its own mesh; the other axes hand it a smaller model (fewer blocks,
     #   shorter sequences, fewer heads) and fewer sequences. The tests compare with module 17's composed run and with
@@ -248,17 +257,16 @@ def axes_cost(model: Model, layout: Layout, batch: int, precision: Precision) ->
     #   15 splits T by c itself (give it the whole T).
     # Hint 1: four only(...) terms added with +; the e term only when model.moe is not None.
     # Hint 2: tp_traffic(seq, {"t": t}, batch // d, dtype, m, sequence_parallel=True); cp_traffic(attention_view(
-    #         stage, t), batch, model.cfg.max_seq_len, dtype, c, layout.cp, d, m); moe_step_cost(seq, model.moe,
-    #         layout.sizes, 0, balanced_records(model, layout, batch), dtype).
+    #         stage, t), batch, model.cfg.max_seq_len, dtype, c, layout.cp, d, m); exchange_cost(model, layout,
+    #         batch, precision).
     # Hint 3: cost = only(tp_traffic(...), "t", t) + only(cp_traffic(...), "c", c)
-    #         if model.moe is not None: cost += only(moe_step_cost(...), "e", e)
+    #         if model.moe is not None: cost += only(exchange_cost(...), "e", e)
     #         return cost + pipeline_sends(model, layout, batch, precision)
     cost = (only(tp_traffic(seq, {"t": t}, batch // d, dtype, m, sequence_parallel=True), "t", t)
             + only(cp_traffic(attention_view(stage, t), batch, model.cfg.max_seq_len, dtype, c, layout.cp, d, m),
                    "c", c))
     if model.moe is not None:
-        cost += only(moe_step_cost(seq, model.moe, layout.sizes, 0, balanced_records(model, layout, batch), dtype),
-                     "e", e)
+        cost += only(exchange_cost(model, layout, batch, precision), "e", e)
     return cost + pipeline_sends(model, layout, batch, precision)
     # <<<
 

@@ -17,6 +17,8 @@ papers wrote down.
   parallelism on t = 2, and the live microbatches of GPipe (all m) and 1F1B (p on the first rank).
 """
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -198,3 +200,18 @@ def test_a_pipeline_keeps_the_microbatches_its_schedule_has_in_flight(schedule, 
     want = one * (CFG.n_layers // 2) * live
     assert got == want, (f"{schedule} on p = 2, m = 8: the first rank keeps {live} microbatches of its 2 blocks "
                          f"({want} bytes), the plan says {got}")
+
+
+@pytest.mark.exercises("axes_cost")
+def test_the_expert_exchange_is_module_16s_formula_on_a_step_of_evenly_spread_routing():
+    moe = reference("m16_router").MoEConfig(n_experts=4, top_k=2, expert_dim=16)
+    model = presets.Model("tiny MoE", CFG, moe, batch=8)
+    layout = Layout(d=4, e=2, m=M, zero=1)
+    tokens = BATCH // (4 * M) * CFG.max_seq_len          # N a source sees in a microbatch
+    rows = moe.top_k * tokens / moe.n_experts            # k N slots spread evenly over E experts
+    record = SimpleNamespace(sent=torch.full((4,), rows, dtype=torch.float64),
+                             received=torch.full((2, 2), rows, dtype=torch.float64))
+    formula = reference("m16_costs").step_cost(CFG, moe, {"d": 4, "e": 2}, 0, [record] * (CFG.n_layers * M))
+    want = {key: value for key, value in formula.sent.items() if key[0] == "e"}
+    got = {key: value for key, value in costs.axes_cost(model, layout, BATCH, layouts.COURSE).sent.items()}
+    assert got == want, f"E = 4, e = 2, d = 4: module 16's exchange over {CFG.n_layers * M} records is {want}, got {got}"
