@@ -10,7 +10,7 @@ import dataclasses
 
 import pytest
 
-from course.impl import load, reference
+from course.impl import load, reference, selected
 
 search = load("m18_search")
 given = reference("m18_search")        # candidates and RESERVE are given code
@@ -85,9 +85,9 @@ def test_when_nothing_fits_the_closest_is_the_candidate_with_the_least_memory():
         f"{None if plan.closest is None else plan.closest.memory}")
 
 
-def refused(argv, capsys) -> str:
+def refused(argv, capsys, impl: str = "solutions") -> str:
     with pytest.raises(SystemExit) as exit_:
-        plan_command.main([*argv, "--impl", "solutions"])
+        plan_command.main([*argv, "--impl", impl])
     message = str(exit_.value.code) if exit_.value.code not in (None, 0, 1, 2) else capsys.readouterr().err
     return message.strip()
 
@@ -111,6 +111,6 @@ def test_bad_input_is_one_line_before_the_search(argv, words, capsys):
 @pytest.mark.exercises("search")
 def test_a_model_that_fits_nothing_is_told_the_closest_layout_and_why(capsys):
     message = refused(["--model", "dim=4096,layers=32,heads=32,kv_heads=8,ffn=14336,vocab=128256,seq=8192",
-                       "--gpus", "2", "--gpu", "memory=16,bf16=100,intra=100,inter=10"], capsys)
+                       "--gpus", "2", "--gpu", "memory=16,bf16=100,intra=100,inter=10"], capsys, selected())
     assert message.startswith("error: nothing fits: the closest layout") and "the weights' state alone" in message, \
         message
