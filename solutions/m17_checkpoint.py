@@ -6,20 +6,17 @@ FSDP's flat shards are no layout for a checkpoint: a shard is a run of a block's
 that wrote it. DCP saves each tensor as one global tensor of its logical shape, every rank writing
 the chunks it holds with their offsets, and loads onto any other cut by reading, for each rank's new
 pieces, the saved chunks they overlap. So every weight (and AdamW's two moments of it) is saved the
-way the model reads it, a per-parameter layout:
+way the model reads it, a per-parameter layout: the logical shape is the weight's own (module 06's:
+wq (H D, M), wo (M, H D), the embedding (V, M) without module 12's padding rows), and each rank's
+piece is what its model computes with.
 
-    name                                 logical shape   over t                          over p, d, c
-    layers.l.wq, wk, wv, w_gate, w_up    (out, M)        Shard(0): rows (module 12)      Replicate
-    layers.l.wo, w_down                  (M, in)         Shard(1): columns               Replicate
-    layers.l.ln1, ln2, final_norm        (M,)            Replicate                       Replicate
-    embedding, lm_head                   (V, M)          Shard(0), unpadded: V'/t rows a rank, the last fewer
-
-A `DTensor` is a rank's piece with its placements on the device mesh, DTensor.from_local(piece,
-mesh, placements, shape=..., stride=...). Over d and c the pieces are Replicate: after FSDP's gather
-every d c rank holds the same t slice (DCP writes each chunk once). Over p too: a stage's weights are
-only on its ranks, under names no other stage has, and DCP merges every rank's names into one
-checkpoint. A plain tensor is, to DCP, a replicated copy: it keeps one of the ranks' tensors, so a t
-slice saved as a plain tensor silently loses every other slice.
+A `DTensor` is a rank's piece with one placement per dimension of the device mesh,
+DTensor.from_local(piece, mesh, placements, shape=..., stride=...): Shard(k) where the ranks along
+that dimension hold consecutive parts of the weight cut along its dimension k, Replicate() where
+they hold the same copy (DCP writes each chunk once). A stage's weights are only on its ranks, under
+names no other stage has, and DCP merges every rank's names into one checkpoint. A plain tensor is,
+to DCP, a replicated copy: it keeps one of the ranks' tensors, so pieces that differ, saved as plain
+tensors, silently lose every piece but one.
 
 One directory per step, step_000100/, made visible by a rename only once DCP's save has returned on
 every rank (its metadata, written last, is then on disk): a run killed in the middle of a save
@@ -63,10 +60,11 @@ def to_dtensor(name: str, piece: torch.Tensor, shape: tuple[int, ...], device_me
     # >>> TODO(m17): the DTensor of a rank's piece of a weight: its placement on every axis of the mesh
     # Contract: return DTensor.from_local(piece, device_mesh, placements, run_check=False, shape=shape,
     #   stride=the contiguous strides of `shape`), with one placement per dimension of the device mesh
-    #   (device_mesh.mesh_dim_names gives their names, in order): the module docstring's table.
-    # The question: along which axes do the ranks hold different parts of the weight (Shard(dim): which dim?),
-    #   and along which the same (Replicate)? The piece is what the model computes with: after FSDP's gather a
-    #   rank holds its whole t slice.
+    #   (device_mesh.mesh_dim_names gives their names, in order).
+    # The question, for each kind of weight (the field decides): along which axes of the mesh do the ranks hold
+    #   different parts of it (Shard(k): cut along which of the weight's dimensions?), and along which the same
+    #   copy (Replicate)? The piece is what the model computes with: after FSDP's gather, the whole of what
+    #   module 12 gives the rank.
     # Pitfalls: a Shard where the ranks hold copies makes DCP stack the copies (a wrong shape, or their sizes
     #   refused); a Replicate where they hold different slices keeps one slice and drops the others, silently
     #   (the tests resume on other meshes and compare the losses). The vocabulary's padding rows are no part of
@@ -222,9 +220,9 @@ def save(model, optimizer, train_state: dict, root, step: int, description: dict
     #   `final` exists, so a run killed at any instant leaves either no `final` or a complete one. A `partial`
     #   left by an earlier, killed run is removed first. Every rank calls save; the directory operations are
     #   one rank's (rank 0), the others wait for them.
-    # The order: prepare `partial` (rank 0), wait; every rank: dcp.save(state, storage_writer=... into partial);
-    #   wait; rank 0 renames `partial` to `final`; wait. A rename within one file system is atomic.
-    #   The storage writer is make_writer(partial), or dcp.FileSystemWriter(partial) without one.
+    # The question: in which order do the ranks write, wait and publish, so that the name `final` can only ever
+    #   name a complete checkpoint? (A rename within one file system is atomic.) The storage writer is
+    #   make_writer(directory), or dcp.FileSystemWriter(directory) without one.
     # Pitfalls: saving straight into `final` leaves a half-written checkpoint under a complete-looking name when
     #   a rank is killed mid-save (the long check kills one, then resumes from what is left). Renaming before
     #   every rank's save has returned publishes files still being written.

@@ -12,8 +12,8 @@ The capstone composes the course's parallelisms on one mesh of R = p d c t ranks
     e  experts    carved out of d x c (module 16): the mixture-of-experts layer's all-to-all
 
 and the weights are sharded once more: every block's tensor-parallel slice is one flat buffer
-(module 07) cut over the d c ranks that hold the same slice (FSDP over "dc", torchtitan's choice:
-context ranks hold the same weights as data ranks, so they share the shards too).
+(module 07) cut over all the ranks that hold that same slice (FSDP): which ranks those are is this
+part's question.
 
 A rank's place on every axis decides which ranks it talks to for each kind of message. `Groups`
 names them once, so no piece of the trainer ever reads the world to find a peer.
@@ -52,12 +52,13 @@ def compose_groups(mesh: Mesh) -> Groups:
     # Contract: return Groups(pp=..., data=..., cp=..., tp=..., fsdp=..., replicas=..., experts=..., expert_data=...),
     #   each a group of `mesh` (mesh.group(axis) or mesh.group(axis, axis)); experts and expert_data only when the
     #   mesh has an "e" axis (mesh.sizes), else None.
-    # The question for each field: which ranks hold the same thing (a weight slice, a copy) or share the same
-    #   tokens, and differ in exactly what the message combines? A block's tensor-parallel slice is the same on
-    #   every rank with the same i_p and i_t, and those split the batch's rows and the sequence's positions.
+    # The question for each field (the Groups docstring says what each is for): along which axes do its members
+    #   differ, and along which must they agree? The members of a group differ in exactly what its message
+    #   combines (other rows, other positions, other slices) and agree on everything else (the same stage, the
+    #   same weights). Write down a rank's place (i_p, i_d, i_c, i_t) and ask which coordinates may change.
     # Pitfalls: the pipeline's neighbours are places along p, not ranks r - 1 and r + 1 of the world (with d, c
-    #   or t > 1 those hold other rows, positions or slices). FSDP over d alone with c > 1 leaves the context
-    #   ranks' gradients unsummed; over the whole world it would mix slices of different stages and of t.
+    #   or t > 1 those hold other rows, positions or slices). A group one axis too small leaves some ranks'
+    #   gradients unsummed; one axis too large mixes slices of different stages or of t.
     #   The tests train on meshes where each wrong group gives wrong numbers (or a hang, stopped and named).
     # Hint 1: one axis per parallelism; the weights' shards and the replicated weights' sums go over the ranks
     #         that see different tokens of the same weights.

@@ -5,11 +5,10 @@ step (m17_stage), whatever the number of microbatches m. One block's tensor-para
 
     P_t = 2 M + (H/t) D M + 2 (K/t) D M + M (H/t) D + 3 (F/t) M       values (the norms whole, the rest 1/t)
 
-laid out flat and padded to P_t' (a multiple of n = d c), so a rank keeps P_t'/n of it. Per block
-and step, over the n ranks of "dc", one rank sends (course/collectives.py's ring formulas)
-
-    all-gather       (n - 1) P_t'/n b          b: bytes of a weight
-    reduce-scatter   (n - 1) P_t'/n s          s: bytes of a gradient accumulator (float32 at least)
+laid out flat and padded to P_t', a multiple of the fsdp group's size n, so a rank keeps P_t'/n of
+it (module 07's FlatLayout). What one rank sends in a step follows from the policy (m17_stage: how
+many collectives a block a step, of what) and course/collectives.py's ring formulas; b is the bytes
+of a weight, s those of a gradient accumulator (float32 at least).
 
 Module 07's policy, a gather for each microbatch's forward and again for its backward and a
 reduce-scatter of each microbatch's gradient, costs 2 m gathers and m reduce-scatters a block: with
@@ -37,7 +36,7 @@ def fsdp_traffic(cfg: LlamaConfig, sizes: dict[str, int], dtype: torch.dtype, n_
     over the "dc" group of a mesh of `sizes`, weights in `dtype`: calls and bytes sent, by the module's policy."""
     # >>> TODO(m17): the bytes FSDP sends in one step when it gathers and reduce-scatters once a step
     # Contract: a StepCost with sent[("dc", "all_gather")], sent[("dc", "reduce_scatter")] (bytes one rank sends in
-    #   one step, every block of the rank counted) and calls[...] for both. The module docstring has the formulas.
+    #   one step, every block of the rank counted) and calls[...] for both.
     # Pitfalls: the padded slice (a multiple of n = d c), not P_t itself; the gradients travel in grad_dtype(dtype)
     #   (float32 at least), the weights in dtype. The test compares with what the collectives log measured, with m
     #   = 2 microbatches: the number of microbatches appears nowhere in this policy.

@@ -2,11 +2,9 @@
 
 Stage s of S = p v holds blocks [s L/S, (s+1) L/S) (the first also the embedding, the last the final
 norm, the LM head and the loss). Every block is module 12's tensor-parallel block with sequence
-parallelism over `groups.tp`, and each block's tensor-parallel slice is module 07's flat buffer cut
-over `groups.fsdp`: a rank keeps 1/(d c) of 1/t of each of its stage's blocks.
-
-    whole block ─ module 12's shard_block_weights over t ─ slice (H/t heads, F/t units)
-                ─ module 07's FlatLayout over d c ─ this rank's shard (what the optimizer updates)
+parallelism over `groups.tp`, and the weights a rank computes with are also shared out, module 07's
+way, over `groups.fsdp`: between steps a rank keeps only its shard of each of its stage's blocks
+(how the two splits are taken is the constructor's question).
 
 The executor (m11_executor.run_schedule) calls, for each action of this rank's list,
 
@@ -24,10 +22,11 @@ first forward) and keeps them until the step's last backward; the gradients of t
 add up in whole (unsharded) flat buffers, and each block's sum is reduce-scattered once, after the
 schedule (m17_trainer). 2 collectives a block a step instead of 3 m (module 07 re-gathers for the
 backward of every microbatch and reduce-scatters each one's gradient), for the memory of this
-stage's whole slices and their gradients during the step: 1/(p t) of the model, not 1/(p t d c).
+stage's whole slices and their gradients during the step: 1/(p t) of the model, not 1/(p t) of it
+divided again by the fsdp group's size.
 
-Every piece of the loss is divided by the real tokens of the whole step (`n_tokens`, set by the
-trainer before the schedule runs), so the executor's n_microbatches is not used.
+Every piece of the loss is divided by `n_tokens`, the step's divisor, which the trainer sets before
+the schedule runs (what it must be is the trainer's question); the executor's n_microbatches is not used.
 """
 from __future__ import annotations
 
@@ -81,9 +80,10 @@ class LlamaStage:
     """Stage `stage` of `n_stages` of module 06's Llama `whole`, on this rank of the mesh `groups`."""
 
     def __init__(self, cfg: LlamaConfig, groups: Groups, stage: int, n_stages: int, whole, variant: str = "zigzag",
-                 attention_chunk: int = ATTENTION_CHUNK):
+                 attention_chunk: int = ATTENTION_CHUNK, recompute: bool = False):
         tp, cp, fsdp = groups.tp, groups.cp, groups.fsdp
         self.cfg, self.groups, self.stage, self.variant = cfg, groups, stage, variant
+        self.recompute = recompute  # module 10's "block" option: keep each block's input only
         self.is_first, self.is_last = stage == 0, stage == n_stages - 1
         self.layers = stage_layers(cfg, stage, n_stages)
         self.dtype, self.grad_dtype = whole.embedding.dtype, grad_dtype(whole.embedding.dtype)
@@ -96,11 +96,11 @@ class LlamaStage:
         #   self.shards (one per block of self.layers, in order: this rank's shard of that block's slice, a tensor
         #   of its own, not a view of a whole block); self.embedding (first stage) and self.lm_head (last stage):
         #   this rank's vocabulary rows, padded (module 12); self.final_norm (last stage): a copy; None elsewhere.
-        # The question: in which order are the two splits taken? Each t rank computes with its slice (H/t heads, F/t
-        #   units, module 12), and the d c ranks that hold that slice share it out between them.
-        # Pitfalls: a layout over the whole block (or of the wrong group's size) gathers blocks of the wrong shape
-        #   or from the wrong ranks; module 12's slices are per t rank (groups.tp), module 07's shards per fsdp
-        #   rank. Every rank reads its weights from `whole` (module 06's model, the same on every rank).
+        # The question: in which order are the two splits taken, and what does each cut? gather() must give back,
+        #   on every rank, exactly the weights its block computes with (module 12's), and nothing else.
+        # Pitfalls: a layout of the wrong tensors (or of the wrong group's size) gathers blocks of the wrong shape
+        #   or from the wrong ranks. Every rank reads its weights from `whole` (module 06's model, the same on every
+        #   rank).
         # Hint 1: slice each of the stage's blocks for t, lay the slice out flat and keep this rank's fsdp shard.
         # Hint 2: shard_block_weights(whole.blocks[l], cfg, tp); FlatLayout(a slice, fsdp.size); layout.flatten,
         #         layout.shard(flat, fsdp.index), .clone(); vocab_rows(whole.embedding, self.padded_vocab, tp).
@@ -220,12 +220,21 @@ class LlamaStage:
         return self.block.forward(self.weights[i], x, store)
 
     def block_backward(self, i: int, dy: torch.Tensor, store: ActivationStore) -> torch.Tensor:
-        """Block i's backward, its weights' gradients added into self.block_grads[i] (given)."""
+        """Block i's backward, its weights' gradients added into self.block_grads[i] (given). With recompute,
+        the block's forward runs again first, from its kept input, into a store that keeps everything."""
+        if self.recompute:
+            store, kept = self.block.new_store(), store
+            self.block_forward(i, kept["x"], store)
         return self.block.backward(self.weights[i], dy, store, self.block_grads[i])
 
     def new_store(self) -> ActivationStore:
-        """A store for one block's forward: nothing kept when evaluating (given)."""
-        return self.block.new_store() if self.training else ActivationStore(keep=frozenset())
+        """A store for one block's forward (given): nothing kept when evaluating; with recompute (module 10's
+        "block" option) only the block's input x, which the backward runs the block's forward from again: the
+        same ops on the same values, so the same gradients bit for bit, for a second forward's work and its
+        tensor-parallel collectives (Megatron's full recompute)."""
+        if not self.training:
+            return ActivationStore(keep=frozenset())
+        return ActivationStore(keep=frozenset({"x"})) if self.recompute else self.block.new_store()
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor, microbatch: int, targets: torch.Tensor | None = None, n_microbatches: int = 1):
@@ -244,11 +253,10 @@ class LlamaStage:
         #   head (module 12's column-parallel linear over the vocabulary rows) and the vocabulary-parallel loss of
         #   this rank's positions of the targets, divided by self.n_tokens; keep h, n, r and dlogits in Saved too;
         #   return the loss (a 0-d tensor).
-        # The maths: the step's loss is the sum over every real target of the global batch of its cross-entropy,
-        #   divided once by their count N_real (self.n_tokens): each rank's share of a microbatch, summed over
-        #   the microbatches and the d c ranks, is that mean; no piece divides by its own token count.
-        # Pitfalls: the executor's n_microbatches is not the loss's divisor (the step's real tokens are). The
-        #   targets are cut by the same layout as the tokens (position j's target is token j + 1's id).
+        # The divisor: self.n_tokens, set by the trainer (ComposedLlama.train_step derives what it is); the stage
+        #   divides every piece by it and by nothing else.
+        # Pitfalls: the executor's n_microbatches is not the loss's divisor. The targets are cut by the same layout
+        #   as the tokens (position j's target is token j + 1's id).
         # Hint 1: module 12's TPLlama.forward_backward, the forward half, with a stage's piece of it: the embedding
         #         only on the first stage, the head and the loss only on the last.
         # Hint 2: embedding_forward(tokens, self.embedding, tp, True); x.view(rows, self.stream_len, cfg.dim);

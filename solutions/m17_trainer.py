@@ -3,18 +3,21 @@
     ComposedLlama(cfg, mesh, n_microbatches, schedule="1f1b")   this rank's stages of the schedule's
                                                                 placement (m17_stage), its StageComms
 
+Switches: n_microbatches is module 10's gradient accumulation (m microbatches a step, one update);
+recompute=True is module 10's "block" recompute (each block keeps its input only and runs its forward
+again in the backward). Module 09's FP8 linears are not composed: module 12's tensor-parallel linears
+take no matmul policy.
+
 One optimizer step on the global batch (every rank draws the same B sequences from the seed, as in
 module 06's `fit`, which trains this model as it trains every Llama of the course):
 
-  1. the step's real tokens N_real, counted once on the whole global batch: every piece of the loss
-     (a microbatch, of a rank's B/d rows, of its T/c positions) is divided by it
+  1. the step's divisor, given to every stage: every piece of the loss (a microbatch, of a rank's B/d
+     rows, of its T/c positions) is divided by it (what it is: train_step's question)
   2. this rank's B/d rows go to module 11's run_schedule: the stages' forwards and backwards, in the
      schedule's order, the microbatches' gradients adding up in the stages' whole buffers
-  3. every gradient summed over the ranks that hold the same weight and saw other tokens:
-        blocks           reduce-scatter over fsdp (d c), once per step (m17_stage)
-        norm weights     with sequence parallelism each t rank normed T/t positions: all-reduce over t
-        embedding, LM head, final norm (and a MoE layer's router)   all-reduce over d c
-        experts          all-reduce over the expert-data group "ed" (module 16)
+  3. every gradient summed over the ranks that hold the same weight and saw other tokens of it: the
+     blocks' by the stages' reduce-scatters (once per step, m17_stage), the others by one all-reduce
+     per group (which weights over which group: finish_gradients' question)
   4. AdamW on this rank's shards and copies (elementwise: the single process's update, sliced)
   5. the step's loss: the last stage's shares, summed over d and c, reported on every rank
 
@@ -88,7 +91,7 @@ class ComposedLlama:
 
     def __init__(self, cfg: LlamaConfig, mesh: Mesh, n_microbatches: int = 1, schedule: str = "1f1b",
                  stages_per_rank: int = 2, seed: int = 0, dtype=torch.float32, variant: str = "zigzag", moe=None,
-                 whole=None, attention_chunk: int = ATTENTION_CHUNK):
+                 whole=None, attention_chunk: int = ATTENTION_CHUNK, recompute: bool = False):
         self.cfg, self.mesh, self.moe, self.dtype = cfg, mesh, moe, dtype
         self.groups = groups = compose_groups(mesh)
         v = stages_per_rank_of(schedule, stages_per_rank)
@@ -98,10 +101,10 @@ class ComposedLlama:
         whole = whole if whole is not None else initial_model(cfg, seed, dtype, moe)
         if moe is None:
             def make(stage):
-                return LlamaStage(cfg, groups, stage, self.schedule.n_stages, whole, variant, attention_chunk)
+                return LlamaStage(cfg, groups, stage, self.schedule.n_stages, whole, variant, attention_chunk, recompute)
         else:
             from .m17_moe_stage import MoEStage, check_moe_mesh
-            check_moe_mesh(mesh.sizes, moe)
+            check_moe_mesh(mesh.sizes, moe, recompute)
 
             def make(stage):
                 return MoEStage(cfg, groups, stage, self.schedule.n_stages, whole, moe, attention_chunk)
@@ -130,23 +133,21 @@ class ComposedLlama:
 
     def finish_gradients(self):
         """After the schedule: every gradient this rank holds summed over the ranks that hold the same weight
-        and saw other tokens (the module docstring's table)."""
+        and saw other tokens (the module docstring's step 3)."""
         groups, stages = self.groups, list(self.stages.values())
         # >>> TODO(m17): each gradient summed over the ranks that hold the same weight and saw other tokens
-        # Contract: afterwards each stage's grad_shards hold their fsdp sums (stage.reduce_scatter, once a step), and
-        #   - the norm weights' gradients (the elements stage.norms of every grad shard, and the final norm's
-        #     accumulator on the last stage) are summed over t, in one all-reduce labelled "norm grads";
-        #   - every replicated weight's accumulator (stage.replicated_grads' values) over groups.replicas, in one
-        #     all-reduce labelled "replicated grads";
-        #   - with experts (a MoE model: groups.expert_data is not None), stage.expert_grads over groups.expert_data,
-        #     in one all-reduce labelled "expert grads".
-        # The question: a weight's gradient is partial over every axis whose ranks saw other tokens of it (rows,
-        #   positions) and hold the same copy. A block's t slice is the same on the d c ranks (the reduce-scatter
-        #   sums over them); a norm weight is whole on every t rank, but with sequence parallelism each normed T/t
-        #   positions, so its shard is partial over t too.
-        # Pitfalls: the norms' sum over t is of the reduce-scattered shards (after the reduce-scatter: t ranks' shards
-        #   of one block hold their norms at the same positions). Summing anything over t that is not partial over t
-        #   (a column's slice, the LM head's rows) adds other ranks' slices into it.
+        # Contract: afterwards every gradient this rank holds (each stage's grad_shards, replicated_grads and
+        #   expert_grads) is the whole gradient of its piece: the sum over every rank that holds the same piece and
+        #   saw other tokens of it. The blocks' by stage.reduce_scatter (once a step), each other sum by one
+        #   all-reduce (sum_over) labelled "norm grads" (the norm weights: the elements stage.norms of the grad
+        #   shards, and the final norm's accumulator), "replicated grads" (stage.replicated_grads) or, with a MoE
+        #   model (groups.expert_data is not None), "expert grads" (stage.expert_grads).
+        # The question, for each kind of weight (a block's t slice, the block norms inside it, the final norm, the
+        #   vocabulary rows, a router, an expert): along which axes do the ranks hold the same copy of it, and along
+        #   which of those did they see other tokens (rows, positions) of it? Its gradient is partial over those.
+        # Pitfalls: the block norms sit inside the flat shards: their extra sum is of the reduce-scattered shards
+        #   (stage.norms are positions in a shard). Summing a weight over an axis whose ranks hold different slices
+        #   of it (a column's slice, vocabulary rows) adds other ranks' slices into it.
         # Hint 1: reduce-scatter every stage's blocks; then three sums, each over its group, each in one collective.
         # Hint 2: sum_over(group, parts, label) (above) takes tensors and (tensor, index) pairs.
         # Hint 3: each stage: reduce_scatter()
@@ -175,13 +176,12 @@ class ComposedLlama:
         #   and targets (self.share), finish the gradients (above), hand each parameter its gradient (p.grad, in p's
         #   dtype; parameters() and grads() are in the same order), step the optimizer; return the step's loss on
         #   every rank (step_loss of what run_schedule returned).
-        # The maths: the loss is the mean over the step's real targets, N_real of them in the global batch. Each
-        #   rank's share of each microbatch is its own targets' summed loss divided by N_real: summed over the m
-        #   microbatches (run_schedule) and the d c ranks (step_loss; the gradients in finish_gradients), that is
-        #   the mean and its gradient, with no scale left to apply anywhere.
-        # Pitfalls: N_real counted on this rank's rows (or on a microbatch, or one slice of the sequence) divides by
-        #   d (m, c) times too few tokens: the loss is off by that factor and every gradient too; AdamW hides most
-        #   of a constant factor, but not from the tests' 1e-10 against one process (their message names it).
+        # The question: the loss is the mean over the step's real targets (module 06's IGNORE_INDEX marks the
+        #   others). Each rank's share of a microbatch is summed, plainly, over the m microbatches (run_schedule),
+        #   and over the ranks (step_loss; the gradients in finish_gradients): what must every share be divided by, counted
+        #   where, so that those plain sums are that mean and its gradient, with no scale left to apply anywhere?
+        # Pitfalls: a divisor off by a constant factor puts the loss off by that factor and every gradient too;
+        #   AdamW hides most of it, but not from the tests' 1e-10 against one process (their message says the ratio).
         # Hint 1: count, set, run the schedule, finish the gradients, step, report.
         # Hint 2: real_tokens(targets) on the whole global batch; self.share(tokens); tokens.shape[0] is B.
         # Hint 3: n_tokens = real tokens of the global targets;  every stage: begin_step(n_tokens, B)

@@ -1,5 +1,5 @@
 # Generated from solutions/m17_moe_stage.py by `python -m course.skeleton`. Given code: nothing
-# to fill in here; read it, then run it with `python main.py run 17`. (skeleton 4dd38f4f8585)
+# to fill in here; read it, then run it with `python main.py run 17`. (skeleton c21f48116c6e)
 """Module 17, part 4 - a pipeline stage of module 16's MoE Llama: experts over e, the rest FSDP over d.
 
 Each block is module 16's MoEBlock: module 06's block with a zero FFN (attention, both norms), then
@@ -13,8 +13,9 @@ expert group `groups.experts` and back by all-to-all. The stage holds, per block
 
 The experts take whole tokens (module 16 routes each token on its rank), so this stage runs with
 t = 1 and c = 1; check_moe_mesh says so before any rank starts. The loss is the mean cross-entropy
-of the step's real tokens (every share divided by N_real, as LlamaStage) plus module 16's auxiliary
-loss, each sequence's weighted 1/B; the reported loss is the cross-entropy, as module 16 reports it.
+of the step's real tokens (every share divided by the step's divisor, as LlamaStage) plus module
+16's auxiliary loss, each sequence's weighted 1/B; the reported loss is the cross-entropy, as module
+16 reports it.
 """
 from __future__ import annotations
 
@@ -30,8 +31,11 @@ from .m17_composition import Groups
 from .m17_stage import LlamaStage
 
 
-def check_moe_mesh(sizes: dict[str, int], moe: MoEConfig):
-    """One line for a mesh the MoE stage cannot run on (given)."""
+def check_moe_mesh(sizes: dict[str, int], moe: MoEConfig, recompute: bool = False):
+    """One line for a mesh (or an option) the MoE stage cannot run with (given)."""
+    if recompute:
+        raise ValueError("the MoE model runs without recompute (its forward's routing records would count twice); "
+                         "drop --recompute or --experts")
     if sizes.get("t", 1) > 1 or sizes.get("c", 1) > 1:
         raise ValueError(f"the MoE model runs with t=1 and c=1 (module 16's experts take whole tokens on their rank); "
                          f"got t={sizes.get('t', 1)}, c={sizes.get('c', 1)}: put those ranks on d or p")

@@ -122,4 +122,37 @@ FORBIDDEN = {
             "L (P + 2M) + 2 V' M + M", "(L (P + 2 M) + 2 V' M + M) // (d t)",
         ],
     },
+    "17": {
+        # Which group each message runs over, the loss's divisor, which gradient is summed over which axis,
+        # the checkpoint's placements, the FSDP bytes and the save's order: the chapter works out pp and tp on
+        # rank 5, gradient accumulation on one process, the sums on d alone and t alone, and wq's placement.
+        "compose_groups": [
+            'fsdp=mesh.group("d", "c")', 'replicas=mesh.group("d", "c")', "fsdp | d x c", "replicas | d x c",
+            "FSDP partners are {5, 7}", "FSDP over d x c", 'FSDP over "dc"', "cut over the d c ranks",
+        ],
+        "LlamaStage.__init__": [
+            "first over t, the way the block computes", "then the slice is laid out flat",
+            "FlatLayout over d c", "1/(d c) of 1/t",
+        ],
+        "ComposedLlama.train_step": [
+            "divided by N_real", "divides its sum by N_real", "N_real, counted once", "counted once on the whole",
+            "real_tokens of the global targets", "real_tokens(targets) on the whole global batch",
+            "the real tokens of the whole step",
+        ],
+        "ComposedLlama.finish_gradients": [
+            "summed over t, in one all-reduce", "so its shard is partial over t too", "all-reduce over t of their",
+            "all-reduce over t, and over dc", "over groups.replicas, in one", "stage.expert_grads over groups.expert_data",
+            "all-reduce over ed", "each normed T/t positions", "and one for the norms",
+        ],
+        "to_dtensor": [
+            "wo, w_down (M, in) Shard(1)", "Shard(1): columns", "ln2, final_norm (M,) Replicate",
+            "(V, M), unpadded Shard(0)", "Shard(0), unpadded", "the module docstring's table",
+        ],
+        "fsdp_traffic": [
+            "(n - 1) P_t'/n b", "(n - 1) P_t'/n s", "n_blocks (n - 1) shard", "The module docstring has the formulas",
+        ],
+        "save": [
+            "every rank: dcp.save(state, storage_writer=... into partial); wait; rank 0 renames",
+        ],
+    },
 }

@@ -1,7 +1,7 @@
 """Module 17 checkpoints: a run of 4 steps on characters of Shakespeare (V = 62), checkpointed after
 steps 2 and 4 with torch.distributed.checkpoint; resumed from step 2 on the same mesh it continues the
 uninterrupted loss curve bit for bit, resumed on other meshes (t = 4: vocabulary rows 16, 16, 16, 14;
-p = 4; and, in the long checks, 2x2x2 -> 1x4x2 -> 8x1x1) within 1e-10; a rank killed (SIGKILL) in the
+d = 2, t = 2; and, in the long checks, p = 4 and 2x2x2 -> 1x4x2 -> 8x1x1) within 1e-10; a rank killed (SIGKILL) in the
 middle of a save leaves the last complete checkpoint, from which the run resumes; the checkpoint is
 readable by one process with no process group at all (module 06's model, whose loss on a batch is
 the trained model's); a checkpoint of another model is refused in one line before any step runs.
@@ -15,6 +15,7 @@ import dataclasses
 import os
 import shutil
 import signal
+from pathlib import Path
 
 import pytest
 import torch
@@ -52,13 +53,24 @@ class KillMidSave(dcp.FileSystemWriter):
         return super().write_data(plan, planner)
 
 
+class Watched(dcp.FileSystemWriter):
+    """DCP's file writer, noting as each rank starts to write where it writes, and whether the checkpoint's
+    final name (the directory without .partial) exists at that moment."""
+    seen = []
+
+    def write_data(self, plan, planner):
+        path = Path(str(self.path))
+        Watched.seen.append((path.name, (path.parent / path.name.removesuffix(".partial")).exists()))
+        return super().write_data(plan, planner)
+
+
 def _run(cfg, sizes, root, steps, every, resume, kill=False, validate=False):
     mesh = init_mesh(given.full_sizes(sizes))
     model = trainer.ComposedLlama(cfg, mesh, M, "1f1b", dtype=f64)
     losses, validation = run.train(model, TEXT, steps, BATCH, LR, 0, M, root, every, resume,
                                    eval_every=steps if validate else 0, eval_batches=1,
-                                   make_writer=KillMidSave if kill else None)
-    return (losses, validation) if validate else losses
+                                   make_writer=KillMidSave if kill else Watched if validate else None)
+    return (losses, validation, Watched.seen) if validate else losses
 
 
 @pytest.fixture(scope="module")
@@ -66,18 +78,32 @@ def uninterrupted(tmp_path_factory):
     """p = 2, t = 2: 4 steps, checkpoints after steps 2 and 4, the validation loss after step 4."""
     root = tmp_path_factory.mktemp("m17-checkpoints") / "p2t2"
     results = run_ranks(_run, 4, CFG, {"p": 2, "t": 2}, str(root), STEPS, EVERY, False, False, True, timeout=120)
-    return root, results[0][0], results[0][1][-1][1]
+    return root, results[0][0], results[0][1][-1][1], [r[2] for r in results]
 
 
 def resumed_from_step_2(uninterrupted, tmp_path, cfg, sizes, world_size=4):
-    root, _, _ = uninterrupted
+    root, *_ = uninterrupted
     shutil.copytree(root / "step_000002", tmp_path / "step_000002")
     return run_ranks(_run, world_size, cfg, sizes, str(tmp_path), STEPS, 0, True, timeout=180)
 
 
+@pytest.mark.exercises("save", "train")
+def test_each_checkpoint_is_written_under_a_partial_name_then_renamed(uninterrupted):
+    # What the long check's SIGKILL relies on, watched without a kill: every rank writes into
+    # step_NNNNNN.partial/ while no step_NNNNNN/ exists, and the run ends with complete directories only.
+    root, *_, seen = uninterrupted
+    for rank, writes in enumerate(seen):
+        assert [name for name, _ in writes] == ["step_000002.partial", "step_000004.partial"], \
+            (f"rank {rank} wrote its checkpoints into {[name for name, _ in writes]}: DCP's files go into "
+             f"step_NNNNNN.partial/, which only a rename after every rank's save makes step_NNNNNN/")
+        early = [name for name, final_exists in writes if final_exists]
+        assert not early, f"rank {rank}: {early} already had its final name while DCP was still writing into it"
+    assert sorted(p.name for p in root.iterdir()) == ["step_000002", "step_000004"], sorted(root.iterdir())
+
+
 @pytest.mark.exercises(*TODOS)
 def test_resuming_on_the_same_mesh_continues_the_curve_bit_for_bit(uninterrupted, tmp_path):
-    _, expected, _ = uninterrupted
+    _, expected, *_ = uninterrupted
     for rank, losses in enumerate(resumed_from_step_2(uninterrupted, tmp_path, CFG, {"p": 2, "t": 2})):
         assert losses == expected, (f"rank {rank}: resumed from step 2 on the same mesh, losses {losses}; the "
                                     f"uninterrupted run's {expected}: the same sums in the same order must give the "
@@ -87,20 +113,29 @@ def test_resuming_on_the_same_mesh_continues_the_curve_bit_for_bit(uninterrupted
 @pytest.mark.exercises(*TODOS)
 def test_resuming_with_t_4_reshards_rows_that_do_not_divide(uninterrupted, tmp_path):
     # V = 62 over t = 4: rows 16, 16, 16 and 14 (the padding's two rows are no part of the checkpoint).
-    _, expected, _ = uninterrupted
+    _, expected, *_ = uninterrupted
     for rank, losses in enumerate(resumed_from_step_2(uninterrupted, tmp_path, CFG, {"t": 4})):
         worst = max(abs(a - b) for a, b in zip(losses, expected, strict=True))
         assert worst <= TOLERANCE, f"rank {rank}: resumed with t=4, losses {losses}, uninterrupted {expected}"
 
 
 @pytest.mark.exercises(*TODOS)
+def test_resuming_with_d_2_reads_one_copy_into_both_data_ranks(uninterrupted, tmp_path):
+    # p = 2, t = 2 -> d = 2, t = 2: the two stages' names into one stage, every weight's t slice on two d ranks.
+    _, expected, *_ = uninterrupted
+    for rank, losses in enumerate(resumed_from_step_2(uninterrupted, tmp_path, CFG, {"d": 2, "t": 2})):
+        worst = max(abs(a - b) for a, b in zip(losses, expected, strict=True))
+        assert worst <= TOLERANCE, f"rank {rank}: resumed with d=2, t=2, losses {losses}, uninterrupted {expected}"
+
+
+@pytest.mark.exercises(*TODOS)
 def test_one_process_reads_the_checkpoint_without_a_process_group(uninterrupted):
     # Module 06's model with the checkpoint's weights computes, on step 4's validation batch, the loss the
     # trained model reports for it.
-    root, _, _ = uninterrupted
+    root, *_ = uninterrupted
     model = given_checkpoint.load_into_one_process(root / "step_000004", CFG, f64)
     assert model.embedding.shape == (TEXT.vocab_size, CFG.dim)
-    _, _, expected = uninterrupted
+    _, _, expected, _ = uninterrupted
     generator = torch.Generator().manual_seed(run.VALIDATION_SEED)
     tokens, targets = random_batch(TEXT.validation, BATCH, CFG.max_seq_len, generator)
     loss, _ = model.forward_backward(tokens, targets)
@@ -110,7 +145,7 @@ def test_one_process_reads_the_checkpoint_without_a_process_group(uninterrupted)
 
 @pytest.mark.given
 def test_a_checkpoint_of_another_model_is_one_line_before_any_step(uninterrupted):
-    root, _, _ = uninterrupted
+    root, *_ = uninterrupted
     other = dataclasses.replace(CFG, dim=48, head_dim=6)
     with pytest.raises(given_checkpoint.CheckpointError) as refused:
         given_checkpoint.check_checkpoint(root / "step_000002", other, TEXT.chars)
@@ -131,7 +166,7 @@ def test_the_latest_checkpoint_is_the_highest_complete_step(tmp_path):
 @pytest.mark.long
 @pytest.mark.exercises(*TODOS)
 def test_resuming_with_p_4_continues_the_curve(uninterrupted, tmp_path):
-    _, expected, _ = uninterrupted
+    _, expected, *_ = uninterrupted
     for rank, losses in enumerate(resumed_from_step_2(uninterrupted, tmp_path, CFG, {"p": 4})):
         worst = max(abs(a - b) for a, b in zip(losses, expected, strict=True))
         assert worst <= TOLERANCE, f"rank {rank}: resumed with p=4, losses {losses}, uninterrupted {expected}"
@@ -155,7 +190,7 @@ def test_8_ranks_2x2x2_then_1x4x2_then_8x1x1(tmp_path):
 @pytest.mark.long
 @pytest.mark.exercises(*TODOS)
 def test_a_rank_killed_mid_save_leaves_the_last_complete_checkpoint(uninterrupted, tmp_path):
-    _, expected, _ = uninterrupted
+    _, expected, *_ = uninterrupted
     with pytest.raises(RankFailed):
         run_ranks(_run, 4, CFG, {"p": 2, "t": 2}, str(tmp_path), STEPS, EVERY, False, True, timeout=120)
     left = sorted(p.name for p in tmp_path.iterdir())

@@ -57,10 +57,10 @@ def whole_model(cfg, moe):
     return model
 
 
-def _train(cfg, sizes, schedule, stages_per_rank, moe):
+def _train(cfg, sizes, schedule, stages_per_rank, moe, recompute=False):
     mesh = init_mesh(given.full_sizes(sizes))
     model = trainer.ComposedLlama(cfg, mesh, M, schedule, stages_per_rank, dtype=f64, moe=moe,
-                                  whole=whole_model(cfg, moe))
+                                  whole=whole_model(cfg, moe), recompute=recompute)
     marks = []
     _, losses = m06.fit(model, STEPS, BATCH, LR, n_microbatches=M, on_step=lambda step, loss: marks.append(len(mesh.log)))
     last_step = [r for r in mesh.log[marks[-2]:marks[-1]] if r.axis == "dc" and r.op in ("all_gather", "reduce_scatter")]
@@ -68,7 +68,8 @@ def _train(cfg, sizes, schedule, stages_per_rank, moe):
     stages = {index: {"layers": list(stage.layers), "shards": stage.shards, "replicated": stage.replicated,
                       "experts": stage.experts} for index, stage in model.stages.items()}
     places = {"fsdp": g.fsdp.index, "t": g.tp.index, "e": g.experts.index if g.experts is not None else 0}
-    return losses, stages, places, measured_cost(last_step), sum(len(s.layers) for s in model.stages.values())
+    n_t = sum(1 for r in mesh.log[marks[-2]:marks[-1]] if r.axis == "t")
+    return losses, stages, places, measured_cost(last_step), sum(len(s.layers) for s in model.stages.values()), n_t
 
 
 @functools.cache
@@ -104,7 +105,7 @@ def reassembled(results, reference_weights, sizes, moe) -> dict:
     the slices side by side along the split dimension (module 12); the vocabulary rows over t, unpadded."""
     t = sizes.get("t", 1)
     shards, copies, experts = {}, {}, {}
-    for _, stages, places, _, _ in results:
+    for _, stages, places, *_ in results:
         for stage in stages.values():
             for layer, shard in zip(stage["layers"], stage["shards"]):
                 shards.setdefault(layer, {}).setdefault(places["t"], {})[places["fsdp"]] = shard
@@ -190,11 +191,27 @@ def test_the_moe_model_with_experts_over_e_equals_one_process():
     check_against_one_process(CFG, "p2 d2 e2 (MoE)", trained("p2 d2 e2 (MoE)"), sizes, moe)
 
 
+@pytest.mark.exercises(*ALL_TODOS)
+def test_recompute_trains_the_same_bits_with_a_second_forward():
+    # Module 10's "block" recompute (a switch of the given code): each block keeps its input only and runs its
+    # forward again in the backward: the same ops on the same values, so the same losses and weights bit for bit,
+    # for a second forward's tensor-parallel collectives (counted in the step's log).
+    plain = trained("d2 t2")
+    again = run_ranks(_train, 4, CFG, {"d": 2, "t": 2}, "1f1b", 1, None, True, timeout=120)
+    for rank, (want, got) in enumerate(zip(plain, again, strict=True)):
+        assert got[0] == want[0], f"rank {rank}: with recompute, losses {got[0]}; without {want[0]}: not the same bits"
+        for index, stage in want[1].items():
+            for i, (a, b) in enumerate(zip(stage["shards"], got[1][index]["shards"], strict=True)):
+                assert torch.equal(a, b), f"rank {rank}, stage {index}: block shard {i} differs with recompute"
+        assert got[5] > want[5], (f"rank {rank}: {got[5]} t collectives a step with recompute, {want[5]} without: "
+                                  f"the backward's forwards run again, and so do their collectives")
+
+
 @pytest.mark.exercises("LlamaStage.gather", "LlamaStage.reduce_scatter", "fsdp_traffic", "ComposedLlama.finish_gradients")
 @pytest.mark.parametrize("name", ["p2 d2 (interleaved)", "d2 c2"])
 def test_fsdp_gathers_and_reduce_scatters_each_block_once_a_step(name):
     sizes = MESHES[name][0]
-    for rank, (_, _, _, measured, n_blocks) in enumerate(trained(name)):
+    for rank, (_, _, _, measured, n_blocks, _) in enumerate(trained(name)):
         calls = {op: measured.n_calls("dc", op) for op in ("all_gather", "reduce_scatter")}
         assert calls == {"all_gather": n_blocks, "reduce_scatter": n_blocks}, \
             (f"{name}, rank {rank}: {calls} over dc in one step of {M} microbatches, for {n_blocks} blocks: the policy "
@@ -250,6 +267,7 @@ def _trace(cfg, prefix):
     trace_one_step(model, text, args, torch.distributed.get_rank())
 
 
+@pytest.mark.long  # given code, and a picture drawn: a slow check, kept out of the suite's budget
 @pytest.mark.given
 def test_the_timeline_has_every_rank_and_every_axis_labelled(tmp_path):
     import json

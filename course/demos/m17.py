@@ -42,6 +42,9 @@ def add_args(parser: argparse.ArgumentParser):
     parser.add_argument("--seed", type=int, default=0, help="the weights' and the batches' seed (default 0)")
     parser.add_argument("--experts", type=int, default=0,
                         help="E > 0: module 16's MoE blocks with E experts, top-2, over the mesh's e (default 0: dense)")
+    parser.add_argument("--recompute", action="store_true",
+                        help="module 10's block recompute: each block keeps its input only and reruns its forward "
+                             "in the backward")
     parser.add_argument("--eval-every", type=int, default=100, help="a validation loss every N steps (default 100)")
     parser.add_argument("--checkpoint-every", type=int, default=200, help="a checkpoint every N steps (default 200)")
     parser.add_argument("--checkpoint-dir", default=None,
@@ -91,7 +94,7 @@ def check_args(args):
     if moe is None and "e" in sizes:
         raise ValueError("the mesh has an axis e: pass --experts E for the MoE model (dense blocks have no experts)")
     if moe is not None:
-        reference("m17_moe_stage").check_moe_mesh(sizes, moe)
+        reference("m17_moe_stage").check_moe_mesh(sizes, moe, args.recompute)
         if args.resume or args.checkpoint_every:
             raise ValueError("checkpoints of the MoE model are not composed here: pass --checkpoint-every 0 (and no "
                              "--resume) with --experts")
@@ -150,10 +153,11 @@ def plot_losses(losses, validation, path: Path, title: str):
 
 def describe_mesh(mesh, model):
     g = model.groups
-    lines = [f"  rank 0's groups: p {g.pp.ranks} (pipeline neighbours), dc {g.fsdp.ranks} (FSDP shards, replicated "
-             f"gradients), t {g.tp.ranks} (tensor and sequence parallel), c {g.cp.ranks} (attention's ring)"]
+    lines = [f"  rank 0's groups: pp {g.pp.ranks} (pipeline neighbours), fsdp {g.fsdp.ranks} (FSDP shards), replicas "
+             f"{g.replicas.ranks} (replicated gradients), tp {g.tp.ranks} (tensor and sequence parallel), cp "
+             f"{g.cp.ranks} (attention's ring)"]
     if g.experts is not None:
-        lines.append(f"  experts over e {g.experts.ranks}, their gradients over ed {g.expert_data.ranks}")
+        lines.append(f"  experts {g.experts.ranks}, their gradients over expert_data {g.expert_data.ranks}")
     stage = next(iter(model.stages.values()))
     lines.append(f"  rank 0 holds stage(s) {list(model.stages)} of {model.schedule.n_stages} ({model.schedule.name}): "
                  f"blocks {[list(s.layers) for s in model.stages.values()]}, each a t slice in {stage.layout.padded_numel:,} "
@@ -171,7 +175,7 @@ def demo(args):
     cfg, moe, sizes = config(args, text.vocab_size), moe_config(args), mesh_sizes(args)
     mesh = init_mesh(sizes)
     model = trainer.ComposedLlama(cfg, mesh, args.microbatches, args.schedule, args.stages_per_rank, args.seed,
-                                  torch.float32, args.variant, moe)
+                                  torch.float32, args.variant, moe, recompute=args.recompute)
     tokens_per_step = args.batch * cfg.max_seq_len
     checkpoint_dir = args.checkpoint_dir if moe is None else None
     if rank == 0:

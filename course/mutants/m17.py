@@ -86,4 +86,20 @@ PLANTS = [
           "    dist.barrier()\n    if dist.get_rank() == 0:\n        os.rename(partial, final)\n"
           "    dcp.save(state, storage_writer=(make_writer or dcp.FileSystemWriter)(final))\n",
           "renamed before the save: a rank killed mid-save leaves a half-written checkpoint under a complete name"),
+    # Added with the module's closing checks.
+    Plant(STAGE, "self.shards = [self.layout.shard(self.layout.flatten(s), fsdp.index).clone() for s in slices]",
+          "self.shards = [self.layout.shard(self.layout.flatten(s), self.groups.data.index).clone() for s in slices]",
+          "the fsdp shard picked by the rank's place along d only: with c > 1 two ranks keep the same piece"),
+    Plant(TRAINER, "        sum_over(groups.tp, norms, \"norm grads\")\n",
+          "        sum_over(groups.replicas, norms, \"norm grads\")\n",
+          "the norms' extra sum over the replicas' group instead of t: counted twice over d c, never over t"),
+    Plant(CHECKPOINT, 'placements = [over_t if axis == "t" else Replicate() for axis in device_mesh.mesh_dim_names]',
+          'placements = [over_t if axis == "t" else Shard(0) if axis == "d" else Replicate()\n'
+          '                  for axis in device_mesh.mesh_dim_names]',
+          "Shard over d because FSDP shards over d: after the gather the d ranks hold copies of one slice"),
+    Plant(RUN, "        if checkpoint_dir and checkpoint_every and (step + 1) % checkpoint_every == 0:\n"
+               "            save(model, optimizer, training_state(generator, losses), checkpoint_dir, step + 1,",
+          "        if checkpoint_dir and checkpoint_every and step % checkpoint_every == 0:\n"
+          "            save(model, optimizer, training_state(generator, losses), checkpoint_dir, step + 1,",
+          "the checkpoint's schedule off by one: saved after steps 1, 3, ... under their own numbers, never step k"),
 ]
