@@ -7,6 +7,7 @@
     python main.py hint NN [TODO]       the next level of help with a TODO
     python main.py bench NN             measured-versus-theory tables
     python main.py site [--check]       the course as a website, in results/site/ (checked in Chromium)
+    python main.py plan --model M --gpus N --gpu G   module 18's planner: the layouts of a real cluster, ranked
 
 Every command runs your steps/; add `--impl solutions` for the reference (the tour runs it).
 `run` starts its own ranks (forked, gloo), or runs as one of them under
@@ -89,6 +90,12 @@ def cmd_site(args):
     sys.exit(build_site(args))
 
 
+def cmd_plan(args):
+    from course.plan import main as plan
+
+    plan(args.extra)  # course/plan.py parses its own options (--help lists them)
+
+
 def select(args):
     """Make `--impl` the implementation that course.impl.load returns, here and in forked ranks."""
     os.environ["COURSE_IMPL"] = args.impl
@@ -107,6 +114,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="main.py", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command")
     sub.add_parser("list")
+    sub.add_parser("plan", add_help=False)  # its options are course/plan.py's
     for name in ("run", "grade", "hint", "bench"):  # run's and bench's --help also show the module's options
         cmd = sub.add_parser(name, add_help=name in ("grade", "hint"))
         cmd.add_argument("number", help="module number, e.g. 04")
@@ -145,7 +153,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
         from course.demos import parse_run_options
 
         parse_run_options(args, run, parser.error)
-    elif args.extra and args.command != "bench":  # a benchmark parses its own options
+    elif args.extra and args.command not in ("bench", "plan"):  # a benchmark and the planner parse their own
         parser.error(f"unrecognized arguments: {' '.join(args.extra)}")
     return args
 
@@ -153,7 +161,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str]) -> None:
     args = parse(argv)
     commands = {None: cmd_tour, "list": cmd_list, "run": cmd_run, "grade": cmd_grade, "hint": cmd_hint, "bench": cmd_bench,
-                "site": cmd_site}
+                "site": cmd_site, "plan": cmd_plan}
     commands[args.command](args)
 
 

@@ -90,4 +90,6 @@ MODULES = {m.number: m for m in [
     Module("17", "Composition: pipeline, data, tensor, context and expert parallelism on one mesh; DCP checkpoints",
            8, ("m17_composition", "m17_stage", "m17_moe_stage", "m17_trainer", "m17_costs", "m17_checkpoint",
                "m17_run")),
+    Module("18", "Planning: every layout of a real cluster costed with the modules' formulas, checked against runs",
+           1, ("m18_presets", "m18_layout", "m18_costs", "m18_step_time", "m18_search")),
 ]}

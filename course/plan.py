@@ -1,0 +1,240 @@
+"""`python main.py plan --model M --gpus N --gpu G [options]` (given): module 18's planner on a real
+cluster. Every layout of N GPUs that fits is costed with the modules' formulas (solutions/ or your
+steps/m18_*.py, `--impl`) and ranked by the predicted step time of docs/18-planning.md's model.
+
+    --model  a preset (llama3-8b, llama3-70b, llama3-405b, mixtral-8x7b) or dimensions:
+             dim=4096,layers=32,heads=32,kv_heads=8,ffn=14336,vocab=128256,seq=8192
+             [,experts=8,top_k=2] [,batch=512]
+    --gpu    a preset (h100, h200, a100) or specs: memory=80,bf16=989,fp8=1979,intra=450,inter=50
+             [,per_node=8] (GB, dense TFLOP/s, GB/s one way)
+    --mesh   pins axes, e.g. p=16,t=8 (the others are searched); --zero, --schedule, --microbatches,
+             --recompute, --cp pin those choices; --fp8 off (default), on or both
+
+Bad arguments, a preset that does not exist, a GPU count no layout can use and contradictory
+options are refused in one line before the search starts; a model that fits no layout is told
+which came closest and why.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from course.impl import IMPLS, reference
+
+DIMS = {"dim": "dim", "layers": "n_layers", "heads": "n_heads", "kv_heads": "n_kv_heads", "head_dim": "head_dim",
+        "ffn": "ffn_dim", "vocab": "vocab_size", "seq": "max_seq_len"}
+MOE_DIMS = {"experts": "n_experts", "top_k": "top_k"}
+GPU_UNITS = {"memory": 1e9, "bf16": 1e12, "fp8": 1e12, "intra": 1e9, "inter": 1e9, "per_node": 1}
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="main.py plan", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="a preset (llama3-8b, llama3-70b, llama3-405b, mixtral-8x7b) "
+                   "or dim=..,layers=..,heads=..,kv_heads=..,ffn=..,vocab=..,seq=..[,experts=..,top_k=..][,batch=..]")
+    p.add_argument("--gpus", type=int, required=True, help="R, the GPUs to plan for")
+    p.add_argument("--gpu", default="h100", help="a preset (h100, h200, a100) or memory=..,bf16=..,fp8=..,intra=..,"
+                   "inter=..[,per_node=..] in GB, TFLOP/s, GB/s (default h100)")
+    p.add_argument("--batch", type=int, default=None, help="B, sequences in the global batch (default: the model's)")
+    p.add_argument("--seq-len", type=int, default=None, help="T, tokens a sequence (default: the model's)")
+    p.add_argument("--mesh", default=None, help="axes to pin, e.g. p=16,t=8 (the others are searched)")
+    p.add_argument("--zero", type=int, default=None, help="pin the ZeRO stage: 0, 1, 2 or 3 (FSDP)")
+    p.add_argument("--schedule", default=None, help="pin the pipeline schedule (module 11's names)")
+    p.add_argument("--microbatches", type=int, default=None, help="pin m, microbatches a step")
+    p.add_argument("--recompute", default=None, help="pin module 10's recompute option")
+    p.add_argument("--cp", default=None, help="pin module 15's context variant: zigzag, allgather or ulysses")
+    p.add_argument("--fp8", choices=("off", "on", "both"), default="off", help="FP8 linears: off (default), on, both")
+    p.add_argument("--precision", choices=("mixed", "course"), default="mixed",
+                   help="mixed: bf16 with a float32 master copy and moments (default); course: float32, the modules' runs")
+    p.add_argument("--efficiency", type=float, default=None, help="η, the fraction of the peak FLOP/s reached (default 0.5)")
+    p.add_argument("--top", type=int, default=10, help="rows to print (default 10)")
+    p.add_argument("--impl", choices=IMPLS, default="steps", help="your steps/ (default) or the reference solutions/")
+    return p
+
+
+def pairs(text: str, what: str) -> dict[str, float]:
+    """{key: number} from 'a=1,b=2' (one line for anything else)."""
+    out = {}
+    for item in text.split(","):
+        key, sep, value = item.partition("=")
+        try:
+            out[key.strip()] = float(value)
+        except ValueError:
+            raise ValueError(f"{what} {text!r}: expected key=number pairs separated by commas, got {item!r}") from None
+        if not sep:
+            raise ValueError(f"{what} {text!r}: expected key=number pairs separated by commas, got {item!r}")
+    return out
+
+
+def parse_model(text: str, presets):
+    """A preset's Model, or one built from dimensions (module 06's LlamaConfig checks them)."""
+    if "=" not in text:
+        if text not in presets.MODELS:
+            raise ValueError(f"unknown model preset {text!r}; presets: {', '.join(presets.MODELS)}, or dimensions "
+                             f"dim=..,layers=..,heads=..,kv_heads=..,ffn=..,vocab=..,seq=..")
+        return presets.MODELS[text]
+    given = pairs(text, "--model")
+    unknown = set(given) - set(DIMS) - set(MOE_DIMS) - {"batch"}
+    missing = set(DIMS) - {"head_dim"} - set(given)
+    if unknown or missing:
+        raise ValueError(f"--model {text!r}: " + (f"unknown keys {sorted(unknown)}" if unknown else
+                         f"missing {sorted(missing)}") + f"; keys: {', '.join([*DIMS, *MOE_DIMS, 'batch'])}")
+    dims = {DIMS[k]: int(v) for k, v in given.items() if k in DIMS}
+    dims.setdefault("head_dim", dims["dim"] // max(dims["n_heads"], 1))
+    cfg = reference("m06_llama_block").LlamaConfig(**dims)
+    moe = None
+    if "experts" in given:
+        moe = reference("m16_router").MoEConfig(n_experts=int(given["experts"]), top_k=int(given.get("top_k", 2)),
+                                                expert_dim=cfg.ffn_dim)
+    return presets.Model(f"model {text}", cfg, moe, int(given.get("batch", 512)))
+
+
+def parse_gpu(text: str, presets):
+    if "=" not in text:
+        if text not in presets.GPUS:
+            raise ValueError(f"unknown GPU preset {text!r}; presets: {', '.join(presets.GPUS)}, or specs "
+                             f"memory=..,bf16=..,fp8=..,intra=..,inter=.. (GB, TFLOP/s, GB/s)")
+        return presets.GPUS[text]
+    given = pairs(text, "--gpu")
+    unknown, missing = set(given) - set(GPU_UNITS), {"memory", "bf16", "intra", "inter"} - set(given)
+    if unknown or missing:
+        raise ValueError(f"--gpu {text!r}: " + (f"unknown keys {sorted(unknown)}" if unknown else
+                         f"missing {sorted(missing)}") + f"; keys: {', '.join(GPU_UNITS)}")
+    if any(v <= 0 for v in given.values()):
+        raise ValueError(f"--gpu {text!r}: every spec must be positive")
+    spec = {k: v * GPU_UNITS[k] for k, v in given.items()}
+    return presets.GPU(f"GPU {text}", spec["memory"], spec["bf16"], spec.get("fp8"), spec["intra"], spec["inter"],
+                       int(spec.get("per_node", 8)))
+
+
+def check(args):
+    """(model, gpu, batch, fixed): every bad or contradictory option refused in one line."""
+    import dataclasses
+
+    from course.mesh import MeshError, parse_mesh
+
+    presets, layout = reference("m18_presets"), reference("m18_layout")
+    model = parse_model(args.model, presets)
+    if args.seq_len is not None:
+        if args.seq_len < 1:
+            raise ValueError(f"--seq-len must be positive, got {args.seq_len}")
+        model = dataclasses.replace(model, cfg=dataclasses.replace(model.cfg, max_seq_len=args.seq_len))
+    gpu = parse_gpu(args.gpu, presets)
+    batch = model.batch if args.batch is None else args.batch
+    for name, value in (("--gpus", args.gpus), ("--batch", batch), ("--top", args.top)):
+        if value < 1:
+            raise ValueError(f"{name} must be at least 1, got {value}")
+    if args.efficiency is not None and not 0 < args.efficiency <= 1:
+        raise ValueError(f"--efficiency is a fraction of the peak, in (0, 1], got {args.efficiency}")
+    fixed = {}
+    if args.mesh:
+        try:
+            fixed.update(parse_mesh(args.mesh))
+        except MeshError as error:
+            raise ValueError(str(error)) from None
+        grid = fixed.get("p", 1) * fixed.get("d", 1) * fixed.get("c", 1) * fixed.get("t", 1)
+        if args.gpus % grid:
+            raise ValueError(f"--mesh {args.mesh} uses {grid} GPUs per group of axes, which does not divide --gpus "
+                             f"{args.gpus}")
+    for name in ("zero", "schedule", "recompute", "cp"):
+        if getattr(args, name) is not None:
+            fixed[name] = getattr(args, name)
+    if args.microbatches is not None:
+        fixed["m"] = args.microbatches
+    if args.fp8 != "both":
+        fixed["fp8"] = args.fp8 == "on"
+    if fixed.get("fp8") and gpu.fp8 is None:
+        raise ValueError(f"--fp8 on for the {gpu.name}, which has no FP8 tensor cores; use --fp8 off or another GPU")
+    if model.moe is None and fixed.get("e", 1) > 1:
+        raise ValueError(f"--mesh e={fixed['e']} for {model.name}, a dense model: there are no experts to split")
+    if model.moe is not None and fixed.get("t", 1) > 1:
+        raise ValueError(f"--mesh t={fixed['t']} for {model.name}: the course has no tensor-parallel expert layer "
+                         "(plan its experts over e)")
+    if model.moe is not None and fixed.get("zero") == 3:
+        raise ValueError(f"--zero 3 for {model.name}: module 13's FSDP formula counts a dense FFN; use 0, 1 or 2")
+    if fixed.get("p") == 1 and fixed.get("schedule") not in (None, "none"):
+        raise ValueError(f"--schedule {fixed['schedule']} with --mesh p=1: there is no pipeline to schedule")
+    if "m" in fixed and batch % fixed["m"]:
+        raise ValueError(f"--microbatches {fixed['m']} does not divide --batch {batch}: every microbatch needs "
+                         "whole sequences")
+    for name, known in (("schedule", tuple(reference("m11_generators").SCHEDULES)),
+                        ("recompute", reference("m10_recompute").OPTIONS),
+                        ("cp", ("ring",) + layout.CONTEXT_VARIANTS), ("zero", layout.ZERO_STAGES)):
+        if name in fixed and fixed[name] not in known:
+            raise ValueError(f"--{name} {fixed[name]!r} is not one of {', '.join(map(str, known))}")
+    if not reference("m18_search").candidates(model, args.gpus, batch, gpu, fixed):
+        raise ValueError(cannot_factor(model, args.gpus, batch, gpu, fixed))
+    return model, gpu, batch, fixed
+
+
+def cannot_factor(model, gpus: int, batch: int, gpu, fixed: dict) -> str:
+    cfg = model.cfg
+    pinned = f" with {', '.join(f'{k}={v}' for k, v in fixed.items())}" if fixed else ""
+    return (f"no layout of {gpus} GPUs runs {model.name}{pinned}: p d c t = {gpus} with t dividing K={cfg.n_kv_heads} "
+            f"and H={cfg.n_heads} within a node of {gpu.per_node}, c cutting T={cfg.max_seq_len} into 2c pieces, "
+            f"d dividing B={batch} (and m the B/d sequences), p at most L={cfg.n_layers}")
+
+
+def gb(n: float) -> str:
+    return f"{n / 1e9:.1f}"
+
+
+def describe_miss(closest, budget: float) -> str:
+    """Why the closest layout does not fit: its memory, by kind, against the budget."""
+    memory = closest.cost.memory
+    parts = ", ".join(f"{kind} {gb(memory.get(kind, 0))}" for kind in
+                      ("parameters", "gradients", "optimizer", "activations", "buffers") if memory.get(kind))
+    state = sum(memory.get(k, 0) for k in ("parameters", "gradients", "optimizer"))
+    why = ("the weights' state alone exceeds it: more GPUs (or a larger GPU) are needed" if state > budget else
+           "its activations do not fit: a longer recompute, more microbatches or more GPUs on t, c or p")
+    return (f"nothing fits: the closest layout, {closest.layout}, keeps {gb(closest.memory)} GB a GPU of "
+            f"{gb(budget)} GB usable ({parts}); {why}")
+
+
+def print_plan(model, gpu, gpus: int, batch: int, plan, step_time, time_model, top: int):
+    cfg = model.cfg
+    psi = step_time.dense_parameters(model) if model.moe is None else None
+    flops = step_time.model_flops(model, batch)
+    size = f"Ψ = {psi / 1e9:.2f} B, " if psi else ""
+    print(f"{model.name} ({size}L={cfg.n_layers}, T={cfg.max_seq_len}), B={batch} sequences "
+          f"({batch * cfg.max_seq_len / 1e6:.1f}M tokens a step) on {gpus} x {gpu.name} "
+          f"({gb(gpu.memory)} GB, {gpu.bf16 / 1e12:.0f} TFLOP/s bf16, NVLink {gb(gpu.intra)} GB/s, "
+          f"network {gb(gpu.inter)} GB/s)")
+    print(f"time model: η = {time_model.efficiency}, links at {time_model.link_efficiency:.0%}, α = "
+          f"{time_model.latency_intra * 1e6:.0f}/{time_model.latency_inter * 1e6:.0f} µs; "
+          f"{plan.considered} layouts costed, {len(plan.fits)} fit (one per recompute family)")
+    header = (f"{'#':>3}  {'layout':<58} {'state':>6} {'acts':>6} {'total':>6}  {'GB sent a step by axis':<30} "
+              f"{'bubble':>6} {'step s':>7} {'tok/s/GPU':>9} {'MFU':>5}")
+    print(header)
+    for rank, planned in enumerate(plan.fits[:top], start=1):
+        memory, t = planned.cost.memory, planned.time
+        state = sum(memory.get(k, 0) for k in ("parameters", "gradients", "optimizer"))
+        sent = " ".join(f"{axis}:{gb(planned.cost.sent_bytes(axis))}" for axis in
+                        sorted({a for a, _ in planned.cost.sent}, key="pdcetx".find)) or "-"
+        tokens = batch * cfg.max_seq_len / t.step / gpus
+        mfu = flops / (t.step * gpus * gpu.bf16)
+        print(f"{rank:>3}  {str(planned.layout):<58} {gb(state):>6} {gb(memory.get('activations', 0)):>6} "
+              f"{gb(planned.memory):>6}  {sent:<30} {t.bubble:>6.1%} {t.step:>7.2f} {tokens:>9.0f} {mfu:>5.1%}")
+    print("GB: 10^9 bytes a GPU. state: parameters, gradients and optimizer; acts: activations at the peak; "
+          "total adds buffers. MFU counts causal attention at half (docs/18-planning.md).")
+
+
+def main(argv: list[str]) -> None:
+    args = parser().parse_args(argv)
+    try:
+        model, gpu, batch, fixed = check(args)
+    except ValueError as error:
+        sys.exit(f"error: {error}")
+    os.environ["COURSE_IMPL"] = args.impl
+    from course.impl import load
+    from course.launch import failures_explained
+
+    with failures_explained("18", args.impl):
+        search = load("m18_search")
+        layout, step_time = load("m18_layout"), load("m18_step_time")
+        precision = layout.MIXED if args.precision == "mixed" else layout.COURSE
+        time_model = step_time.TimeModel(**({} if args.efficiency is None else {"efficiency": args.efficiency}))
+        plan = search.search(model, args.gpus, batch, gpu, precision, time_model, fixed)
+        if not plan.fits:
+            sys.exit(f"error: {describe_miss(plan.closest, (1 - search.RESERVE) * gpu.memory)}")
+        print_plan(model, gpu, args.gpus, batch, plan, step_time, time_model, args.top)

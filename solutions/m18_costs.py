@@ -1,0 +1,330 @@
+"""Module 18, part 3 - what one rank keeps and sends in one step of a layout: the modules' own
+formulas, each evaluated on the share of the model and of the batch that the other axes leave it,
+and summed over the axes with `+` (course/costs.py's StepCost).
+
+The trainer planned is module 17's composition: module 11's schedules over p, module 12's tensor
+parallelism with sequence parallelism over t, module 15's context attention over c, module 16's
+experts over e, and the weights over the d c ranks that hold the same copy:
+
+    weights over d c   ZeRO 3: module 17's FSDP (m17_costs: each block's slice gathered once a step and
+                       its gradient reduce-scattered once; the stage's whole slices and gradients held
+                       during the step) and the replicated embedding, LM head and final norm summed by
+                       one all-reduce (module 17's finish_gradients). ZeRO 0, 1, 2: module 14's traffic
+                       and state on the buckets of the weights one (p, t, e) rank holds. Experts:
+                       module 14 over the d c / e ranks of "ed". With MIXED precision AdamW keeps 12
+                       bytes a value it updates (a float32 master copy and two float32 moments).
+    t                  module 12's tp_traffic with sequence parallelism, on the stage's ⌈L/p⌉ blocks,
+                       B/d sequences of T/c positions
+    c                  module 15's "c" entries, for the attention of a tensor rank (H/t and K/t heads)
+    e                  module 16's "e" entries, on records of a router that spreads each source's
+                       k N slots evenly over the E experts (at most κ with a capacity): module 16's
+                       formula reads a real run's routing; the planner has none, so it gives it the
+                       balanced one (evenly spread is what the balancing losses aim at)
+    p                  `pipeline_sends`: the residual stream of each microbatch to the next stage and
+                       its gradient back
+    activations        module 10's bytes by name, for the rank's B/(d m) sequences of T/c positions,
+                       every name split over t (sequence parallelism keeps the stream's T/t
+                       positions): the names the recompute option keeps; n1, n2 and s as e4m3 with
+                       fp8 (module 10's rule); one stage's worth per microbatch, times the most a rank
+                       keeps at once (module 11's schedule, course/simulate.py's peak_live; 1 without
+                       a pipeline)
+    buffers            module 17's whole slices (ZeRO 3, above), the context attention's transient
+                       buffer (module 15), the experts' selection biases (module 16)
+
+With p > 1 every stage is costed as if it held the embedding, the LM head and the loss: an upper
+bound (the last stage, usually the slowest, holds the head and the loss; the first the embedding).
+
+A group of one rank sends nothing; the modules still log its calls (so their tests can count them),
+but the plan leaves them out: `only` keeps one axis's entries of a formula, and none for a group of one.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, replace
+
+import torch
+
+from course.costs import StepCost
+from course.simulate import peak_live
+from .m06_llama_block import LlamaConfig
+from .m10_recompute import ABS_MAXES, DROPPED, LINEAR_INPUTS, activation_bytes as layer_activation_bytes
+from .m11_generators import make_schedule
+from .m12_tp_costs import tp_traffic
+from .m12_tp_linear import grad_dtype
+from .m12_vocab_parallel import padded_vocab_size
+from .m14_costs import state as zero_state, traffic as zero_traffic
+from .m15_costs import attention_buffer_bytes, cp_traffic
+from .m16_costs import state_bytes as moe_state, step_cost as moe_step_cost
+from .m17_costs import fsdp_memory, fsdp_traffic
+from .m18_layout import (Layout, Precision, attention_view, bucket_numels, data_axis, rank_parameters,
+                         sequence_config, stage_config, stages_per_rank)
+from .m18_presets import Model
+
+
+def only(cost: StepCost, axis: str, size: int, name: str | None = None) -> StepCost:
+    """The sent bytes and calls of `cost` over `axis`, renamed `name` (default: the same), and nothing
+    for a group of one rank (size 1). Memory is left out: each formula's memory is added where it belongs."""
+    if size == 1:
+        return StepCost()
+    name = name or axis
+    return StepCost({(name, op): v for (a, op), v in cost.sent.items() if a == axis},
+                    {(name, op): n for (a, op), n in cost.calls.items() if a == axis})
+
+
+@dataclass(frozen=True)
+class BalancedRecord:
+    """One forward of an MoE layer whose router spreads every source's slots evenly: module 16's
+    RoutingRecord's `sent` (E,) and `received` (e, E/e), the rows its step_cost reads."""
+    sent: torch.Tensor
+    received: torch.Tensor
+
+
+def balanced_record(model: Model, layout: Layout, batch: int) -> BalancedRecord:
+    """The record of one layer and microbatch: N = B T / (d c m) tokens a source, k N slots spread
+    evenly, k N / E rows to each expert (at most κ, with a capacity)."""
+    moe, e = model.moe, layout.e
+    tokens = batch // (layout.d * layout.m) * (model.cfg.max_seq_len // layout.c)
+    rows = moe.top_k * tokens / moe.n_experts
+    if moe.capacity(tokens) is not None:
+        rows = min(rows, moe.capacity(tokens))
+    return BalancedRecord(torch.full((moe.n_experts,), rows, dtype=torch.float64),
+                          torch.full((e, moe.n_experts // e), rows, dtype=torch.float64))
+
+
+def exchange_cost(model: Model, layout: Layout, batch: int, precision: Precision) -> StepCost:
+    """Module 16's step_cost for a step of balanced records (given): its exchange is a sum over the step's
+    records, one per layer and microbatch, all equal here, so it is computed on one and its "e" entries
+    multiplied by their number ⌈L/p⌉ m (a search would otherwise sum thousands of equal records)."""
+    seq = sequence_config(model.cfg, layout)
+    one = moe_step_cost(seq, model.moe, layout.sizes, 0, [balanced_record(model, layout, batch)], precision.dtype)
+    n = seq.n_layers * layout.m
+    return StepCost({k: n * v for k, v in one.sent.items() if k[0] == "e"},
+                    {k: n * v for k, v in one.calls.items() if k[0] == "e"})
+
+
+def pipeline_sends(model: Model, layout: Layout, batch: int, precision: Precision) -> StepCost:
+    """What a pipeline rank sends its neighbours in one step (over "p"): for each microbatch and each
+    of its v stages, the stage's output on and its input's gradient back, each the stream's share
+    of one rank: B/(d m) sequences of T/c positions of M/t values (module 13's stream x[B/d T M/t]),
+    b bytes each. 2 v m sends: an upper bound (the first stage sends no gradient back, the last no
+    output on, and a V's turn stays on its rank). Not measured by any module yet."""
+    if layout.p == 1:
+        return StepCost()
+    cfg, n = model.cfg, 2 * stages_per_rank(layout) * layout.m
+    activation = batch // (layout.d * layout.m) * (cfg.max_seq_len // layout.c) * (cfg.dim // layout.t)
+    return StepCost({("p", "send"): n * activation * precision.dtype.itemsize}, {("p", "send"): n})
+
+
+@functools.lru_cache(maxsize=1024)
+def _layer_activations(model: Model, rows: int, seq_len: int, dtype: torch.dtype) -> dict[str, int]:
+    cfg = model.cfg if model.moe is None else replace(model.cfg, ffn_dim=model.moe.expert_dim)
+    by_name = layer_activation_bytes(cfg, rows, seq_len, dtype)
+    if model.moe is not None:
+        k = model.moe.top_k
+        by_name.update({name: k * by_name[name] for name in ("g", "u", "s")}, n2=(1 + k) * by_name["n2"])
+    return by_name
+
+
+def layer_activations(model: Model, rows: int, seq_len: int, dtype: torch.dtype) -> dict[str, int]:
+    """Bytes of each activation one block keeps for `rows` sequences of `seq_len` positions, whole
+    (before t splits anything): module 10's activation_bytes. An MoE block (module 16) keeps the FFN's
+    g, u and s for each of the k N rows its experts compute (k times N at the experts' width F) and
+    n2 once for the router and k times as the rows sent to the experts: an estimate, not measured."""
+    return dict(_layer_activations(model, rows, seq_len, dtype))   # a copy: the caller may change it
+
+
+def live_stages(layout: Layout) -> int:
+    """The most (stage, microbatch) activations one rank keeps at once: course/simulate.py's peak_live
+    of the rank orders of module 11's schedule, the largest over the ranks; 1 without a pipeline (a
+    microbatch's backward frees its activations before the next forward). GPipe keeps all m; the
+    others stop growing once m reaches 2p (their warm-ups are at most 2p forwards long; the tests
+    check it against the simulator), so they are simulated with m at most 2p, which is fast."""
+    if layout.p == 1:
+        return 1
+    m = layout.m if layout.schedule == "gpipe" else min(layout.m, 2 * layout.p)
+    return _live_stages(layout.schedule, layout.p, m)
+
+
+@functools.lru_cache(maxsize=512)
+def _live_stages(schedule: str, p: int, m: int) -> int:
+    return max(peak_live(order) for order in make_schedule(schedule, p, m).orders)
+
+
+def layers_per_stage(model: Model, layout: Layout) -> int:
+    """Blocks in one pipeline stage: ⌈L/p⌉ blocks a rank, in v stages of ⌈L/(p v)⌉."""
+    v = stages_per_rank(layout)
+    return -(-model.cfg.n_layers // (layout.p * v))
+
+
+def buffer_bytes(model: Model, layout: Layout, batch: int, precision: Precision) -> int:
+    """Bytes a rank holds beside its state, its activations and module 17's whole slices (given): with
+    c > 1 the context attention's largest transient buffer (module 15); the experts' selection biases
+    (module 16)."""
+    cfg, dtype, kept = stage_config(model.cfg, layout), precision.dtype, 0
+    if layout.c > 1:
+        kept += attention_buffer_bytes(attention_view(cfg, layout.t), batch, cfg.max_seq_len, dtype, layout.c,
+                                       layout.cp, layout.d)
+    if model.moe is not None:
+        kept += moe_state(cfg, model.moe, layout.e, dtype).memory["buffers"]
+    return kept
+
+
+def replicated_cost(cfg: LlamaConfig, layout: Layout, precision: Precision) -> StepCost:
+    """The weights every rank of "dc" holds whole with ZeRO 3 (given): the embedding's and the LM head's
+    V'/t vocabulary rows and the final norm, kept in b bytes with gradients in s bytes, and summed by
+    one all-reduce over the n = d c ranks a step (module 17's finish_gradients: 2 (n - 1)/n of the
+    gradients). No module has a formula for it yet; module 17's log measures it."""
+    n, axis = layout.d * layout.c, data_axis(layout)
+    values = 2 * padded_vocab_size(cfg.vocab_size, layout.t) // layout.t * cfg.dim + cfg.dim
+    s = grad_dtype(precision.dtype).itemsize
+    sent = {} if n == 1 else {(axis, "all_reduce"): 2 * (n - 1) / n * values * s}
+    return StepCost(sent, {key: 1 for key in sent},
+                    {"parameters": values * precision.dtype.itemsize, "gradients": values * s})
+
+
+def data_cost(model: Model, layout: Layout, batch: int, precision: Precision) -> StepCost:
+    """The weights' part of one step on one rank: the collectives that sum (and, with ZeRO, gather)
+    them over the ranks that hold the same weights, and the parameters, gradients and optimizer
+    state the rank keeps, by the ZeRO stage (see the module docstring)."""
+    cfg, dtype, m = stage_config(model.cfg, layout), precision.dtype, layout.m
+    n, axis = layout.d * layout.c, data_axis(layout)
+    # >>> TODO(m18): the weights' collectives and state by ZeRO stage: module 17's FSDP or module 14's buckets
+    # Contract: a StepCost with sent/calls over the data axis (`axis`: "d", or "dc" when c > 1; "ed" for the experts)
+    #   and memory "parameters", "gradients", "optimizer" (and with ZeRO 3 "buffers") of this rank. ZeRO 3: module
+    #   17's fsdp_traffic (its "dc" entries, renamed `axis`) and fsdp_memory for the rank's cfg.n_layers blocks on
+    #   the mesh {"d": d, "c": c, "t": t}, plus replicated_cost. ZeRO 0-2: module 14's traffic (zero_traffic) and
+    #   state (zero_state) on bucket_numels of the dense weights of rank_parameters over the n = d c ranks, and of
+    #   the experts (if any) over the n / e ranks of "ed". Optimizer: AdamW's two moments of every value the rank
+    #   updates; with precision.master (AdamW in float32 with a float32 master copy) 12 bytes a value updated.
+    # Maths: every weight's gradient is summed over the ranks that hold that weight: with context parallelism the c
+    #   ranks of a sequence hold the same weights as the d ranks (module 15 and 17 sum over "dc"). The tests compare
+    #   with real steps of modules 17 and 14 (bytes, calls, tensors held) and with the Ultra-Scale Playbook's
+    #   2Ψ + 2Ψ + 12Ψ/d for ZeRO-1.
+    # Pitfalls: summing over d alone when c > 1; the optimizer state of the whole model instead of this rank's shard
+    #   (ZeRO 1-3 divide it by n); a group of one sends nothing (only(...) drops it); an MoE model's experts are
+    #   summed over "ed", not over all the d c ranks.
+    # Hint 1: two branches (zero 3, or not); in the second, a loop over (dense, axis, n) and (experts, "ed", n / e).
+    #   Then the optimizer, from the values updated.
+    # Hint 2: only(fsdp_traffic(cfg, sizes, dtype, cfg.n_layers), "dc", n, axis) + fsdp_memory(...) + replicated_cost(
+    #         cfg, layout, precision); buckets = bucket_numels(tuple(numels), dtype); zero_traffic(buckets, b, size,
+    #         zero, m, axis=group); zero_state(buckets, b, size, zero); values updated = the formula's optimizer
+    #         bytes / (2 b) with ZeRO 0-2 (two moments), the parameters' bytes / b with ZeRO 3 (the rank updates what
+    #         it keeps).
+    # Hint 3: if zero == 3: cost = only(...) + fsdp_memory(...) + replicated_cost(...)
+    #             values = cost.memory["parameters"] // b
+    #         else: for each (numels, group, size) with numels: buckets = ...; cost += only(zero_traffic(...), group,
+    #             size) + zero_state(buckets, b, size, zero); values += zero_state(...).memory["optimizer"] // (2 b)
+    #         optimizer = 12 values if precision.master else 2 values b;  return cost with memory "optimizer" set
+    b = dtype.itemsize
+    if layout.zero == 3:
+        sizes = {"d": layout.d, "c": layout.c, "t": layout.t}
+        cost = (only(fsdp_traffic(cfg, sizes, dtype, cfg.n_layers), "dc", n, axis)
+                + fsdp_memory(cfg, sizes, dtype, cfg.n_layers) + replicated_cost(cfg, layout, precision))
+        values = cost.memory["parameters"] // b
+    else:
+        dense, experts = rank_parameters(model, layout)
+        cost, values = StepCost(), 0
+        for numels, group, size in ((dense, axis, n), (experts, "ed", n // layout.e)):
+            if not numels:
+                continue
+            buckets = bucket_numels(tuple(numels), dtype)
+            state = zero_state(buckets, b, size, layout.zero)
+            cost += only(zero_traffic(buckets, b, size, layout.zero, m, axis=group), group, size) + state
+            values += state.memory["optimizer"] // (2 * b)
+    optimizer = 12 * values if precision.master else 2 * values * b
+    return StepCost(cost.sent, cost.calls, {**cost.memory, "optimizer": optimizer})
+    # <<<
+
+
+def axes_cost(model: Model, layout: Layout, batch: int, precision: Precision) -> StepCost:
+    """What one rank sends over the model's axes in one step: t (module 12's tensor and sequence
+    parallelism), c (module 15's context attention), e (module 16's exchange), p (pipeline_sends)."""
+    d, c, t, e, m, dtype = layout.d, layout.c, layout.t, layout.e, layout.m, precision.dtype
+    stage, seq = stage_config(model.cfg, layout), sequence_config(model.cfg, layout)
+    # >>> TODO(m18): the bytes and calls over t, c, e and p, each module's formula on this rank's share
+    # Contract: a StepCost (sent and calls; no memory) summing four terms, each restricted to its own axis by only():
+    #   t: module 12's tp_traffic with sequence parallelism for the sequence_config (⌈L/p⌉ blocks, T/c positions),
+    #      the mesh {"t": t} and the B/d sequences that one t group shares;
+    #   c: module 15's cp_traffic's "c" entries for attention_view(stage, t) (H/t and K/t heads), the global batch B
+    #      of T-token sequences, c, layout.cp, d and m;
+    #   e (an MoE model only): module 16's step_cost's "e" entries for a step of balanced routing (exchange_cost);
+    #   p: pipeline_sends(model, layout, batch, precision).
+    # Maths: each formula counts a whole model on its own mesh; the other axes hand it a smaller model (fewer blocks,
+    #   shorter sequences, fewer heads) and fewer sequences. The tests compare with module 17's composed run and with
+    #   modules 12, 15 and 16's formulas on their own meshes, to the byte and the call.
+    # Pitfalls: the t formula given the whole batch B (its sizes hold only t, so it would count the rows of all d
+    #   groups); an entry kept under another axis (the "dc" gradients of module 15: those are data_cost's); module
+    #   15 splits T by c itself (give it the whole T).
+    # Hint 1: four only(...) terms added with +; the e term only when model.moe is not None.
+    # Hint 2: tp_traffic(seq, {"t": t}, batch // d, dtype, m, sequence_parallel=True); cp_traffic(attention_view(
+    #         stage, t), batch, model.cfg.max_seq_len, dtype, c, layout.cp, d, m); exchange_cost(model, layout,
+    #         batch, precision).
+    # Hint 3: cost = only(tp_traffic(...), "t", t) + only(cp_traffic(...), "c", c)
+    #         if model.moe is not None: cost += only(exchange_cost(...), "e", e)
+    #         return cost + pipeline_sends(model, layout, batch, precision)
+    cost = (only(tp_traffic(seq, {"t": t}, batch // d, dtype, m, sequence_parallel=True), "t", t)
+            + only(cp_traffic(attention_view(stage, t), batch, model.cfg.max_seq_len, dtype, c, layout.cp, d, m),
+                   "c", c))
+    if model.moe is not None:
+        cost += only(exchange_cost(model, layout, batch, precision), "e", e)
+    return cost + pipeline_sends(model, layout, batch, precision)
+    # <<<
+
+
+def activation_bytes(model: Model, layout: Layout, batch: int, precision: Precision) -> int:
+    """Bytes one rank keeps for the backward at the peak of a step (see the module docstring)."""
+    dtype = precision.dtype
+    by_name = layer_activations(model, batch // (layout.d * layout.m), model.cfg.max_seq_len // layout.c, dtype)
+    # >>> TODO(m18): the activations one rank keeps at the peak, by the recompute option, t, fp8 and the schedule
+    # Contract: an int, bytes: (the bytes one block keeps on this rank) x layers_per_stage(model, layout) x
+    #   live_stages(layout). One block keeps, of `by_name` (module 10's fourteen tensors for this rank's rows and
+    #   positions, whole), the names its recompute option does not drop (module 10's DROPPED), each divided by t
+    #   (with sequence parallelism the stream's names are kept for T/t positions, the others for H/t heads or F/t
+    #   units); with fp8, n1, n2 and s (module 10's LINEAR_INPUTS) as e4m3: one byte a value plus a 4-byte scale,
+    #   and the block's abs-maxes (ABS_MAXES, 4 bytes each) whatever the option.
+    # Maths: module 10's kept_bytes with a t split and a count of live microbatches. The tests compare with the
+    #   stores of real blocks (module 10's for every option, with and without fp8; module 12's with sequence
+    #   parallelism), and with hand counts of the schedules' live microbatches.
+    # Pitfalls: ignoring the recompute option (every option would cost the same memory); a byte count for fp8 that
+    #   forgets the scale or the abs-maxes; the activations of one microbatch when a pipeline keeps several.
+    # Hint 1: a loop over by_name with three rules, then two multiplications.
+    # Hint 2: name in DROPPED[layout.recompute]; size // t; fp8 and name in LINEAR_INPUTS: size // dtype.itemsize + 4;
+    #         fp8: + 4 len(ABS_MAXES) per block.
+    # Hint 3: block = 0
+    #         for name, size in by_name.items(): skip dropped; split over t; e4m3 if fp8; block += size
+    #         if fp8: block += 4 * len(ABS_MAXES)
+    #         return block * layers_per_stage(model, layout) * live_stages(layout)
+    block = 0
+    for name, size in by_name.items():
+        if name in DROPPED[layout.recompute]:
+            continue
+        size //= layout.t
+        if layout.fp8 and name in LINEAR_INPUTS:
+            size = size // dtype.itemsize + 4
+        block += size
+    if layout.fp8:
+        block += 4 * len(ABS_MAXES)
+    return block * layers_per_stage(model, layout) * live_stages(layout)
+    # <<<
+
+
+def rank_cost(model: Model, layout: Layout, batch: int, precision: Precision) -> StepCost:
+    """Everything one rank keeps and sends in one step of `layout`: the sum over the axes (given).
+    Each part depends on a few of the layout's choices only (the weights' part not on the recompute
+    option, say), so it is computed once for all the layouts that share them: a search evaluates
+    hundreds of thousands."""
+    L = layout
+    shared = (model, batch, precision, L.p, L.d, L.c, L.t, L.e, L.m)
+    key = (*shared, L.zero, L.schedule, L.cp)
+    if key not in _TRAFFIC:
+        _TRAFFIC[key] = data_cost(model, layout, batch, precision) + axes_cost(model, layout, batch, precision)
+        _BUFFERS[key] = buffer_bytes(model, layout, batch, precision)
+    kept = (*shared, L.schedule, L.recompute, L.fp8)
+    if kept not in _ACTIVATIONS:
+        _ACTIVATIONS[kept] = activation_bytes(model, layout, batch, precision)
+    traffic = _TRAFFIC[key]
+    return StepCost(traffic.sent, traffic.calls, {**traffic.memory, "activations": _ACTIVATIONS[kept],
+                                                  "buffers": traffic.memory.get("buffers", 0) + _BUFFERS[key]})
+
+
+_TRAFFIC, _BUFFERS, _ACTIVATIONS = {}, {}, {}   # computed once per key (see the docstring)

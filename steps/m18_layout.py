@@ -1,0 +1,205 @@
+# Generated from solutions/m18_layout.py by `python -m course.skeleton`. Given code: nothing
+# to fill in here; read it, then run it with `python main.py run 18`. (skeleton 61f7418001c8)
+"""Module 18, part 2 - a layout (given): how R = p d c t GPUs train one model, and the share of the
+model and of the batch that each axis leaves to one rank.
+
+A `Layout` names everything the planner chooses:
+
+    p, d, c, t    the mesh (course/mesh.py's order: rank = ((i_p d + i_d) c + i_c) t + i_t)
+    e             the expert axis, carved out of the d c ranks (module 16); 1 for a dense model
+    zero          what the d c ranks that hold the same weights shard: 0 nothing (DDP), 1 AdamW's
+                  state, 2 and the gradients (module 14), 3 everything: FSDP (modules 07 and 13)
+    schedule, m   the pipeline schedule of modules 05 and 11 (p > 1) and the microbatches of one
+                  step, which are also the gradient-accumulation steps when p = 1
+    recompute     module 10's option: which activations the forward does not keep
+    fp8           module 09's FP8 linears (n1, n2, s kept as e4m3 by module 10's rule)
+    cp            module 15's variant, when c > 1: ring or zigzag (the same bytes), allgather, ulysses
+
+A `Precision` says how many bytes each value takes. The modules' runs keep everything in one dtype
+and AdamW's two moments in it too (`COURSE`); real training (`MIXED`) keeps weights, gradients and
+activations in bf16 and, beside AdamW's moments in float32, a float32 master copy of the weights:
+12 bytes for every value a rank updates (the ZeRO paper's K = 12), sharded like the moments.
+
+What one rank sees, each axis in turn (the functions below):
+
+    p    ⌈L/p⌉ blocks, counted with the embedding and the LM head on every stage (exact for p = 1;
+         for p > 1 each stage holds one V M table too many: an upper bound, kept so that each
+         module's formula is used whole; the slowest stage holds the LM head anyway)
+    d    B/d of the sequences, cut into m microbatches of B/(d m)
+    c    T/c positions of each sequence
+    t    H/t query heads, K/t key/value heads, F/t FFN units, V'/t of the vocabulary and M/t of
+         the norm weights: module 13's specs
+    e    E/e experts of every layer, replicated over the d c / e ranks of the expert-data group
+
+The gradients of a weight are summed over the ranks that hold the same copy of it: d c ranks
+("d" when c = 1, "dc" otherwise, as course/mesh.py names the group), d c / e for an expert ("ed").
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from course.splits import check_splits
+from .m06_llama_block import BlockWeights, LlamaConfig
+from .m10_recompute import OPTIONS as RECOMPUTE_OPTIONS
+from .m11_generators import SCHEDULES, check_arguments, stages_per_rank_of
+from .m14_buckets import assign_buckets
+from .m15_cp_model import VARIANTS as CP_VARIANTS, check_cp
+from .m18_presets import Model
+
+BUCKET_CAP = 25 * 2**20   # C: DDP's default bucket_cap_mb = 25, which module 14's buckets follow
+ZERO_STAGES = (0, 1, 2, 3)
+# Module 15's variants the search tries: the ring sends what zigzag sends, and zigzag balances the causal work
+CONTEXT_VARIANTS = tuple(variant for variant in CP_VARIANTS if variant != "ring")
+
+
+@dataclass(frozen=True, eq=False)   # hashed by identity, like Model: a search looks it up often
+class Precision:
+    dtype: torch.dtype = torch.bfloat16   # weights, gradients and activations: b bytes a value
+    master: bool = True                   # AdamW in float32 with a float32 master copy: 12 bytes a value updated
+
+
+MIXED = Precision(torch.bfloat16, True)     # what real training runs (the Ultra-Scale Playbook's "16 Ψ")
+COURSE = Precision(torch.float32, False)    # what the modules ran: moments in the weights' dtype
+
+
+@dataclass(frozen=True)
+class Layout:
+    p: int = 1
+    d: int = 1
+    c: int = 1
+    t: int = 1
+    e: int = 1
+    zero: int = 1
+    schedule: str = "none"    # a key of module 11's SCHEDULES when p > 1
+    m: int = 1
+    recompute: str = "none"
+    fp8: bool = False
+    cp: str = "allgather"
+
+    @property
+    def gpus(self) -> int:
+        return self.p * self.d * self.c * self.t
+
+    @property
+    def family(self) -> tuple:
+        """Every choice but the recompute option: layouts of one family train alike, and differ only
+        in the memory they keep and the time they spend recomputing."""
+        return (self.p, self.d, self.c, self.t, self.e, self.zero, self.schedule, self.m, self.fp8, self.cp)
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        """The mesh's axis sizes, course/mesh.py's way (e only where there is one)."""
+        return {"p": self.p, "d": self.d, "c": self.c, "t": self.t, **({"e": self.e} if self.e > 1 else {})}
+
+    def __str__(self) -> str:
+        mesh = " ".join(f"{a}={s}" for a, s in self.sizes.items() if s > 1) or "one GPU"
+        pipe = f" {self.schedule}" if self.p > 1 else ""
+        return f"{mesh} zero{self.zero}{pipe} m={self.m} rc={self.recompute}{' fp8' if self.fp8 else ''}" + \
+            (f" cp={self.cp}" if self.c > 1 else "")
+
+
+def data_axis(layout: Layout) -> str:
+    """The group that holds the same weights and sums their gradients: "d", or "dc" when c > 1."""
+    return "dc" if layout.c > 1 else "d"
+
+
+def stages_per_rank(layout: Layout) -> int:
+    """v: the pipeline stages one rank holds (module 11: 2 for interleaved, zbv and dualpipev)."""
+    return stages_per_rank_of(layout.schedule) if layout.p > 1 else 1
+
+
+def stage_config(cfg: LlamaConfig, layout: Layout) -> LlamaConfig:
+    """The model one pipeline rank holds, as a configuration the modules' formulas take: ⌈L/p⌉
+    blocks (and the embedding and the LM head, see the module docstring)."""
+    return dataclasses.replace(cfg, n_layers=math.ceil(cfg.n_layers / layout.p))
+
+
+def sequence_config(cfg: LlamaConfig, layout: Layout) -> LlamaConfig:
+    """stage_config with T/c positions a sequence: what the t and e formulas see of a sequence."""
+    return dataclasses.replace(stage_config(cfg, layout), max_seq_len=cfg.max_seq_len // layout.c)
+
+
+def attention_view(cfg: LlamaConfig, t: int) -> LlamaConfig:
+    """The attention one tensor-parallel rank runs, as a model of its own: H/t query and K/t key/value
+    heads (width H D / t). Module 15's formula takes heads from a config; this is how it sees t."""
+    heads = cfg.n_heads // t
+    return dataclasses.replace(cfg, dim=heads * cfg.head_dim, n_heads=heads, n_kv_heads=cfg.n_kv_heads // t,
+                               ffn_dim=max(cfg.ffn_dim // t, 1))
+
+
+def rank_parameters(model: Model, layout: Layout) -> tuple[list[int], list[int]]:
+    """The values of each weight one rank holds, (dense, experts), in the order module 14's
+    DataParallelLlama hands them to its buckets (the LM head, final norm and embedding, then the
+    blocks from the first, each block's fields in reverse): module 13's specs over t (the vocabulary
+    padded to V'), ⌈L/p⌉ blocks, and of every MoE layer the router and this rank's E/e experts."""
+    return _rank_parameters(model, math.ceil(model.cfg.n_layers / layout.p), layout.t, layout.e)
+
+
+@functools.lru_cache(maxsize=256)
+def _rank_parameters(model: Model, n_layers: int, t: int, e: int) -> tuple[list[int], list[int]]:
+    cfg = model.cfg
+    M, L = cfg.dim, n_layers
+    vocab = -(-cfg.vocab_size // t) * t   # V', module 12's padded_vocab_size
+    shapes = {"ln1": M, "wq": cfg.n_heads * cfg.head_dim * M, "wk": cfg.n_kv_heads * cfg.head_dim * M,
+              "wv": cfg.n_kv_heads * cfg.head_dim * M, "wo": cfg.n_heads * cfg.head_dim * M, "ln2": M,
+              "w_gate": cfg.ffn_dim * M, "w_up": cfg.ffn_dim * M, "w_down": cfg.ffn_dim * M}
+    if model.moe is not None:   # module 16's block: no dense FFN, a router (E M), and the experts
+        shapes.update(w_gate=0, w_up=0, w_down=0, router=model.moe.n_experts * M)
+    fields = [f.name for f in dataclasses.fields(BlockWeights)] + (["router"] if model.moe else [])
+    block = [shapes[name] // t for name in reversed(fields) if shapes[name]]
+    dense = [vocab * M // t, M // t, vocab * M // t] + block * L
+    experts = []
+    if model.moe is not None:
+        experts = [model.moe.expert_dim * M] * (3 * L * model.moe.n_experts // e)
+    return dense, experts
+
+
+@functools.lru_cache(maxsize=256)
+def bucket_numels(numels: tuple[int, ...], dtype: torch.dtype, cap_bytes: int = BUCKET_CAP) -> list[int]:
+    """ψ_g: the values of each of module 14's buckets for weights of these sizes (its assign_buckets,
+    run on meta tensors: sizes without memory)."""
+    if not numels:
+        return []
+    tensors = [torch.empty(n, dtype=dtype, device="meta") for n in numels]
+    return [sum(numels[i] for i in bucket) for bucket in assign_buckets(tensors, cap_bytes)]
+
+
+def check_layout(model: Model, layout: Layout, batch: int):
+    """One line for a layout this model cannot run (given): what each axis must divide, and the
+    combinations the course has no implementation for."""
+    cfg, moe = model.cfg, model.moe
+    for name, size in (("p", layout.p), ("d", layout.d), ("c", layout.c), ("t", layout.t), ("e", layout.e),
+                       ("m", layout.m)):
+        if size < 1:
+            raise ValueError(f"{name} must be at least 1, got {size}")
+    if layout.p > cfg.n_layers:
+        raise ValueError(f"p={layout.p} pipeline stages for L={cfg.n_layers} blocks: a stage needs a block")
+    if layout.zero not in ZERO_STAGES:
+        raise ValueError(f"unknown ZeRO stage {layout.zero}: 0 (DDP), 1, 2 or 3 (FSDP)")
+    if layout.recompute not in RECOMPUTE_OPTIONS:
+        raise ValueError(f"unknown recompute option {layout.recompute!r}; one of {', '.join(RECOMPUTE_OPTIONS)}")
+    if moe is None and layout.e > 1:
+        raise ValueError(f"e={layout.e} for {model.name}, a dense model: it has no experts to split")
+    if moe is not None:
+        if layout.t > 1:
+            raise ValueError(f"t={layout.t} for {model.name}: the course has no tensor-parallel expert layer "
+                             "(module 16 runs its experts whole); plan experts over e instead")
+        if layout.zero == 3:
+            raise ValueError(f"ZeRO-3 for {model.name}: module 13's FSDP formula counts a dense FFN; plan its "
+                             "experts with ZeRO 0, 1 or 2")
+        if moe.n_experts % layout.e or (layout.d * layout.c) % layout.e:
+            raise ValueError(f"e={layout.e} must divide E={moe.n_experts} and d c = {layout.d * layout.c}")
+    check_splits(cfg, {"d": layout.d, "t": layout.t}, batch, layout.m)
+    if layout.c > 1:
+        check_cp(attention_view(cfg, layout.t), layout.cp, layout.c, cfg.max_seq_len)
+    if layout.p > 1:
+        if layout.schedule not in SCHEDULES:
+            raise ValueError(f"p={layout.p} needs a pipeline schedule: one of {', '.join(SCHEDULES)}")
+        check_arguments(layout.schedule, layout.p, layout.m)
+    elif layout.schedule != "none":
+        raise ValueError(f"schedule {layout.schedule!r} with p=1: there is no pipeline to schedule")

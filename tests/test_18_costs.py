@@ -1,0 +1,217 @@
+"""Module 18 costs: what the planner says one rank keeps and sends, against what runs measured and what
+papers wrote down.
+
+- Module 17's composed trainer (the reference solution, trusted here: module 17 grades it) trains the
+  tiny model for two steps on three 4-rank meshes; the collectives log of its last step (course/costs.py's
+  measured_cost) and the tensors each rank holds are the measurement. The plan of the same layout
+  must equal it on every axis, to the byte and the call, and on the parameters, gradients and whole
+  slices each rank holds. Two exceptions, both stated: the pipeline's sends are not logged (module
+  11's StageComms sends with dist.isend), and the norm gradients' all-reduce over t carries the norm
+  entries of the rank's own FSDP shard, so it differs from rank to rank: the plan counts them all,
+  which is the most any rank sends (the rank that holds the blocks' norms). With p > 1 the plan
+  counts the embedding and the LM head on every stage, so it is an upper bound there.
+- The Ultra-Scale Playbook's memory per GPU for mixed precision (2 Ψ parameters, 2 Ψ gradients,
+  12 Ψ of AdamW with the float32 master copy; ZeRO-1 divides the 12 Ψ by N_d, ZeRO-2 the gradients
+  too), on a model whose Ψ is counted here by hand.
+- Module 10's kept bytes for every recompute option with and without fp8, module 12's with sequence
+  parallelism on t = 2, and the live microbatches of GPipe (all m) and 1F1B (p on the first rank).
+"""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from course.costs import StepCost, measured_cost
+from course.impl import load, reference
+from course.launch import run_ranks
+from course.mesh import init_mesh
+
+costs = load("m18_costs")
+layouts = reference("m18_layout")     # given: Layout, precisions
+presets = reference("m18_presets")    # given: Model
+m17 = reference("m17_trainer")
+m17_given = reference("m17_composition")
+m06 = reference("m06_llama_model")
+m10 = reference("m10_recompute")
+m12 = reference("m12_tp_costs")
+
+CFG = m17_given.CONFIG                # dim 32, 8 / 4 heads of 4, FFN 64, 4 blocks, T = 16, V = 256
+TINY = presets.Model("tiny", CFG, batch=8)
+BATCH, M = 8, 2
+Layout = layouts.Layout
+
+
+def _run_module_17(sizes):
+    """Two steps of module 17's trainer; what its last step logged and what each rank holds."""
+    mesh = init_mesh(m17_given.full_sizes(sizes))
+    model = m17.ComposedLlama(CFG, mesh, M, "1f1b", 1, dtype=torch.float32)
+    whole = []
+    for stage in model.stages.values():   # the whole slices and gradients a stage holds during the step
+        gather = stage.gather
+
+        def measured_gather(stage=stage, gather=gather):
+            gather()
+            whole.append(sum(t.numel() * t.element_size() for t in [*stage.full, *stage.full_grads]))
+        stage.gather = measured_gather
+    marks = []
+    m06.fit(model, 2, BATCH, 1e-3, n_microbatches=M, on_step=lambda step, loss: marks.append(len(mesh.log)))
+    held = {"parameters": sum(p.numel() * p.element_size() for p in model.parameters()),
+            "gradients": sum(g.numel() * g.element_size() for g in model.grads()),
+            "buffers": whole[-1]}
+    return measured_cost(mesh.log[marks[-2]:marks[-1]]), held
+
+
+MESHES = {"d2 t2": {"d": 2, "t": 2}, "d2 c2": {"d": 2, "c": 2}, "p2 d2": {"p": 2, "d": 2}}
+
+
+@pytest.fixture(scope="module")
+def measured():
+    return {name: run_ranks(_run_module_17, 4, sizes, timeout=120) for name, sizes in MESHES.items()}
+
+
+def planned(sizes) -> StepCost:
+    """The plan of module 17's layout; its buffers are the whole slices only (the context attention's
+    transient buffer, which the plan adds on top, is not what the test measures)."""
+    layout = Layout(p=sizes.get("p", 1), d=sizes.get("d", 1), c=sizes.get("c", 1), t=sizes.get("t", 1), zero=3,
+                    schedule="1f1b" if sizes.get("p", 1) > 1 else "none", m=M, cp="zigzag")
+    cost = costs.rank_cost(TINY, layout, BATCH, layouts.COURSE)
+    slices = costs.data_cost(TINY, layout, BATCH, layouts.COURSE).memory.get("buffers", 0)
+    return StepCost(cost.sent, cost.calls, {**cost.memory, "buffers": slices})
+
+
+def renamed(cost: StepCost, sizes) -> dict:
+    """The measured entries under the plan's names: module 17's FSDP group is "dc" even when c = 1, which
+    the plan calls "d"; entries of a group of one (logged, nothing sent) left out, like the plan's."""
+    out = {}
+    for table in ("sent", "calls"):
+        for (axis, op), value in getattr(cost, table).items():
+            if axis == "dc" and sizes.get("c", 1) == 1:
+                axis = "d"
+            n = 1
+            for a in axis:
+                n *= sizes.get(a, 1)
+            if n > 1:
+                out[(table, axis, op)] = value
+    return out
+
+
+@pytest.mark.exercises("data_cost", "axes_cost")
+@pytest.mark.parametrize("name", ["d2 t2", "d2 c2"])
+def test_the_plan_equals_what_module_17s_run_measured(measured, name):
+    sizes = MESHES[name]
+    plan = planned(sizes)
+    want = {("sent", a, op): v for (a, op), v in plan.sent.items() if a != "p"}
+    want.update({("calls", a, op): v for (a, op), v in plan.calls.items() if a != "p"})
+    for rank, (cost, held) in enumerate(measured[name]):
+        got = renamed(cost, sizes)
+        norms = ("sent", "t", "all_reduce")
+        if norms in got:   # this rank's shard's norm entries: at most all of them (see the module docstring)
+            assert got[norms] <= want.get(norms, 0), f"{name}, rank {rank}: t all-reduce {got[norms]} > {want[norms]}"
+            got[norms] = want[norms] = max(want[norms], 0)
+        assert got == want, (f"{name}, rank {rank}: module 17 measured {sorted(got.items())}, the plan says "
+                             f"{sorted(want.items())}")
+        for kind, value in held.items():
+            assert plan.memory.get(kind, 0) == value, (f"{name}, rank {rank}: module 17 holds {value} bytes of "
+                                                       f"{kind}, the plan says {plan.memory.get(kind, 0)}")
+
+
+@pytest.mark.exercises("data_cost", "axes_cost")
+def test_with_a_pipeline_the_plan_bounds_every_stage_from_above(measured):
+    sizes = MESHES["p2 d2"]
+    plan = planned(sizes)
+    for rank, (cost, held) in enumerate(measured["p2 d2"]):
+        for (table, axis, op), value in renamed(cost, sizes).items():
+            bound = getattr(plan, table).get((axis, op), 0)
+            assert value <= bound, f"p2 d2, rank {rank}: {table} {axis} {op} measured {value} > planned {bound}"
+        for op in ("all_gather", "reduce_scatter"):   # FSDP's blocks: exactly the stage's
+            assert cost.sent_bytes("dc", op) == plan.sent_bytes("d", op), f"p2 d2, rank {rank}: FSDP {op}"
+        assert held["buffers"] == plan.memory["buffers"], f"p2 d2, rank {rank}: whole slices {held['buffers']}"
+
+
+def hand_psi(cfg) -> int:
+    """Ψ counted here: embedding and LM head V M each, the final norm, and per block two norms, wq and wo
+    (H D M each), wk and wv (K D M each), and the FFN's three F M."""
+    M, D = cfg.dim, cfg.head_dim
+    block = 2 * M + 2 * cfg.n_heads * D * M + 2 * cfg.n_kv_heads * D * M + 3 * cfg.ffn_dim * M
+    return 2 * cfg.vocab_size * M + M + cfg.n_layers * block
+
+
+@pytest.mark.exercises("data_cost")
+@pytest.mark.parametrize("zero, parameters, gradients, optimizer", [
+    (0, 2, 2, 12), (1, 2, 2, 12 / 8), (2, 2, 2 / 8, 12 / 8)])
+def test_mixed_precision_state_is_the_playbooks_2_2_12_over_d(zero, parameters, gradients, optimizer):
+    psi = hand_psi(CFG)
+    assert psi % 8 == 0   # so that module 14's buckets need no padding and the figures are exact
+    cost = costs.data_cost(TINY, Layout(d=8, zero=zero), BATCH, layouts.MIXED)
+    want = {"parameters": parameters * psi, "gradients": gradients * psi, "optimizer": optimizer * psi}
+    got = {kind: cost.memory.get(kind, 0) for kind in want}
+    assert got == want, (f"ZeRO-{zero} on d = 8, Ψ = {psi}: the Ultra-Scale Playbook's 2Ψ / 2Ψ / 12Ψ (divided by "
+                         f"N_d as the stage says) is {want}, the plan says {got}")
+
+
+@pytest.mark.exercises("data_cost")
+def test_zero3_updates_only_its_shard_of_the_blocks_and_its_copy_of_the_rest():
+    psi = hand_psi(CFG)
+    replicated = 2 * CFG.vocab_size * CFG.dim + CFG.dim
+    blocks = (psi - replicated) // 4   # a multiple of 4 here: module 17's flat slices need no padding
+    cost = costs.data_cost(TINY, Layout(d=4, zero=3), BATCH, layouts.COURSE)
+    want = 2 * 4 * (blocks + replicated)   # AdamW's two float32 moments of what the rank updates
+    assert cost.memory.get("optimizer") == want, f"ZeRO 3 on d = 4: optimizer {cost.memory.get('optimizer')}, want {want}"
+    assert cost.memory.get("parameters") == 4 * (blocks + replicated)
+
+
+@pytest.mark.exercises("data_cost")
+def test_with_context_parallelism_the_weights_are_summed_over_d_and_c():
+    cost = costs.data_cost(TINY, Layout(d=2, c=2, zero=1), BATCH, layouts.COURSE)
+    axes = {axis for axis, _ in cost.sent}
+    assert axes == {"dc"}, f"d = 2, c = 2: the gradients are summed over the 4 ranks of 'dc', the plan uses {axes}"
+
+
+OPTIONS = m10.OPTIONS
+
+
+@pytest.mark.exercises("activation_bytes")
+@pytest.mark.parametrize("fp8", [False, True])
+def test_activations_are_module_10s_kept_bytes_for_every_recompute_option(fp8):
+    rows, got, want = BATCH // (2 * M), {}, {}
+    for option in OPTIONS:
+        layout = Layout(d=2, m=M, recompute=option, fp8=fp8)
+        got[option] = costs.activation_bytes(TINY, layout, BATCH, layouts.COURSE)
+        want[option] = CFG.n_layers * m10.kept_bytes(CFG, rows, CFG.max_seq_len, torch.float32, option, fp8=fp8)
+    assert got == want, f"fp8={fp8}: by recompute option, module 10 keeps {want}, the plan says {got}"
+
+
+@pytest.mark.exercises("activation_bytes")
+def test_with_sequence_parallelism_every_activation_is_split_over_t():
+    layout = Layout(d=2, t=2, m=M)
+    got = costs.activation_bytes(TINY, layout, BATCH, layouts.COURSE)
+    want = CFG.n_layers * sum(m12.tp_activations_by_name(CFG, {"t": 2}, BATCH // 2, torch.float32, M,
+                                                         sequence_parallel=True).values())
+    assert got == want, f"t = 2 with sequence parallelism: module 12's block keeps {want}, the plan says {got}"
+
+
+@pytest.mark.exercises("activation_bytes")
+@pytest.mark.parametrize("schedule, live", [("gpipe", 8), ("1f1b", 2)])
+def test_a_pipeline_keeps_the_microbatches_its_schedule_has_in_flight(schedule, live):
+    one = costs.activation_bytes(TINY, Layout(d=1, m=8), BATCH, layouts.COURSE) // CFG.n_layers
+    layout = Layout(p=2, m=8, schedule=schedule)
+    got = costs.activation_bytes(TINY, layout, BATCH, layouts.COURSE)
+    want = one * (CFG.n_layers // 2) * live
+    assert got == want, (f"{schedule} on p = 2, m = 8: the first rank keeps {live} microbatches of its 2 blocks "
+                         f"({want} bytes), the plan says {got}")
+
+
+@pytest.mark.exercises("axes_cost")
+def test_the_expert_exchange_is_module_16s_formula_on_a_step_of_evenly_spread_routing():
+    moe = reference("m16_router").MoEConfig(n_experts=4, top_k=2, expert_dim=16)
+    model = presets.Model("tiny MoE", CFG, moe, batch=8)
+    layout = Layout(d=4, e=2, m=M, zero=1)
+    tokens = BATCH // (4 * M) * CFG.max_seq_len          # N a source sees in a microbatch
+    rows = moe.top_k * tokens / moe.n_experts            # k N slots spread evenly over E experts
+    record = SimpleNamespace(sent=torch.full((4,), rows, dtype=torch.float64),
+                             received=torch.full((2, 2), rows, dtype=torch.float64))
+    formula = reference("m16_costs").step_cost(CFG, moe, {"d": 4, "e": 2}, 0, [record] * (CFG.n_layers * M))
+    want = {key: value for key, value in formula.sent.items() if key[0] == "e"}
+    got = {key: value for key, value in costs.axes_cost(model, layout, BATCH, layouts.COURSE).sent.items()}
+    assert got == want, f"E = 4, e = 2, d = 4: module 16's exchange over {CFG.n_layers * M} records is {want}, got {got}"
