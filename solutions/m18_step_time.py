@@ -17,8 +17,8 @@ Compute. A rank computes, per step, for each of its B T / (d c) tokens (all its 
 at a fraction η of the peak Φ (`TimeModel.efficiency`): the linears at the FP8 peak with fp8,
 the rest in bf16.
 
-Communication. Over each axis x a rank sends S_x bytes in n_x collectives (the plan's StepCost):
-τ_x = n_x α + S_x / (link_efficiency · bandwidth), on NVLink if the axis's groups lie within a
+Communication. Over each axis x a rank sends Y_x bytes in ν_x collectives (the plan's StepCost):
+τ_x = ν_x α + Y_x / (link_efficiency · bandwidth), on NVLink if the axis's groups lie within a
 node (a group of axis x spans its own size times the sizes of the axes inside it: t, c t, e t,
 d c t, p d c t consecutive ranks), on the node's network otherwise.
 
@@ -131,9 +131,9 @@ def step_time(model: Model, layout: Layout, batch: int, gpu: GPU, cost, time_mod
     and the stated model of the module docstring."""
     compute = compute_time(model, layout, batch, gpu, time_model)
     # >>> TODO(m18): the step time: compute, each axis's links, the bubble, and what overlaps
-    # Contract: a StepTime(step, compute, comm, bubble): comm maps every axis with traffic in `cost` to τ_x = n_x α +
-    #   S_x / bandwidth, with (bandwidth, α) = link(axis, layout, gpu, time_model), S_x = cost.sent_bytes(axis) and
-    #   n_x = cost.n_calls(axis); bubble = module 11's bubble_formula for layout.schedule on p ranks and m
+    # Contract: a StepTime(step, compute, comm, bubble): comm maps every axis with traffic in `cost` to τ_x = ν_x α +
+    #   Y_x / bandwidth, with (bandwidth, α) = link(axis, layout, gpu, time_model), Y_x = cost.sent_bytes(axis) and
+    #   ν_x = cost.n_calls(axis); bubble = module 11's bubble_formula for layout.schedule on p ranks and m
     #   microbatches, with v = stages_per_rank(layout) (0.0 without a pipeline); step = the module docstring's max.
     # Maths: the exposed axes' times add to the compute, the pipeline stretches their sum by 1 / (1 - bubble), and
     #   the weights' traffic hides behind all of it unless it takes longer.
