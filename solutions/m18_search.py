@@ -82,7 +82,9 @@ def candidates(model: Model, gpus: int, batch: int, gpu: GPU, fixed: dict | None
                                 base = Layout(p, d, c, t, e, schedule=schedule, m=m, cp=cp)
                                 if any(getattr(base, k) != v for k, v in fixed.items() if k not in choices):
                                     continue
-                                if schedule == "zbh1" and m < p:   # module 11's closed form needs m >= p
+                                # module 11's closed forms need the warm-up's microbatches: m >= p for
+                                # ZB-H1 and interleaved zero bubble, m >= 2p - 1 for ZB-H2
+                                if m < {"zbh1": p, "interleaved_zb": p, "zbh2": 2 * p - 1}.get(schedule, 0):
                                     continue
                                 try:
                                     check_layout(model, base, batch)

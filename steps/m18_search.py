@@ -1,5 +1,5 @@
 # Generated from solutions/m18_search.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 18`. (skeleton 6f6f7d4f6fce)
+# Grade your work with `python main.py grade 18`. (skeleton d05908135fda)
 """Module 18, part 5 - the search: every layout of R GPUs costed, those that fit ranked by step time.
 
 `candidates` (given) lists the layouts a model can run on R GPUs: every mesh p x d x c x t with
@@ -84,7 +84,9 @@ def candidates(model: Model, gpus: int, batch: int, gpu: GPU, fixed: dict | None
                                 base = Layout(p, d, c, t, e, schedule=schedule, m=m, cp=cp)
                                 if any(getattr(base, k) != v for k, v in fixed.items() if k not in choices):
                                     continue
-                                if schedule == "zbh1" and m < p:   # module 11's closed form needs m >= p
+                                # module 11's closed forms need the warm-up's microbatches: m >= p for
+                                # ZB-H1 and interleaved zero bubble, m >= 2p - 1 for ZB-H2
+                                if m < {"zbh1": p, "interleaved_zb": p, "zbh2": 2 * p - 1}.get(schedule, 0):
                                     continue
                                 try:
                                     check_layout(model, base, batch)
