@@ -27,6 +27,7 @@ rank raised into the short error and hint a learner reads.
 """
 from __future__ import annotations
 
+import ast
 import contextlib
 import faulthandler
 import functools
@@ -49,7 +50,7 @@ import torch.distributed as dist
 
 from course import REPO
 from course.interrupts import SIGNALS, interruption, signals_deferred
-from course.skeleton import has_solution_blocks, todo_owner
+from course.skeleton import has_solution_blocks, todo_blocks, todo_owner
 
 STACK_DUMP_GRACE_S = 0.5  # time a rank gets to write its stack after SIGUSR1
 MAX_TIMEOUT_S = 86400.0   # a day: longer is a typo (inf, 1e300), and overflows the timers below
@@ -281,7 +282,7 @@ def where_raised(exc: BaseException) -> str:
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if _is_course_file(f.filename)]
     if not frames:
         return ""
-    mine = [f for f in frames if is_learners_file(f.filename)]
+    mine = [f for f in frames if is_learners_file(f.filename) and not _is_given_function(f)]
     innermost = mine[-1] if mine else frames[-1]
     callers = [f for f in reversed(mine or frames) if f.filename != innermost.filename
                and (mine or _short(f.filename).startswith(("steps/", "solutions/")))]
@@ -303,6 +304,24 @@ def is_learners_file(filename: str) -> bool:
     path = Path(filename).resolve()
     home = steps_dir() if selected() == "steps" else REPO / "solutions"
     return path.parent == home.resolve() and _has_todos(path.name)
+
+
+def _is_given_function(f: traceback.FrameSummary) -> bool:
+    """Whether a frame in a learner's file runs given code there (module 11's StageComms._check): a
+    function the reference defines with no TODO in it. A function of the learner's own is theirs."""
+    return f.name in _given_functions(Path(f.filename).name)
+
+
+@functools.cache
+def _given_functions(name: str) -> frozenset:
+    solution = REPO / "solutions" / name
+    if not solution.is_file():
+        return frozenset()
+    source = solution.read_text()
+    defined = {node.name for node in ast.walk(ast.parse(source))
+               if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    with_todos = {block.function.rsplit(".", 1)[-1] for block in todo_blocks(source, name)}
+    return frozenset(defined - with_todos)
 
 
 @functools.cache

@@ -147,15 +147,18 @@ def test_in_order_of_blame_ranks_what_was_run_then_what_is_named():
         ["ShardedWeights.release", "ShardedWeights.get", "fsdp_traffic", "FlatLayout.shard"]
 
 
-def _raise_through(monkeypatch, files: list[str]):
-    """An error raised in the last of `files` (paths under the repository), called from each before it."""
+def _raise_through(monkeypatch, files: list[str], functions: list[str] | None = None):
+    """An error raised in the last of `files` (paths under the repository), called from each before it;
+    the functions are f0 (the innermost), f1, ... unless `functions` names them (outermost first)."""
     monkeypatch.setenv("COURSE_IMPL", "steps")
     monkeypatch.delenv("COURSE_STEPS_DIR", raising=False)
+    names = list(reversed(functions)) if functions else [f"f{depth}" for depth in range(len(files))]
     namespace, caller = {}, None
     for depth, name in enumerate(reversed(files)):
-        body = "raise ValueError('bad spec')" if depth == 0 else f"f{depth - 1}()"
-        exec(compile("\n" * (10 * depth) + f"def f{depth}():\n    {body}\n", str(REPO / name), "exec"), namespace)
-        caller = f"f{depth}"
+        body = "raise ValueError('bad spec')" if depth == 0 else f"{names[depth - 1]}()"
+        exec(compile("\n" * (10 * depth) + f"def {names[depth]}():\n    {body}\n", str(REPO / name), "exec"),
+             namespace)
+        caller = names[depth]
     try:
         namespace[caller]()
     except ValueError as exc:
@@ -175,6 +178,10 @@ def test_a_failure_shows_the_learners_own_frame_first(monkeypatch):
     error = _raise_through(monkeypatch, ["steps/m12_tp_model.py", "solutions/m12_vocab_parallel.py"])
     assert where_raised(error) == (" (at steps/m12_tp_model.py:12 in f1; raised in given code at "
                                    "solutions/m12_vocab_parallel.py:2 in f0)")
+    # Given code inside a learner's file (module 11's StageComms._check): the learner's function first.
+    error = _raise_through(monkeypatch, ["steps/m11_executor.py", "steps/m11_executor.py"], ["run_action", "_check"])
+    assert where_raised(error) == (" (at steps/m11_executor.py:12 in run_action; raised in given code at "
+                                   "steps/m11_executor.py:2 in _check)")
 
 
 def test_an_error_from_the_learners_code_in_the_check_itself_says_where(tmp_path):
