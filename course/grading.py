@@ -130,12 +130,17 @@ class Scorecard:
             return report.outcome, "", ""
 
     def pytest_collectreport(self, report):
-        """Live: a test file that cannot even be imported (a syntax error in your code) runs no check;
-        the end of the error says where and why."""
-        if self.live and report.failed:
-            lines = [line for line in report.longreprtext.strip().splitlines()
-                     if not line.startswith("Hint: make sure your test modules")]  # pytest's, misleading here
-            where_and_why = "\n".join(lines[-8:])
+        """A test file that cannot even be imported (a syntax error in your code) runs none of its checks:
+        it counts as one failed check, so the grade cannot pass; live, the end of the error says where and
+        why."""
+        if not report.failed:
+            return
+        lines = [line for line in report.longreprtext.strip().splitlines()
+                 if not line.startswith("Hint: make sure your test modules")]  # pytest's, misleading here
+        where_and_why = "\n".join(lines[-8:])
+        self.results.append({"test": report.nodeid, "outcome": "failed",
+                             "reason": f"cannot import {report.nodeid}: none of its checks ran\n{where_and_why}"})
+        if self.live:
             self.write(f"  cannot import {report.nodeid}:\n{where_and_why}")
 
     def write(self, text: str):

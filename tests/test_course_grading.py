@@ -40,6 +40,17 @@ def test_a_tensor_mismatch_says_how_many_and_how_far(tmp_path):
     assert "Mismatched elements: 1 / 3" in result["reason"] and "Greatest absolute difference: 1.0" in result["reason"]
 
 
+def test_a_test_file_that_cannot_be_imported_fails_the_grade(tmp_path):
+    # A learner's IndentationError makes a whole test file fail to import: its checks never run, so the
+    # grade must not read "7/7 checks pass" from the files that did (a learner run's finding).
+    (tmp_path / "test_01_another.py").write_text("def test_fine():\n    pass\n")
+    results = grade_all(tmp_path, "import broken_module_of_yours\n\ndef test_never_runs():\n    pass\n",
+                        "--continue-on-collection-errors")
+    failed = [r for r in results if r["outcome"] == "failed"]
+    assert [r["outcome"] for r in results].count("passed") == 1 and len(failed) == 1, results
+    assert failed[0]["reason"].startswith("cannot import test_01_example.py: none of its checks ran"), failed[0]
+
+
 HANG_THEN_PASS = ("def test_hangs():\n    raise RuntimeError('timed out after 20 s; still running: rank 0')\n\n"
                   "def test_would_hang_too():\n    pass\n")
 
