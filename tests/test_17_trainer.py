@@ -157,23 +157,27 @@ MESHES = {"p2 d2 (interleaved)": ({"p": 2, "d": 2}, "interleaved", 2, None),
 
 def check_against_one_process(cfg, name, results, sizes, moe):
     model, expected_losses = expected(cfg, moe)
+    reference_weights = weights_by_name(model, moe)
+    try:  # the weights first, so that a loss that differs can name the weight furthest off
+        got = reassembled(results, reference_weights, sizes, moe)
+        errors = {key: ((got[key] - want).abs().max() / want.abs().max().clamp_min(1e-300)).item()  # zero FFN: 0
+                  for key, want in reference_weights.items() if key in got}
+        worst = max(errors, key=lambda key: errors[key] if errors[key] == errors[key] else float("inf"))
+        furthest = f"; the weight furthest off after {STEPS} steps: {worst} (relative error {errors[worst]:.1e})"
+    except (RuntimeError, KeyError, IndexError, ValueError) as error:  # shards of the wrong sizes
+        got, errors, furthest = None, None, f"; the ranks' shards do not fit together as the weights: {error}"
     for rank, (losses, *_) in enumerate(results):
-        worst = max(abs(a - b) for a, b in zip(losses, expected_losses, strict=True))
+        gap = max(abs(a - b) for a, b in zip(losses, expected_losses, strict=True))
         hint = ""
         if abs(losses[0] / expected_losses[0] - 1) > 0.1:
-            hint = (f" (their ratio is {losses[0] / expected_losses[0]:.3g}: is every piece of the loss divided by "
-                    f"the real tokens of the whole step, counted once?)")
-        assert worst <= TOLERANCE, (f"{name}, rank {rank}: losses {losses}, one process {expected_losses}: off by "
-                                    f"{worst:.1e}{hint}")
-    reference_weights = weights_by_name(model, moe)
-    got = reassembled(results, reference_weights, sizes, moe)
+            hint = (f" (their ratio is {losses[0] / expected_losses[0]:.3g}: does your train_step divide every piece "
+                    f"of the loss by the real tokens of the whole step, counted once?)")
+        assert gap <= TOLERANCE, (f"{name}, rank {rank}: losses {losses}, one process {expected_losses}: off by "
+                                  f"{gap:.1e}{hint}{furthest}")
+    assert got is not None, f"{name}: the losses agree, but{furthest.removeprefix(';')}"
     missing = sorted(set(reference_weights) - set(got))
     assert not missing, f"{name}: no rank holds {missing[:4]}"
-    wrong = []
-    for key, want in reference_weights.items():
-        error = ((got[key] - want).abs().max() / want.abs().max().clamp_min(1e-300)).item()  # the zero FFN: 0
-        if not error <= TOLERANCE:
-            wrong.append(f"{key}: relative error {error:.1e}")
+    wrong = [f"{key}: relative error {error:.1e}" for key, error in errors.items() if not error <= TOLERANCE]
     assert not wrong, (f"{name}: after {STEPS} steps, {len(wrong)} weights differ from one process's (reassembled "
                        f"from every rank's shards): " + "; ".join(wrong[:6]))
 
