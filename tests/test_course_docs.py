@@ -129,6 +129,16 @@ def executed_notebooks(tmp_path_factory) -> dict:
         return dict(zip((nb.name for nb in NOTEBOOKS), pool.map(execute, NOTEBOOKS)))
 
 
+def test_notebooks_are_committed_without_outputs_and_with_cell_ids():
+    """Outputs belong to the executed copies (results/executed/); a cell without an id is a warning in
+    every nbformat read today and an error in a future nbformat (`nbformat.validator.normalize` adds them)."""
+    import json
+    for notebook in NOTEBOOKS:
+        cells = json.loads(notebook.read_text())["cells"]
+        assert all("id" in cell for cell in cells), f"{notebook.name}: cells without an id"
+        assert not any(cell.get("outputs") for cell in cells), f"{notebook.name}: committed with outputs"
+
+
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_executes(notebook, executed_notebooks):
     proc, nb = executed_notebooks[notebook.name]
