@@ -64,13 +64,31 @@ class Watched(dcp.FileSystemWriter):
         return super().write_data(plan, planner)
 
 
+def watched_renames(renames: list):
+    """os.replace and os.rename (Path.rename's) that note, for each .partial directory renamed, which of
+    .metadata and config.json it held at that moment: both must be there before it takes its final name."""
+    def watch(move):
+        def watched(src, dst, *args, **kwargs):
+            if Path(src).name.endswith(".partial"):
+                renames.append((Path(src).name, sorted(f for f in (".metadata", "config.json") if (Path(src) / f).exists())))
+            return move(src, dst, *args, **kwargs)
+        return watched
+    return watch(os.replace), watch(os.rename)
+
+
 def _run(cfg, sizes, root, steps, every, resume, kill=False, validate=False):
     mesh = init_mesh(given.full_sizes(sizes))
     model = trainer.ComposedLlama(cfg, mesh, M, "1f1b", dtype=f64)
-    losses, validation = run.train(model, TEXT, steps, BATCH, LR, 0, M, root, every, resume,
-                                   eval_every=steps if validate else 0, eval_batches=1,
-                                   make_writer=KillMidSave if kill else Watched if validate else None)
-    return (losses, validation, Watched.seen) if validate else losses
+    renames, moves = [], (os.replace, os.rename)
+    if validate:  # this rank's process only (a forked rank): the moves are put back below
+        os.replace, os.rename = watched_renames(renames)
+    try:
+        losses, validation = run.train(model, TEXT, steps, BATCH, LR, 0, M, root, every, resume,
+                                       eval_every=steps if validate else 0, eval_batches=1,
+                                       make_writer=KillMidSave if kill else Watched if validate else None)
+    finally:
+        os.replace, os.rename = moves
+    return (losses, validation, Watched.seen, renames) if validate else losses
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +96,7 @@ def uninterrupted(tmp_path_factory):
     """p = 2, t = 2: 4 steps, checkpoints after steps 2 and 4, the validation loss after step 4."""
     root = tmp_path_factory.mktemp("m17-checkpoints") / "p2t2"
     results = run_ranks(_run, 4, CFG, {"p": 2, "t": 2}, str(root), STEPS, EVERY, False, False, True, timeout=120)
-    return root, results[0][0], results[0][1][-1][1], [r[2] for r in results]
+    return root, results[0][0], results[0][1][-1][1], [r[2] for r in results], [r[3] for r in results]
 
 
 def resumed_from_step_2(uninterrupted, tmp_path, cfg, sizes, world_size=4):
@@ -91,7 +109,7 @@ def resumed_from_step_2(uninterrupted, tmp_path, cfg, sizes, world_size=4):
 def test_each_checkpoint_is_written_under_a_partial_name_then_renamed(uninterrupted):
     # What the long check's SIGKILL relies on, watched without a kill: every rank writes into
     # step_NNNNNN.partial/ while no step_NNNNNN/ exists, and the run ends with complete directories only.
-    root, *_, seen = uninterrupted
+    root, *_, seen, renames = uninterrupted
     for rank, writes in enumerate(seen):
         assert [name for name, _ in writes] == ["step_000002.partial", "step_000004.partial"], \
             (f"rank {rank} wrote its checkpoints into {[name for name, _ in writes]}: DCP's files go into "
@@ -99,6 +117,12 @@ def test_each_checkpoint_is_written_under_a_partial_name_then_renamed(uninterrup
         early = [name for name, final_exists in writes if final_exists]
         assert not early, f"rank {rank}: {early} already had its final name while DCP was still writing into it"
     assert sorted(p.name for p in root.iterdir()) == ["step_000002", "step_000004"], sorted(root.iterdir())
+    moved = [move for per_rank in renames for move in per_rank]
+    assert sorted(name for name, _ in moved) == ["step_000002.partial", "step_000004.partial"], \
+        f"the .partial directories renamed, by all ranks together: {moved} (each once, after its save)"
+    incomplete = [(name, held) for name, held in moved if held != [".metadata", "config.json"]]
+    assert not incomplete, (f"{incomplete}: renamed while holding only these of .metadata and config.json: a "
+                            f"checkpoint must be complete (config.json written) before it takes its final name")
 
 
 @pytest.mark.exercises(*TODOS)
@@ -135,7 +159,7 @@ def test_one_process_reads_the_checkpoint_without_a_process_group(uninterrupted)
     root, *_ = uninterrupted
     model = given_checkpoint.load_into_one_process(root / "step_000004", CFG, f64)
     assert model.embedding.shape == (TEXT.vocab_size, CFG.dim)
-    _, _, expected, _ = uninterrupted
+    _, _, expected, *_ = uninterrupted
     generator = torch.Generator().manual_seed(run.VALIDATION_SEED)
     tokens, targets = random_batch(TEXT.validation, BATCH, CFG.max_seq_len, generator)
     loss, _ = model.forward_backward(tokens, targets)

@@ -102,4 +102,11 @@ PLANTS = [
           "        if checkpoint_dir and checkpoint_every and step % checkpoint_every == 0:\n"
           "            save(model, optimizer, training_state(generator, losses), checkpoint_dir, step + 1,",
           "the checkpoint's schedule off by one: saved after steps 1, 3, ... under their own numbers, never step k"),
+    Plant(CHECKPOINT, "        (partial / \"config.json\").write_text(json.dumps(description))\n    dist.barrier()\n"
+                      "    dcp.save(state, storage_writer=(make_writer or dcp.FileSystemWriter)(partial))\n    dist.barrier()\n"
+                      "    if dist.get_rank() == 0:\n        os.rename(partial, final)\n",
+          "    dist.barrier()\n    dcp.save(state, storage_writer=(make_writer or dcp.FileSystemWriter)(partial))\n"
+          "    dist.barrier()\n    if dist.get_rank() == 0:\n        os.rename(partial, final)\n"
+          "        (final / \"config.json\").write_text(json.dumps(description))\n",
+          "config.json written after the rename (a learner run's survivor): for a moment step_N/ is incomplete"),
 ]
