@@ -189,7 +189,8 @@ def main(argv):
              ("\nOn a CPU at this size step times move by tens of percent from run to run (caches, the allocator,\n"
               "other processes), so a recompute option can look faster than none: read the byte columns here and\n"
               "the time trade-off from a GPU run (notebooks/data/bench-10-gpu.json)." if not device.startswith("cuda") else ""))
-    report("bench-10", title, rows, device, notes)
+    # One file per attention path, so a GPU batch that runs both keeps both tables.
+    report("bench-10" if args.attention == "chunked" else "bench-10-fused", title, rows, device, notes)
 
 
 def row(impl, option, formula, measured, held, peak, seconds, base):
