@@ -5,6 +5,12 @@ the learner's steps/. The option must live in the root conftest for a bare `pyte
 """
 import os
 
+from course.fork_safety import hide_gpus_from_autograd
+
+# Every multi-rank test forks its ranks from this process, so autograd here must never see a GPU
+# (course/fork_safety.py says why); a test's CUDA part runs in a child that gets the GPUs back.
+hide_gpus_from_autograd()
+
 pytest_plugins = ["course.grading"]
 
 

@@ -24,6 +24,7 @@ import os
 import sys
 
 from course.catalog import MODULES
+from course.fork_safety import hide_gpus_from_autograd
 from course.interrupts import interrupt_on_signals, interruption
 
 TOUR = ("00", "05")  # the baseline, then the latest module that reproduces it across ranks
@@ -158,8 +159,16 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def asks_for_a_gpu(args) -> bool:
+    """A benchmark run with --device cuda[:N]; every other command forks CPU ranks or needs no GPU."""
+    extra = " ".join(args.extra).replace("=", " ").split()
+    return args.command == "bench" and any(a == "--device" and b.startswith("cuda") for a, b in zip(extra, extra[1:]))
+
+
 def main(argv: list[str]) -> None:
     args = parse(argv)
+    if "TORCHELASTIC_RUN_ID" not in os.environ and not asks_for_a_gpu(args):
+        hide_gpus_from_autograd()  # before torch runs a backward (course/fork_safety.py says why)
     commands = {None: cmd_tour, "list": cmd_list, "run": cmd_run, "grade": cmd_grade, "hint": cmd_hint, "bench": cmd_bench,
                 "site": cmd_site, "plan": cmd_plan}
     commands[args.command](args)

@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from course import REPO
+from course.fork_safety import AUTOGRAD_AFTER_FORK
 from course.interrupts import SIGNALS, interruption, signals_deferred
 from course.skeleton import has_solution_blocks, todo_blocks, todo_owner
 
@@ -334,6 +335,10 @@ def _describe_exception(exc, rank, world_size) -> str:
     # Where it was raised goes on the first line, which is all a scorecard shows of a long message.
     first, *rest = str(exc).splitlines() or [""]
     summary = "\n".join([f"rank {rank} of {world_size} raised {type(exc).__name__}: {first}{where_raised(exc)}", *rest])
+    if AUTOGRAD_AFTER_FORK in first:
+        summary += ("\nThe process that forked the ranks ran a backward while torch saw a GPU. Start it with the GPUs "
+                    "hidden (CUDA_VISIBLE_DEVICES= python ..., or course.launch.hide_gpus_from_autograd() before "
+                    "any backward), as main.py and pytest do.")
     return summary + "\n\n" + "".join(traceback.format_exception(exc))
 
 

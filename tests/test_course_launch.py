@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from course.fork_safety import AUTOGRAD_AFTER_FORK, environment_with_gpus
 from course.launch import RankFailed, RankTimeout, failures_explained, run_demo, run_ranks, watchdog
 
 
@@ -186,3 +187,31 @@ def test_ctrl_c_in_a_single_process_run_is_one_line_saying_where(capfd):
     err = capfd.readouterr().err
     assert exit_.value.code == 1 and len(err.splitlines()) == 1, err
     assert re.fullmatch(r"error: interrupted by Ctrl-C \(at tests/test_course_launch.py:\d+ in demo\)\n", err), err
+
+
+def _autograd_refuses_after_fork():
+    raise RuntimeError(f"{AUTOGRAD_AFTER_FORK}. See https://github.com/pytorch/pytorch/wiki/Autograd-and-Fork")
+
+
+def test_pytest_hides_the_gpus_and_a_gpu_check_gets_them_back(monkeypatch):
+    # On a CUDA build that sees a GPU, one backward in this process would make every forked rank's
+    # backward fail (measured on an H200 with torch 2.11: test_05 and the tour's module 05 failed).
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == ""
+    monkeypatch.setenv("COURSE_CUDA_VISIBLE_DEVICES", "1,3")
+    assert environment_with_gpus()["CUDA_VISIBLE_DEVICES"] == "1,3"
+    monkeypatch.setenv("COURSE_CUDA_VISIBLE_DEVICES", "<unset>")
+    assert "CUDA_VISIBLE_DEVICES" not in environment_with_gpus()
+
+
+def test_main_hides_the_gpus_unless_a_benchmark_asks_for_cuda():
+    import main
+
+    asks = [main.asks_for_a_gpu(main.parse(argv)) for argv in
+            (["bench", "09", "--device", "cuda"], ["bench", "12", "--device=cuda:1"], ["bench", "05"],
+             ["run", "05"], [])]
+    assert asks == [True, True, False, False, False]
+
+
+def test_a_rank_refused_by_autograd_after_a_fork_is_told_what_to_do():
+    with pytest.raises(RankFailed, match="ran a backward while torch saw a GPU.*CUDA_VISIBLE_DEVICES="):
+        run_ranks(_autograd_refuses_after_fork, 1, timeout=20)
