@@ -180,3 +180,6 @@ if __name__ == "__main__":
         main(sys.argv[1:])
     except KeyboardInterrupt as stop:  # before a command took over (e.g. while torch was imported)
         sys.exit(f"error: interrupted by {interruption(stop)}")
+    except BrokenPipeError:  # the reader left early (python main.py list | head): stop without a traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's flush at exit would fail again
+        sys.exit(1)

@@ -2,6 +2,7 @@
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -322,3 +323,11 @@ def test_the_hint_record_is_replaced_whole_not_rewritten_in_place(hint_record, c
     assert hint(capsys, "05", "2")[0] == 0
     assert hint_record.stat().st_ino != before and len(json.loads(hint_record.read_text())) == 1
     assert [p.name for p in hint_record.parent.iterdir()] == [hint_record.name]  # no partial file left
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback():
+    # `python main.py list | head -1`: head closes the pipe after one line.
+    shell = f"{shlex.quote(sys.executable)} main.py list | head -1"
+    done = subprocess.run(["bash", "-o", "pipefail", "-c", shell], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.stdout.startswith("module"), done.stdout
+    assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
