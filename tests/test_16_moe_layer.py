@@ -11,14 +11,15 @@ the issue asks. The rows an expert receives and the dropped slots are compared e
 import pytest
 import torch
 
-from course.impl import load, reference
+from course.impl import load
 from course.launch import run_ranks
 from course.mesh import init_mesh, single_group
 from course.reference_moe import moe_ffn
 
+from moe_checks import check_every_exchange  # tests/moe_checks.py
+
 layer_module = load("m16_moe_layer")
 router = load("m16_router")
-check_exchange = reference("m16_expert_parallel").check_exchange   # given code
 f64 = torch.float64
 TOL = dict(rtol=1e-12, atol=1e-12)
 DIM, SEQS, SEQ_LEN = 16, 2, 8
@@ -105,13 +106,7 @@ def _expert_parallel(cases):
         received.append((rows.clone(), list(counts)))
         return forward(rows, counts, w)
     layer_module.experts_forward = recording
-    plan = layer_module.plan_exchange
-
-    def checked(counts, group):   # splits that disagree would abort gloo in the rows' all-to-all: say which
-        exchange = plan(counts, group)
-        check_exchange(exchange, group)
-        return exchange
-    layer_module.plan_exchange = checked
+    check_every_exchange(layer_module)
     results = {}
     for name, (e, moe) in cases.items():
         mesh = init_mesh({"d": 4, "e": e})
