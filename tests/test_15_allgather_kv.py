@@ -14,20 +14,19 @@ float32 sum: measured at most 1.0 rounding more than one process, over 8 seeds);
 gradients float32, 4 bytes a value.
 """
 import functools
-import math
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from course.impl import load, reference
+from course.impl import load
 from course.launch import run_ranks
 from course.mesh import init_mesh
 
+from attention_checks import NAMES, beyond_bf16_rounding, one_process_bf16, whole_attention  # tests/attention_checks.py
+
 allgather = load("m15_allgather_kv")
 layout = load("m15_layout")
-m06_ops = reference("m06_llama_ops")  # one process's attention: trusted code, not graded here
 
 f64, BF16 = torch.float64, torch.bfloat16
 B, T, H, K, D, C = 2, 16, 4, 2, 4, 4
@@ -37,18 +36,6 @@ def inputs(seed=1):
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(B, T, heads, D, generator=g, dtype=f64) for heads in (H, K, K))
     return q, k, v, torch.randn(B, T, H * D, generator=g, dtype=f64)
-
-
-def whole_attention(q, k, v, do):
-    """float64 reference on the whole sequence: o, lse (B, H, T), dq, dk, dv (SDPA, logsumexp, autograd)."""
-    q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
-    kr, vr = k.repeat_interleave(H // K, dim=2), v.repeat_interleave(H // K, dim=2)
-    o = F.scaled_dot_product_attention(q.transpose(1, 2), kr.transpose(1, 2), vr.transpose(1, 2), is_causal=True)
-    o = o.transpose(1, 2).flatten(2)
-    o.backward(do)
-    scores = torch.einsum("bqhd,bkhd->bhqk", q, kr) / math.sqrt(D)
-    lse = torch.logsumexp(scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf")), dim=-1)
-    return o.detach(), lse.detach(), q.grad, k.grad, v.grad
 
 
 RUNS = [(kind, f64) for kind in layout.LAYOUTS] + [("zigzag", BF16)]
@@ -74,7 +61,6 @@ def results():
     return run_ranks(_allgather, C, *inputs(), timeout=60)
 
 
-NAMES = ("o", "lse", "dq", "dk", "dv")
 FORWARD, BACKWARD = (0, 1), (2, 3, 4)  # which of NAMES each pass computes
 
 
@@ -110,28 +96,6 @@ def test_all_gather_kv_backward_equals_autograd_on_the_whole_sequence(kind):
                        f"first in the order computed: " + "; ".join(wrong))
 
 
-def one_process_bf16(q, k, v, do):
-    """Module 06's attention on the whole sequence in one process, in bf16 (trusted reference code):
-    o, lse (B, H, T), dq, dk, dv."""
-    q, k, v, do = (t.to(BF16) for t in (q, k, v, do))
-    o, lse = m06_ops.attention_forward(q, k, v, 3)
-    return (o, lse.reshape(B, H, T), *m06_ops.attention_backward(do, q, k, v, o, lse, 3))
-
-
-def beyond_bf16_rounding(which):
-    """bf16 results (`which` of NAMES) whose error against float64 exceeds one process's bf16 error by
-    more than two bf16 roundings of the largest value (the module docstring's tolerance)."""
-    got, alone = joined("zigzag", BF16), one_process_bf16(*inputs())
-    exact = whole_attention(*(t.to(BF16).double() for t in inputs()))  # the same rounded inputs, in float64
-    wrong = []
-    for i in which:
-        scale = exact[i].abs().max()
-        error, error_alone = ((x.double() - exact[i]).abs().max() / scale for x in (got[i], alone[i]))
-        if got[i].dtype != BF16 or not error <= error_alone + 2 ** -7:
-            wrong.append(f"{NAMES[i]}: {got[i].dtype}, error {error.item():.1e}, one process {error_alone.item():.1e}")
-    return wrong
-
-
 @pytest.mark.exercises("AllGatherKVAttention.gather_kv", "AllGatherKVAttention.forward")
 def test_all_gather_kv_forward_in_bf16_is_one_process_attention():
     got, alone = joined("zigzag", BF16), one_process_bf16(*inputs())
@@ -139,7 +103,7 @@ def test_all_gather_kv_forward_in_bf16_is_one_process_attention():
     assert got[1].dtype == torch.float32 and lse_error <= 1e-5, \
         (f"c={C}, zigzag, bf16: lse is {got[1].dtype}, {lse_error:.1e} from one process's float32 lse (relative); "
          f"expected float32 within 1e-5, as module 06's attention returns it")
-    wrong = beyond_bf16_rounding(FORWARD[:1])
+    wrong = beyond_bf16_rounding(joined("zigzag", BF16), inputs(), FORWARD[:1])
     assert not wrong, (f"c={C}, zigzag, bf16: o (bf16) farther from float64 SDPA than one process's bf16 attention "
                        f"plus two bf16 roundings (2^-7 of the largest |o|): " + "; ".join(wrong))
 
@@ -154,7 +118,7 @@ def test_all_gather_kv_backward_in_bf16_reduce_scatters_float32_gradients():
         assert shards == [("reduce_scatter", 4 * values)], \
             (f"rank {rank}, zigzag, bf16: the gradients' reduce-scatter (op, shard bytes) {shards}; expected one of "
              f"{4 * values} bytes: {values} values of 4 bytes, summed in lse's dtype (float32), not the values' bf16")
-    wrong = beyond_bf16_rounding(BACKWARD)
+    wrong = beyond_bf16_rounding(joined("zigzag", BF16), inputs(), BACKWARD)
     assert not wrong, (f"c={C}, zigzag, bf16: gradients (bf16) farther from float64 autograd than one process's bf16 "
                        f"attention plus two bf16 roundings (2^-7 of the largest value): " + "; ".join(wrong))
 

@@ -23,20 +23,19 @@ rounding more than one process, over 8 seeds. The accumulators' messages are rea
 4 bytes a value, whatever the values' dtype.
 """
 import functools
-import math
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from course.impl import load, reference
 from course.launch import run_ranks
 from course.mesh import init_mesh
 
+from attention_checks import NAMES, beyond_bf16_rounding, one_process_bf16, whole_attention  # tests/attention_checks.py
+
 ring = load("m15_ring_attention")
 layout = load("m15_layout")
-m06_ops = reference("m06_llama_ops")  # one process's attention: trusted code, not graded here
 
 f64, BF16 = torch.float64, torch.bfloat16
 B, T, H, K, D, C = 2, 16, 4, 2, 4, 4  # c = 4 ranks, 4 positions each: chunks of 2 with zig-zag
@@ -46,21 +45,6 @@ def inputs(dtype=f64, seed=0):
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(B, T, heads, D, generator=g, dtype=f64).to(dtype) for heads in (H, K, K))
     return q, k, v, torch.randn(B, T, H * D, generator=g, dtype=f64).to(dtype)
-
-
-def whole_attention(q, k, v, do):
-    """float64 reference on the whole sequence: o (B, T, H D) and lse (B, H, T) from SDPA and a masked
-    logsumexp, dq, dk, dv by autograd."""
-    q, k, v, do = (t.double().detach().requires_grad_(True) for t in (q, k, v, do))
-    group = q.shape[2] // k.shape[2]
-    kr, vr = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
-    o = F.scaled_dot_product_attention(q.transpose(1, 2), kr.transpose(1, 2), vr.transpose(1, 2), is_causal=True)
-    o = o.transpose(1, 2).flatten(2)
-    o.backward(do)
-    n = q.shape[1]
-    scores = torch.einsum("bqhd,bkhd->bhqk", q, kr) / math.sqrt(q.shape[-1])
-    lse = torch.logsumexp(scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf")), dim=-1)
-    return o.detach(), lse.detach(), q.grad, k.grad, v.grad
 
 
 # --- the merge --------------------------------------------------------------------------------
@@ -133,7 +117,6 @@ def joined(results, key, kind):
     return parts
 
 
-NAMES = ("o", "lse", "dq", "dk", "dv")
 FORWARD, BACKWARD = (0, 1), (2, 3, 4)  # which of NAMES each pass computes
 # float64: absolute; float32: relative to the largest |value| (see the module docstring)
 TOLERANCES = {f64: (1e-10, False), torch.float32: (1e-5, True)}
@@ -170,28 +153,6 @@ def test_ring_backward_equals_autograd_on_the_whole_sequence(kind, dtype):
                        + "; ".join(wrong))
 
 
-def one_process_bf16(q, k, v, do):
-    """Module 06's attention on the whole sequence in one process, in bf16 (trusted reference code):
-    o, lse (B, H, T), dq, dk, dv."""
-    q, k, v, do = (t.to(BF16) for t in (q, k, v, do))
-    o, lse = m06_ops.attention_forward(q, k, v, 3)
-    return (o, lse.reshape(B, H, T), *m06_ops.attention_backward(do, q, k, v, o, lse, 3))
-
-
-def beyond_bf16_rounding(got, which):
-    """bf16 results (`which` of NAMES) whose error against float64 exceeds one process's bf16 error by
-    more than two bf16 roundings of the largest value (the module docstring's tolerance)."""
-    exact = whole_attention(*(t.to(BF16) for t in inputs()))  # the same rounded inputs, in float64
-    alone = one_process_bf16(*inputs())
-    wrong = []
-    for i in which:
-        scale = exact[i].abs().max()
-        error, error_alone = ((x.double() - exact[i]).abs().max() / scale for x in (got[i], alone[i]))
-        if got[i].dtype != BF16 or not error <= error_alone + 2 ** -7:
-            wrong.append(f"{NAMES[i]}: {got[i].dtype}, error {error.item():.1e}, one process {error_alone.item():.1e}")
-    return wrong
-
-
 @pytest.mark.exercises("RingAttention.forward", "merge_partials")
 def test_ring_forward_in_bf16_merges_in_float32():
     got = joined(ring_results(), ("zigzag", BF16), "zigzag")
@@ -200,7 +161,7 @@ def test_ring_forward_in_bf16_merges_in_float32():
     assert got[1].dtype == torch.float32 and lse_error <= 1e-5, \
         (f"c={C}, zigzag, bf16: lse is {got[1].dtype}, {lse_error:.1e} from one process's float32 lse (relative); "
          f"expected float32, within 1e-5: the lse's of the blocks are float32 statistics, merged in float32")
-    wrong = beyond_bf16_rounding(got, (0,))
+    wrong = beyond_bf16_rounding(got, inputs(), (0,))
     assert not wrong, (f"c={C}, zigzag, bf16: o (bf16) farther from float64 SDPA than one process's bf16 attention "
                        f"plus two bf16 roundings (2^-7 of the largest |o|): " + "; ".join(wrong))
 
@@ -215,7 +176,7 @@ def test_ring_backward_in_bf16_sends_float32_accumulators():
             (f"rank {rank}, zigzag, bf16: the accumulators' messages (sends and receives) are {sizes} bytes; expected "
              f"{2 * C} of {4 * values}: {values} values of 4 bytes, in lse's dtype (float32), not the values' bf16")
     got = joined(ring_results(), ("zigzag", BF16), "zigzag")
-    wrong = beyond_bf16_rounding(got, BACKWARD)
+    wrong = beyond_bf16_rounding(got, inputs(), BACKWARD)
     assert not wrong, (f"c={C}, zigzag, bf16: gradients (bf16) farther from float64 autograd than one process's bf16 "
                        f"attention plus two bf16 roundings (2^-7 of the largest value): " + "; ".join(wrong))
 
