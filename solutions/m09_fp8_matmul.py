@@ -28,10 +28,10 @@ from .m06_llama_ops import Matmul
 from .m09_fp8_scaling import E4M3, E5M2, FP8_MAX, Quantized, abs_max, quantize
 
 # Smallest linear input (tokens and in_features) that FP8Matmul quantizes by default. Measured on
-# an H100 with torch 2.11 (notebooks/data/bench-09-gpu.json): the bare FP8 GEMM is 1.5-2.1x bf16
-# from 4096 up, but forward + backward including this module's quantization (abs-max, scale,
-# cast, transposed copies) was slower than bf16 at every shape below 16384^3 (0.55x at
-# 8192 x 4096 x 14336) and 0.99x at 16384^3. Re-measure with
+# an H200 with torch 2.11 (notebooks/data/bench-09-gpu.json): the bare FP8 GEMM is 1.6-1.9x bf16
+# from 4096 up, but forward + backward including this module's eager quantization (abs-max, scale,
+# cast, transposed copies) is slower than bf16 at every shape below 16384^3 (0.77x at 8192^3,
+# 0.70x at 8192 x 4096 x 14336) and 1.19x at 16384^3. Re-measure with
 # `python main.py bench 09 --device cuda` (the `fp8 selected` column) after changing `quantize`.
 DEFAULT_MIN_DIM = 16384
 
