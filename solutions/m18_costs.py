@@ -21,7 +21,7 @@ experts over e, and the weights over the d c ranks that hold the same copy:
                        formula reads a real run's routing; the planner has none, so it gives it the
                        balanced one (evenly spread is what the balancing losses aim at)
     p                  `pipeline_sends`: the residual stream of each microbatch to the next stage and
-                       its gradient back
+                       its gradient back (module 11's StageComms, logged over "p"), on the busiest rank
     activations        module 10's bytes by name, for the rank's B/(d m) sequences of T/c positions,
                        every name split over t (sequence parallelism keeps the stream's T/t
                        positions): the names the recompute option keeps; n1, n2 and s as e4m3 with
@@ -103,16 +103,26 @@ def exchange_cost(model: Model, layout: Layout, batch: int, precision: Precision
 
 
 def pipeline_sends(model: Model, layout: Layout, batch: int, precision: Precision) -> StepCost:
-    """What a pipeline rank sends its neighbours in one step (over "p"): for each microbatch and each
-    of its v stages, the stage's output on and its input's gradient back, each the stream's share
-    of one rank: B/(d m) sequences of T/c positions of M/t values (module 13's stream x[B/d T M/t]),
-    b bytes each. 2 v m sends: an upper bound (the first stage sends no gradient back, the last no
-    output on, and a V's turn stays on its rank). Not measured by any module yet."""
+    """What the busiest pipeline rank sends its neighbours in one step (over "p"), as module 11's StageComms
+    sends it: for each microbatch, each of its stages' output to the next stage and its input's gradient
+    back to the one before, when that stage is on another rank (the first stage sends no gradient back,
+    the last no output on, a V's turn stays on its rank); each message the stream's share of one rank:
+    B/(d m) sequences of T/c positions of M/t values (module 13's stream x[B/d T M/t]), b bytes each."""
     if layout.p == 1:
         return StepCost()
-    cfg, n = model.cfg, 2 * stages_per_rank(layout) * layout.m
+    cfg, n = model.cfg, layout.m * _busiest_sends(layout.schedule, layout.p, min(layout.m, 2 * layout.p))
     activation = batch // (layout.d * layout.m) * (cfg.max_seq_len // layout.c) * (cfg.dim // layout.t)
     return StepCost({("p", "send"): n * activation * precision.dtype.itemsize}, {("p", "send"): n})
+
+
+@functools.lru_cache(maxsize=64)
+def _busiest_sends(schedule: str, p: int, m: int) -> int:
+    """The most messages one rank sends per microbatch: its stages' neighbours on other ranks (2 v on a
+    middle rank of a loop, 2 v - 1 on the first and last, 2 on a V's ends, 1 each on 2 ranks of one stage)."""
+    placement = make_schedule(schedule, p, m).placement
+    last = len(placement) - 1
+    return max(sum((s < last and placement[s + 1] != rank) + (s > 0 and placement[s - 1] != rank)
+                   for s, place in enumerate(placement) if place == rank) for rank in range(p))
 
 
 @functools.lru_cache(maxsize=1024)

@@ -5,11 +5,11 @@ papers wrote down.
   tiny model for two steps on three 4-rank meshes; the collectives log of its last step (course/costs.py's
   measured_cost) and the tensors each rank holds are the measurement. The plan of the same layout
   must equal it on every axis, to the byte and the call, and on the parameters, gradients and whole
-  slices each rank holds. Two exceptions, both stated: the pipeline's sends are not logged (module
-  11's StageComms sends with dist.isend), and the norm gradients' all-reduce over t carries the norm
-  entries of the rank's own FSDP shard, so it differs from rank to rank: the plan counts them all,
-  which is the most any rank sends (the rank that holds the blocks' norms). With p > 1 the plan
-  counts the embedding and the LM head on every stage, so it is an upper bound there.
+  slices each rank holds, the pipeline's sends included (module 11's StageComms logs them over "p").
+  One exception, stated: the norm gradients' all-reduce over t carries the norm entries of the rank's
+  own FSDP shard, so it differs from rank to rank: the plan counts them all, which is the most any rank
+  sends (the rank that holds the blocks' norms). With p > 1 the plan counts the embedding and the LM
+  head on every stage, so it is an upper bound there.
 - The Ultra-Scale Playbook's memory per GPU for mixed precision (2 Ψ parameters, 2 Ψ gradients,
   12 Ψ of AdamW with the float32 master copy; ZeRO-1 divides the 12 Ψ by N_d, ZeRO-2 the gradients
   too), on a model whose Ψ is counted here by hand.
@@ -114,6 +114,18 @@ def test_the_plan_equals_what_module_17s_run_measured(measured, name):
         for kind, value in held.items():
             assert plan.memory.get(kind, 0) == value, (f"{name}, rank {rank}: module 17 holds {value} bytes of "
                                                        f"{kind}, the plan says {plan.memory.get(kind, 0)}")
+
+
+@pytest.mark.exercises("axes_cost")
+def test_the_plans_pipeline_sends_equal_what_module_17s_run_measured(measured):
+    sizes = MESHES["p2 d2"]
+    plan = planned(sizes)
+    want = {table: getattr(plan, table).get(("p", "send"), 0) for table in ("sent", "calls")}
+    for rank, (cost, _) in enumerate(measured["p2 d2"]):
+        got = {table: getattr(cost, table).get(("p", "send"), 0) for table in ("sent", "calls")}
+        assert got == want, (f"p2 d2, rank {rank}: module 11's StageComms sent {got} over p (bytes, calls: m = {M} "
+                             f"microbatches, one message each), the plan says {want}: does axes_cost add "
+                             "pipeline_sends?")
 
 
 @pytest.mark.exercises("data_cost", "axes_cost")
