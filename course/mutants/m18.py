@@ -20,8 +20,10 @@ PLANTS = [
     Plant(COSTS, "\n        values = cost.memory[\"parameters\"] // b",
           "\n        values = (cost.memory[\"parameters\"] + cost.memory[\"buffers\"]) // b",
           "with ZeRO 3 the optimizer sized on the gathered slices: a rank updates only its shard"),
-    Plant(COSTS, " + fsdp_memory(cfg, sizes, dtype, cfg.n_layers) + replicated_cost(cfg, layout, precision))",
-          " + fsdp_memory(cfg, sizes, dtype, cfg.n_layers))",
+    Plant(COSTS, "cost = (only(fsdp_traffic(cfg, sizes, dtype, cfg.n_layers) + whole, \"dc\", n, axis)\n"
+                 "                + fsdp_memory(cfg, sizes, dtype, cfg.n_layers) + StepCost(memory=whole.memory))",
+          "cost = (only(fsdp_traffic(cfg, sizes, dtype, cfg.n_layers), \"dc\", n, axis)\n"
+          "                + fsdp_memory(cfg, sizes, dtype, cfg.n_layers))",
           "ZeRO 3 without the replicated embedding, LM head and final norm, and their all-reduce over d c"),
     Plant(COSTS, "cost = (only(tp_traffic(seq, {\"t\": t}, batch // d, dtype, m, sequence_parallel=True)",
           "cost = (only(tp_traffic(seq, {\"t\": t}, batch, dtype, m, sequence_parallel=True)",
