@@ -42,7 +42,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--schedule", default=None, help="pin the pipeline schedule (module 11's names)")
     p.add_argument("--microbatches", type=int, default=None, help="pin m, microbatches a step")
     p.add_argument("--recompute", default=None, help="pin module 10's recompute option")
-    p.add_argument("--cp", default=None, help="pin module 15's context variant: zigzag, allgather or ulysses")
+    p.add_argument("--cp", default=None, help="pin module 15's context variant: zigzag (ring is planned as zigzag), allgather or ulysses")
     p.add_argument("--fp8", choices=("off", "on", "both"), default="off", help="FP8 linears: off (default), on, both")
     p.add_argument("--precision", choices=("mixed", "course"), default="mixed",
                    help="mixed: bf16 with a float32 master copy and moments (default); course: float32, the modules' runs")
@@ -162,6 +162,8 @@ def check(args):
                         ("cp", ("ring",) + layout.CONTEXT_VARIANTS), ("zero", layout.ZERO_STAGES)):
         if name in fixed and fixed[name] not in known:
             raise ValueError(f"--{name} {fixed[name]!r} is not one of {', '.join(map(str, known))}")
+    if fixed.get("cp") == "ring":   # module 15's zigzag is its ring with the causal work balanced: the same bytes
+        fixed["cp"] = "zigzag"
     if not reference("m18_search").candidates(model, args.gpus, batch, gpu, fixed):
         raise ValueError(cannot_factor(model, args.gpus, batch, gpu, fixed))
     return model, gpu, batch, fixed
@@ -229,6 +231,8 @@ def main(argv: list[str]) -> None:
     from course.impl import load
     from course.launch import failures_explained
 
+    if args.cp == "ring":
+        print("--cp ring: planned as zigzag (module 15's ring with the causal work balanced: the same bytes, less idle)")
     with failures_explained("18", args.impl):
         search = load("m18_search")
         layout, step_time = load("m18_layout"), load("m18_step_time")

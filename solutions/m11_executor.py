@@ -21,7 +21,6 @@ pipeline's group (course/mesh.py's `Group`): every rank of the job, or one axis 
 StageComms turns a place into the global rank a message goes to.
 """
 import torch
-import torch.distributed as dist
 
 from course.mesh import Group
 from course.validate import validate
@@ -54,8 +53,10 @@ class StageComms:
     send(tensor, "act", stage, i) sends stage `stage`'s input for microbatch i to the rank that holds
     it; recv("act", stage, i, shape) receives it there. "grad" is the gradient of stage `stage`'s
     output, sent back by stage + 1. Each message has its own tag, so the receiver gets the one it
-    asks for whatever else is in flight. Built on module 02's non-blocking send (dist.isend), on
-    gloo: nccl ignores tags and matches messages by their order alone.
+    asks for whatever else is in flight. Built on module 02's non-blocking send and receive, through the
+    group's collectives (course/collectives.py: its isend and irecv name the peer by its place in the group and
+    log each message under the group's axis, so a benchmark can count the pipeline's bytes), on gloo: nccl
+    ignores tags and matches messages by their order alone.
 
     `order`, this rank's list of actions, tells which messages it will receive and when: each recv
     first posts the next RECEIVES_AHEAD of them (with its own shape: every message of this pipeline
@@ -76,6 +77,11 @@ class StageComms:
     def tag(self, message: str, stage: int, microbatch: int) -> int:
         return (MESSAGES.index(message) * len(self.placement) + stage) * self.n_microbatches + microbatch
 
+    @staticmethod
+    def label(message: str, stage: int, microbatch: int) -> str:
+        """What the collectives log calls the message."""
+        return f"{message} stage {stage} microbatch {microbatch}"
+
     def send(self, tensor: torch.Tensor, message: str, stage: int, microbatch: int):
         """Start sending `message` for `stage` (its input: "act"; its output's gradient: "grad");
         return the handle to wait on before the step ends."""
@@ -84,7 +90,8 @@ class StageComms:
         if peer == self.pp.index:
             self.local[(message, stage, microbatch)] = tensor
             return _Delivered()
-        return dist.isend(tensor.contiguous(), self.pp.ranks[peer], tag=self.tag(message, stage, microbatch))
+        return self.pp.collectives.isend(tensor, peer, self.label(message, stage, microbatch),
+                                         tag=self.tag(message, stage, microbatch))
 
     def recv(self, message: str, stage: int, microbatch: int, shape) -> torch.Tensor:
         """Wait for `message` for `stage` and microbatch; it comes from the stage before ("act") or after ("grad")."""
@@ -104,8 +111,9 @@ class StageComms:
         """Start receiving message `key` into a new buffer; return (buffer, handle)."""
         message, stage, microbatch = key
         buffer = torch.empty(shape, dtype=self.dtype, device=self.device)
-        peer = self.pp.ranks[self.placement[self._sender(message, stage)]]
-        return buffer, dist.irecv(buffer, peer, tag=self.tag(message, stage, microbatch))
+        peer = self.placement[self._sender(message, stage)]
+        return buffer, self.pp.collectives.irecv(buffer, peer, self.label(message, stage, microbatch),
+                                                 tag=self.tag(message, stage, microbatch))
 
     def _remote_receives(self, action: Action):
         """[the key of the message `action` receives from another rank], or [] if it receives none from one."""

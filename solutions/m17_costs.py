@@ -15,6 +15,9 @@ reduce-scatter of each microbatch's gradient, costs 2 m gathers and m reduce-sca
 m microbatches in flight in a pipeline the weights would travel 2 m times instead of once. The price
 of gathering once: the stage's whole slices and their whole gradients live for the step (`buffers`),
 P_t' (b + s) a block, where module 07 keeps two blocks at a time.
+
+The weights outside the blocks (the embedding, the LM head and the final norm) are not sharded: every
+rank of "dc" holds them whole and sums their gradients with one all-reduce a step (replicated_cost).
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ import torch
 from course.costs import StepCost
 from .m06_llama_block import LlamaConfig
 from .m12_tp_linear import grad_dtype
+from .m12_vocab_parallel import padded_vocab_size
 
 
 def slice_numel(cfg: LlamaConfig, t: int) -> int:
@@ -61,3 +65,14 @@ def fsdp_memory(cfg: LlamaConfig, sizes: dict[str, int], dtype: torch.dtype, n_b
     b, s = dtype.itemsize, grad_dtype(dtype).itemsize
     return StepCost(memory={"parameters": n_blocks * padded // n * b, "gradients": n_blocks * padded // n * s,
                             "buffers": n_blocks * padded * (b + s)})
+
+
+def replicated_cost(cfg: LlamaConfig, sizes: dict[str, int], dtype: torch.dtype) -> StepCost:
+    """The weights every rank of "dc" holds whole (given): the embedding's and the LM head's V'/t vocabulary
+    rows and the final norm, kept in b bytes with gradients in s bytes, and summed by one all-reduce over the
+    n = d c ranks a step (m17_trainer's finish_gradients, "replicated grads": 2 (n - 1)/n of the gradients)."""
+    n, t = sizes.get("d", 1) * sizes.get("c", 1), sizes.get("t", 1)
+    values = 2 * padded_vocab_size(cfg.vocab_size, t) // t * cfg.dim + cfg.dim
+    b, s = dtype.itemsize, grad_dtype(dtype).itemsize
+    return StepCost({("dc", "all_reduce"): 2 * (n - 1) / n * values * s}, {("dc", "all_reduce"): 1},
+                    {"parameters": values * b, "gradients": values * s})

@@ -21,7 +21,7 @@ experts over e, and the weights over the d c ranks that hold the same copy:
                        formula reads a real run's routing; the planner has none, so it gives it the
                        balanced one (evenly spread is what the balancing losses aim at)
     p                  `pipeline_sends`: the residual stream of each microbatch to the next stage and
-                       its gradient back
+                       its gradient back (module 11's StageComms, logged over "p"), on the busiest rank
     activations        module 10's bytes by name, for the rank's B/(d m) sequences of T/c positions,
                        every name split over t (sequence parallelism keeps the stream's T/t
                        positions): the names the recompute option keeps; n1, n2 and s as e4m3 with
@@ -46,16 +46,13 @@ import torch
 
 from course.costs import StepCost
 from course.simulate import peak_live
-from .m06_llama_block import LlamaConfig
 from .m10_recompute import ABS_MAXES, DROPPED, LINEAR_INPUTS, activation_bytes as layer_activation_bytes
 from .m11_generators import make_schedule
 from .m12_tp_costs import tp_traffic
-from .m12_tp_linear import grad_dtype
-from .m12_vocab_parallel import padded_vocab_size
 from .m14_costs import state as zero_state, traffic as zero_traffic
 from .m15_costs import attention_buffer_bytes, cp_traffic
 from .m16_costs import state_bytes as moe_state, step_cost as moe_step_cost
-from .m17_costs import fsdp_memory, fsdp_traffic
+from .m17_costs import fsdp_memory, fsdp_traffic, replicated_cost
 from .m18_layout import (Layout, Precision, attention_view, bucket_numels, data_axis, rank_parameters,
                          sequence_config, stage_config, stages_per_rank)
 from .m18_presets import Model
@@ -103,16 +100,26 @@ def exchange_cost(model: Model, layout: Layout, batch: int, precision: Precision
 
 
 def pipeline_sends(model: Model, layout: Layout, batch: int, precision: Precision) -> StepCost:
-    """What a pipeline rank sends its neighbours in one step (over "p"): for each microbatch and each
-    of its v stages, the stage's output on and its input's gradient back, each the stream's share
-    of one rank: B/(d m) sequences of T/c positions of M/t values (module 13's stream x[B/d T M/t]),
-    b bytes each. 2 v m sends: an upper bound (the first stage sends no gradient back, the last no
-    output on, and a V's turn stays on its rank). Not measured by any module yet."""
+    """What the busiest pipeline rank sends its neighbours in one step (over "p"), as module 11's StageComms
+    sends it: for each microbatch, each of its stages' output to the next stage and its input's gradient
+    back to the one before, when that stage is on another rank (the first stage sends no gradient back,
+    the last no output on, a V's turn stays on its rank); each message the stream's share of one rank:
+    B/(d m) sequences of T/c positions of M/t values (module 13's stream x[B/d T M/t]), b bytes each."""
     if layout.p == 1:
         return StepCost()
-    cfg, n = model.cfg, 2 * stages_per_rank(layout) * layout.m
+    cfg, n = model.cfg, layout.m * _busiest_sends(layout.schedule, layout.p, min(layout.m, 2 * layout.p))
     activation = batch // (layout.d * layout.m) * (cfg.max_seq_len // layout.c) * (cfg.dim // layout.t)
     return StepCost({("p", "send"): n * activation * precision.dtype.itemsize}, {("p", "send"): n})
+
+
+@functools.lru_cache(maxsize=64)
+def _busiest_sends(schedule: str, p: int, m: int) -> int:
+    """The most messages one rank sends per microbatch: its stages' neighbours on other ranks (2 v on a
+    middle rank of a loop, 2 v - 1 on the first and last, 2 on a V's ends, 1 each on 2 ranks of one stage)."""
+    placement = make_schedule(schedule, p, m).placement
+    last = len(placement) - 1
+    return max(sum((s < last and placement[s + 1] != rank) + (s > 0 and placement[s - 1] != rank)
+                   for s, place in enumerate(placement) if place == rank) for rank in range(p))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -169,19 +176,6 @@ def buffer_bytes(model: Model, layout: Layout, batch: int, precision: Precision)
     return kept
 
 
-def replicated_cost(cfg: LlamaConfig, layout: Layout, precision: Precision) -> StepCost:
-    """The weights every rank of "dc" holds whole with ZeRO 3 (given): the embedding's and the LM head's
-    V'/t vocabulary rows and the final norm, kept in b bytes with gradients in s bytes, and summed by
-    one all-reduce over the n = d c ranks a step (module 17's finish_gradients: 2 (n - 1)/n of the
-    gradients). No module has a formula for it yet; module 17's log measures it."""
-    n, axis = layout.d * layout.c, data_axis(layout)
-    values = 2 * padded_vocab_size(cfg.vocab_size, layout.t) // layout.t * cfg.dim + cfg.dim
-    s = grad_dtype(precision.dtype).itemsize
-    sent = {} if n == 1 else {(axis, "all_reduce"): 2 * (n - 1) / n * values * s}
-    return StepCost(sent, {key: 1 for key in sent},
-                    {"parameters": values * precision.dtype.itemsize, "gradients": values * s})
-
-
 def data_cost(model: Model, layout: Layout, batch: int, precision: Precision) -> StepCost:
     """The weights' part of one step on one rank: the collectives that sum (and, with ZeRO, gather)
     them over the ranks that hold the same weights, and the parameters, gradients and optimizer
@@ -192,9 +186,11 @@ def data_cost(model: Model, layout: Layout, batch: int, precision: Precision) ->
     # Contract: a StepCost with sent/calls over the data axis (`axis`: "d", or "dc" when c > 1; "ed" for the experts)
     #   and memory "parameters", "gradients", "optimizer" (and with ZeRO 3 "buffers") of this rank. ZeRO 3: module
     #   17's fsdp_traffic (its "dc" entries, renamed `axis`) and fsdp_memory for the rank's cfg.n_layers blocks on
-    #   the mesh {"d": d, "c": c, "t": t}, plus replicated_cost. ZeRO 0-2: module 14's traffic (zero_traffic) and
-    #   state (zero_state) on bucket_numels of the dense weights of rank_parameters over the n = d c ranks, and of
-    #   the experts (if any) over the n / e ranks of "ed". Optimizer: AdamW's two moments of every value the rank
+    #   the mesh {"d": d, "c": c, "t": t}, plus module 17's replicated_cost (the embedding, the LM head and the final
+    #   norm, held whole: its "dc" all-reduce renamed `axis` too, and its memory). ZeRO 0-2: module 14's traffic
+    #   (zero_traffic, given the m microbatches: ZeRO 2 reduce-scatters each microbatch's gradients) and state
+    #   (zero_state) on bucket_numels of the dense weights of rank_parameters over the n = d c ranks, and of the
+    #   experts (if any) over the n / e ranks of "ed". Optimizer: AdamW's two moments of every value the rank
     #   updates; with precision.master (AdamW in float32 with a float32 master copy) 12 bytes a value updated.
     # Maths: every weight's gradient is summed over the ranks that hold that weight: with context parallelism the c
     #   ranks of a sequence hold the same weights as the d ranks (module 15 and 17 sum over "dc"). The tests compare
@@ -205,12 +201,12 @@ def data_cost(model: Model, layout: Layout, batch: int, precision: Precision) ->
     #   summed over "ed", not over all the d c ranks.
     # Hint 1: two branches (zero 3, or not); in the second, a loop over (dense, axis, n) and (experts, "ed", n / e).
     #   Then the optimizer, from the values updated.
-    # Hint 2: only(fsdp_traffic(cfg, sizes, dtype, cfg.n_layers), "dc", n, axis) + fsdp_memory(...) + replicated_cost(
-    #         cfg, layout, precision); buckets = bucket_numels(tuple(numels), dtype); zero_traffic(buckets, b, size,
-    #         zero, m, axis=group); zero_state(buckets, b, size, zero); values updated = the formula's optimizer
-    #         bytes / (2 b) with ZeRO 0-2 (two moments), the parameters' bytes / b with ZeRO 3 (the rank updates what
-    #         it keeps).
-    # Hint 3: if zero == 3: cost = only(...) + fsdp_memory(...) + replicated_cost(...)
+    # Hint 2: whole = replicated_cost(cfg, sizes, dtype); only(fsdp_traffic(cfg, sizes, dtype, cfg.n_layers) + whole,
+    #         "dc", n, axis) + fsdp_memory(...) + StepCost(memory=whole.memory); buckets = bucket_numels(tuple(numels),
+    #         dtype); zero_traffic(buckets, b, size, zero, m, axis=group); zero_state(buckets, b, size, zero); values
+    #         updated = the formula's optimizer bytes / (2 b) with ZeRO 0-2 (two moments), the parameters' bytes / b
+    #         with ZeRO 3 (the rank updates what it keeps).
+    # Hint 3: if zero == 3: whole = ...; cost = only(... + whole, ...) + fsdp_memory(...) + StepCost(memory=...)
     #             values = cost.memory["parameters"] // b
     #         else: for each (numels, group, size) with numels: buckets = ...; cost += only(zero_traffic(...), group,
     #             size) + zero_state(buckets, b, size, zero); values += zero_state(...).memory["optimizer"] // (2 b)
@@ -218,8 +214,9 @@ def data_cost(model: Model, layout: Layout, batch: int, precision: Precision) ->
     b = dtype.itemsize
     if layout.zero == 3:
         sizes = {"d": layout.d, "c": layout.c, "t": layout.t}
-        cost = (only(fsdp_traffic(cfg, sizes, dtype, cfg.n_layers), "dc", n, axis)
-                + fsdp_memory(cfg, sizes, dtype, cfg.n_layers) + replicated_cost(cfg, layout, precision))
+        whole = replicated_cost(cfg, sizes, dtype)
+        cost = (only(fsdp_traffic(cfg, sizes, dtype, cfg.n_layers) + whole, "dc", n, axis)
+                + fsdp_memory(cfg, sizes, dtype, cfg.n_layers) + StepCost(memory=whole.memory))
         values = cost.memory["parameters"] // b
     else:
         dense, experts = rank_parameters(model, layout)
@@ -248,7 +245,8 @@ def axes_cost(model: Model, layout: Layout, batch: int, precision: Precision) ->
     #   c: module 15's cp_traffic's "c" entries for attention_view(stage, t) (H/t and K/t heads), the global batch B
     #      of T-token sequences, c, layout.cp, d and m;
     #   e (an MoE model only): module 16's step_cost's "e" entries for a step of balanced routing (exchange_cost);
-    #   p: pipeline_sends(model, layout, batch, precision).
+    #   p: pipeline_sends(model, layout, batch, precision) (what the busiest rank sends, message by message, as
+    #      module 11's StageComms logs it).
     # Maths: each formula counts a whole model on its own mesh; the other axes hand it a smaller model (fewer blocks,
     #   shorter sequences, fewer heads) and fewer sequences. The tests compare with module 17's composed run and with
     #   modules 12, 15 and 16's formulas on their own meshes, to the byte and the call.
@@ -280,13 +278,15 @@ def activation_bytes(model: Model, layout: Layout, batch: int, precision: Precis
     #   live_stages(layout). One block keeps, of `by_name` (module 10's fourteen tensors for this rank's rows and
     #   positions, whole), the names its recompute option does not drop (module 10's DROPPED), each divided by t
     #   (with sequence parallelism the stream's names are kept for T/t positions, the others for H/t heads or F/t
-    #   units); with fp8, n1, n2 and s (module 10's LINEAR_INPUTS) as e4m3: one byte a value plus a 4-byte scale,
-    #   and the block's abs-maxes (ABS_MAXES, 4 bytes each) whatever the option.
+    #   units); with fp8, n1, n2 and s (module 10's LINEAR_INPUTS) as e4m3: one byte a value of the rank's share plus
+    #   a 4-byte scale that every rank keeps for its own share (the scale is per rank: not divided by t), and the
+    #   block's abs-maxes (ABS_MAXES, 4 bytes each) whatever the option.
     # Maths: module 10's kept_bytes with a t split and a count of live microbatches. The tests compare with the
     #   stores of real blocks (module 10's for every option, with and without fp8; module 12's with sequence
     #   parallelism), and with hand counts of the schedules' live microbatches.
     # Pitfalls: ignoring the recompute option (every option would cost the same memory); a byte count for fp8 that
-    #   forgets the scale or the abs-maxes; the activations of one microbatch when a pipeline keeps several.
+    #   forgets the scale or the abs-maxes, or splits the scale over t; the activations of one microbatch when a
+    #   pipeline keeps several; ⌈L/p⌉ blocks a stage when a rank holds v stages (layers_per_stage: ⌈L/(p v)⌉).
     # Hint 1: a loop over by_name with three rules, then two multiplications.
     # Hint 2: name in DROPPED[layout.recompute]; size // t; fp8 and name in LINEAR_INPUTS: size // dtype.itemsize + 4;
     #         fp8: + 4 len(ABS_MAXES) per block.

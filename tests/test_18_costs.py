@@ -5,11 +5,11 @@ papers wrote down.
   tiny model for two steps on three 4-rank meshes; the collectives log of its last step (course/costs.py's
   measured_cost) and the tensors each rank holds are the measurement. The plan of the same layout
   must equal it on every axis, to the byte and the call, and on the parameters, gradients and whole
-  slices each rank holds. Two exceptions, both stated: the pipeline's sends are not logged (module
-  11's StageComms sends with dist.isend), and the norm gradients' all-reduce over t carries the norm
-  entries of the rank's own FSDP shard, so it differs from rank to rank: the plan counts them all,
-  which is the most any rank sends (the rank that holds the blocks' norms). With p > 1 the plan
-  counts the embedding and the LM head on every stage, so it is an upper bound there.
+  slices each rank holds, the pipeline's sends included (module 11's StageComms logs them over "p").
+  One exception, stated: the norm gradients' all-reduce over t carries the norm entries of the rank's
+  own FSDP shard, so it differs from rank to rank: the plan counts them all, which is the most any rank
+  sends (the rank that holds the blocks' norms). With p > 1 the plan counts the embedding and the LM
+  head on every stage, so it is an upper bound there.
 - The Ultra-Scale Playbook's memory per GPU for mixed precision (2 Ψ parameters, 2 Ψ gradients,
   12 Ψ of AdamW with the float32 master copy; ZeRO-1 divides the 12 Ψ by N_d, ZeRO-2 the gradients
   too), on a model whose Ψ is counted here by hand.
@@ -19,6 +19,8 @@ papers wrote down.
 
 from types import SimpleNamespace
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -26,6 +28,7 @@ from course.costs import StepCost, measured_cost
 from course.impl import load, reference
 from course.launch import run_ranks
 from course.mesh import init_mesh
+from course.simulate import peak_live
 
 costs = load("m18_costs")
 layouts = reference("m18_layout")     # given: Layout, precisions
@@ -35,6 +38,8 @@ m17_given = reference("m17_composition")
 m06 = reference("m06_llama_model")
 m10 = reference("m10_recompute")
 m12 = reference("m12_tp_costs")
+m14 = reference("m14_costs")
+m15 = reference("m15_costs")
 
 CFG = m17_given.CONFIG                # dim 32, 8 / 4 heads of 4, FFN 64, 4 blocks, T = 16, V = 256
 TINY = presets.Model("tiny", CFG, batch=8)
@@ -116,6 +121,18 @@ def test_the_plan_equals_what_module_17s_run_measured(measured, name):
                                                        f"{kind}, the plan says {plan.memory.get(kind, 0)}")
 
 
+@pytest.mark.exercises("axes_cost")
+def test_the_plans_pipeline_sends_equal_what_module_17s_run_measured(measured):
+    sizes = MESHES["p2 d2"]
+    plan = planned(sizes)
+    want = {table: getattr(plan, table).get(("p", "send"), 0) for table in ("sent", "calls")}
+    for rank, (cost, _) in enumerate(measured["p2 d2"]):
+        got = {table: getattr(cost, table).get(("p", "send"), 0) for table in ("sent", "calls")}
+        assert got == want, (f"p2 d2, rank {rank}: module 11's StageComms sent {got} over p (bytes, calls: m = {M} "
+                             f"microbatches, one message each), the plan says {want}: does axes_cost add "
+                             "pipeline_sends?")
+
+
 @pytest.mark.exercises("data_cost", "axes_cost")
 def test_with_a_pipeline_the_plan_bounds_every_stage_from_above(measured):
     sizes = MESHES["p2 d2"]
@@ -168,6 +185,39 @@ def test_with_context_parallelism_the_weights_are_summed_over_d_and_c():
     assert axes == {"dc"}, f"d = 2, c = 2: the gradients are summed over the 4 ranks of 'dc', the plan uses {axes}"
 
 
+def module_14s_traffic(numels, d, zero, axis):
+    """Module 14's bytes and calls of a step of M microbatches on d ranks, for weights of these sizes in float32
+    in module 14's buckets (given code: the layout module's bucket_numels)."""
+    return m14.traffic(layouts.bucket_numels(tuple(numels), torch.float32), 4, d, zero, M, axis=axis)
+
+
+@pytest.mark.exercises("data_cost")
+def test_zero2_reduce_scatters_the_gradients_of_every_microbatch():
+    layout = Layout(d=4, zero=2, m=M)
+    dense, _ = layouts.rank_parameters(TINY, layout)
+    want = module_14s_traffic(dense, 4, 2, "d")
+    got = costs.data_cost(TINY, layout, BATCH, layouts.COURSE)
+    assert (got.sent, got.calls) == (want.sent, want.calls), (
+        f"ZeRO-2 on d = 4 with m = {M}: module 14 reduce-scatters each microbatch's gradients ({want.calls}, "
+        f"{want.sent} bytes), the plan says {got.calls}, {got.sent}: does data_cost give zero_traffic the m "
+        "microbatches?")
+
+
+@pytest.mark.exercises("data_cost")
+@pytest.mark.parametrize("zero", [0, 1])
+def test_an_moe_models_experts_are_summed_over_the_d_c_over_e_ranks_of_ed(zero):
+    moe = reference("m16_router").MoEConfig(n_experts=4, top_k=2, expert_dim=16)
+    model = presets.Model("tiny MoE", CFG, moe, batch=8)
+    layout = Layout(d=4, e=2, m=M, zero=zero)       # "ed": the d / e = 2 ranks that hold the same experts
+    _, experts = layouts.rank_parameters(model, layout)
+    want = module_14s_traffic(experts, 2, zero, "ed")
+    got = costs.data_cost(model, layout, BATCH, layouts.COURSE)
+    got_ed = ({k: v for k, v in got.sent.items() if k[0] == "ed"}, {k: v for k, v in got.calls.items() if k[0] == "ed"})
+    assert got_ed == (want.sent, want.calls), (
+        f"ZeRO-{zero}, E = 4 experts on e = 2, d = 4: each expert is held by d / e = 2 ranks of 'ed', module 14's "
+        f"traffic over them is {want.sent}, the plan says {got_ed[0]}")
+
+
 OPTIONS = m10.OPTIONS
 
 
@@ -189,6 +239,29 @@ def test_with_sequence_parallelism_every_activation_is_split_over_t():
     want = CFG.n_layers * sum(m12.tp_activations_by_name(CFG, {"t": 2}, BATCH // 2, torch.float32, M,
                                                          sequence_parallel=True).values())
     assert got == want, f"t = 2 with sequence parallelism: module 12's block keeps {want}, the plan says {got}"
+
+
+@pytest.mark.exercises("activation_bytes")
+def test_with_fp8_and_t_2_every_rank_keeps_its_own_scale():
+    by_name = m12.tp_activations_by_name(CFG, {"t": 2}, BATCH // 2, torch.float32, M, sequence_parallel=True)
+    # module 10's fp8 rule on each rank's share: n1, n2 and s as e4m3 (a byte a value) and one float32 scale for the
+    # share (each rank scales what it holds), the block's float32 abs-maxes
+    block = sum(size // 4 + 4 if name in m10.LINEAR_INPUTS else size for name, size in by_name.items())
+    want = CFG.n_layers * (block + 4 * len(m10.ABS_MAXES))
+    got = costs.activation_bytes(TINY, Layout(d=2, t=2, m=M, fp8=True), BATCH, layouts.COURSE)
+    assert got == want, (f"fp8 with t = 2: each rank keeps its share of n1, n2 and s in e4m3 and a 4-byte scale of "
+                         f"its own ({want} bytes), the plan says {got}")
+
+
+@pytest.mark.exercises("activation_bytes")
+def test_interleaved_stages_hold_L_over_p_v_blocks():
+    one = costs.activation_bytes(TINY, Layout(d=1, m=4), BATCH, layouts.COURSE) // CFG.n_layers
+    order = reference("m11_generators").make_schedule("interleaved", 2, 4)
+    live = max(peak_live(rank_order) for rank_order in order.orders)   # (stage, microbatch) pairs kept at once
+    got = costs.activation_bytes(TINY, Layout(p=2, m=4, schedule="interleaved"), BATCH, layouts.COURSE)
+    want = one * (CFG.n_layers // 4) * live
+    assert got == want, (f"interleaved on p = 2 (v = 2): a stage holds L/(p v) = 1 block and a rank keeps {live} "
+                         f"stage-microbatches at its peak ({want} bytes), the plan says {got}")
 
 
 @pytest.mark.exercises("activation_bytes")
@@ -215,3 +288,17 @@ def test_the_expert_exchange_is_module_16s_formula_on_a_step_of_evenly_spread_ro
     want = {key: value for key, value in formula.sent.items() if key[0] == "e"}
     got = {key: value for key, value in costs.axes_cost(model, layout, BATCH, layouts.COURSE).sent.items()}
     assert got == want, f"E = 4, e = 2, d = 4: module 16's exchange over {CFG.n_layers * M} records is {want}, got {got}"
+
+
+@pytest.mark.exercises("axes_cost")
+def test_context_attention_is_costed_on_a_tensor_ranks_heads():
+    layout = Layout(d=2, c=2, t=2, m=M, cp="zigzag")
+    t = 2   # a tensor rank's attention: H/t query and K/t key/value heads, written out by hand
+    heads = dataclasses.replace(CFG, dim=CFG.n_heads // t * CFG.head_dim, n_heads=CFG.n_heads // t,
+                                n_kv_heads=CFG.n_kv_heads // t, ffn_dim=CFG.ffn_dim // t)
+    formula = m15.cp_traffic(heads, BATCH, CFG.max_seq_len, torch.float32, 2, "zigzag", 2, M)
+    want = {key: value for key, value in formula.sent.items() if key[0] == "c"}
+    got = {key: value for key, value in costs.axes_cost(TINY, layout, BATCH, layouts.COURSE).sent.items()
+           if key[0] == "c"}
+    assert got == want, (f"c = 2 on t = 2: module 15's formula for the {heads.n_heads} query and {heads.n_kv_heads} "
+                         f"key/value heads of a tensor rank sends {want}, the plan says {got}")

@@ -7,6 +7,7 @@ their own tests), kept if its memory is at most (1 - RESERVE) of the GPU's, the 
 family of layouts that differ only in the recompute option, ranked by step time then memory.
 """
 import dataclasses
+import math
 
 import pytest
 
@@ -71,6 +72,22 @@ def test_of_a_family_the_plan_keeps_the_fastest_recompute_option_that_fits():
     got = [planned.layout.recompute for planned in plan.fits]
     assert got == ["attention"], (f"of ffn, attention and block (all fit), attention recomputes the fewest FLOPs; "
                                   f"the plan keeps {got}")
+
+
+@pytest.mark.exercises("search")
+def test_a_layout_whose_memory_equals_the_budget_fits():
+    fixed = {"p": 1, "d": 8, "c": 1, "t": 1, "zero": 1, "m": 1, "recompute": "none", "fp8": False}
+    (layout,) = given.candidates(TINY, 8, 8, tiny_gpu(1e9), fixed)
+    memory = sum(costs.rank_cost(TINY, layout, 8, layouts.MIXED).memory.values())
+    size = memory / (1 - given.RESERVE)
+    for size in (size, math.nextafter(size, 0), math.nextafter(size, math.inf)):   # the float whose budget is exact
+        if (1 - given.RESERVE) * size == memory:
+            break
+    assert (1 - given.RESERVE) * size == memory
+    plan = search.search(TINY, 8, 8, tiny_gpu(size), layouts.MIXED, TIME, fixed)
+    assert [p.layout.recompute for p in plan.fits] == ["none"], (
+        f"{layout} keeps {memory} bytes, exactly the budget: it fits (memory at most the budget), the plan keeps "
+        f"{len(plan.fits)} layouts")
 
 
 @pytest.mark.exercises("search")

@@ -73,3 +73,17 @@ def test_an_axis_within_a_node_runs_at_nvlinks_bandwidth_and_a_long_weight_traff
     assert got.comm["t"] == pytest.approx(tau_t, rel=1e-12), f"t over NVLink: {tau_t} s, got {got.comm['t']}"
     assert got.step == pytest.approx(tau_d, rel=1e-12), f"step: the d traffic's {tau_d} s, got {got.step}"
     assert got.bubble == 0.0
+
+
+@pytest.mark.exercises("step_time")
+def test_context_attentions_traffic_is_exposed():
+    layout = Layout(d=16, c=4)            # c groups within a node, d across
+    cost = StepCost({("c", "send"): 2e10, ("dc", "all_reduce"): 1e8}, {("c", "send"): 96, ("dc", "all_reduce"): 4})
+    got = predicted(layout, cost)
+    compute = given.compute_time(MODEL, layout, 512, GPU, TIME)
+    tau_c = 96 * TIME.latency_intra + 2e10 / (GPU.intra * TIME.link_efficiency)
+    tau_dc = 4 * TIME.latency_inter + 1e8 / (GPU.inter * TIME.link_efficiency)
+    assert tau_dc < compute   # the case under test: the weights' traffic hides, the step is the compute and c's
+    assert got.step == pytest.approx(compute + tau_c, rel=1e-12), (
+        f"c's ring runs inside the attention, on the critical path: step = compute + τ_c = {compute + tau_c} s, "
+        f"got {got.step} s")

@@ -20,8 +20,10 @@ PLANTS = [
     Plant(COSTS, "\n        values = cost.memory[\"parameters\"] // b",
           "\n        values = (cost.memory[\"parameters\"] + cost.memory[\"buffers\"]) // b",
           "with ZeRO 3 the optimizer sized on the gathered slices: a rank updates only its shard"),
-    Plant(COSTS, " + fsdp_memory(cfg, sizes, dtype, cfg.n_layers) + replicated_cost(cfg, layout, precision))",
-          " + fsdp_memory(cfg, sizes, dtype, cfg.n_layers))",
+    Plant(COSTS, "cost = (only(fsdp_traffic(cfg, sizes, dtype, cfg.n_layers) + whole, \"dc\", n, axis)\n"
+                 "                + fsdp_memory(cfg, sizes, dtype, cfg.n_layers) + StepCost(memory=whole.memory))",
+          "cost = (only(fsdp_traffic(cfg, sizes, dtype, cfg.n_layers), \"dc\", n, axis)\n"
+          "                + fsdp_memory(cfg, sizes, dtype, cfg.n_layers))",
           "ZeRO 3 without the replicated embedding, LM head and final norm, and their all-reduce over d c"),
     Plant(COSTS, "cost = (only(tp_traffic(seq, {\"t\": t}, batch // d, dtype, m, sequence_parallel=True)",
           "cost = (only(tp_traffic(seq, {\"t\": t}, batch, dtype, m, sequence_parallel=True)",
@@ -51,4 +53,29 @@ PLANTS = [
     Plant(SEARCH, "            if closest is None or planned.memory < closest.memory:",
           "            if closest is None:",
           "the first miss reported as the closest, not the one that keeps the least"),
+    # A learner run's survivors (B3, D1, E1) and the bugs only the brute-force comparison caught: each now has a
+    # direct check that names its TODO.
+    Plant(COSTS, "(experts, \"ed\", n // layout.e)):", "(experts, \"ed\", n)):",
+          "the experts summed over all d c ranks of \"ed\": each expert is held by d c / e of them"),
+    Plant(SEARCH, "        if planned.memory > budget:\n", "        if planned.memory >= budget:\n",
+          "a layout whose memory equals the budget exactly counted as not fitting"),
+    Plant(COSTS, "        size //= layout.t\n        if layout.fp8 and name in LINEAR_INPUTS:\n"
+                 "            size = size // dtype.itemsize + 4\n",
+          "        if layout.fp8 and name in LINEAR_INPUTS:\n            size = size // dtype.itemsize + 4\n"
+          "        size //= layout.t\n",
+          "fp8's scale split over t with the values: each rank keeps a scale of its own"),
+    Plant(TIME, "    busy = compute + sum(comm.get(axis, 0.0) for axis in EXPOSED_AXES)",
+          "    busy = compute + sum(comm.get(axis, 0.0) for axis in (\"t\", \"e\", \"p\"))",
+          "context attention's traffic left out of the step: its ring runs inside the attention"),
+    Plant(COSTS, "\n    return cost + pipeline_sends(model, layout, batch, precision)\n",
+          "\n    return cost\n",
+          "the pipeline's sends left out of the plan"),
+    Plant(COSTS, "zero_traffic(buckets, b, size, layout.zero, m, axis=group)",
+          "zero_traffic(buckets, b, size, layout.zero, axis=group)",
+          "ZeRO-2's gradients reduce-scattered once a step, not once a microbatch (m not given to zero_traffic)"),
+    Plant(COSTS, "\n    return block * layers_per_stage(model, layout) * live_stages(layout)",
+          "\n    return block * -(-model.cfg.n_layers // layout.p) * live_stages(layout)",
+          "⌈L/p⌉ blocks a stage with v stages a rank (interleaved: ⌈L/(p v)⌉)"),
+    Plant(COSTS, "only(cp_traffic(attention_view(stage, t), batch,", "only(cp_traffic(stage, batch,",
+          "context attention costed on all H and K heads, not a tensor rank's H/t and K/t"),
 ]
