@@ -29,8 +29,11 @@ from .m17_composition import Groups
 from .m17_stage import LlamaStage
 
 
-def check_moe_mesh(sizes: dict[str, int], moe: MoEConfig, recompute: bool = False):
+def check_moe_mesh(sizes: dict[str, int], moe: MoEConfig, recompute: bool = False, fp8: bool = False):
     """One line for a mesh (or an option) the MoE stage cannot run with (given)."""
+    if fp8:
+        raise ValueError("the MoE model runs in high precision (module 16's experts take no matmul policy); "
+                         "drop --fp8 or --experts")
     if recompute:
         raise ValueError("the MoE model runs without recompute (its forward's routing records would count twice); "
                          "drop --recompute or --experts")
