@@ -54,7 +54,7 @@ class MoEStage(LlamaStage):
         dense = SimpleNamespace(embedding=whole.embedding, final_norm=whole.final_norm, lm_head=whole.lm_head,
                                 blocks=[b.dense for b in whole.blocks])
         super().__init__(cfg, groups, stage, n_stages, dense, "ring", attention_chunk)
-        mine = local_experts(moe.n_experts, groups.experts)
+        self.mine = mine = local_experts(moe.n_experts, groups.experts)  # the experts' numbers (checkpoints)
         self.moe_weights = []
         for layer in self.layers:
             w = whole.blocks[layer].moe

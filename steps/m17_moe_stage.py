@@ -1,5 +1,5 @@
 # Generated from solutions/m17_moe_stage.py by `python -m course.skeleton`. Given code: nothing
-# to fill in here; read it, then run it with `python main.py run 17`. (skeleton 716934927a4f)
+# to fill in here; read it, then run it with `python main.py run 17`. (skeleton dcf54ce9a385)
 """Module 17, part 4 - a pipeline stage of module 16's MoE Llama: experts over e, the rest FSDP over d.
 
 Each block is module 16's MoEBlock: module 06's block with a zero FFN (attention, both norms), then
@@ -56,7 +56,7 @@ class MoEStage(LlamaStage):
         dense = SimpleNamespace(embedding=whole.embedding, final_norm=whole.final_norm, lm_head=whole.lm_head,
                                 blocks=[b.dense for b in whole.blocks])
         super().__init__(cfg, groups, stage, n_stages, dense, "ring", attention_chunk)
-        mine = local_experts(moe.n_experts, groups.experts)
+        self.mine = mine = local_experts(moe.n_experts, groups.experts)  # the experts' numbers (checkpoints)
         self.moe_weights = []
         for layer in self.layers:
             w = whole.blocks[layer].moe

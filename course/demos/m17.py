@@ -60,8 +60,8 @@ def add_args(parser: argparse.ArgumentParser):
 
 
 def default_world_size(args) -> int:
-    """--nproc's default: the mesh's product (a mesh given once is enough)."""
-    return math.prod(parse_mesh(args.mesh).values())
+    """--nproc's default: the mesh's product (a mesh given once is enough); e is carved out of d x c."""
+    return math.prod(size for axis, size in parse_mesh(args.mesh).items() if axis != "e")
 
 
 def mesh_sizes(args) -> dict[str, int]:
@@ -102,9 +102,6 @@ def check_args(args):
         raise ValueError("the mesh has an axis e: pass --experts E for the MoE model (dense blocks have no experts)")
     if moe is not None:
         reference("m17_moe_stage").check_moe_mesh(sizes, moe, args.recompute, args.fp8)
-        if args.resume or args.checkpoint_every:
-            raise ValueError("checkpoints of the MoE model are not composed here: pass --checkpoint-every 0 (and no "
-                             "--resume) with --experts")
     reference("m11_generators").check_arguments(args.schedule, sizes["p"], args.microbatches, args.stages_per_rank)
     v = reference("m11_generators").stages_per_rank_of(args.schedule, args.stages_per_rank)
     reference("m17_composition").check_composition(cfg, sizes, args.batch, args.microbatches, v,
@@ -120,7 +117,7 @@ def check_args(args):
         latest = checkpoints.latest_checkpoint(args.resume)
         if latest is None:
             raise ValueError(f"--resume {args.resume}: no complete checkpoint (step_NNNNNN/) there")
-        checkpoints.check_checkpoint(latest, cfg, text.chars)
+        checkpoints.check_checkpoint(latest, cfg, text.chars, moe)
         if int(latest.name.removeprefix("step_")) >= args.steps:
             raise ValueError(f"--resume {args.resume}: its latest checkpoint is {latest.name}, at or beyond --steps "
                              f"{args.steps}: ask for more steps")
@@ -186,7 +183,7 @@ def demo(args):
     model = trainer.ComposedLlama(cfg, mesh, args.microbatches, args.schedule, args.stages_per_rank, args.seed,
                                   torch.float32, args.variant, moe, recompute=args.recompute, fp8=args.fp8)
     tokens_per_step = args.batch * cfg.max_seq_len
-    checkpoint_dir = args.checkpoint_dir if moe is None else None
+    checkpoint_dir = args.checkpoint_dir
     if rank == 0:
         shown = " x ".join(f"{a}={s}" for a, s in sizes.items())
         print(f"Mesh {shown} on {world_size} ranks. The model: {cfg.n_layers} blocks of dim {cfg.dim}, "
@@ -233,7 +230,9 @@ def demo(args):
     plot = RESULTS / "m17_loss.png"
     plot_losses(losses, validation, plot, f"module 17: mesh {args.mesh}, {cfg.n_layers} blocks of dim {cfg.dim}")
     print(f"loss plot: {plot}")
-    if final is not None and args.sample:
+    if final is not None and args.sample and moe is not None:
+        print(f"\nCheckpoint: {final} (sampling reads a checkpoint into module 06's dense model, not the MoE model)")
+    elif final is not None and args.sample:
         one = checkpoints.load_into_one_process(final, cfg)
         print(f"\nSampled from {final} loaded into one process (temperature 0.8), after {PROMPT!r}:\n")
         print(printable(sample(one, text, PROMPT, args.sample, args.seed)))
