@@ -8,8 +8,8 @@ failed and where:
 * a rank raises        -> `RankFailed` at once; the other ranks (maybe blocked in a `recv` that
                           will never complete) are killed, so a TODO fails in milliseconds;
 * the timeout expires  -> every live rank dumps its Python stack (faulthandler, on SIGUSR1), all
-  (or Ctrl-C, SIGTERM,    ranks are killed, and `RankTimeout` names each stuck rank and its line.
-  SIGHUP)
+  (or Ctrl-C, SIGTERM,    ranks are killed, and `RankTimeout` names each stuck rank and its line
+  SIGHUP)                 (`RankInterrupted`: each rank still working, and where it was interrupted).
 
 Ranks leave signals to their parent: they ignore Ctrl-C, SIGTERM and SIGHUP (the parent reports
 and kills them), and die with it if it is killed (a parent-death signal). Their temporary folder
@@ -353,7 +353,8 @@ def _collect(procs, conns, tmp, timeout):
             ready = wait(list(waiting), timeout=max(0.0, deadline - time.monotonic()))
         except KeyboardInterrupt as exc:
             with signals_deferred():  # the report takes half a second: a second Ctrl-C waits for it
-                report = _stuck_report(procs, sorted(waiting.values()), tmp, f"interrupted by {interruption(exc)}")
+                report = _stuck_report(procs, sorted(waiting.values()), tmp, f"interrupted by {interruption(exc)}",
+                                       interrupted=True)
             raise RankInterrupted(report) from None
         if not ready:
             raise RankTimeout(_stuck_report(procs, sorted(waiting.values()), tmp, f"timed out after {timeout:g} s"))
@@ -387,7 +388,9 @@ def _why_it_died(exitcode) -> str:
     return f"killed by {name}" + (f": {causes[name]}" if name in causes else "")
 
 
-def _stuck_report(procs, stuck, tmp, what) -> str:
+def _stuck_report(procs, stuck, tmp, what, interrupted: bool = False) -> str:
+    """Where each rank still running was: stuck (a timeout), or working and `interrupted` (Ctrl-C, a signal),
+    which says nothing about a bug: no diagnosis then, only the places."""
     for rank in stuck:
         if procs[rank].is_alive():
             os.kill(procs[rank].pid, signal.SIGUSR1)
@@ -395,12 +398,18 @@ def _stuck_report(procs, stuck, tmp, what) -> str:
     summary, details = [], []
     for rank in stuck:
         dump = _stack_dump(tmp, rank)
-        where = _innermost_course_frames(dump) if dump.strip() else "(starting: no stack written yet)"
+        where = (_innermost_course_frames(dump, stuck=not interrupted) if dump.strip()
+                 else "(starting: no stack written yet)")
         summary.append(f"rank {rank} at {where}")
         details.append(f"--- rank {rank} ---\n{dump.strip() or '(none)'}")
     ranks = ", ".join(str(r) for r in stuck)
     finished = [str(r) for r in range(len(procs)) if r not in stuck]
     done = f" (finished: rank {', '.join(finished)})" if finished else ""
+    if interrupted:
+        many = len(stuck) > 1
+        return (f"{what}; {'ranks' if many else 'rank'} {ranks} interrupted where {'they were' if many else 'it was'}"
+                f"{done}: " + "; ".join(summary) + "\n\n"
+                + "\n".join(details))
     hint = ""
     if finished and any(" in recv" in line for line in summary):
         # The peer returned without a matching send still owed: often a non-blocking send whose
@@ -419,9 +428,10 @@ def _stack_dump(tmp, rank) -> str:
         return ""
 
 
-def _innermost_course_frames(dump: str, depth: int = 3) -> str:
+def _innermost_course_frames(dump: str, depth: int = 3, stuck: bool = True) -> str:
     """'file:line in func <- caller...' for the innermost course frames of a faulthandler dump; when
-    the rank is stuck in given code, the learner's own frames first, as where_raised shows them."""
+    the rank is in given code, the learner's own frames first, as where_raised shows them (`stuck`:
+    said of a rank that timed out, not of one interrupted while it worked)."""
     frames = []  # (filename, 'file:line in func'), innermost first
     for line in dump.splitlines():  # faulthandler lists the most recent call first
         line = line.strip()
@@ -435,7 +445,8 @@ def _innermost_course_frames(dump: str, depth: int = 3) -> str:
     mine = [f for f in frames if is_learners_file(f[0])]
     if mine and frames[0] is not mine[0]:
         callers = [f for f in mine if f[0] != mine[0][0]]
-        return " <- ".join(text for _, text in [mine[0], *callers[:1]]) + f"; stuck in given code at {frames[0][1]}"
+        given = f"; {'stuck ' if stuck else ''}in given code at {frames[0][1]}"
+        return " <- ".join(text for _, text in [mine[0], *callers[:1]]) + given
     return " <- ".join(text for _, text in frames[:depth]) or "(no course frame on the stack)"
 
 

@@ -24,8 +24,9 @@ from __future__ import annotations
 import torch
 
 from .m06_llama_block import ActivationStore, BlockWeights, LlamaBlock, LlamaConfig
-from .m06_llama_ops import (ATTENTION_CHUNK, residual_rmsnorm_backward, residual_rmsnorm_forward, rmsnorm_backward,
-                            rmsnorm_forward, rope_backward, rope_forward, swiglu_backward, swiglu_forward)
+from .m06_llama_ops import (ATTENTION_CHUNK, Matmul, residual_rmsnorm_backward, residual_rmsnorm_forward,
+                            rmsnorm_backward, rmsnorm_forward, rope_backward, rope_forward, swiglu_backward,
+                            swiglu_forward)
 from course.mesh import Group
 from course.splits import check_splits
 from .m12_tp_linear import (column_parallel_backward, column_parallel_forward, row_parallel_backward,
@@ -86,12 +87,14 @@ def sum_norm_grads(norm_grads: list[torch.Tensor], tp: Group, sequence_parallel:
 
 
 class TPBlock:
-    """Module 06's block computed by t ranks together; the weights are this rank's slices."""
+    """Module 06's block computed by t ranks together; the weights are this rank's slices. Its seven linears
+    take `matmul`, a module 09 policy (e.g. FP8Matmul), as module 06's block does; None is `@`."""
 
     def __init__(self, cfg: LlamaConfig, tp: Group, sequence_parallel: bool = False,
-                 attention_chunk: int = ATTENTION_CHUNK, fused: bool = True):
+                 attention_chunk: int = ATTENTION_CHUNK, fused: bool = True, matmul: Matmul | None = None):
         check_splits(cfg, {"t": tp.size})
         self.cfg, self.tp, self.sequence_parallel, self.fused = cfg, tp, sequence_parallel, fused
+        self.matmul = matmul  # module 09's seam: every linear's products (None: plain high precision)
         # Module 06's block, for what a rank computes alone: attention on its own heads, and the RoPE tables.
         self.local = LlamaBlock(cfg, attention_chunk=attention_chunk)
 
@@ -101,20 +104,21 @@ class TPBlock:
     def forward(self, w: BlockWeights, x: torch.Tensor, store: ActivationStore) -> torch.Tensor:
         """y = block(x), x and y in the residual stream's layout: (B, T, dim), or (B, T / t, dim) with
         sequence parallelism. Saves module 06's activations under module 06's names."""
-        cfg, tp, sp = self.cfg, self.tp, self.sequence_parallel
+        cfg, tp, sp, mm = self.cfg, self.tp, self.sequence_parallel, self.matmul
         # >>> TODO(m12): the attention half: norm, column-parallel q/k/v, RoPE, attention on this rank's heads
         # Contract: save in the store what the backward reads, under module 06's names: 'x', 'n1', 'r1', 'q', 'k',
         #   'v' (q and k after RoPE), 'o', 'lse'. q is (B, T, H/t, head_dim), k and v (B, T, K/t, head_dim), all
         #   T positions; x, n1 and r1 stay in the residual stream's layout (T/t positions with sequence parallelism).
         # Pitfalls: 'n1' is the norm's output as this rank has it, not the gathered one: keeping the gathered
         #   input would cost t times the memory (the backward gathers it again). The head count is H/t, not H.
-        # Hint 1: module 06's attention_half, with column_parallel_forward(n1, [wq, wk, wv], tp, sp, label) where it
-        #       multiplied; the attention and RoPE ops are module 06's, the tables from self.local.rope(T, ...).
+        #   Every linear, here and below, takes the block's policy mm as its last argument (module 09's seam).
+        # Hint 1: module 06's attention_half, with column_parallel_forward(n1, [wq, wk, wv], tp, sp, label, mm)
+        #       where it multiplied; the attention and RoPE ops are module 06's, the tables from self.local.rope(T, ...).
         # Hint 2: view the projections as (B, T, -1, head_dim): the -1 is this rank's head count.
         # Hint 3: n1, r1 = the norm of x; q, k, v = the column-parallel forward of n1; T = q's second size; RoPE on q
         #       and k (tables for T); o, lse = self.local.attention.forward(q, k, v); save the eight names.
         n1, r1 = rmsnorm_forward(x, w.ln1, cfg.norm_eps)
-        q, k, v = column_parallel_forward(n1, [w.wq, w.wk, w.wv], tp, sp, "attention in")
+        q, k, v = column_parallel_forward(n1, [w.wq, w.wk, w.wv], tp, sp, "attention in", mm)
         batch, seq_len, _ = q.shape
         cos, sin = self.local.rope(seq_len, x.dtype, x.device)
         q = rope_forward(q.view(batch, seq_len, -1, cfg.head_dim), cos, sin)
@@ -135,20 +139,20 @@ class TPBlock:
         #       swiglu_forward(g, u) gives s.
         # Hint 3: h, n2, r2 from the residual norm; g, u column-parallel from n2; s = SwiGLU; save the six names;
         #       return h + the row-parallel down projection of s.
-        h, n2, r2 = residual_rmsnorm_forward(x, row_parallel_forward(o, w.wo, tp, sp, "attention out"), w.ln2,
+        h, n2, r2 = residual_rmsnorm_forward(x, row_parallel_forward(o, w.wo, tp, sp, "attention out", mm), w.ln2,
                                              cfg.norm_eps)
-        g, u = column_parallel_forward(n2, [w.w_gate, w.w_up], tp, sp, "ffn in")
+        g, u = column_parallel_forward(n2, [w.w_gate, w.w_up], tp, sp, "ffn in", mm)
         s = swiglu_forward(g, u)
         for name, tensor in (("h", h), ("n2", n2), ("r2", r2), ("g", g), ("u", u), ("s", s)):
             store.save(name, tensor)
-        return h + row_parallel_forward(s, w.w_down, tp, sp, "ffn out")
+        return h + row_parallel_forward(s, w.w_down, tp, sp, "ffn out", mm)
         # <<<
 
     def backward(self, w: BlockWeights, dy: torch.Tensor, store: ActivationStore, grads: BlockWeights) -> torch.Tensor:
         """dx given dy (both in the residual stream's layout), from what the forward saved. Every weight's
         gradient is *added* into `grads` (main_grad accumulators, e.g. from zero_grads); with sequence
         parallelism the norm weights' are this rank's partial sums until sum_norm_grads."""
-        tp, sp, fused = self.tp, self.sequence_parallel, self.fused
+        tp, sp, fused, mm = self.tp, self.sequence_parallel, self.fused, self.matmul
         # >>> TODO(m12): backward of the FFN half: down (row), SwiGLU, gate/up (column), residual + norm
         # Contract: add the gradients of w_down, w_gate, w_up and ln2 into grads; name the residual stream's
         #   gradient after the norm dh (the attention half's TODO uses it).
@@ -156,14 +160,14 @@ class TPBlock:
         #   ln2's gradient is added into grads.ln2, not assigned: microbatches accumulate.
         # Hint 1: module 06's backward, with row_parallel_backward for down, column_parallel_backward for
         #       [gate, up] (one call: they share n2), and residual_rmsnorm_backward as before.
-        # Hint 2: the linears' backwards take the main_grad accumulators (grads.w_down, ...) and fused=self.fused;
+        # Hint 2: the linears' backwards take the main_grad accumulators (grads.w_down, ...), fused and mm last;
         #       swiglu_backward(ds, g, u) gives dg, du.
         # Hint 3: ds = row-parallel backward of dy through down (input s); dg, du; dn2 = column-parallel backward of
         #       [dg, du] (input n2); dh, d_ln2 = residual_rmsnorm_backward(dy, dn2, h, r2, ln2); add d_ln2.
-        ds = row_parallel_backward(dy, store["s"], w.w_down, grads.w_down, tp, sp, "ffn out", fused)
+        ds = row_parallel_backward(dy, store["s"], w.w_down, grads.w_down, tp, sp, "ffn out", fused, mm)
         dg, du = swiglu_backward(ds, store["g"], store["u"])
         dn2 = column_parallel_backward([dg, du], store["n2"], [w.w_gate, w.w_up], [grads.w_gate, grads.w_up], tp,
-                                       sp, "ffn in", fused)
+                                       sp, "ffn in", fused, mm)
         dh, d_ln2 = residual_rmsnorm_backward(dy, dn2, store["h"], store["r2"], w.ln2)
         grads.ln2.add_(d_ln2)
         # <<<
@@ -178,14 +182,14 @@ class TPBlock:
         # Hint 3: do = row-parallel backward of dh through o; dq, dk, dv; un-rotate dq, dk; dn1 = column-parallel
         #       backward of the three, reshaped to (B, T, -1); dx_norm, d_ln1 = rmsnorm_backward; add d_ln1;
         #       return dh + dx_norm.
-        do = row_parallel_backward(dh, store["o"], w.wo, grads.wo, tp, sp, "attention out", fused)
+        do = row_parallel_backward(dh, store["o"], w.wo, grads.wo, tp, sp, "attention out", fused, mm)
         dq, dk, dv = self.local.attention.backward(do, store["q"], store["k"], store["v"], store["o"], store["lse"])
         batch, seq_len = dq.shape[:2]
         cos, sin = self.local.rope(seq_len, dy.dtype, dy.device)
         dq, dk = rope_backward(dq, cos, sin), rope_backward(dk, cos, sin)
         dn1 = column_parallel_backward([d.reshape(batch, seq_len, -1) for d in (dq, dk, dv)], store["n1"],
                                        [w.wq, w.wk, w.wv], [grads.wq, grads.wk, grads.wv], tp, sp,
-                                       "attention in", fused)
+                                       "attention in", fused, mm)
         dx_norm, d_ln1 = rmsnorm_backward(dn1, store["x"], store["r1"], w.ln1)
         grads.ln1.add_(d_ln1)
         return dh + dx_norm

@@ -35,6 +35,12 @@ gradient-accumulation fusion).
 
 Every collective goes through `tp.collectives` (course/collectives.py), which logs it. Shapes: the
 residual stream is (B, T, dim) on every rank, or (B, T / t, dim) with sequence parallelism.
+
+The products themselves go through module 06's seam for module 09: every linear takes an optional
+`matmul` policy. None (the default) is the plain high-precision product above (`@`, and the fused
+weight-gradient GEMM); a policy such as module 09's FP8Matmul multiplies with its own forward and
+backward instead (linear_forward, linear_backward), on this rank's slices: its per-tensor scales are
+then per slice (a column block of W, the rank's rows of x), not over the whole weight.
 """
 from __future__ import annotations
 
@@ -43,7 +49,7 @@ from dataclasses import dataclass
 import torch
 
 from course.mesh import Group
-from .m06_llama_ops import compute_dtype
+from .m06_llama_ops import Matmul, compute_dtype, linear_backward, linear_forward
 
 SEQUENCE_DIM = 1  # (batch, sequence, features): sequence parallelism splits dimension 1
 
@@ -189,11 +195,25 @@ def accumulate_weight_grad(main_grad: torch.Tensor, dy: torch.Tensor, x: torch.T
     # <<<
 
 
+def product(x: torch.Tensor, w: torch.Tensor, matmul: Matmul | None = None) -> torch.Tensor:
+    """x W^T over x's last dimension (given): `@`, or the policy's forward (module 09's FP8) when one is given."""
+    return x @ w.t() if matmul is None else linear_forward(x, w, matmul)
+
+
+def policy_gradients(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, main_grad: torch.Tensor,
+                     matmul: Matmul) -> torch.Tensor:
+    """The backward of y = x W^T through a policy (given): its backward gives dx = dy W and dW = dy^T x
+    together; dW is a new tensor, added into main_grad (no fused GEMM); returns dx."""
+    dx, dw = linear_backward(dy, x, w, matmul)
+    main_grad.add_(dw.reshape(main_grad.shape))
+    return dx
+
+
 # ---------------------------------------------------------------------------------------------
 # Column- and row-parallel linears
 # ---------------------------------------------------------------------------------------------
 def column_parallel_forward(x: torch.Tensor, weights: list[torch.Tensor], tp: Group, sequence_parallel: bool,
-                            label: str = ""):
+                            label: str = "", matmul: Matmul | None = None):
     """y_i = f(x) W_i^T for linears that read the same input (q, k, v; or gate, up), each weight
     W_i (out_i / t, dim) being this rank's rows. x is in the residual stream's layout; each y_i is
     (B, T, out_i / t), the whole sequence. Returns the list of y_i."""
@@ -204,15 +224,16 @@ def column_parallel_forward(x: torch.Tensor, weights: list[torch.Tensor], tp: Gr
     # Hint 1: the input is the same for every weight: make it whole once, then one product per weight.
     # Hint 2: enter_tp_forward(x, tp, sequence_parallel, label) gives an InFlight; its wait() is the whole
     #       (B, T, dim) input.
-    # Hint 3: whole = the waited result; return [whole @ W^T for each W in weights].
+    # Hint 3: whole = the waited result; return [product(whole, W, matmul) for each W in weights] (whole @ W^T,
+    #       or module 09's policy's product when matmul is one).
     x_whole = enter_tp_forward(x, tp, sequence_parallel, label).wait()
-    return [x_whole @ w.t() for w in weights]
+    return [product(x_whole, w, matmul) for w in weights]
     # <<<
 
 
 def column_parallel_backward(dys: list[torch.Tensor], x: torch.Tensor, weights: list[torch.Tensor],
                              main_grads: list[torch.Tensor], tp: Group, sequence_parallel: bool,
-                             label: str = "", fused: bool = True) -> torch.Tensor:
+                             label: str = "", fused: bool = True, matmul: Matmul | None = None) -> torch.Tensor:
     """Backward of column_parallel_forward: adds dy_i^T x_whole into main_grads[i] and returns the
     gradient of x, summed over the ranks, in the residual stream's layout.
 
@@ -222,6 +243,8 @@ def column_parallel_backward(dys: list[torch.Tensor], x: torch.Tensor, weights: 
     while a GEMM that does not need it computes (docs/12-tensor-parallel.md derives the order without
     sequence parallelism).
     """
+    if matmul is not None:
+        return policy_column_backward(dys, x, weights, main_grads, tp, sequence_parallel, label, matmul)
     # >>> TODO(m12): column-parallel backward: the input-gradient collective in flight behind the weight-gradient GEMMs
     # Contract: every main_grads[i] (out_i / t, dim) grows by dy_i^T x_whole (summed over all B T tokens); the
     #   returned dx is sum over ranks of sum_i dy_i W_i, whole (B, T, dim) or this rank's (B, T / t, dim).
@@ -249,22 +272,34 @@ def column_parallel_backward(dys: list[torch.Tensor], x: torch.Tensor, weights: 
     # <<<
 
 
+def policy_column_backward(dys, x, weights, main_grads, tp: Group, sequence_parallel: bool, label: str,
+                           matmul: Matmul) -> torch.Tensor:
+    """column_parallel_backward through a policy (given). A policy's backward computes dx and dW together,
+    from the whole input, so there is no weight-gradient GEMM left to hide dx's collective behind: the
+    collectives run one after the other (module 09's FP8 is a GPU feature; on CPU it is emulated)."""
+    x_whole = enter_tp_forward(x, tp, sequence_parallel, label).wait()
+    dx = sum(policy_gradients(dy, x_whole, w, main_grad, matmul)
+             for dy, w, main_grad in zip(dys, weights, main_grads, strict=True))
+    return enter_tp_backward(dx, tp, sequence_parallel, label).wait()
+
+
 def row_parallel_forward(x: torch.Tensor, w: torch.Tensor, tp: Group, sequence_parallel: bool,
-                         label: str = "") -> torch.Tensor:
+                         label: str = "", matmul: Matmul | None = None) -> torch.Tensor:
     """y = g(x W^T): x (B, T, in / t) is this rank's slice of the input features (a column-parallel
     output), w (dim, in / t) its columns of the weight. Returns y in the residual stream's layout."""
     # >>> TODO(m12): row-parallel forward: this rank's partial product, then leave the TP region
     # Contract: y is the sum over ranks of x_r W_r^T, in the residual stream's layout.
     # Pitfalls: the partial product alone is not y: every rank must leave through g.
     # Hint 1: multiply, then sum over the ranks.
-    # Hint 2: x @ w.t() is this rank's partial; leave_tp_forward sums it.
+    # Hint 2: product(x, w, matmul) is this rank's partial (x @ w.t(), or the policy's); leave_tp_forward sums it.
     # Hint 3: return leave_tp_forward(the partial, tp, sequence_parallel, label).
-    return leave_tp_forward(x @ w.t(), tp, sequence_parallel, label)
+    return leave_tp_forward(product(x, w, matmul), tp, sequence_parallel, label)
     # <<<
 
 
 def row_parallel_backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, main_grad: torch.Tensor,
-                          tp: Group, sequence_parallel: bool, label: str = "", fused: bool = True) -> torch.Tensor:
+                          tp: Group, sequence_parallel: bool, label: str = "", fused: bool = True,
+                          matmul: Matmul | None = None) -> torch.Tensor:
     """Backward of row_parallel_forward: adds dy_whole^T x into main_grad (dim, in / t) and returns
     dx (B, T, in / t), this rank's slice of the input features: nothing to sum over ranks."""
     # >>> TODO(m12): row-parallel backward: leave's backward, then the two GEMMs
@@ -274,9 +309,13 @@ def row_parallel_backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, ma
     #   g's backward is what gives each rank what it needs.
     # Hint 1: g's backward first; then the two products of any linear's backward, on this rank's slices.
     # Hint 2: leave_tp_backward gives dy as every rank needs it (whole); dx = dy W; the weight gradient through
-    #       accumulate_weight_grad (with fused), as in the column-parallel backward.
-    # Hint 3: dy_whole = g's backward of dy; accumulate dy_whole^T x into main_grad; return dy_whole @ W.
+    #       accumulate_weight_grad (with fused), as in the column-parallel backward; with a policy (matmul not
+    #       None), policy_gradients(dy, x, w, main_grad, matmul) does both GEMMs and returns dx.
+    # Hint 3: dy_whole = g's backward of dy; with a policy return policy_gradients(dy_whole, ...); else accumulate
+    #       dy_whole^T x into main_grad and return dy_whole @ W.
     dy_whole = leave_tp_backward(dy, tp, sequence_parallel, label)
+    if matmul is not None:
+        return policy_gradients(dy_whole, x, w, main_grad, matmul)
     accumulate_weight_grad(main_grad, dy_whole, x, fused)
     return dy_whole @ w
     # <<<

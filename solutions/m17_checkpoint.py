@@ -18,6 +18,11 @@ names no other stage has, and DCP merges every rank's names into one checkpoint.
 to DCP, a replicated copy: it keeps one of the ranks' tensors, so pieces that differ, saved as plain
 tensors, silently lose every piece but one.
 
+A MoE stage's experts (module 16: each rank E/e of them, the same ones on every rank of its expert-data
+group) are saved one expert at a time, under the expert's own number (layers.1.experts.5.gate): each
+is whole on the ranks that hold it, so a replicated copy is what it is, and another e finds its
+experts by their numbers.
+
 One directory per step, step_000100/, made visible by a rename only once DCP's save has returned on
 every rank (its metadata, written last, is then on disk): a run killed in the middle of a save
 leaves step_000100.partial/, which no load ever reads, and the last complete checkpoint. Beside the
@@ -109,18 +114,39 @@ def vocab_piece(rows: torch.Tensor, vocab_size: int, index: int) -> torch.Tensor
     return rows[:real]
 
 
+def whole_shape(field: str, piece: torch.Size, t: int) -> tuple[int, ...]:
+    """A block tensor's logical shape from this rank's t slice of it: t slices side by side (module 12):
+    wq (H D / t, M) -> (H D, M), wo (M, H D / t) -> (M, H D); the norms are whole."""
+    if field in COLUMN_PARALLEL:
+        return (piece[0] * t, *piece[1:])
+    if field in ROW_PARALLEL:
+        return (piece[0], piece[1] * t)
+    return tuple(piece)
+
+
+def expert_names(stage) -> list[tuple[str, torch.Tensor, int]]:
+    """(name, the stage's expert tensor, index in its leading axis) for every expert weight this rank holds
+    (a MoE stage's; none for a dense one): layers.L.experts.K.gate for global expert K."""
+    if not hasattr(stage, "moe_weights"):
+        return []
+    names = []
+    for layer, weights in zip(stage.layers, stage.moe_weights, strict=True):
+        for field, tensor in zip(("gate", "up", "down"), weights.experts.tensors(), strict=True):
+            names += [(f"layers.{layer}.experts.{k}.{field}", tensor, i) for i, k in enumerate(stage.mine)]
+    return names
+
+
 def logical_pieces(stage, tensors: dict) -> dict[str, tuple[torch.Tensor, tuple[int, ...]]]:
     """{name: (this rank's piece, logical shape)} for one stage's weights, or for one of AdamW's moments
     (`tensors`: parameter -> its moment, for each of stage.parameters(); the weights: p -> p)."""
     cfg, t = stage.cfg, stage.groups.tp
-    full = {"wq": (cfg.n_heads * cfg.head_dim, cfg.dim), "wk": (cfg.n_kv_heads * cfg.head_dim, cfg.dim),
-            "wv": (cfg.n_kv_heads * cfg.head_dim, cfg.dim), "wo": (cfg.dim, cfg.n_heads * cfg.head_dim),
-            "w_gate": (cfg.ffn_dim, cfg.dim), "w_up": (cfg.ffn_dim, cfg.dim), "w_down": (cfg.dim, cfg.ffn_dim),
-            "ln1": (cfg.dim,), "ln2": (cfg.dim,)}
     pieces = {}
     for layer, block in zip(stage.layers, whole_slices(stage, [tensors[s] for s in stage.shards]), strict=True):
         for name, piece in zip(NAMES, block.tensors(), strict=True):
-            pieces[f"layers.{layer}.{name}"] = (piece, full[name])
+            pieces[f"layers.{layer}.{name}"] = (piece, whole_shape(name, piece.shape, t.size))
+    for name, tensor, i in expert_names(stage):
+        piece = tensors[tensor][i].clone()
+        pieces[name] = (piece, tuple(piece.shape))
     for name, weight in stage.replicated.items():
         value = tensors[weight]
         if name in ("embedding", "lm_head"):
@@ -145,6 +171,8 @@ def put_back(stage, tensors: dict, loaded: dict[str, torch.Tensor]):
             target[:piece.shape[0]] = piece
         else:
             target.copy_(loaded[name])
+    for name, tensor, i in expert_names(stage):
+        tensors[tensor][i].copy_(loaded[name])
 
 
 def moments(optimizer, params: list[torch.Tensor], key: str) -> dict:
@@ -187,20 +215,23 @@ def latest_checkpoint(root) -> Path | None:
     return step_directory(root, steps[-1]) if steps else None
 
 
-def describe(cfg: LlamaConfig, vocab: str = "") -> dict:
-    """What a checkpoint must match to be loaded: the model's configuration and its vocabulary."""
-    return {"model": asdict(cfg), "vocab": vocab}
+def describe(cfg: LlamaConfig, vocab: str = "", moe=None) -> dict:
+    """What a checkpoint must match to be loaded: the model's configuration, its vocabulary, and for a MoE
+    model module 16's MoEConfig."""
+    return {"model": asdict(cfg), "vocab": vocab, **({"moe": asdict(moe)} if moe is not None else {})}
 
 
-def check_checkpoint(directory, cfg: LlamaConfig, vocab: str = ""):
+def check_checkpoint(directory, cfg: LlamaConfig, vocab: str = "", moe=None):
     """One line unless `directory` is a complete checkpoint of this model (given): said before any step runs."""
     directory = Path(directory)
     if not (directory / ".metadata").exists() or not (directory / "config.json").exists():
         raise CheckpointError(f"{directory} is not a complete checkpoint (no .metadata or config.json); "
                               f"remove it or point --resume at a step_NNNNNN directory")
-    saved, mine = json.loads((directory / "config.json").read_text()), describe(cfg, vocab)
+    saved, mine = json.loads((directory / "config.json").read_text()), describe(cfg, vocab, moe)
     different = [f"{key}={saved['model'].get(key)!r} (this run: {value!r})" for key, value in mine["model"].items()
                  if saved["model"].get(key) != value]
+    if saved.get("moe") != mine.get("moe"):
+        different.append(f"experts {saved.get('moe')} (this run: {mine.get('moe')})")
     if saved["vocab"] != mine["vocab"]:
         different.append(f"a vocabulary of {len(saved['vocab'])} characters (this run: {len(mine['vocab'])})")
     if different:

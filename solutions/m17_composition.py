@@ -79,6 +79,19 @@ def full_sizes(sizes: dict[str, int]) -> dict[str, int]:
             **({"e": sizes["e"]} if "e" in sizes else {})}
 
 
+def check_fp8(cfg: LlamaConfig, sizes: dict[str, int], batch: int, n_microbatches: int):
+    """One line unless every block linear's slice can run in FP8 (given): module 09's _scaled_mm rules want
+    its tokens (a microbatch's B/(d m) rows of T/c positions), in and out features multiples of 16."""
+    t = sizes.get("t", 1)
+    tokens = batch // (sizes.get("d", 1) * n_microbatches) * (cfg.max_seq_len // sizes.get("c", 1))
+    sizes_of = {"tokens B/(d m) x T/c": tokens, "dim": cfg.dim, "H head_dim / t": cfg.n_heads * cfg.head_dim // t,
+                "K head_dim / t": cfg.n_kv_heads * cfg.head_dim // t, "ffn_dim / t": cfg.ffn_dim // t}
+    wrong = [f"{name} = {size}" for name, size in sizes_of.items() if size % 16]
+    if wrong:
+        raise ValueError(f"--fp8 multiplies FP8 matrices whose sizes are multiples of 16: {', '.join(wrong)}; "
+                         f"change --dim, --seq-len, --batch, --microbatches or the mesh")
+
+
 def check_composition(cfg: LlamaConfig, sizes: dict[str, int], batch: int, n_microbatches: int,
                       stages_per_rank: int = 1, n_experts: int | None = None):
     """One line for a mesh this model cannot be cut over (given; course/splits.py's check): the blocks L

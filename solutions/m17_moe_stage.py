@@ -29,8 +29,11 @@ from .m17_composition import Groups
 from .m17_stage import LlamaStage
 
 
-def check_moe_mesh(sizes: dict[str, int], moe: MoEConfig, recompute: bool = False):
+def check_moe_mesh(sizes: dict[str, int], moe: MoEConfig, recompute: bool = False, fp8: bool = False):
     """One line for a mesh (or an option) the MoE stage cannot run with (given)."""
+    if fp8:
+        raise ValueError("the MoE model runs in high precision (module 16's experts take no matmul policy); "
+                         "drop --fp8 or --experts")
     if recompute:
         raise ValueError("the MoE model runs without recompute (its forward's routing records would count twice); "
                          "drop --recompute or --experts")
@@ -51,7 +54,7 @@ class MoEStage(LlamaStage):
         dense = SimpleNamespace(embedding=whole.embedding, final_norm=whole.final_norm, lm_head=whole.lm_head,
                                 blocks=[b.dense for b in whole.blocks])
         super().__init__(cfg, groups, stage, n_stages, dense, "ring", attention_chunk)
-        mine = local_experts(moe.n_experts, groups.experts)
+        self.mine = mine = local_experts(moe.n_experts, groups.experts)  # the experts' numbers (checkpoints)
         self.moe_weights = []
         for layer in self.layers:
             w = whole.blocks[layer].moe

@@ -42,7 +42,7 @@ def train(model, text: CharText, steps: int, batch: int = 8, lr: float = 3e-3, s
     loss)` are called as they come; `make_writer`: see m17_checkpoint.save."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     generator = torch.Generator().manual_seed(seed)
-    description = describe(model.cfg, text.chars)
+    description = describe(model.cfg, text.chars, model.moe)
     losses, validation, start = [], [], 0
     latest = latest_checkpoint(checkpoint_dir) if resume and checkpoint_dir else None
     if latest is not None:

@@ -1,5 +1,5 @@
 # Generated from solutions/m12_tp_block.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 12`. (skeleton bac3d54f1c35)
+# Grade your work with `python main.py grade 12`. (skeleton e61331e1a9d7)
 """Module 12, part 2 - module 06's block on t ranks: attention split by heads, the FFN by its width.
 
     residual x ─ RMSNorm ─ enter ─ q, k, v (column) ─ RoPE, attention ─ o (row) ─ leave ─ + ─ h
@@ -26,8 +26,9 @@ from __future__ import annotations
 import torch
 
 from .m06_llama_block import ActivationStore, BlockWeights, LlamaBlock, LlamaConfig
-from .m06_llama_ops import (ATTENTION_CHUNK, residual_rmsnorm_backward, residual_rmsnorm_forward, rmsnorm_backward,
-                            rmsnorm_forward, rope_backward, rope_forward, swiglu_backward, swiglu_forward)
+from .m06_llama_ops import (ATTENTION_CHUNK, Matmul, residual_rmsnorm_backward, residual_rmsnorm_forward,
+                            rmsnorm_backward, rmsnorm_forward, rope_backward, rope_forward, swiglu_backward,
+                            swiglu_forward)
 from course.mesh import Group
 from course.splits import check_splits
 from .m12_tp_linear import (column_parallel_backward, column_parallel_forward, row_parallel_backward,
@@ -68,12 +69,14 @@ def sum_norm_grads(norm_grads: list[torch.Tensor], tp: Group, sequence_parallel:
 
 
 class TPBlock:
-    """Module 06's block computed by t ranks together; the weights are this rank's slices."""
+    """Module 06's block computed by t ranks together; the weights are this rank's slices. Its seven linears
+    take `matmul`, a module 09 policy (e.g. FP8Matmul), as module 06's block does; None is `@`."""
 
     def __init__(self, cfg: LlamaConfig, tp: Group, sequence_parallel: bool = False,
-                 attention_chunk: int = ATTENTION_CHUNK, fused: bool = True):
+                 attention_chunk: int = ATTENTION_CHUNK, fused: bool = True, matmul: Matmul | None = None):
         check_splits(cfg, {"t": tp.size})
         self.cfg, self.tp, self.sequence_parallel, self.fused = cfg, tp, sequence_parallel, fused
+        self.matmul = matmul  # module 09's seam: every linear's products (None: plain high precision)
         # Module 06's block, for what a rank computes alone: attention on its own heads, and the RoPE tables.
         self.local = LlamaBlock(cfg, attention_chunk=attention_chunk)
 
@@ -83,13 +86,14 @@ class TPBlock:
     def forward(self, w: BlockWeights, x: torch.Tensor, store: ActivationStore) -> torch.Tensor:
         """y = block(x), x and y in the residual stream's layout: (B, T, dim), or (B, T / t, dim) with
         sequence parallelism. Saves module 06's activations under module 06's names."""
-        cfg, tp, sp = self.cfg, self.tp, self.sequence_parallel
+        cfg, tp, sp, mm = self.cfg, self.tp, self.sequence_parallel, self.matmul
         # TODO(m12): the attention half: norm, column-parallel q/k/v, RoPE, attention on this rank's heads
         # Contract: save in the store what the backward reads, under module 06's names: 'x', 'n1', 'r1', 'q', 'k',
         #   'v' (q and k after RoPE), 'o', 'lse'. q is (B, T, H/t, head_dim), k and v (B, T, K/t, head_dim), all
         #   T positions; x, n1 and r1 stay in the residual stream's layout (T/t positions with sequence parallelism).
         # Pitfalls: 'n1' is the norm's output as this rank has it, not the gathered one: keeping the gathered
         #   input would cost t times the memory (the backward gathers it again). The head count is H/t, not H.
+        #   Every linear, here and below, takes the block's policy mm as its last argument (module 09's seam).
         raise NotImplementedError("TODO(m12): the attention half: norm, column-parallel q/k/v, RoPE, attention on this rank's heads")
         # TODO(m12): the FFN half: row-parallel o, residual + norm, column-parallel gate/up, SwiGLU, row-parallel down
         # Contract: return y = h + down(SwiGLU(...)) in x's layout; save 'h', 'n2', 'r2', 'g', 'u', 's' (g, u, s:
@@ -102,7 +106,7 @@ class TPBlock:
         """dx given dy (both in the residual stream's layout), from what the forward saved. Every weight's
         gradient is *added* into `grads` (main_grad accumulators, e.g. from zero_grads); with sequence
         parallelism the norm weights' are this rank's partial sums until sum_norm_grads."""
-        tp, sp, fused = self.tp, self.sequence_parallel, self.fused
+        tp, sp, fused, mm = self.tp, self.sequence_parallel, self.fused, self.matmul
         # TODO(m12): backward of the FFN half: down (row), SwiGLU, gate/up (column), residual + norm
         # Contract: add the gradients of w_down, w_gate, w_up and ln2 into grads; name the residual stream's
         #   gradient after the norm dh (the attention half's TODO uses it).

@@ -1,5 +1,5 @@
 # Generated from solutions/m12_tp_linear.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 12`. (skeleton 31ebe1ef8b63)
+# Grade your work with `python main.py grade 12`. (skeleton dfad7ea93453)
 """Module 12, part 1 - tensor-parallel linears: Megatron's column and row split, and the two
 conjugate operators that connect them to the residual stream.
 
@@ -37,6 +37,12 @@ gradient-accumulation fusion).
 
 Every collective goes through `tp.collectives` (course/collectives.py), which logs it. Shapes: the
 residual stream is (B, T, dim) on every rank, or (B, T / t, dim) with sequence parallelism.
+
+The products themselves go through module 06's seam for module 09: every linear takes an optional
+`matmul` policy. None (the default) is the plain high-precision product above (`@`, and the fused
+weight-gradient GEMM); a policy such as module 09's FP8Matmul multiplies with its own forward and
+backward instead (linear_forward, linear_backward), on this rank's slices: its per-tensor scales are
+then per slice (a column block of W, the rank's rows of x), not over the whole weight.
 """
 from __future__ import annotations
 
@@ -45,7 +51,7 @@ from dataclasses import dataclass
 import torch
 
 from course.mesh import Group
-from .m06_llama_ops import compute_dtype
+from .m06_llama_ops import Matmul, compute_dtype, linear_backward, linear_forward
 
 SEQUENCE_DIM = 1  # (batch, sequence, features): sequence parallelism splits dimension 1
 
@@ -157,11 +163,25 @@ def accumulate_weight_grad(main_grad: torch.Tensor, dy: torch.Tensor, x: torch.T
     raise NotImplementedError('TODO(m12): add the weight gradient into main_grad inside the GEMM')
 
 
+def product(x: torch.Tensor, w: torch.Tensor, matmul: Matmul | None = None) -> torch.Tensor:
+    """x W^T over x's last dimension (given): `@`, or the policy's forward (module 09's FP8) when one is given."""
+    return x @ w.t() if matmul is None else linear_forward(x, w, matmul)
+
+
+def policy_gradients(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, main_grad: torch.Tensor,
+                     matmul: Matmul) -> torch.Tensor:
+    """The backward of y = x W^T through a policy (given): its backward gives dx = dy W and dW = dy^T x
+    together; dW is a new tensor, added into main_grad (no fused GEMM); returns dx."""
+    dx, dw = linear_backward(dy, x, w, matmul)
+    main_grad.add_(dw.reshape(main_grad.shape))
+    return dx
+
+
 # ---------------------------------------------------------------------------------------------
 # Column- and row-parallel linears
 # ---------------------------------------------------------------------------------------------
 def column_parallel_forward(x: torch.Tensor, weights: list[torch.Tensor], tp: Group, sequence_parallel: bool,
-                            label: str = ""):
+                            label: str = "", matmul: Matmul | None = None):
     """y_i = f(x) W_i^T for linears that read the same input (q, k, v; or gate, up), each weight
     W_i (out_i / t, dim) being this rank's rows. x is in the residual stream's layout; each y_i is
     (B, T, out_i / t), the whole sequence. Returns the list of y_i."""
@@ -174,7 +194,7 @@ def column_parallel_forward(x: torch.Tensor, weights: list[torch.Tensor], tp: Gr
 
 def column_parallel_backward(dys: list[torch.Tensor], x: torch.Tensor, weights: list[torch.Tensor],
                              main_grads: list[torch.Tensor], tp: Group, sequence_parallel: bool,
-                             label: str = "", fused: bool = True) -> torch.Tensor:
+                             label: str = "", fused: bool = True, matmul: Matmul | None = None) -> torch.Tensor:
     """Backward of column_parallel_forward: adds dy_i^T x_whole into main_grads[i] and returns the
     gradient of x, summed over the ranks, in the residual stream's layout.
 
@@ -184,6 +204,8 @@ def column_parallel_backward(dys: list[torch.Tensor], x: torch.Tensor, weights: 
     while a GEMM that does not need it computes (docs/12-tensor-parallel.md derives the order without
     sequence parallelism).
     """
+    if matmul is not None:
+        return policy_column_backward(dys, x, weights, main_grads, tp, sequence_parallel, label, matmul)
     # TODO(m12): column-parallel backward: the input-gradient collective in flight behind the weight-gradient GEMMs
     # Contract: every main_grads[i] (out_i / t, dim) grows by dy_i^T x_whole (summed over all B T tokens); the
     #   returned dx is sum over ranks of sum_i dy_i W_i, whole (B, T, dim) or this rank's (B, T / t, dim).
@@ -197,8 +219,19 @@ def column_parallel_backward(dys: list[torch.Tensor], x: torch.Tensor, weights: 
     raise NotImplementedError('TODO(m12): column-parallel backward: the input-gradient collective in flight behind the weight-gradient GEMMs')
 
 
+def policy_column_backward(dys, x, weights, main_grads, tp: Group, sequence_parallel: bool, label: str,
+                           matmul: Matmul) -> torch.Tensor:
+    """column_parallel_backward through a policy (given). A policy's backward computes dx and dW together,
+    from the whole input, so there is no weight-gradient GEMM left to hide dx's collective behind: the
+    collectives run one after the other (module 09's FP8 is a GPU feature; on CPU it is emulated)."""
+    x_whole = enter_tp_forward(x, tp, sequence_parallel, label).wait()
+    dx = sum(policy_gradients(dy, x_whole, w, main_grad, matmul)
+             for dy, w, main_grad in zip(dys, weights, main_grads, strict=True))
+    return enter_tp_backward(dx, tp, sequence_parallel, label).wait()
+
+
 def row_parallel_forward(x: torch.Tensor, w: torch.Tensor, tp: Group, sequence_parallel: bool,
-                         label: str = "") -> torch.Tensor:
+                         label: str = "", matmul: Matmul | None = None) -> torch.Tensor:
     """y = g(x W^T): x (B, T, in / t) is this rank's slice of the input features (a column-parallel
     output), w (dim, in / t) its columns of the weight. Returns y in the residual stream's layout."""
     # TODO(m12): row-parallel forward: this rank's partial product, then leave the TP region
@@ -208,7 +241,8 @@ def row_parallel_forward(x: torch.Tensor, w: torch.Tensor, tp: Group, sequence_p
 
 
 def row_parallel_backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, main_grad: torch.Tensor,
-                          tp: Group, sequence_parallel: bool, label: str = "", fused: bool = True) -> torch.Tensor:
+                          tp: Group, sequence_parallel: bool, label: str = "", fused: bool = True,
+                          matmul: Matmul | None = None) -> torch.Tensor:
     """Backward of row_parallel_forward: adds dy_whole^T x into main_grad (dim, in / t) and returns
     dx (B, T, in / t), this rank's slice of the input features: nothing to sum over ranks."""
     # TODO(m12): row-parallel backward: leave's backward, then the two GEMMs

@@ -1,5 +1,5 @@
 # Generated from solutions/m17_composition.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 17`. (skeleton cb86b75ec8e1)
+# Grade your work with `python main.py grade 17`. (skeleton 8783f2383844)
 """Module 17, part 1 - one mesh, five parallelisms: which group each piece of a step talks over.
 
 The capstone composes the course's parallelisms on one mesh of R = p d c t ranks (course/mesh.py):
@@ -70,6 +70,19 @@ def full_sizes(sizes: dict[str, int]) -> dict[str, int]:
     exists: init_mesh(full_sizes({"p": 2, "t": 2})) has groups p, d, c, t and dc (given)."""
     return {"p": sizes.get("p", 1), "d": sizes.get("d", 1), "c": sizes.get("c", 1), "t": sizes.get("t", 1),
             **({"e": sizes["e"]} if "e" in sizes else {})}
+
+
+def check_fp8(cfg: LlamaConfig, sizes: dict[str, int], batch: int, n_microbatches: int):
+    """One line unless every block linear's slice can run in FP8 (given): module 09's _scaled_mm rules want
+    its tokens (a microbatch's B/(d m) rows of T/c positions), in and out features multiples of 16."""
+    t = sizes.get("t", 1)
+    tokens = batch // (sizes.get("d", 1) * n_microbatches) * (cfg.max_seq_len // sizes.get("c", 1))
+    sizes_of = {"tokens B/(d m) x T/c": tokens, "dim": cfg.dim, "H head_dim / t": cfg.n_heads * cfg.head_dim // t,
+                "K head_dim / t": cfg.n_kv_heads * cfg.head_dim // t, "ffn_dim / t": cfg.ffn_dim // t}
+    wrong = [f"{name} = {size}" for name, size in sizes_of.items() if size % 16]
+    if wrong:
+        raise ValueError(f"--fp8 multiplies FP8 matrices whose sizes are multiples of 16: {', '.join(wrong)}; "
+                         f"change --dim, --seq-len, --batch, --microbatches or the mesh")
 
 
 def check_composition(cfg: LlamaConfig, sizes: dict[str, int], batch: int, n_microbatches: int,

@@ -1,5 +1,5 @@
 # Generated from solutions/m17_moe_stage.py by `python -m course.skeleton`. Given code: nothing
-# to fill in here; read it, then run it with `python main.py run 17`. (skeleton c21f48116c6e)
+# to fill in here; read it, then run it with `python main.py run 17`. (skeleton dcf54ce9a385)
 """Module 17, part 4 - a pipeline stage of module 16's MoE Llama: experts over e, the rest FSDP over d.
 
 Each block is module 16's MoEBlock: module 06's block with a zero FFN (attention, both norms), then
@@ -31,8 +31,11 @@ from .m17_composition import Groups
 from .m17_stage import LlamaStage
 
 
-def check_moe_mesh(sizes: dict[str, int], moe: MoEConfig, recompute: bool = False):
+def check_moe_mesh(sizes: dict[str, int], moe: MoEConfig, recompute: bool = False, fp8: bool = False):
     """One line for a mesh (or an option) the MoE stage cannot run with (given)."""
+    if fp8:
+        raise ValueError("the MoE model runs in high precision (module 16's experts take no matmul policy); "
+                         "drop --fp8 or --experts")
     if recompute:
         raise ValueError("the MoE model runs without recompute (its forward's routing records would count twice); "
                          "drop --recompute or --experts")
@@ -53,7 +56,7 @@ class MoEStage(LlamaStage):
         dense = SimpleNamespace(embedding=whole.embedding, final_norm=whole.final_norm, lm_head=whole.lm_head,
                                 blocks=[b.dense for b in whole.blocks])
         super().__init__(cfg, groups, stage, n_stages, dense, "ring", attention_chunk)
-        mine = local_experts(moe.n_experts, groups.experts)
+        self.mine = mine = local_experts(moe.n_experts, groups.experts)  # the experts' numbers (checkpoints)
         self.moe_weights = []
         for layer in self.layers:
             w = whole.blocks[layer].moe

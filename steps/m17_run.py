@@ -1,5 +1,5 @@
 # Generated from solutions/m17_run.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 17`. (skeleton 588db4b9b81e)
+# Grade your work with `python main.py grade 17`. (skeleton de9391afd886)
 """Module 17, part 7 - a training run that survives being stopped: the composed trainer on characters
 of Shakespeare (course/chars.py), a validation loss now and then, a checkpoint every k steps, and a
 resume from the last complete one, on the same mesh or on another.
@@ -44,7 +44,7 @@ def train(model, text: CharText, steps: int, batch: int = 8, lr: float = 3e-3, s
     loss)` are called as they come; `make_writer`: see m17_checkpoint.save."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     generator = torch.Generator().manual_seed(seed)
-    description = describe(model.cfg, text.chars)
+    description = describe(model.cfg, text.chars, model.moe)
     losses, validation, start = [], [], 0
     latest = latest_checkpoint(checkpoint_dir) if resume and checkpoint_dir else None
     if latest is not None:

@@ -1,5 +1,5 @@
 # Generated from solutions/m17_stage.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 17`. (skeleton 1e1d7f366f74)
+# Grade your work with `python main.py grade 17`. (skeleton 672b97810eee)
 """Module 17, part 2 - one pipeline stage of the composed Llama, for module 11's executor.
 
 Stage s of S = p v holds blocks [s L/S, (s+1) L/S) (the first also the embedding, the last the final
@@ -82,8 +82,9 @@ class LlamaStage:
     """Stage `stage` of `n_stages` of module 06's Llama `whole`, on this rank of the mesh `groups`."""
 
     def __init__(self, cfg: LlamaConfig, groups: Groups, stage: int, n_stages: int, whole, variant: str = "zigzag",
-                 attention_chunk: int = ATTENTION_CHUNK, recompute: bool = False):
+                 attention_chunk: int = ATTENTION_CHUNK, recompute: bool = False, matmul=None):
         tp, cp, fsdp = groups.tp, groups.cp, groups.fsdp
+        self.matmul = matmul  # module 09's policy for the blocks' linears (FP8Matmul), or None: high precision
         self.cfg, self.groups, self.stage, self.variant = cfg, groups, stage, variant
         self.recompute = recompute  # module 10's "block" option: keep each block's input only
         self.is_first, self.is_last = stage == 0, stage == n_stages - 1
@@ -117,9 +118,10 @@ class LlamaStage:
         self.n_tokens, self.training = None, True
 
     def make_block(self, attention_chunk: int):
-        """Module 12's block on groups.tp with sequence parallelism; with c > 1 its attention is module 15's
+        """Module 12's block on groups.tp with sequence parallelism, its linears through self.matmul; with c > 1 its attention is module 15's
         over groups.cp and its RoPE rotates each token by its position in the whole sequence (given)."""
-        block = TPBlock(self.cfg, self.groups.tp, sequence_parallel=True, attention_chunk=attention_chunk)
+        block = TPBlock(self.cfg, self.groups.tp, sequence_parallel=True, attention_chunk=attention_chunk,
+                        matmul=self.matmul)
         if self.groups.cp.size > 1:  # module 12's block runs its heads' attention and RoPE through `local`
             block.local = CPBlock(self.cfg, self.groups.cp, VARIANTS[self.variant][1],
                                   context_attention(self.variant, self.groups.cp, attention_chunk))

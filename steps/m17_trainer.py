@@ -1,5 +1,5 @@
 # Generated from solutions/m17_trainer.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 17`. (skeleton 20c07007ddd9)
+# Grade your work with `python main.py grade 17`. (skeleton c9c26f61ed38)
 """Module 17, part 3 - the composed trainer: this rank's stages, module 11's executor, one step.
 
     ComposedLlama(cfg, mesh, n_microbatches, schedule="1f1b")   this rank's stages of the schedule's
@@ -7,8 +7,9 @@
 
 Switches: n_microbatches is module 10's gradient accumulation (m microbatches a step, one update);
 recompute=True is module 10's "block" recompute (each block keeps its input only and runs its forward
-again in the backward). Module 09's FP8 linears are not composed: module 12's tensor-parallel linears
-take no matmul policy.
+again in the backward); fp8=True runs every block's seven linears through module 09's FP8Matmul, on
+each rank's tensor-parallel slices (module 12's policy seam): the LM head, the norms and attention
+stay in high precision, as in module 09's block.
 
 One optimizer step on the global batch (every rank draws the same B sequences from the seed, as in
 module 06's `fit`, which trains this model as it trains every Llama of the course):
@@ -37,11 +38,16 @@ from course.validate import validate
 from .m06_llama_block import LlamaConfig
 from .m06_llama_model import LlamaModel, real_tokens
 from .m06_llama_ops import ATTENTION_CHUNK
+from .m09_fp8_matmul import FP8Matmul
 from .m11_actions import Action, Schedule
 from .m11_executor import StageComms, run_schedule
 from .m11_generators import make_schedule, stages_per_rank_of
 from .m17_composition import check_composition, compose_groups
 from .m17_stage import EvalMode, LlamaStage
+
+# The smallest linear FP8Matmul quantizes with --fp8: every one of the tiny model's (its sizes are multiples of
+# 16, check_fp8). Module 09's default, 16384, is where FP8 starts to pay on an H100; here FP8 is about the numbers.
+FP8_MIN_DIM = 16
 
 
 def initial_model(cfg: LlamaConfig, seed: int = 0, dtype=torch.float32, moe=None):
@@ -93,7 +99,7 @@ class ComposedLlama:
 
     def __init__(self, cfg: LlamaConfig, mesh: Mesh, n_microbatches: int = 1, schedule: str = "1f1b",
                  stages_per_rank: int = 2, seed: int = 0, dtype=torch.float32, variant: str = "zigzag", moe=None,
-                 whole=None, attention_chunk: int = ATTENTION_CHUNK, recompute: bool = False):
+                 whole=None, attention_chunk: int = ATTENTION_CHUNK, recompute: bool = False, fp8: bool = False):
         self.cfg, self.mesh, self.moe, self.dtype = cfg, mesh, moe, dtype
         self.groups = groups = compose_groups(mesh)
         v = stages_per_rank_of(schedule, stages_per_rank)
@@ -101,12 +107,14 @@ class ComposedLlama:
         self.schedule = make_schedule(schedule, groups.pp.size, n_microbatches, v)
         validate(self.schedule)
         whole = whole if whole is not None else initial_model(cfg, seed, dtype, moe)
+        matmul = FP8Matmul(min_dim=FP8_MIN_DIM) if fp8 else None  # one weight cache for all this rank's stages
         if moe is None:
             def make(stage):
-                return LlamaStage(cfg, groups, stage, self.schedule.n_stages, whole, variant, attention_chunk, recompute)
+                return LlamaStage(cfg, groups, stage, self.schedule.n_stages, whole, variant, attention_chunk, recompute,
+                                  matmul)
         else:
             from .m17_moe_stage import MoEStage, check_moe_mesh
-            check_moe_mesh(mesh.sizes, moe, recompute)
+            check_moe_mesh(mesh.sizes, moe, recompute, fp8)
 
             def make(stage):
                 return MoEStage(cfg, groups, stage, self.schedule.n_stages, whole, moe, attention_chunk)

@@ -19,6 +19,7 @@ from course.splits import check_splits
 
 block12 = load("m12_tp_block")
 m06 = reference("m06_llama_block")  # the single-process block: trusted code, not graded here
+m06_ops = reference("m06_llama_ops")   # module 06's plain matmul policy (module 09's seam)
 
 f64 = torch.float64
 CFG = m06.LlamaConfig(dim=32, n_heads=8, n_kv_heads=4, head_dim=4, ffn_dim=24, rope_theta=1000.0, max_seq_len=16)
@@ -211,3 +212,47 @@ def test_a_t_that_does_not_divide_is_refused_in_one_line(t, seq_len, message):
     with pytest.raises(ValueError, match=message) as refused:
         check_splits(CFG, {"t": t}, seq_len=seq_len, sequence_parallel=seq_len is not None)
     assert "\n" not in str(refused.value)
+
+
+class CountingMatmul(m06_ops.Matmul):
+    """Module 06's plain policy, counting its products: what module 09's seam sees of the block."""
+
+    def __init__(self):
+        self.calls = {"forward": 0, "backward": 0}
+
+    def forward(self, x, w):
+        self.calls["forward"] += 1
+        return super().forward(x, w)
+
+    def backward(self, dy, x, w):
+        self.calls["backward"] += 1
+        return super().backward(dy, x, w)
+
+
+def _block_with_policy(sequence_parallel, weights, x, dy):
+    tp = world_group("t")
+    mine = (lambda a: a.chunk(tp.size, dim=1)[tp.index].contiguous()) if sequence_parallel else (lambda a: a)
+    w, policy = block12.shard_block_weights(weights, CFG, tp), CountingMatmul()
+    block = block12.TPBlock(CFG, tp, sequence_parallel, attention_chunk=5, matmul=policy)
+    grads, store = block12.zero_grads(w), m06.ActivationStore()
+    y = block.forward(w, mine(x), store)
+    dx = block.backward(w, mine(dy), store, grads)
+    block12.sum_norm_grads([grads.ln1, grads.ln2], tp, sequence_parallel)
+    return y, dx, grads, None, None, policy.calls
+
+
+@pytest.mark.exercises("TPBlock.forward", "TPBlock.backward", *LINEARS)
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_every_linear_goes_through_the_blocks_matmul_policy(sequence_parallel):
+    # Module 09's seam: TPBlock(..., matmul=policy) multiplies through the policy, 7 forward and 7 backward
+    # products a block (module 06's count), on this rank's slices; with module 06's plain policy the results
+    # are module 06's block's, within the float64 tolerance above (the policy's dW is added, not fused).
+    weights, x, dy = inputs(f64)
+    results = run_ranks(_block_with_policy, 2, sequence_parallel, weights, x, dy, timeout=30)
+    for rank, result in enumerate(results):
+        assert result[5] == {"forward": 7, "backward": 7}, \
+            (f"rank {rank}: the policy saw {result[5]} products, module 06's block 7 and 7: every linear of your "
+             f"TPBlock.forward and TPBlock.backward passes self.matmul on (column_parallel_forward(..., mm), ...)")
+    errors = relative_errors(results, single_process(weights, x, dy), sequence_parallel)
+    wrong = [f"{name}: {error:.1e}" for name, error in errors if not error <= 1e-12]
+    assert not wrong, "with a matmul policy, relative error above 1e-12: " + "; ".join(wrong)

@@ -13,6 +13,7 @@ an update skipped, changes the next loss by 1e-3 or more.
 """
 import dataclasses
 import os
+import re
 import shutil
 import signal
 from pathlib import Path
@@ -111,6 +112,10 @@ def test_each_checkpoint_is_written_under_a_partial_name_then_renamed(uninterrup
     # step_NNNNNN.partial/ while no step_NNNNNN/ exists, and the run ends with complete directories only.
     root, *_, seen, renames = uninterrupted
     for rank, writes in enumerate(seen):
+        steps = [int(re.search(r"step_(\d+)", name)[1]) for name, _ in writes]
+        assert steps == [2, 4], (f"rank {rank} saved checkpoints of steps {steps}; every {EVERY} steps of {STEPS}: "
+                                 f"after steps 2 and 4, each under its step's number (your train: TODO(m17) 'one "
+                                 f"step, then (every checkpoint_every steps) its checkpoint')")
         assert [name for name, _ in writes] == ["step_000002.partial", "step_000004.partial"], \
             (f"rank {rank} wrote its checkpoints into {[name for name, _ in writes]}: DCP's files go into "
              f"step_NNNNNN.partial/, which only a rename after every rank's save makes step_NNNNNN/")
@@ -165,6 +170,33 @@ def test_one_process_reads_the_checkpoint_without_a_process_group(uninterrupted)
     loss, _ = model.forward_backward(tokens, targets)
     assert abs(loss.item() - expected) <= TOLERANCE, \
         f"one process on the checkpoint: loss {loss.item()}, the ranks that saved it: {expected}"
+
+
+MOE = reference("m16_router").MoEConfig(n_experts=4, top_k=2, expert_dim=16, shared_expert=True, aux_coef=0.1)
+MOE_MESH = {"p": 2, "d": 2, "e": 2}  # 4 ranks: 2 stages, each with its 4 experts over e = 2 (2 a rank)
+
+
+def _run_moe(root, steps, every, resume):
+    model = trainer.ComposedLlama(CFG, init_mesh(given.full_sizes(MOE_MESH)), M, "1f1b", dtype=f64, moe=MOE)
+    return run.train(model, TEXT, steps, BATCH, LR, 0, M, root, every, resume)[0]
+
+
+@pytest.mark.exercises(*TODOS)
+def test_the_moe_model_with_experts_over_e_resumes_bit_for_bit(tmp_path):
+    # Module 16's experts sharded over e: each expert saved under its own number, whole (the ranks of its
+    # expert-data group hold the same copy), so the checkpoint has every expert of every layer once, and a
+    # run resumed from step 2 on the same mesh continues the uninterrupted curve bit for bit.
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    expected = run_ranks(_run_moe, 4, str(whole), STEPS, EVERY, False, timeout=120)[0]
+    keys = dcp.FileSystemReader(whole / "step_000002").read_metadata().state_dict_metadata
+    experts = sorted(k for k in keys if k.startswith("model.") and ".experts." in k)
+    want = sorted(f"model.layers.{layer}.experts.{k}.{f}" for layer in range(CFG.n_layers) for k in range(4)
+                  for f in ("gate", "up", "down"))
+    assert experts == want, f"the MoE checkpoint's experts: {experts}; every layer's 4 experts, each once: {want}"
+    shutil.copytree(whole / "step_000002", resumed / "step_000002")
+    for rank, losses in enumerate(run_ranks(_run_moe, 4, str(resumed), STEPS, 0, True, timeout=120)):
+        assert losses == expected, (f"rank {rank}: the MoE model resumed from step 2, losses {losses}; the "
+                                    f"uninterrupted run's {expected}: not the same bits")
 
 
 @pytest.mark.given

@@ -1,10 +1,11 @@
 """The demos behind `python main.py run NN`: one file per module, course/demos/mNN.py (given code).
 
-A demo file may define `add_args(parser)` (the module's own `run` options) and `check_args(args)`
+A demo file may define `add_args(parser)` (the module's own `run` options), `check_args(args)`
 (raise ValueError with a one-line message; main.py calls it before any process starts, with
-`args.world_size` set), and must define `demo(args)`, which runs once, or on every rank. A demo
-loads the code it shows with `course.impl.load`, so it runs the learner's steps/ or the reference
-solutions/ alike (`--impl`). What a module file teaches stays in solutions/; how it is shown
+`args.world_size` set) and `default_world_size(args)` (the ranks when --nproc is not given, e.g. the
+product of a --mesh; else the module's), and must define `demo(args)`, which runs once, or on every
+rank. A demo loads the code it shows with `course.impl.load`, so it runs the learner's steps/ or
+the reference solutions/ alike (`--impl`). What a module file teaches stays in solutions/; how it is shown
 (options, printing, tables, plots) lives here.
 """
 from __future__ import annotations
@@ -61,6 +62,11 @@ def parse_run_options(args, run_parser, error):
         raise SystemExit(0)
     vars(args).update(vars(own.parse_args(args.extra)))
     default = args.module.world_size
+    if hasattr(demo, "default_world_size") and default > 1:
+        try:
+            default = demo.default_world_size(args)
+        except ValueError as exc:
+            error(str(exc))
     if "WORLD_SIZE" in os.environ:  # under torchrun, which decides the number of ranks
         if default == 1:
             error(f"module {args.number} runs in a single process: run it without torchrun, "

@@ -1,4 +1,4 @@
-"""`python main.py run 17 [--mesh p=2,d=2,t=2] [--steps 600] [--resume DIR] [--trace PREFIX]`: train the tiny
+"""`python main.py run 17 [--mesh p=2,d=2,t=2] [--steps 600] [--fp8] [--resume DIR] [--trace PREFIX]`: train the tiny
 Llama on characters of Shakespeare with every parallelism of the course on one mesh (8 ranks by
 default: 2 pipeline stages x 2 data shards x 2 tensor slices), with a progress bar, a validation loss,
 a checkpoint every --checkpoint-every steps (torch.distributed.checkpoint, one directory per step),
@@ -45,6 +45,8 @@ def add_args(parser: argparse.ArgumentParser):
     parser.add_argument("--recompute", action="store_true",
                         help="module 10's block recompute: each block keeps its input only and reruns its forward "
                              "in the backward")
+    parser.add_argument("--fp8", action="store_true",
+                        help="module 09's FP8Matmul in every block's linears (on CPU emulated by torch._scaled_mm)")
     parser.add_argument("--eval-every", type=int, default=100, help="a validation loss every N steps (default 100)")
     parser.add_argument("--checkpoint-every", type=int, default=200, help="a checkpoint every N steps (default 200)")
     parser.add_argument("--checkpoint-dir", default=None,
@@ -55,6 +57,11 @@ def add_args(parser: argparse.ArgumentParser):
     parser.add_argument("--sample", type=int, default=300, help="characters to sample at the end (default 300)")
     parser.add_argument("--trace", default=None,
                         help="also time one more step of every rank: PREFIX.json (Perfetto) and PREFIX.png")
+
+
+def default_world_size(args) -> int:
+    """--nproc's default: the mesh's product (a mesh given once is enough); e is carved out of d x c."""
+    return math.prod(size for axis, size in parse_mesh(args.mesh).items() if axis != "e")
 
 
 def mesh_sizes(args) -> dict[str, int]:
@@ -94,14 +101,13 @@ def check_args(args):
     if moe is None and "e" in sizes:
         raise ValueError("the mesh has an axis e: pass --experts E for the MoE model (dense blocks have no experts)")
     if moe is not None:
-        reference("m17_moe_stage").check_moe_mesh(sizes, moe, args.recompute)
-        if args.resume or args.checkpoint_every:
-            raise ValueError("checkpoints of the MoE model are not composed here: pass --checkpoint-every 0 (and no "
-                             "--resume) with --experts")
+        reference("m17_moe_stage").check_moe_mesh(sizes, moe, args.recompute, args.fp8)
     reference("m11_generators").check_arguments(args.schedule, sizes["p"], args.microbatches, args.stages_per_rank)
     v = reference("m11_generators").stages_per_rank_of(args.schedule, args.stages_per_rank)
     reference("m17_composition").check_composition(cfg, sizes, args.batch, args.microbatches, v,
                                                    moe.n_experts if moe else None)
+    if args.fp8:
+        reference("m17_composition").check_fp8(cfg, sizes, args.batch, args.microbatches)
     if sizes["c"] > 1:
         reference("m15_cp_model").check_cp(cfg, args.variant, sizes["c"], args.seq_len)
         if args.variant == "ulysses":
@@ -111,7 +117,7 @@ def check_args(args):
         latest = checkpoints.latest_checkpoint(args.resume)
         if latest is None:
             raise ValueError(f"--resume {args.resume}: no complete checkpoint (step_NNNNNN/) there")
-        checkpoints.check_checkpoint(latest, cfg, text.chars)
+        checkpoints.check_checkpoint(latest, cfg, text.chars, moe)
         if int(latest.name.removeprefix("step_")) >= args.steps:
             raise ValueError(f"--resume {args.resume}: its latest checkpoint is {latest.name}, at or beyond --steps "
                              f"{args.steps}: ask for more steps")
@@ -175,16 +181,16 @@ def demo(args):
     cfg, moe, sizes = config(args, text.vocab_size), moe_config(args), mesh_sizes(args)
     mesh = init_mesh(sizes)
     model = trainer.ComposedLlama(cfg, mesh, args.microbatches, args.schedule, args.stages_per_rank, args.seed,
-                                  torch.float32, args.variant, moe, recompute=args.recompute)
+                                  torch.float32, args.variant, moe, recompute=args.recompute, fp8=args.fp8)
     tokens_per_step = args.batch * cfg.max_seq_len
-    checkpoint_dir = args.checkpoint_dir if moe is None else None
+    checkpoint_dir = args.checkpoint_dir
     if rank == 0:
         shown = " x ".join(f"{a}={s}" for a, s in sizes.items())
         print(f"Mesh {shown} on {world_size} ranks. The model: {cfg.n_layers} blocks of dim {cfg.dim}, "
               f"{cfg.n_heads} query / {cfg.n_kv_heads} key-value heads, FFN "
               f"{cfg.ffn_dim if moe is None else f'{moe.n_experts} experts of {moe.expert_dim}, top-{moe.top_k}'}, "
               f"a vocabulary of V={text.vocab_size} characters; {args.batch} x {cfg.max_seq_len} tokens a step in "
-              f"{args.microbatches} microbatches")
+              f"{args.microbatches} microbatches{'; FP8 linears in every block (module 09)' if args.fp8 else ''}")
         print(describe_mesh(mesh, model))
         if checkpoint_dir:
             print(f"  checkpoints: {checkpoint_dir}/step_NNNNNN every {args.checkpoint_every} steps"
@@ -224,7 +230,9 @@ def demo(args):
     plot = RESULTS / "m17_loss.png"
     plot_losses(losses, validation, plot, f"module 17: mesh {args.mesh}, {cfg.n_layers} blocks of dim {cfg.dim}")
     print(f"loss plot: {plot}")
-    if final is not None and args.sample:
+    if final is not None and args.sample and moe is not None:
+        print(f"\nCheckpoint: {final} (sampling reads a checkpoint into module 06's dense model, not the MoE model)")
+    elif final is not None and args.sample:
         one = checkpoints.load_into_one_process(final, cfg)
         print(f"\nSampled from {final} loaded into one process (temperature 0.8), after {PROMPT!r}:\n")
         print(printable(sample(one, text, PROMPT, args.sample, args.seed)))
