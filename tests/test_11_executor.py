@@ -11,6 +11,9 @@ of each loss before its backward: the same numbers when m is a power of two (mea
 bit for every schedule at p = 2 and 4, torch 2.13), but another torch may sum in another order, so
 gradients are compared within 1e-5 relative and losses within 1e-6.
 """
+import contextlib
+from unittest import mock
+
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -30,7 +33,8 @@ LOSS_ATOL = 1e-6
 
 class _WatchedComms:
     """The learner's StageComms, with every send's handle watched: after a step, any handle not
-    waited for is reported at once (and, kept here, its message is not lost, so nothing hangs)."""
+    waited for is reported at once (and, kept here, its message is not lost, so nothing hangs), as
+    dropped by run_action (not in its `sends` when it returned) or not waited for by run_schedule."""
 
     def __init__(self, comms):
         self.comms, self.handles = comms, []
@@ -42,20 +46,38 @@ class _WatchedComms:
         self.handles.append(_Watched(self.comms.send(tensor, message, stage, microbatch), f"{message} {stage}:{microbatch}"))
         return self.handles[-1]
 
+    @contextlib.contextmanager
+    def watching_run_action(self):
+        """Within: the executor's run_action also marks each handle it sent as kept in `sends` or not."""
+        run_action = m11.run_action
+
+        def watched(action, stage, comms, xs, ys, sends):
+            first = len(self.handles)
+            share = run_action(action, stage, comms, xs, ys, sends)
+            for handle in self.handles[first:]:
+                handle.kept = any(handle is kept for kept in sends)
+            return share
+        with mock.patch.object(m11, "run_action", watched):
+            yield
+
     def check_all_waited(self, rank):
-        unwaited = [h.what for h in self.handles if not h.waited]
-        culprit = ("your run_schedule waits for none of them: wait_all the list run_action fills (or does your "
-                   "run_action keep no handle in it?)" if len(unwaited) == len(self.handles) else
-                   "the others were, so your run_action drops these handles: every one goes into `sends`")
-        assert not unwaited, (f"rank {rank}: {len(unwaited)} of the step's {len(self.handles)} sends were never waited "
-                              f"for before run_schedule returned ({', '.join(unwaited[:4])}{', ...' if len(unwaited) > 4 else ''}: message stage:microbatch); "
-                              + culprit)
+        dropped = [h.what for h in self.handles if not h.waited and not h.kept]
+        unwaited = [h.what for h in self.handles if not h.waited and h.kept]
+        where = f"rank {rank}: of the step's {len(self.handles)} sends, "
+        assert not dropped, (where + f"your run_action did not put {len(dropped)} handles into `sends` ({_listed(dropped)}: "
+                             "message stage:microbatch): a handle dropped is never waited for, so keep every one")
+        assert not unwaited, (where + f"{len(unwaited)} in `sends` ({_listed(unwaited)}) were never waited for before your "
+                              "run_schedule returned: wait for every handle of the step (module 05's wait_all)")
         self.handles = []
+
+
+def _listed(names: list[str]) -> str:
+    return ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
 
 
 class _Watched:
     def __init__(self, handle, what):
-        self.handle, self.what, self.waited = handle, what, False
+        self.handle, self.what, self.waited, self.kept = handle, what, False, False
 
     def wait(self):
         self.waited = True
@@ -84,7 +106,7 @@ def _train(name, world_size, n_microbatches, steps, profile=False):
     losses, first_grads = [], None
     for step in range(steps):
         optimizer.zero_grad()
-        with profiler.step():
+        with profiler.step(), comms.watching_run_action():
             loss = m11.run_schedule(schedule, run, comms, x, y)
         comms.check_all_waited(rank)
         if schedule.placement[-1] == rank:
@@ -162,7 +184,7 @@ def _count_one_step(name, world_size, n_microbatches):
             setattr(stage, half, _counted(getattr(stage, half), runs, s, half))  # B calls both halves through these
     comms = _WatchedComms(m11.StageComms(pp, schedule.placement, n_microbatches, order=schedule.orders[pp.index]))
     x, y = m00.make_batch(cfg)
-    with FlopCounterMode(display=False) as counter:
+    with FlopCounterMode(display=False) as counter, comms.watching_run_action():
         m11.run_schedule(schedule, stages, comms, x, y)
     comms.check_all_waited(pp.index)
     return counter.get_total_flops(), runs
@@ -258,7 +280,8 @@ def _train_along_one_axis(name, n_microbatches, steps):
     cfg = m00.MLPConfig(steps=steps, seed=42 + mesh.index["d"])
     schedule = generators.make_schedule(name, pp.size, n_microbatches)
     comms = _WatchedComms(m11.StageComms(pp, schedule.placement, n_microbatches, order=schedule.orders[pp.index]))
-    _, losses = ref.train(schedule, ref.build_stages(cfg, schedule, pp), comms, cfg, run_step=m11.run_schedule)
+    with comms.watching_run_action():
+        _, losses = ref.train(schedule, ref.build_stages(cfg, schedule, pp), comms, cfg, run_step=m11.run_schedule)
     return pp.ranks, mesh.index["d"], losses
 
 
