@@ -142,7 +142,10 @@ def test_every_schedule_trains_like_the_monolith_bit_for_bit(name, world_size, n
     label = f"{name}, p={world_size}, m={n_microbatches}"
     losses = results[schedule.placement[-1]][0]
     assert losses == want, (f"{label}: losses {losses} differ from the monolith's with gradient accumulation {want}: "
-                            "your run_schedule returns the sum of the last stage's shares, in microbatch order (sum())")
+                            + ("your run_schedule returns the sum of the last stage's shares, in microbatch order (sum())"
+                               if losses[:1] != want[:1] else "the first is right, so the first step's gradients are "
+                               "not: does your run_action run every action on its own stage and microbatch, each B "
+                               "or W once?"))
     _, plain = m00.train(_config(steps, n_microbatches))
     assert max(abs(a - b) for a, b in zip(losses, plain)) <= LOSS_ATOL, f"{label}: {losses} vs the monolith's {plain}"
     for rank, (_, params, *_) in enumerate(results):
@@ -268,8 +271,8 @@ def test_all_of_your_module_together():
         return losses
     results = run_ranks(everything, world_size, world_size, n_microbatches, steps, timeout=20)
     _, want = accumulating_monolith(m00.MLPConfig(steps=steps), n_microbatches)
-    assert results[0] == want, (f"ZB-V with all of your module 11: losses {results[0]}, the monolith's {want}; your zbv "
-                                "and SplitStage pass on their own, so your run_action and run_schedule run them")
+    assert results[0] == want, (f"ZB-V with all of your module 11: losses {results[0]}, the monolith's {want}: your "
+                                "run_action and run_schedule (the lists and the stage above pass on their own)")
 
 
 def _train_along_one_axis(name, n_microbatches, steps):
