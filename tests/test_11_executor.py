@@ -116,6 +116,9 @@ def _train(name, world_size, n_microbatches, steps, profile=False):
         else:
             assert loss is None, f"rank {rank} returned {loss!r}; only the rank holding the last stage has a loss"
         if step == 0:
+            missing = [s for s, stage in stages.items() if any(p.grad is None for p in stage.parameters())]
+            assert not missing, (f"rank {rank}: after a step, stage {missing[0]}'s .grad is None: your run_action never "
+                                 "ran its weight gradient (W: backward_weight; B: backward, both halves)")
             first_grads = {s: [p.grad.clone() for p in stage.parameters()] for s, stage in stages.items()}
         optimizer.step()
     params = {s: [p.detach().clone() for p in stage.parameters()] for s, stage in stages.items()}

@@ -94,7 +94,7 @@ PLANTS = [
           "the input gradient named after the stage that sends it: a message is named by the stage that receives it"),
     # issue 26 (helper b): the scorecard's help names the planted function (stage: I or W; executor: which of the two)
     Plant(STAGE, "(layer.weight, dz.t() @ x)", "(layer.weight, x.t() @ dz)",
-          "W's weight gradient transposed (x^T dz): the weights are square, so it runs, and only W is wrong"),
+          "W's weight gradient transposed (x^T dz): square for the hidden layers, so it runs there; the head's is not"),
     Plant(EXEC, 'backward = stage.backward if action.kind == "B" else stage.backward_input',
           'backward = stage.backward if action.kind in ("B", "I") else stage.backward_input',
           "I run as a whole B: the weight gradient is computed at I, and the W that follows runs it again"),
