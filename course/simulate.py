@@ -83,11 +83,12 @@ class Timeline:
 
 class Deadlock(ValueError):
     """No rank can take its next step. `positions[r]` is the index of rank r's first action that
-    never ran (len(orders[r]) for a rank that finished)."""
+    never ran (len(orders[r]) for a rank that finished); `waiting`, per stuck rank, "rank r at <its
+    next action> waits for <what no rank has made>"."""
 
-    def __init__(self, message: str, positions: list[int]):
-        super().__init__(message)
-        self.positions = positions
+    def __init__(self, waiting: list[str], positions: list[int]):
+        super().__init__(f"the schedule deadlocks: {'; '.join(waiting)}")
+        self.positions, self.waiting = positions, waiting
 
 
 def needs(action, n_stages: int) -> list[tuple]:
@@ -160,9 +161,16 @@ def simulate_schedule(orders, placement, costs: Costs = Costs(), atomic_pairs: b
             progressed = True
     if any(position[r] < len(units[r]) for r in range(world_size)):
         positions = [sum(len(u) for u in units[r][:position[r]]) for r in range(world_size)]
-        stuck = [f"rank {r} at {_text(orders[r][positions[r]])}" for r in range(world_size)
-                 if positions[r] < len(orders[r])]
-        raise Deadlock(f"the schedule deadlocks: {', '.join(stuck)} wait forever", positions)
+        waiting = []
+        for r in range(world_size):
+            if position[r] < len(units[r]):
+                unit = units[r][position[r]]
+                made_here = {key for action in unit for key in produces(action)}
+                missing = [key for action in unit for key in needs(action, n_stages)
+                           if key not in done and key not in made_here]
+                waiting.append(f"rank {r} at {_text(unit[0])} waits for "
+                               + " and ".join(describe(key, placement) for key in missing))
+        raise Deadlock(waiting, positions)
     makespan = max(free)
     idle = [makespan - sum(end - start for _, start, end in rank_spans) for rank_spans in spans]
     return Timeline(spans, makespan, idle, sum(idle) / (world_size * makespan) if makespan else Fraction(0),
@@ -182,6 +190,13 @@ def _units(order, n_stages, atomic_pairs) -> list[tuple]:
             units.append((order[i],))
             i += 1
     return units
+
+
+def describe(key, placement) -> str:
+    """What makes message `key` = ("act" | "grad", stage, microbatch), and on which rank: "1F0 (rank 1)"."""
+    what, stage, microbatch = key
+    made_by = f"{stage}F{microbatch}" if what == "act" else f"{stage}B{microbatch} or {stage}I{microbatch}"
+    return f"{made_by} (rank {placement[stage]})"
 
 
 def _text(action) -> str:

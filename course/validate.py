@@ -19,7 +19,7 @@ matters. A schedule is module 11's `Schedule` (m11_actions): `placement`, `order
 """
 from collections import Counter
 
-from course.simulate import KINDS, Deadlock, needs, produces, simulate_schedule
+from course.simulate import KINDS, Deadlock, simulate_schedule
 
 
 class ScheduleError(ValueError):
@@ -86,18 +86,4 @@ def _dry_run(schedule):
         simulate_schedule(schedule.orders, schedule.placement)
     except Deadlock as stuck:
         marks = {r: i for r, i in enumerate(stuck.positions) if i < len(schedule.orders[r])}
-        made = {key for r, i in enumerate(stuck.positions) for a in schedule.orders[r][:i] for key in produces(a)}
-        waiting = []
-        for rank, i in marks.items():
-            action = schedule.orders[rank][i]
-            missing = [key for key in needs(action, schedule.n_stages) if key not in made]
-            waiting.append(f"rank {rank} at {action} waits for " + " and ".join(_describe(k, schedule) for k in missing))
-        raise ScheduleError(f"{schedule.name} deadlocks: {'; '.join(waiting)}\n{schedule.table(marks)}") from None
-
-
-def _describe(key, schedule) -> str:
-    what, stage, microbatch = key
-    rank = schedule.placement[stage]
-    if what == "act":
-        return f"{stage}F{microbatch} (rank {rank})"
-    return f"{stage}B{microbatch} or {stage}I{microbatch} (rank {rank})"
+        raise ScheduleError(f"{schedule.name} deadlocks: {'; '.join(stuck.waiting)}\n{schedule.table(marks)}") from None

@@ -11,6 +11,9 @@ of each loss before its backward: the same numbers when m is a power of two (mea
 bit for every schedule at p = 2 and 4, torch 2.13), but another torch may sum in another order, so
 gradients are compared within 1e-5 relative and losses within 1e-6.
 """
+import contextlib
+from unittest import mock
+
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -30,7 +33,8 @@ LOSS_ATOL = 1e-6
 
 class _WatchedComms:
     """The learner's StageComms, with every send's handle watched: after a step, any handle not
-    waited for is reported at once (and, kept here, its message is not lost, so nothing hangs)."""
+    waited for is reported at once (and, kept here, its message is not lost, so nothing hangs), as
+    dropped by run_action (not in its `sends` when it returned) or not waited for by run_schedule."""
 
     def __init__(self, comms):
         self.comms, self.handles = comms, []
@@ -38,20 +42,42 @@ class _WatchedComms:
     def __getattr__(self, name):
         return getattr(self.comms, name)
 
-    def send(self, *args):
-        self.handles.append(_Watched(self.comms.send(*args)))
+    def send(self, tensor, message, stage, microbatch):
+        self.handles.append(_Watched(self.comms.send(tensor, message, stage, microbatch), f"{message} {stage}:{microbatch}"))
         return self.handles[-1]
 
+    @contextlib.contextmanager
+    def watching_run_action(self):
+        """Within: the executor's run_action also marks each handle it sent as kept in `sends` or not."""
+        run_action = m11.run_action
+
+        def watched(action, stage, comms, xs, ys, sends):
+            first = len(self.handles)
+            share = run_action(action, stage, comms, xs, ys, sends)
+            for handle in self.handles[first:]:
+                handle.kept = any(handle is kept for kept in sends)
+            return share
+        with mock.patch.object(m11, "run_action", watched):
+            yield
+
     def check_all_waited(self, rank):
-        unwaited = sum(not h.waited for h in self.handles)
-        assert not unwaited, (f"rank {rank}: {unwaited} of the step's {len(self.handles)} sends were never waited for "
-                              "before run_schedule returned: keep every handle comms.send returns, wait for all")
+        dropped = [h.what for h in self.handles if not h.waited and not h.kept]
+        unwaited = [h.what for h in self.handles if not h.waited and h.kept]
+        where = f"rank {rank}: of the step's {len(self.handles)} sends, "
+        assert not dropped, (where + f"your run_action did not put {len(dropped)} handles into `sends` ({_listed(dropped)}: "
+                             "message stage:microbatch): a handle dropped is never waited for, so keep every one")
+        assert not unwaited, (where + f"{len(unwaited)} in `sends` ({_listed(unwaited)}) were never waited for before your "
+                              "run_schedule returned: wait for every handle of the step (module 05's wait_all)")
         self.handles = []
 
 
+def _listed(names: list[str]) -> str:
+    return ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+
+
 class _Watched:
-    def __init__(self, handle):
-        self.handle, self.waited = handle, False
+    def __init__(self, handle, what):
+        self.handle, self.what, self.waited, self.kept = handle, what, False, False
 
     def wait(self):
         self.waited = True
@@ -80,7 +106,7 @@ def _train(name, world_size, n_microbatches, steps, profile=False):
     losses, first_grads = [], None
     for step in range(steps):
         optimizer.zero_grad()
-        with profiler.step():
+        with profiler.step(), comms.watching_run_action():
             loss = m11.run_schedule(schedule, run, comms, x, y)
         comms.check_all_waited(rank)
         if schedule.placement[-1] == rank:
@@ -90,6 +116,9 @@ def _train(name, world_size, n_microbatches, steps, profile=False):
         else:
             assert loss is None, f"rank {rank} returned {loss!r}; only the rank holding the last stage has a loss"
         if step == 0:
+            missing = [s for s, stage in stages.items() if any(p.grad is None for p in stage.parameters())]
+            assert not missing, (f"rank {rank}: after a step, stage {missing[0]}'s .grad is None: your run_action never "
+                                 "ran its weight gradient (W: backward_weight; B: backward, both halves)")
             first_grads = {s: [p.grad.clone() for p in stage.parameters()] for s, stage in stages.items()}
         optimizer.step()
     params = {s: [p.detach().clone() for p in stage.parameters()] for s, stage in stages.items()}
@@ -116,7 +145,10 @@ def test_every_schedule_trains_like_the_monolith_bit_for_bit(name, world_size, n
     label = f"{name}, p={world_size}, m={n_microbatches}"
     losses = results[schedule.placement[-1]][0]
     assert losses == want, (f"{label}: losses {losses} differ from the monolith's with gradient accumulation {want}: "
-                            "is the loss the sum of the last stage's shares?")
+                            + ("your run_schedule returns the sum of the last stage's shares, in microbatch order (sum())"
+                               if losses[:1] != want[:1] else "the first is right, so the first step's gradients are "
+                               "not: does your run_action run every action on its own stage and microbatch, each B "
+                               "or W once?"))
     _, plain = m00.train(_config(steps, n_microbatches))
     assert max(abs(a - b) for a, b in zip(losses, plain)) <= LOSS_ATOL, f"{label}: {losses} vs the monolith's {plain}"
     for rank, (_, params, *_) in enumerate(results):
@@ -124,8 +156,8 @@ def test_every_schedule_trains_like_the_monolith_bit_for_bit(name, world_size, n
             for i, (ours, theirs) in enumerate(zip(got, _stage_params(model, stage, schedule.n_stages), strict=True)):
                 assert torch.equal(ours, theirs), \
                     (f"{label}: after {steps} steps, stage {stage} (rank {rank}) parameter {i} differs from the "
-                     f"monolith's by up to {(ours - theirs).abs().max().item():.2e}: does every action run on its "
-                     "own stage and microbatch, each B or W once?")
+                     f"monolith's by up to {(ours - theirs).abs().max().item():.2e}: does your run_action run every "
+                     "action on its own stage and microbatch, each B or W once?")
 
 
 @pytest.mark.exercises("run_action", "run_schedule")
@@ -145,16 +177,37 @@ def test_each_rank_runs_its_list_in_order_keeping_what_the_simulator_predicts(na
 
 
 def _count_one_step(name, world_size, n_microbatches):
+    """This rank's matmul flops in one step, and how often each of its stages' computations ran for each
+    microbatch: {(stage, "forward" | "backward_input" | "backward_weight", microbatch): count} (B counts as
+    one of each half)."""
     pp = world_group()
     cfg = m00.MLPConfig(steps=1)
     schedule = generators.make_schedule(name, world_size, n_microbatches)
     stages = ref.build_stages(cfg, schedule, pp)
+    runs = {(s, half, m): 0 for s in stages for half in HALVES for m in range(n_microbatches)}
+    for s, stage in stages.items():
+        for half in HALVES:
+            setattr(stage, half, _counted(getattr(stage, half), runs, s, half))  # B calls both halves through these
     comms = _WatchedComms(m11.StageComms(pp, schedule.placement, n_microbatches, order=schedule.orders[pp.index]))
     x, y = m00.make_batch(cfg)
-    with FlopCounterMode(display=False) as counter:
+    with FlopCounterMode(display=False) as counter, comms.watching_run_action():
         m11.run_schedule(schedule, stages, comms, x, y)
     comms.check_all_waited(pp.index)
-    return counter.get_total_flops()
+    return counter.get_total_flops(), runs
+
+
+HALVES = ("forward", "backward_input", "backward_weight")
+
+
+def _counted(method, runs, stage, half):
+    def run(*args, **kwargs):  # forward(x, microbatch, ...), the halves (microbatch, ...)
+        runs[(stage, half, kwargs.get("microbatch", args[1 if half == "forward" else 0]))] += 1
+        return method(*args, **kwargs)
+    return run
+
+
+def _times(n: int) -> str:
+    return {0: "never ran", 1: "ran once", 2: "ran twice"}.get(n, f"ran {n} times")
 
 
 @pytest.mark.exercises("run_action", "run_schedule")
@@ -162,12 +215,17 @@ def _count_one_step(name, world_size, n_microbatches):
 def test_no_matmul_is_done_twice(name):
     world_size, n_microbatches = 2, 4
     # Counted in floating-point operations of matrix products (PyTorch's FlopCounterMode), summed over ranks.
-    ours = sum(run_ranks(_count_one_step, world_size, name, world_size, n_microbatches, timeout=20))
+    results = run_ranks(_count_one_step, world_size, name, world_size, n_microbatches, timeout=20)
+    wrong = [f"stage {s}'s {half} for microbatch {m} {_times(n)}" for _, runs in results
+             for (s, half, m), n in runs.items() if n != 1]
+    assert not wrong, (f"{name}: in one step, {'; '.join(wrong[:4])}{'; ...' if len(wrong) > 4 else ''} (each should "
+                       "run once: F runs forward, I backward_input, W backward_weight, B both): your run_action")
+    ours = sum(flops for flops, _ in results)
     with FlopCounterMode(display=False) as autograd:
         accumulating_monolith(m00.MLPConfig(steps=1), n_microbatches)
     assert ours == autograd.get_total_flops(), \
         (f"{name}: one step did {ours:,} matmul flops over all ranks, autograd on the monolith "
-         f"{autograd.get_total_flops():,}: is an I or a W run twice (a B followed by its W, an I by a B)?")
+         f"{autograd.get_total_flops():,} ({ours / autograd.get_total_flops():.3g} times): your run_action")
 
 
 @pytest.mark.exercises("run_action", "run_schedule")
@@ -192,9 +250,20 @@ def test_ours_equals_torch_pipelinings_same_schedule(name, world_size, n_microba
                 assert error <= 1e-5, f"{name}: stage {stage} gradient {i} differs from torch's by {error:.1e} (relative)"
 
 
-@pytest.mark.exercises("zbv", "SplitStage.backward_input", "SplitStage.backward_weight", "run_action", "run_schedule")
+@pytest.mark.exercises("run_action", "run_schedule", "SplitStage.backward_input", "SplitStage.backward_weight", "zbv")
 def test_all_of_your_module_together():
-    """Your generator, validator, stage and executor: ZB-V on 2 ranks, three steps, bit for bit."""
+    """Your generator, validator, stage and executor: ZB-V on 2 ranks, three steps, bit for bit. The pieces
+    are compared first (your zbv's lists, your stage's I and W in one process), so that a failure names
+    the piece at fault rather than the whole."""
+    from test_11_stage import first_fault_of_i_then_w  # tests/ is on the path under pytest
+
+    world_size, n_microbatches, steps = 2, 4, 3
+    yours, want = (g.zbv(world_size, n_microbatches).orders for g in (load("m11_generators"), generators))
+    assert [[tuple(a) for a in order] for order in yours] == [[tuple(a) for a in order] for order in want], \
+        f"your zbv({world_size}, {n_microbatches})'s lists differ from ZB-V's (test_small_schedules_are_the_hand_checked_orders says where)"
+    fault = first_fault_of_i_then_w(2 * world_size, n_microbatches)  # ZB-V's 2p stages, one process
+    assert not fault, f"ZB-V's {2 * world_size} stages run in one process, m={n_microbatches}: {fault}"
+
     def everything(world_size, n_microbatches, steps):
         pp = world_group()
         cfg = m00.MLPConfig(steps=steps)
@@ -203,9 +272,10 @@ def test_all_of_your_module_together():
         comms = m11.StageComms(pp, schedule.placement, n_microbatches, order=schedule.orders[pp.index])
         _, losses = m11.train(schedule, stages, comms, cfg)
         return losses
-    results = run_ranks(everything, 2, 2, 4, 3, timeout=20)
-    _, want = accumulating_monolith(m00.MLPConfig(steps=3), 4)
-    assert results[0] == want, f"ZB-V with all of your module 11: losses {results[0]}, the monolith's {want}"
+    results = run_ranks(everything, world_size, world_size, n_microbatches, steps, timeout=20)
+    _, want = accumulating_monolith(m00.MLPConfig(steps=steps), n_microbatches)
+    assert results[0] == want, (f"ZB-V with all of your module 11: losses {results[0]}, the monolith's {want}: your "
+                                "run_action and run_schedule (the lists and the stage above pass on their own)")
 
 
 def _train_along_one_axis(name, n_microbatches, steps):
@@ -216,7 +286,8 @@ def _train_along_one_axis(name, n_microbatches, steps):
     cfg = m00.MLPConfig(steps=steps, seed=42 + mesh.index["d"])
     schedule = generators.make_schedule(name, pp.size, n_microbatches)
     comms = _WatchedComms(m11.StageComms(pp, schedule.placement, n_microbatches, order=schedule.orders[pp.index]))
-    _, losses = ref.train(schedule, ref.build_stages(cfg, schedule, pp), comms, cfg, run_step=m11.run_schedule)
+    with comms.watching_run_action():
+        _, losses = ref.train(schedule, ref.build_stages(cfg, schedule, pp), comms, cfg, run_step=m11.run_schedule)
     return pp.ranks, mesh.index["d"], losses
 
 

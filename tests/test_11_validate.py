@@ -8,7 +8,7 @@ import pytest
 import course.validate as validator
 from course.impl import reference
 from course.mesh import group_of
-from course.simulate import Costs, simulate_schedule
+from course.simulate import Costs, Deadlock, simulate_schedule
 
 pytestmark = pytest.mark.given
 actions = reference("m11_actions")
@@ -40,6 +40,18 @@ def test_a_deadlock_is_refused_with_each_ranks_stuck_action_marked():
     assert first == ("hand-written deadlocks: rank 0 at 0B0 waits for 1B0 or 1I0 (rank 1); "
                      "rank 1 at 1F1 waits for 0F1 (rank 0)"), first
     assert table == ["rank 0: 0F0 [0B0] 0F1 0B1", "rank 1: 1F0 [1F1] 1B0 1B1"], table
+
+
+
+def test_the_simulators_deadlock_names_each_ranks_next_action_and_what_it_waits_for():
+    # The same deadlock given to the simulator directly (the validator's dry run, a notebook's own
+    # schedule): each stuck rank's next action, what it waits for and which rank would make it.
+    with pytest.raises(Deadlock) as stuck:
+        simulate_schedule([[(0, "F", 0), (0, "B", 0), (0, "F", 1), (0, "B", 1)],
+                           [(1, "F", 0), (1, "F", 1), (1, "B", 0), (1, "B", 1)]], [0, 1])
+    assert str(stuck.value) == ("the schedule deadlocks: rank 0 at 0B0 waits for 1B0 or 1I0 (rank 1); "
+                                "rank 1 at 1F1 waits for 0F1 (rank 0)"), str(stuck.value)
+    assert stuck.value.positions == [1, 1]
 
 
 @pytest.mark.parametrize("text, placement, message", [

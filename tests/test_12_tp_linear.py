@@ -35,53 +35,84 @@ def pair_inputs(seed=0):
 
 
 def _pair_on_ranks(sequence_parallel, inputs):
-    """z1, z2 = x gate^T, x up^T (column-parallel, one input); y = (z1 * z2) down^T (row-parallel)."""
+    """z1, z2 = x gate^T, x up^T (column-parallel, one input); y = (z1 * z2) down^T (row-parallel). Also
+    each operator alone: f and g on x and dy, and the sums (g's forward, f's backward) of partials
+    (rank + 1) x."""
     x, dy, gate, up, down = inputs
     tp, sp = world_group("t"), sequence_parallel
     rank, t = tp.index, tp.size
     mine = (lambda a: a.chunk(t, dim=1)[rank]) if sp else (lambda a: a)
     gate_r, up_r, down_r = gate.chunk(t)[rank], up.chunk(t)[rank], down.chunk(t, dim=1)[rank].contiguous()
+    operators = {"f forward": linear.enter_tp_forward(mine(x).clone(), tp, sp, "f").wait(),  # each on tensors of its
+                 "g forward": linear.leave_tp_forward(x * (rank + 1), tp, sp, "g"),        # own: a sum may be in place
+                 "g backward": linear.leave_tp_backward(mine(dy).clone(), tp, sp, "g"),
+                 "f backward": linear.enter_tp_backward(x * (rank + 1), tp, sp, "f").wait()}
     z1, z2 = linear.column_parallel_forward(mine(x), [gate_r, up_r], tp, sp, "in")
     y = linear.row_parallel_forward(z1 * z2, down_r, tp, sp, "out")
     grads = [torch.zeros_like(w) for w in (gate_r, up_r, down_r)]
     ds = linear.row_parallel_backward(mine(dy), z1 * z2, down_r, grads[2], tp, sp, "out")
     dx = linear.column_parallel_backward([ds * z2, ds * z1], mine(x), [gate_r, up_r], grads[:2], tp, sp, "in")
-    return y, dx, grads
+    return y, dx, grads, operators, (z1, z2, ds)
 
 
-@pytest.mark.exercises("enter_tp_forward", "leave_tp_forward", "column_parallel_forward", "row_parallel_forward",
-                        "leave_tp_backward", "row_parallel_backward", "enter_tp_backward", "column_parallel_backward",
-                        "accumulate_weight_grad")
+# Each piece of the pair, in the order computed, and the TODO that computes it (given the pieces before it).
+PIECES = {
+    "f forward": "your enter_tp_forward (f(x): the whole x on every rank)",
+    "g forward": "your leave_tp_forward (g of the partials: their sum, in the stream's layout)",
+    "g backward": "your leave_tp_backward (g's backward of dy: the whole dy on every rank)",
+    "f backward": "your enter_tp_backward (f's backward of the partials: their sum, in the stream's layout)",
+    "z1": "your column_parallel_forward (this rank's output features, every position)",
+    "z2": "your column_parallel_forward (this rank's output features, every position)",
+    "y": "your row_parallel_forward (its partial product, then g)",
+    "ds": "your row_parallel_backward's dx (the whole dy times this rank's columns of the weight)",
+    "d down": "your row_parallel_backward's weight gradient (the whole dy, ^T this rank's input)",
+    "d gate": "your column_parallel_backward's weight gradients (dy^T the whole x)",
+    "d up": "your column_parallel_backward's weight gradients (dy^T the whole x)",
+    "dx": "your column_parallel_backward's input gradient (summed over the ranks by f's backward)",
+}
+
+
+@pytest.mark.exercises("enter_tp_forward", "leave_tp_forward", "leave_tp_backward", "enter_tp_backward",
+                        "column_parallel_forward", "row_parallel_forward", "row_parallel_backward",
+                        "column_parallel_backward", "accumulate_weight_grad")
 @pytest.mark.parametrize("world_size, sequence_parallel", [(2, False), (4, False), (2, True), (4, True)])
 def test_a_column_then_row_pair_equals_the_whole_linears(world_size, sequence_parallel):
     inputs = pair_inputs()
     x, dy, gate, up, down = (t.clone() for t in inputs)
     leaves = [t.requires_grad_(True) for t in (x, gate, up, down)]
-    expected = ((x @ gate.t()) * (x @ up.t())) @ down.t()
+    z1, z2 = x @ gate.t(), x @ up.t()
+    expected = (z1 * z2) @ down.t()
     expected.backward(dy)
     results = run_ranks(_pair_on_ranks, world_size, sequence_parallel, inputs, timeout=30)
-    joined = (lambda parts: torch.cat(parts, dim=1)) if sequence_parallel else (lambda parts: parts[0])
-    y, dx = joined([r[0] for r in results]), joined([r[1] for r in results])
+    stream = (lambda parts: torch.cat(parts, dim=1)) if sequence_parallel else (lambda parts: parts[0])
+    features = lambda parts: torch.cat(parts, dim=-1)  # noqa: E731 - each rank's output features, joined
+    y, dx = stream([r[0] for r in results]), stream([r[1] for r in results])
     d_gate, d_up = (torch.cat([r[2][i] for r in results]) for i in (0, 1))
     d_down = torch.cat([r[2][2] for r in results], dim=1)
+    every_rank = lambda parts: torch.stack(parts)  # noqa: E731 - f's forward and g's backward: whole on every rank
+    operators = {name: (every_rank if name in ("f forward", "g backward") else stream)([r[3][name] for r in results])
+                 for name in results[0][3]}
+    got_z1, got_z2, ds = (features([r[4][i] for r in results]) for i in range(3))
+    partials = x.detach() * sum(range(1, world_size + 1))  # the sum of the ranks' (rank + 1) x
     layout = "each rank's sequence shard, joined" if sequence_parallel else "rank 0's"
-    try:
-        assert_all_close([(f"y ({layout})", y, expected.detach()), ("d down (row-parallel)", d_down, leaves[3].grad),
-                          ("d gate (column-parallel)", d_gate, leaves[1].grad),
-                          ("d up (column-parallel)", d_up, leaves[2].grad), (f"dx ({layout})", dx, leaves[0].grad)],
-                         rtol=1e-12, atol=1e-13)
-    except AssertionError as mismatch:  # the first wrong tensor in the order computed says where to look
-        first = str(mismatch).split(": ", 1)[1]
-        where = ("the forward: your enter_tp_forward, leave_tp_forward, column_parallel_forward and "
-                 "row_parallel_forward" if first.startswith("y ") else
-                 "the row-parallel backward: your leave_tp_backward and row_parallel_backward"
-                 if first.startswith("d down") else
-                 "the column-parallel backward: your column_parallel_backward, and the operator that gathers x again"
-                 if first.startswith(("d gate", "d up")) else
-                 "the input's gradient: your enter_tp_backward and column_parallel_backward")
-        raise AssertionError(f"{mismatch}; the first is computed by {where}") from None
+    whole = lambda a: a.detach().expand(world_size, *a.shape)  # noqa: E731 - on every rank
+    pieces = [("f forward", operators["f forward"], whole(x)), ("g forward", operators["g forward"], partials),
+              ("g backward", operators["g backward"], whole(dy)), ("f backward", operators["f backward"], partials),
+              ("z1", got_z1, z1.detach()), ("z2", got_z2, z2.detach()), ("y", y, expected.detach()),
+              ("ds", ds, dy @ down.detach()), ("d down", d_down, leaves[3].grad), ("d gate", d_gate, leaves[1].grad),
+              ("d up", d_up, leaves[2].grad), ("dx", dx, leaves[0].grad)]
+    wrong = []
+    for name, got, want in pieces:
+        try:
+            assert_all_close([(name, got, want)], rtol=1e-12, atol=1e-13)
+        except AssertionError as mismatch:
+            wrong.append(str(mismatch).split(": ", 1)[1])
+    assert not wrong, (f"t={world_size}, sequence parallel {sequence_parallel} (y, dx, g's forward, f's backward: {layout}; "
+                       f"z, ds: each rank's features, joined): {len(wrong)} of {len(pieces)} pieces differ, in the order "
+                       f"computed: {', '.join(w.split(' (')[0] for w in wrong)}. The first, {wrong[0]}, is computed by "
+                       f"{PIECES[wrong[0].split(' (')[0]]}")
     if not sequence_parallel:  # replicated: every rank must hold the same whole tensors
-        for rank, (y_r, dx_r, _) in enumerate(results):
+        for rank, (y_r, dx_r, *_) in enumerate(results):
             assert torch.equal(y_r, results[0][0]) and torch.equal(dx_r, results[0][1]), \
                 f"rank {rank}'s y or dx differs from rank 0's: without sequence parallelism both are replicated"
 

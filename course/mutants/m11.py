@@ -92,4 +92,14 @@ PLANTS = [
     Plant(EXEC, 'sends.append(comms.send(grad_input, "grad", action.stage - 1, m))',
           'sends.append(comms.send(grad_input, "grad", action.stage, m))',
           "the input gradient named after the stage that sends it: a message is named by the stage that receives it"),
+    # issue 26 (helper b): the scorecard's help names the planted function (stage: I or W; executor: which of the two)
+    Plant(STAGE, "(layer.weight, dz.t() @ x)", "(layer.weight, x.t() @ dz)",
+          "W's weight gradient transposed (x^T dz): square for the hidden layers, so it runs there; the head's is not"),
+    Plant(EXEC, 'backward = stage.backward if action.kind == "B" else stage.backward_input',
+          'backward = stage.backward if action.kind in ("B", "I") else stage.backward_input',
+          "I run as a whole B: the weight gradient is computed at I, and the W that follows runs it again"),
+    Plant(EXEC, """    elif action.kind == "W":
+        stage.backward_weight(m)""", """    elif action.kind == "W":
+        pass""",
+          "W skipped: no weight gradient ever reaches .grad on a zero-bubble schedule's stages"),
 ]

@@ -74,4 +74,22 @@ PLANTS = [
     Plant(VOCAB, "return loss, (dlogits.masked_fill(~real.unsqueeze(-1), 0) / n_tokens).to(logits.dtype)",
           "return loss, (dlogits / n_tokens).to(logits.dtype)",
           "the ignored targets' rows keep the softmax as their gradient: an ignored row gets none"),
+    # issue 26 (helper b): the pair's pieces, each named by the TODO that computes it
+    Plant(LINEAR, """    if not sequence_parallel:
+        return InFlight(x)""", """    if not sequence_parallel:
+        return InFlight(x, tp.collectives.all_reduce(x, label, async_op=async_op))""",
+          "f's forward all-reduces x without sequence parallelism: x is whole on every rank already, so t times x"),
+    Plant(LINEAR, "    return enter_tp_forward(dy, tp, sequence_parallel, label).wait()",
+          "    return enter_tp_backward(dy, tp, sequence_parallel, label).wait()",
+          "g's backward as g's forward (a sum, not f's forward): dy is the same on every rank, it needs no sum"),
+    Plant(LINEAR, "    x_whole = enter_tp_forward(x, tp, sequence_parallel, label).wait()\n    return",
+          "    x_whole = x\n    return",
+          "the column-parallel forward on the rank's own positions: with sequence parallelism its input must be gathered"),
+    Plant(LINEAR, "    return dy_whole @ w\n", "    return dy @ w\n",
+          "the row-parallel dx from the rank's own positions of dy: with sequence parallelism it needs every position"),
+    Plant(MODEL, """            loss += self.forward_backward(tok, tgt, n_tokens).item()
+        sum_norm_grads(self.norm_grads(), self.tp, self.sequence_parallel)""",
+          """            loss += self.forward_backward(tok, tgt, n_tokens).item()
+            sum_norm_grads(self.norm_grads(), self.tp, self.sequence_parallel)""",
+          "the norms' gradients summed after every microbatch: the first microbatch's partial sums are summed t times"),
 ]
