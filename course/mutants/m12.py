@@ -92,4 +92,9 @@ PLANTS = [
           """            loss += self.forward_backward(tok, tgt, n_tokens).item()
             sum_norm_grads(self.norm_grads(), self.tp, self.sequence_parallel)""",
           "the norms' gradients summed after every microbatch: the first microbatch's partial sums are summed t times"),
+    Plant(BLOCK, 'row_parallel_forward(s, w.w_down, tp, sp, "ffn out", mm)', 'row_parallel_forward(s, w.w_down, tp, sp, "ffn out")',
+          "the down projection's forward left out of the block's matmul policy: FP8 (module 17's --fp8) skips one linear"),
+    Plant(BLOCK, 'row_parallel_backward(dy, store["s"], w.w_down, grads.w_down, tp, sp, "ffn out", fused, mm)',
+          'row_parallel_backward(dy, store["s"], w.w_down, grads.w_down, tp, sp, "ffn out", fused)',
+          "the down projection's backward left out of the block's matmul policy"),
 ]
