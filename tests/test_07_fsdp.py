@@ -236,18 +236,19 @@ def _one_step_piece_by_piece(n_microbatches):
                          f"keeps rank r's slice of each block's padded flat buffer")
     source = model.weights
     for layer, block in enumerate(single.blocks):
-        source.gather(layer)
-        got = flat(source.get(layer))
-        source.release(layer)
-        if (how := off(got, flat(block))) is not None:
-            found.append(f"rank {r}: block {layer} as get({layer}) handed it out is {how}: " + (
-                "your ShardedWeights.get must wait for the all-gather before handing out its buffer" if how == "NaN"
-                else "your ShardedWeights.gather all-gathers every rank's shard of the layer into its buffer"))
-    last, buf = CFG.n_layers - 1, source.buffer_for(CFG.n_layers - 1)
-    if (buf.layer, buf.version) != (last, source.version):
-        found.append(f"rank {r}: after release({last}) its buffer says it holds layer {buf.layer} at version "
-                     f"{buf.version}, not layer {last} at {source.version}: your ShardedWeights.release changes "
-                     f"only the state, so that a gather of the same layer can reuse the buffer")
+        buf = source.buffer_for(layer)
+        for call in (source.gather, source.get, source.release):
+            got = call(layer)
+            if (buf.layer, buf.version) != (layer, source.version):  # what GatherBuffer's docstring asks
+                found.append(f"rank {r}: after {call.__name__}({layer}) its buffer says it holds layer {buf.layer} "
+                             f"at version {buf.version}, not layer {layer} at {source.version} (GatherBuffer's "
+                             f"docstring): your ShardedWeights.{call.__name__} leaves its fields wrong")
+            if call == source.get and (how := off(flat(got), flat(block))) is not None:
+                found.append(f"rank {r}: block {layer} as get({layer}) handed it out is {how}: " + (
+                    "your ShardedWeights.get must wait for the all-gather before handing out its buffer"
+                    if how == "NaN" else
+                    "your ShardedWeights.gather all-gathers every rank's shard of the layer into its buffer"))
+    last = CFG.n_layers - 1
     for when, expected in (("again before any step", 0), ("after invalidate()", 1)):
         if expected:
             source.invalidate()

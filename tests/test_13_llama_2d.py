@@ -256,8 +256,14 @@ def compare_with_module_06(results, d, t, expected_loss, expected, tolerance, wh
               "Llama2D.ffn_half_backward" if computed_by(first) == "Llama2D.attention_half_backward" else None)
     handed = (f". The first gradient off is computed by your {computed_by(first)} from what your {before} handed "
               f"it: if the first is right in itself, the gradient handed to it is not") if before else ""
-    assert not wrong, (f"{what}, mesh {d}x{t}: {len(wrong)} mismatches with module 06's single-process model, the loss "
-                       f"first, then the gradients in backward order: " + "; ".join(wrong[:6]) + handed)
+    # Every gradient off from the first one a function computes from the gradient handed to it (lm_head, a
+    # half's w_down or wo) to the embedding's: the gradient handed on is the likelier culprit.
+    off = [name for name in BACKWARD_ORDER if f", d {name}:" in " ".join(wrong)]
+    lead = (f"every gradient from d {first} on is off, as when the gradient handed to it is: your {before} hands "
+            f"it on. " if before and first.split()[-1] in ("lm_head", "w_down", "wo") and len(off) > 1
+            and off == BACKWARD_ORDER[BACKWARD_ORDER.index(first):] else "")
+    assert not wrong, (f"{what}, mesh {d}x{t}: {lead}{len(wrong)} mismatches with module 06's single-process model, "
+                       f"the loss first, then the gradients in backward order: " + "; ".join(wrong[:6]) + handed)
 
 
 @pytest.mark.exercises(*ALL_TODOS)
