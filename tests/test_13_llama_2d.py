@@ -168,11 +168,11 @@ def _activations_against_module_06(d, t, tokens):
             continue
         name, spec, error = found
         culprit = (f"your {FORWARD[name]} computes it" if name not in ("xg", "hg") else
+                   "it is the attention half's output, whose activations match: the end of your "
+                   "Llama2D.attention_half (the wo product, its reduce-scatter, the residual add)" if name == "hg" else
                    "it is the embedding's output, gathered: your Llama2D.embed" if layer == 0 else
                    f"it is block {layer - 1}'s output, whose activations all match: the end of your "
-                   f"Llama2D.ffn_half (the down product, its reduce-scatter, the residual add)" if name == "xg" else
-                   "it is the attention half's output, whose activations match: the end of your "
-                   "Llama2D.attention_half (the wo product, its reduce-scatter, the residual add)")
+                   f"Llama2D.ffn_half (the down product, its reduce-scatter, the residual add)")
         return (f"rank {rank}, block {layer}: {name} [{spec}] is off by {error:.1e} relative to module 06's block on "
                 f"the same weights (everything saved before it matches): {culprit}")
     return None

@@ -55,4 +55,6 @@ PLANTS = [
     Plant(LLAMA, '        s = local("B/d T F/t, B/d T F/t -> B/d T F/t", swiglu_forward, g, u)',
           '        s = local("B/d T F/t, B/d T F/t -> B/d T F/t", swiglu_forward, u, g)',
           "SwiGLU's inputs swapped: the gate goes through SiLU, the up projection does not"),
+    Plant(LLAMA, "        return h + f\n", "        return f\n",
+          "the FFN half returns its output without the residual: y is h plus the FFN"),
 ]
