@@ -29,8 +29,8 @@ class FlatLayout:
         # Set self.shard_numel and self.padded_numel (integers). The numel parameters are cut into world_size shards
         # of one size, the smallest size that lets them cover all numel; padded_numel is what the shards hold
         # together: numel plus fewer than world_size elements of zero padding.
-        # Pitfall: floor division drops the last parameters when world_size does not divide numel (the tests use 3
-        # and 7 ranks); float division or math.ceil on a float gives a float, or rounds wrongly for big counts.
+        # Pitfall: the tests use 3 and 7 ranks, which do not divide the test block's numel; both sizes must be exact Python
+        # integers, also for counts of billions (float arithmetic is not).
         # Hint 1: the shard size is numel divided by world_size, rounded *up*; the padding is what the rounding adds.
         # Hint 2: integer ceiling division: (a + b - 1) // b, or -(-a // b).
         # Hint 3: shard_numel = numel over world_size, rounded up (integers only)
@@ -87,8 +87,8 @@ class FlatLayout:
         # >>> TODO(m07): the rank's shard: its slice of the padded buffer
         # Return rank `rank`'s shard of a padded flat buffer: a view of shard_numel consecutive elements. Rank r's is
         # the r-th of world_size equal consecutive pieces, so the shards of ranks 0 .. d - 1, in order, concatenate
-        # to the whole buffer (the test checks this; docs/07-fsdp.md works out where 4 ranks' shards of 10 values
-        # start).
+        # to the whole buffer (the test checks this; docs/07-fsdp.md cuts 12 values over 3 ranks, and leaves 10
+        # values over 4 ranks to you).
         # Pitfall: sizes computed from the unpadded numel leave a gap or an overlap when d does not divide it.
         # Hint 1: the shard starts rank shards into the buffer and is one shard long.
         # Hint 2: basic slicing (flat[a:b]) is a view.

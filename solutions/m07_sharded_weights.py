@@ -111,12 +111,15 @@ class ShardedWeights:
         buf = self.buffer_for(layer)
         check_get(buf, layer)
         # >>> TODO(m07): hand out the gathered layer once its transfer has arrived
-        # Contract: after check_get the buffer is GATHERING this layer. Return the block's weights as views into
-        #   buf.flat (your FlatLayout.views) that hold this layer's current weights, and leave the buffer IN_USE, its
-        #   fields true to GatherBuffer's docstring. The tests deliver a collective's data only when its work is
-        #   waited for: until then buf.flat holds NaN.
-        # Pitfall: waiting in gather() instead would give the same numbers, but gather(l + 1) comes before layer l
-        #   computes: the transfer would no longer overlap it.
+        # Contract: after check_get the buffer is GATHERING this layer, and your gather() may have left a transfer
+        #   in flight into it. Return the block as views into buf.flat (no copy) that hold this layer's current
+        #   weights, and leave every field of buf true to GatherBuffer's docstring for a block the loop now holds
+        #   (its cycle says which state that is). What must be completed here before buf.flat holds those weights,
+        #   and what is then still in flight, follows from the fields.
+        # Contract with the tests: a collective's output holds NaN until its work is waited for (on a GPU the
+        #   transfer may still be running).
+        # Pitfall: completing the transfer in gather() instead would give the same numbers, but gather(l + 1) comes
+        #   before layer l computes: the transfer would no longer overlap it.
         # Hint 1: wait if there is something to wait for, change the state, hand out views.
         # Hint 2: the work's .wait(); self.layout.views(flat).
         # Hint 3: if buf.pending is set: wait for it, then clear it

@@ -25,9 +25,10 @@ norms' two-axis arrows, the stream's collectives over t, the gradients' reduce-s
 all-reduces) is read off the model's code the same way, by axis and kind of collective, and a step
 repeats a microbatch's m times.
 
-Bytes kept. A rank keeps its block of every weight, as the weights' specs say (the model's
-TOP_SPECS and BLOCK_SPECS), as many gradients (a gradient has its weight's spec), and AdamW's two
-moments of each (its scalar step counters aside). The activations a block keeps for its backward
+Bytes kept. Between steps a rank keeps its block of every weight, as the weights' specs say (the
+model's TOP_SPECS and BLOCK_SPECS), its block of every gradient (a gradient has its weight's spec),
+and of every state tensor AdamW keeps per value (torch.optim.AdamW's `state` after a step shows them;
+its scalar step counters aside). The activations a block keeps for its backward
 are split over d (the rows), but only some over t: the gathered stream and the norms' outputs are
 [B/d T M] on every rank of a t group (`block_activation_bytes`, given).
 
@@ -113,20 +114,20 @@ def step_traffic(cfg: LlamaConfig, sizes: dict[str, int], batch: int, dtype: tor
 
 
 def state_bytes(cfg: LlamaConfig, sizes: dict[str, int], dtype: torch.dtype = torch.float32) -> StepCost:
-    """What one rank keeps between steps: its blocks of the weights, their gradients, AdamW's moments,
-    as memory["parameters"], ["gradients"] and ["optimizer"]."""
+    """What one rank keeps between steps: its blocks of the weights, of their gradients and of AdamW's
+    state, as memory["parameters"], ["gradients"] and ["optimizer"]."""
     d, t = sizes.get("d", 1), sizes.get("t", 1)
     b, L, M = dtype.itemsize, cfg.n_layers, cfg.dim
     V = padded_vocab_size(cfg.vocab_size, t)
     # >>> TODO(m13): the bytes of parameters, gradients and optimizer state one rank keeps
     # Contract: return StepCost(memory={"parameters": ..., "gradients": ..., "optimizer": ...}) in bytes (integers):
     #   the tests compare them with the tensors a rank of the 2-D model really holds after a step (its weights'
-    #   blocks, its gradients' blocks, AdamW's exp_avg and exp_avg_sq), on four meshes.
-    # Maths: a rank keeps its block of every weight (the L blocks' matrices and norms, the padded embedding and
-    #   LM head, the final norm), as the weights' specs say; gradients have the weights' specs; AdamW keeps two
-    #   moments of each weight, in the weight's dtype.
-    # Pitfalls: the vocabulary is the padded one (V'); the norms count too; integer bytes: the mesh divides every
-    #   size, so the blocks' sizes are exact.
+    #   blocks, its gradients' blocks, the tensors in its AdamW's state), on four meshes.
+    # The question: how many values of each a rank holds. The counting rule is the module docstring's (Bytes
+    #   kept): each weight's spec says which block of it a rank keeps; docs/13-2d-sharding.md works out wq's term.
+    #   Every weight of the model counts: the blocks', the embedding's, the final norm's, the LM head's.
+    # Pitfalls: the vocabulary is the padded one (V'); integer bytes: the mesh divides every size, so the blocks'
+    #   sizes are exact.
     # Hint 1: count the values of the whole model (padded), divide by d t, times b; gradients the same; AdamW twice.
     # Hint 2: block_matrix_params(cfg) for one block's matrices; + 2 M for its norms; 2 V' M + M for the rest.
     # Hint 3: values = (L (P + 2 M) + 2 V' M + M) // (d t)

@@ -1,5 +1,5 @@
 # Generated from solutions/m07_flat_shards.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 07`. (skeleton 0988407b5d37)
+# Grade your work with `python main.py grade 07`. (skeleton 6e6ee3aef333)
 """Module 07, part 1 - one block's weights as one flat buffer, cut into equal shards.
 
 An all-gather moves one contiguous tensor, so FSDP lays all of a block's weights end to end in a
@@ -31,8 +31,8 @@ class FlatLayout:
         # Set self.shard_numel and self.padded_numel (integers). The numel parameters are cut into world_size shards
         # of one size, the smallest size that lets them cover all numel; padded_numel is what the shards hold
         # together: numel plus fewer than world_size elements of zero padding.
-        # Pitfall: floor division drops the last parameters when world_size does not divide numel (the tests use 3
-        # and 7 ranks); float division or math.ceil on a float gives a float, or rounds wrongly for big counts.
+        # Pitfall: the tests use 3 and 7 ranks, which do not divide the test block's numel; both sizes must be exact Python
+        # integers, also for counts of billions (float arithmetic is not).
         raise NotImplementedError('TODO(m07): the shard size and the padded size: equal shards that cover every parameter')
         self.world_size = world_size
 
@@ -65,7 +65,7 @@ class FlatLayout:
         # TODO(m07): the rank's shard: its slice of the padded buffer
         # Return rank `rank`'s shard of a padded flat buffer: a view of shard_numel consecutive elements. Rank r's is
         # the r-th of world_size equal consecutive pieces, so the shards of ranks 0 .. d - 1, in order, concatenate
-        # to the whole buffer (the test checks this; docs/07-fsdp.md works out where 4 ranks' shards of 10 values
-        # start).
+        # to the whole buffer (the test checks this; docs/07-fsdp.md cuts 12 values over 3 ranks, and leaves 10
+        # values over 4 ranks to you).
         # Pitfall: sizes computed from the unpadded numel leave a gap or an overlap when d does not divide it.
         raise NotImplementedError("TODO(m07): the rank's shard: its slice of the padded buffer")

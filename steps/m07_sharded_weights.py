@@ -1,5 +1,5 @@
 # Generated from solutions/m07_sharded_weights.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 07`. (skeleton 6fe8d3a97871)
+# Grade your work with `python main.py grade 07`. (skeleton e889576afb2f)
 """Module 07, part 3 - a weight source that all-gathers each block from its shards, just in time.
 
 It implements module 06's WeightSource protocol, so the model loop does not change:
@@ -99,12 +99,15 @@ class ShardedWeights:
         buf = self.buffer_for(layer)
         check_get(buf, layer)
         # TODO(m07): hand out the gathered layer once its transfer has arrived
-        # Contract: after check_get the buffer is GATHERING this layer. Return the block's weights as views into
-        #   buf.flat (your FlatLayout.views) that hold this layer's current weights, and leave the buffer IN_USE, its
-        #   fields true to GatherBuffer's docstring. The tests deliver a collective's data only when its work is
-        #   waited for: until then buf.flat holds NaN.
-        # Pitfall: waiting in gather() instead would give the same numbers, but gather(l + 1) comes before layer l
-        #   computes: the transfer would no longer overlap it.
+        # Contract: after check_get the buffer is GATHERING this layer, and your gather() may have left a transfer
+        #   in flight into it. Return the block as views into buf.flat (no copy) that hold this layer's current
+        #   weights, and leave every field of buf true to GatherBuffer's docstring for a block the loop now holds
+        #   (its cycle says which state that is). What must be completed here before buf.flat holds those weights,
+        #   and what is then still in flight, follows from the fields.
+        # Contract with the tests: a collective's output holds NaN until its work is waited for (on a GPU the
+        #   transfer may still be running).
+        # Pitfall: completing the transfer in gather() instead would give the same numbers, but gather(l + 1) comes
+        #   before layer l computes: the transfer would no longer overlap it.
         raise NotImplementedError('TODO(m07): hand out the gathered layer once its transfer has arrived')
 
     def release(self, layer: int) -> None:

@@ -18,12 +18,15 @@ says what each kind needs and who waits for it).
 
 FORBIDDEN = {
     "07": {
+        # The shards of 10 values on 4 ranks are the learner's case; chapter 07 cuts 12 values on 3.
         "FlatLayout.shard": [
             "[r * s, (r + 1) * s)", "r * shard_numel", "(r + 1) * shard_numel", "rank * shard_numel",
-            "rank * self.shard_numel",
+            "rank * self.shard_numel", "rank 2 6-8", "rank 3 element 9", "rank 3 keeps 9",
         ],
         "FlatLayout.__init__": [
-            "s = ceil((P + 2M) / d)", "ceil(numel / world_size)", "-(-numel // world_size)",
+            "s = ceil((P + 2M) / d)", "ceil(numel / world_size)", "-(-numel // world_size)", "math.ceil",
+            "rounded up", "round up", "ceiling division", "so each holds 3", "the buffer is 12 long",
+            "2 zeros of padding",
         ],
         "fsdp_traffic": [
             "2Lm - kept (2m - 1)", "2 L m - kept", "kept (2m - 1)", "kept * (2 * m - 1)", "2m - 1 turns",
@@ -37,7 +40,8 @@ FORBIDDEN = {
             "finds layer l in its buffer at the current version sends nothing",
         ],
         "ShardedWeights.get": [
-            "mark the buffer IN_USE; afterwards nothing is pending", "buf.pending.wait()",
+            "mark the buffer IN_USE; afterwards nothing is pending", "buf.pending.wait()", "buf.pending = None",
+            "buf.state = IN_USE", "leave the buffer IN_USE", "wait for it, then clear it", "state IN_USE;",
         ],
         "ShardedWeights.release": [
             "only the state changes", "keep the layer and version it remembers",
@@ -145,7 +149,9 @@ FORBIDDEN = {
             "3 (d-1)/(d t) P b", "8 (t-1)/t A a block",
         ],
         "state_bytes": [
-            "L (P + 2M) + 2 V' M + M", "(L (P + 2 M) + 2 V' M + M) // (d t)",
+            "L (P + 2M) + 2 V' M + M", "(L (P + 2 M) + 2 V' M + M) // (d t)", "twice as many AdamW moments",
+            "AdamW keeps two moments", "AdamW's two moments", "exp_avg and exp_avg_sq", "a quarter of the model",
+            "2 values b", "2 * values * b",
         ],
     },
     "17": {

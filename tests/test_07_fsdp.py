@@ -195,6 +195,152 @@ def test_the_formula_equals_the_log_and_the_tensors_of_a_real_step(world_size, n
                                          f"gives {without_buffers}")
 
 
+# --- one step, piece by piece: each TODO's result against the single process --------------------
+
+def padded_shard(values: torch.Tensor, d: int, r: int) -> torch.Tensor:
+    """Rank r's slice of `values` (one block's, flat) cut into d equal pieces, zero-padded: written out
+    here, not taken from the FlatLayout under test."""
+    size = (values.numel() + d - 1) // d
+    return torch.cat([values, values.new_zeros(size * d - values.numel())])[r * size:(r + 1) * size]
+
+
+def off(got: torch.Tensor, want: torch.Tensor) -> str | None:
+    """How `got` differs from `want` (None: within the tolerance)."""
+    if got.isnan().any():
+        return "NaN"
+    if torch.count_nonzero(got) == 0 and torch.count_nonzero(want) > 0:
+        return "all zero"
+    worst = (got - want).abs().max().item()
+    return f"off by {worst:.2e}" if worst > TOLERANCE else None
+
+
+def common_factor(pairs) -> float | None:
+    """The factor c != 1 with got = c * want for every (got, want), if there is one (a scale error)."""
+    got, want = (torch.cat([t.reshape(-1) for t in ts]) for ts in zip(*pairs))
+    c = (got @ want / (want @ want)).item()
+    fits = (got - c * want).abs().max() <= 1e-9 * want.abs().max()
+    return c if fits and abs(c - 1) > 1e-6 else None
+
+
+def _one_step_piece_by_piece(n_microbatches):
+    """One optimizer step driven by the test, one TODO's piece at a time, each result compared with
+    module 06's single process on the same weights and batch. Returns what differed, in the order the
+    pieces ran (every rank makes every call whatever it finds, so no rank leaves its peers waiting)."""
+    d, r = dist.get_world_size(), dist.get_rank()
+    found = []
+    model = m07.FSDPLlama(CFG, data_group(RecordingCollectives([])), dtype=f64)  # results arrive on wait()
+    single = m06.LlamaModel(CFG, 0, f64)
+    for layer, block in enumerate(single.blocks):
+        if (how := off(model.shards[layer], padded_shard(flat(block), d, r))) is not None:
+            found.append(f"rank {r}: block {layer}'s shard after FSDPLlama(...) is {how}: your FSDPLlama.__init__ "
+                         f"keeps rank r's slice of each block's padded flat buffer")
+    source = model.weights
+    for layer, block in enumerate(single.blocks):
+        buf = source.buffer_for(layer)
+        for call in (source.gather, source.get, source.release):
+            got = call(layer)
+            if (buf.layer, buf.version) != (layer, source.version):  # what GatherBuffer's docstring asks
+                found.append(f"rank {r}: after {call.__name__}({layer}) its buffer says it holds layer {buf.layer} "
+                             f"at version {buf.version}, not layer {layer} at {source.version} (GatherBuffer's "
+                             f"docstring): your ShardedWeights.{call.__name__} leaves its fields wrong")
+            if call == source.get and (how := off(flat(got), flat(block))) is not None:
+                found.append(f"rank {r}: block {layer} as get({layer}) handed it out is {how}: " + (
+                    "your ShardedWeights.get must wait for the all-gather before handing out its buffer"
+                    if how == "NaN" else
+                    "your ShardedWeights.gather all-gathers every rank's shard of the layer into its buffer"))
+    last = CFG.n_layers - 1
+    for when, expected in (("again before any step", 0), ("after invalidate()", 1)):
+        if expected:
+            source.invalidate()
+        sent = len(source.collectives.log)
+        source.gather(last)
+        source.get(last)
+        source.release(last)
+        if len(source.collectives.log) - sent != expected:
+            found.append(f"rank {r}: gather({last}) {when} sent {len(source.collectives.log) - sent} all-gathers, "
+                         f"not {expected}: your ShardedWeights.gather " + (
+                             "all-gathers again when the optimizer may have changed the shards (the version)"
+                             if expected else "reuses a buffer that holds the layer at the current version"))
+    # The microbatches of this rank's rows, each divided by the whole batch's real tokens (train_step's part).
+    tokens, targets = random_batch(load_text(), d * 4, CFG.max_seq_len, torch.Generator().manual_seed(0))
+    n_tokens, mine = m06.real_tokens(targets), slice(r * 4, (r + 1) * 4)
+    for tok, tgt in m06.microbatches(tokens[mine], targets[mine], n_microbatches):
+        model.accumulate(tok, tgt, n_tokens)
+    whole_loss, whole = single.forward_backward(tokens, targets, n_tokens)
+    whole_loss = whole_loss.item()
+    _, rows = single.forward_backward(tokens[mine], targets[mine], n_tokens)
+    wrong = {layer: how for layer, block in enumerate(whole.blocks)
+             if (how := off(model.grad_shards[layer], padded_shard(flat(block), d, r))) is not None}
+    if wrong:
+        first, how = next(iter(wrong.items()))
+        culprit = (
+            "your FSDPLlama.finish_reduce_scatter adds the slice only after the work's wait()" if how == "NaN" else
+            "the last reduce-scatter (layer 0's) never finished: your FSDPLlama.backward_blocks finishes the one "
+            "still in flight after the loop" if list(wrong) == [0] else
+            "your FSDPLlama.reduce_scatter_grad finishes the one in flight before starting the next"
+            if any(how == "all zero" for layer, how in wrong.items() if layer > 0) else
+            "your FSDPLlama.finish_reduce_scatter adds each microbatch's slice to the shard's gradient; your "
+            "FSDPLlama.reduce_scatter_grad flattens the gradient as the weights were")
+        found.append(f"rank {r}: the gradient shards of blocks {sorted(wrong)} after {n_microbatches} microbatches "
+                     f"(block {first}'s is {how}; the whole batch's gradient, rank r's slice): {culprit}")
+    pairs = list(zip(model.replicated_grads, (rows.embedding, rows.final_norm, rows.lm_head)))
+    if any(off(got, want) is not None for got, want in pairs):
+        factor = common_factor(pairs)
+        found.append(f"rank {r}: this rank's replicated gradients (before the step's all-reduce) differ from those "
+                     f"of its rows" + (f", {factor:.3g} times them" if factor else "") +
+                     ": your FSDPLlama.accumulate adds each microbatch's gradients as they are")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    version = source.version
+    model.reduce_and_step(optimizer)
+    for name, got, want in zip(("embedding", "final_norm", "lm_head"), model.replicated_grads,
+                               (whole.embedding, whole.final_norm, whole.lm_head)):
+        if (how := off(got, want)) is not None:
+            found.append(f"rank {r}: the {name} gradient after reduce_and_step is {how} from the whole batch's: "
+                         f"your FSDPLlama.reduce_and_step sums it over ranks (one all-reduce, no average)")
+            break
+    if source.version == version:
+        found.append(f"rank {r}: your FSDPLlama.reduce_and_step did not invalidate() the weight source after the "
+                     f"step: the blocks left in its buffers are the old weights")
+    # The single process's step on the same gradients, then the blocks as gather() now hands them out.
+    for p, g in zip(single.parameters(), whole.tensors()):
+        p.grad = g
+    torch.optim.AdamW(single.parameters(), lr=LR, weight_decay=0.0).step()
+    for layer, block in enumerate(single.blocks):
+        source.gather(layer)
+        got = flat(source.get(layer))
+        source.release(layer)
+        if (how := off(got, flat(block))) is not None:
+            found.append(f"rank {r}: block {layer} gathered after the step is {how} from the single process's: "
+                         + ("your ShardedWeights.gather sent nothing: it reused a copy from before the step"
+                            if off(got, flat(m06.LlamaModel(CFG, 0, f64).blocks[layer])) is None else
+                            "your FSDPLlama.reduce_and_step gives the optimizer each gradient as .grad of its "
+                            "parameter (parameters() and grads() in one order)"))
+            break
+    # Last, train_step itself on a fresh model: its gradients are those of the whole batch.
+    fresh = m07.FSDPLlama(CFG, data_group(), dtype=f64)
+    loss = fresh.train_step(tokens, targets, n_microbatches, torch.optim.AdamW(fresh.parameters(), lr=LR))
+    pairs = [*zip(fresh.grad_shards, (padded_shard(flat(b), d, r) for b in whole.blocks)),
+             *zip(fresh.replicated_grads, (whole.embedding, whole.final_norm, whole.lm_head))]
+    if any(off(got, want) is not None for got, want in pairs):
+        factor = common_factor(pairs)
+        found.append(f"rank {r}: after your FSDPLlama.train_step the gradients differ from the whole batch's" + (
+            f": every one is {factor:.3g} times it, so each microbatch's loss must be divided by the real tokens "
+            f"of the whole global batch" if factor else
+            ": it takes rows [i_d B/d, (i_d + 1) B/d), zeroes the accumulators and accumulates every microbatch"))
+    if abs(loss - whole_loss) > TOLERANCE:
+        found.append(f"rank {r}: your FSDPLlama.train_step returned the loss {loss}, not the whole batch's mean "
+                     f"{whole_loss}: the sum over the group of its microbatches' parts")
+    return found
+
+
+@pytest.mark.exercises(*TRAINING)
+def test_one_step_piece_by_piece_matches_the_single_process():
+    # 3 ranks (the shards need padding), 2 microbatches (the gradients must add up). Each piece's result
+    # is compared with the single process as soon as it exists, so the message names the piece.
+    found = [line for lines in run_ranks(_one_step_piece_by_piece, 3, 2, timeout=60) for line in lines]
+    assert not found, found[0] + (f" ({len(found) - 1} more differences after it)" if found[1:] else "")
+
+
 # --- training on 2 and 4 ranks ----------------------------------------------------------------
 
 def _train(steps, n_microbatches, batch):
@@ -217,18 +363,15 @@ def beyond_tolerance(what: str, worst: float, culprit: str) -> str:
 def test_training_matches_single_process_training(world_size, n_microbatches, batch):
     results = run_ranks(_train, world_size, STEPS, n_microbatches, batch, timeout=60)
     reference_model, reference_losses = single_process_training(STEPS, batch)
-    for rank, (losses, _, _) in enumerate(results):
-        worst = max(abs(a - b) for a, b in zip(losses, reference_losses))
-        assert len(losses) == STEPS and worst <= TOLERANCE, \
-            beyond_tolerance(f"rank {rank}: the loss ({losses} vs {reference_losses})", worst,
-                             "every TODO of the step feeds the loss; the weights' messages below narrow it down")
+    # The weights first: each names the TODOs that feed it; the loss depends on every one of them.
     for layer, block in enumerate(reference_model.blocks):
         gathered = torch.cat([shards[layer] for _, shards, _ in results])
         n = flat(block).numel()
         worst = (gathered[:n] - flat(block)).abs().max().item()
         assert worst <= TOLERANCE, beyond_tolerance(
-            f"block {layer} after {STEPS} steps", worst, "the blocks' gradients come from your FSDPLlama.reduce_scatter_grad and FSDPLlama.finish_reduce_scatter, the stale copies "
-            "from your ShardedWeights.gather")
+            f"block {layer} after {STEPS} steps", worst, "the blocks' gradients come from your "
+            "FSDPLlama.reduce_scatter_grad and FSDPLlama.finish_reduce_scatter, the stale copies from your "
+            "ShardedWeights.gather")
         assert not gathered[n:].any(), f"block {layer}: the padding must stay zero"
     for rank, (_, _, replicated) in enumerate(results):
         for name, got, want in zip(("embedding", "final_norm", "lm_head"), replicated,
@@ -237,6 +380,12 @@ def test_training_matches_single_process_training(world_size, n_microbatches, ba
             assert worst <= TOLERANCE, beyond_tolerance(
                 f"rank {rank}: {name}", worst, "the replicated weights' gradients are added by your "
                 "FSDPLlama.accumulate and summed over ranks by your FSDPLlama.reduce_and_step")
+    for rank, (losses, _, _) in enumerate(results):
+        worst = max(abs(a - b) for a, b in zip(losses, reference_losses))
+        assert len(losses) == STEPS and worst <= TOLERANCE, \
+            beyond_tolerance(f"rank {rank}: the loss ({losses} vs {reference_losses})", worst,
+                             "the weights after training match, so look at what your FSDPLlama.train_step returns: "
+                             "the sum over the group of its microbatches' parts")
 
 
 def _gather_every_block():

@@ -73,14 +73,21 @@ def with_uneven_norms(model):
     return model
 
 
-def _forward_backward(d, t, tokens, targets, dtype):
+def models_on_the_same_weights(d, t, dtype):
+    """(mesh, this rank's Llama2D, module 06's model) with the same weights, the norms' drawn around 1."""
     mesh = init_mesh({"d": d, "t": t})
     model = model_2d.Llama2D(CFG, mesh, seed=3, dtype=dtype, attention_chunk=5)
-    whole = by_name(with_uneven_norms(m06.LlamaModel(CFG, 3, dtype)))
+    single = with_uneven_norms(m06.LlamaModel(CFG, 3, dtype))
+    whole = by_name(single)
     i_d, i_t = torch.distributed.get_rank() // t, torch.distributed.get_rank() % t
     for name, weight in by_name(model).items():  # each rank's block of the uneven norms, cut by hand
         if name.split()[-1] in ("ln1", "ln2", "final_norm"):
             weight.tensor.copy_(block_of(whole[name], "M/t/d", i_d, i_t, d, t))
+    return mesh, model, single
+
+
+def _forward_backward(d, t, tokens, targets, dtype):
+    mesh, model, _ = models_on_the_same_weights(d, t, dtype)
     loss, grads = model.forward_backward(tokens, targets)
     named = {name: (str(g.spec), g.tensor) for name, g in by_name(grads).items()}
     return loss, named, measured_cost(mesh.log)
@@ -114,6 +121,70 @@ def test_the_forward_keeps_each_activation_with_its_spec():
              + (f"; names the contracts do not ask for: {extra}" if extra else "")
              + ": save the Sharded values (the backward and the demo's table read their specs); "
              + ", ".join(sorted({f"your {FORWARD[name]} saves {name}" for name in wrong})))
+
+
+# What each block saves, in the order its forward computes it; module 06's block saves the same under these names.
+SAVED = ["xg", "n1", "r1", "q", "k", "v", "o", "lse", "hg", "n2", "r2", "g", "u", "s"]
+IN_MODULE_06 = {"xg": "x", "hg": "h"}
+
+
+def first_activation_off(saved: dict, theirs: dict, i_d: int, i_t: int, d: int, t: int) -> tuple | None:
+    """(name, spec, relative error) of the first activation in `saved` that is not this rank's block of
+    module 06's (`theirs`, whole tensors, reshaped to the spec's dimensions), or None."""
+    for name, value in saved.items():
+        spec = str(value.spec)
+        full_shape = [n * (d if "/d" in dim else 1) * (t if "/t" in dim else 1)
+                      for n, dim in zip(value.tensor.shape, spec.split())]
+        full = theirs[name].reshape(full_shape)
+        want = block_of(full, spec, i_d, i_t, d, t)
+        error = ((value.tensor - want).abs().max() / full.abs().max()).item()
+        if not error <= 1e-12:  # float64, the same sums in another order: measured 2e-16
+            return name, spec, error
+    return None
+
+
+def _activations_against_module_06(d, t, tokens):
+    """The forward of both models on the same weights; the first activation (the one-hot, then each block's
+    in forward order) where this rank's differs from its block of module 06's, as a message, or None."""
+    mesh, model, single = models_on_the_same_weights(d, t, f64)
+    Store = reference("m06_llama_block").ActivationStore
+    stores = [Store() for _ in range(CFG.n_layers + 1)]
+    x = model.embed(specs.shard("B/d T", tokens, mesh), stores[0])
+    for w, store in zip(model.blocks, stores[1:]):
+        x = model.ffn_half(w, model.attention_half(w, x, store), store)
+    theirs = [single.block.new_store() for _ in range(CFG.n_layers)]
+    single.forward_blocks(single.embedding[tokens], theirs)
+    rank = torch.distributed.get_rank()
+    i_d, i_t = rank // t, rank % t
+    onehot = torch.nn.functional.one_hot(tokens, model.padded_vocab).to(f64)
+    found = first_activation_off(stores[0].tensors, {"onehot": onehot}, i_d, i_t, d, t)
+    if found:
+        return f"rank {rank}: onehot [{found[1]}] is off by {found[2]:.1e} relative: your Llama2D.embed computes it"
+    for layer, (store, their_store) in enumerate(zip(stores[1:], theirs)):
+        saved = {name: store.tensors[name] for name in SAVED if name in store.tensors}
+        found = first_activation_off(saved, {name: their_store.tensors[IN_MODULE_06.get(name, name)]
+                                             for name in saved}, i_d, i_t, d, t)
+        if found is None:
+            continue
+        name, spec, error = found
+        culprit = (f"your {FORWARD[name]} computes it" if name not in ("xg", "hg") else
+                   "it is the attention half's output, whose activations match: the end of your "
+                   "Llama2D.attention_half (the wo product, its reduce-scatter, the residual add)" if name == "hg" else
+                   "it is the embedding's output, gathered: your Llama2D.embed" if layer == 0 else
+                   f"it is block {layer - 1}'s output, whose activations all match: the end of your "
+                   f"Llama2D.ffn_half (the down product, its reduce-scatter, the residual add)")
+        return (f"rank {rank}, block {layer}: {name} [{spec}] is off by {error:.1e} relative to module 06's block on "
+                f"the same weights (everything saved before it matches): {culprit}")
+    return None
+
+
+@pytest.mark.exercises("Llama2D.embed", "Llama2D.attention_half", "Llama2D.ffn_half", "all_gather",
+                        "reduce_scatter", "einsum_unreduced")
+def test_each_blocks_activations_equal_module_06s():
+    # Before the loss: the forward's activations, block by block, so a mismatch names the half that made it.
+    tokens = torch.randint(0, CFG.vocab_size, (BATCH, CFG.max_seq_len), generator=torch.Generator().manual_seed(2))
+    found = [message for message in run_ranks(_activations_against_module_06, 4, 2, 2, tokens, timeout=30) if message]
+    assert not found, found[0]
 
 
 def spec_of(name: str) -> str:
@@ -185,8 +256,14 @@ def compare_with_module_06(results, d, t, expected_loss, expected, tolerance, wh
               "Llama2D.ffn_half_backward" if computed_by(first) == "Llama2D.attention_half_backward" else None)
     handed = (f". The first gradient off is computed by your {computed_by(first)} from what your {before} handed "
               f"it: if the first is right in itself, the gradient handed to it is not") if before else ""
-    assert not wrong, (f"{what}, mesh {d}x{t}: {len(wrong)} mismatches with module 06's single-process model, the loss "
-                       f"first, then the gradients in backward order: " + "; ".join(wrong[:6]) + handed)
+    # Every gradient off from the first one a function computes from the gradient handed to it (lm_head, a
+    # half's w_down or wo) to the embedding's: the gradient handed on is the likelier culprit.
+    off = [name for name in BACKWARD_ORDER if f", d {name}:" in " ".join(wrong)]
+    lead = (f"every gradient from d {first} on is off, as when the gradient handed to it is: your {before} hands "
+            f"it on. " if before and first.split()[-1] in ("lm_head", "w_down", "wo") and len(off) > 1
+            and off == BACKWARD_ORDER[BACKWARD_ORDER.index(first):] else "")
+    assert not wrong, (f"{what}, mesh {d}x{t}: {lead}{len(wrong)} mismatches with module 06's single-process model, "
+                       f"the loss first, then the gradients in backward order: " + "; ".join(wrong[:6]) + handed)
 
 
 @pytest.mark.exercises(*ALL_TODOS)

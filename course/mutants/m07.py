@@ -43,4 +43,16 @@ PLANTS = [
           "one turn too many: the forward of one microbatch and the backward of the next are one turn, not two"),
     Plant(PAYLOAD, "    shard = -(-block // d)\n", "    shard = block // d\n",
           "the shard's bytes without padding: a shard is the padded block over N, rounded up"),
+    Plant(WEIGHTS, "        # Hint 3: the buffer's state becomes FREE, and nothing else changes\n        buf.state = FREE\n",
+          "        buf.state, buf.layer = FREE, -1\n",
+          "release forgets which layer the buffer holds: the blocks still there at the turns are gathered again"),
+    Plant(WEIGHTS, "            buf.layer, buf.version = layer, self.version\n", "            buf.layer = layer\n",
+          "the buffer's version never recorded: a block still there and current is never reused"),
+    Plant(FSDP, "        mine = slice(self.dp.index * rows, (self.dp.index + 1) * rows)\n",
+          "        mine = slice(0, rows)\n",
+          "every rank trains on the first rows: the other ranks' rows are never seen, the first ones d times"),
+    Plant(FSDP, "        self.dp.collectives.all_reduce(flat, label=\"replicated grads\")\n",
+          "        self.dp.collectives.all_reduce(flat, label=\"replicated grads\")\n        flat /= self.dp.size\n",
+          "the replicated gradients averaged after their sum (as DDP does): each rank's part is already divided by "
+          "the global batch's tokens, so the sum is the mean"),
 ]

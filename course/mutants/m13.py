@@ -48,4 +48,13 @@ PLANTS = [
         n2, r2 = local(""", """        ln2 = all_gather("M/t/d -> M", w.ln1)
         n2, r2 = local(""",
           "the FFN half's norm with ln1, the attention half's weight: equal (ones) at the start, apart after a step"),
+    Plant(LLAMA, "        return x + a\n", "        return a\n",
+          "the attention half returns its output without the residual: h is x plus attention"),
+    Plant(LLAMA, '        q = local("B/d T K/t Q D -> B/d T K/t Q D", rope_forward, q, cos=rope.cos_q, sin=rope.sin_q)\n', "",
+          "RoPE on k only: q and k must both be rotated, or the scores no longer depend on relative position"),
+    Plant(LLAMA, '        s = local("B/d T F/t, B/d T F/t -> B/d T F/t", swiglu_forward, g, u)',
+          '        s = local("B/d T F/t, B/d T F/t -> B/d T F/t", swiglu_forward, u, g)',
+          "SwiGLU's inputs swapped: the gate goes through SiLU, the up projection does not"),
+    Plant(LLAMA, "        return h + f\n", "        return f\n",
+          "the FFN half returns its output without the residual: y is h plus the FFN"),
 ]
