@@ -207,7 +207,7 @@ def test_sighup_stops_a_run_in_one_line_naming_where_each_rank_was(ended):
     # Item 4: the ranks died with their parent, but their folder stayed in /tmp.
     case = ended["run-SIGHUP"]
     assert case.returncode == 1 and len(case.err.splitlines()) == 1, case.err
-    assert case.err.startswith("error: interrupted by SIGHUP; still running: rank 0, 1. rank 0 at "), case.err
+    assert case.err.startswith("error: interrupted by SIGHUP; ranks 0, 1 interrupted where they were: rank 0 at "), case.err
 
 
 def test_ctrl_c_during_start_up_is_one_line(ended):
@@ -233,7 +233,7 @@ def test_ctrl_c_and_sighup_stop_grade(name, said, ended_long):
 @pytest.mark.long
 def test_sigterm_stops_a_forked_run_in_one_line(ended_long):
     case = ended_long["run-SIGTERM"]
-    assert case.returncode == 1 and case.err.startswith("error: interrupted by SIGTERM; still running: rank 0, 1."), case.err
+    assert case.returncode == 1 and case.err.startswith("error: interrupted by SIGTERM; ranks 0, 1 interrupted where they were: "), case.err
     assert len(case.err.splitlines()) == 1, case.err
 
 
