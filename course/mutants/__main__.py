@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from course import REPO
+from course.catalog import MODULES
 from course.grading import hung
 from course.mutants import Plant, PlantError, modules, planted, plants
 
@@ -72,7 +73,8 @@ class Runner:
             except (PlantError, OSError) as error:
                 return Outcome("ERROR", str(error), time.monotonic() - start)
         report = scratch / "grades.json"
-        tests = [str(p.relative_to(REPO)) for p in sorted((REPO / "tests").glob(f"test_{job.number}_*.py"))]
+        # In the order `grade` runs them (build order), so "caught by" is the check a learner would see first.
+        tests = [str(p.relative_to(REPO)) for p in MODULES[job.number].test_files()]
         env = {**os.environ, "COURSE_STEPS_DIR": str(steps), "COURSE_IMPL": "steps", "TMPDIR": str(tmp)}
         # -v prints each test's name as it starts: the last one printed is where a hang is.
         command = [sys.executable, "-m", "pytest", *tests, "-m", "not given", "--impl=steps", "-x", "-v",
