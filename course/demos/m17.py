@@ -221,10 +221,10 @@ def demo(args):
         trace_one_step(model, text, args, rank)
     if rank != 0:
         return
-    done = args.steps - start_step
+    done, last = args.steps - start_step, losses[-20:]
     print(f"\n{done} steps in {elapsed:.0f} s: {done * tokens_per_step / elapsed:,.0f} tokens/s on {world_size} ranks; "
           f"training loss {losses[start_step]:.3f} at step {start_step + 1} -> {losses[-1]:.3f} at step {args.steps} "
-          f"(mean of the last 20: {sum(losses[-20:]) / len(losses[-20:]):.3f})")
+          f"(mean of the last {len(last)}: {sum(last) / len(last):.3f})")
     if validation:
         print("validation loss: " + ", ".join(f"{v:.3f} (step {s})" for s, v in validation))
     plot = RESULTS / "m17_loss.png"
