@@ -1,8 +1,8 @@
 """Module 13 costs: the calls, the bytes one rank sends per step and the bytes it keeps, as formulas,
-against one step of the reference 2-D model on the meshes 1x1, 1x4, 2x2 and 4x1 (calls and sent bytes
-logged by course/collectives.py and read by course/costs.py's measured_cost, kept bytes read off the
-tensors each rank holds), and against a worked example counted by hand. The model measured is the
-reference, so these tests grade the formulas alone.
+against one step of the reference 2-D model on the meshes 1x1, 1x4, 2x2 and 4x1, and on 2x2 in 2
+microbatches (calls and sent bytes logged by course/collectives.py and read by course/costs.py's
+measured_cost, kept bytes read off the tensors each rank holds), and against a worked example counted
+by hand. The model measured is the reference, so these tests grade the formulas alone.
 """
 import dataclasses
 
@@ -24,12 +24,12 @@ BATCH = 8
 MESHES = [(1, 1), (1, 4), (2, 2), (4, 1)]
 
 
-def _one_step(d, t, dtype):
+def _one_step(d, t, dtype, m):
     mesh = init_mesh({"d": d, "t": t})
     model = model_2d.Llama2D(CFG, mesh, dtype=dtype)
-    # One step, in module 06's fit; the optimizer is not returned, so its state is rebuilt by one more step of
-    # our own (lr 0) to be measured.
-    m06.fit(model, 1, BATCH)
+    # One step in m microbatches, in module 06's fit (its train_step); the optimizer is not returned, so its
+    # state is rebuilt by one more step of our own (lr 0) to be measured.
+    m06.fit(model, 1, BATCH, n_microbatches=m)
     log = list(mesh.log)
     params = model.parameters()
     optimizer = torch.optim.AdamW(params, lr=0.0)
@@ -39,27 +39,29 @@ def _one_step(d, t, dtype):
                                "gradients": sum(p.grad.nbytes for p in params), "optimizer": moments})
 
 
-CASES = [(d, t, torch.float32) for d, t in MESHES] + [(2, 2, torch.float64)]  # float64 once: 8 bytes a value
+# float64 once: 8 bytes a value; 2 microbatches once: a step's train_step runs each microbatch's collectives.
+CASES = [(d, t, torch.float32, 1) for d, t in MESHES] + [(2, 2, torch.float64, 1), (2, 2, torch.float32, 2)]
 
 
 @pytest.mark.exercises("step_traffic", "state_bytes")
-@pytest.mark.parametrize("d, t, dtype", CASES, ids=[f"{d}x{t}-{str(dt)[6:]}" for d, t, dt in CASES])
-def test_the_formulas_equal_what_a_step_sends_and_keeps(d, t, dtype):
+@pytest.mark.parametrize("d, t, dtype, m", CASES, ids=[f"{d}x{t}-{str(dt)[6:]}-m{m}" for d, t, dt, m in CASES])
+def test_the_formulas_equal_what_a_step_sends_and_keeps(d, t, dtype, m):
     sizes = {"d": d, "t": t}
-    formula = costs.step_traffic(CFG, sizes, BATCH, dtype) + costs.state_bytes(CFG, sizes, dtype)
-    for rank, measured in enumerate(run_ranks(_one_step, d * t, d, t, dtype, timeout=60)):
+    formula = costs.step_traffic(CFG, sizes, BATCH, dtype, m) + costs.state_bytes(CFG, sizes, dtype)
+    where = f"mesh {d}x{t}, a step in {m} microbatch{'es' if m > 1 else ''}"
+    for rank, measured in enumerate(run_ranks(_one_step, d * t, d, t, dtype, m, timeout=60)):
         wrong = {key: (measured.sent.get(key, 0), formula.sent.get(key, 0)) for key in {*measured.sent, *formula.sent}
                  if measured.sent.get(key, 0) != formula.sent.get(key, 0)}
-        assert not wrong, (f"mesh {d}x{t}, rank {rank}: bytes sent per step by (axis, collective), (measured on the "
+        assert not wrong, (f"{where}, rank {rank}: bytes sent per step by (axis, collective), (measured on the "
                            f"reference model, given code; your step_traffic), where they differ: {wrong}")
         calls = {key: (measured.calls.get(key, 0), formula.calls.get(key, 0)) for key in {*measured.calls, *formula.calls}
                  if measured.calls.get(key, 0) != formula.calls.get(key, 0)}
         assert not calls, \
-            (f"mesh {d}x{t}, rank {rank}: collectives per step by (axis, collective), (measured on the reference "
+            (f"{where}, rank {rank}: collectives per step by (axis, collective), (measured on the reference "
              f"model, given code; your step_traffic), where they differ: {calls} (every call counts, also on an axis "
              f"of size 1)")
         assert measured.memory == formula.memory, \
-            (f"mesh {d}x{t}, rank {rank}: (parameters, gradients, AdamW moments) bytes: the reference model's rank "
+            (f"{where}, rank {rank}: (parameters, gradients, AdamW moments) bytes: the reference model's rank "
              f"holds {measured.memory}, your state_bytes gives {formula.memory}")
 
 

@@ -9,7 +9,10 @@ drawn around 1) the same loss to the last bit and every gradient block within 2.
 the largest entry of its gradient, on all four meshes. We allow 1e-12. A gradient off by a constant factor (the scale of the global batch, a
 partial sum taken twice) is off by 1e-1 or more. The float32 test states its own tolerance.
 """
+import contextlib
 import dataclasses
+import sys
+from collections import Counter
 
 import pytest
 import torch
@@ -86,11 +89,41 @@ def models_on_the_same_weights(d, t, dtype):
     return mesh, model, single
 
 
+@contextlib.contextmanager
+def collectives_counted(module):
+    """Counts {(function, collective, arrow): calls} of the collectives `module`'s functions issue inside
+    the block ('Llama2D.embed_backward', 'reduce_scatter', 'V/t M {U_d} -> V/t M/d'), its collectives
+    wrapped meanwhile (in this rank's process only)."""
+    issued, originals = Counter(), {op: getattr(module, op) for op in ("all_gather", "reduce_scatter", "all_reduce")}
+
+    def counted(op):
+        def collective(arrow, x):
+            caller = sys._getframe(1).f_code.co_name
+            issued[(f"Llama2D.{caller}" if hasattr(module.Llama2D, caller) else caller, op, arrow)] += 1
+            return originals[op](arrow, x)
+        return collective
+    try:
+        for op in originals:
+            setattr(module, op, counted(op))
+        yield issued
+    finally:
+        for op, original in originals.items():
+            setattr(module, op, original)
+
+
 def _forward_backward(d, t, tokens, targets, dtype):
+    """(loss, gradients by name, (the step's measured cost, the calls that differ from the reference model's
+    by function and arrow: empty when its cost is the formula's))."""
     mesh, model, _ = models_on_the_same_weights(d, t, dtype)
-    loss, grads = model.forward_backward(tokens, targets)
+    with collectives_counted(model_2d) as ours:
+        loss, grads = model.forward_backward(tokens, targets)
     named = {name: (str(g.spec), g.tensor) for name, g in by_name(grads).items()}
-    return loss, named, measured_cost(mesh.log)
+    measured, differ = measured_cost(mesh.log), {}
+    if measured != costs.step_traffic(CFG, {"d": d, "t": t}, BATCH, dtype):  # which calls, for the message
+        with collectives_counted(given) as theirs:
+            given.Llama2D(CFG, mesh, seed=3, dtype=dtype, attention_chunk=5).forward_backward(tokens, targets)
+        differ = {key: (ours[key], theirs[key]) for key in sorted({*ours, *theirs}) if ours[key] != theirs[key]}
+    return loss, named, (measured, differ)
 
 
 def _kept_specs(d, t, tokens):
@@ -275,12 +308,15 @@ def test_the_loss_and_every_gradient_block_equal_module_06s(d, t):
                                                                                                           targets)
     compare_with_module_06(results, d, t, expected_loss, expected, 1e-12, "float64")
     formula = costs.step_traffic(CFG, {"d": d, "t": t}, BATCH, f64)
-    for rank, (_, _, measured) in enumerate(results):
+    for rank, (_, _, (measured, by_arrow)) in enumerate(results):
         differ = {key: (measured.n_calls(*key), formula.n_calls(*key)) for key in {*measured.calls, *formula.calls}
                   if measured.n_calls(*key) != formula.n_calls(*key) or measured.sent_bytes(*key) != formula.sent_bytes(*key)}
+        calls = "; ".join(f"your {fn} issues {op} {arrow!r} {n} times, the reference model {want}"
+                          for (fn, op, arrow), (n, want) in by_arrow.items())
         assert measured == formula, (f"mesh {d}x{t}, rank {rank}: calls per step by (axis, collective), (your model's "
                                      f"log, the reference formula, given) where the calls or bytes differ: {differ}: "
-                                     f"a collective too many or too few, or of another size")
+                                     f"a collective too many or too few, or of another size"
+                                     + (f". By function and arrow: {calls}" if calls else ""))
 
 
 @pytest.mark.exercises(*ALL_TODOS)

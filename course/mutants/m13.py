@@ -20,6 +20,9 @@ PLANTS = [
           "the loss's sum over d forgotten: a one-value all-reduce, but traffic all the same"),
     Plant(COSTS, '"optimizer": 2 * values * b}', '"optimizer": values * b}',
           "AdamW keeps two moments per value (exp_avg and exp_avg_sq), not one"),
+    Plant(COSTS, "    return StepCost({key: m * value for key, value in sent.items()}, {key: m * n for key, n in calls.items()})",
+          "    return StepCost(sent, calls)",
+          "one microbatch's traffic for the step: train_step runs every microbatch's collectives, m times a step"),
     Plant(COSTS, "values = (L * (block_matrix_params(cfg) + 2 * M) + 2 * V * M + M) // (d * t)",
           "values = (L * block_matrix_params(cfg) + 2 * V * M) // (d * t)",
           "the norm weights left out of the state: they are sharded over the mesh like the matrices"),
@@ -44,6 +47,10 @@ PLANTS = [
     Plant(LLAMA, '        d_head = reduce_scatter("V/t M {U_d} -> V/t M/d", d_head)\n',
           '        d_head = reduce_scatter("V/t M {U_d} -> V/t M/d", d_head)\n        d_head.tensor.mul_(1 / self.mesh.sizes["d"])\n',
           "the head's gradient averaged over d: the loss is already a mean over all tokens, so the sum is right"),
+    Plant(LLAMA, '        return reduce_scatter("V/t M {U_d} -> V/t M/d", d_table)\n',
+          '        own = d_table.tensor.chunk(self.mesh.sizes["d"], dim=1)[self.mesh.index["d"]]\n'
+          '        return Sharded(own, parse_spec("V/t M/d", self.mesh.sizes), self.mesh)\n',
+          "the embedding's gradient cut to this rank's M/d columns without the sum over d: each d rank saw other rows"),
     Plant(LLAMA, """        ln2 = all_gather("M/t/d -> M", w.ln2)
         n2, r2 = local(""", """        ln2 = all_gather("M/t/d -> M", w.ln1)
         n2, r2 = local(""",
