@@ -228,10 +228,10 @@ def common_factor(pairs) -> float | None:
     return c if fits and abs(c - 1) > 1e-6 else None
 
 
-def times(factor: float) -> str:
+def times(factor: float, it: str = "it") -> str:
     """A scale error in words: "1/3 of it" for a factor of 1/3, "2 times it" otherwise."""
     inverse = round(1 / factor)
-    return f"1/{inverse} of it" if inverse > 1 and abs(factor * inverse - 1) < 1e-6 else f"{factor:.3g} times it"
+    return f"1/{inverse} of {it}" if inverse > 1 and abs(factor * inverse - 1) < 1e-6 else f"{factor:.3g} times {it}"
 
 
 def _one_step_piece_by_piece(n_microbatches):
@@ -318,7 +318,7 @@ def _one_step_piece_by_piece(n_microbatches):
     if any(off(got, want) is not None for got, want in pairs):
         factor = common_factor(pairs)
         note(f"rank {r}: this rank's replicated gradients (before the step's all-reduce) differ from those "
-             f"of its rows" + (f", {factor:.3g} times them" if factor else "") +
+             f"of its rows" + (f", {times(factor, 'them')}" if factor else "") +
              ": your FSDPLlama.accumulate adds each microbatch's gradients as they are")
     piece += 1
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
@@ -364,7 +364,7 @@ def _one_step_piece_by_piece(n_microbatches):
     if not first_step_right:
         factor = common_factor(pairs)
         note(f"rank {r}: after your FSDPLlama.train_step the gradients differ from the whole batch's" + (
-            f": every one is {factor:.3g} times it, so each microbatch's loss must be divided by the real tokens "
+            f": every one is {times(factor)}, so each microbatch's loss must be divided by the real tokens "
             f"of the whole global batch" if factor else
             ": it takes rows [i_d B/d, (i_d + 1) B/d), zeroes the accumulators and accumulates every microbatch"))
     if abs(loss - whole_loss) > TOLERANCE:
