@@ -131,8 +131,9 @@ class FSDPLlama(LlamaModel):
         # Contract with the tests: the collective is asynchronous and labelled "block <layer>"; starting one while
         # another is still in flight fails at once (each keeps a whole block's gradient alive until waited for).
         # Pitfalls: the collective reads the flat gradient until it completes, so self.in_flight keeps it alive.
-        # Receive into a fresh tensor, not into grad_shards: the slice is added, scaled, when it is finished
-        # (that is how microbatches accumulate).
+        # Receive into a fresh tensor, not into grad_shards: the slice is added as it is when it is finished
+        # (that is how microbatches accumulate; each loss is already divided by the global batch's tokens, so
+        # nothing is left to scale).
         # Hint 1: flatten the gradient exactly as the weights were flattened: then slice r of the sum is the gradient
         #         of rank r's shard.
         # Hint 2: self.layout.flatten(grads); torch.empty_like(a gradient shard); self.dp.collectives.reduce_scatter(
@@ -227,7 +228,7 @@ class FSDPLlama(LlamaModel):
     def reduce_and_step(self, optimizer):
         """After the last microbatch: sum the replicated gradients over ranks, step, invalidate."""
         # >>> TODO(m07): sum the replicated gradients over ranks in one collective; step; invalidate
-        # After the last microbatch each rank holds its own scaled sum of the replicated gradients. Make every rank
+        # After the last microbatch each rank holds its own sum of the replicated gradients. Make every rank
         # hold the sum over ranks, with a single all-reduce for all three tensors (the tests count one per step).
         # Then give the optimizer the gradients (it reads each parameter's .grad; grads() is in parameters()'
         # order), step, and invalidate the weight source: the block shards changed, so gathered copies are stale.

@@ -1,5 +1,5 @@
 # Generated from solutions/m07_fsdp.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 07`. (skeleton 13a0d6c5a416)
+# Grade your work with `python main.py grade 07`. (skeleton 191d2e5914cb)
 """Module 07 - FSDP: every rank keeps 1/d of each block; whole blocks exist only while in use.
 
 The d ranks of one data-parallel group (`dp`, a course.mesh `Group`: `dp.index`, `dp.size` = d,
@@ -111,8 +111,9 @@ class FSDPLlama(LlamaModel):
         # Contract with the tests: the collective is asynchronous and labelled "block <layer>"; starting one while
         # another is still in flight fails at once (each keeps a whole block's gradient alive until waited for).
         # Pitfalls: the collective reads the flat gradient until it completes, so self.in_flight keeps it alive.
-        # Receive into a fresh tensor, not into grad_shards: the slice is added, scaled, when it is finished
-        # (that is how microbatches accumulate).
+        # Receive into a fresh tensor, not into grad_shards: the slice is added as it is when it is finished
+        # (that is how microbatches accumulate; each loss is already divided by the global batch's tokens, so
+        # nothing is left to scale).
         raise NotImplementedError("TODO(m07): finish the reduce-scatter in flight, then start this block's without waiting")
 
     def finish_reduce_scatter(self):
@@ -163,7 +164,7 @@ class FSDPLlama(LlamaModel):
     def reduce_and_step(self, optimizer):
         """After the last microbatch: sum the replicated gradients over ranks, step, invalidate."""
         # TODO(m07): sum the replicated gradients over ranks in one collective; step; invalidate
-        # After the last microbatch each rank holds its own scaled sum of the replicated gradients. Make every rank
+        # After the last microbatch each rank holds its own sum of the replicated gradients. Make every rank
         # hold the sum over ranks, with a single all-reduce for all three tensors (the tests count one per step).
         # Then give the optimizer the gradients (it reads each parameter's .grad; grads() is in parameters()'
         # order), step, and invalidate the weight source: the block shards changed, so gathered copies are stale.

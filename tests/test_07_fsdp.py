@@ -89,6 +89,10 @@ def test_flat_layout_pads_to_equal_shards_and_views_into_the_buffer(world_size):
         norm.add_(0.1 * torch.randn(norm.shape, generator=g))
     layout = flat_shards.FlatLayout(block, world_size)
     n = sum(t.numel() for t in block.tensors())
+    sizes = {"shard_numel": layout.shard_numel, "padded_numel": layout.padded_numel}
+    assert all(type(v) is int for v in sizes.values()), \
+        (f"your FlatLayout.__init__ over {world_size} ranks: {sizes}: both sizes must be Python ints (a tensor's "
+         f"size cannot be a float; use integer division //, not /)")
     assert layout.numel == n and layout.padded_numel % world_size == 0 and 0 <= layout.padded_numel - n < world_size, \
         (f"{n} parameters over {world_size} ranks: your FlatLayout.__init__ padded them to {layout.padded_numel} "
          f"(shard_numel {layout.shard_numel}): equal shards, covering every parameter, less than one more each")
@@ -146,7 +150,9 @@ def test_payload_counts_reused_blocks_and_n_microbatches(blocks, n_microbatches,
     cfg = dataclasses.replace(PADDED_CFG, n_layers=blocks)
     cost = payload.fsdp_traffic(cfg, {"d": 4}, torch.bfloat16, n_microbatches, kept)
     got = (cost.n_calls("d", "all_gather"), cost.n_calls("d", "reduce_scatter"))
-    assert got == (all_gathers, blocks * n_microbatches), f"got (all-gathers, reduce-scatters) = {got}"
+    assert got == (all_gathers, blocks * n_microbatches), \
+        (f"L = {blocks} blocks, m = {n_microbatches} microbatches, kept = {kept}: (all-gathers, reduce-scatters) "
+         f"= {got}, expected {(all_gathers, blocks * n_microbatches)}")
     sent = (cost.sent_bytes("d", "all_gather"), cost.sent_bytes("d", "reduce_scatter"))
     want = (all_gathers * 3 * 59 * 2, blocks * n_microbatches * 3 * 59 * 2)
     assert sent == want, (f"bytes sent (all-gathers, reduce-scatters) = {sent}, expected {want}: 234 values over 4 "
@@ -222,32 +228,50 @@ def common_factor(pairs) -> float | None:
     return c if fits and abs(c - 1) > 1e-6 else None
 
 
+def times(factor: float, it: str = "it") -> str:
+    """A scale error in words: "1/3 of it" for a factor of 1/3, "2 times it" otherwise."""
+    inverse = round(1 / factor)
+    return f"1/{inverse} of {it}" if inverse > 1 and abs(factor * inverse - 1) < 1e-6 else f"{factor:.3g} times {it}"
+
+
 def _one_step_piece_by_piece(n_microbatches):
     """One optimizer step driven by the test, one TODO's piece at a time, each result compared with
-    module 06's single process on the same weights and batch. Returns what differed, in the order the
-    pieces ran (every rank makes every call whatever it finds, so no rank leaves its peers waiting)."""
+    module 06's single process on the same weights and batch. Returns what differed, each with the number
+    of the piece that found it (every rank makes every call whatever it finds, so no rank leaves its peers
+    waiting, and a piece that fails on one rank may make a later one fail on another: the parent reports
+    the earliest piece's first)."""
     d, r = dist.get_world_size(), dist.get_rank()
-    found = []
+    found, piece = [], 0
+
+    def note(line):
+        found.append((piece, line))
     model = m07.FSDPLlama(CFG, data_group(RecordingCollectives([])), dtype=f64)  # results arrive on wait()
     single = m06.LlamaModel(CFG, 0, f64)
-    for layer, block in enumerate(single.blocks):
+    for layer, block in enumerate(single.blocks):  # right after __init__, before any gather
         if (how := off(model.shards[layer], padded_shard(flat(block), d, r))) is not None:
-            found.append(f"rank {r}: block {layer}'s shard after FSDPLlama(...) is {how}: your FSDPLlama.__init__ "
-                         f"keeps rank r's slice of each block's padded flat buffer")
+            whose = next((k for k in range(d) if off(model.shards[layer], padded_shard(flat(block), d, k)) is None),
+                         None)
+            note(f"rank {r}: block {layer}'s shard after FSDPLlama(...) is {how}" +
+                 (f" (it is rank {whose}'s slice)" if whose is not None else "") +
+                 ": your FSDPLlama.__init__ keeps this rank's (self.dp.index's) slice of each block's padded flat "
+                 "buffer")
+            break
+    piece += 1
     source = model.weights
     for layer, block in enumerate(single.blocks):
         buf = source.buffer_for(layer)
         for call in (source.gather, source.get, source.release):
             got = call(layer)
             if (buf.layer, buf.version) != (layer, source.version):  # what GatherBuffer's docstring asks
-                found.append(f"rank {r}: after {call.__name__}({layer}) its buffer says it holds layer {buf.layer} "
-                             f"at version {buf.version}, not layer {layer} at {source.version} (GatherBuffer's "
-                             f"docstring): your ShardedWeights.{call.__name__} leaves its fields wrong")
+                note(f"rank {r}: after {call.__name__}({layer}) its buffer says it holds layer {buf.layer} "
+                     f"at version {buf.version}, not layer {layer} at {source.version} (GatherBuffer's "
+                     f"docstring): your ShardedWeights.{call.__name__} leaves its fields wrong")
             if call == source.get and (how := off(flat(got), flat(block))) is not None:
-                found.append(f"rank {r}: block {layer} as get({layer}) handed it out is {how}: " + (
+                note(f"rank {r}: block {layer} as get({layer}) handed it out is {how}: " + (
                     "your ShardedWeights.get must wait for the all-gather before handing out its buffer"
                     if how == "NaN" else
                     "your ShardedWeights.gather all-gathers every rank's shard of the layer into its buffer"))
+    piece += 1
     last = CFG.n_layers - 1
     for when, expected in (("again before any step", 0), ("after invalidate()", 1)):
         if expected:
@@ -257,10 +281,11 @@ def _one_step_piece_by_piece(n_microbatches):
         source.get(last)
         source.release(last)
         if len(source.collectives.log) - sent != expected:
-            found.append(f"rank {r}: gather({last}) {when} sent {len(source.collectives.log) - sent} all-gathers, "
-                         f"not {expected}: your ShardedWeights.gather " + (
-                             "all-gathers again when the optimizer may have changed the shards (the version)"
-                             if expected else "reuses a buffer that holds the layer at the current version"))
+            note(f"rank {r}: gather({last}) {when} sent {len(source.collectives.log) - sent} all-gathers, "
+                 f"not {expected}: your ShardedWeights.gather " + (
+                     "all-gathers again when the optimizer may have changed the shards (the version)"
+                     if expected else "reuses a buffer that holds the layer at the current version"))
+    piece += 1
     # The microbatches of this rank's rows, each divided by the whole batch's real tokens (train_step's part).
     tokens, targets = random_batch(load_text(), d * 4, CFG.max_seq_len, torch.Generator().manual_seed(0))
     n_tokens, mine = m06.real_tokens(targets), slice(r * 4, (r + 1) * 4)
@@ -273,7 +298,12 @@ def _one_step_piece_by_piece(n_microbatches):
              if (how := off(model.grad_shards[layer], padded_shard(flat(block), d, r))) is not None}
     if wrong:
         first, how = next(iter(wrong.items()))
+        factor = common_factor([(model.grad_shards[layer], padded_shard(flat(block), d, r))
+                                for layer, block in enumerate(whole.blocks)])
         culprit = (
+            f"every one is {times(factor)}, a scale: the microbatches' losses are already divided by the global "
+            f"batch's tokens, so your FSDPLlama.finish_reduce_scatter adds each slice as it is received"
+            if factor else
             "your FSDPLlama.finish_reduce_scatter adds the slice only after the work's wait()" if how == "NaN" else
             "the last reduce-scatter (layer 0's) never finished: your FSDPLlama.backward_blocks finishes the one "
             "still in flight after the loop" if list(wrong) == [0] else
@@ -281,26 +311,29 @@ def _one_step_piece_by_piece(n_microbatches):
             if any(how == "all zero" for layer, how in wrong.items() if layer > 0) else
             "your FSDPLlama.finish_reduce_scatter adds each microbatch's slice to the shard's gradient; your "
             "FSDPLlama.reduce_scatter_grad flattens the gradient as the weights were")
-        found.append(f"rank {r}: the gradient shards of blocks {sorted(wrong)} after {n_microbatches} microbatches "
-                     f"(block {first}'s is {how}; the whole batch's gradient, rank r's slice): {culprit}")
+        note(f"rank {r}: the gradient shards of blocks {sorted(wrong)} after {n_microbatches} microbatches "
+             f"(block {first}'s is {how}; the whole batch's gradient, rank r's slice): {culprit}")
+    piece += 1
     pairs = list(zip(model.replicated_grads, (rows.embedding, rows.final_norm, rows.lm_head)))
     if any(off(got, want) is not None for got, want in pairs):
         factor = common_factor(pairs)
-        found.append(f"rank {r}: this rank's replicated gradients (before the step's all-reduce) differ from those "
-                     f"of its rows" + (f", {factor:.3g} times them" if factor else "") +
-                     ": your FSDPLlama.accumulate adds each microbatch's gradients as they are")
+        note(f"rank {r}: this rank's replicated gradients (before the step's all-reduce) differ from those "
+             f"of its rows" + (f", {times(factor, 'them')}" if factor else "") +
+             ": your FSDPLlama.accumulate adds each microbatch's gradients as they are")
+    piece += 1
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     version = source.version
     model.reduce_and_step(optimizer)
     for name, got, want in zip(("embedding", "final_norm", "lm_head"), model.replicated_grads,
                                (whole.embedding, whole.final_norm, whole.lm_head)):
         if (how := off(got, want)) is not None:
-            found.append(f"rank {r}: the {name} gradient after reduce_and_step is {how} from the whole batch's: "
-                         f"your FSDPLlama.reduce_and_step sums it over ranks (one all-reduce, no average)")
+            note(f"rank {r}: the {name} gradient after reduce_and_step is {how} from the whole batch's: "
+                 f"your FSDPLlama.reduce_and_step sums it over ranks (one all-reduce, no average)")
             break
     if source.version == version:
-        found.append(f"rank {r}: your FSDPLlama.reduce_and_step did not invalidate() the weight source after the "
-                     f"step: the blocks left in its buffers are the old weights")
+        note(f"rank {r}: your FSDPLlama.reduce_and_step did not invalidate() the weight source after the "
+             f"step: the blocks left in its buffers are the old weights")
+    piece += 1
     # The single process's step on the same gradients, then the blocks as gather() now hands them out.
     for p, g in zip(single.parameters(), whole.tensors()):
         p.grad = g
@@ -310,26 +343,38 @@ def _one_step_piece_by_piece(n_microbatches):
         got = flat(source.get(layer))
         source.release(layer)
         if (how := off(got, flat(block))) is not None:
-            found.append(f"rank {r}: block {layer} gathered after the step is {how} from the single process's: "
-                         + ("your ShardedWeights.gather sent nothing: it reused a copy from before the step"
-                            if off(got, flat(m06.LlamaModel(CFG, 0, f64).blocks[layer])) is None else
-                            "your FSDPLlama.reduce_and_step gives the optimizer each gradient as .grad of its "
-                            "parameter (parameters() and grads() in one order)"))
+            note(f"rank {r}: block {layer} gathered after the step is {how} from the single process's: "
+                 + ("your ShardedWeights.gather sent nothing: it reused a copy from before the step"
+                    if off(got, flat(m06.LlamaModel(CFG, 0, f64).blocks[layer])) is None else
+                    "your FSDPLlama.reduce_and_step gives the optimizer each gradient as .grad of its "
+                    "parameter (parameters() and grads() in one order)"))
             break
-    # Last, train_step itself on a fresh model: its gradients are those of the whole batch.
+    piece += 1
+    # Last, train_step itself on a fresh model, twice on the same batch with lr 0 (the weights stay): after
+    # each step its gradients are those of the whole batch.
     fresh = m07.FSDPLlama(CFG, data_group(), dtype=f64)
-    loss = fresh.train_step(tokens, targets, n_microbatches, torch.optim.AdamW(fresh.parameters(), lr=LR))
-    pairs = [*zip(fresh.grad_shards, (padded_shard(flat(b), d, r) for b in whole.blocks)),
-             *zip(fresh.replicated_grads, (whole.embedding, whole.final_norm, whole.lm_head))]
-    if any(off(got, want) is not None for got, want in pairs):
+    no_update = torch.optim.SGD(fresh.parameters(), lr=0.0)
+
+    def fresh_pairs():  # (got, want) for each of its gradients
+        return [*zip(fresh.grad_shards, (padded_shard(flat(b), d, r) for b in whole.blocks)),
+                *zip(fresh.replicated_grads, (whole.embedding, whole.final_norm, whole.lm_head))]
+    loss = fresh.train_step(tokens, targets, n_microbatches, no_update)
+    pairs = fresh_pairs()
+    first_step_right = all(off(got, want) is None for got, want in pairs)
+    if not first_step_right:
         factor = common_factor(pairs)
-        found.append(f"rank {r}: after your FSDPLlama.train_step the gradients differ from the whole batch's" + (
-            f": every one is {factor:.3g} times it, so each microbatch's loss must be divided by the real tokens "
+        note(f"rank {r}: after your FSDPLlama.train_step the gradients differ from the whole batch's" + (
+            f": every one is {times(factor)}, so each microbatch's loss must be divided by the real tokens "
             f"of the whole global batch" if factor else
             ": it takes rows [i_d B/d, (i_d + 1) B/d), zeroes the accumulators and accumulates every microbatch"))
     if abs(loss - whole_loss) > TOLERANCE:
-        found.append(f"rank {r}: your FSDPLlama.train_step returned the loss {loss}, not the whole batch's mean "
-                     f"{whole_loss}: the sum over the group of its microbatches' parts")
+        note(f"rank {r}: your FSDPLlama.train_step returned the loss {loss}, not the whole batch's mean "
+             f"{whole_loss}: the sum over the group of its microbatches' parts")
+    fresh.train_step(tokens, targets, n_microbatches, no_update)
+    if first_step_right and any(off(got, want) is not None for got, want in fresh_pairs()):
+        note(f"rank {r}: the gradients after a second train_step on the same batch and weights are not the whole "
+             f"batch's, as they were after the first: accumulators not zeroed between steps: your "
+             f"FSDPLlama.train_step zeroes every tensor of grads() before its microbatches")
     return found
 
 
@@ -337,7 +382,9 @@ def _one_step_piece_by_piece(n_microbatches):
 def test_one_step_piece_by_piece_matches_the_single_process():
     # 3 ranks (the shards need padding), 2 microbatches (the gradients must add up). Each piece's result
     # is compared with the single process as soon as it exists, so the message names the piece.
-    found = [line for lines in run_ranks(_one_step_piece_by_piece, 3, 2, timeout=60) for line in lines]
+    per_rank = run_ranks(_one_step_piece_by_piece, 3, 2, timeout=60)
+    # The earliest piece's differences first (sorted is stable: ranks in order within a piece).
+    found = [line for _, line in sorted((f for lines in per_rank for f in lines), key=lambda f: f[0])]
     assert not found, found[0] + (f" ({len(found) - 1} more differences after it)" if found[1:] else "")
 
 
@@ -526,9 +573,14 @@ def _record_steps(steps, n_microbatches):
     return events, storages, collectives.log, model.layout.padded_numel, model.blocks, shard_storage, losses
 
 
-def culprit_of(differing: list[tuple]) -> str:
-    """Which of the learner's functions issues the events where the recorded order first differs."""
+def culprit_of(differing: list[tuple], previous: tuple | None) -> str:
+    """Which of the learner's functions issues the events where the recorded order first differs
+    (`differing`: the recorded event there, then the expected one; `previous`: the recorded one before)."""
     kinds = {kind for kind, _ in differing}
+    if previous and previous[0] == "reduce_scatter" and differing[0] == ("wait reduce_scatter", previous[1]):
+        return ("a reduce-scatter waited for right after its own start: your FSDPLlama.reduce_scatter_grad must "
+                "start it (async_op=True) and return without waiting, so it travels while the next block's "
+                "backward computes; the next call finishes it")
     if kinds & {"wait all_gather"}:
         return "look at your ShardedWeights.get (it waits) and ShardedWeights.gather (it must not)"
     if differing[0][0] == "all_gather":
@@ -598,11 +650,12 @@ def test_calls_and_collectives_come_in_the_expected_order(n_microbatches):
     expected = expected_events(CFG.n_layers, n_microbatches, 2)
     first = next((i for i, (a, b) in enumerate(zip(events, expected)) if a != b), min(len(events), len(expected)))
     waits = {event for event in events[first:first + 4] + expected[first:first + 4] if event[0] == "wait all_gather"}
+    previous = events[first - 1] if first else None
     hint = (" (get(l) waits for the all-gather gather(l) started, if any; gather() itself must not wait, or "
             "the transfer of the next block no longer overlaps this block's compute)") if waits else ""
     assert events == expected, (f"first difference at event {first}: got {events[first:first + 4]}, "
                                 f"expected {expected[first:first + 4]}{hint}; "
-                                f"{culprit_of(events[first:first + 1] + expected[first:first + 1])}")
+                                f"{culprit_of(events[first:first + 1] + expected[first:first + 1], previous)}")
     losses = [loss for result in results for loss in result[-1]]
     assert all(loss == loss for loss in losses), \
         (f"losses {losses}: NaN, read from a collective's output before its wait() (here a result arrives "

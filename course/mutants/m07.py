@@ -55,4 +55,20 @@ PLANTS = [
           "        self.dp.collectives.all_reduce(flat, label=\"replicated grads\")\n        flat /= self.dp.size\n",
           "the replicated gradients averaged after their sum (as DDP does): each rank's part is already divided by "
           "the global batch's tokens, so the sum is the mean"),
+    Plant(FSDP, "        for g in self.grads():\n            g.zero_()\n", "",
+          "the accumulators never zeroed: from the second step on each gradient adds to the last step's"),
+    Plant(FSDP, "self.layout.shard(self.layout.flatten(b), self.dp.index)",
+          "self.layout.shard(self.layout.flatten(b), 0)",
+          "every rank keeps rank 0's shard: the gathered blocks repeat rank 0's slice d times"),
+    Plant(FSDP, "        self.in_flight = ReduceScatterInFlight(work, full, received, layer)\n",
+          "        work.wait()\n        self.in_flight = ReduceScatterInFlight(work, full, received, layer)\n",
+          "the reduce-scatter waited for right after its start: right numbers, but it no longer travels while the "
+          "next block's backward computes"),
+    Plant(FLAT, "self.shard_numel = -(-self.numel // world_size)",
+          "self.shard_numel = (self.numel + world_size - 1) / world_size",
+          "true division: the sizes are floats (a tensor's size must be an int), and not even whole numbers"),
+    Plant(FSDP, "self.grad_shards[self.in_flight.layer].add_(self.in_flight.received)",
+          "self.grad_shards[self.in_flight.layer].add_(self.in_flight.received / self.dp.size)",
+          "the received slice averaged over d: each loss is already divided by the global batch's tokens, so the "
+          "sum over ranks is the mean's gradient, and this is 1/d of it"),
 ]
