@@ -91,6 +91,15 @@ def llama_config(parser, what: str, **fields):
         parser.error(f"{what}: {exc}")
 
 
+def narrow_llama(parser, args):
+    """The small Llama benches 13 and 18 share: dim // 8 query heads of 8 in 4 key/value groups, an FFN of
+    about 8/3 dim (a multiple of 16), from the options --dim, --layers and --seq."""
+    if args.dim < 32 or args.dim % 32:
+        parser.error(f"--dim must be a multiple of 32 (dim // 8 query heads of 8 in 4 groups), got {args.dim}")
+    return llama_config(parser, f"--dim {args.dim}", dim=args.dim, n_heads=args.dim // 8, n_kv_heads=4, head_dim=8,
+                        ffn_dim=args.dim * 8 // 3 // 16 * 16, n_layers=args.layers, max_seq_len=args.seq)
+
+
 def _fmt(value) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"

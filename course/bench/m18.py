@@ -35,7 +35,7 @@ import torch.distributed.fsdp  # noqa: F401  imported once here, not in every fo
 import torch.distributed.pipelining  # noqa: F401
 import torch.distributed.tensor.parallel  # noqa: F401
 
-from course.bench import llama_config, report, require_positive
+from course.bench import narrow_llama, report, require_positive
 from course.costs import StepCost, measured_cost
 from course.impl import load, reference
 from course.launch import run_ranks
@@ -237,10 +237,7 @@ def main(argv: list[str]) -> None:
 def check(parser, args):
     """Refuse bad arguments before any rank starts; returns (cfg, meshes)."""
     require_positive(parser, args, "steps", "layers", "batch", "microbatches", "seq")
-    if args.dim < 32 or args.dim % 32:
-        parser.error(f"--dim must be a multiple of 32 (dim // 8 query heads of 8 in 4 groups), got {args.dim}")
-    cfg = llama_config(parser, f"--dim {args.dim}", dim=args.dim, n_heads=args.dim // 8, n_kv_heads=4, head_dim=8,
-                       ffn_dim=args.dim * 8 // 3 // 16 * 16, n_layers=args.layers, max_seq_len=args.seq)
+    cfg = narrow_llama(parser, args)
     composition = reference("m17_composition")
     meshes = []
     for text in args.meshes.split(";"):
