@@ -337,7 +337,7 @@ def _describe_exception(exc, rank, world_size) -> str:
     summary = "\n".join([f"rank {rank} of {world_size} raised {type(exc).__name__}: {first}{where_raised(exc)}", *rest])
     if AUTOGRAD_AFTER_FORK in first:
         summary += ("\nThe process that forked the ranks ran a backward while torch saw a GPU. Start it with the GPUs "
-                    "hidden (CUDA_VISIBLE_DEVICES= python ..., or course.launch.hide_gpus_from_autograd() before "
+                    "hidden (CUDA_VISIBLE_DEVICES= python ..., or course.fork_safety.hide_gpus_from_autograd() before "
                     "any backward), as main.py and pytest do.")
     return summary + "\n\n" + "".join(traceback.format_exception(exc))
 

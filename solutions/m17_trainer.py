@@ -44,7 +44,8 @@ from .m17_composition import check_composition, compose_groups
 from .m17_stage import EvalMode, LlamaStage
 
 # The smallest linear FP8Matmul quantizes with --fp8: every one of the tiny model's (its sizes are multiples of
-# 16, check_fp8). Module 09's default, 16384, is where FP8 starts to pay on an H100; here FP8 is about the numbers.
+# 16, check_fp8). Module 09's default, 16384, is where FP8 starts to pay on an H100 or H200 (docs/09); here FP8
+# is about the numbers.
 FP8_MIN_DIM = 16
 
 

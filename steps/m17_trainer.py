@@ -1,5 +1,5 @@
 # Generated from solutions/m17_trainer.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 17`. (skeleton c9c26f61ed38)
+# Grade your work with `python main.py grade 17`. (skeleton f76f2ceaefa5)
 """Module 17, part 3 - the composed trainer: this rank's stages, module 11's executor, one step.
 
     ComposedLlama(cfg, mesh, n_microbatches, schedule="1f1b")   this rank's stages of the schedule's
@@ -46,7 +46,8 @@ from .m17_composition import check_composition, compose_groups
 from .m17_stage import EvalMode, LlamaStage
 
 # The smallest linear FP8Matmul quantizes with --fp8: every one of the tiny model's (its sizes are multiples of
-# 16, check_fp8). Module 09's default, 16384, is where FP8 starts to pay on an H100; here FP8 is about the numbers.
+# 16, check_fp8). Module 09's default, 16384, is where FP8 starts to pay on an H100 or H200 (docs/09); here FP8
+# is about the numbers.
 FP8_MIN_DIM = 16
 
 
