@@ -19,7 +19,7 @@ import traceback
 
 import pytest
 
-from course.launch import RankFailed, RankTimeout, is_learners_file, where_raised, where_running
+from course.launch import RankFailed, RankInterrupted, RankTimeout, is_learners_file, where_raised, where_running
 from course.skeleton import todo_owner
 
 GIVEN = "given"  # marker for tests of given code: not graded, not expected to fail on skeletons
@@ -49,6 +49,23 @@ def pytest_configure(config):
     for number in range(100):
         config.addinivalue_line("markers", f"m{number:02d}: tests of module {number:02d}")
     config.pluginmanager.register(Scorecard(config), "course-scorecard")
+    # SIGTERM and SIGHUP (a CI job's timeout, a closed terminal) stop the suite as Ctrl-C does, so the
+    # ranks of the check in flight are killed and their folder removed (killed outright, it stayed in /tmp).
+    for s in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(s, _as_ctrl_c)
+
+
+def _as_ctrl_c(signum, frame):
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A signal that came while ranks ran ends their check as RankInterrupted (they are cleaned up):
+    stop the session there, as pytest stops on a Ctrl-C elsewhere."""
+    yield
+    if call.excinfo is not None and call.excinfo.errisinstance(RankInterrupted):
+        item.session.shouldstop = str(call.excinfo.value).splitlines()[0]
 
 
 def pytest_collection_modifyitems(config, items):

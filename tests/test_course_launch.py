@@ -4,6 +4,8 @@ import os
 import re
 import resource
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -11,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from course import REPO
 from course.fork_safety import AUTOGRAD_AFTER_FORK, environment_with_gpus
 from course.launch import RankFailed, RankTimeout, failures_explained, run_demo, run_ranks, watchdog
 
@@ -215,3 +218,43 @@ def test_main_hides_the_gpus_unless_a_benchmark_asks_for_cuda():
 def test_a_rank_refused_by_autograd_after_a_fork_is_told_what_to_do():
     with pytest.raises(RankFailed, match="ran a backward while torch saw a GPU.*CUDA_VISIBLE_DEVICES="):
         run_ranks(_autograd_refuses_after_fork, 1, timeout=20)
+
+
+SLEEPING_CHECK = """import time
+from pathlib import Path
+
+from course.launch import run_ranks
+
+
+def _sleep(started):
+    Path(started).touch()
+    time.sleep(60)
+
+
+def test_sleeps():
+    run_ranks(_sleep, 2, {started!r}, timeout=60, init_process_group=False)
+
+
+def test_after():
+    pass
+"""
+
+
+def test_sigterm_stops_pytest_and_its_ranks_leave_no_folder(tmp_path):
+    # Killed outright by SIGTERM (a CI timeout), pytest left the ranks' folder in /tmp.
+    started, tmp = tmp_path / "started", tmp_path / "tmp"
+    tmp.mkdir()
+    (tmp_path / "test_sleeping.py").write_text(SLEEPING_CHECK.format(started=str(started)))
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-p", "course.grading", "-p", "no:cacheprovider", "-v",
+                             str(tmp_path / "test_sleeping.py")], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(tmp)})
+    deadline = time.monotonic() + 60
+    while not started.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    # Stopped as by Ctrl-C (pytest's exit status 2), before the next check, whether the signal came while
+    # the ranks ran (their check fails as interrupted) or while they were being started.
+    assert proc.returncode == 2 and "SIGTERM" in out and "test_after" not in out, out
+    assert not list(tmp.glob("course-ranks-*")), "the ranks' folder outlived the run"
