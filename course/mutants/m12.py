@@ -97,4 +97,11 @@ PLANTS = [
     Plant(BLOCK, 'row_parallel_backward(dy, store["s"], w.w_down, grads.w_down, tp, sp, "ffn out", fused, mm)',
           'row_parallel_backward(dy, store["s"], w.w_down, grads.w_down, tp, sp, "ffn out", fused)',
           "the down projection's backward left out of the block's matmul policy"),
+    Plant(LINEAR, """    if matmul is not None:
+        return policy_gradients(dy_whole, x, w, main_grad, matmul)
+    accumulate_weight_grad""", "    accumulate_weight_grad",
+          "the row-parallel backward ignores the policy: FP8's backward never runs for wo and w_down"),
+    Plant(LINEAR, "        return policy_gradients(dy_whole, x, w, main_grad, matmul)",
+          "        return policy_gradients(dy, x, w, main_grad, matmul)",
+          "the policy's backward from this rank's positions of dy: with sequence parallelism it needs them all"),
 ]
