@@ -7,9 +7,10 @@ in backward two more matmuls of the same size:
     input grad     dx = dy W        dy: e5m2, W: e4m3
     weight grad    dW = dy^T x      dy: e5m2, x: e4m3 (the one quantized in forward, kept in the store)
 
-Each runs through torch._scaled_mm(a, b, scale_a=..., scale_b=..., out_dtype=...), which multiplies
-FP8 matrices, applies both scales in its fp32 accumulator and writes out_dtype (bf16 or fp32).
-On an H100 it has layout rules (CPU is laxer, so we check them ourselves):
+Each runs through `scaled_mm` (given, below): on CUDA torch._scaled_mm(a, b, scale_a=..., scale_b=...,
+out_dtype=...), which multiplies FP8 matrices, applies both scales in its fp32 accumulator and
+writes out_dtype (bf16 or fp32); on CPU the same product computed from the dequantized operands.
+On an H100 it has layout rules (the CPU path has none, so we check them ourselves):
   - a is row-major and b is column-major,
   - K and N are multiples of 16 (we also require M: the forward's tokens are K in dW = dy^T x),
   - at most one operand is e5m2 (there is no e5m2 x e5m2 kernel).
@@ -50,7 +51,7 @@ def check_scaled_mm_operands(a: torch.Tensor, b: torch.Tensor) -> None:
     """Raise ValueError, saying what is wrong, unless a @ b meets CUDA's rules for torch._scaled_mm."""
     # >>> TODO(m09): refuse operands CUDA's _scaled_mm would reject, naming the rule
     # a @ b must meet the H100 kernel's rules (the module docstring; the chapter's "CUDA's layout rules"),
-    # checked on every device because the CPU kernel is laxer. Raise ValueError at the first rule broken, in
+    # checked on every device because the CPU path has no such rules. Raise ValueError at the first rule broken, in
     # this order: both 2-D; a's columns match b's rows (the inner dimension); both dtypes FP8; not both e5m2;
     # every dimension (M, K and N) a multiple of 16; a row-major; b column-major. Return None if all hold.
     # Each message names its rule in words the tests look for ("2-D", "inner", "float8" or "FP8", "e5m2", "16",
@@ -92,11 +93,19 @@ def scaled_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype, fast_accum: bo
     """(a.data * a.scale) @ (b.data * b.scale), accumulated in fp32, returned as out_dtype.
 
     fast_accum lets an H100 accumulate in its faster, less precise FP8 mode: fine for the forward
-    output, not for gradients (the usual choice). The CPU kernel ignores it.
+    output, not for gradients (the usual choice).
+
+    On CUDA this is torch._scaled_mm. On CPU we compute the same thing ourselves, dequantizing first
+    and multiplying in float32: torch's CPU _scaled_mm picks its kernel by the CPU's instruction set
+    (on AVX-512 FP16 / AMX machines oneDNN's FP8 path, hundreds of times slower and rounded
+    differently), so results and speed would depend on the machine. This form is bit for bit what
+    torch's emulated CPU kernel returns for float32 and bf16 outputs.
     """
     check_scaled_mm_operands(a.data, b.data)
-    return torch._scaled_mm(a.data, b.data, scale_a=a.scale, scale_b=b.scale,
-                            out_dtype=out_dtype, use_fast_accum=fast_accum)
+    if a.data.is_cuda:
+        return torch._scaled_mm(a.data, b.data, scale_a=a.scale, scale_b=b.scale,
+                                out_dtype=out_dtype, use_fast_accum=fast_accum)
+    return ((a.data.float() * a.scale) @ (b.data.float() * b.scale)).to(out_dtype)
 
 
 @dataclass

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from course.gpu_check import needs_gpu, run_cuda_check
-from course.impl import load
+from course.impl import load, reference
 
 scaling = load("m09_fp8_scaling")
 matmul = load("m09_fp8_matmul")
@@ -352,9 +352,9 @@ def test_one_linear_quantizes_its_input_and_gradient_once_and_reuses_the_cached_
         quantized.append(("x" if t is x else "dy" if t is dy else "w" if t is w else "another tensor", dtype))
         return quantize(t, dtype, amax)
     policy.quantize = counting
-    operands, scaled_mm = [], torch._scaled_mm
-    monkeypatch.setattr(torch, "_scaled_mm", lambda a, b, **kw: operands.append(b.untyped_storage().data_ptr())
-                        or scaled_mm(a, b, **kw))
+    operands, scaled_mm = [], matmul.scaled_mm
+    monkeypatch.setattr(matmul, "scaled_mm", lambda a, b, *args, **kw: operands.append(b.data.untyped_storage().data_ptr())
+                        or scaled_mm(a, b, *args, **kw))
     fp8_forward_backward(x, w, dy, policy=policy)
     assert quantized == [("x", E4M3), ("dy", E5M2)], \
         (f"self.quantize was called for {quantized}; expected x to e4m3 once (prepare) and dy to e5m2 once "
@@ -419,6 +419,20 @@ def test_layout_checker_rejects_with_a_clear_message(a, b, message):
         matmul.check_scaled_mm_operands(a, b)
 
 
+@pytest.mark.given
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=["float32", "bf16"])
+def test_scaled_mm_on_cpu_is_the_dequantized_product_whatever_the_cpu(monkeypatch, out_dtype):
+    # torch's CPU _scaled_mm picks its kernel by the CPU (oneDNN's FP8 path on AVX-512 FP16 / AMX machines,
+    # slower by hundreds of times and rounded differently), so the given scaled_mm never calls it on CPU: it
+    # multiplies the dequantized operands in float32, bit for bit what torch's emulated kernel returns.
+    given = reference("m09_fp8_matmul")
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **kw: pytest.fail("scaled_mm called torch._scaled_mm on CPU"))
+    a = given.Quantized((3 * torch.randn(64, 32)).to(E4M3), torch.tensor(0.37))
+    b = given.Quantized(torch.randn(48, 32).to(E5M2).t(), torch.tensor(1.9))
+    got = given.scaled_mm(a, b, out_dtype)
+    assert torch.equal(got, ((a.data.float() * a.scale) @ (b.data.float() * b.scale)).to(out_dtype))
+
+
 # --- the policy in the Llama block -----------------------------------------------------------
 
 @pytest.mark.exercises("quantize",
@@ -457,17 +471,17 @@ def test_every_block_linear_runs_in_fp8(monkeypatch):
     cfg = m06_block.LlamaConfig(**BLOCK_CFG, max_seq_len=16)
     weights = m06_block.init_block_weights(cfg, torch.Generator().manual_seed(0))
     calls, fast = [], []
-    scaled_mm = torch._scaled_mm
+    scaled_mm = matmul.scaled_mm
 
-    def recording(a, b, **kw):
-        calls.append((a.dtype, b.dtype))
-        fast.append(kw.get("use_fast_accum", False))
-        return scaled_mm(a, b, **kw)
-    monkeypatch.setattr(torch, "_scaled_mm", recording)
+    def recording(a, b, out_dtype, fast_accum=False):
+        calls.append((a.data.dtype, b.data.dtype))
+        fast.append(fast_accum)
+        return scaled_mm(a, b, out_dtype, fast_accum)
+    monkeypatch.setattr(matmul, "scaled_mm", recording)
     block, store = m06_block.LlamaBlock(cfg, matmul=matmul.FP8Matmul(min_dim=0)), m06_block.ActivationStore()
     y = block.forward(weights, torch.randn(2, 16, cfg.dim), store)
     assert calls == [(E4M3, E4M3)] * 7, f"forward: expected 7 e4m3 x e4m3 matmuls (q k v o gate up down), got {calls}"
-    # The CPU kernel ignores use_fast_accum; an H100 honours it, so it is checked as passed.
+    # The CPU path ignores fast_accum; an H100 honours it, so it is checked as passed.
     assert fast == [True] * 7, f"forward: fast accumulation {fast}; the forward outputs use it (fast_accum=True)"
     calls.clear(), fast.clear()
     block.backward(weights, torch.randn_like(y), store)

@@ -46,7 +46,7 @@ def add_args(parser: argparse.ArgumentParser):
                         help="module 10's block recompute: each block keeps its input only and reruns its forward "
                              "in the backward")
     parser.add_argument("--fp8", action="store_true",
-                        help="module 09's FP8Matmul in every block's linears (on CPU emulated by torch._scaled_mm)")
+                        help="module 09's FP8Matmul in every block's linears (on CPU emulated in float32 by module 09's scaled_mm)")
     parser.add_argument("--eval-every", type=int, default=100, help="a validation loss every N steps (default 100)")
     parser.add_argument("--checkpoint-every", type=int, default=200, help="a checkpoint every N steps (default 200)")
     parser.add_argument("--checkpoint-dir", default=None,
