@@ -237,14 +237,14 @@ def test_a_frame_in_the_reference_is_shown_where_the_learner_has_it(tmp_path, mo
     from types import SimpleNamespace
 
     from course.grading import as_in_steps, failure_reason
-    from course.skeleton import generate, todo_blocks
+    from course.skeleton import skeleton_file, todo_blocks
     source = (REPO / "solutions" / "m16_expert_parallel.py").read_text().splitlines()
     line = next(n for n, text in enumerate(source, start=1) if "receives {int(recv[t])} rows" in text)
     message = CHECK_EXCHANGE.format(line=line)
     monkeypatch.setenv("COURSE_IMPL", "steps")
     steps = tmp_path / "steps"
     steps.mkdir()
-    skeleton = generate()["m16_expert_parallel.py"]
+    skeleton = skeleton_file("\n".join(source) + "\n", "m16_expert_parallel.py")
     for mine in (skeleton, "# my notes\n" * 5 + skeleton):  # as generated, then 5 lines longer above it
         (steps / "m16_expert_parallel.py").write_text(mine)
         monkeypatch.setenv("COURSE_STEPS_DIR", str(steps))
