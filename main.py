@@ -1,7 +1,7 @@
 """The course's command line.
 
     python main.py                      a short tour: the modules, then demos that run on CPU
-    python main.py list                 modules, with the TODOs left in your steps/
+    python main.py list                 modules, with the TODOs left in your steps/ and the hints you saw
     python main.py run NN [--nproc N]   run module NN's demo on N CPU ranks
     python main.py grade NN             grade module NN: a scorecard
     python main.py hint NN [TODO]       the next level of help with a TODO
@@ -31,11 +31,19 @@ TOUR = ("00", "05")  # the baseline, then the latest module that reproduces it a
 
 
 def cmd_list(args=None):
+    from course.hints import HintError, hints_seen, load_shown
     from course.impl import steps_dir
 
-    print(f"{'module':<7} {'ranks':>5}  {'your TODOs':>10}  title")
+    try:
+        shown = load_shown()
+    except HintError as exc:  # a record that cannot be read: said in one line, the table printed all the same
+        print(f"error: {exc}", file=sys.stderr)
+        shown = None
+    # hints: of each module's TODOs, how many with no hint seen / with hints up to level 2 / with level 3
+    print(f"{'module':<7} {'ranks':>5}  {'your TODOs':>10}  {'hints: none/≤2/3':>16}  title")
     for m in MODULES.values():
-        print(f"{m.number:<7} {m.world_size:>5}  {m.status(steps_dir()):>10}  {m.title}")
+        seen = "" if m.is_given() else "?" if shown is None else hints_seen(m, shown).compact()
+        print(f"{m.number:<7} {m.world_size:>5}  {m.status(steps_dir()):>10}  {seen:>16}  {m.title}")
 
 
 def cmd_tour(args):

@@ -1,5 +1,6 @@
 """`python main.py grade NN`: run module NN's graded tests on the selected implementation and print
-a scorecard, one line per check as it finishes, then the total (given).
+a scorecard, one line per check as it finishes, then the total (given); when every check of your
+steps/ passes, the total also says how many TODOs you wrote without a hint (course/hints.py's record).
 
 The tests run in a pytest subprocess, with the scorecard plugin of course/grading.py printing each
 check's line live; the total comes from the plugin's JSON report. pytest and the ranks it forks
@@ -89,8 +90,12 @@ def _scorecard(module: Module, impl: str, test_files: list[str], results: list[d
     passed = sum(r["outcome"] == "passed" for r in results)
     skipped = sum(r["outcome"] == "skipped" for r in results)
     graded = len(results) - skipped  # e.g. GPU checks on a machine without one
+    derived = ""
+    if passed == graded and impl == "steps":  # what the learner derived: TODOs written without a hint
+        from course.hints import what_was_derived
+        derived = f"; {what_was_derived(module)}"
     print(f"{passed}/{graded} checks pass" + (f" ({skipped} skipped)" if skipped else "")
-          + (" among those that ran before the one that hung" if stopped_on_hang else ""))
+          + (" among those that ran before the one that hung" if stopped_on_hang else "") + derived)
     if passed < graded:
         print(f"A check's whole output (tracebacks, your prints): python -m pytest --impl {impl} "
               f"{' '.join(os.path.relpath(f, REPO) for f in test_files)} -k NAME")

@@ -20,7 +20,7 @@ import traceback
 import pytest
 
 from course.launch import RankFailed, RankInterrupted, RankTimeout, is_learners_file, where_raised, where_running
-from course.skeleton import todo_owner
+from course.skeleton import HEADER, todo_blocks, todo_owner
 
 GIVEN = "given"  # marker for tests of given code: not graded, not expected to fail on skeletons
 EXERCISES = "exercises"  # @pytest.mark.exercises("one_f_one_b", ...): the functions whose TODOs a check grades
@@ -250,7 +250,8 @@ def failure_reason(report) -> str:
     """What a failed check says: its error's whole message, without what follows it (a rank's
     traceback, the stuck ranks' stacks, pytest's explanation of an assert); for a tensor mismatch,
     how many elements and how far off; for an error raised by the learner's code in this process,
-    where (their own frame first). A skipped check: why."""
+    where (their own frame first), every frame in a file the learner has (`as_in_steps`). A skipped
+    check: why."""
     if report.outcome == "passed":
         return ""
     if report.outcome == "skipped":
@@ -273,4 +274,38 @@ def failure_reason(report) -> str:
         for what in ("Mismatched elements", "Greatest absolute"):
             if line.strip().startswith(what):
                 details.setdefault(what, line.strip())
-    return "\n".join(message) + (f" ({'; '.join(details.values())})" if details else "")
+    return as_in_steps("\n".join(message) + (f" ({'; '.join(details.values())})" if details else ""))
+
+
+REFERENCE_FRAME = re.compile(r"(?<![\w/.])solutions/(?P<file>m\d\d_\w+\.py):(?P<line>\d+) in (?P<function>[\w<>]+)")
+
+
+def as_in_steps(message: str) -> str:
+    """A message whose frames the learner can follow: when steps/ is graded, a frame in solutions/
+    (given code a check runs from the reference as a trusted helper, e.g. module 16's check_exchange)
+    is shown at the same line of the learner's steps/ file, and a frame in the reference's own answer
+    to a TODO names no file: the learner never needs to open solutions/ (issue 37.4)."""
+    from course.impl import selected
+    return REFERENCE_FRAME.sub(_in_steps, message) if selected() == "steps" else message
+
+
+def _in_steps(frame: re.Match) -> str:
+    from course import REPO
+    from course.impl import steps_dir
+    name, line, function = frame["file"], int(frame["line"]), frame["function"]
+    try:
+        source = (REPO / "solutions" / name).read_text().splitlines()
+        blocks = todo_blocks("\n".join(source), name)
+    except (OSError, ValueError):
+        return frame[0]
+    if any(block.line <= line <= block.end for block in blocks):
+        return f"the check's reference {function}"
+    # The line in the skeleton as generated: the header, and each earlier block cut to its title, comments and raise.
+    generated = line + HEADER.count("\n") - sum((block.end - block.line + 1) - (len(block.visible) + 2)
+                                                 for block in blocks if block.end < line)
+    try:  # the learner's file: the same given line, the one nearest where it was generated
+        mine = (steps_dir() / name).read_text().splitlines()
+        same = [n for n, text in enumerate(mine, start=1) if text == source[line - 1]]
+    except OSError:
+        same = []
+    return f"steps/{name}:{min(same, key=lambda n: abs(n - generated), default=generated)} in {function}"

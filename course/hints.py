@@ -1,12 +1,17 @@
 """`python main.py hint NN [TODO] [--all]`: help with a TODO, one level at a time (given).
 
-A TODO's skeleton states its contract, its maths and its pitfalls. Help beyond that is asked for:
-each solution block in solutions/ carries up to three levels, `# Hint 1:` the idea in words,
-`# Hint 2:` the primitives or formula to use, `# Hint 3:` pseudo-code. Each call shows the next
-level of one TODO; which levels were shown is remembered in a git-ignored file (HINTS_SHOWN), so
-regenerating the skeletons or pulling the course never resets it, and it never touches steps/.
+A TODO's skeleton states its contract (what must hold afterwards), the question to work out, the
+definitions to reason from and its pitfalls, as questions. Help beyond that is asked for: each
+solution block in solutions/ carries three levels, each closer to the code. `# Hint 1:` is a question
+that points at the principle and the chapter's section that teaches it; `# Hint 2:` the maths (a
+formula in the glossary's symbols, no code); `# Hint 3:` pseudo-code or code. (docs/maintainers.md,
+"Writing a TODO", has the whole rule.) Each call shows the next level of one TODO; which levels were
+shown is remembered in a git-ignored file (HINTS_SHOWN), so regenerating the skeletons or pulling the
+course never resets it, and it never touches steps/. `python main.py grade NN` and `list` read it to
+say how many TODOs were written with no hint seen, with hints up to level 2, and with level 3.
 The file is replaced whole on each save (never left half-written); one that does not hold such a
-record is named and left as it is, never silently reset.
+record is named and left as it is, never silently reset. It is keyed by the TODOs' titles: a title
+renamed in solutions/ goes in RENAMED_TITLES, so that what a learner has seen follows it.
 
     python main.py hint 05                 the module's TODOs: number, where, levels seen
     python main.py hint 05 3               the next level of TODO 3
@@ -23,12 +28,16 @@ import os
 import re
 import sys
 import tempfile
+from dataclasses import dataclass
 
 from course import REPO
 from course.catalog import Module
 from course.skeleton import TodoBlock, todo_blocks
 
 HINTS_SHOWN = REPO / ".course-hints.json"  # {"TODO(m05): ...": levels shown}
+# A TODO's old title -> its new one ("TODO(m14): ..." both), oldest renaming first: a record read
+# under an old title counts for the new one (the higher level seen, if it holds both).
+RENAMED_TITLES: dict[str, str] = {}
 
 
 def module_todos(module: Module) -> list[TodoBlock]:
@@ -81,7 +90,7 @@ def command(module: Module, which: str | None, show_all: bool) -> int:
 def _command(module: Module, todos: list[TodoBlock], which: str | None, show_all: bool) -> int:
     if which is not None:
         number, block = find(module, which)  # refused before the record is read
-    shown = _load_shown()
+    shown = load_shown()
     if which is None:
         print(f"Module {module.number}'s TODOs (`python main.py hint {module.number} N` shows the next level of TODO N):")
         for number, block in enumerate(todos, start=1):
@@ -128,6 +137,42 @@ def hint_command_for(number: str, text: str) -> str | None:
     return f"python main.py hint {number} {numbers[0]}{more}"
 
 
+@dataclass(frozen=True)
+class HintsSeen:
+    """How many of a module's TODOs the learner wrote with no hint seen, with hints up to level 2 (the
+    question and the maths), and with level 3 (the code), by the record of hints seen."""
+    without: int
+    up_to_2: int
+    with_3: int
+
+    def __str__(self) -> str:
+        """'11 of 14 TODOs without a hint, 2 with hints up to level 2, 1 with level 3'."""
+        total = self.without + self.up_to_2 + self.with_3
+        more = [f"{self.up_to_2} with hints up to level 2"] * bool(self.up_to_2) + \
+               [f"{self.with_3} with level 3"] * bool(self.with_3)
+        return ", ".join([f"{self.without} of {total} TODOs without a hint", *more])
+
+    def compact(self) -> str:
+        """'11/2/1': `python main.py list`'s column."""
+        return f"{self.without}/{self.up_to_2}/{self.with_3}"
+
+
+def hints_seen(module: Module, shown: dict[str, int] | None = None) -> HintsSeen:
+    """The module's TODOs counted by the highest hint level seen (from the record, unless `shown` is
+    given); HintRecordError if the record cannot be read."""
+    levels = [(load_shown() if shown is None else shown).get(block.title, 0) for block in module_todos(module)]
+    return HintsSeen(sum(level == 0 for level in levels), sum(1 <= level <= 2 for level in levels),
+                     sum(level >= 3 for level in levels))
+
+
+def what_was_derived(module: Module) -> str:
+    """What `grade` adds to a passing module's total: how many TODOs were written without a hint."""
+    try:
+        return str(hints_seen(module))
+    except HintRecordError as exc:
+        return f"which hints you saw is unknown: {exc}"
+
+
 def _what(block: TodoBlock) -> str:
     return block.title.split(": ", 1)[1]
 
@@ -136,7 +181,7 @@ def _strip_comment(line: str) -> str:
     return "  " + re.sub(r"^\s*# ?", "", line)
 
 
-def _load_shown() -> dict[str, int]:
+def load_shown() -> dict[str, int]:
     """The record of hint levels seen: {} if there is none yet; HintError if it is not one."""
     try:
         text = HINTS_SHOWN.read_text()
@@ -152,6 +197,9 @@ def _load_shown() -> dict[str, int]:
             and all(isinstance(title, str) and type(levels) is int and levels >= 0 for title, levels in shown.items())):
         raise HintRecordError(f"{HINTS_SHOWN} is not a record of hints seen ({{\"TODO(mNN): ...\": levels seen}}); "
                               "it was left as it is: move it away to start a new one")
+    for old, new in RENAMED_TITLES.items():
+        if old in shown:
+            shown[new] = max(shown.pop(old), shown.get(new, 0))
     return shown
 
 

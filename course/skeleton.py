@@ -3,11 +3,11 @@
 solutions/ is the one source of truth. A solution block is written between two markers:
 
     # >>> TODO(m04): build this rank's layers
-    # The contract, the maths and the pitfalls: what the skeleton shows (never the code).
-    # Hint 1: the idea in words.
-    # Hint 2: the primitives or formula to use; a hint's longer text goes on
+    # The contract, the question, the maths and the pitfalls: what the skeleton shows.
+    # Hint 1: a question that points at the principle and the chapter's section.
+    # Hint 2: the maths (no code); a hint's longer text goes on
     #         in comment lines indented under it.
-    # Hint 3: pseudo-code.
+    # Hint 3: pseudo-code or code.
     ...reference code...
     # <<<
 

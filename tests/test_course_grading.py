@@ -224,3 +224,38 @@ def test_a_stuck_rank_shows_the_learners_own_frame_first(monkeypatch):
                                               "all_gather")
     learners_first = dump.replace("course/collectives.py", "steps/m02_comms.py")
     assert _innermost_course_frames(learners_first).startswith("steps/m02_comms.py:120 in all_gather <- steps/m07")
+
+
+CHECK_EXCHANGE = ("rank 1 of 4 raised ValueError: member 0 receives 3 rows from member 1 by its recv_splits, but 1 "
+                  "sends 2; take them from the counts you received (at solutions/m16_expert_parallel.py:{line} in "
+                  "check_exchange)")
+
+
+def test_a_frame_in_the_reference_is_shown_where_the_learner_has_it(tmp_path, monkeypatch):
+    # Issue 37.4: a check that runs given code from the reference (module 16's check_exchange) reported its
+    # error at solutions/m16_expert_parallel.py:85, a file the learner never needs to open.
+    from types import SimpleNamespace
+
+    from course.grading import as_in_steps, failure_reason
+    from course.skeleton import skeleton_file, todo_blocks
+    source = (REPO / "solutions" / "m16_expert_parallel.py").read_text().splitlines()
+    line = next(n for n, text in enumerate(source, start=1) if "receives {int(recv[t])} rows" in text)
+    message = CHECK_EXCHANGE.format(line=line)
+    monkeypatch.setenv("COURSE_IMPL", "steps")
+    steps = tmp_path / "steps"
+    steps.mkdir()
+    skeleton = skeleton_file("\n".join(source) + "\n", "m16_expert_parallel.py")
+    for mine in (skeleton, "# my notes\n" * 5 + skeleton):  # as generated, then 5 lines longer above it
+        (steps / "m16_expert_parallel.py").write_text(mine)
+        monkeypatch.setenv("COURSE_STEPS_DIR", str(steps))
+        shown = as_in_steps(message)
+        at = int(re.search(r"at steps/m16_expert_parallel\.py:(\d+) in check_exchange\)$", shown)[1])
+        assert mine.splitlines()[at - 1] == source[line - 1], shown
+    report = SimpleNamespace(outcome="failed", longrepr=SimpleNamespace(reprcrash=SimpleNamespace(message=message)))
+    assert "solutions/" not in failure_reason(report) and "steps/m16_expert_parallel.py:" in failure_reason(report)
+    # In the reference's own answer to a TODO: no file to open, only whose code it is.
+    [block] = [b for b in todo_blocks("\n".join(source), "m16_expert_parallel.py") if b.function == "plan_exchange"]
+    inside = as_in_steps(f"boom (at solutions/m16_expert_parallel.py:{block.end - 1} in plan_exchange)")
+    assert inside == "boom (at the check's reference plan_exchange)", inside
+    monkeypatch.setenv("COURSE_IMPL", "solutions")  # grading the reference: its own files, as they are
+    assert as_in_steps(message) == message

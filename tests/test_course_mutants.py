@@ -1,14 +1,12 @@
 """The catalogue of planted bugs (course/mutants/) stays valid as the solutions change: every plant
 still applies, where a learner writes code, and changes the code. Running the plants against the
 graded tests takes far longer than the suite: `python -m course.mutants` (on demand)."""
-import functools
-
 import pytest
 
 from course.catalog import MODULES
-from course.mutants import Plant, PlantError, modules, planted, plants
-from course.mutants.__main__ import Job, judge, selected_jobs
-from course.skeleton import REPO, todo_blocks
+from course.hints import module_todos
+from course.mutants import Plant, PlantError, modules, planted, plants, todo_of
+from course.mutants.__main__ import Job, Outcome, blame, judge, selected_jobs, summary
 
 WITH_TODOS = sorted(n for n, m in MODULES.items() if not m.is_given())
 BIG = {"11", "12", "13"}  # the big modules: about ten plants each
@@ -18,11 +16,6 @@ def test_every_module_with_todos_has_its_plants():
     assert modules() == WITH_TODOS
     few = {n: len(plants(n)) for n in WITH_TODOS if len(plants(n)) < (10 if n in BIG else 6)}
     assert not few, f"modules with fewer plants than asked (6, or 10 for {sorted(BIG)}): {few}"
-
-
-@functools.lru_cache(maxsize=None)
-def blocks_of(name: str):
-    return todo_blocks((REPO / "solutions" / name).read_text(), name)
 
 
 @pytest.mark.parametrize("number", WITH_TODOS)
@@ -39,11 +32,10 @@ def test_every_plant_applies_once_inside_a_solution_block(number):
         except PlantError as error:
             wrong.append(f"{where}: {error}")
             continue
-        source = (REPO / "solutions" / plant.file).read_text()
-        first = source[:source.index(plant.find)].count("\n") + 1
-        last = first + plant.find.rstrip("\n").count("\n")
-        if not any(block.line < first and last < block.end for block in blocks_of(plant.file)):
-            wrong.append(f"{where}: lines {first}-{last} are not inside one solution block")
+        try:
+            todo_of(number, plant)  # inside one solution block: the TODO the blame report holds it to
+        except PlantError as error:
+            wrong.append(f"{where}: {error}")
         if not plant.teaches.strip() or "\n" in plant.teaches:
             wrong.append(f"{where}: `teaches` must say in one line what the mistake is")
     assert not wrong, "plants that no longer apply (fix them to the current solutions/):\n" + "\n".join(wrong)
@@ -81,3 +73,46 @@ def test_the_runner_selects_modules_and_single_plants_each_with_its_baseline():
     assert [j.name for j in selected_jobs(["05.2", "01"])] == ["05.0", "05.2"] + [f"01.{k}" for k in range(len(plants("01")) + 1)]
     with pytest.raises(SystemExit, match="not a module with plants"):
         selected_jobs(["00"])
+
+
+def test_a_plants_todo_is_the_solution_block_that_holds_it_numbered_as_hint_numbers_them():
+    for number in ("05", "12"):
+        todos = module_todos(MODULES[number])
+        for plant in plants(number):
+            block = todos[todo_of(number, plant) - 1]
+            source = plant.find.strip().splitlines()[0].strip()
+            assert block.file == plant.file and any(source in line for line in block.solution), (plant, block.title)
+
+
+CAUGHT = "by test_x: AssertionError: off"
+
+
+@pytest.mark.parametrize("help, right, said", [
+    ("python main.py hint 05 {todo}", True, "help names TODO {todo}"),
+    ("python main.py hint 05 {other}", False, "help names TODO {other}"),
+    ("python main.py hint 05 {todo} (it also exercises TODOs {other})", False, "help names TODOs {todo}, {other}"),
+    ("python main.py hint 02 {todo}", False, "help names module 02's TODO {todo}"),
+    (None, False, "no help line"),
+])
+def test_a_caught_plant_is_blamed_right_only_when_its_help_names_its_own_todo_alone(help, right, said):
+    todo = todo_of("05", PLANT.plant)
+    other = todo % 5 + 1
+    outcome = Outcome("caught", CAUGHT, 1.0, help and help.format(todo=todo, other=other))
+    blamed = blame(PLANT, outcome)
+    assert (blamed.right, blamed.todo, blamed.said) == (right, todo, said.format(todo=todo, other=other))
+    assert blame(PLANT, Outcome("SURVIVED", "3 tests passed", 1.0)) is None
+    assert blame(BASELINE, Outcome("passed", "3 tests passed", 1.0)) is None
+
+
+def test_the_total_gives_the_blame_per_module_old_and_new_plants_apart():
+    todo = todo_of("05", PLANT.plant)
+    new = Job("05", 2, Plant(PLANT.plant.file, PLANT.plant.find, "x", "a new plant", new=True))
+    done = {"05.0": (BASELINE, Outcome("passed", "", 1.0)),
+            "05.1": (PLANT, Outcome("caught", CAUGHT, 1.0, f"python main.py hint 05 {todo}")),
+            "05.2": (new, Outcome("caught", CAUGHT, 1.0, f"python main.py hint 05 {todo % 5 + 1}")),
+            "05.3": (Job("05", 3, plants("05")[2]), Outcome("SURVIVED", "4 tests passed", 1.0))}
+    lines = summary(done)
+    assert lines[0].split()[-4:] == ["blamed", "right", "new:", "right"], lines[0]
+    assert lines[1].split()[:5] == ["05", "3", "2", "1", "0"] and lines[1].endswith("1 of 1      0 of 1"), lines[1]
+    assert lines[-2] == "blamed wrong:" and lines[-1].startswith(f"  05.2   in TODO {todo}, help names TODO"), lines
+    assert lines[-1].endswith("(new)")

@@ -21,7 +21,7 @@ from pathlib import Path
 from course import REPO
 from course.catalog import MODULES
 from course.grading import hung
-from course.mutants import Plant, PlantError, modules, planted, plants
+from course.mutants import Plant, PlantError, modules, planted, plants, todo_of
 
 PLANT_TIMEOUT_S = 300  # a plant's whole test run; a hang past it is reported, never waited on
 
@@ -42,6 +42,7 @@ class Outcome:
     verdict: str           # "caught", "SURVIVED" or "ERROR" (for the baseline: "passed" or "ERROR")
     detail: str            # which test caught it, and its one-line reason; or what went wrong
     seconds: float
+    help: str | None = None  # the first failure's help line, as grade prints it: "python main.py hint 05 3"
 
 
 class Runner:
@@ -126,7 +127,7 @@ def judge(job: Job, results: list[dict] | None, output: str, returncode: int, ti
         first = failed[0]
         how = "by a hang in" if hung(first["reason"]) else "by"
         detail = f"{how} {first['test'].split('::', 1)[-1]}: {first['reason'][:160]}"
-        return Outcome("ERROR" if baseline else "caught", detail, seconds)
+        return Outcome("ERROR" if baseline else "caught", detail, seconds, first.get("hint"))
     if results and returncode == 0:
         return Outcome("passed" if baseline else "SURVIVED", f"{len(results)} tests passed", seconds)
     # No test failed, yet pytest did not pass: a test file that cannot be imported (a collection error).
@@ -160,20 +161,67 @@ def selected_jobs(args: list[str]) -> list[Job]:
     return jobs
 
 
+@dataclass
+class Blame:
+    right: bool
+    todo: int | None       # the TODO the plant is in (None: it could not be told)
+    said: str              # what the help line blamed, in words
+
+
+def blame(job: Job, outcome: Outcome) -> Blame | None:
+    """Whether a caught plant's first failure points the learner at the plant's own TODO, and only at
+    it; None for a plant not caught (or the baseline)."""
+    if job.plant is None or outcome.verdict != "caught":
+        return None
+    try:
+        todo = todo_of(job.number, job.plant)
+    except PlantError as error:
+        return Blame(False, None, f"its TODO cannot be told ({error})")
+    named = re.fullmatch(r"python main\.py hint (\d\d) (\d+)(?: \(it also exercises TODOs ([\d, ]+)\))?",
+                         outcome.help or "")
+    if named is None:
+        return Blame(False, todo, "no help line" if not outcome.help else f"help: {outcome.help}")
+    number, first = named[1], int(named[2])
+    also = [int(n) for n in (named[3] or "").replace(",", " ").split()]
+    if number != job.number:
+        return Blame(False, todo, f"help names module {number}'s TODO {first}")
+    if also:
+        return Blame(False, todo, f"help names TODOs {', '.join(map(str, [first, *also]))}")
+    return Blame(first == todo, todo, f"help names TODO {first}")
+
+
 def row(job: Job, outcome: Outcome) -> str:
     teaches = f"\n        {job.plant.file}: {job.plant.teaches}" if job.plant else ""
+    blamed = blame(job, outcome)
+    if blamed is not None:
+        verdict = "blamed right" if blamed.right else "blamed WRONG"
+        teaches += f"\n        {verdict}: in TODO {blamed.todo or '?'}, {blamed.said}" + " (new)" * job.plant.new
     return f"{job.name:<6} {outcome.verdict:<8} {outcome.seconds:6.1f}s  {outcome.detail}{teaches}"
 
 
 def summary(done: dict[str, tuple[Job, Outcome]]) -> list[str]:
-    lines = [f"{'module':<7} {'planted':>7} {'caught':>6} {'survived':>8} {'error':>5} {'time':>8}"]
+    """The total per module, with the blame table: of the caught plants, how many were blamed on their
+    own TODO (the catalogue before issue 37, and the plants marked new), then the plants blamed wrong."""
+    lines = [f"{'module':<7} {'planted':>7} {'caught':>6} {'survived':>8} {'error':>5} {'time':>8}  "
+             f"{'blamed right':>12}  {'new: right':>10}"]
+    wrong = []
     for number in sorted({job.number for job, _ in done.values()}):
         mine = [(job, outcome) for job, outcome in done.values() if job.number == number]
         plants_ = [outcome.verdict for job, outcome in mine if job.plant is not None]
         errors = plants_.count("ERROR") + sum(o.verdict == "ERROR" for j, o in mine if j.plant is None)
         seconds = sum(outcome.seconds for _, outcome in mine)
+        blames = [(job, blame(job, outcome)) for job, outcome in mine]
+        blamed = {new: [(job, b) for job, b in blames if b is not None and job.plant.new == new] for new in (False, True)}
+        right = {new: f"{sum(b.right for _, b in blamed[new])} of {len(blamed[new])}" if blamed[new] else "-"
+                 for new in blamed}
         lines.append(f"{number:<7} {len(plants_):>7} {plants_.count('caught'):>6} {plants_.count('SURVIVED'):>8} "
-                     f"{errors:>5} {seconds:>7.0f}s")
+                     f"{errors:>5} {seconds:>7.0f}s  {right[False]:>12}  {right[True]:>10}")
+        wrong += [f"  {job.name:<6} in TODO {b.todo or '?'}, {b.said}" + " (new)" * job.plant.new
+                  for job, b in blames if b is not None and not b.right]
+    lines.append("blamed right: of the caught plants, those whose first failure's help line (`python main.py hint "
+                 "NN K`) names their own TODO and no other; new: the plants marked new=True")
+    if wrong:
+        lines += ["blamed wrong:", *wrong]
     return lines
 
 
