@@ -115,8 +115,8 @@ def _command(module: Module, todos: list[TodoBlock], which: str | None, show_all
 
 def hint_command_for(number: str, text: str) -> str | None:
     """The `python main.py hint` command for the TODO whose title `text` contains (an error that
-    names it), or for the TODOs of the functions `text` lists ("forward_step, one_f_one_b", what a
-    check exercises: the first function listed first); None if module `number` has no such TODO."""
+    names it), or for the first TODO of the functions `text` lists ("forward_step, one_f_one_b", what
+    a check exercises, likeliest culprit first); None if module `number` has no such TODO."""
     from course.catalog import MODULES
     module = MODULES.get(number)
     if module is None:
@@ -131,10 +131,9 @@ def hint_command_for(number: str, text: str) -> str | None:
         return min((i for i, name in enumerate(wanted) if name in names), default=len(wanted))
     numbers = sorted((n for n, block in todos if listed_at(block) < len(wanted)),
                      key=lambda n: listed_at(todos[n - 1][1]))
-    if not numbers:
-        return None
-    more = f" (it also exercises TODOs {', '.join(map(str, numbers[1:]))})" if numbers[1:] else ""
-    return f"python main.py hint {number} {numbers[0]}{more}"
+    # One TODO, the likeliest culprit: a list of several sends the learner to read them all, and a
+    # check that cannot tell its TODOs apart should compare each one's piece before the whole.
+    return f"python main.py hint {number} {numbers[0]}" if numbers else None
 
 
 @dataclass(frozen=True)

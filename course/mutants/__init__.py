@@ -24,9 +24,8 @@ or could not run.
 It also measures the blame (issue 37): the TODO a plant is in is the solution block that holds its
 `find`, numbered as `python main.py hint NN` numbers them (`todo_of`); a caught plant is blamed right
 when its first failing check's help line (what `grade` prints under that FAIL: `python main.py hint
-NN K`) names that TODO and no other. A help line that names several TODOs ("(it also exercises
-TODOs ...)"), another TODO, another module's, or none (a run stopped by the runner's timeout) is
-blamed wrong. Each caught plant's row says which; the total per module gives "blamed right" as a
+NN K`, one TODO: the likeliest culprit) names that TODO. A help line that names another TODO,
+another module's, or none (a run stopped by the runner's timeout) is blamed wrong. Each caught plant's row says which; the total per module gives "blamed right" as a
 count of the caught plants, the catalogue as it stood before issue 37 apart from the plants marked
 `new=True` (the mistakes of issue 37's learner runs, and any added since), and lists the plants
 blamed wrong. Over several modules (`python -m course.mutants 01 03 14`) that total is the blame
