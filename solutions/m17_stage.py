@@ -214,9 +214,8 @@ class LlamaStage:
         #   self.embedding, self.final_norm and self.lm_head (views of it: what forward() reads), self.outer_full_grad (a
         #   zeroed whole buffer in self.grad_dtype) and self.outer_grads (an OuterWeights of views of it: the
         #   accumulators backward() adds into). One all-gather over fsdp, labelled "outer".
-        # The question: module 07 gathers them for each microbatch; which of the stage's policies for its blocks
-        #   applies to them here, and over which group?
-        # Pitfall: the gradient buffer starts at zero: every microbatch's backward adds into it.
+        # Pitfalls: module 07 gathers them for each microbatch; here they stay whole for the step, like the stage's
+        #   blocks. The gradient buffer starts at zero: every microbatch's backward adds into it.
         # Hint 1: one buffer, one collective, views; a second, zeroed buffer and its views.
         # Hint 2: torch.empty(self.outer_layout.padded_numel, dtype=self.dtype); self.groups.fsdp.collectives.all_gather(
         #         full, self.outer_shard, label="outer"); self.outer_layout.views(flat).tensors(); torch.zeros(...).
@@ -265,8 +264,7 @@ class LlamaStage:
         # Contract: afterwards self.outer_grad holds this rank's slice (its fsdp shard, where self.outer_shard lies) of
         #   the sum over the fsdp group of self.outer_full_grad; one collective over fsdp, labelled "outer"; then
         #   self.outer_full, self.outer_full_grad, self.outer_grads and the three weights' views are None again.
-        # The question: over which group are these gradients partial, and which collective leaves each rank just the
-        #   part it updates? (finish_gradients adds the final norm's sum over t afterwards.)
+        # Pitfall: the slice must land where the weights' shard is (the same layout and the same group).
         # Hint 1: one collective straight into the gradient shard (zeroed at the step's start); then forget.
         # Hint 2: self.groups.fsdp.collectives.reduce_scatter(shard, full, label="outer").
         # Hint 3: reduce-scatter outer_full_grad into outer_grad over fsdp, labelled "outer"

@@ -1,5 +1,5 @@
 # Generated from solutions/m07_fsdp.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 07`. (skeleton c07dcc052a6f)
+# Grade your work with `python main.py grade 07`. (skeleton a7fd5945912c)
 """Module 07 - FSDP: every rank keeps 1/d of each weight; whole blocks exist only while in use.
 
 The d ranks of one data-parallel group (`dp`, a course.mesh `Group`: `dp.index`, `dp.size` = d,
@@ -184,8 +184,8 @@ class FSDPLlama(LlamaModel):
         # Contract: afterwards self.outer_grad has grown by this rank's slice (the slice self.outer_shard is of the
         #   weights) of the sum over the data group of the microbatch's three gradients; one collective over the
         #   data group, labelled "outer".
-        # The question: which collective leaves each rank the part of the sum it updates and nothing more, and how
-        #   must the three gradients be laid out for slice r of that sum to be the gradient of rank r's shard?
+        # The question: how must the three gradients be laid out for slice r of their sum to be the gradient of rank
+        #   r's shard?
         # Pitfalls: summing the whole gradients over ranks and keeping a slice gives the same numbers for twice the
         #   bytes (the tests count the step's collectives). Assigning instead of adding loses the earlier
         #   microbatches' gradients (the tests run 2 microbatches).

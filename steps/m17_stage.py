@@ -1,5 +1,5 @@
 # Generated from solutions/m17_stage.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 17`. (skeleton bc083b602247)
+# Grade your work with `python main.py grade 17`. (skeleton 5c438078cf7a)
 """Module 17, part 2 - one pipeline stage of the composed Llama, for module 11's executor.
 
 Stage s of S = p v holds blocks [s L/S, (s+1) L/S) (the first also the embedding, the last the final
@@ -183,9 +183,8 @@ class LlamaStage:
         #   self.embedding, self.final_norm and self.lm_head (views of it: what forward() reads), self.outer_full_grad (a
         #   zeroed whole buffer in self.grad_dtype) and self.outer_grads (an OuterWeights of views of it: the
         #   accumulators backward() adds into). One all-gather over fsdp, labelled "outer".
-        # The question: module 07 gathers them for each microbatch; which of the stage's policies for its blocks
-        #   applies to them here, and over which group?
-        # Pitfall: the gradient buffer starts at zero: every microbatch's backward adds into it.
+        # Pitfalls: module 07 gathers them for each microbatch; here they stay whole for the step, like the stage's
+        #   blocks. The gradient buffer starts at zero: every microbatch's backward adds into it.
         raise NotImplementedError("TODO(m17): the stage's embedding, final norm and LM head whole for the step, and their gradient buffer")
 
     def reduce_scatter(self):
@@ -211,8 +210,7 @@ class LlamaStage:
         # Contract: afterwards self.outer_grad holds this rank's slice (its fsdp shard, where self.outer_shard lies) of
         #   the sum over the fsdp group of self.outer_full_grad; one collective over fsdp, labelled "outer"; then
         #   self.outer_full, self.outer_full_grad, self.outer_grads and the three weights' views are None again.
-        # The question: over which group are these gradients partial, and which collective leaves each rank just the
-        #   part it updates? (finish_gradients adds the final norm's sum over t afterwards.)
+        # Pitfall: the slice must land where the weights' shard is (the same layout and the same group).
         raise NotImplementedError("TODO(m17): reduce-scatter the outer weights' whole gradient once per step; drop their whole copies")
 
     def release(self):
