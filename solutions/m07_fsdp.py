@@ -217,8 +217,8 @@ class FSDPLlama(LlamaModel):
     def accumulate(self, tokens: torch.Tensor, targets: torch.Tensor, n_tokens: int) -> float:
         """Forward and backward of one microbatch, its loss divided by n_tokens (the global batch's real
         tokens), its gradients added to this rank's shards of them (given): the blocks' by their
-        reduce-scatters, the outer weights' by theirs, here. The outer weights are whole only for the
-        microbatch, as FSDP2 keeps its root's. Returns its part of the step's loss."""
+        reduce-scatters during the backward, the outer weights' by theirs after it. The outer weights are
+        whole only for the microbatch, as FSDP2 keeps its root's. Returns its part of the step's loss."""
         self.gather_outer()
         loss, grads = self.forward_backward(tokens, targets, n_tokens)  # block gradients land in grad_shards
         self.reduce_scatter_outer(grads)

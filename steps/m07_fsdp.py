@@ -1,5 +1,5 @@
 # Generated from solutions/m07_fsdp.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 07`. (skeleton a7fd5945912c)
+# Grade your work with `python main.py grade 07`. (skeleton ea51ec45cd66)
 """Module 07 - FSDP: every rank keeps 1/d of each weight; whole blocks exist only while in use.
 
 The d ranks of one data-parallel group (`dp`, a course.mesh `Group`: `dp.index`, `dp.size` = d,
@@ -156,8 +156,8 @@ class FSDPLlama(LlamaModel):
     def accumulate(self, tokens: torch.Tensor, targets: torch.Tensor, n_tokens: int) -> float:
         """Forward and backward of one microbatch, its loss divided by n_tokens (the global batch's real
         tokens), its gradients added to this rank's shards of them (given): the blocks' by their
-        reduce-scatters, the outer weights' by theirs, here. The outer weights are whole only for the
-        microbatch, as FSDP2 keeps its root's. Returns its part of the step's loss."""
+        reduce-scatters during the backward, the outer weights' by theirs after it. The outer weights are
+        whole only for the microbatch, as FSDP2 keeps its root's. Returns its part of the step's loss."""
         self.gather_outer()
         loss, grads = self.forward_backward(tokens, targets, n_tokens)  # block gradients land in grad_shards
         self.reduce_scatter_outer(grads)
