@@ -40,3 +40,17 @@ def fsdp2_llama(model) -> LossModule:
     root = LossModule(llama)
     fully_shard(root)
     return root
+
+
+def fsdp2_unsharded_bytes(root: torch.nn.Module) -> int:
+    """Bytes of FSDP2's unsharded (gathered) parameters still allocated under `root`: 0 between steps,
+    since FSDP2 frees them after the backward (it resizes their storage to 0). Read from FSDP2's own
+    records of its parameters (private attributes: an older or newer release without them counts 0)."""
+    total = 0
+    for module in root.modules():
+        state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None
+        group = getattr(state, "_fsdp_param_group", None)
+        for param in getattr(group, "fsdp_params", ()):
+            unsharded = getattr(param, "_unsharded_param", None)
+            total += unsharded.untyped_storage().nbytes() if unsharded is not None else 0
+    return total

@@ -1,9 +1,9 @@
-"""Module 07 - FSDP: every rank keeps 1/d of each block; whole blocks exist only while in use.
+"""Module 07 - FSDP: every rank keeps 1/d of each weight; whole blocks exist only while in use.
 
 The d ranks of one data-parallel group (`dp`, a course.mesh `Group`: `dp.index`, `dp.size` = d,
 `dp.collectives`) train one model. Data parallel: every rank draws the same global batch and trains
 on its own rows of it. Sharded: each rank keeps only its shard of every block's flat buffer
-(m07_flat_shards), and its AdamW updates only that shard.
+(m07_flat_shards) and of the outer weights' (below), and its AdamW updates only those shards.
 Module 06's loop asks a weight source for each block; ours (m07_sharded_weights) all-gathers the
 block from the shards just in time, into one of two buffers.
 
@@ -17,11 +17,16 @@ In the backward the next all-gather is issued *before* the current reduce-scatte
 backward prefetch): with one communication queue, a reduce-scatter issued first would delay the
 gather the next block's backward is waiting for.
 
-The embedding, final norm and LM head are small here and stay replicated: every rank holds all of
-them and their gradients are summed with one all-reduce per optimizer step (as plain data
-parallelism does). Gradients are those of the mean loss over the global batch: every rank divides
-each microbatch's loss by the real tokens of the whole global batch (module 06's `real_tokens`), so
-the sums over microbatches and over ranks need no further scale. Module 06's `fit` trains it:
+The embedding, final norm and LM head (OuterWeights) are sharded too, as one more flat group, the
+way FSDP2 shards the weights of its root module: each microbatch gathers them whole before its
+forward (the embedding is its first op, the LM head its last and its backward's first) and keeps
+them to the end of its backward, then reduce-scatters their gradients and drops the whole copies.
+
+    microbatch  gather the outer weights; forward; backward; reduce-scatter their gradients
+
+Gradients are those of the mean loss over the global batch: every rank divides each microbatch's
+loss by the real tokens of the whole global batch (module 06's `real_tokens`), so the sums over
+microbatches and over ranks need no further scale. Module 06's `fit` trains it:
 `fit(FSDPLlama(cfg, dp), steps)`.
 """
 from dataclasses import dataclass
@@ -31,8 +36,8 @@ import torch.distributed as dist
 
 from course.mesh import Group
 from .m06_llama_block import LlamaConfig
-from .m06_llama_model import LOSS_CHUNK, LlamaModel, microbatches, real_tokens
-from .m07_flat_shards import FlatLayout
+from .m06_llama_model import LOSS_CHUNK, LlamaGrads, LlamaModel, microbatches, real_tokens
+from .m07_flat_shards import FlatLayout, OuterWeights
 from .m07_sharded_weights import ShardedWeights
 
 
@@ -54,32 +59,38 @@ class FSDPLlama(LlamaModel):
         super().__init__(cfg, seed, dtype, loss_chunk=loss_chunk)
         self.dp = dp
         self.layout = FlatLayout(self.blocks[0], dp.size)
+        outer = OuterWeights(self.embedding, self.final_norm, self.lm_head)
+        self.outer_layout = FlatLayout(outer, dp.size)
         # >>> TODO(m07): keep this rank's shard of every block, and nothing of the full blocks
-        # self.blocks holds the full model's blocks (every rank built the same ones from the seed). Set self.shards:
-        # one tensor per layer, this rank's shard of that block's padded flat buffer (self.layout, your FlatLayout).
-        # The full blocks are dropped on the next line; afterwards a rank must hold only its shards, and the
-        # optimizer updates each shard in place.
+        # self.blocks holds the full model's blocks and `outer` its embedding, final norm and LM head (every rank
+        # built the same ones from the seed). Set self.shards: one tensor per layer, this rank's shard of that block's
+        # padded flat buffer (self.layout, your FlatLayout); and self.outer_shard: this rank's shard of the outer
+        # weights' padded flat buffer (self.outer_layout). The whole weights are dropped on the next lines;
+        # afterwards a rank must hold only its shards, and the optimizer updates each shard in place.
         # Pitfall: a shard is a view, and a view keeps its whole buffer alive: the test measures the memory behind
-        # self.shards and fails if it is one full block per layer instead of one shard.
-        # Hint 1: flatten each block, take this rank's slice, and make the slice own its memory.
-        # Hint 2: self.layout.flatten(block), self.layout.shard(flat, self.dp.index), .clone().
+        # self.shards and self.outer_shard and fails if it is a whole group instead of one shard.
+        # Hint 1: flatten each group, take this rank's slice, and make the slice own its memory.
+        # Hint 2: self.layout.flatten(block), self.layout.shard(flat, self.dp.index), .clone(); the same with
+        #         self.outer_layout and outer.
         # Hint 3: shards = for each block: a clone of this rank's shard of the flattened block
+        #         outer_shard = a clone of this rank's shard of the flattened outer weights
         self.shards = [self.layout.shard(self.layout.flatten(b), self.dp.index).clone() for b in self.blocks]
+        self.outer_shard = self.outer_layout.shard(self.outer_layout.flatten(outer), self.dp.index).clone()
         # <<<
         self.blocks = []  # from here on, whole blocks exist only in the weight source's two buffers
+        self.embedding = self.final_norm = self.lm_head = None  # and the outer weights only during a microbatch
         self.weights = ShardedWeights(self.layout, self.shards, dp.collectives)
-        self.replicated = [self.embedding, self.final_norm, self.lm_head]
         self.grad_shards = [torch.zeros_like(s) for s in self.shards]
-        self.replicated_grads = [torch.zeros_like(p) for p in self.replicated]
+        self.outer_grad = torch.zeros_like(self.outer_shard)
         self.in_flight: ReduceScatterInFlight | None = None
 
     def parameters(self) -> list[torch.Tensor]:
-        """What this rank's optimizer updates: its block shards and the replicated weights."""
-        return [*self.shards, *self.replicated]
+        """What this rank's optimizer updates: its block shards and its shard of the outer weights."""
+        return [*self.shards, self.outer_shard]
 
     def grads(self) -> list[torch.Tensor]:
         """The accumulated gradients, in the order of parameters()."""
-        return [*self.grad_shards, *self.replicated_grads]
+        return [*self.grad_shards, self.outer_grad]
 
     def backward_blocks(self, dx: torch.Tensor, stores):
         """Module 06's backward loop, plus a reduce-scatter of each block's gradient as soon as it exists."""
@@ -176,23 +187,22 @@ class FSDPLlama(LlamaModel):
         # >>> TODO(m07): this rank's rows, every microbatch divided by the global batch's tokens, one step
         # Contract: this rank (self.dp.index = i_d of d = self.dp.size) takes rows [i_d B/d, (i_d + 1) B/d) of the
         #   global batch, zeroes its accumulators (grads()), accumulates its rows in n_microbatches (accumulate) and
-        #   steps (reduce_and_step). Returns the mean loss over the global batch, the same on every rank:
+        #   steps (optimizer_step). Returns the mean loss over the global batch, the same on every rank:
         #   summed_over(this rank's part, self.dp), given below.
         # Maths: the step's gradient is that of the mean loss over the real tokens of the *whole global batch*.
         #   Each microbatch's loss is divided by that count (module 06's real_tokens of the global targets): then
-        #   the sums over microbatches (in the accumulators) and over ranks (the reduce-scatters and the all-reduce)
-        #   are that gradient as they are, with no scale left to apply.
+        #   the sums over microbatches (in the accumulators) and over ranks (the reduce-scatters) are that gradient as they are, with no scale left to apply.
         # Pitfalls: dividing by this rank's tokens, or by a microbatch's, gives gradients d or m d times too big:
         #   AdamW barely notices a constant factor, so the losses move by only ~1e-7, yet that is 10^5 times the
         #   tests' tolerance against single-process training (their message names the scale). Count the real
         #   tokens of the whole batch, before taking this rank's rows.
-        # Hint 1: count, slice, zero, accumulate each microbatch, reduce and step, sum the losses over the group.
+        # Hint 1: count, slice, zero, accumulate each microbatch, step, sum the losses over the group.
         # Hint 2: real_tokens(targets); rows = B // self.dp.size; microbatches(tokens, targets, n_microbatches) cuts
         #         this rank's rows; self.accumulate(tok, tgt, n_tokens) returns a microbatch's part of the loss.
         # Hint 3: n_tokens = real tokens of the whole targets;  rows = B / d;  mine = rows i_d rows .. (i_d + 1) rows
         #         zero every tensor of grads()
         #         loss = sum of accumulate(tok, tgt, n_tokens) over the microbatches of this rank's rows
-        #         reduce_and_step(optimizer);  return summed_over(loss, self.dp)
+        #         optimizer_step(optimizer);  return summed_over(loss, self.dp)
         n_tokens = real_tokens(targets)
         rows = tokens.shape[0] // self.dp.size
         mine = slice(self.dp.index * rows, (self.dp.index + 1) * rows)
@@ -200,53 +210,80 @@ class FSDPLlama(LlamaModel):
             g.zero_()
         loss = sum(self.accumulate(tok, tgt, n_tokens) for tok, tgt in
                    microbatches(tokens[mine], targets[mine], n_microbatches))
-        self.reduce_and_step(optimizer)
+        self.optimizer_step(optimizer)
         return summed_over(loss, self.dp)
         # <<<
 
     def accumulate(self, tokens: torch.Tensor, targets: torch.Tensor, n_tokens: int) -> float:
         """Forward and backward of one microbatch, its loss divided by n_tokens (the global batch's real
-        tokens), its gradients added to this rank's accumulators: the blocks' by their reduce-scatters,
-        the replicated weights' here. Returns its part of the step's loss."""
+        tokens), its gradients added to this rank's shards of them (given): the blocks' by their
+        reduce-scatters during the backward, the outer weights' by theirs after it. The outer weights are
+        whole only for the microbatch, as FSDP2 keeps its root's. Returns its part of the step's loss."""
+        self.gather_outer()
         loss, grads = self.forward_backward(tokens, targets, n_tokens)  # block gradients land in grad_shards
-        # >>> TODO(m07): add this microbatch's replicated-weight gradients to their accumulators
-        # grads is this microbatch's LlamaGrads on this rank. The blocks' gradients are already accumulated (by the
-        # reduce-scatters). Add the embedding's, the final norm's and the LM head's gradients into
-        # self.replicated_grads (in the order of self.replicated). They are summed over ranks once per step, later
-        # (reduce_and_step).
-        # Pitfalls: assigning instead of adding loses the earlier microbatches (the tests run 1 and 2 microbatches
-        # against single-process training at a 1e-12 tolerance).
-        # Hint 1: three in-place adds, pairing each accumulator with its gradient.
-        # Hint 2: grads.embedding, grads.final_norm, grads.lm_head; add_(g).
-        # Hint 3: for each accumulator and the matching gradient (embedding, final norm, LM head):
-        #             accumulator += gradient
-        for acc, g in zip(self.replicated_grads, (grads.embedding, grads.final_norm, grads.lm_head), strict=True):
-            acc.add_(g)
-        # <<<
+        self.reduce_scatter_outer(grads)
+        self.embedding = self.final_norm = self.lm_head = None  # the whole copies dropped: shards only again
         return loss.item()
 
-    def reduce_and_step(self, optimizer):
-        """After the last microbatch: sum the replicated gradients over ranks, step, invalidate."""
-        # >>> TODO(m07): sum the replicated gradients over ranks in one collective; step; invalidate
-        # After the last microbatch each rank holds its own sum of the replicated gradients. Make every rank
-        # hold the sum over ranks, with a single all-reduce for all three tensors (the tests count one per step).
-        # Then give the optimizer the gradients (it reads each parameter's .grad; grads() is in parameters()'
-        # order), step, and invalidate the weight source: the block shards changed, so gathered copies are stale.
-        # Pitfalls: three all-reduces give the right numbers but fail the count; without invalidate() the next step
-        # reuses stale blocks from the buffers (the losses drift from single-process training).
-        # Hint 1: pack the three into one flat tensor, all-reduce it, unpack the sums back; then .grad, step,
-        #         invalidate.
-        # Hint 2: torch.cat of each reshape(-1); self.dp.collectives.all_reduce(flat, label=...) sums in place;
-        #         flat.split(sizes) and copy_ unpack; optimizer.step(); self.weights.invalidate().
-        # Hint 3: flat = the three gradients flattened and concatenated;  all-reduce flat
-        #         copy each piece of flat (split by the gradients' numels) back into its gradient, in its shape
-        #         each parameter's .grad = its gradient (zip of parameters() and grads())
-        #         optimizer step;  invalidate the weight source
-        flat = torch.cat([g.reshape(-1) for g in self.replicated_grads])
-        self.dp.collectives.all_reduce(flat, label="replicated grads")
-        for g, summed in zip(self.replicated_grads, flat.split([g.numel() for g in self.replicated_grads])):
-            g.copy_(summed.view_as(g))
-        for p, g in zip(self.parameters(), self.grads()):
+    def gather_outer(self):
+        """Before a microbatch: the embedding, final norm and LM head whole, from every rank's shard, for
+        module 06's forward_backward (which reads self.embedding, self.final_norm and self.lm_head)."""
+        # >>> TODO(m07): the embedding, final norm and LM head whole for one microbatch
+        # Contract: afterwards self.embedding, self.final_norm and self.lm_head are the whole current weights in their
+        #   shapes (the tests compare them with the single process's, bit for bit), views into one whole buffer of the
+        #   outer group, so that dropping the three names frees it; one all-gather over the data group, labelled
+        #   "outer".
+        # The question: this is a block's gather and get at once, for a group needed at once (the embedding is the
+        #   microbatch's first op). What does this rank contribute, and where does each weight lie in what arrives?
+        # Pitfall: a buffer of the unpadded size cannot receive every rank's padded shard.
+        # Hint 1: one buffer, one collective, then views.
+        # Hint 2: torch.empty(self.outer_layout.padded_numel, dtype=self.outer_shard.dtype);
+        #         self.dp.collectives.all_gather(output, shard, label="outer"); self.outer_layout.views(flat) is an
+        #         OuterWeights, .tensors() its three tensors in order.
+        # Hint 3: whole = an empty buffer of the outer layout's padded size
+        #         all-gather self.outer_shard into whole, labelled "outer"
+        #         embedding, final_norm, lm_head = the outer layout's views of whole, in order
+        whole = torch.empty(self.outer_layout.padded_numel, dtype=self.outer_shard.dtype)
+        self.dp.collectives.all_gather(whole, self.outer_shard, label="outer")
+        self.embedding, self.final_norm, self.lm_head = self.outer_layout.views(whole).tensors()
+        # <<<
+
+    def reduce_scatter_outer(self, grads: LlamaGrads):
+        """After a microbatch: its gradients of the embedding, final norm and LM head (in grads, module 06's
+        LlamaGrads: whole, from this rank's rows) summed over ranks into this rank's shard of them."""
+        # >>> TODO(m07): the outer weights' gradients summed over ranks into this rank's gradient shard
+        # Contract: afterwards self.outer_grad has grown by this rank's slice (the slice self.outer_shard is of the
+        #   weights) of the sum over the data group of the microbatch's three gradients; one collective over the
+        #   data group, labelled "outer".
+        # The question: how must the three gradients be laid out for slice r of their sum to be the gradient of rank
+        #   r's shard?
+        # Pitfalls: summing the whole gradients over ranks and keeping a slice gives the same numbers for twice the
+        #   bytes (the tests count the step's collectives). Assigning instead of adding loses the earlier
+        #   microbatches' gradients (the tests run 2 microbatches).
+        # Hint 1: lay the gradients out as the weights were laid out, reduce-scatter, add.
+        # Hint 2: self.outer_layout.flatten(OuterWeights(grads.embedding, grads.final_norm, grads.lm_head));
+        #         torch.empty_like(self.outer_grad); self.dp.collectives.reduce_scatter(output, full, label="outer").
+        # Hint 3: full = the three gradients, flattened by the outer layout
+        #         received = an empty tensor like outer_grad;  reduce-scatter full into received, labelled "outer"
+        #         outer_grad += received
+        full = self.outer_layout.flatten(OuterWeights(grads.embedding, grads.final_norm, grads.lm_head))
+        received = torch.empty_like(self.outer_grad)
+        self.dp.collectives.reduce_scatter(received, full, label="outer")
+        self.outer_grad.add_(received)
+        # <<<
+
+    def optimizer_step(self, optimizer):
+        """After the last microbatch every gradient this rank holds is its slice of the sum over ranks:
+        step, and invalidate the weight source."""
+        # >>> TODO(m07): step on the gradient shards; invalidate the gathered copies
+        # Contract: the optimizer updates every shard (it reads each parameter's .grad; grads() is in parameters()'
+        #   order); afterwards the weight source hands out no block gathered before this step.
+        # Pitfall: without invalidate() the next step reuses stale blocks from the buffers (the losses drift from
+        #   single-process training).
+        # Hint 1: .grad, step, invalidate.
+        # Hint 2: zip(self.parameters(), self.grads()); optimizer.step(); self.weights.invalidate().
+        # Hint 3: each parameter's .grad = its gradient;  optimizer step;  invalidate the weight source
+        for p, g in zip(self.parameters(), self.grads(), strict=True):
             p.grad = g
         optimizer.step()
         self.weights.invalidate()

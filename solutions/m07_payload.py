@@ -1,26 +1,28 @@
 """Module 07, part 2 - FSDP's communication and memory arithmetic, before running anything.
 
 A block holds P + 2M values (its seven matrices, P, and its two norm weights of M each: the
-FlatLayout's numel), of b bytes each, sharded over the d ranks of the data group as FlatLayout cuts
-it. What one optimizer step costs follows from what the code does, counted by the log's rule:
+FlatLayout's numel), the outer weights 2 V M + M (the embedding and the LM head, V M each, and the
+final norm), of b bytes each, each group sharded over the d ranks of the data group as FlatLayout
+cuts it. What one optimizer step costs follows from what the code does, counted by the log's rule:
 
   the passes   a step runs a forward and a backward over the L blocks for each of its microbatches;
                every pass asks the weight source for every block, and the source all-gathers a block
                unless its buffer still holds it, current (m07_sharded_weights); every backward
                reduce-scatters each block's gradient (m07_fsdp)
+  the outer    each microbatch gathers the outer weights whole before its forward, keeps them to the
+               end of its backward, then reduce-scatters their gradients (m07_fsdp's accumulate)
   the turns    between two consecutive passes: `kept` is how many blocks are still in the buffers,
                current, at a turn (our double buffer: min(2, L); PyTorch's FSDP Notes, whose worked
                example of buffer sizes the tests check, count with kept = 0)
   the log      course/collectives.py records each collective's payload (for an all-gather or a
                reduce-scatter: one rank's shard) and what one rank sends with the ring algorithm:
                n - 1 payloads over n ranks; for an all-reduce, 2 (n - 1) / n of the tensor
-  the buffers  the full-size buffers ShardedWeights gathers blocks into, and the Notes' two
-               shard-sized communication buffers a collective sends from and receives into
+  the buffers  the full-size buffers ShardedWeights gathers blocks into, the whole outer weights
+               during a microbatch, and the Notes' two shard-sized communication buffers (a block's)
+               a collective sends from and receives into
 
-The embedding, the LM head (V M each) and the final norm (M) are replicated: their gradients are
-summed by one all-reduce per step, the worked example of the log's rule in the given lines below:
-(2 V M + M) b, of which one rank sends 2 (d - 1) / d. Between steps a rank keeps its L shards and
-the replicated weights, as many gradients, and AdamW's two moments of each.
+Between steps a rank keeps its shards (the L blocks' and the outer weights'), as many gradients, and
+AdamW's two moments of each: nothing whole (the buffers live only inside a step).
 
 `fsdp_traffic` returns all of it as a course/costs.py `StepCost` over the axis d, with the
 signature of every cost formula of the course: (cfg, sizes, dtype, ...), sizes a mesh's axis sizes
@@ -46,42 +48,45 @@ def fsdp_traffic(cfg: LlamaConfig, sizes: dict[str, int], dtype: torch.dtype, n_
     `n_microbatches` forward+backward passes per optimizer step (gradient accumulation); `kept` blocks
     reused from the buffers at each forward/backward turn (see the module docstring).
     """
-    d, b, L, M = sizes.get("d", 1), dtype.itemsize, cfg.n_layers, cfg.dim
+    d, b, L, M, m = sizes.get("d", 1), dtype.itemsize, cfg.n_layers, cfg.dim, n_microbatches
     if not 0 <= kept <= min(2, L):
         raise ValueError(f"kept must be between 0 and min(2, L) = {min(2, L)}, got {kept}")
     block = block_matrix_params(cfg) + 2 * M     # P + 2M: one block's values, FlatLayout's numel
-    replicated = 2 * cfg.vocab_size * M + M      # the embedding, the LM head and the final norm
-    all_reduce = StepCost(sent={("d", "all_reduce"): 2 * (d - 1) * replicated * b / d},
-                          calls={("d", "all_reduce"): 1})  # the replicated gradients, once per step
+    outer = 2 * cfg.vocab_size * M + M           # the embedding, the LM head and the final norm: one more group
     # >>> TODO(m07): one optimizer step's all-gathers and reduce-scatters, the buffers, and the state kept
-    # Return all_reduce + a StepCost of the blocks over the axis "d": calls[("d", op)] the number of all-gathers
-    #   and reduce-scatters in one step, sent[("d", op)] the bytes one rank sends for them, and memory: "buffers"
-    #   (the full-size buffers and the communication buffers), "parameters" (the L shards and the replicated
-    #   weights), "gradients" (as many) and "optimizer" (AdamW's two moments of each), in bytes.
+    # Return a StepCost over the axis "d": calls[("d", op)] the number of all-gathers and reduce-scatters in one
+    #   step, sent[("d", op)] the bytes one rank sends for them, and memory: "buffers" (the full-size buffers, the
+    #   whole outer weights and the communication buffers), "parameters" (the L block shards and the outer
+    #   weights' shard), "gradients" (as many) and "optimizer" (AdamW's two moments of each), in bytes.
     # Derive each from the module docstring: how many passes a step of n_microbatches makes, how many turns lie
-    #   between them and what `kept` saves at each, which collective each pass issues per block, what one of
-    #   them sends by the log's rule, and how big each buffer is. docs/07-fsdp.md works out the Notes' forward.
-    # Pitfalls: a payload is one rank's shard, padded like FlatLayout's (the tests use a block that needs
-    #   padding). The tests check PyTorch's FSDP Notes' worked example (kept 0), counts written out by hand for
-    #   kept 1 and 2, several microbatches, and the log and the tensors of a real step.
+    #   between them and what `kept` saves at each, which collectives each pass and each microbatch issue for which
+    #   group, what one of them sends by the log's rule, and how big each buffer is. docs/07-fsdp.md works out the
+    #   Notes' forward, and the outer weights' memory.
+    # Pitfalls: a payload is one rank's shard of its group, padded like FlatLayout's (the tests use groups that
+    #   need padding), so the two groups' collectives send payloads of two sizes. The tests check PyTorch's FSDP
+    #   Notes' worked example (kept 0, the outer group's part counted by hand beside it), counts written out by
+    #   hand for kept 1 and 2, several microbatches, and the log and the tensors of a real step.
     # Hint 1: count the passes (two per microbatch) and the turns between them (one fewer than the passes); each
-    #         turn saves `kept` all-gathers.
-    # Hint 2: payload = ceil(block / d) b (integer ceiling); turns = 2m - 1; all-gathers = 2 L m - kept turns;
-    #         reduce-scatters = L m; sent = calls (d - 1) payload; buffers 2 d payloads + 2 payloads; parameters
-    #         (L payloads + replicated b), gradients as many, optimizer twice that.
-    # Hint 3: shard = ceil(block / d);  payload = shard b;  turns, all_gathers, reduce_scatters as above
-    #         calls = {("d", "all_gather"): all_gathers, ("d", "reduce_scatter"): reduce_scatters}
-    #         sent = each of calls times (d - 1) payload;  owned = (L shard + replicated) b
-    #         memory = buffers 2 d payload + 2 payload, parameters owned, gradients owned, optimizer 2 owned
-    #         return all_reduce + StepCost(sent, calls, memory)
-    shard = -(-block // d)
-    payload = shard * b
-    turns = 2 * n_microbatches - 1
-    all_gathers = 2 * L * n_microbatches - kept * turns
-    reduce_scatters = L * n_microbatches
-    calls = {("d", "all_gather"): all_gathers, ("d", "reduce_scatter"): reduce_scatters}
-    sent = {key: n * (d - 1) * payload for key, n in calls.items()}
-    owned = (L * shard + replicated) * b
-    memory = {"buffers": 2 * d * payload + 2 * payload, "parameters": owned, "gradients": owned, "optimizer": 2 * owned}
-    return all_reduce + StepCost(sent, calls, memory)
+    #         turn saves `kept` all-gathers. The outer group: one all-gather and one reduce-scatter per microbatch.
+    # Hint 2: shard = ceil(block / d), outer_shard = ceil(outer / d) (integer ceilings); turns = 2m - 1; the blocks'
+    #         all-gathers = 2 L m - kept turns, their reduce-scatters = L m; the outer's m each; sent = calls (d - 1)
+    #         payload, group by group; buffers (2 d shard + d outer_shard + 2 shard) b; parameters (L shard +
+    #         outer_shard) b, gradients as many, optimizer twice that.
+    # Hint 3: shard, outer_shard as above;  turns = 2m - 1
+    #         for each group (shard, all-gathers, reduce-scatters): (shard, 2 L m - kept turns, L m), (outer_shard, m, m):
+    #             calls = {("d", "all_gather"): all-gathers, ("d", "reduce_scatter"): reduce-scatters}
+    #             cost += StepCost({key: n (d - 1) shard b for each key, n of calls}, calls)
+    #         owned = (L shard + outer_shard) b
+    #         memory = buffers (2 d shard + d outer_shard + 2 shard) b, parameters owned, gradients owned, optimizer
+    #         2 owned;  return cost + StepCost(memory=memory)
+    shard, outer_shard = -(-block // d), -(-outer // d)
+    turns = 2 * m - 1
+    cost = StepCost()
+    for size, all_gathers, reduce_scatters in ((shard, 2 * L * m - kept * turns, L * m), (outer_shard, m, m)):
+        calls = {("d", "all_gather"): all_gathers, ("d", "reduce_scatter"): reduce_scatters}
+        cost += StepCost({key: n * (d - 1) * size * b for key, n in calls.items()}, calls)
+    owned = (L * shard + outer_shard) * b
+    memory = {"buffers": (2 * d * shard + d * outer_shard + 2 * shard) * b, "parameters": owned, "gradients": owned,
+              "optimizer": 2 * owned}
+    return cost + StepCost(memory=memory)
     # <<<

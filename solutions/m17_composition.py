@@ -38,10 +38,11 @@ class Groups:
     data: Group          # the ranks that split the batch's rows (which B/d rows are this rank's)
     cp: Group            # the ranks that split each sequence's positions (module 15's attention)
     tp: Group            # module 12's tensor (and sequence) parallelism
-    fsdp: Group          # the ranks that share one tensor-parallel slice of a block: its shards, gathered
+    fsdp: Group          # the ranks that share one tensor-parallel slice of a block (or of the outer weights:
+                         # the embedding's and LM head's vocabulary rows, the final norm): its shards, gathered
                          # before use and its gradient reduce-scattered (module 07)
-    replicas: Group      # the ranks that hold the same copy of a replicated weight (the embedding's and the
-                         # LM head's vocabulary rows, the final norm) and saw different tokens: its gradient's sum
+    replicas: Group      # the ranks that hold the same copy of a replicated weight (a MoE model's router and
+                         # shared expert) and saw different tokens: its gradient's sum
     experts: Group | None = None      # the members of an expert group (module 16's all-to-all)
     expert_data: Group | None = None  # the ranks that hold the same experts: their gradients' sum
 

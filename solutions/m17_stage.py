@@ -3,8 +3,10 @@
 Stage s of S = p v holds blocks [s L/S, (s+1) L/S) (the first also the embedding, the last the final
 norm, the LM head and the loss). Every block is module 12's tensor-parallel block with sequence
 parallelism over `groups.tp`, and the weights a rank computes with are also shared out, module 07's
-way, over `groups.fsdp`: between steps a rank keeps only its shard of each of its stage's blocks
-(how the two splits are taken is the constructor's question).
+way, over `groups.fsdp`: between steps a rank keeps only its shard of each of its stage's blocks and
+of its stage's outer weights (module 07's OuterWeights: the embedding's vocabulary rows on the first
+stage, the final norm and the LM head's rows on the last), how the two splits are taken being the
+constructor's question.
 
 The executor (m11_executor.run_schedule) calls, for each action of this rank's list,
 
@@ -23,7 +25,9 @@ add up in whole (unsharded) flat buffers, and each block's sum is reduce-scatter
 schedule (m17_trainer). 2 collectives a block a step instead of 3 m (module 07 re-gathers for the
 backward of every microbatch and reduce-scatters each one's gradient), for the memory of this
 stage's whole slices and their gradients during the step: 1/(p t) of the model, not 1/(p t) of it
-divided again by the fsdp group's size.
+divided again by the fsdp group's size. The outer weights follow the same policy, as one more group:
+gathered once a step with the blocks (gather_outer), their gradients added up in a whole buffer and
+reduce-scattered once (reduce_scatter_outer).
 
 Every piece of the loss is divided by `n_tokens`, the step's divisor, which the trainer sets before
 the schedule runs (what it must be is the trainer's question); the executor's n_microbatches is not used.
@@ -36,7 +40,7 @@ import torch
 
 from .m06_llama_block import ActivationStore, LlamaBlock, LlamaConfig
 from .m06_llama_ops import ATTENTION_CHUNK, rmsnorm_backward, rmsnorm_forward
-from .m07_flat_shards import NAMES, FlatLayout
+from .m07_flat_shards import FlatLayout, OuterWeights
 from .m12_tp_block import TPBlock, shard_block_weights
 from .m12_tp_linear import column_parallel_backward, column_parallel_forward, grad_dtype
 from .m12_vocab_parallel import (embedding_backward, embedding_forward, padded_vocab_size,
@@ -54,12 +58,13 @@ def stage_layers(cfg: LlamaConfig, stage: int, n_stages: int) -> range:
 
 
 def norm_positions(layout: FlatLayout, index: int) -> torch.Tensor:
-    """Where the norm weights (ln1, ln2) lie in shard `index` of a block's flat buffer (given): their
-    gradients are partial over t with sequence parallelism (each t rank normed T/t positions)."""
+    """Where the norm weights (a block's ln1 and ln2, the outer weights' final norm) lie in shard `index` of
+    a group's flat buffer (given): their gradients are partial over t with sequence parallelism (each t
+    rank normed T/t positions)."""
     is_norm = torch.zeros(layout.padded_numel, dtype=torch.bool)
     offset = 0
-    for name, numel in zip(NAMES, layout.numels, strict=True):
-        if name in ("ln1", "ln2"):
+    for name, numel in zip(layout.names, layout.numels, strict=True):
+        if name in ("ln1", "ln2", "final_norm"):
             is_norm[offset:offset + numel] = True
         offset += numel
     return layout.shard(is_norm, index).nonzero().squeeze(1)
@@ -95,36 +100,48 @@ class LlamaStage:
         # >>> TODO(m17): hold the stage's blocks as FSDP x TP shards, and its vocabulary rows
         # Contract: set self.layout (the FlatLayout of one block's tensor-parallel slice, cut over the fsdp group) and
         #   self.shards (one per block of self.layers, in order: this rank's shard of that block's slice, a tensor
-        #   of its own, not a view of a whole block); self.embedding (first stage) and self.lm_head (last stage):
-        #   this rank's vocabulary rows, padded (module 12); self.final_norm (last stage): a copy; None elsewhere.
+        #   of its own, not a view of a whole block); self.outer_layout and self.outer_shard, the same for the stage's
+        #   outer weights: an OuterWeights of what this rank computes with, the embedding's vocabulary rows (first
+        #   stage) and the LM head's (last stage), padded (module 12), the final norm (last stage), and in place of
+        #   each one the stage does not use, that weight with no rows (whole.embedding[:0], ...).
         # The question: in which order are the two splits taken, and what does each cut? gather() must give back,
-        #   on every rank, exactly the weights its block computes with (module 12's), and nothing else.
-        # Pitfalls: a layout of the wrong tensors (or of the wrong group's size) gathers blocks of the wrong shape
+        #   on every rank, exactly the weights its block and its ends compute with (module 12's), and nothing else.
+        # Pitfalls: a layout of the wrong tensors (or of the wrong group's size) gathers weights of the wrong shape
         #   or from the wrong ranks. Every rank reads its weights from `whole` (module 06's model, the same on every
         #   rank).
-        # Hint 1: slice each of the stage's blocks for t, lay the slice out flat and keep this rank's fsdp shard.
+        # Hint 1: slice each of the stage's blocks for t, lay the slice out flat and keep this rank's fsdp shard; the
+        #         same with the outer weights' t rows.
         # Hint 2: shard_block_weights(whole.blocks[l], cfg, tp); FlatLayout(a slice, fsdp.size); layout.flatten,
-        #         layout.shard(flat, fsdp.index), .clone(); vocab_rows(whole.embedding, self.padded_vocab, tp).
+        #         layout.shard(flat, fsdp.index), .clone(); vocab_rows(whole.embedding, self.padded_vocab, tp);
+        #         OuterWeights(embedding, final_norm, lm_head).
         # Hint 3: slices = the t slice of each block l in self.layers
         #         self.layout = FlatLayout(slices[0], fsdp.size)
         #         self.shards = [clone of layout.shard(layout.flatten(slice), fsdp.index) for each slice]
-        #         embedding / lm_head = vocab_rows(...) on the first / last stage, final_norm = a clone on the last
+        #         outer = OuterWeights(vocab_rows of the embedding if first else whole.embedding[:0], whole.final_norm
+        #                 if last else whole.final_norm[:0], vocab_rows of the LM head if last else whole.lm_head[:0])
+        #         outer_layout and outer_shard from outer, as for a slice
         slices = [shard_block_weights(whole.blocks[layer], cfg, tp) for layer in self.layers]
         self.layout = FlatLayout(slices[0], fsdp.size)
         self.shards = [self.layout.shard(self.layout.flatten(s), fsdp.index).clone() for s in slices]
-        self.embedding = vocab_rows(whole.embedding, self.padded_vocab, tp) if self.is_first else None
-        self.final_norm = whole.final_norm.clone() if self.is_last else None
-        self.lm_head = vocab_rows(whole.lm_head, self.padded_vocab, tp) if self.is_last else None
+        outer = OuterWeights(vocab_rows(whole.embedding, self.padded_vocab, tp) if self.is_first else whole.embedding[:0],
+                             whole.final_norm if self.is_last else whole.final_norm[:0],
+                             vocab_rows(whole.lm_head, self.padded_vocab, tp) if self.is_last else whole.lm_head[:0])
+        self.outer_layout = FlatLayout(outer, fsdp.size)
+        self.outer_shard = self.outer_layout.shard(self.outer_layout.flatten(outer), fsdp.index).clone()
         # <<<
-        # The weights every rank of groups.replicas holds the same copy of, by name, and their accumulators.
-        self.replicated = {name: w for name, w in (("embedding", self.embedding), ("final_norm", self.final_norm),
-                                                   ("lm_head", self.lm_head)) if w is not None}
+        # The weights every rank of groups.replicas holds the same copy of (a MoE stage's routers), by name, and
+        # their accumulators.
+        self.replicated, self.replicated_grads = {}, {}
         self.grad_shards = [torch.zeros_like(s, dtype=self.grad_dtype) for s in self.shards]
-        self.replicated_grads = {name: torch.zeros_like(w, dtype=self.grad_dtype) for name, w in self.replicated.items()}
+        self.outer_grad = torch.zeros_like(self.outer_shard, dtype=self.grad_dtype)
         self.experts, self.expert_grads = [], []  # a MoE stage's experts (m17_moe_stage)
         self.norms = norm_positions(self.layout, fsdp.index)
+        self.outer_norms = norm_positions(self.outer_layout, fsdp.index)
         self.weights = self.block_grads = None  # the whole slices and their gradients, during a step
         self.full = self.full_grads = None
+        # The outer weights whole (views of outer_full) and their gradients (views of outer_full_grad), during a step.
+        self.embedding = self.final_norm = self.lm_head = self.outer_grads = None
+        self.outer_full = self.outer_full_grad = None
         self.saved: dict[int, Saved] = {}
         self.n_tokens, self.training = None, True
 
@@ -147,10 +164,10 @@ class LlamaStage:
 
     def parameters(self) -> list[torch.Tensor]:
         """What this rank's optimizer updates for this stage, in the order of grads()."""
-        return [*self.shards, *self.replicated.values(), *self.experts]
+        return [*self.shards, self.outer_shard, *self.replicated.values(), *self.experts]
 
     def grads(self) -> list[torch.Tensor]:
-        return [*self.grad_shards, *self.replicated_grads.values(), *self.expert_grads]
+        return [*self.grad_shards, self.outer_grad, *self.replicated_grads.values(), *self.expert_grads]
 
     def begin_step(self, n_tokens: int, n_sequences: int):
         """Before the schedule: the step's real tokens (every piece of the loss divides by them), zeroed
@@ -186,10 +203,36 @@ class LlamaStage:
         self.full_grads = [torch.zeros(self.layout.padded_numel, dtype=self.grad_dtype) for _ in self.shards]
         self.block_grads = [self.layout.views(g) for g in self.full_grads]
         # <<<
+        self.gather_outer()
+
+    def gather_outer(self):
+        """The stage's outer weights whole for the step, and the whole gradient buffer they add into."""
+        if self.outer_layout.numel == 0:
+            return  # a stage between the first and the last: none (every rank of fsdp holds the same stage)
+        # >>> TODO(m17): the stage's embedding, final norm and LM head whole for the step, and their gradient buffer
+        # Contract: set self.outer_full (the outer group's whole padded flat buffer, every fsdp rank's shard in it),
+        #   self.embedding, self.final_norm and self.lm_head (views of it: what forward() reads), self.outer_full_grad (a
+        #   zeroed whole buffer in self.grad_dtype) and self.outer_grads (an OuterWeights of views of it: the
+        #   accumulators backward() adds into). One all-gather over fsdp, labelled "outer".
+        # Pitfalls: module 07 gathers them for each microbatch; here they stay whole for the step, like the stage's
+        #   blocks. The gradient buffer starts at zero: every microbatch's backward adds into it.
+        # Hint 1: one buffer, one collective, views; a second, zeroed buffer and its views.
+        # Hint 2: torch.empty(self.outer_layout.padded_numel, dtype=self.dtype); self.groups.fsdp.collectives.all_gather(
+        #         full, self.outer_shard, label="outer"); self.outer_layout.views(flat).tensors(); torch.zeros(...).
+        # Hint 3: outer_full = an empty buffer;  all-gather outer_shard into it over fsdp, labelled "outer"
+        #         embedding, final_norm, lm_head = the outer layout's views of outer_full
+        #         outer_full_grad = a zeroed buffer (grad dtype);  outer_grads = the outer layout's views of it
+        self.outer_full = torch.empty(self.outer_layout.padded_numel, dtype=self.dtype)
+        self.groups.fsdp.collectives.all_gather(self.outer_full, self.outer_shard, label="outer")
+        self.embedding, self.final_norm, self.lm_head = self.outer_layout.views(self.outer_full).tensors()
+        self.outer_full_grad = torch.zeros(self.outer_layout.padded_numel, dtype=self.grad_dtype)
+        self.outer_grads = self.outer_layout.views(self.outer_full_grad)
+        # <<<
 
     def reduce_scatter(self):
         """After the schedule: each block's gradient, summed over the step's microbatches, summed over fsdp
-        into this rank's shard; the whole copies are dropped."""
+        into this rank's shard; the whole copies are dropped. The outer weights' too (reduce_scatter_outer)."""
+        self.reduce_scatter_outer()
         fsdp = self.groups.fsdp
         # >>> TODO(m17): reduce-scatter each block's whole gradient once per step; drop the whole copies
         # Contract: afterwards self.grad_shards[i] holds this rank's slice (its fsdp shard) of the sum over the fsdp
@@ -212,9 +255,30 @@ class LlamaStage:
         self.full = self.weights = self.full_grads = self.block_grads = None
         # <<<
 
+    def reduce_scatter_outer(self):
+        """After the schedule: the outer weights' gradient, summed over the step's microbatches in its whole
+        buffer, summed over fsdp into this rank's shard; their whole copies dropped."""
+        if self.outer_full_grad is None:
+            return  # a stage without outer weights, or one that ran no forward this step
+        # >>> TODO(m17): reduce-scatter the outer weights' whole gradient once per step; drop their whole copies
+        # Contract: afterwards self.outer_grad holds this rank's slice (its fsdp shard, where self.outer_shard lies) of
+        #   the sum over the fsdp group of self.outer_full_grad; one collective over fsdp, labelled "outer"; then
+        #   self.outer_full, self.outer_full_grad, self.outer_grads and the three weights' views are None again.
+        # Pitfall: the slice must land where the weights' shard is (the same layout and the same group).
+        # Hint 1: one collective straight into the gradient shard (zeroed at the step's start); then forget.
+        # Hint 2: self.groups.fsdp.collectives.reduce_scatter(shard, full, label="outer").
+        # Hint 3: reduce-scatter outer_full_grad into outer_grad over fsdp, labelled "outer"
+        #         set outer_full, outer_full_grad, outer_grads, embedding, final_norm, lm_head to None
+        self.groups.fsdp.collectives.reduce_scatter(self.outer_grad, self.outer_full_grad, label="outer")
+        self.outer_full = self.outer_full_grad = self.outer_grads = None
+        self.embedding = self.final_norm = self.lm_head = None
+        # <<<
+
     def release(self):
         """Drop the whole copies without a gradient (after an evaluation's forwards; given)."""
         self.full = self.weights = self.full_grads = self.block_grads = None
+        self.outer_full = self.outer_full_grad = self.outer_grads = None
+        self.embedding = self.final_norm = self.lm_head = None
 
     # --- what the executor calls ---
     def block_forward(self, i: int, x: torch.Tensor, store: ActivationStore) -> torch.Tensor:
@@ -291,7 +355,7 @@ class LlamaStage:
     @torch.no_grad()
     def backward(self, microbatch: int, grad_output: torch.Tensor | None = None):
         """The gradient of the stage's input (rows, hidden), None on the first stage; every weight's
-        gradient added into its accumulator (the blocks' whole buffers, the replicated weights' own)."""
+        gradient added into its accumulator (the blocks' whole buffers, the outer weights' one)."""
         saved = self.saved.pop(microbatch)
         tp = self.groups.tp
         # >>> TODO(m17): the stage's backward: loss, head and final norm (last stage), blocks, embedding (first)
@@ -300,8 +364,8 @@ class LlamaStage:
         #   elsewhere grad_output (rows, hidden) viewed as the stream. Every block from the last: block_backward,
         #   then clear its store. First stage: the embedding's backward into its accumulator, return None; else
         #   return the stream's gradient as (rows, self.hidden).
-        # Pitfalls: the accumulators are self.replicated_grads["embedding"], ["final_norm"], ["lm_head"] (those the
-        #   stage has). Add, never assign: the m microbatches of the step add up.
+        # Pitfalls: the accumulators are self.outer_grads.embedding, .final_norm, .lm_head (views of the whole buffer
+        #   gather() made). Add, never assign: the m microbatches of the step add up.
         # Hint 1: module 12's TPLlama.forward_backward, the backward half, on a stage's piece.
         # Hint 2: column_parallel_backward([dlogits], n, [self.lm_head], [its accumulator], tp, True, "lm head");
         #         rmsnorm_backward(dn, h, r, self.final_norm); embedding_backward(dh, tokens, its accumulator, tp, True).
@@ -309,19 +373,19 @@ class LlamaStage:
         #         else: dh = grad_output viewed as (rows, stream_len, M)
         #         for each block from the last: dh = block_backward(i, dh, store); clear the store
         #         first: embedding backward, return None; else return dh reshaped to (rows, hidden)
-        accumulators = self.replicated_grads
+        accumulators = self.outer_grads
         if self.is_last:
-            dn = column_parallel_backward([saved.dlogits], saved.n, [self.lm_head], [accumulators["lm_head"]], tp,
+            dn = column_parallel_backward([saved.dlogits], saved.n, [self.lm_head], [accumulators.lm_head], tp,
                                           True, "lm head")
             dh, d_final = rmsnorm_backward(dn, saved.h, saved.r, self.final_norm)
-            accumulators["final_norm"].add_(d_final)
+            accumulators.final_norm.add_(d_final)
         else:
             dh = grad_output.view(grad_output.shape[0], self.stream_len, self.cfg.dim)
         for i in reversed(range(len(self.layers))):
             dh = self.block_backward(i, dh, saved.stores[i])
             saved.stores[i].clear()
         if self.is_first:
-            embedding_backward(dh, saved.tokens, accumulators["embedding"], tp, True)
+            embedding_backward(dh, saved.tokens, accumulators.embedding, tp, True)
             return None
         return dh.reshape(dh.shape[0], self.hidden)
         # <<<

@@ -17,8 +17,8 @@ module 06's `fit`, which trains this model as it trains every Llama of the cours
   2. this rank's B/d rows go to module 11's run_schedule: the stages' forwards and backwards, in the
      schedule's order, the microbatches' gradients adding up in the stages' whole buffers
   3. every gradient summed over the ranks that hold the same weight and saw other tokens of it: the
-     blocks' by the stages' reduce-scatters (once per step, m17_stage), the others by one all-reduce
-     per group (which weights over which group: finish_gradients' question)
+     blocks' and the outer weights' by the stages' reduce-scatters (once per step, m17_stage), the
+     rest by one all-reduce per group (which weights over which group: finish_gradients' question)
   4. AdamW on this rank's shards and copies (elementwise: the single process's update, sliced)
   5. the step's loss: the last stage's shares, summed over d and c, reported on every rank
 
@@ -145,28 +145,30 @@ class ComposedLlama:
         and saw other tokens (the module docstring's step 3)."""
         groups, stages = self.groups, list(self.stages.values())
         # >>> TODO(m17): each gradient summed over the ranks that hold the same weight and saw other tokens
-        # Contract: afterwards every gradient this rank holds (each stage's grad_shards, replicated_grads and
-        #   expert_grads) is the whole gradient of its piece: the sum over every rank that holds the same piece and
-        #   saw other tokens of it. The blocks' by stage.reduce_scatter (once a step), each other sum by one
-        #   all-reduce (sum_over) labelled "norm grads" (the norm weights: the elements stage.norms of the grad
-        #   shards, and the final norm's accumulator), "replicated grads" (stage.replicated_grads) or, with a MoE
-        #   model (groups.expert_data is not None), "expert grads" (stage.expert_grads).
+        # Contract: afterwards every gradient this rank holds (each stage's grad_shards, outer_grad, replicated_grads
+        #   and expert_grads) is the whole gradient of its piece: the sum over every rank that holds the same piece and
+        #   saw other tokens of it. The blocks' and the outer weights' by stage.reduce_scatter (once a step), each
+        #   other sum by one all-reduce (sum_over) labelled "norm grads" (the norm weights: the elements stage.norms
+        #   of the grad shards, and stage.outer_norms, the final norm's, of the outer gradient shard), "replicated
+        #   grads" (stage.replicated_grads: a MoE model's routers) or, with a MoE model (groups.expert_data is not
+        #   None), "expert grads" (stage.expert_grads).
         # The question, for each kind of weight (a block's t slice, the block norms inside it, the final norm, the
         #   vocabulary rows, a router, an expert): along which axes do the ranks hold the same copy of it, and along
         #   which of those did they see other tokens (rows, positions) of it? Its gradient is partial over those.
-        # Pitfalls: the block norms sit inside the flat shards: their extra sum is of the reduce-scattered shards
-        #   (stage.norms are positions in a shard). Summing a weight over an axis whose ranks hold different slices
+        # Pitfalls: the norms sit inside the flat shards: their extra sum is of the reduce-scattered shards
+        #   (stage.norms and stage.outer_norms are positions in a shard). Summing a weight over an axis whose ranks hold different slices
         #   of it (a column's slice, vocabulary rows) adds other ranks' slices into it.
         # Hint 1: reduce-scatter every stage's blocks; then three sums, each over its group, each in one collective.
         # Hint 2: sum_over(group, parts, label) (above) takes tensors and (tensor, index) pairs.
         # Hint 3: each stage: reduce_scatter()
-        #         sum_over(t, [(shard, stage.norms) for every stage and shard] + [last stage's "final_norm"], "norm grads")
+        #         sum_over(t, [(shard, stage.norms) for every stage and shard] + [(stage.outer_grad, stage.outer_norms)
+        #                  for every stage], "norm grads")
         #         sum_over(replicas, [every replicated accumulator], "replicated grads")
         #         with experts: sum_over(expert_data, [every expert gradient], "expert grads")
         for stage in stages:
             stage.reduce_scatter()
         norms = [(shard, stage.norms) for stage in stages for shard in stage.grad_shards]
-        norms += [stage.replicated_grads["final_norm"] for stage in stages if stage.is_last]
+        norms += [(stage.outer_grad, stage.outer_norms) for stage in stages]
         sum_over(groups.tp, norms, "norm grads")
         sum_over(groups.replicas, [g for stage in stages for g in stage.replicated_grads.values()], "replicated grads")
         if groups.expert_data is not None:

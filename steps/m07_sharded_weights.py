@@ -1,5 +1,5 @@
 # Generated from solutions/m07_sharded_weights.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 07`. (skeleton e889576afb2f)
+# Grade your work with `python main.py grade 07`. (skeleton 0a1b6c051dd8)
 """Module 07, part 3 - a weight source that all-gathers each block from its shards, just in time.
 
 It implements module 06's WeightSource protocol, so the model loop does not change:
@@ -7,7 +7,7 @@ It implements module 06's WeightSource protocol, so the model loop does not chan
     gather(l)   start the all-gather of block l (async) into one of two full-size buffers
     get(l)      wait for it; return the block's weights as views into that buffer
     release(l)  the loop is done with block l: its buffer may be overwritten by the next gather
-    invalidate() the optimizer changed the shards: gathered copies are stale
+    invalidate() the optimizer changed the shards: gathered copies are stale, and freed
 
 Two buffers (double buffering): block l always goes to buffer l % 2, so while block l is computed
 in one buffer, block l + 1 (forward) or l - 1 (backward) is gathered into the other.
@@ -17,6 +17,10 @@ two layers are still there, and at the turn from one micro-step's backward to th
 first two are. Then nothing need be sent, if those weights are still the current ones: the optimizer
 changes the shards between steps, and invalidate() counts those changes as versions. Each buffer's
 fields (GatherBuffer) say what it holds; the three methods keep them true.
+
+Between steps nothing whole is kept: invalidate() frees both buffers (their copies are stale anyway),
+and the step's first gather into each allocates it again. So a rank holds only its shards between
+steps, as FSDP2's ranks do (it frees its gathered weights after the backward).
 
 Misuse raises at once, with the same message on every rank (all ranks make the same calls), so a
 mistake never leaves a peer waiting in a collective.
@@ -59,10 +63,11 @@ def check_release(buf, layer: int):
 class GatherBuffer:
     """One of the two full-size buffers and what it knows of its contents. Between any two calls:
     `flat` holds block `layer` as it was at the weights' version `version`, or will once `pending`
-    (the all-gather in flight into it) has completed; `state` is where the buffer is in the
-    protocol's cycle, FREE -> gather -> GATHERING -> get -> IN_USE -> release -> FREE (the check_*
-    functions above refuse a call in any other state)."""
-    flat: torch.Tensor        # one padded block, all ranks' shards
+    (the all-gather in flight into it) has completed, or is None, freed by invalidate() (whose new
+    version that `version` is then older than); `state` is where the buffer is in the protocol's
+    cycle, FREE -> gather -> GATHERING -> get -> IN_USE -> release -> FREE (the check_* functions
+    above refuse a call in any other state)."""
+    flat: torch.Tensor | None  # one padded block, all ranks' shards (None: freed between steps)
     layer: int = -1           # the layer whose weights it holds (-1: none yet)
     version: int = -1         # the weights' version when they were gathered
     state: str = FREE
@@ -70,11 +75,12 @@ class GatherBuffer:
 
 
 class ShardedWeights:
-    """Every block's shard on this rank, and two buffers to gather whole blocks into."""
+    """Every block's shard on this rank, and two buffers to gather whole blocks into (allocated by a
+    step's first gathers, freed by invalidate())."""
 
     def __init__(self, layout: FlatLayout, shards: list[torch.Tensor], collectives: Collectives):
         self.layout, self.shards, self.collectives = layout, shards, collectives
-        self.buffers = [GatherBuffer(torch.empty(layout.padded_numel, dtype=shards[0].dtype)) for _ in range(2)]
+        self.buffers = [GatherBuffer(None) for _ in range(2)]
         self.version = 0
 
     def buffer_for(self, layer: int) -> GatherBuffer:
@@ -83,6 +89,8 @@ class ShardedWeights:
     def gather(self, layer: int) -> None:
         buf = self.buffer_for(layer)
         check_gather(buf, layer)
+        if buf.flat is None:  # freed by invalidate(): the step's first gather into it allocates it again
+            buf.flat = torch.empty(self.layout.padded_numel, dtype=self.shards[0].dtype)
         # TODO(m07): start gathering the layer into its buffer, unless it is there and current
         # Contract: after check_gather, buf (buffer layer % 2) is FREE. Leave it GATHERING, its fields true to
         #   GatherBuffer's docstring for this layer at the current weights (self.version), so that get(layer) can
@@ -121,4 +129,7 @@ class ShardedWeights:
         raise NotImplementedError('TODO(m07): free the buffer for the next gather (its contents stay valid for a reuse)')
 
     def invalidate(self) -> None:
+        """The optimizer changed the shards: a new version, and the stale copies freed (given)."""
         self.version += 1
+        for buf in self.buffers:
+            buf.flat = None

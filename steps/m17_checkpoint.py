@@ -1,5 +1,5 @@
 # Generated from solutions/m17_checkpoint.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 17`. (skeleton df07f24804e2)
+# Grade your work with `python main.py grade 17`. (skeleton 9bb4a116f0fb)
 """Module 17, part 6 - checkpoints with torch.distributed.checkpoint (DCP): saved in the model's own
 shapes, loaded onto any mesh, never half-written.
 
@@ -47,7 +47,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .m06_llama_block import BlockWeights, LlamaConfig
-from .m07_flat_shards import NAMES
+from .m07_flat_shards import NAMES, OuterWeights
 
 COLUMN_PARALLEL, ROW_PARALLEL = ("wq", "wk", "wv", "w_gate", "w_up"), ("wo", "w_down")
 STEP_DIR = re.compile(r"step_(\d{6})")
@@ -82,14 +82,15 @@ def to_dtensor(name: str, piece: torch.Tensor, shape: tuple[int, ...], device_me
 # ---------------------------------------------------------------------------------------------
 # A rank's pieces in the logical layout, and back (given)
 # ---------------------------------------------------------------------------------------------
-def whole_slices(stage, flats: list[torch.Tensor]) -> list[BlockWeights]:
+def whole_slices(stage, flats: list[torch.Tensor], layout=None) -> list[BlockWeights | OuterWeights]:
     """The stage's blocks' t slices from flat shards laid out as its weights' (the weights themselves, or one
-    of AdamW's moments of them): all-gathered over fsdp, cut into the block's tensors (copies)."""
-    fsdp, slices = stage.groups.fsdp, []
+    of AdamW's moments of them): all-gathered over fsdp, cut into the block's tensors (copies); with
+    `layout`, the groups it lays out (stage.outer_layout: the outer weights, this rank's vocabulary rows)."""
+    fsdp, layout, slices = stage.groups.fsdp, layout or stage.layout, []
     for flat in flats:
-        whole = torch.empty(stage.layout.padded_numel, dtype=flat.dtype)
+        whole = torch.empty(layout.padded_numel, dtype=flat.dtype)
         fsdp.collectives.all_gather(whole, flat, label="checkpoint")
-        slices.append(BlockWeights(*(t.clone() for t in stage.layout.views(whole).tensors())))
+        slices.append(layout.kind(*(t.clone() for t in layout.views(whole).tensors())))
     return slices
 
 
@@ -133,12 +134,16 @@ def logical_pieces(stage, tensors: dict) -> dict[str, tuple[torch.Tensor, tuple[
     for name, tensor, i in expert_names(stage):
         piece = tensors[tensor][i].clone()
         pieces[name] = (piece, tuple(piece.shape))
+    if stage.outer_layout.numel:  # the stage's embedding, or final norm and LM head: whole rows, not fsdp shards
+        [outer] = whole_slices(stage, [tensors[stage.outer_shard]], stage.outer_layout)
+        for name, value in zip(("embedding", "final_norm", "lm_head"), outer.tensors(), strict=True):
+            if name == "final_norm" and value.shape[0]:
+                pieces[name] = (value, tuple(value.shape))
+            elif value.shape[0]:
+                pieces[name] = (vocab_piece(value, cfg.vocab_size, t.index).clone(), (cfg.vocab_size, cfg.dim))
     for name, weight in stage.replicated.items():
         value = tensors[weight]
-        if name in ("embedding", "lm_head"):
-            pieces[name] = (vocab_piece(value, cfg.vocab_size, t.index).clone(), (cfg.vocab_size, cfg.dim))
-        else:
-            pieces[name] = (value.clone(), tuple(value.shape))
+        pieces[name] = (value.clone(), tuple(value.shape))
     return pieces
 
 
@@ -149,14 +154,15 @@ def put_back(stage, tensors: dict, loaded: dict[str, torch.Tensor]):
         block = BlockWeights(*(loaded[f"layers.{layer}.{name}"] for name in NAMES))
         flat = stage.layout.flatten(block)
         tensors[stage.shards[i]].copy_(stage.layout.shard(flat, stage.groups.fsdp.index))
+    if stage.outer_layout.numel:
+        flat = torch.zeros(stage.outer_layout.padded_numel, dtype=tensors[stage.outer_shard].dtype)
+        outer = stage.outer_layout.views(flat)  # zeros where a stage holds no rows, and in the vocabulary's padding
+        for name, target in zip(("embedding", "final_norm", "lm_head"), outer.tensors(), strict=True):
+            if target.shape[0]:
+                target[:loaded[name].shape[0]] = loaded[name]
+        tensors[stage.outer_shard].copy_(stage.outer_layout.shard(flat, stage.groups.fsdp.index))
     for name, weight in stage.replicated.items():
-        target = tensors[weight]
-        if name in ("embedding", "lm_head"):
-            target.zero_()
-            piece = loaded[name]
-            target[:piece.shape[0]] = piece
-        else:
-            target.copy_(loaded[name])
+        tensors[weight].copy_(loaded[name])
     for name, tensor, i in expert_names(stage):
         tensors[tensor][i].copy_(loaded[name])
 

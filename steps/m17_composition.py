@@ -1,5 +1,5 @@
 # Generated from solutions/m17_composition.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 17`. (skeleton 8783f2383844)
+# Grade your work with `python main.py grade 17`. (skeleton 815834f1acca)
 """Module 17, part 1 - one mesh, five parallelisms: which group each piece of a step talks over.
 
 The capstone composes the course's parallelisms on one mesh of R = p d c t ranks (course/mesh.py):
@@ -40,10 +40,11 @@ class Groups:
     data: Group          # the ranks that split the batch's rows (which B/d rows are this rank's)
     cp: Group            # the ranks that split each sequence's positions (module 15's attention)
     tp: Group            # module 12's tensor (and sequence) parallelism
-    fsdp: Group          # the ranks that share one tensor-parallel slice of a block: its shards, gathered
+    fsdp: Group          # the ranks that share one tensor-parallel slice of a block (or of the outer weights:
+                         # the embedding's and LM head's vocabulary rows, the final norm): its shards, gathered
                          # before use and its gradient reduce-scattered (module 07)
-    replicas: Group      # the ranks that hold the same copy of a replicated weight (the embedding's and the
-                         # LM head's vocabulary rows, the final norm) and saw different tokens: its gradient's sum
+    replicas: Group      # the ranks that hold the same copy of a replicated weight (a MoE model's router and
+                         # shared expert) and saw different tokens: its gradient's sum
     experts: Group | None = None      # the members of an expert group (module 16's all-to-all)
     expert_data: Group | None = None  # the ranks that hold the same experts: their gradients' sum
 

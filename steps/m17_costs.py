@@ -1,5 +1,5 @@
 # Generated from solutions/m17_costs.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 17`. (skeleton 7beaed83bff5)
+# Grade your work with `python main.py grade 17`. (skeleton 8b8590e8be96)
 """Module 17, part 5 - what FSDP costs across the pipeline's microbatches.
 
 A stage gathers each of its blocks once per step and reduce-scatters each block's gradient once per
@@ -18,8 +18,10 @@ m microbatches in flight in a pipeline the weights would travel 2 m times instea
 of gathering once: the stage's whole slices and their whole gradients live for the step (`buffers`),
 P_t' (b + s) a block, where module 07 keeps two blocks at a time.
 
-The weights outside the blocks (the embedding, the LM head and the final norm) are not sharded: every
-rank of "dc" holds them whole and sums their gradients with one all-reduce a step (replicated_cost).
+The weights outside the blocks (the embedding's and the LM head's V'/t vocabulary rows, the final
+norm) are one more flat group of a stage (module 07's OuterWeights: the first stage's embedding, the
+last stage's final norm and LM head), by the same policy: gathered once a step, reduce-scattered
+once, whole during the step (replicated_cost, for a stage that holds all three unless told which).
 """
 from __future__ import annotations
 
@@ -59,12 +61,20 @@ def fsdp_memory(cfg: LlamaConfig, sizes: dict[str, int], dtype: torch.dtype, n_b
                             "buffers": n_blocks * padded * (b + s)})
 
 
-def replicated_cost(cfg: LlamaConfig, sizes: dict[str, int], dtype: torch.dtype) -> StepCost:
-    """The weights every rank of "dc" holds whole (given): the embedding's and the LM head's V'/t vocabulary
-    rows and the final norm, kept in b bytes with gradients in s bytes, and summed by one all-reduce over the
-    n = d c ranks a step (m17_trainer's finish_gradients, "replicated grads": 2 (n - 1)/n of the gradients)."""
-    n, t = sizes.get("d", 1) * sizes.get("c", 1), sizes.get("t", 1)
-    values = 2 * padded_vocab_size(cfg.vocab_size, t) // t * cfg.dim + cfg.dim
+def replicated_cost(cfg: LlamaConfig, sizes: dict[str, int], dtype: torch.dtype, first: bool = True,
+                    last: bool = True) -> StepCost:
+    """The outer weights of one stage, sharded over the n = d c ranks of "dc" (given): the embedding's V'/t
+    vocabulary rows on the `first` stage, the final norm and the LM head's V'/t rows on the `last` (one stage
+    is both when S = 1; a rank holds one such group per stage of its, none on a stage in between). Its
+    padded flat buffer is gathered (b bytes a value) and its gradient reduce-scattered (s bytes) once a
+    step; a rank keeps its shard and its gradient's, and during the step both whole (`buffers`)."""
+    n, t, M = sizes.get("d", 1) * sizes.get("c", 1), sizes.get("t", 1), cfg.dim
+    rows = padded_vocab_size(cfg.vocab_size, t) // t
+    values = (rows * M if first else 0) + ((M + rows * M) if last else 0)
+    if values == 0:
+        return StepCost()
+    shard = -(-values // n)
     b, s = dtype.itemsize, grad_dtype(dtype).itemsize
-    return StepCost({("dc", "all_reduce"): 2 * (n - 1) / n * values * s}, {("dc", "all_reduce"): 1},
-                    {"parameters": values * b, "gradients": values * s})
+    return StepCost({("dc", "all_gather"): (n - 1) * shard * b, ("dc", "reduce_scatter"): (n - 1) * shard * s},
+                    {("dc", "all_gather"): 1, ("dc", "reduce_scatter"): 1},
+                    {"parameters": shard * b, "gradients": shard * s, "buffers": n * shard * (b + s)})

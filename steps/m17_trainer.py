@@ -1,5 +1,5 @@
 # Generated from solutions/m17_trainer.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 17`. (skeleton f76f2ceaefa5)
+# Grade your work with `python main.py grade 17`. (skeleton da8a47aaea9a)
 """Module 17, part 3 - the composed trainer: this rank's stages, module 11's executor, one step.
 
     ComposedLlama(cfg, mesh, n_microbatches, schedule="1f1b")   this rank's stages of the schedule's
@@ -19,8 +19,8 @@ module 06's `fit`, which trains this model as it trains every Llama of the cours
   2. this rank's B/d rows go to module 11's run_schedule: the stages' forwards and backwards, in the
      schedule's order, the microbatches' gradients adding up in the stages' whole buffers
   3. every gradient summed over the ranks that hold the same weight and saw other tokens of it: the
-     blocks' by the stages' reduce-scatters (once per step, m17_stage), the others by one all-reduce
-     per group (which weights over which group: finish_gradients' question)
+     blocks' and the outer weights' by the stages' reduce-scatters (once per step, m17_stage), the
+     rest by one all-reduce per group (which weights over which group: finish_gradients' question)
   4. AdamW on this rank's shards and copies (elementwise: the single process's update, sliced)
   5. the step's loss: the last stage's shares, summed over d and c, reported on every rank
 
@@ -147,17 +147,18 @@ class ComposedLlama:
         and saw other tokens (the module docstring's step 3)."""
         groups, stages = self.groups, list(self.stages.values())
         # TODO(m17): each gradient summed over the ranks that hold the same weight and saw other tokens
-        # Contract: afterwards every gradient this rank holds (each stage's grad_shards, replicated_grads and
-        #   expert_grads) is the whole gradient of its piece: the sum over every rank that holds the same piece and
-        #   saw other tokens of it. The blocks' by stage.reduce_scatter (once a step), each other sum by one
-        #   all-reduce (sum_over) labelled "norm grads" (the norm weights: the elements stage.norms of the grad
-        #   shards, and the final norm's accumulator), "replicated grads" (stage.replicated_grads) or, with a MoE
-        #   model (groups.expert_data is not None), "expert grads" (stage.expert_grads).
+        # Contract: afterwards every gradient this rank holds (each stage's grad_shards, outer_grad, replicated_grads
+        #   and expert_grads) is the whole gradient of its piece: the sum over every rank that holds the same piece and
+        #   saw other tokens of it. The blocks' and the outer weights' by stage.reduce_scatter (once a step), each
+        #   other sum by one all-reduce (sum_over) labelled "norm grads" (the norm weights: the elements stage.norms
+        #   of the grad shards, and stage.outer_norms, the final norm's, of the outer gradient shard), "replicated
+        #   grads" (stage.replicated_grads: a MoE model's routers) or, with a MoE model (groups.expert_data is not
+        #   None), "expert grads" (stage.expert_grads).
         # The question, for each kind of weight (a block's t slice, the block norms inside it, the final norm, the
         #   vocabulary rows, a router, an expert): along which axes do the ranks hold the same copy of it, and along
         #   which of those did they see other tokens (rows, positions) of it? Its gradient is partial over those.
-        # Pitfalls: the block norms sit inside the flat shards: their extra sum is of the reduce-scattered shards
-        #   (stage.norms are positions in a shard). Summing a weight over an axis whose ranks hold different slices
+        # Pitfalls: the norms sit inside the flat shards: their extra sum is of the reduce-scattered shards
+        #   (stage.norms and stage.outer_norms are positions in a shard). Summing a weight over an axis whose ranks hold different slices
         #   of it (a column's slice, vocabulary rows) adds other ranks' slices into it.
         raise NotImplementedError('TODO(m17): each gradient summed over the ranks that hold the same weight and saw other tokens')
 

@@ -59,7 +59,15 @@ FORBIDDEN = {
             "2Lm - kept (2m - 1)", "2 L m - kept", "kept (2m - 1)", code("kept * (2 * m - 1)"), "2m - 1 turns",
             "turns = 2m - 1", "Lm reduce-scatters", "3 collectives, 3 payloads", "3 per block",
             "collectives x (d - 1) x payload", "2 x d x ceil", "2 d payloads + 2 payloads",
-            "d ceil((P + 2M) / d) b", "(L shard + replicated) b",
+            "d ceil((P + 2M) / d) b", "(L shard + replicated) b", "(L shard + outer_shard) b",
+            "(2 d shard + d outer_shard + 2 shard) b", "(outer_shard, m, m)", "the outer's m each",
+            "m all-gathers of the outer", "2 L m - kept turns + m",
+        ],
+        "FSDPLlama.gather_outer": [
+            "outer_layout.views(whole)", "all-gather self.outer_shard into whole",
+        ],
+        "FSDPLlama.reduce_scatter_outer": [
+            "outer_layout.flatten(OuterWeights(grads", "flattened by the outer layout", "outer_grad += received",
         ],
         "ShardedWeights.gather": [
             code("buf.layer == layer and buf.version == self.version"), "record in buf the layer and version",
@@ -191,7 +199,7 @@ FORBIDDEN = {
         ],
         "LlamaStage.__init__": [
             "first over t, the way the block computes", "then the slice is laid out flat",
-            "FlatLayout over d c", "1/(d c) of 1/t",
+            "FlatLayout over d c", "1/(d c) of 1/t", "outer_layout and outer_shard from outer, as for a slice",
         ],
         "ComposedLlama.train_step": [
             "divided by N_real", "divides its sum by N_real", "N_real, counted once", "counted once on the whole",
@@ -202,6 +210,8 @@ FORBIDDEN = {
             "summed over t, in one all-reduce", "so its shard is partial over t too", "all-reduce over t of their",
             "all-reduce over t, and over dc", "over groups.replicas, in one", "stage.expert_grads over groups.expert_data",
             "all-reduce over ed", "each normed T/t positions", "and one for the norms",
+            "the final norm's part of the reduce-scattered shard is then summed over t",
+            "(stage.outer_grad, stage.outer_norms) for every stage",
         ],
         "to_dtensor": [
             "wo, w_down (M, in) Shard(1)", "Shard(1): columns", "ln2, final_norm (M,) Replicate",

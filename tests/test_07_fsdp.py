@@ -8,12 +8,15 @@ sums, one process sums over the whole batch at once: the same numbers added in a
 so they differ by rounding. In float64, a gradient differs by ~1e-16 relative; AdamW's update
 lr * m / (sqrt(v) + eps) turns that into weight differences of ~1e-16 absolute per step. Measured
 after 4 steps (torch 2.13 CPU; worst of 2 and 4 ranks, with and without accumulation): losses
-within 8.9e-16, block weights within 4.6e-16, replicated weights within 2.2e-16. We allow 1e-12.
+within 8.9e-16, block weights within 4.6e-16, the embedding, final norm and LM head within 2.2e-16.
+We allow 1e-12.
 A wrong gradient *scale* is the subtle mistake: AdamW's update m / sqrt(v) barely changes when every
 gradient is multiplied by the same constant, so a missing 1/N or 1/n_microbatches moves the losses by
 only ~1e-7..1e-6 (measured) - small to the eye, yet 10^5 times the tolerance. The messages say so.
 Where no sum is reordered the result must be exact: the weights gathered before training are the
-single-process weights bit for bit. 3 ranks make the shards need padding (7,744 parameters a block).
+single-process weights bit for bit. 3 ranks make the shards need padding (7,744 parameters a block,
+16,480 in the embedding, final norm and LM head: the vocabulary has one id more than the 256 bytes the
+text uses, so that they need padding too).
 """
 import dataclasses
 import time
@@ -38,7 +41,10 @@ m06 = reference("m06_llama_model")  # the single-process reference: trusted code
 LlamaConfig = reference("m06_llama_block").LlamaConfig
 
 f64 = torch.float64
-CFG = LlamaConfig(dim=32, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=48, n_layers=4, max_seq_len=16)
+# V = 257: one id no byte of the text uses (it only gets zero gradients), so that the embedding, final norm and
+# LM head (2 V M + M = 16,480 values) need padding over 3 ranks, as a block (7,744) does.
+CFG = LlamaConfig(dim=32, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=48, n_layers=4, max_seq_len=16,
+                  vocab_size=257)
 BATCH, STEPS, LR = 8, 4, 3e-3
 TOLERANCE = 1e-12
 
@@ -48,24 +54,38 @@ TOLERANCE = 1e-12
 # tell names the function instead ("your FSDPLlama.train_step"): the scorecard points there.
 LAYOUT = ("FlatLayout.shard", "FlatLayout.views", "FlatLayout.flatten", "FlatLayout.__init__")
 GATHERING = ("FSDPLlama.__init__", "ShardedWeights.gather", "ShardedWeights.get", "ShardedWeights.release", *LAYOUT)
-TRAINING = ("FSDPLlama.train_step", "FSDPLlama.accumulate", "FSDPLlama.reduce_and_step",
+OUTER = ("FSDPLlama.gather_outer", "FSDPLlama.reduce_scatter_outer")
+TRAINING = ("FSDPLlama.train_step", *OUTER, "FSDPLlama.optimizer_step",
             "FSDPLlama.finish_reduce_scatter", "FSDPLlama.reduce_scatter_grad", "FSDPLlama.backward_blocks",
             "ShardedWeights.release", "ShardedWeights.gather", "ShardedWeights.get", "FSDPLlama.__init__", *LAYOUT)
 ORDER = ("FSDPLlama.backward_blocks", "ShardedWeights.gather", "ShardedWeights.release", "ShardedWeights.get",
-         "FSDPLlama.reduce_scatter_grad", "FSDPLlama.finish_reduce_scatter", "FSDPLlama.train_step",
-         "FSDPLlama.accumulate", "FSDPLlama.reduce_and_step", "FSDPLlama.__init__", *LAYOUT)
+         "FSDPLlama.reduce_scatter_grad", "FSDPLlama.finish_reduce_scatter", *OUTER, "FSDPLlama.train_step",
+         "FSDPLlama.optimizer_step", "FSDPLlama.__init__", *LAYOUT)
 COUNTS = ("ShardedWeights.gather", "ShardedWeights.release", "FSDPLlama.backward_blocks",
-          "FSDPLlama.reduce_scatter_grad", "FSDPLlama.reduce_and_step", "ShardedWeights.get",
-          "FSDPLlama.finish_reduce_scatter", "FSDPLlama.train_step", "FSDPLlama.accumulate", "FSDPLlama.__init__",
+          "FSDPLlama.reduce_scatter_grad", *OUTER, "ShardedWeights.get",
+          "FSDPLlama.finish_reduce_scatter", "FSDPLlama.train_step", "FSDPLlama.optimizer_step", "FSDPLlama.__init__",
           *LAYOUT)
 MEMORY = ("FSDPLlama.__init__", "ShardedWeights.get", "ShardedWeights.gather", "ShardedWeights.release",
           "FSDPLlama.backward_blocks", "FSDPLlama.reduce_scatter_grad", "FSDPLlama.finish_reduce_scatter",
-          "FSDPLlama.train_step", "FSDPLlama.accumulate", "FSDPLlama.reduce_and_step", *LAYOUT)
+          *OUTER, "FSDPLlama.train_step", "FSDPLlama.optimizer_step", *LAYOUT)
 MISUSE = ("ShardedWeights.get", "ShardedWeights.gather", "ShardedWeights.release", "FSDPLlama.__init__", *LAYOUT)
 
 
 def flat(block) -> torch.Tensor:
     return torch.cat([t.reshape(-1) for t in block.tensors()])
+
+
+def flat_outer(model) -> torch.Tensor:
+    """The embedding, final norm and LM head of a model (or of its LlamaGrads), end to end in that order."""
+    return torch.cat([model.embedding.reshape(-1), model.final_norm.reshape(-1), model.lm_head.reshape(-1)])
+
+
+def outer_pieces(values: torch.Tensor) -> dict:
+    """The embedding, final norm and LM head, cut by this test's own reading of their flat layout (padding
+    dropped): V M, M and V M values, in order."""
+    V, M = CFG.vocab_size, CFG.dim
+    embedding, final_norm, lm_head = values[:2 * V * M + M].split([V * M, M, V * M])
+    return {"embedding": embedding.view(V, M), "final_norm": final_norm, "lm_head": lm_head.view(V, M)}
 
 
 def single_process_training(steps, batch=BATCH, dtype=f64):
@@ -115,13 +135,43 @@ def test_flat_layout_pads_to_equal_shards_and_views_into_the_buffer(world_size):
              f"from r * shard_numel on")
 
 
+@pytest.mark.exercises("FlatLayout.views", "FlatLayout.flatten", "FlatLayout.__init__", "FlatLayout.shard")
+def test_the_embedding_final_norm_and_lm_head_are_one_more_flat_group():
+    # The same layout with another template: OuterWeights, laid out embedding, final norm, LM head; views of
+    # the template's class. 16,480 values over 3 ranks: 3 shards of 5,494, 2 zeros of padding; over 5: none.
+    model = m06.LlamaModel(CFG, 0)
+    model.final_norm.add_(0.1 * torch.randn(CFG.dim, generator=torch.Generator().manual_seed(2)))
+    outer = flat_shards.OuterWeights(model.embedding, model.final_norm, model.lm_head)
+    for world_size in (3, 5):
+        layout = flat_shards.FlatLayout(outer, world_size)
+        buffer = layout.flatten(outer)
+        expected = torch.cat([flat_outer(model), torch.zeros(layout.padded_numel - layout.numel)])
+        assert layout.numel == 16_480 and torch.equal(buffer, expected), \
+            ("your FlatLayout.flatten of an OuterWeights must lay the embedding, the final norm and the LM head end to "
+             "end, in that order, zero padding after them")
+        views = layout.views(buffer)
+        assert type(views) is flat_shards.OuterWeights, \
+            (f"your FlatLayout.views of an OuterWeights layout returned a {type(views).__name__}: views are of the "
+             f"template's class (self.kind), whichever group it is")
+        for name, got in zip(("embedding", "final_norm", "lm_head"), views.tensors()):
+            want = getattr(model, name)
+            assert torch.equal(got, want) and got.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr(), \
+                f"your FlatLayout.views: the outer weights' {name} must be a view into the buffer, equal to the model's"
+        assert torch.equal(torch.cat([layout.shard(buffer, r) for r in range(world_size)]), buffer), \
+            "your FlatLayout.shard: the outer weights' shards must concatenate to their buffer"
+
+
 # PyTorch's FSDP Notes' worked example: blocks of 1.6B parameters in fp32 over 8 GPUs. This Llama block
 # holds exactly that many values: P + 2M = 12,800 (2 * 12,800 + 2 * 256 + 3 * 32,962) + 2 * 12,800 =
 # 1,600,000,000 (dim 12,800: 100 query heads and 2 key/value heads of 128; FFN 32,962).
 NOTES_CFG = LlamaConfig(dim=12_800, n_heads=100, n_kv_heads=2, head_dim=128, ffn_dim=32_962, n_layers=10)
 # A block whose values need padding: P + 2M = 6 (2 * 6 + 2 * 2 + 3 * 7) + 2 * 6 = 234 values, over 4
-# ranks 4 shards of ceil(234 / 4) = 59 (2 of them padding).
+# ranks 4 shards of ceil(234 / 4) = 59 (2 of them padding). Its embedding, final norm and LM head: 2 * 256 * 6
+# + 6 = 3,078 values, over 4 ranks 4 shards of 770 (2 of them padding).
 PADDED_CFG = LlamaConfig(dim=6, n_heads=3, n_kv_heads=1, head_dim=2, ffn_dim=7, n_layers=3)
+# The Notes' model has no embedding; ours has (V = 256): 2 * 256 * 12,800 + 12,800 = 6,566,400 values, over 8
+# ranks 820,800 of 4 bytes a shard, 3,283,200 bytes, gathered and reduce-scattered once in a one-microbatch step.
+NOTES_OUTER_SHARD = 3_283_200
 
 
 @pytest.mark.exercises("fsdp_traffic")
@@ -129,16 +179,22 @@ def test_payload_reproduces_the_fsdp_notes_worked_example():
     # 10 blocks of 1.6B parameters, fp32, 8 ranks, no block kept between passes: the Notes give a payload of
     # 0.8 GB per collective, 30 collectives (3 per block), 24 GB of payloads per step, and buffers of 12.8 GB
     # (2 full blocks) + 1.6 GB (2 shards) = 14.4 GB. With the ring algorithm a rank sends 7 payloads per
-    # collective: 30 * 7 * 0.8 GB.
+    # collective: 30 * 7 * 0.8 GB. Beside them the outer weights' one all-gather and one reduce-scatter, counted
+    # by hand above, and their whole copy among the buffers (8 shards).
     cost = payload.fsdp_traffic(NOTES_CFG, {"d": 8}, torch.float32)
-    calls = (cost.n_calls("d", "all_gather"), cost.n_calls("d", "reduce_scatter"))
-    assert calls == (20, 10), f"(all-gathers, reduce-scatters) per step: {calls}; the Notes count 2 x 10 and 10"
-    per_call = cost.sent_bytes("d", "all_gather") / (7 * calls[0]), cost.sent_bytes("d", "reduce_scatter") / (7 * calls[1])
+    calls = (cost.n_calls("d", "all_gather") - 1, cost.n_calls("d", "reduce_scatter") - 1)
+    assert calls == (20, 10), (f"(all-gathers, reduce-scatters) of the blocks per step: {calls} (your count less the "
+                               f"outer weights' one each); the Notes count 2 x 10 and 10")
+    blocks_sent = (cost.sent_bytes("d", "all_gather") - 7 * NOTES_OUTER_SHARD,
+                   cost.sent_bytes("d", "reduce_scatter") - 7 * NOTES_OUTER_SHARD)
+    per_call = blocks_sent[0] / (7 * calls[0]), blocks_sent[1] / (7 * calls[1])
     assert per_call == (800_000_000, 800_000_000), \
-        f"payload per collective (bytes sent / (d - 1) / calls): {per_call}; the Notes give 0.8 GB"
+        (f"payload per block collective (the blocks' bytes sent / (d - 1) / calls): {per_call}; the Notes give 0.8 GB "
+         f"(the outer weights' collectives send 7 x {NOTES_OUTER_SHARD:,} bytes each)")
     assert sum(calls) * per_call[0] == 24_000_000_000
-    assert cost.memory.get("buffers") == 14_400_000_000, \
-        f"buffers: {cost.memory.get('buffers')} bytes; the Notes give 12.8 GB + 1.6 GB = 14.4 GB"
+    assert cost.memory.get("buffers") == 14_400_000_000 + 8 * NOTES_OUTER_SHARD, \
+        (f"buffers: {cost.memory.get('buffers')} bytes; the Notes give 12.8 GB + 1.6 GB = 14.4 GB for the blocks, and "
+         f"the outer weights whole add 8 x {NOTES_OUTER_SHARD:,}")
 
 
 @pytest.mark.exercises("fsdp_traffic")
@@ -146,31 +202,38 @@ def test_payload_reproduces_the_fsdp_notes_worked_example():
     (3, 1, 2, 4), (3, 3, 2, 8), (1, 2, 1, 1), (3, 2, 0, 12), (10, 1, 0, 20)])
 def test_payload_counts_reused_blocks_and_n_microbatches(blocks, n_microbatches, kept, all_gathers):
     # Written out: micro-step 1 gathers every block forward and all but `kept` backward; each later
-    # micro-step's forward starts with the `kept` blocks the last backward left in the buffers.
+    # micro-step's forward starts with the `kept` blocks the last backward left in the buffers. The outer
+    # weights: one all-gather and one reduce-scatter a micro-step, of 770-value shards.
     cfg = dataclasses.replace(PADDED_CFG, n_layers=blocks)
     cost = payload.fsdp_traffic(cfg, {"d": 4}, torch.bfloat16, n_microbatches, kept)
     got = (cost.n_calls("d", "all_gather"), cost.n_calls("d", "reduce_scatter"))
-    assert got == (all_gathers, blocks * n_microbatches), \
+    want = (all_gathers + n_microbatches, (blocks + 1) * n_microbatches)
+    assert got == want, \
         (f"L = {blocks} blocks, m = {n_microbatches} microbatches, kept = {kept}: (all-gathers, reduce-scatters) "
-         f"= {got}, expected {(all_gathers, blocks * n_microbatches)}")
+         f"= {got}, expected {want}: the blocks' {(all_gathers, blocks * n_microbatches)} and the outer weights' "
+         f"one each a microbatch")
     sent = (cost.sent_bytes("d", "all_gather"), cost.sent_bytes("d", "reduce_scatter"))
-    want = (all_gathers * 3 * 59 * 2, blocks * n_microbatches * 3 * 59 * 2)
+    outer = n_microbatches * 3 * 770 * 2
+    want = (all_gathers * 3 * 59 * 2 + outer, blocks * n_microbatches * 3 * 59 * 2 + outer)
     assert sent == want, (f"bytes sent (all-gathers, reduce-scatters) = {sent}, expected {want}: 234 values over 4 "
-                          f"ranks pad to 4 x 59, and each collective sends 3 of the 4 shards")
+                          f"ranks pad to 4 x 59, the outer weights' 3,078 to 4 x 770, and each collective sends 3 "
+                          f"of the 4 shards")
 
 
 @pytest.mark.exercises("fsdp_traffic")
 def test_buffers_and_state_count_the_padding():
-    # PADDED_CFG in bf16 over 4 ranks: a shard holds 59 values (118 bytes), a full buffer 4 of them. The
-    # replicated embedding, LM head and final norm hold 2 * 256 * 6 + 6 = 3,078 values; a rank owns its
-    # 3 shards and those: (3 * 59 + 3,078) * 2 = 6,510 bytes, as many gradients, AdamW's two moments.
-    # The replicated gradients' all-reduce sends 2 * 3/4 of 3,078 * 2 bytes once a step.
+    # PADDED_CFG in bf16 over 4 ranks: a block's shard holds 59 values (118 bytes), a full buffer 4 of them. The
+    # embedding, LM head and final norm hold 3,078 values, a shard of them 770 (1,540 bytes), whole 4 of them. A
+    # rank owns its 3 block shards and its outer shard: (3 * 59 + 770) * 2 = 1,894 bytes, as many gradients,
+    # AdamW's two moments. Nothing is all-reduced.
     cost = payload.fsdp_traffic(PADDED_CFG, {"d": 4}, torch.bfloat16)
     got = {what: cost.memory.get(what) for what in ("buffers", "parameters", "gradients", "optimizer")}
-    want = {"buffers": 2 * 4 * 118 + 2 * 118, "parameters": 6_510, "gradients": 6_510, "optimizer": 13_020}
-    assert got == want, (f"memory {got}, expected {want} bytes: a full buffer holds every rank's padded shard, a "
-                         f"communication buffer one, and a rank keeps its shards and the replicated weights")
-    assert (cost.n_calls("d", "all_reduce"), cost.sent_bytes("d", "all_reduce")) == (1, 2 * 3 / 4 * 3_078 * 2)
+    want = {"buffers": 2 * 4 * 118 + 4 * 1_540 + 2 * 118, "parameters": 1_894, "gradients": 1_894,
+            "optimizer": 3_788}
+    assert got == want, (f"memory {got}, expected {want} bytes: a full buffer holds every rank's padded shard, the "
+                         f"outer weights whole every rank's shard of them, a communication buffer one block shard, "
+                         f"and a rank keeps its shards: the blocks' and the outer weights'")
+    assert cost.n_calls("d", "all_reduce") == 0, "no weight is replicated: nothing is all-reduced"
 
 
 def _one_real_step(n_microbatches):
@@ -256,6 +319,27 @@ def _one_step_piece_by_piece(n_microbatches):
                  ": your FSDPLlama.__init__ keeps this rank's (self.dp.index's) slice of each block's padded flat "
                  "buffer")
             break
+    if (how := off(model.outer_shard, padded_shard(flat_outer(single), d, r))) is not None:
+        whose = next((k for k in range(d) if off(model.outer_shard, padded_shard(flat_outer(single), d, k)) is None),
+                     None)
+        note(f"rank {r}: the outer weights' shard after FSDPLlama(...) is {how}" +
+             (f" (it is rank {whose}'s slice)" if whose is not None else "") +
+             ": your FSDPLlama.__init__ keeps this rank's slice of the padded flat buffer of the embedding, final "
+             "norm and LM head (self.outer_layout)")
+    piece += 1
+    model.gather_outer()
+    for name in ("embedding", "final_norm", "lm_head"):
+        got = getattr(model, name)
+        if got is None or (how := off(got, getattr(single, name))) is not None or not torch.equal(got, getattr(single, name)):
+            note(f"rank {r}: the {name} after gather_outer() is " + ("None" if got is None else how or "not bit for bit "
+                 "the single process's") + ": your FSDPLlama.gather_outer all-gathers every rank's shard of the outer "
+                 "weights and sets the three as views of the whole buffer")
+            break
+    else:
+        if len({getattr(model, name).untyped_storage().data_ptr() for name in ("embedding", "final_norm", "lm_head")}) != 1:
+            note(f"rank {r}: after gather_outer() the embedding, final norm and LM head are not views of one buffer: "
+                 f"your FSDPLlama.gather_outer hands them out as views of the whole buffer it gathered into")
+    model.embedding = model.final_norm = model.lm_head = None
     piece += 1
     source = model.weights
     for layer, block in enumerate(single.blocks):
@@ -314,24 +398,24 @@ def _one_step_piece_by_piece(n_microbatches):
         note(f"rank {r}: the gradient shards of blocks {sorted(wrong)} after {n_microbatches} microbatches "
              f"(block {first}'s is {how}; the whole batch's gradient, rank r's slice): {culprit}")
     piece += 1
-    pairs = list(zip(model.replicated_grads, (rows.embedding, rows.final_norm, rows.lm_head)))
-    if any(off(got, want) is not None for got, want in pairs):
-        factor = common_factor(pairs)
-        note(f"rank {r}: this rank's replicated gradients (before the step's all-reduce) differ from those "
-             f"of its rows" + (f", {times(factor, 'them')}" if factor else "") +
-             ": your FSDPLlama.accumulate adds each microbatch's gradients as they are")
+    want = padded_shard(flat_outer(whole), d, r)
+    if (how := off(model.outer_grad, want)) is not None:
+        mine_only = padded_shard(flat_outer(rows), d, r)
+        factor = common_factor([(model.outer_grad, want)])
+        note(f"rank {r}: the outer weights' gradient shard after {n_microbatches} microbatches is {how} from the "
+             f"whole batch's (rank r's slice)" + (
+                 f": it is {times(factor)}, a scale: each microbatch's loss is already divided by the global batch's "
+                 f"tokens, so your FSDPLlama.reduce_scatter_outer adds the sum over ranks as it is" if factor else
+                 ": it is this rank's rows' alone: your FSDPLlama.reduce_scatter_outer sums them over the data group"
+                 if off(model.outer_grad, mine_only) is None else
+                 ": your FSDPLlama.reduce_scatter_outer adds each microbatch's slice of the sum over ranks, the "
+                 "gradients laid out as the weights are (self.outer_layout)"))
     piece += 1
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     version = source.version
-    model.reduce_and_step(optimizer)
-    for name, got, want in zip(("embedding", "final_norm", "lm_head"), model.replicated_grads,
-                               (whole.embedding, whole.final_norm, whole.lm_head)):
-        if (how := off(got, want)) is not None:
-            note(f"rank {r}: the {name} gradient after reduce_and_step is {how} from the whole batch's: "
-                 f"your FSDPLlama.reduce_and_step sums it over ranks (one all-reduce, no average)")
-            break
+    model.optimizer_step(optimizer)
     if source.version == version:
-        note(f"rank {r}: your FSDPLlama.reduce_and_step did not invalidate() the weight source after the "
+        note(f"rank {r}: your FSDPLlama.optimizer_step did not invalidate() the weight source after the "
              f"step: the blocks left in its buffers are the old weights")
     piece += 1
     # The single process's step on the same gradients, then the blocks as gather() now hands them out.
@@ -346,9 +430,15 @@ def _one_step_piece_by_piece(n_microbatches):
             note(f"rank {r}: block {layer} gathered after the step is {how} from the single process's: "
                  + ("your ShardedWeights.gather sent nothing: it reused a copy from before the step"
                     if off(got, flat(m06.LlamaModel(CFG, 0, f64).blocks[layer])) is None else
-                    "your FSDPLlama.reduce_and_step gives the optimizer each gradient as .grad of its "
+                    "your FSDPLlama.optimizer_step gives the optimizer each gradient as .grad of its "
                     "parameter (parameters() and grads() in one order)"))
             break
+    model.gather_outer()
+    if (how := off(flat_outer(model), flat_outer(single))) is not None:
+        note(f"rank {r}: the outer weights gathered after the step are {how} from the single process's: your "
+             f"FSDPLlama.optimizer_step gives the optimizer each gradient as .grad of its parameter (outer_shard's "
+             f"is outer_grad)")
+    model.embedding = model.final_norm = model.lm_head = None
     piece += 1
     # Last, train_step itself on a fresh model, twice on the same batch with lr 0 (the weights stay): after
     # each step its gradients are those of the whole batch.
@@ -357,7 +447,7 @@ def _one_step_piece_by_piece(n_microbatches):
 
     def fresh_pairs():  # (got, want) for each of its gradients
         return [*zip(fresh.grad_shards, (padded_shard(flat(b), d, r) for b in whole.blocks)),
-                *zip(fresh.replicated_grads, (whole.embedding, whole.final_norm, whole.lm_head))]
+                (fresh.outer_grad, padded_shard(flat_outer(whole), d, r))]
     loss = fresh.train_step(tokens, targets, n_microbatches, no_update)
     pairs = fresh_pairs()
     first_step_right = all(off(got, want) is None for got, want in pairs)
@@ -393,7 +483,7 @@ def test_one_step_piece_by_piece_matches_the_single_process():
 def _train(steps, n_microbatches, batch):
     model, losses = m06.fit(m07.FSDPLlama(CFG, data_group(), dtype=f64), steps, batch, LR,
                             n_microbatches=n_microbatches)
-    return losses, model.shards, model.replicated
+    return losses, model.shards, model.outer_shard
 
 
 def beyond_tolerance(what: str, worst: float, culprit: str) -> str:
@@ -420,13 +510,14 @@ def test_training_matches_single_process_training(world_size, n_microbatches, ba
             "FSDPLlama.reduce_scatter_grad and FSDPLlama.finish_reduce_scatter, the stale copies from your "
             "ShardedWeights.gather")
         assert not gathered[n:].any(), f"block {layer}: the padding must stay zero"
-    for rank, (_, _, replicated) in enumerate(results):
-        for name, got, want in zip(("embedding", "final_norm", "lm_head"), replicated,
-                                   (reference_model.embedding, reference_model.final_norm, reference_model.lm_head)):
-            worst = (got - want).abs().max().item()
-            assert worst <= TOLERANCE, beyond_tolerance(
-                f"rank {rank}: {name}", worst, "the replicated weights' gradients are added by your "
-                "FSDPLlama.accumulate and summed over ranks by your FSDPLlama.reduce_and_step")
+    outer = torch.cat([outer_shard for _, _, outer_shard in results])
+    for name, got in outer_pieces(outer).items():
+        worst = (got - getattr(reference_model, name)).abs().max().item()
+        assert worst <= TOLERANCE, beyond_tolerance(
+            f"the {name} (its ranks' shards end to end)", worst, "the outer weights' gradients are summed over ranks "
+            "into each shard by your FSDPLlama.reduce_scatter_outer, from the weights your FSDPLlama.gather_outer "
+            "gathered")
+    assert not outer[CFG.vocab_size * CFG.dim * 2 + CFG.dim:].any(), "the outer weights' padding must stay zero"
     for rank, (losses, _, _) in enumerate(results):
         worst = max(abs(a - b) for a, b in zip(losses, reference_losses))
         assert len(losses) == STEPS and worst <= TOLERANCE, \
@@ -469,15 +560,29 @@ class RecordingCollectives(Collectives):
     def all_gather(self, output, shard, label="", async_op=False):
         layer = layer_of(label)
         self.events.append(("all_gather", layer))
+        if layer == "outer":  # needed at once: blocking, or waited for at once (the wait not logged)
+            return self.outer(super().all_gather, output, shard, label, async_op)
         assert async_op, (f"{label}: a blocking all-gather; gather() must start it with async_op=True and "
                           f"return, so the next block's gather overlaps this block's compute")
         received = torch.empty_like(output)
         return DeliveredOnWait(super().all_gather(received, shard, label, async_op), received, output,
                                self.events, "all_gather", layer)
 
+    @staticmethod
+    def outer(collective, output, data, label, async_op):
+        """The outer weights' collective: its result in `output` at once if blocking, else on wait()."""
+        received = torch.empty_like(output)
+        work = collective(received, data, label, async_op)
+        if not async_op:
+            output.copy_(received)
+            return None
+        return DeliveredOnWait(work, received, output, None, "", "outer")
+
     def reduce_scatter(self, shard, full, label="", async_op=False):
         layer = layer_of(label)
         self.events.append(("reduce_scatter", layer))
+        if layer == "outer":
+            return self.outer(super().reduce_scatter, shard, full, label, async_op)
         assert async_op, (f"{label}: a blocking reduce-scatter; start it with async_op=True so it travels "
                           f"while the next block's backward computes, and wait for it later")
         received = torch.empty_like(shard)
@@ -504,7 +609,7 @@ class RecordingCollectives(Collectives):
 
 class DeliveredOnWait:
     """A collective's work whose result reaches `output` only in wait(), which is written into the
-    event list (once: later waits are no-ops). Until then `output` holds NaN."""
+    event list, if there is one (once: later waits are no-ops). Until then `output` holds NaN."""
 
     def __init__(self, work, received, output, events, op, layer):
         self.work, self.received, self.output = work, received, output
@@ -513,17 +618,21 @@ class DeliveredOnWait:
 
     def wait(self):
         if not self.waited:
-            self.events.append((f"wait {self.op}", self.layer))
+            if self.events is not None:
+                self.events.append((f"wait {self.op}", self.layer))
             self.waited = True
             self.work.wait()
             self.output.copy_(self.received)
         return True
 
 
-def layer_of(label: str) -> int:
-    """The layer a collective's label names ("block 3" -> 3), as the hints ask."""
+def layer_of(label: str) -> int | str:
+    """The layer a collective's label names ("block 3" -> 3), as the hints ask; "outer" for the outer weights'."""
+    if label == "outer":
+        return label
     words = label.split()
-    assert words and words[-1].isdigit(), f'a block\'s collective needs label=f"block {{layer}}", got label={label!r}'
+    assert words and words[-1].isdigit(), \
+        f'a block\'s collective needs label=f"block {{layer}}", the outer weights\' label="outer"; got label={label!r}'
     return int(words[-1])
 
 
@@ -531,7 +640,7 @@ def _record_steps(steps, n_microbatches):
     events = []
     collectives = RecordingCollectives(events)
     model = m07.FSDPLlama(CFG, data_group(collectives), dtype=f64)
-    source, storages, handed_out = model.weights, {}, {}
+    source, storages, handed_out = model.weights, [{}], {}  # storages: one dict per step
     for name in ("gather", "get", "release"):
         method = getattr(source, name)
 
@@ -540,7 +649,7 @@ def _record_steps(steps, n_microbatches):
             result = method(layer)
             if name == "get":  # which memory holds the whole block we were handed
                 storage = result.wq.untyped_storage()
-                storages[storage.data_ptr()] = storage.nbytes()
+                storages[-1][storage.data_ptr()] = storage.nbytes()
                 handed_out[id(result)] = layer
             return result
         setattr(source, name, recorded)
@@ -561,16 +670,20 @@ def _record_steps(steps, n_microbatches):
         setattr(model.block, name, computed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     data, generator = load_text(), torch.Generator().manual_seed(0)
-    losses = []
+    losses, whole_between_steps = [], []
     for _ in range(steps):
         tokens, targets = random_batch(data, BATCH, CFG.max_seq_len, generator)
         losses.append(model.train_step(tokens, targets, n_microbatches, optimizer))
         check_cleared()
         collectives.check_step()
         events.append(("step", None))
-    # Bytes of the memory the shards live in: a shard that is a view of a full block keeps it alive.
-    shard_storage = sum(t.untyped_storage().nbytes() for t in model.shards)
-    return events, storages, collectives.log, model.layout.padded_numel, model.blocks, shard_storage, losses
+        storages.append({})
+        whole_between_steps.append(sum(b.flat is not None for b in source.buffers) + (model.embedding is not None))
+    # Bytes of the memory the shards live in: a shard that is a view of a whole group keeps it alive.
+    shard_storage = (sum(t.untyped_storage().nbytes() for t in model.shards),
+                     model.outer_shard.untyped_storage().nbytes(), model.outer_layout.shard_numel * 8)
+    return (events, storages[:-1], collectives.log, model.layout.padded_numel, model.blocks, shard_storage, losses,
+            whole_between_steps)
 
 
 def culprit_of(differing: list[tuple], previous: tuple | None) -> str:
@@ -581,6 +694,11 @@ def culprit_of(differing: list[tuple], previous: tuple | None) -> str:
         return ("a reduce-scatter waited for right after its own start: your FSDPLlama.reduce_scatter_grad must "
                 "start it (async_op=True) and return without waiting, so it travels while the next block's "
                 "backward computes; the next call finishes it")
+    outer = [kind for kind, layer in differing if layer == "outer"]
+    if outer:
+        return (("the outer weights' all-gather: one before each microbatch's forward, from your FSDPLlama.gather_outer"
+                 if outer[0] == "all_gather" else "the outer weights' gradients: one reduce-scatter after each "
+                 "microbatch's backward, nothing else, from your FSDPLlama.reduce_scatter_outer"))
     if kinds & {"wait all_gather"}:
         return "look at your ShardedWeights.get (it waits) and ShardedWeights.gather (it must not)"
     if differing[0][0] == "all_gather":
@@ -593,13 +711,14 @@ def culprit_of(differing: list[tuple], previous: tuple | None) -> str:
         return ("the gradients' reduce-scatters: your FSDPLlama.backward_blocks starts one after each release, "
                 "FSDPLlama.reduce_scatter_grad and FSDPLlama.finish_reduce_scatter wait")
     if kinds & {"step"}:
-        return "the step's end: your FSDPLlama.train_step and FSDPLlama.reduce_and_step"
+        return "the step's end: your FSDPLlama.train_step and FSDPLlama.optimizer_step"
     return "the order of the backward loop: your FSDPLlama.backward_blocks"
 
 
 def expected_events(layers, n_microbatches, steps):
     """The protocol's calls written out, with an all-gather after each gather() unless the layer is
-    still in its buffer (buffer l % 2) since this optimizer step began, and its wait in get()."""
+    still in its buffer (buffer l % 2) since this optimizer step began, and its wait in get(); around
+    each microbatch the outer weights' all-gather and reduce-scatter."""
     events = []
     for _ in range(steps):
         resident, in_flight = {}, set()  # buffer -> layer it holds, forgotten at every optimizer step
@@ -617,6 +736,7 @@ def expected_events(layers, n_microbatches, steps):
                 events.append(("wait all_gather", layer))
                 in_flight.discard(layer)
         for _ in range(n_microbatches):
+            events.append(("all_gather", "outer"))
             gather(0)
             for layer in range(layers):
                 if layer + 1 < layers:
@@ -633,6 +753,7 @@ def expected_events(layers, n_microbatches, steps):
                     events.append(("wait reduce_scatter", layer + 1))
                 events.append(("reduce_scatter", layer))
             events.append(("wait reduce_scatter", 0))  # none left in flight when the backward returns
+            events.append(("reduce_scatter", "outer"))
         events.append(("step", None))
     return events
 
@@ -665,44 +786,60 @@ def test_calls_and_collectives_come_in_the_expected_order(n_microbatches):
 
 
 @pytest.mark.exercises(*MEMORY)
-def test_at_most_two_whole_blocks_exist():
-    _, storages, _, padded, blocks, shard_bytes, _ = run_ranks(_record_steps, 2, 2, 2, timeout=30)[0]
-    assert len(storages) <= 2, \
-        f"your ShardedWeights.get handed out blocks in {len(storages)} different buffers; double buffering uses 2"
-    assert set(storages.values()) == {padded * 8}, (f"your ShardedWeights.get: each buffer must be exactly one padded "
-                                                   f"block ({padded * 8} bytes), got {sorted(set(storages.values()))}")
-    assert not blocks and shard_bytes == CFG.n_layers * padded // 2 * 8, \
+def test_at_most_two_whole_blocks_exist_and_none_between_steps():
+    _, storages, _, padded, blocks, shard_bytes, _, whole = run_ranks(_record_steps, 2, 2, 2, timeout=30)[0]
+    for step, handed_out in enumerate(storages):
+        assert len(handed_out) <= 2, (f"step {step}: your ShardedWeights.get handed out blocks in {len(handed_out)} "
+                                      f"different buffers; double buffering uses 2")
+        assert set(handed_out.values()) == {padded * 8}, \
+            (f"your ShardedWeights.get: each buffer must be exactly one padded block ({padded * 8} bytes), got "
+             f"{sorted(set(handed_out.values()))}")
+    blocks_bytes, outer_bytes, outer_shard = shard_bytes
+    assert not blocks and blocks_bytes == CFG.n_layers * padded // 2 * 8, \
         (f"your FSDPLlama.__init__: the model must keep only its shards: {len(blocks)} full blocks, and its shards' "
-         f"memory is {shard_bytes} bytes, not {CFG.n_layers * padded // 2 * 8} (is each shard a clone, not a view of "
+         f"memory is {blocks_bytes} bytes, not {CFG.n_layers * padded // 2 * 8} (is each shard a clone, not a view of "
          f"a full block?)")
+    assert outer_bytes == outer_shard, \
+        (f"your FSDPLlama.__init__: the memory behind outer_shard is {outer_bytes} bytes, not one shard's "
+         f"{outer_shard} (a clone, not a view of the whole outer weights)")
+    assert whole == [0, 0], (f"whole copies (gather buffers, outer weights) still allocated after each step: {whole}; "
+                             f"between steps a rank keeps only its shards")
 
 
 # Counted by hand for CFG, in float64 (8 bytes). A block: wq, wo 32x32; wk, wv 16x32; w_gate, w_up
 # 48x32; w_down 32x48; ln1, ln2 32 each: 2 * 1024 + 2 * 512 + 3 * 1536 + 64 = 7,744 parameters, so
-# one shard (the payload of every collective) is 7,744 / N parameters: 3,872 on 2 ranks, 1,936 on 4.
+# one shard (the payload of a block's collective) is 7,744 / N parameters: 3,872 on 2 ranks, 1,936 on 4.
 # All-gathers per step: each of the 4 blocks forward and backward in every micro-step, less the 2
 # blocks still in the double buffer at each turn between passes (2 * n_microbatches - 1 turns a step):
 # 2 * 4 * 1 - 2 * 1 = 6 for one micro-step, 2 * 4 * 2 - 2 * 3 = 10 for two. Reduce-scatters: one a
-# block and micro-step, 4 and 8.
+# block and micro-step, 4 and 8. The outer weights: 2 * 257 * 32 + 32 = 16,480 parameters, shards of
+# 8,240 on 2 ranks and 4,120 on 4, one all-gather and one reduce-scatter a micro-step.
 @pytest.mark.exercises(*COUNTS)
-@pytest.mark.parametrize("world_size, n_microbatches, all_gathers, reduce_scatters, payload_bytes", [
-    (2, 1, 6, 4, 3872 * 8), (4, 2, 10, 8, 1936 * 8)])
+@pytest.mark.parametrize("world_size, n_microbatches, all_gathers, reduce_scatters, payload_bytes, outer_bytes", [
+    (2, 1, 6, 4, 3872 * 8, 8240 * 8), (4, 2, 10, 8, 1936 * 8, 4120 * 8)])
 def test_collectives_per_step_are_the_hand_counted_ones(world_size, n_microbatches, all_gathers, reduce_scatters,
-                                                         payload_bytes):
+                                                         payload_bytes, outer_bytes):
     steps = 2
     log = run_ranks(_record_steps, world_size, steps, n_microbatches, timeout=30)[0][2]
-    counts = {op: sum(c.op == op for c in log) / steps for op in ("all_gather", "reduce_scatter", "all_reduce")}
+    blocks = [c for c in log if c.label != "outer"]
+    outer = {op: sum(c.op == op for c in log if c.label == "outer") / steps for op in ("all_gather", "reduce_scatter")}
+    counts = {op: sum(c.op == op for c in blocks) / steps for op in ("all_gather", "reduce_scatter", "all_reduce")}
     assert counts["all_gather"] == all_gathers, \
-        (f"per step: {counts}; expected {all_gathers} all-gathers: your ShardedWeights.gather sends one unless the "
-         f"layer is in its buffer and current, from what your ShardedWeights.release leaves there")
+        (f"the blocks' collectives per step: {counts}; expected {all_gathers} all-gathers: your ShardedWeights.gather "
+         f"sends one unless the layer is in its buffer and current, from what your ShardedWeights.release leaves there")
     assert counts["reduce_scatter"] == reduce_scatters, \
-        (f"per step: {counts}; expected {reduce_scatters} reduce-scatters, one a block and microbatch: your "
-         f"FSDPLlama.backward_blocks and FSDPLlama.reduce_scatter_grad")
-    sizes = {c.payload_bytes for c in log if c.op != "all_reduce"}
+        (f"the blocks' collectives per step: {counts}; expected {reduce_scatters} reduce-scatters, one a block and "
+         f"microbatch: your FSDPLlama.backward_blocks and FSDPLlama.reduce_scatter_grad")
+    assert counts["all_reduce"] == 0 and outer == {"all_gather": n_microbatches, "reduce_scatter": n_microbatches}, \
+        (f"the outer weights' collectives per step: {outer}, and {counts['all_reduce']} all-reduces; expected one "
+         f"all-gather (your FSDPLlama.gather_outer) and one reduce-scatter (your FSDPLlama.reduce_scatter_outer) a "
+         f"microbatch, nothing else")
+    sizes = {c.payload_bytes for c in blocks}
     assert sizes == {payload_bytes}, (f"payloads {sorted(sizes)} bytes; expected one shard, {payload_bytes} bytes "
                                       f"(your FSDPLlama.__init__'s shards, your FlatLayout.__init__'s sizes)")
-    assert counts["all_reduce"] == 1, \
-        f"expected one all-reduce of the replicated gradients per step (your FSDPLlama.reduce_and_step), got {counts}"
+    outer_sizes = {c.payload_bytes for c in log if c.label == "outer"}
+    assert outer_sizes == {outer_bytes}, (f"the outer weights' payloads {sorted(outer_sizes)} bytes; expected one "
+                                          f"shard, {outer_bytes} bytes (your FSDPLlama.__init__'s outer_shard)")
 
 
 # --- misuse fails at once ---------------------------------------------------------------------
@@ -787,7 +924,9 @@ def _first_step_gradients_ours_and_fsdp2():
         ours = model.layout.views(whole)
         named += [(f"block {layer} d{name}", getattr(ours, name), grad.full_tensor())
                   for name, grad in block.grads().items()]
-    for name, ours in zip(("embedding", "final_norm", "lm_head"), model.replicated_grads):
+    whole = torch.empty(model.outer_layout.padded_numel, dtype=f64)
+    Collectives().all_gather(whole, model.outer_grad)
+    for name, ours in outer_pieces(whole).items():
         named.append((f"d{name}", ours, getattr(root.llama, name).grad.full_tensor()))
     return named
 
@@ -804,13 +943,14 @@ def test_first_step_gradients_match_pytorch_fsdp2():
 def _gradients_of_one_forward_backward():
     model = m07.FSDPLlama(CFG, data_group(), dtype=f64)
     tokens, targets = random_batch(load_text(), 2, CFG.max_seq_len, torch.Generator().manual_seed(dist.get_rank()))
+    model.gather_outer()  # module 06's forward_backward reads the outer weights whole
     _, grads = model.forward_backward(tokens, targets)
     tensors = grads.tensors()
     return len(tensors), [t is s for t, s in zip(tensors[1:1 + CFG.n_layers], model.grad_shards)]
 
 
 @pytest.mark.exercises("FSDPLlama.backward_blocks", "FSDPLlama.finish_reduce_scatter",
-                        "FSDPLlama.reduce_scatter_grad", *GATHERING)
+                        "FSDPLlama.reduce_scatter_grad", "FSDPLlama.gather_outer", *GATHERING)
 def test_forward_backward_hands_back_the_gradient_shards():
     # Module 06's contract for later callers: forward_backward returns LlamaGrads, whose blocks are
     # here this rank's gradient shards (no whole per-layer gradient outlives the backward).

@@ -5,7 +5,8 @@ LlamaModel (and module 16's MoELlama) trained by module 06's `fit` on the same g
 trusted references). The losses of both steps, and every weight after them, reassembled here from
 the ranks' shards by the tests' own code (module 07's flat layout read backwards, module 12's slices
 put side by side), equal the single process's. The bytes FSDP sends in a step equal the formula,
-and the policy's count: one gather and one reduce-scatter a block a step.
+and the policy's count: one gather and one reduce-scatter a block a step, and one of each for the
+outer weights (embedding, final norm, LM head) of a first or last stage.
 
 Tolerance: float64. The ranks sum the same products in another order (tensor-parallel partial sums,
 microbatches, the d c ranks' gradients, ring attention's merged blocks): measured (torch 2.13 CPU)
@@ -41,9 +42,9 @@ STEPS, BATCH, M, LR = 2, 8, 2, 3e-3
 TOLERANCE = 1e-10
 COLUMNS, ROWS, NORMS = ("wq", "wk", "wv", "w_gate", "w_up"), ("wo", "w_down"), ("ln1", "ln2")
 FIELDS = ("ln1", "wq", "wk", "wv", "wo", "ln2", "w_gate", "w_up", "w_down")
-ALL_TODOS = ("compose_groups", "LlamaStage.__init__", "LlamaStage.gather", "LlamaStage.forward",
-             "LlamaStage.backward", "LlamaStage.reduce_scatter", "ComposedLlama.finish_gradients",
-             "ComposedLlama.train_step")
+ALL_TODOS = ("compose_groups", "LlamaStage.__init__", "LlamaStage.gather", "LlamaStage.gather_outer",
+             "LlamaStage.forward", "LlamaStage.backward", "LlamaStage.reduce_scatter", "LlamaStage.reduce_scatter_outer",
+             "ComposedLlama.finish_gradients", "ComposedLlama.train_step")
 
 
 def whole_model(cfg, moe):
@@ -66,10 +67,13 @@ def _train(cfg, sizes, schedule, stages_per_rank, moe, recompute=False):
     last_step = [r for r in mesh.log[marks[-2]:marks[-1]] if r.axis == "dc" and r.op in ("all_gather", "reduce_scatter")]
     g = model.groups
     stages = {index: {"layers": list(stage.layers), "shards": stage.shards, "replicated": stage.replicated,
-                      "experts": stage.experts} for index, stage in model.stages.items()}
+                      "outer": stage.outer_shard, "ends": (stage.is_first, stage.is_last), "experts": stage.experts}
+              for index, stage in model.stages.items()}
     places = {"fsdp": g.fsdp.index, "t": g.tp.index, "e": g.experts.index if g.experts is not None else 0}
     n_t = sum(1 for r in mesh.log[marks[-2]:marks[-1]] if r.axis == "t")
-    return losses, stages, places, measured_cost(last_step), sum(len(s.layers) for s in model.stages.values()), n_t
+    outer = sorted((r.axis, r.op) for r in mesh.log[marks[-2]:marks[-1]] if r.label == "outer")
+    return (losses, stages, places, measured_cost(last_step), sum(len(s.layers) for s in model.stages.values()), n_t,
+            outer)
 
 
 @functools.cache
@@ -102,13 +106,18 @@ def weights_by_name(model, moe) -> dict:
 def reassembled(results, reference_weights, sizes, moe) -> dict:
     """Every weight, put back together from the ranks' pieces by this test's own reading of the layouts:
     a block's t slice is its fsdp shards end to end (module 07), cut into its tensors in BlockWeights order;
-    the slices side by side along the split dimension (module 12); the vocabulary rows over t, unpadded."""
+    the slices side by side along the split dimension (module 12); the vocabulary rows over t, unpadded. A
+    stage's outer weights likewise: its fsdp shards end to end are its t rank's embedding rows (first stage),
+    final norm and LM head rows (last stage), in that order."""
     t = sizes.get("t", 1)
-    shards, copies, experts = {}, {}, {}
+    shards, copies, experts, outers = {}, {}, {}, {}
     for _, stages, places, *_ in results:
-        for stage in stages.values():
+        for index, stage in stages.items():
             for layer, shard in zip(stage["layers"], stage["shards"]):
                 shards.setdefault(layer, {}).setdefault(places["t"], {})[places["fsdp"]] = shard
+            if any(stage["ends"]):
+                outers.setdefault((index, stage["ends"]), {}).setdefault(places["t"], {})[places["fsdp"]] = \
+                    stage["outer"]
             for name, copy in stage["replicated"].items():
                 copies.setdefault(name, {}).setdefault(places["t"], copy)
             per_layer = len(stage["experts"]) // max(1, len(stage["layers"]))
@@ -128,11 +137,20 @@ def reassembled(results, reference_weights, sizes, moe) -> dict:
         for f in FIELDS:
             got[f"block {layer} {f}"] = slices[0][f] if f in NORMS or t == 1 else \
                 torch.cat([s[f] for s in slices], dim=0 if f in COLUMNS else 1)
+    vocab, dim = reference_weights["embedding"].shape
+    rows = -(-vocab // t)  # each t rank's vocabulary rows, padded
+    for (_, (first, last)), by_t in outers.items():
+        parts = {}
+        for i_t in range(t):
+            flat = torch.cat([by_t[i_t][i] for i in sorted(by_t[i_t])])
+            names = ["embedding"] * first + ["final_norm", "lm_head"] * last
+            sizes_ = [rows * dim] * first + [dim, rows * dim] * last
+            for name, piece in zip(names, flat[:sum(sizes_)].split(sizes_)):
+                parts.setdefault(name, []).append(piece.view(-1, dim) if name != "final_norm" else piece)
+        for name, pieces in parts.items():
+            got[name] = pieces[0] if name == "final_norm" else torch.cat(pieces)[:reference_weights[name].shape[0]]
     for name, by_t in copies.items():
-        if name in ("embedding", "lm_head"):
-            got[name] = torch.cat([by_t[i] for i in range(t)])[:reference_weights[name].shape[0]]
-        else:
-            got[name] = by_t[0]
+        got[name] = by_t[0]
     for name, by_e in experts.items():
         got[name] = torch.cat([by_e[i] for i in sorted(by_e)])
     return got
@@ -262,16 +280,31 @@ def test_fp8_on_d2_t2_is_within_fp8_rounding_of_one_process_and_trains():
         assert got[-1] < got[0] - 0.5, f"rank {rank}: with fp8 the loss went {got[0]:.3f} -> {got[-1]:.3f}: not falling"
 
 
-@pytest.mark.exercises("LlamaStage.gather", "LlamaStage.reduce_scatter", "fsdp_traffic", "ComposedLlama.finish_gradients")
+@pytest.mark.exercises("LlamaStage.gather", "LlamaStage.reduce_scatter", "LlamaStage.gather_outer",
+                        "LlamaStage.reduce_scatter_outer", "fsdp_traffic", "ComposedLlama.finish_gradients")
 @pytest.mark.parametrize("name", ["p2 d2 (interleaved)", "d2 c2"])
 def test_fsdp_gathers_and_reduce_scatters_each_block_once_a_step(name):
+    # On p2 d2 (interleaved) a rank holds stages 0 and 2 (the embedding's rows) or 1 and 3 (the final norm and
+    # the LM head's rows), on d2 c2 the one stage, all three: one outer group each, gathered and reduce-scattered
+    # once a step like a block (module 17's given replicated_cost).
     sizes = MESHES[name][0]
-    for rank, (_, _, _, measured, n_blocks, _) in enumerate(trained(name)):
+    for rank, (_, stages, _, measured, n_blocks, _, outer) in enumerate(trained(name)):
+        ends = [stage["ends"] for stage in stages.values() if any(stage["ends"])]
+        want = sorted([("dc", "all_gather"), ("dc", "reduce_scatter")] * len(ends))
+        assert outer == want, \
+            (f"{name}, rank {rank}: the outer weights' collectives in one step: {outer}, expected {want}: one all-gather "
+             f"over fsdp (your LlamaStage.gather_outer) and one reduce-scatter over fsdp (your "
+             f"LlamaStage.reduce_scatter_outer) a step for each stage of the rank's with outer weights")
         calls = {op: measured.n_calls("dc", op) for op in ("all_gather", "reduce_scatter")}
-        assert calls == {"all_gather": n_blocks, "reduce_scatter": n_blocks}, \
-            (f"{name}, rank {rank}: {calls} over dc in one step of {M} microbatches, for {n_blocks} blocks: the policy "
-             f"is one gather and one reduce-scatter a block a step, whatever the microbatches")
+        want = n_blocks + len(ends)
+        assert calls == {"all_gather": want, "reduce_scatter": want}, \
+            (f"{name}, rank {rank}: {calls} over dc in one step of {M} microbatches, for {n_blocks} blocks and "
+             f"{len(ends)} stage(s) with outer weights: the policy is one gather and one reduce-scatter a block, and "
+             f"one of each for a stage's outer weights, a step, whatever the microbatches")
         formula = costs.fsdp_traffic(CFG, given.full_sizes(sizes), f64, n_blocks)
+        for first, last in ends:
+            formula += costs.replicated_cost(CFG, given.full_sizes(sizes), f64, first, last)
+        formula = dataclasses.replace(formula, memory={})
         assert measured == formula, f"{name}, rank {rank}: FSDP's collectives measured {measured}, formula {formula}"
 
 

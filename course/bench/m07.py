@@ -7,14 +7,18 @@ ours (m07_fsdp.py of the selected implementation: solutions/, or steps/ with --i
 `fully_shard` applied to each block and to the root of the nn.Module reference
 (course/reference_llama.py), from the same initial weights. Columns:
   step ms              median wall time of one optimizer step (after one warm-up step)
-  param bytes/rank     parameter memory one rank keeps between steps (FSDP2 also shards the
-                       embedding and LM head; ours keeps them replicated)
-  state bytes/rank     what rank 0 keeps between steps: weights, gradients, AdamW's two moments; then
-                       the formula (ours: solutions/m07_payload.py's fsdp_traffic, its state_bytes;
-                       FSDP2: fsdp2_state_formula below)
-  buffers              ours: the two gather buffers' bytes; then the formula's buffers, which also
-                       count the FSDP Notes' two shard-sized communication buffers (alive only
-                       inside a step, so not in the measured column)
+  param bytes/rank     parameter memory one rank keeps between steps (both shard every weight: the
+                       blocks, and the embedding, final norm and LM head as one more group)
+  state bytes/rank     what rank 0 keeps between steps: weights, gradients, AdamW's two moments, and
+                       every whole copy of a weight still allocated (ours: the gather buffers and the
+                       outer weights; FSDP2: its unsharded parameters' storage, read from its
+                       FSDPParams; both free theirs, so both count 0); then the formula (ours:
+                       solutions/m07_payload.py's fsdp_traffic, its state_bytes; FSDP2:
+                       fsdp2_state_formula below)
+  buffers              ours: the whole copies allocated at once inside a step (both gather buffers
+                       and the outer weights, read at the end of a microbatch's backward); then the
+                       formula's buffers, which also count the FSDP Notes' two shard-sized
+                       communication buffers (not allocated by ours, so not in the measured column)
   all-gathers, reduce-scatters, sent B/step: rank 0's calls and bytes sent in one step (logged by
                        course/collectives.py, read by course/costs.py's measured_cost), then the
                        formula's (fsdp_traffic)
@@ -36,23 +40,36 @@ from course.launch import run_ranks
 from course.mesh import world_group
 from course.splits import check_splits
 from course.timing import StepTimer
-from course.reference_fsdp import fsdp2_llama
+from course.reference_fsdp import fsdp2_llama, fsdp2_unsharded_bytes
 
 
 class Ours:
-    """Our FSDPLlama as module 06's fit drives it, noting after each step the bytes it keeps:
-    its shards' and replicated weights, their gradients and AdamW's two moments."""
+    """Our FSDPLlama as module 06's fit drives it, noting after each step the bytes it keeps (its
+    shards, their gradients, AdamW's two moments, and any whole copy still allocated), and inside the
+    step the most bytes of whole copies allocated at once."""
 
     def __init__(self, model):
-        self.model, self.cfg, self.state = model, model.cfg, 0
+        self.model, self.cfg, self.state, self.whole = model, model.cfg, 0, 0
+        reduce_scatter_outer = model.reduce_scatter_outer
+
+        def measured(grads):  # at a microbatch's end both gather buffers and the outer weights are whole
+            self.whole = max(self.whole, _whole_bytes(model))
+            reduce_scatter_outer(grads)
+        model.reduce_scatter_outer = measured
 
     def parameters(self):
         return self.model.parameters()
 
     def train_step(self, tokens, targets, n_microbatches, optimizer):
         loss = self.model.train_step(tokens, targets, n_microbatches, optimizer)  # the global batch
-        self.state = _bytes(self.parameters(), self.model.grads(), optimizer)
+        self.state = _bytes(self.parameters(), self.model.grads(), optimizer) + _whole_bytes(self.model)
         return loss
+
+
+def _whole_bytes(model) -> int:
+    """Bytes of our FSDPLlama's whole copies now allocated: its gather buffers and its outer weights."""
+    buffers = sum(b.flat.untyped_storage().nbytes() for b in model.weights.buffers if b.flat is not None)
+    return buffers + (model.embedding.untyped_storage().nbytes() if model.embedding is not None else 0)
 
 
 class FSDP2:
@@ -72,7 +89,8 @@ class FSDP2:
         loss = self.root(tokens[mine], targets[mine])  # this rank's rows' mean loss
         loss.backward()  # FSDP2 averages the gradients over the ranks
         optimizer.step()
-        self.state = _bytes(self.parameters(), [p.grad for p in self.parameters()], optimizer)  # before zero_grad
+        self.state = (_bytes(self.parameters(), [p.grad for p in self.parameters()], optimizer)  # before zero_grad
+                      + fsdp2_unsharded_bytes(self.root))
         optimizer.zero_grad()
         return _mean_over_ranks(loss.item())
 
@@ -85,15 +103,14 @@ def _run(cfg, steps, batch, lr, which):
     timer = StepTimer(dp.collectives.log)
     if which == "ours":
         model = Ours(load("m07_fsdp").FSDPLlama(cfg, dp))  # the implementation measured
-        params, buffers = model.parameters(), sum(b.flat.nbytes for b in model.model.weights.buffers)
-        param_bytes = sum(p.nbytes for p in params)
+        param_bytes = sum(p.nbytes for p in model.parameters())
     else:
-        model, buffers = FSDP2(cfg, dp), 0
+        model = FSDP2(cfg, dp)
         param_bytes = sum(p.to_local().nbytes for p in model.parameters())
     reference("m06_llama_model").fit(model, steps + 1, batch, lr, on_step=timer)  # the first step: a warm-up
     cost = measured_cost(dp.collectives.log[:timer.calls[0]]) if which == "ours" else None  # each step the same
-    return {"times": timer.times[1:], "loss": timer.losses[-1], "param_bytes": param_bytes, "buffers": buffers,
-            "state_bytes": model.state, "cost": cost}
+    return {"times": timer.times[1:], "loss": timer.losses[-1], "param_bytes": param_bytes,
+            "buffers": getattr(model, "whole", 0), "state_bytes": model.state, "cost": cost}
 
 
 def _mean_over_ranks(value: float) -> float:
@@ -111,12 +128,13 @@ def _bytes(params, grads, optimizer) -> int:
 
 def fsdp2_state_formula(cfg, d: int, dtype_bytes: int = 4) -> int:
     """Bytes one rank (rank 0) of FSDP2 keeps between steps: weights, gradients and AdamW's two moments
-    are 4 copies of what it owns, ceil(rows / d) rows of every parameter, replicated ones included."""
+    are 4 copies of what it owns, ceil(rows / d) rows of every parameter (FSDP2 shards each parameter
+    along its first dimension), the embedding, final norm and LM head included."""
     block = reference("m06_llama_model").LlamaModel(cfg).blocks[0]
     shapes = [tuple(t.shape) for t in block.tensors()] * cfg.n_layers
-    replicated = [(cfg.vocab_size, cfg.dim), (cfg.dim,), (cfg.vocab_size, cfg.dim)]
+    outer = [(cfg.vocab_size, cfg.dim), (cfg.dim,), (cfg.vocab_size, cfg.dim)]
     rows = lambda shape: -(-shape[0] // d) * math.prod(shape[1:])  # noqa: E731
-    return 4 * sum(rows(s) for s in shapes + replicated) * dtype_bytes
+    return 4 * sum(rows(s) for s in shapes + outer) * dtype_bytes
 
 
 def main(argv: list[str]) -> None:
@@ -156,7 +174,8 @@ def main(argv: list[str]) -> None:
         rows.append(row)
     report("bench-07", f"FSDP on {args.nproc} CPU ranks: {cfg.n_layers} blocks of dim {cfg.dim}, "
                        f"batch {args.batch} x {cfg.max_seq_len} tokens, float32", rows,
-           notes="Per step: the all-gathers of blocks still in the two buffers are skipped (kept = 2). The "
+           notes="Per step: the all-gathers of blocks still in the two buffers are skipped (kept = 2); the outer "
+                 "weights (embedding, final norm, LM head) are gathered and reduce-scattered once a microbatch. The "
                  "formula's buffers add the two shard-sized communication buffers of PyTorch's FSDP Notes. FSDP2's "
                  "collectives are not logged (its own process-group calls).")
 

@@ -53,12 +53,12 @@ def demo(args):
     print(f"  {args.steps} steps in {elapsed:.1f} s")
     print(f"One step on one rank, measured (formula): {measured.n_calls(op='all_gather')} "
           f"({formula.n_calls(op='all_gather')}) all-gathers, {measured.n_calls(op='reduce_scatter')} "
-          f"({formula.n_calls(op='reduce_scatter')}) reduce-scatters, {measured.n_calls(op='all_reduce')} "
-          f"({formula.n_calls(op='all_reduce')}) all-reduce; {measured.sent_bytes():,.0f} "
-          f"({formula.sent_bytes():,.0f}) bytes sent -> "
+          f"({formula.n_calls(op='reduce_scatter')}) reduce-scatters (the outer weights' one each a microbatch "
+          f"included); {measured.sent_bytes():,.0f} ({formula.sent_bytes():,.0f}) bytes sent -> "
           f"{'equal' if measured == StepCost(formula.sent, formula.calls) else 'MISMATCH'}")
-    print(f"Kept per rank: {formula.state_bytes:,} bytes of shards, replicated weights, gradients and AdamW "
-          f"moments (formula), {formula.memory['buffers']:,} of buffers (two full blocks, two shards)")
+    print(f"Kept per rank between steps: {formula.state_bytes:,} bytes of shards (blocks, embedding, final norm, "
+          f"LM head), their gradients and AdamW moments (formula); inside a step {formula.memory['buffers']:,} of "
+          f"buffers (two full blocks, the outer weights whole, two shards)")
     # The same training in one process, on the whole batch (rank 0 only).
     _, expected = m06_model.train(cfg, args.steps, batch=args.batch)
     worst = max(abs(a - b) for a, b in zip(losses, expected))

@@ -25,8 +25,8 @@ PLANTS = [
           "the gradient shard overwritten, not accumulated: only the last microbatch's gradient survives"),
     Plant(FSDP, "        self.in_flight.work.wait()\n", "",
           "the reduce-scatter's slice read before its wait: on gloo (and nccl) it has not arrived yet"),
-    Plant(FSDP, "            acc.add_(g)\n", "            acc.add_(g / self.dp.size)\n",
-          "the replicated weights' gradients averaged over d (as DDP does): each rank's loss is already divided by the "
+    Plant(FSDP, "        self.outer_grad.add_(received)\n", "        self.outer_grad.add_(received / self.dp.size)\n",
+          "the outer weights' gradients averaged over d (as DDP does): each rank's loss is already divided by the "
           "global batch's tokens, so their sum over ranks is the mean, and these get 1/d of theirs"),
     Plant(FSDP, "        optimizer.step()\n        self.weights.invalidate()\n", "        optimizer.step()\n",
           "the gathered blocks not invalidated after the step: the next step reuses last step's weights"),
@@ -39,9 +39,10 @@ PLANTS = [
           "a resident block reused without checking its version: after a step it holds the old weights"),
     Plant(WEIGHTS, "            buf.pending.wait()\n            buf.pending = None\n", "            buf.pending = None\n",
           "the gathered block handed out before its all-gather is waited for: other ranks' shards are missing"),
-    Plant(PAYLOAD, "turns = 2 * n_microbatches - 1", "turns = 2 * n_microbatches",
+    Plant(PAYLOAD, "turns = 2 * m - 1", "turns = 2 * m",
           "one turn too many: the forward of one microbatch and the backward of the next are one turn, not two"),
-    Plant(PAYLOAD, "    shard = -(-block // d)\n", "    shard = block // d\n",
+    Plant(PAYLOAD, "    shard, outer_shard = -(-block // d), -(-outer // d)\n",
+          "    shard, outer_shard = block // d, outer // d\n",
           "the shard's bytes without padding: a shard is the padded block over N, rounded up"),
     Plant(WEIGHTS, "        # Hint 3: the buffer's state becomes FREE, and nothing else changes\n        buf.state = FREE\n",
           "        buf.state, buf.layer = FREE, -1\n",
@@ -51,10 +52,13 @@ PLANTS = [
     Plant(FSDP, "        mine = slice(self.dp.index * rows, (self.dp.index + 1) * rows)\n",
           "        mine = slice(0, rows)\n",
           "every rank trains on the first rows: the other ranks' rows are never seen, the first ones d times"),
-    Plant(FSDP, "        self.dp.collectives.all_reduce(flat, label=\"replicated grads\")\n",
-          "        self.dp.collectives.all_reduce(flat, label=\"replicated grads\")\n        flat /= self.dp.size\n",
-          "the replicated gradients averaged after their sum (as DDP does): each rank's part is already divided by "
-          "the global batch's tokens, so the sum is the mean"),
+    Plant(FSDP, "        received = torch.empty_like(self.outer_grad)\n"
+                "        self.dp.collectives.reduce_scatter(received, full, label=\"outer\")\n"
+                "        self.outer_grad.add_(received)\n",
+          "        self.dp.collectives.all_reduce(full, label=\"outer\")\n"
+          "        self.outer_grad.add_(self.outer_layout.shard(full, self.dp.index))\n",
+          "the outer weights' gradients all-reduced, then this rank's slice kept: the same numbers for twice the bytes "
+          "and a whole gradient's sum on every rank (replicated data parallelism's collective, not FSDP's)"),
     Plant(FSDP, "        for g in self.grads():\n            g.zero_()\n", "",
           "the accumulators never zeroed: from the second step on each gradient adds to the last step's"),
     Plant(FSDP, "self.layout.shard(self.layout.flatten(b), self.dp.index)",
@@ -71,4 +75,29 @@ PLANTS = [
           "self.grad_shards[self.in_flight.layer].add_(self.in_flight.received / self.dp.size)",
           "the received slice averaged over d: each loss is already divided by the global batch's tokens, so the "
           "sum over ranks is the mean's gradient, and this is 1/d of it"),
+    # The embedding, final norm and LM head sharded as one more group (issue 34).
+    Plant(FSDP, "self.outer_layout.shard(self.outer_layout.flatten(outer), self.dp.index)",
+          "self.outer_layout.shard(self.outer_layout.flatten(outer), 0)",
+          "every rank keeps rank 0's shard of the embedding, final norm and LM head: the gathered ones repeat it d times"),
+    Plant(FSDP, "full = self.outer_layout.flatten(OuterWeights(grads.embedding, grads.final_norm, grads.lm_head))",
+          "full = torch.cat([grads.embedding.reshape(-1), grads.final_norm, grads.lm_head.reshape(-1)])",
+          "the outer gradients laid end to end without the layout's padding: over 3 ranks they do not cut into "
+          "equal slices"),
+    Plant(FSDP, "full = self.outer_layout.flatten(OuterWeights(grads.embedding, grads.final_norm, grads.lm_head))",
+          "full = self.outer_layout.flatten(OuterWeights(grads.lm_head, grads.final_norm, grads.embedding))",
+          "the embedding's and the LM head's gradients swapped (one shape, two weights): each updates the other"),
+    Plant(FSDP, "        self.outer_grad.add_(received)\n", "        self.outer_grad.copy_(received)\n",
+          "the outer gradient shard overwritten, not accumulated: only the last microbatch's gradient survives"),
+    Plant(FSDP, "whole = torch.empty(self.outer_layout.padded_numel, dtype=self.outer_shard.dtype)",
+          "whole = torch.empty(self.outer_layout.numel, dtype=self.outer_shard.dtype)",
+          "the outer weights gathered into a buffer of the unpadded size: every rank's padded shard does not fit"),
+    Plant(FSDP, "        for p, g in zip(self.parameters(), self.grads(), strict=True):\n            p.grad = g\n",
+          "        for p, g in zip(self.shards, self.grad_shards, strict=True):\n            p.grad = g\n",
+          "only the block shards given their gradients: the embedding, final norm and LM head never move"),
+    Plant(PAYLOAD, "L * m), (outer_shard, m, m)):", "L * m), (outer_shard, 1, 1)):",
+          "the outer weights gathered and reduce-scattered once a step: each microbatch gathers them and "
+          "reduce-scatters their gradients (they are dropped at its end)"),
+    Plant(PAYLOAD, "\"buffers\": (2 * d * shard + d * outer_shard + 2 * shard) * b",
+          "\"buffers\": (2 * d * shard + 2 * shard) * b",
+          "the buffers without the outer weights gathered whole: during a microbatch every rank holds all of them"),
 ]

@@ -24,14 +24,13 @@ PLANTS = [
     Plant(TRAINER, "norms = [(shard, stage.norms) for stage in stages for shard in stage.grad_shards]",
           "norms = []",
           "only the final norm summed over t: the blocks' ln1 and ln2 (inside the flat shards) are partial too"),
-    Plant(TRAINER, 'sum_over(groups.replicas, [g for stage in stages for g in stage.replicated_grads.values()]',
-          'sum_over(groups.data, [g for stage in stages for g in stage.replicated_grads.values()]',
-          "the embedding's and LM head's gradients summed over d only: the context ranks saw other positions"),
+    Plant(STAGE, 'self.groups.fsdp.collectives.reduce_scatter(self.outer_grad, self.outer_full_grad, label="outer")',
+          'self.groups.data.collectives.reduce_scatter(self.outer_grad, self.outer_full_grad, label="outer")',
+          "the embedding's and LM head's gradients reduce-scattered over d only: the context ranks saw other positions "
+          "of the same rows"),
     Plant(TRAINER, 'sum_over(groups.expert_data, [g for stage in stages for g in stage.expert_grads], "expert grads")',
           'sum_over(groups.replicas, [g for stage in stages for g in stage.expert_grads], "expert grads")',
           "expert gradients summed over every data rank: the other expert groups' members hold other experts"),
-    Plant(COMPOSITION, 'replicas=mesh.group("d", "c")', 'replicas=mesh.group("d")',
-          "the replicated weights' copies summed over d only: with c > 1 each context rank saw other positions"),
     # How a stage holds an FSDP x TP block.
     Plant(STAGE, "self.shards = [self.layout.shard(self.layout.flatten(s), fsdp.index).clone() for s in slices]",
           "self.shards = [self.layout.shard(self.layout.flatten(s), tp.index).clone() for s in slices]",
@@ -109,4 +108,28 @@ PLANTS = [
           "    dist.barrier()\n    if dist.get_rank() == 0:\n        os.rename(partial, final)\n"
           "        (final / \"config.json\").write_text(json.dumps(description))\n",
           "config.json written after the rename (a learner run's survivor): for a moment step_N/ is incomplete"),
+    # The embedding, final norm and LM head sharded over fsdp as one more group (issue 34).
+    Plant(STAGE, "self.outer_shard = self.outer_layout.shard(self.outer_layout.flatten(outer), fsdp.index).clone()",
+          "self.outer_shard = self.outer_layout.shard(self.outer_layout.flatten(outer), tp.index).clone()",
+          "the outer weights' fsdp shard picked by the rank's t index: the fsdp ranks of a stage keep the same piece"),
+    Plant(STAGE, "outer = OuterWeights(vocab_rows(whole.embedding, self.padded_vocab, tp) if self.is_first "
+                 "else whole.embedding[:0],",
+          "outer = OuterWeights(whole.embedding if self.is_first else whole.embedding[:0],",
+          "the whole embedding sharded over fsdp instead of this t rank's vocabulary rows: it gathers rows the "
+          "rank's vocabulary-parallel embedding does not own"),
+    Plant(STAGE, 'self.groups.fsdp.collectives.all_gather(self.outer_full, self.outer_shard, label="outer")',
+          'self.groups.tp.collectives.all_gather(self.outer_full, self.outer_shard, label="outer")',
+          "the outer weights gathered over t: other t ranks' vocabulary rows' shards assembled as this rank's"),
+    Plant(STAGE, '        self.groups.fsdp.collectives.reduce_scatter(self.outer_grad, self.outer_full_grad, label="outer")\n',
+          '        self.groups.fsdp.collectives.all_reduce(self.outer_full_grad, label="outer")\n'
+          '        self.outer_grad.copy_(self.outer_layout.shard(self.outer_full_grad, self.groups.fsdp.index))\n',
+          "the LM head's gradient all-reduced, then this rank's slice kept: the same numbers for twice the bytes "
+          "(replicated data parallelism's collective, not FSDP's)"),
+    Plant(STAGE, "self.outer_full_grad = torch.zeros(self.outer_layout.padded_numel, dtype=self.grad_dtype)",
+          "self.outer_full_grad = torch.empty(self.outer_layout.padded_numel, dtype=self.grad_dtype)",
+          "the outer weights' whole gradient buffer not zeroed: the step's microbatches add into what the memory held"),
+    Plant(TRAINER, "        norms += [(stage.outer_grad, stage.outer_norms) for stage in stages]\n", "",
+          "the final norm left unreduced over t: with sequence parallelism each t rank normed only T/t positions"),
+    Plant(STAGE, "            accumulators.final_norm.add_(d_final)", "            accumulators.final_norm.copy_(d_final)",
+          "the final norm's gradient assigned, not added: only the step's last microbatch counts"),
 ]
