@@ -1,5 +1,5 @@
 # Generated from solutions/m18_costs.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 18`. (skeleton dff624832101)
+# Grade your work with `python main.py grade 18`. (skeleton 70133b08b48c)
 """Module 18, part 3 - what one rank keeps and sends in one step of a layout: the modules' own
 formulas, each evaluated on the share of the model and of the batch that the other axes leave it,
 and summed over the axes with `+` (course/costs.py's StepCost).
@@ -10,8 +10,8 @@ experts over e, and the weights over the d c ranks that hold the same copy:
 
     weights over d c   ZeRO 3: module 17's FSDP (m17_costs: each block's slice gathered once a step and
                        its gradient reduce-scattered once; the stage's whole slices and gradients held
-                       during the step) and the replicated embedding, LM head and final norm summed by
-                       one all-reduce (module 17's finish_gradients). ZeRO 0, 1, 2: module 14's traffic
+                       during the step) and the embedding, LM head and final norm sharded the same way
+                       (module 17's outer group, as FSDP2 shards them). ZeRO 0, 1, 2: module 14's traffic
                        and state on the buckets of the weights one (p, t, e) rank holds. Experts:
                        module 14 over the d c / e ranks of "ed". With MIXED precision AdamW keeps 12
                        bytes a value it updates (a float32 master copy and two float32 moments).
@@ -189,7 +189,7 @@ def data_cost(model: Model, layout: Layout, batch: int, precision: Precision) ->
     #   and memory "parameters", "gradients", "optimizer" (and with ZeRO 3 "buffers") of this rank. ZeRO 3: module
     #   17's fsdp_traffic (its "dc" entries, renamed `axis`) and fsdp_memory for the rank's cfg.n_layers blocks on
     #   the mesh {"d": d, "c": c, "t": t}, plus module 17's replicated_cost (the embedding, the LM head and the final
-    #   norm, held whole: its "dc" all-reduce renamed `axis` too, and its memory). ZeRO 0-2: module 14's traffic
+    #   norm, sharded over "dc" as FSDP2 shards them: its "dc" entries renamed `axis` too, and its memory). ZeRO 0-2: module 14's traffic
     #   (zero_traffic, given the m microbatches: ZeRO 2 reduce-scatters each microbatch's gradients) and state
     #   (zero_state) on bucket_numels of the dense weights of rank_parameters over the n = d c ranks, and of the
     #   experts (if any) over the n / e ranks of "ed". Optimizer: AdamW's two moments of every value the rank

@@ -9,7 +9,7 @@ papers wrote down.
   One exception, stated: the norm gradients' all-reduce over t carries the norm entries of the rank's
   own FSDP shard, so it differs from rank to rank: the plan counts them all, which is the most any rank
   sends (the rank that holds the blocks' norms). With p > 1 the plan counts the embedding and the LM
-  head on every stage, so it is an upper bound there.
+  head (sharded over d, as FSDP2 shards them) on every stage, so it is an upper bound there.
 - The Ultra-Scale Playbook's memory per GPU for mixed precision (2 Ψ parameters, 2 Ψ gradients,
   12 Ψ of AdamW with the float32 master copy; ZeRO-1 divides the 12 Ψ by N_d, ZeRO-2 the gradients
   too), on a model whose Ψ is counted here by hand.
@@ -35,6 +35,7 @@ layouts = reference("m18_layout")     # given: Layout, precisions
 presets = reference("m18_presets")    # given: Model
 m17 = reference("m17_trainer")
 m17_given = reference("m17_composition")
+m17_costs = reference("m17_costs")
 m06 = reference("m06_llama_model")
 m10 = reference("m10_recompute")
 m12 = reference("m12_tp_costs")
@@ -57,7 +58,8 @@ def _run_module_17(sizes):
 
         def measured_gather(stage=stage, gather=gather):
             gather()
-            whole.append(sum(t.numel() * t.element_size() for t in [*stage.full, *stage.full_grads]))
+            outer = [t for t in (stage.outer_full, stage.outer_full_grad) if t is not None]
+            whole.append(sum(t.numel() * t.element_size() for t in [*stage.full, *stage.full_grads, *outer]))
         stage.gather = measured_gather
     marks = []
     m06.fit(model, 2, BATCH, 1e-3, n_microbatches=M, on_step=lambda step, loss: marks.append(len(mesh.log)))
@@ -141,9 +143,16 @@ def test_with_a_pipeline_the_plan_bounds_every_stage_from_above(measured):
         for (table, axis, op), value in renamed(cost, sizes).items():
             bound = getattr(plan, table).get((axis, op), 0)
             assert value <= bound, f"p2 d2, rank {rank}: {table} {axis} {op} measured {value} > planned {bound}"
-        for op in ("all_gather", "reduce_scatter"):   # FSDP's blocks: exactly the stage's
-            assert cost.sent_bytes("dc", op) == plan.sent_bytes("d", op), f"p2 d2, rank {rank}: FSDP {op}"
-        assert held["buffers"] == plan.memory["buffers"], f"p2 d2, rank {rank}: whole slices {held['buffers']}"
+        # FSDP's blocks exactly the stage's, and the outer group of this stage only (the plan counts both ends'):
+        # ranks 0 and 1 hold the first stage (the embedding), ranks 2 and 3 the last (the final norm and LM head).
+        first = rank < 2
+        everywhere, here = (m17_costs.replicated_cost(CFG, sizes, torch.float32, first=f, last=l)
+                            for f, l in ((True, True), (first, not first)))
+        for op in ("all_gather", "reduce_scatter"):
+            want = plan.sent_bytes("d", op) - everywhere.sent_bytes("dc", op) + here.sent_bytes("dc", op)
+            assert cost.sent_bytes("dc", op) == want, f"p2 d2, rank {rank}: FSDP {op} {cost.sent_bytes('dc', op)}, want {want}"
+        want = plan.memory["buffers"] - everywhere.memory["buffers"] + here.memory["buffers"]
+        assert held["buffers"] == want, f"p2 d2, rank {rank}: whole slices {held['buffers']}, want {want}"
 
 
 def hand_psi(cfg) -> int:
@@ -168,14 +177,15 @@ def test_mixed_precision_state_is_the_playbooks_2_2_12_over_d(zero, parameters, 
 
 
 @pytest.mark.exercises("data_cost")
-def test_zero3_updates_only_its_shard_of_the_blocks_and_its_copy_of_the_rest():
+def test_zero3_updates_only_its_shard_of_every_weight():
+    # Module 17 shards the blocks and the outer weights (embedding, final norm, LM head) over d, as FSDP2 does.
     psi = hand_psi(CFG)
-    replicated = 2 * CFG.vocab_size * CFG.dim + CFG.dim
-    blocks = (psi - replicated) // 4   # a multiple of 4 here: module 17's flat slices need no padding
+    outer = 2 * CFG.vocab_size * CFG.dim + CFG.dim
+    shard = (psi - outer) // 4 + -(-outer // 4)   # the blocks' slices need no padding here; the outer group may
     cost = costs.data_cost(TINY, Layout(d=4, zero=3), BATCH, layouts.COURSE)
-    want = 2 * 4 * (blocks + replicated)   # AdamW's two float32 moments of what the rank updates
+    want = 2 * 4 * shard   # AdamW's two float32 moments of what the rank updates
     assert cost.memory.get("optimizer") == want, f"ZeRO 3 on d = 4: optimizer {cost.memory.get('optimizer')}, want {want}"
-    assert cost.memory.get("parameters") == 4 * (blocks + replicated)
+    assert cost.memory.get("parameters") == 4 * shard
 
 
 @pytest.mark.exercises("data_cost")
