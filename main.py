@@ -11,7 +11,8 @@
 
 Every command runs your steps/; add `--impl solutions` for the reference (the tour runs it).
 `run` starts its own ranks (forked, gloo), or runs as one of them under
-`torchrun --nproc-per-node N main.py run NN`. Bad arguments are refused before any process starts.
+`torchrun --nproc-per-node N main.py run NN`. Bad arguments are refused before any process starts
+(course/arguments.py states the bounds: e.g. at most 64 forked ranks, COURSE_MAX_NPROC raises it).
 Ctrl-C, SIGTERM and SIGHUP end any command in one line, with every process it started.
 This file only reads the command and calls the course/ code that does it.
 """
@@ -151,7 +152,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
         parser.error(f"only `run` runs under torchrun (each rank would run its own "
                      f"`{args.command or 'tour'}`); run it without torchrun: python main.py {' '.join(argv)}".rstrip())
     if args.command in ("run", "grade", "hint", "bench"):
-        args.number = args.number.zfill(2)
+        args.number = args.number.zfill(2) if args.number.isdigit() else args.number  # "4" is 04; "" is no module
         if args.number not in MODULES:
             parser.error(f"unknown module {args.number!r}; modules: {', '.join(MODULES)}")
         args.module = MODULES[args.number]

@@ -6,6 +6,8 @@ The tests run in a pytest subprocess, with the scorecard plugin of course/gradin
 check's line live; the total comes from the plugin's JSON report. pytest and the ranks it forks
 run in a process group of their own, with their temporary files in a folder of grade's: Ctrl-C,
 SIGTERM or SIGHUP kills the whole group and removes the folder, so nothing outlives the command.
+Killed outright (SIGKILL), grade cannot clean up: its pytest then gets SIGTERM from Linux (a
+parent-death signal), stops with its ranks and removes the folder itself (course/grading.py).
 """
 from __future__ import annotations
 
@@ -59,7 +61,9 @@ def _pytest(command: list[str], tmp: str, module: Module) -> int:
     proc = None
     try:
         with signals_deferred():  # a Ctrl-C while pytest starts is acted on once its process is known
-            proc = subprocess.Popen(command, cwd=REPO, env={**os.environ, "TMPDIR": tmp}, **group)
+            # COURSE_GRADE_PARENT: if this process is killed outright, pytest stops and removes `tmp` (course/grading.py)
+            proc = subprocess.Popen(command, cwd=REPO, env={**os.environ, "TMPDIR": tmp,
+                                                            "COURSE_GRADE_PARENT": str(os.getpid())}, **group)
         return proc.wait(timeout=LAST_RESORT_TIMEOUT_S)
     except (KeyboardInterrupt, subprocess.TimeoutExpired) as exc:
         if proc is not None:

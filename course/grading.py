@@ -8,11 +8,13 @@ dots, so a learner sees which check is running when one is slow or stuck.
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import re
 import shutil
 import signal
+import sys
 import textwrap
 import threading
 import traceback
@@ -53,6 +55,41 @@ def pytest_configure(config):
     # ranks of the check in flight are killed and their folder removed (killed outright, it stayed in /tmp).
     for s in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(s, _as_ctrl_c)
+    _stop_with_grade()
+
+
+# `python main.py grade` killed outright (SIGKILL, which it cannot catch) would leave its pytest running
+# without a parent, and its folder in /tmp. So grade names itself (COURSE_GRADE_PARENT: its pid; TMPDIR: its
+# folder) and its pytest asks Linux for SIGTERM when grade dies (prctl's parent-death signal, as course/
+# launch.py's ranks do with SIGKILL): the session stops as on Ctrl-C, its ranks are cleaned up, and pytest,
+# the one left, removes grade's folder on its way out.
+GRADE = {}  # "parent": grade's pid, "folder": its temporary folder (under grade only)
+
+
+def _stop_with_grade():
+    parent = os.environ.pop("COURSE_GRADE_PARENT", None)  # popped: a pytest that a check starts is no grade's
+    if parent is None or not sys.platform.startswith("linux"):
+        return
+    GRADE.update(parent=int(parent), folder=os.environ.get("TMPDIR"))
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if _grade_is_gone():  # it died before the request: no signal will come
+        _remove_grade_folder()
+        os._exit(1)
+
+
+def _grade_is_gone() -> bool:
+    return bool(GRADE) and os.getppid() != GRADE["parent"]
+
+
+def _remove_grade_folder():
+    if GRADE.get("folder"):
+        shutil.rmtree(GRADE["folder"], ignore_errors=True)
+
+
+def pytest_unconfigure(config):
+    if _grade_is_gone():
+        _remove_grade_folder()
 
 
 def _as_ctrl_c(signum, frame):

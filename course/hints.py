@@ -183,15 +183,15 @@ def _strip_comment(line: str) -> str:
 def load_shown() -> dict[str, int]:
     """The record of hint levels seen: {} if there is none yet; HintError if it is not one."""
     try:
-        text = HINTS_SHOWN.read_text()
+        data = HINTS_SHOWN.read_bytes()
     except (FileNotFoundError, NotADirectoryError):  # none yet
         return {}
     except OSError as exc:  # e.g. a folder of that name
         raise HintRecordError(f"the record of hints seen, {HINTS_SHOWN}, cannot be read ({exc.strerror or exc})") from None
     try:
-        shown = json.loads(text)
-    except json.JSONDecodeError:
-        shown = None  # refused below, like JSON that is not a record
+        shown = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        shown = None  # refused below, like JSON that is not a record (bytes that are not UTF-8 are no JSON)
     if not (isinstance(shown, dict)
             and all(isinstance(title, str) and type(levels) is int and levels >= 0 for title, levels in shown.items())):
         raise HintRecordError(f"{HINTS_SHOWN} is not a record of hints seen ({{\"TODO(mNN): ...\": levels seen}}); "

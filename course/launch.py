@@ -49,13 +49,15 @@ import torch
 import torch.distributed as dist
 
 from course import REPO
+from course.arguments import check_timeout
 from course.fork_safety import AUTOGRAD_AFTER_FORK
 from course.interrupts import SIGNALS, interruption, signals_deferred
 from course.skeleton import has_solution_blocks, todo_blocks, todo_owner
 
 STACK_DUMP_GRACE_S = 0.5  # time a rank gets to write its stack after SIGUSR1
-MAX_TIMEOUT_S = 86400.0   # a day: longer is a typo (inf, 1e300), and overflows the timers below
 WATCHDOG_BACKSTOP_S = 30  # after the watchdog's own timeout: for a process that never lets it run
+# gloo's words when the process at the other end of a connection is gone (killed, out of memory)
+PEER_DIED = ("Connection closed by peer", "Connection reset by peer")
 
 
 class RankFailed(RuntimeError):
@@ -123,13 +125,6 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 60.0, init_process_gr
                 shutil.rmtree(tmp, ignore_errors=True)
 
 
-def check_timeout(timeout: float):
-    """A timeout is a positive number of seconds, at most MAX_TIMEOUT_S (inf would overflow the timers)."""
-    if not 0 < timeout <= MAX_TIMEOUT_S:
-        raise ValueError(f"a timeout must be a positive number of seconds, at most {MAX_TIMEOUT_S:g} (a day), "
-                         f"got {timeout:g}")
-
-
 def _import_before_forking():
     """What every rank would otherwise import after the fork, each on its own: the first optimizer
     imports torch._dynamo (seconds per rank when several import it at once on a few cores)."""
@@ -178,11 +173,13 @@ def watchdog(timeout: float, who: str = ""):
 
 
 def run_demo(demo, args):
-    """`python main.py run`: `demo(args)` as one rank of torchrun's, in this process (one rank), or
-    on `args.world_size` forked ranks; each way stops after `args.timeout` seconds."""
+    """`python main.py run`: `demo(args)` as one rank of torchrun's, in this process (a single-process
+    module), or on `args.world_size` forked ranks (a distributed demo on one rank too, e.g. module 17 on
+    the mesh p=1: it joins a process group); each way stops after `args.timeout` seconds."""
     if in_torchrun():
         return run_under_torchrun(demo, args, timeout=args.timeout)
-    if args.world_size == 1:
+    distributed = getattr(args, "module", None) is not None and args.module.world_size > 1
+    if args.world_size == 1 and not distributed:
         with watchdog(args.timeout):
             return demo(args)
     run_ranks(demo, args.world_size, args, timeout=args.timeout)
@@ -190,9 +187,9 @@ def run_demo(demo, args):
 
 @contextlib.contextmanager
 def failures_explained(number: str, impl: str):
-    """A rank that raised or got stuck, an unfinished TODO, code that cannot be imported, or Ctrl-C
-    end `run` and `bench` with a short error (and the stuck ranks' stacks) and a hint, instead of a
-    long traceback."""
+    """A rank that raised or got stuck, an unfinished TODO, code that cannot be imported, Ctrl-C, or
+    (under torchrun) a peer rank that died end `run` and `bench` with a short error (and the stuck
+    ranks' stacks) and a hint, instead of a long traceback."""
     try:
         yield
     except RankTimeout as exc:
@@ -221,6 +218,13 @@ def failures_explained(number: str, impl: str):
             else:
                 print("hint: that TODO is yours to fill in steps/; `--impl solutions` runs the reference",
                       file=sys.stderr)
+        sys.exit(1)
+    except RuntimeError as exc:  # under torchrun: a peer's process is gone (killed, out of memory)
+        if not any(words in str(exc) for words in PEER_DIED):
+            raise
+        rank = f"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']}: " if in_torchrun() else ""
+        print(f"error: {rank}a peer rank died, so this one stopped{where_raised(exc)}; torchrun's report names "
+              f"the rank that died", file=sys.stderr)
         sys.exit(1)
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 
 from course import RESULTS
+from course.arguments import check_count, check_number
 from course.impl import reference
 
 
@@ -22,15 +23,15 @@ def model_config():
     return reference("m00_monolith").MLPConfig()
 
 
-def check_microbatches(n_microbatches: int):
+def check_microbatches(n_microbatches: int, batch: int | None = None):
     """m must be at least 1 and divide the batch: every microbatch has the same rows (a receiving rank
-    sizes its buffer from them)."""
-    batch = model_config().batch
-    if n_microbatches < 1:
-        raise ValueError(f"--microbatches must be at least 1, got {n_microbatches}")
+    sizes its buffer from them). `batch`: run 11's --batch (else the model's, which run 05 keeps)."""
+    check_count(n_microbatches, "--microbatches")
+    other = "" if batch is None else f", or a --batch that {n_microbatches} divides"
+    batch = model_config().batch if batch is None else check_count(batch, "--batch")
     if batch % n_microbatches:
         raise ValueError(f"a batch of {batch} cannot be split into {n_microbatches} equal microbatches; "
-                         f"use --microbatches that divides {batch}")
+                         f"use --microbatches that divides {batch}{other}")
 
 
 def check_one_stage_per_rank(world_size: int):
@@ -54,8 +55,8 @@ def check_schedule(name: str, world_size: int, n_microbatches: int, stages_per_r
 
 
 def check_emulation(steps: int, emulate_ms: float):
-    if steps < 1 or emulate_ms < 0:
-        raise ValueError("--steps must be at least 1 and --emulate-ms at least 0")
+    check_count(steps, "--steps")
+    check_number(emulate_ms, "--emulate-ms", low=0)  # nan and inf would overflow the emulated device's sleeps
 
 
 def add_run_options(parser, emulate_ms: float, emulate_help: str, trace: str):

@@ -20,6 +20,7 @@ import argparse
 import os
 import sys
 
+from course.arguments import MAX_GPUS, MAX_SIZE, check_count, check_number
 from course.impl import IMPLS, reference
 
 DIMS = {"dim": "dim", "layers": "n_layers", "heads": "n_heads", "kv_heads": "n_kv_heads", "head_dim": "head_dim",
@@ -79,7 +80,8 @@ def parse_model(text: str, presets):
     if unknown or missing:
         raise ValueError(f"--model {text!r}: " + (f"unknown keys {sorted(unknown)}" if unknown else
                          f"missing {sorted(missing)}") + f"; keys: {', '.join([*DIMS, *MOE_DIMS, 'batch'])}")
-    dims = {DIMS[k]: int(v) for k, v in given.items() if k in DIMS}
+    given = {key: check_count(value, f"--model {key}") for key, value in given.items()}  # dim=inf, dim=1e300
+    dims = {DIMS[k]: v for k, v in given.items() if k in DIMS}
     dims.setdefault("head_dim", dims["dim"] // max(dims["n_heads"], 1))
     cfg = reference("m06_llama_block").LlamaConfig(**dims)
     moe = None
@@ -100,8 +102,11 @@ def parse_gpu(text: str, presets):
     if unknown or missing:
         raise ValueError(f"--gpu {text!r}: " + (f"unknown keys {sorted(unknown)}" if unknown else
                          f"missing {sorted(missing)}") + f"; keys: {', '.join(GPU_UNITS)}")
-    if any(v <= 0 for v in given.values()):
-        raise ValueError(f"--gpu {text!r}: every spec must be positive")
+    for key, value in given.items():  # memory=nan or bf16=inf would rank layouts by nonsense
+        if key == "per_node":
+            check_count(value, "--gpu per_node", 1, MAX_GPUS)
+        else:
+            check_number(value, f"--gpu {key}")
     spec = {k: v * GPU_UNITS[k] for k, v in given.items()}
     return presets.GPU(f"GPU {text}", spec["memory"], spec["bf16"], spec.get("fp8"), spec["intra"], spec["inter"],
                        int(spec.get("per_node", 8)))
@@ -116,14 +121,14 @@ def check(args):
     presets, layout = reference("m18_presets"), reference("m18_layout")
     model = parse_model(args.model, presets)
     if args.seq_len is not None:
-        if args.seq_len < 1:
-            raise ValueError(f"--seq-len must be positive, got {args.seq_len}")
+        check_count(args.seq_len, "--seq-len")
         model = dataclasses.replace(model, cfg=dataclasses.replace(model.cfg, max_seq_len=args.seq_len))
     gpu = parse_gpu(args.gpu, presets)
     batch = model.batch if args.batch is None else args.batch
-    for name, value in (("--gpus", args.gpus), ("--batch", batch), ("--top", args.top)):
-        if value < 1:
-            raise ValueError(f"{name} must be at least 1, got {value}")
+    check_count(args.gpus, "--gpus", 1, MAX_GPUS)  # the search goes over its divisors: 10**30 would take minutes
+    for name, value in (("--batch", batch), ("--top", args.top), ("--microbatches", args.microbatches)):
+        if value is not None:
+            check_count(value, name, 1, MAX_SIZE)
     if args.efficiency is not None and not 0 < args.efficiency <= 1:
         raise ValueError(f"--efficiency is a fraction of the peak, in (0, 1], got {args.efficiency}")
     fixed = {}
@@ -226,7 +231,8 @@ def main(argv: list[str]) -> None:
     try:
         model, gpu, batch, fixed = check(args)
     except ValueError as error:
-        sys.exit(f"error: {error}")
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None  # a usage error: exit code 2, as run's
     os.environ["COURSE_IMPL"] = args.impl
     from course.impl import load
     from course.launch import failures_explained

@@ -243,8 +243,12 @@ def main(argv: list[str], steps: Path = REPO / "steps") -> int:
         for name in stale:
             print(f"steps/{name} is out of date with solutions/")
         return 1 if stale else 0
-    if argv not in ([], ["--force"]):
+    if argv in (["-h"], ["--help"]):
         print(__doc__)
+        return 0
+    if argv not in ([], ["--force"]):  # one line, exit code 2, as main.py's (the docstring says the rest)
+        print(f"error: unrecognized arguments: {' '.join(argv)}; usage: python -m course.skeleton [--force | --check]",
+              file=sys.stderr)
         return 2
     try:
         done = write(steps, force=argv == ["--force"])

@@ -1,5 +1,5 @@
 # Generated from solutions/m17_checkpoint.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 17`. (skeleton 9bb4a116f0fb)
+# Grade your work with `python main.py grade 17`. (skeleton 1e6f973ab6f2)
 """Module 17, part 6 - checkpoints with torch.distributed.checkpoint (DCP): saved in the model's own
 shapes, loaded onto any mesh, never half-written.
 
@@ -217,9 +217,24 @@ def check_checkpoint(directory, cfg: LlamaConfig, vocab: str = "", moe=None):
     """One line unless `directory` is a complete checkpoint of this model (given): said before any step runs."""
     directory = Path(directory)
     if not (directory / ".metadata").exists() or not (directory / "config.json").exists():
-        raise CheckpointError(f"{directory} is not a complete checkpoint (no .metadata or config.json); "
-                              f"remove it or point --resume at a step_NNNNNN directory")
-    saved, mine = json.loads((directory / "config.json").read_text()), describe(cfg, vocab, moe)
+        raise CheckpointError(f"{directory} is not a complete checkpoint (no .metadata or config.json): --resume takes "
+                              f"a run's directory (its --checkpoint-dir) and continues from its latest step_NNNNNN; "
+                              f"remove a damaged step to continue from the one before")
+    config = directory / "config.json"
+    try:
+        saved = json.loads(config.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{config} cannot be read as JSON ({exc}); remove {directory} to continue from the step "
+                              f"before it") from None
+    if not (isinstance(saved, dict) and isinstance(saved.get("model"), dict) and isinstance(saved.get("vocab"), str)):
+        raise CheckpointError(f"{config} is not a checkpoint's description ({{\"model\": {{...}}, \"vocab\": \"...\"}}); "
+                              f"remove {directory} to continue from the step before it")
+    try:
+        dcp.FileSystemReader(directory).read_metadata()  # what every rank reads first to load (a pickle)
+    except Exception as exc:  # cut short, or not DCP's: every rank would fail in its own traceback
+        raise CheckpointError(f"{directory / '.metadata'} cannot be read ({type(exc).__name__}: {exc}); remove "
+                              f"{directory} to continue from the step before it") from None
+    mine = describe(cfg, vocab, moe)
     different = [f"{key}={saved['model'].get(key)!r} (this run: {value!r})" for key, value in mine["model"].items()
                  if saved["model"].get(key) != value]
     if saved.get("moe") != mine.get("moe"):

@@ -34,6 +34,26 @@ def keep_course_impl(monkeypatch):
     (["run", "00", "--timeout", "1e300"], "at most 86400 (a day), got 1e+300"),
     (["run", "05", "--timeout", "nan"], "got nan"),
     (["grade", "7x"], "unknown module"),
+    # Issue 33 (reliability round 3): each of these was accepted, or refused only once the ranks had started.
+    (["run", ""], "unknown module ''"),  # "".zfill(2) ran module 00
+    (["run", "02", "--nproc", "100000"], "100000 ranks: at most 64 are forked on one machine (each a process); "
+                                         "set COURSE_MAX_NPROC to allow more"),
+    (["run", "16", "--capacity-factor", "inf"], "--capacity-factor must be a number from 1e-09 to 1e+09, got inf"),
+    (["run", "15", "--gflops", "1e-300"], "--gflops must be a number from 1e-09 to 1e+09, got 1e-300"),
+    (["run", "17", "--lr", "nan"], "--lr must be a number from 1e-09 to 1e+09, got nan"),
+    (["run", "17", "--lr", "-1"], "--lr must be a number from 1e-09 to 1e+09, got -1"),
+    (["run", "17", "--lr", "inf"], "--lr must be a number from 1e-09 to 1e+09, got inf"),
+    (["run", "17", "--seed", str(10**30)], f"--seed must be at most 9,223,372,036,854,775,807, got {10**30}"),
+    (["run", "16", "--expert-ranks", "0"], "--expert-ranks must be at least 1, got 0"),  # was: all ranks
+    (["run", "17", "--checkpoint-every", "0"], "--checkpoint-every must be at least 1, got 0"),  # as --eval-every 0
+    (["run", "17", "--eval-every", "0"], "--eval-every must be at least 1, got 0"),
+    (["run", "17", "--nproc", "1"], "the mesh p=2 x d=2 x t=2 has 8 ranks, the job has 1"),  # was KeyError: 'RANK'
+    (["run", "05", "--emulate-ms", "nan"], "--emulate-ms must be a number from 0 to 1e+09, got nan"),
+    # Module 11's --batch: m = 6 on p = 4 runs with a batch that 6 divides; a batch it does not divide is refused.
+    (["run", "11", "--nproc", "4", "--schedule", "1f1b", "--microbatches", "6"],
+     "a batch of 32 cannot be split into 6 equal microbatches; use --microbatches that divides 32, or a --batch that 6 divides"),
+    (["run", "11", "--nproc", "4", "--schedule", "1f1b", "--microbatches", "6", "--batch", "16"],
+     "a batch of 16 cannot be split into 6 equal microbatches"),
 ])
 def test_bad_arguments_give_one_clear_error(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:
@@ -53,6 +73,53 @@ def test_an_unwritable_trace_is_refused_before_the_run(tmp_path, capsys):
         assert exit_.value.code == 2
         assert f"--trace {trace}: cannot write in " in capsys.readouterr().err
     assert main.parse(["run", "05", "--trace", str(tmp_path / "new" / "m05-trace")]).trace  # a new folder is fine
+
+
+def test_the_bound_on_forked_ranks_is_stated_once_and_can_be_raised(monkeypatch, capsys):
+    from course.arguments import MAX_NPROC
+    assert MAX_NPROC == 64 and main.parse(["run", "02", "--nproc", "64"]).world_size == 64
+    monkeypatch.setenv("COURSE_MAX_NPROC", "100")
+    assert main.parse(["run", "02", "--nproc", "100"]).world_size == 100
+    monkeypatch.setenv("COURSE_MAX_NPROC", "lots")
+    with pytest.raises(SystemExit) as exit_:
+        main.parse(["run", "02", "--nproc", "100"])
+    assert exit_.value.code == 2 and "COURSE_MAX_NPROC='lots': expected a whole number" in capsys.readouterr().err
+
+
+def test_an_unwritable_checkpoint_folder_is_refused_before_the_run(tmp_path, monkeypatch, capsys):
+    # Issue 33: module 17 trained, then failed at its first save (step 200 by default): minutes lost. A
+    # file stands where the folder should be: unwritable for root too, as a read-only checkout is.
+    import course.demos.m17
+    (tmp_path / "file").write_text("")
+    for argv, said in ((["--checkpoint-dir", str(tmp_path / "file" / "run")], f"--checkpoint-dir {tmp_path}/file/run: "),
+                       ([], "the checkpoints' default folder (give --checkpoint-dir another) ")):
+        monkeypatch.setattr(course.demos.m17, "RESULTS", tmp_path / "file" / "results")  # the default, read-only
+        with pytest.raises(SystemExit) as exit_:
+            main.parse(["run", "17", *argv])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and said in err and f"cannot write there ({tmp_path}/file is a file)" in err, err
+    assert not (tmp_path / "new").exists() and main.parse(["run", "17", "--checkpoint-dir", str(tmp_path / "new")])
+    assert not (tmp_path / "new").exists(), "a run that may yet be refused creates no folder"
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--microbatches", "0"], "--microbatches must be at least 1, got 0"),  # ZeroDivisionError
+    (["--model", "dim=inf,layers=2,heads=2,kv_heads=2,ffn=8,vocab=8,seq=8"], "--model dim must be a whole number from "
+     "1 to 16,777,216, got inf"),  # OverflowError
+    (["--model", "dim=1e300,layers=2,heads=2,kv_heads=2,ffn=8,vocab=8,seq=8"], "got 1e+300"),  # torch's C++ frames
+    (["--gpus", str(10**30)], f"--gpus must be at most 1,048,576, got {10**30}"),  # minutes of search
+    (["--gpu", "memory=nan,bf16=989,intra=450,inter=50"], "--gpu memory must be a number from 1e-09 to 1e+09, got nan"),
+    (["--gpu", "memory=inf,bf16=inf,intra=450,inter=50"], "--gpu memory must be a number from 1e-09 to 1e+09, got inf"),
+])
+def test_plan_refuses_a_bad_number_in_one_line_with_exit_code_2(argv, said, capsys):
+    # Issue 33: tracebacks, a plan for "nan GB" GPUs, an MFU of 0.0 %; and exit code 1 where run's is 2.
+    from course.plan import main as plan
+    given = dict(zip(argv[::2], argv[1::2]))
+    defaults = {"--model": "llama3-8b", "--gpus": "8", **given}
+    with pytest.raises(SystemExit) as exit_:
+        plan([*(x for kv in defaults.items() for x in kv), "--impl", "solutions"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.startswith("error: ") and err.endswith(f"{said}\n") and err.count("\n") == 1, err
 
 
 @pytest.mark.parametrize("argv", [["grade", "03"], ["bench", "03"], ["list"], ["hint", "05"], []])
@@ -125,9 +192,7 @@ DEMOS = [
     ("15", ["--nproc", "4", "--variant", "zigzag", "--steps", "2", "--batch", "4"],
      r"^Bytes rank 0 sends per step over 'c' by send: .* -> equal$"),
     ("16", ["--nproc", "4", "--steps", "2"], r"^  all_to_all over +e: .* -> equal$"),
-    ("17", ["--nproc", "4", "--mesh", "p=2,t=2", "--steps", "2", "--dim", "32", "--seq-len", "32", "--layers", "2",
-            "--batch", "4", "--microbatches", "2", "--checkpoint-dir", "{tmp}/ck", "--checkpoint-every", "2",
-            "--sample", "8"], r"^2 steps in "),
+    # 17: test_a_resumed_run_keeps_the_earlier_validation_losses_and_says_it_redrew_the_plot runs it twice.
 ]
 FAILED = ("MISMATCH", "DIFFERENT", ": False", ": NO")  # what the demos print when a check fails
 
@@ -138,6 +203,64 @@ def test_each_demo_runs(number, options, expected, capfd, tmp_path):
     out, err = capfd.readouterr()
     assert re.search(expected, out, re.MULTILINE), f"expected a line matching {expected!r}:\n{out}{err}"
     assert not any(word in out for word in FAILED), out
+
+
+# Module 17, small: a checkpoint every 2 steps and a validation loss after each.
+SMALL_17 = ["--dim", "32", "--seq-len", "32", "--layers", "2", "--batch", "4", "--microbatches", "2",
+            "--checkpoint-every", "2", "--eval-every", "1", "--sample", "0", "--impl", "solutions"]
+
+
+@pytest.fixture(scope="module")
+def run_17(tmp_path_factory):
+    """The run directory of module 17's run of 2 steps on one rank (issue 33: `--nproc 1` crashed with
+    KeyError: 'RANK'; a distributed demo on one rank now runs on one forked rank, in a process group)."""
+    root = tmp_path_factory.mktemp("m17") / "run"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("COURSE_IMPL", os.environ.get("COURSE_IMPL", "solutions"))  # which main.py sets
+        main.main(["run", "17", "--mesh", "d=1", *SMALL_17, "--steps", "2", "--checkpoint-dir", str(root)])
+    return root
+
+
+def test_a_resumed_run_keeps_the_earlier_validation_losses_and_says_it_redrew_the_plot(run_17, tmp_path, capfd):
+    # Issue 33: the plot of a resumed run lost the earlier validation points, and replaced the earlier plot unsaid.
+    # Resumed from one rank onto 4 (2 pipeline stages x 2 tensor slices, with sampling): module 17's smoke run.
+    assert {p.name for p in run_17.iterdir()} == {"step_000002", "loss.png", "validation.json"}
+    shutil.copytree(run_17, tmp_path / "run")
+    main.main(["run", "17", "--nproc", "4", "--mesh", "p=2,t=2", *SMALL_17, "--sample", "8", "--steps", "3",
+               "--resume", str(tmp_path / "run")])
+    out = capfd.readouterr().out
+    assert "1 steps in " in out and not any(word in out for word in FAILED), out
+    assert re.search(r"^validation loss: [0-9.]+ \(step 1\), [0-9.]+ \(step 2\), [0-9.]+ \(step 3\)$", out, re.M), out
+    assert f"loss plot: {tmp_path}/run/loss.png (steps 1 to 3; it replaces the plot that ended at step 2)" in out, out
+    assert [step for step, _ in json.loads((tmp_path / "run" / "validation.json").read_text())] == [1, 2, 3]
+
+
+def damage(run, tmp_path, how) -> str:
+    """A copy of the run with its checkpoint damaged `how`; the path the refusal must name."""
+    shutil.copytree(run, tmp_path / "run")
+    step = tmp_path / "run" / "step_000002"
+    if how == "truncated .metadata":
+        (step / ".metadata").write_bytes((step / ".metadata").read_bytes()[:40])
+        return f"{step}/.metadata cannot be read (UnpicklingError"
+    if how == "no .metadata":
+        (step / ".metadata").unlink()
+        return f"{step} is not a complete checkpoint (no .metadata or config.json): --resume takes a run's directory"
+    if how == "a step given":
+        return f"--resume {step}: no complete checkpoint (step_NNNNNN/) there: --resume takes the run's directory, {tmp_path}/run,"
+    (step / "config.json").write_text(how)
+    return f"{step}/config.json " + ("cannot be read as JSON" if how == "{not json" else "is not a checkpoint's description")
+
+
+@pytest.mark.parametrize("how", ["{}", "[1, 2]", "{not json", "truncated .metadata", "no .metadata", "a step given"])
+def test_a_damaged_checkpoint_is_named_in_one_line_before_the_run(how, run_17, tmp_path, capsys):
+    # Issue 33: KeyError or TypeError; invalid JSON without its path; a truncated .metadata gave four DCP
+    # tracebacks once the ranks had started; "not a complete checkpoint" said to give a step directory.
+    said = damage(run_17, tmp_path, how)
+    resume = tmp_path / "run" / ("step_000002" if how == "a step given" else "")
+    with pytest.raises(SystemExit) as exit_:
+        main.parse(["run", "17", "--mesh", "d=1", *SMALL_17, "--steps", "4", "--resume", str(resume)])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and said in err and len(err.splitlines()) == 2, err
 
 
 def test_the_tour_runs_the_reference_of_smoke_tested_demos(monkeypatch, capsys):
@@ -296,6 +419,14 @@ def test_a_hint_record_that_is_not_one_is_named_and_kept(content, hint_record, c
         assert code == 1 and out == "" and len(err.splitlines()) == 1, (out, err)
         assert err.startswith(f"error: {hint_record} is not a record of hints seen"), err
     assert hint_record.read_text() == content
+
+
+def test_a_hint_record_that_is_not_utf8_is_named_and_kept(hint_record, capsys):
+    # Issue 33: a UnicodeDecodeError traceback.
+    hint_record.write_bytes(b"\xff\xfe{")
+    code, out, err = hint(capsys, "05", "1")
+    assert code == 1 and out == "" and err.startswith(f"error: {hint_record} is not a record of hints seen"), err
+    assert len(err.splitlines()) == 1 and hint_record.read_bytes() == b"\xff\xfe{"
 
 
 def test_a_hint_record_that_is_a_folder_is_named(hint_record, capsys):

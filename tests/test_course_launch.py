@@ -1,5 +1,7 @@
 """The launcher every multi-rank test and demo relies on: results, fast failure, timeouts, cleanup."""
 import argparse
+import contextlib
+import io
 import os
 import re
 import resource
@@ -190,6 +192,34 @@ def test_ctrl_c_in_a_single_process_run_is_one_line_saying_where(capfd):
     err = capfd.readouterr().err
     assert exit_.value.code == 1 and len(err.splitlines()) == 1, err
     assert re.fullmatch(r"error: interrupted by Ctrl-C \(at tests/test_course_launch.py:\d+ in demo\)\n", err), err
+
+
+def _a_peer_dies(tmp):
+    # This rank and a process it forks form a gloo group of 2, as torchrun's ranks do; the peer leaves
+    # without a word (as if killed), then this rank waits for a message from it.
+    rank = 1 if os.fork() == 0 else 0
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=2)
+    dist.barrier()
+    if rank == 1:
+        os._exit(0)
+    os.environ.update(TORCHELASTIC_RUN_ID="test", RANK="0", WORLD_SIZE="2")
+    err, code = io.StringIO(), None
+    with contextlib.redirect_stderr(err):
+        try:
+            with failures_explained("05", "solutions"):
+                dist.recv(torch.zeros(1), 1)
+        except SystemExit as exit_:
+            code = exit_.code
+    os.wait()
+    return code, err.getvalue()
+
+
+def test_a_torchrun_peer_that_dies_is_one_line(tmp_path):
+    # Issue 33: `RuntimeError: ... Connection closed by peer` with a traceback through course/launch.py.
+    [(code, err)] = run_ranks(_a_peer_dies, 1, str(tmp_path), timeout=60, init_process_group=False)
+    assert code == 1 and len(err.splitlines()) == 1, err
+    assert re.fullmatch(r"error: rank 0 of 2: a peer rank died, so this one stopped \(at tests/test_course_launch.py:\d+ "
+                        r"in _a_peer_dies\); torchrun's report names the rank that died\n", err), err
 
 
 def _autograd_refuses_after_fork():

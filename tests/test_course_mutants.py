@@ -71,7 +71,7 @@ def test_the_runner_judges_a_plant_by_its_first_failure(job, results, output, co
 
 def test_the_runner_selects_modules_and_single_plants_each_with_its_baseline():
     assert [j.name for j in selected_jobs(["05.2", "01"])] == ["05.0", "05.2"] + [f"01.{k}" for k in range(len(plants("01")) + 1)]
-    with pytest.raises(SystemExit, match="not a module with plants"):
+    with pytest.raises(ValueError, match="not a module with plants"):
         selected_jobs(["00"])
 
 
@@ -116,3 +116,18 @@ def test_the_total_gives_the_blame_per_module_old_and_new_plants_apart():
     assert lines[1].split()[:5] == ["05", "3", "2", "1", "0"] and lines[1].endswith("1 of 1      0 of 1"), lines[1]
     assert lines[-2] == "blamed wrong:" and lines[-1].startswith(f"  05.2   in TODO {todo}, help names TODO"), lines
     assert lines[-1].endswith("(new)")
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--timeout", "nan", "05"], "--timeout must be a positive number of seconds, at most 86400 (a day), got nan"),
+    (["--timeout", "inf", "05"], "--timeout must be a positive number of seconds, at most 86400 (a day), got inf"),
+    (["--jobs", "0", "05"], "--jobs must be at least 1, got 0"),
+    (["00"], "'00' is not a module with plants"),
+])
+def test_a_bad_option_is_refused_in_one_line_with_exit_code_2(argv, said, capsys):
+    # Issue 33: --timeout nan and inf were accepted (every row an ERROR), and a bad module exited with 1, not 2.
+    from course.mutants.__main__ import main
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and f"error: {said}" in err.splitlines()[-1], err

@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,7 +37,9 @@ class Case:
     ready_line: str = ""            # ...and a line it has printed
     ready_map: str = ""             # ...and a library loaded (by main.py: its handlers are in place)...
     mapped: int = 1                 # ...in this many of its processes
+    ready_folder: str = ""          # ...and a folder of this pattern somewhere in its TMPDIR
     delay: float = 0.0              # seconds after that
+    settle: float = 5.0             # seconds what it started may take to go once it has ended
     env: dict = field(default_factory=dict)
     # What happened:
     returncode: int | None = None
@@ -44,6 +47,7 @@ class Case:
     err: str = ""
     left: list[int] = field(default_factory=list)     # its processes still alive after it ended
     folders: list[str] = field(default_factory=list)  # course-* folders left in its TMPDIR
+    kernel_files: list[str] = field(default_factory=list)  # Jupyter kernels' connection files left there
 
 
 def processes() -> dict[int, tuple[int, int]]:
@@ -103,7 +107,8 @@ def run_cases(cases: dict[str, Case], tmp: Path) -> dict[str, Case]:
                 members = family(proc.pid, table)
                 if (len(members) >= case.ready_members and case.ready_line in (tmp / name / "out").read_text()
                         and (not case.ready_map
-                             or sum(case.ready_map in _read(f"/proc/{p}/maps") for p in members) >= case.mapped)):
+                             or sum(case.ready_map in _read(f"/proc/{p}/maps") for p in members) >= case.mapped)
+                        and (not case.ready_folder or any((tmp / name / "tmp").rglob(case.ready_folder)))):
                     signal_at[name] = time.monotonic() + case.delay
             for name in [n for n, at in signal_at.items() if at is not None and time.monotonic() >= at]:
                 procs[name].send_signal(cases[name].signal)  # to the command alone, as `kill` does
@@ -111,12 +116,13 @@ def run_cases(cases: dict[str, Case], tmp: Path) -> dict[str, Case]:
             time.sleep(0.05)
         for name, case in cases.items():
             case.returncode = procs[name].poll()
-            until = time.monotonic() + 5  # what it killed may take a moment to go
+            until = time.monotonic() + case.settle  # what it killed may take a moment to go
             while (seen[name] | family(procs[name].pid)) & set(processes()) and time.monotonic() < until:
                 time.sleep(0.05)
             case.left = sorted((seen[name] | family(procs[name].pid)) & set(processes()))
             case.out, case.err = (tmp / name / "out").read_text(), (tmp / name / "err").read_text()
             case.folders = [str(p.relative_to(tmp / name / "tmp")) for p in (tmp / name / "tmp").rglob("course-*")]
+            case.kernel_files = [str(p.relative_to(tmp / name / "tmp")) for p in (tmp / name / "tmp").rglob("*.json")]
     finally:
         for name, proc in procs.items():  # whatever a failed case left running
             for pid in seen[name] | family(proc.pid):
@@ -155,6 +161,9 @@ def ended(hanging_steps, tmp_path_factory) -> dict[str, Case]:
     tmp = tmp_path_factory.mktemp("signals")
     cases = {
         "grade-SIGTERM": grade(hanging_steps, signal.SIGTERM),
+        # Killed outright, grade cannot clean up: its pytest stops on its own, with its ranks, and removes
+        # grade's folder (it takes a few seconds on a busy machine: settle).
+        "grade-SIGKILL": dataclasses.replace(grade(hanging_steps, signal.SIGKILL), settle=60.0),
         "run-SIGHUP": forked_run(signal.SIGHUP),
         # While torch is imported (main.py's own start-up, not the interpreter's: that is Python's).
         "start-up-SIGINT": Case(["main.py", "run", "05", "--impl", "solutions"], signal.SIGINT, ready_map="libtorch"),
@@ -180,6 +189,9 @@ def ended_long(hanging_steps, tmp_path_factory) -> dict[str, Case]:
         "torchrun-SIGINT": Case(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
                                  "main.py", "run", "05", "--impl", "solutions", "--emulate-ms", "200"],
                                 signal.SIGINT, ready_members=5, ready_map="libtorch", mapped=5, delay=3.0),
+        # While a notebook's kernel runs ranks (a notebook that `site` executes, in a session of its own).
+        "site-SIGTERM": Case(["main.py", "site", "--execute"], signal.SIGTERM, ready_folder="course-ranks-*",
+                             delay=0.5, settle=15.0),
     }
     for case in cases.values():
         case.argv = [a.replace("{tmp}", str(tmp)) for a in case.argv]
@@ -192,8 +204,9 @@ def assert_left_nothing(case: Case):
     assert case.folders == [], f"temporary folders left: {case.folders}"
 
 
-@pytest.mark.parametrize("name", ["grade-SIGTERM", "run-SIGHUP", "start-up-SIGINT"])
+@pytest.mark.parametrize("name", ["grade-SIGTERM", "grade-SIGKILL", "run-SIGHUP", "start-up-SIGINT"])
 def test_no_process_and_no_folder_outlives_a_command(name, ended):
+    # Issue 33: killed outright (SIGKILL), grade left its pytest running without a parent, and its folder.
     assert_left_nothing(ended[name])
 
 
@@ -218,9 +231,17 @@ def test_ctrl_c_during_start_up_is_one_line(ended):
 
 @pytest.mark.long
 @pytest.mark.parametrize("name", ["grade-SIGINT", "grade-SIGHUP", "run-SIGTERM", "single-SIGINT", "single-timeout",
-                                  "torchrun-SIGINT"])
+                                  "torchrun-SIGINT", "site-SIGTERM"])
 def test_no_process_and_no_folder_outlives_a_command_long(name, ended_long):
     assert_left_nothing(ended_long[name])
+
+
+@pytest.mark.long
+def test_sigterm_stops_site_with_its_notebooks_kernels_and_ranks(ended_long):
+    # Issue 33: the kernel (in a session of its own) and its ranks' folder and connection file stayed.
+    case = ended_long["site-SIGTERM"]
+    assert case.returncode == 1 and case.err.endswith("error: interrupted by SIGTERM\n"), case.err
+    assert case.kernel_files == [], f"kernel files left: {case.kernel_files}"
 
 
 @pytest.mark.long

@@ -155,3 +155,18 @@ def test_the_site_command_parses():
     assert (args.command, args.check, args.execute, args.open) == ("site", True, True, False)
     with pytest.raises(SystemExit):
         main.parse(["site", "--no-such-option"])
+
+
+@pytest.mark.parametrize("blocked", ["site", "executed"])
+def test_a_read_only_checkout_is_one_line_before_any_work(blocked, tmp_path, monkeypatch, capsys):
+    # Issue 33: a traceback, once a notebook had run. A file stands where results/ should be: unwritable for
+    # root too, as a read-only checkout is.
+    import course.site.build
+    (tmp_path / "file").write_text("")
+    monkeypatch.setattr(course.site.build, "SITE", (tmp_path / "file" if blocked == "site" else tmp_path) / "site")
+    monkeypatch.setattr(notebooks, "EXECUTED", (tmp_path / "file" if blocked == "executed" else tmp_path) / "executed")
+    monkeypatch.setattr(course.site.build, "build", lambda *a, **k: pytest.fail("the site was built"))
+    assert course.site.build.main(main.parse(["site"])) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err == (f"error: the site cannot be built: cannot write in {tmp_path}/file/{blocked} "
+                                 f"({tmp_path}/file is a file)\n"), err

@@ -155,6 +155,15 @@ def test_a_learners_own_file_in_steps_is_kept_and_named(tmp_path, capsys):
         assert "kept steps/my_helpers.py: not generated from solutions/" in capsys.readouterr().out
 
 
+def test_an_unknown_option_is_one_line_with_exit_code_2(tmp_path, capsys):
+    # Issue 33: the module's docstring (40 lines) and no error line.
+    from course.skeleton import main
+    assert main(["--bogus"], tmp_path / "steps") == 2 and not (tmp_path / "steps").exists()
+    out, err = capsys.readouterr()
+    assert out == "" and err == ("error: unrecognized arguments: --bogus; usage: python -m course.skeleton "
+                                 "[--force | --check]\n"), err
+
+
 def test_a_read_only_checkout_gets_one_line_not_a_traceback(tmp_path, capsys, monkeypatch):
     from pathlib import Path
 

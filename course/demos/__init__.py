@@ -13,10 +13,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
-import tempfile
 
+from course.arguments import MAX_NPROC_VARIABLE, cannot_write_in, check_timeout, max_nproc
 from course.compare import first_not_finite
-from course.launch import MAX_TIMEOUT_S
 
 
 def print_losses(losses: list[float], expected: list[float] | None = None, every: int = 5):
@@ -67,23 +66,28 @@ def parse_run_options(args, run_parser, error):
             default = demo.default_world_size(args)
         except ValueError as exc:
             error(str(exc))
+    single = args.module.world_size == 1  # a single-process module (a mesh of one rank is still distributed)
     if "WORLD_SIZE" in os.environ:  # under torchrun, which decides the number of ranks
-        if default == 1:
+        if single:
             error(f"module {args.number} runs in a single process: run it without torchrun, "
                   f"python main.py run {args.number}")
         if args.world_size not in (None, int(os.environ["WORLD_SIZE"])):
             error(f"--nproc {args.world_size} disagrees with torchrun's {os.environ['WORLD_SIZE']} ranks; drop --nproc")
         args.world_size = int(os.environ["WORLD_SIZE"])
     args.world_size = default if args.world_size is None else args.world_size
-    if default == 1 and args.world_size != 1:
+    if single and args.world_size != 1:
         error(f"module {args.number} runs in a single process; drop --nproc")
-    if default > 1 and args.world_size < 2:
+    # A module with a mesh (13, 17) may run on one rank (the mesh d=1); its check_args compares mesh and ranks.
+    if not single and args.world_size < 2 and not hasattr(demo, "default_world_size"):
         error(f"module {args.number} is distributed: it needs --nproc of at least 2, got {args.world_size}")
-    # A demo may say how long it runs by default (TIMEOUT_S, e.g. module 17's real run); else 60 s with ranks.
-    default_timeout = getattr(demo, "TIMEOUT_S", 60.0 if args.world_size > 1 else 600.0)
-    args.timeout = args.timeout if args.timeout is not None else default_timeout
-    if not 0 < args.timeout <= MAX_TIMEOUT_S:
-        error(f"--timeout must be a positive number of seconds, at most {MAX_TIMEOUT_S:g} (a day), got {args.timeout:g}")
+    try:
+        check_ranks(args.world_size)
+        # A demo may say how long it runs by default (TIMEOUT_S, e.g. module 17's real run); else 60 s with ranks.
+        default_timeout = getattr(demo, "TIMEOUT_S", 60.0 if args.world_size > 1 else 600.0)
+        args.timeout = args.timeout if args.timeout is not None else default_timeout
+        check_timeout(args.timeout, "--timeout")
+    except ValueError as exc:
+        error(str(exc))
     if getattr(args, "trace", None):
         check_writable(args.trace, "--trace", error)
     try:
@@ -93,17 +97,22 @@ def parse_run_options(args, run_parser, error):
         error(str(exc))
 
 
+def check_ranks(world_size: int):
+    """The ranks this machine forks (--nproc, or a mesh's product), at most max_nproc(); torchrun's are its own."""
+    if world_size < 1:
+        raise ValueError(f"--nproc must be at least 1, got {world_size}")
+    if "WORLD_SIZE" not in os.environ and world_size > max_nproc():
+        raise ValueError(f"{world_size} ranks: at most {max_nproc()} are forked on one machine (each a process); "
+                         f"set {MAX_NPROC_VARIABLE} to allow more")
+
+
 def check_writable(prefix: str, option: str, error):
-    """`error` unless files PREFIX.* can be written: its folder is created (as the demo would) and a
-    file tried there, so a bad path is refused before the run, not found after it."""
+    """`error` unless files PREFIX.* can be written (a file where a folder should be, no permission, a
+    read-only disk), so a bad path is refused before the run, not found after it."""
     folder = os.path.dirname(prefix) or "."
-    try:
-        os.makedirs(folder, exist_ok=True)
-        with tempfile.TemporaryFile(dir=folder):
-            pass
-    except OSError as exc:  # a file where a folder should be, no permission, a read-only disk
-        why = "a file is in the way" if isinstance(exc, (FileExistsError, NotADirectoryError)) else exc.strerror
-        error(f"{option} {prefix}: cannot write in {folder} ({why or exc})")
+    why = cannot_write_in(folder)
+    if why:
+        error(f"{option} {prefix}: cannot write in {folder} ({why})")
 
 
 def log_every(every: int, steps: int):

@@ -5,6 +5,7 @@ import time
 
 import torch
 
+from course.arguments import check_counts
 from course.dataset import TEXT
 from course.demos import log_every, printable
 from course.impl import load
@@ -16,8 +17,8 @@ def add_args(parser: argparse.ArgumentParser):
 
 
 def check_args(args):
-    if args.steps < 1 or args.sample < 0:
-        raise ValueError(f"--steps must be at least 1 and --sample at least 0, got {args.steps} and {args.sample}")
+    check_counts(args, "steps")
+    check_counts(args, "sample", low=0)
 
 
 def sample(model, prompt: str, length: int, temperature: float = 0.8, seed: int = 0) -> str:

@@ -6,6 +6,7 @@ import time
 
 import torch
 
+from course.arguments import check_counts
 from course.impl import load
 from course.streams import FakeRuntime, find_hazards, record_compute
 
@@ -15,8 +16,7 @@ def add_args(parser: argparse.ArgumentParser):
 
 
 def check_args(args):
-    if args.layers < 1:
-        raise ValueError(f"--layers must be at least 1, got {args.layers}")
+    check_counts(args, "layers")
 
 
 def demo(args):

@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from course.arguments import check_counts
 from course.impl import load
 
 
@@ -21,8 +22,7 @@ def add_args(parser):
 
 
 def check_args(args):
-    if args.steps < 1:
-        raise ValueError(f"--steps must be at least 1, got {args.steps}")
+    check_counts(args, "steps")
 
 
 def demo(args):

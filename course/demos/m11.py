@@ -1,4 +1,4 @@
-"""`python main.py run 11 [--schedule S] [--microbatches m] [--nproc p]`: generate a schedule as data,
+"""`python main.py run 11 [--schedule S] [--microbatches m] [--batch B] [--nproc p]`: generate a schedule as data,
 print it as a table with the validator's verdict, run it on p ranks, check every step's loss
 against the monolith, and report the bubble measured, simulated and by formula, with the peak
 live activations per rank, a timeline picture and a Chrome trace."""
@@ -11,7 +11,8 @@ from course.demos import print_losses, same_curve
 from course.emulated import EmulatedSplitStage
 from course.impl import load, reference
 from course.mesh import world_group
-from course.pipeline_options import add_run_options, check_emulation, check_microbatches, check_schedule, write_trace
+from course.pipeline_options import (add_run_options, check_emulation, check_microbatches, check_schedule, model_config,
+                                     write_trace)
 from course.profiler import Profiler, export
 from course.reference_pipelining import accumulating_monolith
 from course.validate import validate
@@ -21,6 +22,8 @@ def add_args(parser: argparse.ArgumentParser):
     schedules = reference("m11_generators").SCHEDULES
     parser.add_argument("--schedule", default="zbv", help=f"one of {', '.join(schedules)} (default zbv)")
     parser.add_argument("--stages-per-rank", type=int, default=2, help="interleaved's and interleaved_zb's v (default 2)")
+    parser.add_argument("--batch", type=int, default=model_config().batch,
+                        help=f"rows a step, cut into m microbatches (default {model_config().batch}: module 00's)")
     # As in run 05: on 4 ranks sharing 2 cores a message and its wake-up cost about 1.5 ms, so a
     # layer's emulated time must be large beside that for the bubble to be the schedule's.
     add_run_options(parser, 16.0, "extra ms per layer in F, in I and in W", "m11-trace")
@@ -30,9 +33,9 @@ def check_args(args):
     """Every refusal before any process starts: the schedule's own (check_arguments), the model's
     (the stages must cut the 16 layers evenly), the batch's, and the validator's on the reference
     schedule (a schedule that could deadlock never runs)."""
-    check_schedule(args.schedule, args.world_size, args.microbatches, args.stages_per_rank)
-    check_microbatches(args.microbatches)
+    check_microbatches(args.microbatches, args.batch)
     check_emulation(args.steps, args.emulate_ms)
+    check_schedule(args.schedule, args.world_size, args.microbatches, args.stages_per_rank)
     validate(reference("m11_generators").make_schedule(args.schedule, args.world_size, args.microbatches,
                                                        args.stages_per_rank))
 
@@ -42,7 +45,7 @@ def demo(args):
     # gloo, even with GPUs: messages are matched by their tags (which nccl ignores), on CPU tensors.
     rank, world_size, _ = m02.init_distributed(backend="gloo")
     pp = world_group()  # the pipeline is every rank of the job, in rank order
-    cfg = m00.MLPConfig(steps=args.steps)
+    cfg = m00.MLPConfig(steps=args.steps, batch=args.batch)
     schedule = gen.make_schedule(args.schedule, pp.size, args.microbatches, args.stages_per_rank)
     if rank == 0:
         print(f"{schedule.name}: p={pp.size}, m={schedule.n_microbatches}, {schedule.n_stages} stages, "

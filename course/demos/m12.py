@@ -8,6 +8,7 @@ import time
 
 import torch
 
+from course.arguments import check_counts
 from course.costs import StepCost, measured_activations, measured_cost
 from course.demos import log_every
 from course.impl import load, reference
@@ -31,9 +32,7 @@ def config(args):
 
 
 def check_args(args):
-    if min(args.steps, args.batch, args.microbatches, args.layers) < 1:
-        raise ValueError(f"--steps, --batch, --microbatches and --layers must be positive, got {args.steps}, "
-                         f"{args.batch}, {args.microbatches}, {args.layers}")
+    check_counts(args, "steps", "batch", "microbatches", "layers")
     cfg = config(args)
     check_splits(cfg, {"t": args.world_size}, args.batch, args.microbatches, cfg.max_seq_len, args.sequence_parallel)
 

@@ -12,6 +12,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from course.arguments import check_counts, check_number
 from course.costs import measured_cost
 from course.cp_timeline import emulated_attention
 from course.demos import check_writable, log_every, same_curve
@@ -41,9 +42,8 @@ def config(args):
 
 def check_args(args):
     """One line for a bad option, before any rank starts (the reference's given checks)."""
-    if min(args.steps, args.batch, args.layers, args.seq_len, args.data) < 1 or not args.gflops > 0:
-        raise ValueError(f"--steps, --batch, --layers, --seq-len, --data and --gflops must be positive, got "
-                         f"{args.steps}, {args.batch}, {args.layers}, {args.seq_len}, {args.data}, {args.gflops:g}")
+    check_counts(args, "steps", "batch", "layers", "seq_len", "data")
+    check_number(args.gflops, "--gflops")  # 1e-300: each product would sleep longer than time.sleep can
     if args.world_size % args.data:
         raise ValueError(f"--data {args.data} must divide the {args.world_size} ranks: c = nproc / d")
     c = args.world_size // args.data

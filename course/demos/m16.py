@@ -9,6 +9,7 @@ import time
 
 import torch
 
+from course.arguments import check_count, check_counts, check_number
 from course.costs import measured_cost
 from course.impl import load, reference
 from course.mesh import init_mesh
@@ -41,19 +42,21 @@ def configs(args):
     moe = router.MoEConfig(n_experts=args.experts, top_k=args.top_k, expert_dim=m16.MOE.expert_dim,
                            shared_expert=args.shared_expert, score=args.score, capacity_factor=args.capacity_factor,
                            balance=args.balance, aux_coef=0.1, bias_rate=0.01)
-    return cfg, moe, args.expert_ranks or args.world_size
+    return cfg, moe, args.world_size if args.expert_ranks is None else args.expert_ranks
 
 
 def check_args(args):
     if args.dropless and args.capacity_factor is not None:
         raise ValueError("--dropless and --capacity-factor exclude each other: a capacity drops slots")
-    if args.capacity_factor is not None and not args.capacity_factor > 0:
-        raise ValueError(f"--capacity-factor must be positive (or --dropless), got {args.capacity_factor:g}")
-    if min(args.steps, args.batch, args.microbatches, args.layers, args.experts) < 1:
-        raise ValueError(f"--steps, --batch, --microbatches, --layers and --experts must be positive, got "
-                         f"{args.steps}, {args.batch}, {args.microbatches}, {args.layers}, {args.experts}")
+    if args.capacity_factor is not None:
+        if not args.capacity_factor > 0:
+            raise ValueError(f"--capacity-factor must be positive (or --dropless), got {args.capacity_factor:g}")
+        check_number(args.capacity_factor, "--capacity-factor")  # inf: no capacity at all is --dropless
+    check_counts(args, "steps", "batch", "microbatches", "layers", "experts")
+    if args.expert_ranks is not None:  # 0 is not "all of them": that is the default, without the option
+        check_count(args.expert_ranks, "--expert-ranks", 1, args.world_size)
     _, moe, e = configs(args)
-    if e < 1 or args.world_size % e:
+    if args.world_size % e:
         raise ValueError(f"--expert-ranks {e} must divide the {args.world_size} ranks: expert groups are carved out "
                          f"of the data ranks")
     try:

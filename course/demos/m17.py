@@ -4,7 +4,7 @@ default: 2 pipeline stages x 2 data shards x 2 tensor slices), with a progress b
 a checkpoint every --checkpoint-every steps (torch.distributed.checkpoint, one directory per step),
 a loss plot, and text sampled at the end from the checkpoint loaded into one process."""
 import argparse
-import dataclasses
+import json
 import math
 import time
 from datetime import datetime
@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from course import RESULTS
+from course.arguments import MAX_SEED, check_count, check_counts, check_folder_writable, check_number
 from course.chars import load_chars
 from course.demos import printable
 from course.impl import load, reference
@@ -22,6 +23,7 @@ from course.progress import ProgressBar
 TIMEOUT_S = 3600.0  # the run's default --timeout: the real run takes about 10 minutes on 2 cores
 SCHEDULES = ("gpipe", "1f1b", "interleaved")  # the Llama stage has no I/W split (zero-bubble schedules need one)
 PROMPT = "MENENIUS:\n"
+VALIDATION_FILE = "validation.json"  # in the run's directory: [[step, loss], ...], for the plot of a resumed run
 
 
 def add_args(parser: argparse.ArgumentParser):
@@ -84,10 +86,11 @@ def moe_config(args):
 
 def check_args(args):
     """One line for a bad option, mesh or checkpoint, before any rank starts (the given checks)."""
-    if min(args.steps, args.batch, args.microbatches, args.layers, args.seq_len, args.eval_every,
-           args.stages_per_rank) < 1 or args.checkpoint_every < 0 or args.sample < 0 or args.experts < 0:
-        raise ValueError("--steps, --batch, --microbatches, --layers, --seq-len, --eval-every and --stages-per-rank "
-                         "must be positive, --checkpoint-every, --sample and --experts at least 0")
+    check_counts(args, "steps", "batch", "microbatches", "layers", "seq_len", "eval_every", "checkpoint_every",
+                 "stages_per_rank", "dim")
+    check_counts(args, "sample", "experts", low=0)
+    check_number(args.lr, "--lr")  # nan, -1 or inf: every step's update would be nonsense, found minutes later
+    check_count(args.seed, "--seed", 0, MAX_SEED)
     if args.dim < 8 or args.dim % 8:
         raise ValueError(f"--dim {args.dim}: the model has 4 heads of an even width, so --dim must be a multiple of 8")
     if args.schedule not in SCHEDULES:
@@ -116,17 +119,35 @@ def check_args(args):
     if args.resume:
         latest = checkpoints.latest_checkpoint(args.resume)
         if latest is None:
-            raise ValueError(f"--resume {args.resume}: no complete checkpoint (step_NNNNNN/) there")
+            inside = Path(args.resume).parent
+            hint = (f": --resume takes the run's directory, {inside}, and continues from its latest step"
+                    if checkpoints.STEP_DIR.fullmatch(Path(args.resume).name) else "")
+            raise ValueError(f"--resume {args.resume}: no complete checkpoint (step_NNNNNN/) there{hint}")
         checkpoints.check_checkpoint(latest, cfg, text.chars, moe)
         if int(latest.name.removeprefix("step_")) >= args.steps:
             raise ValueError(f"--resume {args.resume}: its latest checkpoint is {latest.name}, at or beyond --steps "
                              f"{args.steps}: ask for more steps")
-        args.checkpoint_dir = args.resume
+        args.checkpoint_dir, option = args.resume, "--resume"
     elif args.checkpoint_dir is None:
         args.checkpoint_dir = str(RESULTS / "m17_runs" / datetime.now().strftime("%Y%m%d-%H%M%S"))
+        option = "the checkpoints' default folder (give --checkpoint-dir another)"
     elif checkpoints.latest_checkpoint(args.checkpoint_dir) is not None:
         raise ValueError(f"--checkpoint-dir {args.checkpoint_dir} holds an earlier run's checkpoints: continue it with "
                          f"--resume {args.checkpoint_dir}, or give another directory")
+    else:
+        option = "--checkpoint-dir"
+    # The first checkpoint comes after minutes of training: a folder that cannot take it is refused now.
+    check_folder_writable(args.checkpoint_dir, option)
+
+
+def earlier_validation(run_dir, until: int) -> list[tuple[int, float]]:
+    """The validation points the run in `run_dir` recorded up to step `until` (the checkpoint it resumes
+    from: later ones are computed again); none if there is no record to read."""
+    try:
+        recorded = json.loads((Path(run_dir) / VALIDATION_FILE).read_text())
+        return [(int(step), float(loss)) for step, loss in recorded if step <= until]
+    except (OSError, ValueError, TypeError):
+        return []
 
 
 def sample(model, text, prompt: str, n: int, seed: int, temperature: float = 0.8) -> str:
@@ -202,18 +223,25 @@ def demo(args):
         if bar is not None:
             bar.update(step, loss)
 
-    def on_validation(step, loss):
-        if bar is not None:
-            bar.note(f"validation {loss:.4f} (step {step})")
-
     start_step = 0
     if args.resume:
         start_step = int(reference("m17_checkpoint").latest_checkpoint(args.resume).name.removeprefix("step_"))
         if bar is not None:
             bar.start = start_step
-    losses, validation = run.train(model, text, args.steps, args.batch, args.lr, args.seed, args.microbatches,
-                                   checkpoint_dir, args.checkpoint_every, bool(args.resume), args.eval_every,
-                                   on_step=on_step, on_validation=on_validation, checkpoint_last=True)
+    # The run's validation points so far, kept in its directory: the checkpoint holds the training losses only.
+    points = earlier_validation(checkpoint_dir, start_step) if args.resume else []
+    record = Path(checkpoint_dir) / VALIDATION_FILE
+
+    def on_validation(step, loss):
+        if bar is not None:
+            bar.note(f"validation {loss:.4f} (step {step})")
+            points.append((step, loss))
+            record.parent.mkdir(parents=True, exist_ok=True)
+            record.write_text(json.dumps(points))
+
+    losses, _ = run.train(model, text, args.steps, args.batch, args.lr, args.seed, args.microbatches, checkpoint_dir,
+                          args.checkpoint_every, bool(args.resume), args.eval_every, on_step=on_step,
+                          on_validation=on_validation, checkpoint_last=True)
     elapsed = time.perf_counter() - began
     final = checkpoints.latest_checkpoint(checkpoint_dir) if checkpoint_dir else None  # the last step's
     if args.trace:
@@ -225,11 +253,12 @@ def demo(args):
     print(f"\n{done} steps in {elapsed:.0f} s: {done * tokens_per_step / elapsed:,.0f} tokens/s on {world_size} ranks; "
           f"training loss {losses[start_step]:.3f} at step {start_step + 1} -> {losses[-1]:.3f} at step {args.steps} "
           f"(mean of the last {len(last)}: {sum(last) / len(last):.3f})")
-    if validation:
-        print("validation loss: " + ", ".join(f"{v:.3f} (step {s})" for s, v in validation))
-    plot = RESULTS / "m17_loss.png"
-    plot_losses(losses, validation, plot, f"module 17: mesh {args.mesh}, {cfg.n_layers} blocks of dim {cfg.dim}")
-    print(f"loss plot: {plot}")
+    if points:
+        print("validation loss: " + ", ".join(f"{v:.3f} (step {s})" for s, v in points))
+    plot = Path(checkpoint_dir) / "loss.png"  # the run's own: a resumed run redraws it whole, its earlier part included
+    replaced = f" (steps 1 to {args.steps}; it replaces the plot that ended at step {start_step})" if plot.exists() else ""
+    plot_losses(losses, points, plot, f"module 17: mesh {args.mesh}, {cfg.n_layers} blocks of dim {cfg.dim}")
+    print(f"loss plot: {plot}{replaced}")
     if final is not None and args.sample and moe is not None:
         print(f"\nCheckpoint: {final} (sampling reads a checkpoint into module 06's dense model, not the MoE model)")
     elif final is not None and args.sample:

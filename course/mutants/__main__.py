@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from course import REPO
+from course.arguments import check_count, check_timeout, max_nproc
 from course.catalog import MODULES
 from course.grading import hung
 from course.mutants import Plant, PlantError, modules, planted, plants, todo_of
@@ -144,7 +145,7 @@ def selected_jobs(args: list[str]) -> list[Job]:
     for arg in args or modules():
         match = re.fullmatch(r"(\d\d)(?:\.(\d+))?", arg)
         if not match or match[1] not in modules():
-            raise SystemExit(f"error: {arg!r} is not a module with plants ({', '.join(modules())}) or a plant NN.K")
+            raise ValueError(f"{arg!r} is not a module with plants ({', '.join(modules())}) or a plant NN.K")
         number, index = match[1], match[2]
         if index is None:
             wanted[number] = None
@@ -155,7 +156,7 @@ def selected_jobs(args: list[str]) -> list[Job]:
         catalogue = plants(number)
         for index in indices or []:
             if not 1 <= index <= len(catalogue):
-                raise SystemExit(f"error: module {number} has plants {number}.1 to {number}.{len(catalogue)}")
+                raise ValueError(f"module {number} has plants {number}.1 to {number}.{len(catalogue)}")
         jobs.append(Job(number, 0, None))
         jobs += [Job(number, k, p) for k, p in enumerate(catalogue, start=1) if indices is None or k in indices]
     return jobs
@@ -237,9 +238,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=PLANT_TIMEOUT_S,
                         help=f"seconds one plant's tests may run before it counts as a hang (default {PLANT_TIMEOUT_S})")
     args = parser.parse_args(argv)
-    if args.jobs < 1 or args.timeout <= 0:
-        parser.error("--jobs and --timeout must be positive")
-    jobs = selected_jobs(args.which)
+    try:  # one line and exit code 2, as main.py's: --timeout nan or inf would make every row an ERROR
+        check_count(args.jobs, "--jobs", 1, max_nproc())
+        check_timeout(args.timeout, "--timeout")
+        jobs = selected_jobs(args.which)
+    except ValueError as error:
+        parser.error(str(error))
     # The baselines first: a module's verdicts mean something only once its unplanted solutions pass.
     jobs.sort(key=lambda job: (job.index > 0, job.number, job.index))
     print(f"{len(jobs) - sum(j.plant is None for j in jobs)} plants of modules "

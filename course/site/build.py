@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from course import REPO, RESULTS
+from course.arguments import cannot_write_in
 from course.site import explorer, memory, notebooks, pages, timelines
 
 SITE = RESULTS / "site"
@@ -106,8 +107,13 @@ def main(args: argparse.Namespace) -> int:
         print(f"error: this Python ({sys.executable}) has no Sphinx and MyST-NB, which build the site: install the "
               "course's requirements into it (pip install -r requirements.txt)")
         return 2
+    for folder in (SITE, notebooks.EXECUTED):  # before minutes of work (a read-only checkout, a full disk)
+        why = cannot_write_in(folder)
+        if why:
+            print(f"error: the site cannot be built: cannot write in {folder} ({why})", file=sys.stderr)
+            return 1
     started = time.perf_counter()
-    index, _ = build(execute="all" if args.execute else "missing")
+    index, _ = build(SITE, execute="all" if args.execute else "missing")
     print(f"site: built in {time.perf_counter() - started:.0f} s: open {index.as_uri()}\n"
           f"      or serve it: python -m http.server -d {index.parent.relative_to(REPO)} (then http://localhost:8000)",
           flush=True)

@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from course import REPO, RESULTS
@@ -58,14 +59,16 @@ def executed_copy(notebook: Path) -> Path | None:
 def execute(notebook: Path, timeout: float = 900) -> Path:
     """Run `notebook` top to bottom and keep the executed copy; a RuntimeError with the end of the error
     (nbclient's names the cell that failed) if it does not run to the end. The run has a session of its
-    own, so that `stop_running` can end it with its kernel."""
+    own and a temporary folder of its own (its TMPDIR: the kernel's connection file, the folders of the
+    ranks a notebook forks), so that `stop_running` can end it with its kernel and leave nothing behind."""
     EXECUTED.mkdir(parents=True, exist_ok=True)
     executed = EXECUTED / notebook.name
     partial = executed.with_suffix(".partial")
+    scratch = tempfile.mkdtemp(prefix="course-notebook-")
     proc = subprocess.Popen([sys.executable, "-c", EXECUTE, str(notebook), str(partial), str(notebook.parent)],
-                            env={**os.environ, "COURSE_IMPL": "solutions"}, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    RUNNING.add(proc)
+                            env={**os.environ, "COURSE_IMPL": "solutions", "TMPDIR": scratch},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    RUNNING[proc] = scratch
     try:
         _, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -80,20 +83,37 @@ def execute(notebook: Path, timeout: float = 900) -> Path:
     return executed
 
 
-RUNNING: set[subprocess.Popen] = set()  # the notebooks being executed, each the leader of its process group
+RUNNING: dict[subprocess.Popen, str] = {}  # the notebooks being executed (each the leader of its process group): their folders
 
 
 def stop(proc: subprocess.Popen) -> None:
-    """End a notebook's run and its kernel, if they are still running."""
-    RUNNING.discard(proc)
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    """End a notebook's run and its kernel (jupyter_client starts it in a session of its own, with the ranks
+    it forks), if they are still running, and remove the run's folder."""
+    scratch = RUNNING.pop(proc, None)
+    kernels = _children(proc.pid) if proc.poll() is None else []  # found while their parent is there to find
+    for group in [proc.pid, *kernels]:
+        try:
+            os.killpg(group, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
     proc.wait()
+    if scratch is not None:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def stop_running() -> None:
     """End every notebook still running (after Ctrl-C, or another notebook's failure)."""
     for proc in list(RUNNING):
         stop(proc)
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (Linux's /proc; none elsewhere)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(stat.parent.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
