@@ -1,5 +1,5 @@
 # Generated from solutions/m17_checkpoint.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 17`. (skeleton 1e6f973ab6f2)
+# Grade your work with `python main.py grade 17`. (skeleton faef2405e565)
 """Module 17, part 6 - checkpoints with torch.distributed.checkpoint (DCP): saved in the model's own
 shapes, loaded onto any mesh, never half-written.
 
@@ -229,11 +229,6 @@ def check_checkpoint(directory, cfg: LlamaConfig, vocab: str = "", moe=None):
     if not (isinstance(saved, dict) and isinstance(saved.get("model"), dict) and isinstance(saved.get("vocab"), str)):
         raise CheckpointError(f"{config} is not a checkpoint's description ({{\"model\": {{...}}, \"vocab\": \"...\"}}); "
                               f"remove {directory} to continue from the step before it")
-    try:
-        dcp.FileSystemReader(directory).read_metadata()  # what every rank reads first to load (a pickle)
-    except Exception as exc:  # cut short, or not DCP's: every rank would fail in its own traceback
-        raise CheckpointError(f"{directory / '.metadata'} cannot be read ({type(exc).__name__}: {exc}); remove "
-                              f"{directory} to continue from the step before it") from None
     mine = describe(cfg, vocab, moe)
     different = [f"{key}={saved['model'].get(key)!r} (this run: {value!r})" for key, value in mine["model"].items()
                  if saved["model"].get(key) != value]
@@ -244,6 +239,11 @@ def check_checkpoint(directory, cfg: LlamaConfig, vocab: str = "", moe=None):
     if different:
         raise CheckpointError(f"{directory} was saved for another model: {', '.join(different)}; run with the "
                               f"checkpoint's settings, or use another --checkpoint-dir")
+    try:
+        dcp.FileSystemReader(directory).read_metadata()  # what every rank reads first to load (a pickle)
+    except Exception as exc:  # cut short, or not DCP's: every rank would fail in its own traceback
+        raise CheckpointError(f"{directory / '.metadata'} cannot be read ({type(exc).__name__}: {exc}); remove "
+                              f"{directory} to continue from the step before it") from None
 
 
 def save(model, optimizer, train_state: dict, root, step: int, description: dict, make_writer=None) -> Path:
