@@ -96,18 +96,19 @@ def step_traffic(cfg: LlamaConfig, sizes: dict[str, int], batch: int, dtype: tor
     #                 ("t", "reduce_scatter"): norms norm_t + (4 L + 2) stream,
     #                 ("t", "all_reduce"): 3 * 2 (t - 1) / t N s,  ("d", "all_reduce"): 2 (d - 1) / d s}
     #         calls as in Hint 2;  return StepCost of both, each entry times m
-    matrix = (d - 1) / (d * t) * b
-    norm_d, norm_t = (d - 1) * M / (d * t) * b, (t - 1) * M / t * b
+    unit_d = (d - 1) / (d * t) * b  # a unit's all-gather or reduce-scatter over d, per value of the unit
+    block, top = P + 2 * M, 2 * V * M + M  # a block's values (its matrices and two norms), the top's
+    norm_t = (t - 1) * M / t * b
     stream = (t - 1) / t * A
     norms = 2 * L + 1
-    sent = {("d", "all_gather"): matrix * (2 * L * P + 3 * V * M) + 2 * norms * norm_d,
+    sent = {("d", "all_gather"): unit_d * (2 * L * block + top),
             ("t", "all_gather"): 2 * norms * norm_t + (4 * L + 2) * stream,
-            ("d", "reduce_scatter"): matrix * (L * P + 2 * V * M) + norms * norm_d,
+            ("d", "reduce_scatter"): unit_d * (L * block + top),
             ("t", "reduce_scatter"): norms * norm_t + (4 * L + 2) * stream,
             ("t", "all_reduce"): 3 * 2 * (t - 1) / t * N * s,
             ("d", "all_reduce"): 2 * (d - 1) / d * s}
-    calls = {("d", "all_gather"): 14 * L + 3 + 2 * norms, ("t", "all_gather"): 2 * norms + 4 * L + 2,
-             ("d", "reduce_scatter"): 7 * L + 2 + norms, ("t", "reduce_scatter"): norms + 4 * L + 2,
+    calls = {("d", "all_gather"): 2 * L + 1, ("t", "all_gather"): 2 * norms + 4 * L + 2,
+             ("d", "reduce_scatter"): L + 1, ("t", "reduce_scatter"): norms + 4 * L + 2,
              ("t", "all_reduce"): 3, ("d", "all_reduce"): 1}
     return StepCost({key: m * value for key, value in sent.items()}, {key: m * n for key, n in calls.items()})
     # <<<

@@ -15,10 +15,14 @@ every group of one mesh writes into the one log `mesh.log`, in call order.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from math import prod
+
 import torch
 
-from .m13_specs import (Sharded, Spec, SpecError, check_all_gather, check_all_reduce, check_einsum, check_matches,
-                        check_reduce_scatter, parse_arrow, parse_one_to_one)
+from course.mesh import Mesh
+from .m13_specs import (Sharded, Spec, SpecError, check_all_gather, check_all_reduce, check_einsum, check_grouped,
+                        check_matches, check_reduce_scatter, parse_arrow, parse_one_to_one)
 
 
 def all_gather(arrow: str, x: Sharded) -> Sharded:
@@ -149,4 +153,128 @@ def einsum_unreduced(equation: str, *operands: Sharded) -> Sharded:
     text += "->" + "".join(letters[n] for n in output.names())
     unreduced = frozenset(axis for dim in contracted for axis in dim.axes)
     return Sharded(torch.einsum(text, *(x.tensor for x in operands)), Spec(output.dims, unreduced), mesh)
+    # <<<
+
+
+# ---------------------------------------------------------------------------------------------
+# Grouped collectives: many arrows over one mesh axis, one collective
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class InFlight:
+    """A grouped collective started and not yet finished (`finish` waits for it and unpacks).
+
+    `rows` is the buffer the collective fills, one row per block it delivers: (n, S) for an
+    all-gather over n ranks (row j: rank j's blocks), (1, S) for a reduce-scatter (this rank's
+    blocks, summed). Every row holds the group's tensors in the same places: tensor i from
+    sum(numels of the tensors before it), a piece of shape `shapes[i]`. Tensor i's result is its
+    pieces, one per row in row order, side by side along dimension `dims[i]`, in spec `specs[i]`."""
+    work: object                    # the collective's work: rows hold the result once work.wait() returned
+    rows: torch.Tensor
+    shapes: list[tuple[int, ...]]
+    dims: list[int]
+    specs: list[Spec]
+    mesh: Mesh
+
+
+def _grouped(arrows, xs, collective, check):
+    """(axis, moves, right specs) of a grouped collective's arrows, each checked against its tensor (given)."""
+    if len(arrows) != len(xs):
+        raise SpecError(f"grouped {collective}: {len(arrows)} arrows for {len(xs)} tensors")
+    moves, rights = [], []
+    for arrow, x in zip(arrows, xs):
+        left, right = parse_one_to_one(arrow, x.mesh.sizes, collective)
+        check_matches(left, x, f"{collective} {arrow!r}")
+        moves.append(check(left, right, arrow))
+        rights.append(right)
+    return check_grouped(moves, arrows, [x.tensor for x in xs], collective), moves, rights
+
+
+def start_all_gather(arrows: list[str], xs: list[Sharded], label: str) -> InFlight:
+    """Starts one all-gather for many arrows over one mesh axis ('K/t Q D M/d -> K/t Q D M', 'M/t/d -> M/t',
+    ...: a unit of weights, gathered over d together); `finish` returns the gathered tensors."""
+    axis, moves, rights = _grouped(arrows, xs, "all_gather", check_all_gather)
+    mesh = xs[0].mesh
+    # >>> TODO(m13): copy-in: this rank's blocks in one buffer, and the one all-gather that carries them all
+    # Contract: return InFlight(work, rows, shapes, dims, rights, mesh) whose `finish` gives, for each arrow, the
+    #   tensor the per-arrow all_gather would (the test compares them, and cuts the blocks by hand). One collective,
+    #   started without waiting (async_op=True), over mesh.group(axis), labelled `label`; x.tensor is never written.
+    # The question: the collective moves one contiguous block per rank and lays the n blocks out in group order. What
+    #   must this rank's block hold, and in what shape must the rows come back, so that finish can find every
+    #   tensor's piece of every rank at the same place of each row? (InFlight's docstring.)
+    # Pitfalls: the pieces are this rank's blocks as they are (some are not contiguous: an einsum leaves them so);
+    #   dims are the moves' dimensions, one per tensor, not one for the group.
+    # Hint 1: one row per rank: this rank's row is its blocks, flattened, end to end; rows for the group's n ranks.
+    # Hint 2: torch.cat of x.tensor.reshape(-1) for every x, as a (1, S) row; rows = row.new_empty(n, S);
+    #         group.collectives.all_gather(rows, row, label=label, async_op=True) returns the work.
+    # Hint 3: row = the blocks flattened and concatenated, shaped (1, S)
+    #         rows = an empty (n, S) buffer;  work = the group's all-gather of row into rows, started async
+    #         return InFlight(work, rows, [each x's shape], [each move's dim], rights, mesh)
+    group = mesh.group(axis)
+    row = torch.cat([x.tensor.reshape(-1) for x in xs]).unsqueeze(0)
+    rows = row.new_empty(group.size, row.shape[1])
+    work = group.collectives.all_gather(rows, row, label=label, async_op=True)
+    return InFlight(work, rows, [tuple(x.tensor.shape) for x in xs], [m.dim for m in moves], rights, mesh)
+    # <<<
+
+
+def start_reduce_scatter(arrows: list[str], xs: list[Sharded], label: str) -> InFlight:
+    """Starts one reduce-scatter for many arrows over one mesh axis ('K/t Q D M {U_d} -> K/t Q D M/d', ...:
+    a unit's gradients); `finish` returns this rank's block of each sum."""
+    axis, moves, rights = _grouped(arrows, xs, "reduce_scatter", check_reduce_scatter)
+    mesh = xs[0].mesh
+    # >>> TODO(m13): copy-in: every tensor cut along its own dimension, the cuts in one buffer, one reduce-scatter
+    # Contract: return InFlight(work, rows, shapes, dims, rights, mesh) whose `finish` gives, for each arrow, the
+    #   tensor the per-arrow reduce_scatter would: this rank's block (along the arrow's dimension) of the sum over the
+    #   axis's ranks. One collective, started without waiting, over mesh.group(axis), labelled `label`; x.tensor is
+    #   read, never written.
+    # The question: a reduce-scatter sums the group's buffers and hands rank j the j-th of n equal contiguous parts.
+    #   Where in the buffer must each tensor's block j (along its own dimension, not along dimension 0) sit, so that
+    #   part j holds exactly rank j's blocks, in the places finish reads them from?
+    # Pitfalls: the dimension differs from tensor to tensor (M/d is the last dimension of wq's gradient, the first of
+    #   wo's); a block along a dimension other than the first is not contiguous in the tensor.
+    # Hint 1: the mirror image of start_all_gather: build the n rows the gather would have delivered, row j holding
+    #         every tensor's block j, and let the collective leave this rank its own row, summed.
+    # Hint 2: x.tensor.chunk(n, dim=move.dim) gives the n blocks; torch.stack(blocks).reshape(n, -1) puts block j of
+    #         one tensor in row j; torch.cat(..., dim=1) lays the tensors side by side;
+    #         group.collectives.reduce_scatter(out (1, S), rows (n, S), label=label, async_op=True).
+    # Hint 3: rows = for each x: its n blocks along its dim, stacked and flattened to (n, numel / n);
+    #                the tensors concatenated along dimension 1
+    #         out = an empty (1, S) row;  work = the group's reduce-scatter of rows into out, started async
+    #         return InFlight(work, out, [shape of each block], [each move's dim], rights, mesh)
+    group = mesh.group(axis)
+    blocks = [x.tensor.chunk(group.size, dim=move.dim) for x, move in zip(xs, moves)]
+    rows = torch.cat([torch.stack(b).reshape(group.size, -1) for b in blocks], dim=1)
+    out = rows.new_empty(1, rows.shape[1])
+    work = group.collectives.reduce_scatter(out, rows, label=label, async_op=True)
+    return InFlight(work, out, [tuple(b[0].shape) for b in blocks], [m.dim for m in moves], rights, mesh)
+    # <<<
+
+
+def finish(pending: InFlight) -> list[Sharded]:
+    """The results of a grouped collective, in the order of its arrows: copy-out, once it has arrived."""
+    # >>> TODO(m13): copy-out: each tensor's pieces from every row, side by side along its own dimension
+    # Contract: return [Sharded(tensor_i, pending.specs[i], pending.mesh)], tensor_i built as InFlight's docstring says
+    #   from pending.rows, as it is once the collective has delivered. Used for both kinds: an all-gather's n rows
+    #   and a reduce-scatter's one row. New tensors: the rows' buffer may be reused.
+    # The question: where does tensor i's piece start in a row, where does rank j's piece go in tensor i, and
+    #   when may the rows be read at all?
+    # Pitfalls: the offset of tensor i counts the values of the tensors before it in one row, not in all rows; a
+    #   piece laid along the wrong dimension can have the right shape (the test's tensors are square where it
+    #   matters). Under the tests' late collectives the rows are NaN until the work is waited for.
+    # Hint 1: wait first; then walk the tensors with a running offset into the row, and for each take its slice of
+    #         every row, shaped as its piece, and join them along its dimension.
+    # Hint 2: pending.work.wait(); rows[:, offset:offset + n] with n = prod(shape); .view(shape) of each row's slice;
+    #         torch.cat(pieces, dim=dim).
+    # Hint 3: wait for the work;  offset = 0
+    #         for each (shape, dim, spec): n = values in shape
+    #             pieces = each row's [offset, offset + n) viewed as shape;  result = pieces joined along dim
+    #             offset grows by n
+    pending.work.wait()
+    results, offset = [], 0
+    for shape, dim, spec in zip(pending.shapes, pending.dims, pending.specs):
+        n = prod(shape)
+        pieces = [row[offset:offset + n].view(shape) for row in pending.rows]
+        results.append(Sharded(torch.cat(pieces, dim=dim), spec, pending.mesh))
+        offset += n
+    return results
     # <<<
