@@ -242,29 +242,25 @@ class Llama2D:
         # Contract: return h[B/d T M/t] = x + the attention output; save in the store, under these names, the
         #   activations the backward reads, as Sharded values with these specs: 'xg' (x gathered over t), 'n1',
         #   'r1', 'q', 'k' (after RoPE), 'v', 'o', 'lse'. Specs: xg, n1 [B/d T M]; r1 [B/d T]; q, o [B/d T K/t Q D];
-        #   k, v [B/d T K/t D]; lse [B/d K/t Q T]. w is the block's weights already gathered over d (its unit's
-        #   all-gather): wq [K/t Q D M], ..., ln1 [M/t].
-        # The equations: x gathered over t; ln1 gathered over t; RMSNorm (module 06's rmsnorm_forward, as a local
-        #   op); each of wq, wk, wv contracted over M; RoPE on q and k (rope.cos_q/sin_q for q's five dimensions,
-        #   rope.cos/sin for k's four); attention (grouped_attention_forward, chunk self.attention_chunk); wo
-        #   contracted over K/t Q D: unreduced over t, so reduce-scattered over t onto M/t; the residual add.
-        # Pitfalls: the residual add needs the reduce-scattered result (adding the partial sum is refused); RoPE
-        #   rotates q and k, never v. Every collective goes through the module's functions, so the tests can count
-        #   them against the formula.
-        # Hint 1: twelve or so lines, one per equation of the chapter's attention table, then the saves.
-        # Hint 2: all_gather("B/d T M/t -> B/d T M", x), all_gather("M/t -> M", w.ln1),
-        #         local("B/d T M, M -> B/d T M, B/d T", rmsnorm_forward, ..., eps=cfg.norm_eps),
-        #         einsum_unreduced("B/d T M, K/t Q D M -> B/d T K/t Q D", ...), local(..., rope_forward, q, cos=...,
-        #         sin=...), local("..., ..., ... -> B/d T K/t Q D, B/d K/t Q T", grouped_attention_forward, q, k, v,
-        #         chunk=...), einsum_unreduced("B/d T K/t Q D, M K/t Q D -> B/d T M", o, wo),
-        #         reduce_scatter("B/d T M {U_t} -> B/d T M/t", ...), x + that.
-        # Hint 3: xg = gather x over t;  ln1 = gather w.ln1 over t;  n1, r1 = local RMSNorm of xg with ln1
-        #         q, k, v = n1 contracted with w.wq, w.wk, w.wv
+        #   k, v [B/d T K/t D]; lse [B/d K/t Q T]. w holds the block's weights already gathered over d (its unit's
+        #   all-gather, forward_backward's): wq [K/t Q D M], ..., ln1 [M/t]. Two collectives over t, the calls the
+        #   tests count against the formula.
+        # The question: the chapter's attention table, in code: which operation says each line, on which tensors?
+        # Maths: RMSNorm is module 06's rmsnorm_forward, RoPE its rope_forward (rope.cos_q/sin_q for q's five
+        #   dimensions, rope.cos/sin for k's four), attention grouped_attention_forward (chunk self.attention_chunk):
+        #   local ops, whose signatures state their specs.
+        # Pitfalls: what may be added to the residual stream, and what does RoPE rotate?
+        # Hint 1: which lines of the chapter's attention table move data over t, and which of them happen at the same
+        #         point of the code?
+        # Hint 2: the chapter's table: [x, LN1] gathered over t in one collective; n1 = RMSNorm(x) LN1; q, k, v = n1 .
+        #         W_Q, W_K, W_V over M; RoPE on q, k; attention; a{U_t} = o . W_O over K_t Q D; ReduceScatter_t; x + a.
+        # Hint 3: xg, ln1 = finish(start_all_gather(["B/d T M/t -> B/d T M", "M/t -> M"], [x, w.ln1], label))
+        #         n1, r1 = local("B/d T M, M -> B/d T M, B/d T", rmsnorm_forward, xg, ln1, eps=cfg.norm_eps)
+        #         q = einsum_unreduced("B/d T M, K/t Q D M -> B/d T K/t Q D", n1, w.wq); k, v the same with "K/t D"
         #         q, k = local RoPE of each;  o, lse = local grouped attention of q, k, v
-        #         a = o contracted with w.wo, then reduce-scattered over t
-        #         save the eight names;  return x + a
-        xg = all_gather("B/d T M/t -> B/d T M", x)
-        ln1 = all_gather("M/t -> M", w.ln1)
+        #         a = reduce_scatter("B/d T M {U_t} -> B/d T M/t", einsum_unreduced("B/d T K/t Q D, M K/t Q D ->
+        #         B/d T M", o, w.wo));  save the eight names;  return x + a
+        xg, ln1 = finish(start_all_gather(["B/d T M/t -> B/d T M", "M/t -> M"], [x, w.ln1], "x, ln1"))
         n1, r1 = local("B/d T M, M -> B/d T M, B/d T", rmsnorm_forward, xg, ln1, eps=cfg.norm_eps)
         q = einsum_unreduced("B/d T M, K/t Q D M -> B/d T K/t Q D", n1, w.wq)
         k = einsum_unreduced("B/d T M, K/t D M -> B/d T K/t D", n1, w.wk)
@@ -286,24 +282,24 @@ class Llama2D:
         cfg = self.cfg
         # >>> TODO(m13): the FFN half in named axes: each line's collectives and specs
         # Contract: return y[B/d T M/t] = h + the FFN output; save, as Sharded values, 'hg' (h with all of M, the
-        #   norm's input), 'n2', 'r2', 'g', 'u', 's'. Specs: hg, n2 [B/d T M]; r2 [B/d T]; g, u, s [B/d T F/t].
+        #   norm's input), 'n2', 'r2', 'g', 'u', 's'. Specs: hg, n2 [B/d T M]; r2 [B/d T]; g, u, s [B/d T F/t]. w holds
+        #   the block's weights already gathered over d (BLOCK_SPECS without d: w_gate [F/t M], ln2 [M/t]). The tests
+        #   count the collectives against the formula: as many as the attention half's.
+        # The question: the attention half's rules, on the FFN: which line moves what over t, and where?
         # Maths (module 06's FFN half): n2, r2 = RMSNorm(h) with ln2; g = n2 W_gate^T and u = n2 W_up^T; s = SwiGLU(g,
-        #   u) (module 06's swiglu_forward, a local op); y = h + s W_down^T. The chapter writes the attention half
-        #   line by line; this half follows from the same rules, the specs of the weights as w holds them (gathered
-        #   over d by the block's unit: BLOCK_SPECS without d) and the stream's.
-        # Pitfalls: adding a partial sum to the residual is refused, naming the axis. Every collective goes through
-        #   the module's functions, so the tests can count them against the formula.
-        # Hint 1: the attention half's pattern: gather the stream, norm, column-split products, a local op, the
-        #         row-split product, reduce-scatter, add.
-        # Hint 2: einsum_unreduced("B/d T M, F/t M -> B/d T F/t", n2, w.w_gate);
-        #         local("B/d T F/t, B/d T F/t -> B/d T F/t", swiglu_forward, g, u);
-        #         einsum_unreduced("B/d T F/t, M F/t -> B/d T M", s, w.w_down).
-        # Hint 3: hg = gather h over t;  n2, r2 = local RMSNorm of hg with ln2 (gathered over t)
-        #         g, u = n2 contracted with w.w_gate, w.w_up;  s = local SwiGLU of g, u
-        #         f = s contracted with w.w_down, reduce-scattered over t
+        #   u) (module 06's swiglu_forward, a local op); y = h + s W_down^T.
+        # Pitfalls: which of these products leaves a partial sum, and what may be added to the residual?
+        # Hint 1: the attention half's pattern: what is gathered over t before the norm, and what is reduce-scattered
+        #         over t before the residual add?
+        # Hint 2: [h, LN2] gathered over t together; g, u[B_d, T, F_t] = n2 . W_gate, n2 . W_up over M (nothing
+        #         unreduced); f[B_d, T, M]{U_t} = s . W_down over F_t; ReduceScatter_t; y = h + f.
+        # Hint 3: hg, ln2 = finish(start_all_gather(["B/d T M/t -> B/d T M", "M/t -> M"], [h, w.ln2], label))
+        #         n2, r2 = local RMSNorm of hg with ln2
+        #         g, u = einsum_unreduced("B/d T M, F/t M -> B/d T F/t", n2, w.w_gate), ... w.w_up
+        #         s = local("B/d T F/t, B/d T F/t -> B/d T F/t", swiglu_forward, g, u)
+        #         f = reduce_scatter over t of einsum_unreduced("B/d T F/t, M F/t -> B/d T M", s, w.w_down)
         #         save the six names;  return h + f
-        hg = all_gather("B/d T M/t -> B/d T M", h)
-        ln2 = all_gather("M/t -> M", w.ln2)
+        hg, ln2 = finish(start_all_gather(["B/d T M/t -> B/d T M", "M/t -> M"], [h, w.ln2], "h, ln2"))
         n2, r2 = local("B/d T M, M -> B/d T M, B/d T", rmsnorm_forward, hg, ln2, eps=cfg.norm_eps)
         g = einsum_unreduced("B/d T M, F/t M -> B/d T F/t", n2, w.w_gate)
         u = einsum_unreduced("B/d T M, F/t M -> B/d T F/t", n2, w.w_up)
@@ -326,21 +322,21 @@ class Llama2D:
         #   every rank. Save 'xf' (x with all of M, the final norm's input), 'nf', 'rf' (the norm's output and
         #   statistics) and 'dlogits' (cross_entropy_over_t computes the gradient with the loss). top holds the final
         #   norm and the LM head already gathered over d: [M/t] and [V/t M].
-        # Maths: nf, rf = RMSNorm(x) with the final norm; logits = nf LM_head^T, a sum over M, in the spec
-        #   cross_entropy_over_t takes (given: [B/d T V/t]); its loss is this rank's rows' share of the mean, {U_d}.
-        #   The collectives and specs on the way follow from the chapter's rules.
-        # Pitfalls: n_tokens is the global batch's token count (the caller passes it): the gradient of the mean over
-        #   the global batch is 1 / (B T) per token, not 1 / (B/d T). A scalar's spec lists no dimension.
-        # Hint 1: the FFN half's first lines (gather the stream, gather the norm weight, local RMSNorm), then the
-        #         head's product, then the given loss, then a sum over d.
-        # Hint 2: einsum_unreduced("B/d T M, V/t M -> B/d T V/t", nf, top.lm_head);
-        #         cross_entropy_over_t(logits, targets, cfg.vocab_size, n_tokens); all_reduce("{U_d} ->", loss).
-        # Hint 3: xf = gather x over t;  nf, rf = local RMSNorm of xf with the final norm (gathered over t)
-        #         logits = nf contracted with the LM head
-        #         loss, dlogits = the given cross-entropy;  save xf, nf, rf, dlogits
-        #         return the all-reduce of loss over d
-        xf = all_gather("B/d T M/t -> B/d T M", x)
-        norm = all_gather("M/t -> M", top.final_norm)
+        # The question: from the stream's spec to the spec cross_entropy_over_t takes, and from its loss to one
+        #   number on every rank: which collectives, over which axes?
+        # Maths: nf, rf = RMSNorm(x) with the final norm; logits = nf LM_head^T, a sum over M; cross_entropy_over_t
+        #   (given) takes logits [B/d T V/t] and returns this rank's rows' share of the mean, {U_d}.
+        # Pitfalls: n_tokens is the global batch's token count (the caller passes it): what is the gradient of the
+        #   mean over the global batch per token? What does a scalar's spec list?
+        # Hint 1: which of the FFN half's first lines apply here, and what is left to sum at the end?
+        # Hint 2: [x, LN_f] gathered over t together; nf = RMSNorm(x) LN_f; logits[B_d, T, V_t] = nf . LM_head over M;
+        #         the loss{U_d} summed over d.
+        # Hint 3: xf, norm = finish(start_all_gather([stream's arrow, "M/t -> M"], [x, top.final_norm], label))
+        #         nf, rf = local RMSNorm of xf with norm
+        #         logits = einsum_unreduced("B/d T M, V/t M -> B/d T V/t", nf, top.lm_head)
+        #         loss, dlogits = cross_entropy_over_t(logits, targets, cfg.vocab_size, n_tokens)
+        #         save xf, nf, rf, dlogits;  return all_reduce("{U_d} ->", loss)
+        xf, norm = finish(start_all_gather(["B/d T M/t -> B/d T M", "M/t -> M"], [x, top.final_norm], "x, final_norm"))
         nf, rf = local("B/d T M, M -> B/d T M, B/d T", rmsnorm_forward, xf, norm, eps=cfg.norm_eps)
         logits = einsum_unreduced("B/d T M, V/t M -> B/d T V/t", nf, top.lm_head)
         loss, dlogits = cross_entropy_over_t(logits, targets, cfg.vocab_size, n_tokens)
@@ -355,32 +351,34 @@ class Llama2D:
         the top unit gathered over d (the forward's: not gathered again)."""
         # >>> TODO(m13): the backward of the LM head and the final norm
         # Contract: return (dx, d_final_norm, d_lm_head): the gradient of the last block's output in the stream's
-        #   layout [B/d T M/t], and the two weights' gradients as their unit's reduce-scatter over d takes them: whole
-        #   over d, as top holds the weights, and unreduced over d ([M/t {U_d}], [V/t M {U_d}]).
+        #   layout [B/d T M/t], and the two weights' gradients as their unit's reduce-scatter over d takes them: in the
+        #   specs of the weights as top holds them (gathered over d), unreduced over d: [M/t {U_d}], [V/t M {U_d}].
+        #   The top unit is the forward's (it is not gathered again).
+        # The question: by the chapter's two rules of the backward, which collectives does each line need, and which
+        #   of them happen at the same point of the code?
         # Maths (module 06's, from what loss_forward saved): dn = dlogits LM_head, a sum over the vocabulary;
         #   dLM_head = dlogits^T nf, a sum over the tokens; dxf, dfinal_norm = RMSNorm's backward (module 06's
-        #   rmsnorm_backward, linear in dn) at xf, rf. Each line's collectives and specs follow from the chapter's two
-        #   rules of the backward.
-        # Pitfalls: the norm weight's gradient is a sum over the rows of the batch *and* linear in dn: work out over
-        #   which axes it is a partial sum (reducing it over too few leaves ranks with different, partial gradients).
-        #   dx must be summed, not just sliced, into the stream's layout.
-        # Hint 1: two contractions with dlogits (one for dn, one for the head's gradient), the local norm backward,
-        #         then two reduce-scatters over t.
-        # Hint 2: einsum_unreduced("B/d T V/t, V/t M -> B/d T M", ...); einsum_unreduced("B/d T V/t, B/d T M -> V/t
-        #         M", ...); local("B/d T M {U_t}, B/d T M, B/d T, M -> B/d T M {U_t}, M {U_d,t}", rmsnorm_backward,
-        #         dn, xf, rf, norm); reduce_scatter("M {U_d,t} -> M/t {U_d}", ...).
-        # Hint 3: dn = dlogits contracted with top.lm_head over V
-        #         d_head = dlogits contracted with nf over B and T (unreduced over d)
-        #         dxf, d_norm = local norm backward of dn at xf, rf, the final norm gathered over t
-        #         return (dxf reduce-scattered over t, d_norm reduce-scattered over t, d_head)
+        #   rmsnorm_backward, linear in dn) at xf, rf.
+        # Pitfalls: the norm weight's gradient is a sum over the rows of the batch *and* linear in dn: over which
+        #   axes is it a partial sum, and which of them is left to the unit? Is dx summed, or only sliced?
+        # Hint 1: what is unreduced over t after the norm's backward, and must it travel in two collectives?
+        # Hint 2: dn[B_d, T, M]{U_t} = dlogits . LM_head over V_t; dLM_head[V_t, M]{U_d} = dlogitsᵀ . nf over B_d, T;
+        #         dxf{U_t}, dLN_f[M]{U_d,t} = RMSNorm's backward; [dxf, dLN_f] reduce-scattered over t together.
+        # Hint 3: dn = einsum_unreduced("B/d T V/t, V/t M -> B/d T M", dlogits, top.lm_head)
+        #         d_head = einsum_unreduced("B/d T V/t, B/d T M -> V/t M", dlogits, nf)
+        #         dxf, d_norm = local("B/d T M {U_t}, B/d T M, B/d T, M -> B/d T M {U_t}, M {U_d,t}",
+        #                             rmsnorm_backward, dn, xf, rf, the final norm gathered over t)
+        #         dx, d_norm = finish(start_reduce_scatter(["B/d T M {U_t} -> B/d T M/t", "M {U_d,t} -> M/t {U_d}"],
+        #                                                  [dxf, d_norm], label));  return dx, d_norm, d_head
         dlogits, nf = store["dlogits"], store["nf"]
         dn = einsum_unreduced("B/d T V/t, V/t M -> B/d T M", dlogits, top.lm_head)
         d_head = einsum_unreduced("B/d T V/t, B/d T M -> V/t M", dlogits, nf)
         norm = all_gather("M/t -> M", top.final_norm)
         dxf, d_norm = local("B/d T M {U_t}, B/d T M, B/d T, M -> B/d T M {U_t}, M {U_d,t}", rmsnorm_backward,
                             dn, store["xf"], store["rf"], norm)
-        d_norm = reduce_scatter("M {U_d,t} -> M/t {U_d}", d_norm)
-        return reduce_scatter("B/d T M {U_t} -> B/d T M/t", dxf), d_norm, d_head
+        dx, d_norm = finish(start_reduce_scatter(["B/d T M {U_t} -> B/d T M/t", "M {U_d,t} -> M/t {U_d}"],
+                                                 [dxf, d_norm], "dx, d final_norm"))
+        return dx, d_norm, d_head
         # <<<
 
     def ffn_half_backward(self, w: BlockWeights, dy: Sharded, store: ActivationStore, grads: dict) -> Sharded:
@@ -389,27 +387,28 @@ class Llama2D:
         # Contract: return dh[B/d T M/t], the gradient of the half's input h; set grads["w_down"], grads["w_gate"],
         #   grads["w_up"], grads["ln2"], each as the block's reduce-scatter over d takes it: in the spec of its weight
         #   as w holds it (gathered over d: w_down [M F/t], ln2 [M/t]), unreduced over d. Read g, u, s, hg, n2, r2
-        #   from the store.
+        #   from the store. The tests count the collectives: one over t for each of the forward's.
+        # The question: which collective is each of the forward's conjugated into, and what travels with it?
         # Maths (module 06's FFN backward, the forward in reverse): ds = dy W_down; dW_down = dy^T s over the tokens;
         #   dg, du = SwiGLU's backward (module 06's swiglu_backward, local); dn2 = dg W_gate + du W_up; dW_gate =
-        #   dg^T n2 and dW_up = du^T n2; dhg, dln2 = RMSNorm's backward at hg, r2; dh = dy + dhg. Each line's
-        #   collectives and specs follow from the chapter's two rules of the backward and the forward's specs.
-        # Pitfalls: the residual adds dy exactly once. A gradient leaves summed over every axis but d (the block's
-        #   unit sums over d, once, for all nine): a norm weight's is a partial sum over t as well.
-        # Hint 1: read the forward bottom to top; each all-gather of the stream becomes a reduce-scatter, each
-        #         reduce-scatter an all-gather, and each contraction with a weight gives two: one for the input's
-        #         gradient, one for the weight's.
-        # Hint 2: einsum_unreduced("B/d T M, M F/t -> B/d T F/t", dyg, w.w_down); einsum_unreduced("B/d T M, B/d T
-        #         F/t -> M F/t", dyg, s) (unreduced over d); local(..., swiglu_backward, ds, g, u);
-        #         reduce_scatter("M {U_d,t} -> M/t {U_d}", ...).
-        # Hint 3: dyg = gather dy over t
-        #         ds = dyg times w.w_down over M;  grads w_down = dyg, s contracted over B, T
-        #         dg, du = local SwiGLU backward
-        #         dn2 = dg times w.w_gate + du times w.w_up (over F);  grads w_gate, w_up as w_down's, with n2
-        #         dhg, d_ln2 = local norm backward of dn2 at hg, r2, ln2 (gathered over t)
-        #         grads ln2 = d_ln2 reduce-scattered over t;  return dy + (dhg reduce-scattered over t)
+        #   dg^T n2 and dW_up = du^T n2; dhg, dln2 = RMSNorm's backward at hg, r2; dh = dy + dhg.
+        # Pitfalls: how many times does the residual add dy? Over which axes is each weight's gradient still a
+        #   partial sum, and which of them does the block's unit sum, once, for all nine?
+        # Hint 1: reading the forward bottom to top, what does each all-gather become, each reduce-scatter, and each
+        #         contraction with a weight?
+        # Hint 2: [dy, LN2] gathered over t together; ds = dy . W_down over M; dW_down[M, F_t]{U_d} = dyᵀ . s over
+        #         B_d, T; dn2{U_t} = dg . W_gate + du . W_up over F_t; dW_gate, dW_up{U_d} with n2; dhg{U_t},
+        #         dLN2{U_d,t} = RMSNorm's backward; [dhg, dLN2] reduce-scattered over t together; dh = dy + dhg.
+        # Hint 3: dyg, ln2 = finish(start_all_gather(["B/d T M/t -> B/d T M", "M/t -> M"], [dy, w.ln2], label))
+        #         ds = einsum_unreduced("B/d T M, M F/t -> B/d T F/t", dyg, w.w_down)
+        #         grads["w_down"] = einsum_unreduced("B/d T M, B/d T F/t -> M F/t", dyg, s)
+        #         dg, du = local SwiGLU backward;  dn2 = the two products over F/t, added
+        #         grads["w_gate"], grads["w_up"] = einsum_unreduced("B/d T F/t, B/d T M -> F/t M", dg or du, n2)
+        #         dhg, d_ln2 = local norm backward of dn2 at hg, r2, ln2 ("... -> B/d T M {U_t}, M {U_d,t}")
+        #         dhg, grads["ln2"] = finish(start_reduce_scatter([stream's arrow, "M {U_d,t} -> M/t {U_d}"], ...))
+        #         return dy + dhg
         g, u, s, n2 = store["g"], store["u"], store["s"], store["n2"]
-        dyg = all_gather("B/d T M/t -> B/d T M", dy)
+        dyg, ln2 = finish(start_all_gather(["B/d T M/t -> B/d T M", "M/t -> M"], [dy, w.ln2], "dy, ln2"))
         ds = einsum_unreduced("B/d T M, M F/t -> B/d T F/t", dyg, w.w_down)
         grads["w_down"] = einsum_unreduced("B/d T M, B/d T F/t -> M F/t", dyg, s)
         dg, du = local("B/d T F/t, B/d T F/t, B/d T F/t -> B/d T F/t, B/d T F/t", swiglu_backward, ds, g, u)
@@ -417,11 +416,11 @@ class Llama2D:
                + einsum_unreduced("B/d T F/t, F/t M -> B/d T M", du, w.w_up))
         grads["w_gate"] = einsum_unreduced("B/d T F/t, B/d T M -> F/t M", dg, n2)
         grads["w_up"] = einsum_unreduced("B/d T F/t, B/d T M -> F/t M", du, n2)
-        ln2 = all_gather("M/t -> M", w.ln2)
         dhg, d_ln2 = local("B/d T M {U_t}, B/d T M, B/d T, M -> B/d T M {U_t}, M {U_d,t}", rmsnorm_backward,
                            dn2, store["hg"], store["r2"], ln2)
-        grads["ln2"] = reduce_scatter("M {U_d,t} -> M/t {U_d}", d_ln2)
-        return dy + reduce_scatter("B/d T M {U_t} -> B/d T M/t", dhg)
+        dhg, grads["ln2"] = finish(start_reduce_scatter(["B/d T M {U_t} -> B/d T M/t", "M {U_d,t} -> M/t {U_d}"],
+                                                        [dhg, d_ln2], "dh, d ln2"))
+        return dy + dhg
         # <<<
 
     def attention_half_backward(self, w: BlockWeights, dh: Sharded, store: ActivationStore, grads: dict) -> Sharded:
@@ -431,26 +430,29 @@ class Llama2D:
         # Contract: return dx[B/d T M/t], the gradient of the block's input; set grads["wo"], grads["wq"],
         #   grads["wk"], grads["wv"], grads["ln1"], each as in the FFN half's backward (the spec of its weight as w
         #   holds it, unreduced over d). Read xg, n1, r1, q, k, v, o, lse from the store.
+        # The question: the FFN half's backward, for attention: what changes, what does not?
         # Maths (module 06's attention backward, the forward in reverse): do = dh W_o; dW_o = dh^T o over the
         #   tokens; dq, dk, dv = attention's backward (grouped_attention_backward, local, chunk
         #   self.attention_chunk, from the saved q and k after RoPE, v, o and lse); RoPE's backward on dq and dk
         #   (rope_backward with the forward's tables), never on dv; dn1 = dq W_q + dk W_k + dv W_v; dW_q = dq^T n1,
-        #   and so for k and v; dxg, dln1 = RMSNorm's backward at xg, r1; dx = dh + dxg. The collectives and specs
-        #   follow from the chapter's two rules of the backward, as in the FFN half's backward.
-        # Pitfalls: as in the FFN half's backward.
-        # Hint 1: the FFN half's backward, with attention in place of SwiGLU and three projections in place of two.
-        # Hint 2: einsum_unreduced("B/d T M, M K/t Q D -> B/d T K/t Q D", dhg, w.wo); local("B/d T K/t Q D, B/d T K/t
-        #         Q D, B/d T K/t D, B/d T K/t D, B/d T K/t Q D, B/d K/t Q T -> B/d T K/t Q D, B/d T K/t D, B/d T K/t
-        #         D", grouped_attention_backward, do, q, k, v, o, lse, chunk=...); local(..., rope_backward, dq,
-        #         cos=rope.cos_q, sin=rope.sin_q); einsum_unreduced("B/d T K/t Q D, K/t Q D M -> B/d T M", dq, w.wq).
-        # Hint 3: dhg = gather dh over t;  do = dhg times w.wo;  grads wo = dhg, o contracted over B, T
-        #         dq, dk, dv = local attention backward;  dq, dk = local RoPE backward of each
-        #         dn1 = dq w.wq + dk w.wk + dv w.wv;  grads wq, wk, wv = dq, dk, dv contracted with n1 over B, T
-        #         dxg, d_ln1 = local norm backward of dn1 at xg, r1, ln1 (gathered over t)
-        #         grads ln1 = d_ln1 reduce-scattered over t
-        #         return dh + (dxg reduce-scattered over t)
+        #   and so for k and v; dxg, dln1 = RMSNorm's backward at xg, r1; dx = dh + dxg.
+        # Pitfalls: as in the FFN half's backward; which of the three gradients does RoPE's backward touch?
+        # Hint 1: where does attention stand in for SwiGLU, and three projections for two?
+        # Hint 2: [dh, LN1] gathered over t together; do = dh . W_O over M; dW_O[M, K_t, Q, D]{U_d} = dhᵀ . o;
+        #         dn1{U_t} = dq . W_Q + dk . W_K + dv . W_V over K_t (Q) D; dW_Q{U_d} = dqᵀ . n1, and so for k and v;
+        #         [dxg, dLN1] reduce-scattered over t together; dx = dh + dxg.
+        # Hint 3: dhg, ln1 = finish(start_all_gather(["B/d T M/t -> B/d T M", "M/t -> M"], [dh, w.ln1], label))
+        #         do = einsum_unreduced("B/d T M, M K/t Q D -> B/d T K/t Q D", dhg, w.wo)
+        #         grads["wo"] = einsum_unreduced("B/d T M, B/d T K/t Q D -> M K/t Q D", dhg, o)
+        #         dq, dk, dv = local(q's, k's, v's, o's and lse's specs -> dq's, dk's, dv's,
+        #                            grouped_attention_backward, do, q, k, v, o, lse, chunk=self.attention_chunk)
+        #         dq, dk = local rope_backward of each (cos=rope.cos_q, sin=rope.sin_q for dq)
+        #         dn1 = the three einsum_unreduced(..., "K/t Q D M -> B/d T M") products, added
+        #         grads wq, wk, wv = einsum_unreduced("B/d T K/t Q D, B/d T M -> K/t Q D M", dq, n1), ...
+        #         dxg, d_ln1 = local norm backward;  dxg, grads["ln1"] = one grouped reduce-scatter over t
+        #         return dh + dxg
         n1 = store["n1"]
-        dhg = all_gather("B/d T M/t -> B/d T M", dh)
+        dhg, ln1 = finish(start_all_gather(["B/d T M/t -> B/d T M", "M/t -> M"], [dh, w.ln1], "dh, ln1"))
         do = einsum_unreduced("B/d T M, M K/t Q D -> B/d T K/t Q D", dhg, w.wo)
         grads["wo"] = einsum_unreduced("B/d T M, B/d T K/t Q D -> M K/t Q D", dhg, store["o"])
         dq, dk, dv = local("B/d T K/t Q D, B/d T K/t Q D, B/d T K/t D, B/d T K/t D, B/d T K/t Q D, B/d K/t Q T"
@@ -464,11 +466,11 @@ class Llama2D:
         grads["wq"] = einsum_unreduced("B/d T K/t Q D, B/d T M -> K/t Q D M", dq, n1)
         grads["wk"] = einsum_unreduced("B/d T K/t D, B/d T M -> K/t D M", dk, n1)
         grads["wv"] = einsum_unreduced("B/d T K/t D, B/d T M -> K/t D M", dv, n1)
-        ln1 = all_gather("M/t -> M", w.ln1)
         dxg, d_ln1 = local("B/d T M {U_t}, B/d T M, B/d T, M -> B/d T M {U_t}, M {U_d,t}", rmsnorm_backward,
                            dn1, store["xg"], store["r1"], ln1)
-        grads["ln1"] = reduce_scatter("M {U_d,t} -> M/t {U_d}", d_ln1)
-        return dh + reduce_scatter("B/d T M {U_t} -> B/d T M/t", dxg)
+        dxg, grads["ln1"] = finish(start_reduce_scatter(["B/d T M {U_t} -> B/d T M/t", "M {U_d,t} -> M/t {U_d}"],
+                                                        [dxg, d_ln1], "dx, d ln1"))
+        return dh + dxg
         # <<<
 
     def embed_backward(self, dx: Sharded, store: ActivationStore) -> Sharded:
@@ -502,35 +504,35 @@ class Llama2D:
         tokens, targets = shard("B/d T", tokens, mesh), shard("B/d T", targets, mesh)
         saved, stores, L = ActivationStore(), [ActivationStore() for _ in self.blocks], len(self.blocks)
         # >>> TODO(m13): the step's units over d: one gather per unit and pass, each started a unit ahead
-        # Contract: return (loss.tensor, LlamaGrads(d_embedding, [BlockWeights of block gradients], d_final_norm,
-        #   d_lm_head)), each gradient this rank's block in its weight's spec, equal to module 06's. Over d the step
-        #   issues, per unit, only grouped collectives (self.start_gather, self.start_scatter, then finish): the top
-        #   (self.top()) is gathered once, each block twice (before its forward, and again before its backward: no
-        #   whole block is kept between the passes), and each unit's gradients are reduce-scattered once.
-        # Overlap, which the tests check from the collectives in flight: when a block's forward starts, the gather of
-        #   the next block is already in flight; when the loss starts, the last block's backward gather; when a
-        #   block's backward starts, the gather of the block before it; each block's reduce-scatter starts as soon as
-        #   its gradients are complete, and is finished only after the embedding's backward.
-        # The question: which unit does the computation need next, and what can travel while the current one runs?
-        # Pitfalls: a gather waited for as soon as it is started travels while nothing computes; the top is not
-        #   gathered again for the loss's backward (it is kept since the embedding); every started collective is
-        #   finished, once (finish waits).
-        # Hint 1: if each gather is started one unit ahead and finished just before its unit runs, where does the
-        #         next one start?
-        # Hint 2: the order of units: top (embedding), blocks 0 .. L-1, top (loss, kept), blocks L-1 .. 0, top
-        #         (embedding's backward, no weights needed); start(k + 1) before finish(k) and k's computation.
-        #         BlockWeights(*finish(pending)), TopWeights(*finish(pending)); self.start_scatter(BlockWeights(**grads),
-        #         label) after the block's two backward halves.
-        # Hint 3: top_pending, pending = start_gather(top), start_gather(block 0)
-        #         top = TopWeights(*finish(top_pending));  x = embed(top, tokens, saved)
-        #         for each layer: current = pending; pending = start_gather(layer + 1) if any
-        #                         w = finish(current);  x = the two halves
-        #         pending = start_gather(last block);  loss_forward(top, ...);  dx, d_norm, d_head = loss_backward(top, saved)
-        #         for each layer from the last: current = pending; pending = start_gather(layer - 1) if any
-        #                         w = finish(current);  grads = {} through the two backward halves
-        #                         scatters[layer] = start_scatter(BlockWeights(**grads));  clear its store
-        #         d_emb = embed_backward(dx, saved);  top_grads = finish(start_scatter(TopWeights(d_emb, d_norm, d_head)))
-        #         return loss, LlamaGrads from top_grads and the finished scatters
+        # Contract: return (loss.tensor, LlamaGrads(d_embedding, [a BlockWeights per block], d_final_norm, d_lm_head)),
+        #   every gradient this rank's block in its weight's spec, as module 06 computes it. Over d the step issues
+        #   grouped collectives only, one per unit and pass (self.start_gather, self.start_scatter, finish): the top
+        #   unit (self.top()) is gathered once a step, each block twice (its forward and its backward: no whole block
+        #   is kept between the passes), and every unit's gradients are reduce-scattered once.
+        # Overlap, which the tests read off the collectives in flight: when a block's forward starts, the next block's
+        #   gather is already on its way; when the loss starts, the last block's backward gather; when a block's
+        #   backward starts, the gather of the block before it; a block's reduce-scatter is started as soon as its
+        #   backward has its gradients, and left to travel while the earlier blocks compute.
+        # The question: in what order does the step need its units, and what can travel while each one computes?
+        # Pitfalls: what does a gather finished right after it starts overlap with? Does the loss's backward need
+        #   the top unit gathered again? Is every collective started also finished (finish is where it is waited for)?
+        # Hint 1: if every gather is started one unit ahead of its use and finished just before, where does each
+        #         start, counting the loss as a unit?
+        # Hint 2: the units in the order the step uses them: top, blocks 0 .. L-1, (top: loss, kept), blocks L-1 .. 0,
+        #         (top: the embedding's backward, no weights). Unit k + 1's gather is started before unit k's is
+        #         finished and unit k computes; the reduce-scatters are finished after the embedding's backward.
+        # Hint 3: top_pending, pending = self.start_gather(self.top(), "top"), self.start_gather(block 0, ...)
+        #         top = TopWeights(*finish(top_pending));  x = self.embed(top, tokens, saved)
+        #         for each layer: current = pending;  pending = start_gather(layer + 1) if there is one
+        #             w = BlockWeights(*finish(current));  x = the two halves with w
+        #         pending = start_gather(the last block);  loss = self.loss_forward(top, ...)
+        #         dx, d_norm, d_head = self.loss_backward(top, saved)
+        #         for each layer from the last: current = pending;  pending = start_gather(layer - 1) if there is one
+        #             w = finish(current);  grads = {} filled by the two backward halves
+        #             scatters[layer] = self.start_scatter(BlockWeights(**grads), ...);  clear its store
+        #         d_emb = self.embed_backward(dx, saved)
+        #         top_grads = TopWeights(*finish(self.start_scatter(TopWeights(d_emb, d_norm, d_head), "top")))
+        #         return loss.tensor, LlamaGrads from top_grads and BlockWeights(*finish(s)) for each scatter
         top_pending, pending = self.start_gather(self.top(), "top"), self.start_gather(self.blocks[0], "block 0")
         top = TopWeights(*finish(top_pending))
         x = self.embed(top, tokens, saved)
