@@ -195,19 +195,22 @@ def start_all_gather(arrows: list[str], xs: list[Sharded], label: str) -> InFlig
     axis, moves, rights = _grouped(arrows, xs, "all_gather", check_all_gather)
     mesh = xs[0].mesh
     # >>> TODO(m13): copy-in: this rank's blocks in one buffer, and the one all-gather that carries them all
-    # Contract: return InFlight(work, rows, shapes, dims, rights, mesh) whose `finish` gives, for each arrow, the
-    #   tensor the per-arrow all_gather would (the test compares them, and cuts the blocks by hand). One collective,
-    #   started without waiting (async_op=True), over mesh.group(axis), labelled `label`; x.tensor is never written.
-    # The question: the collective moves one contiguous block per rank and lays the n blocks out in group order. What
-    #   must this rank's block hold, and in what shape must the rows come back, so that finish can find every
-    #   tensor's piece of every rank at the same place of each row? (InFlight's docstring.)
-    # Pitfalls: the pieces are this rank's blocks as they are (some are not contiguous: an einsum leaves them so);
-    #   dims are the moves' dimensions, one per tensor, not one for the group.
-    # Hint 1: one row per rank: this rank's row is its blocks, flattened, end to end; rows for the group's n ranks.
-    # Hint 2: torch.cat of x.tensor.reshape(-1) for every x, as a (1, S) row; rows = row.new_empty(n, S);
-    #         group.collectives.all_gather(rows, row, label=label, async_op=True) returns the work.
-    # Hint 3: row = the blocks flattened and concatenated, shaped (1, S)
-    #         rows = an empty (n, S) buffer;  work = the group's all-gather of row into rows, started async
+    # Contract: return InFlight(work, rows, shapes, dims, rights, mesh) from which `finish` gives, for each arrow, the
+    #   tensor the arrow's own all_gather would give (the tests cut the blocks by hand). One collective over
+    #   mesh.group(axis), labelled `label`, started without waiting: its work is returned, not waited for. The
+    #   inputs are read, never written.
+    # The question: the collective moves one contiguous block per rank and lays the n blocks out side by side in
+    #   group order. What must this rank's block hold, so that every row of the result is one rank's blocks, each
+    #   tensor's piece at the same place in every row (InFlight's docstring)?
+    # Maths: a rank's block of tensor i has numel_i values; S = sum of numel_i over the group's tensors.
+    # Pitfalls: are the blocks contiguous (an einsum leaves them as it likes)? Is there one dimension per tensor,
+    #   or one for the group?
+    # Hint 1: what does the collective need from this rank: how many tensors, of which shape? (The chapter packs
+    #         two vectors of different lengths by hand.)
+    # Hint 2: this rank's row = its blocks flattened, end to end: (1, S); the rows after the gather: (n, S), row j
+    #         rank j's; piece i of every row at [sum of numel before i, + numel_i); dims[i] = move i's dimension.
+    # Hint 3: row = torch.cat([x.tensor.reshape(-1) for x in xs]).unsqueeze(0);  rows = row.new_empty(n, S)
+    #         work = mesh.group(axis).collectives.all_gather(rows, row, label=label, async_op=True)
     #         return InFlight(work, rows, [each x's shape], [each move's dim], rights, mesh)
     group = mesh.group(axis)
     row = torch.cat([x.tensor.reshape(-1) for x in xs]).unsqueeze(0)
@@ -223,24 +226,25 @@ def start_reduce_scatter(arrows: list[str], xs: list[Sharded], label: str) -> In
     axis, moves, rights = _grouped(arrows, xs, "reduce_scatter", check_reduce_scatter)
     mesh = xs[0].mesh
     # >>> TODO(m13): copy-in: every tensor cut along its own dimension, the cuts in one buffer, one reduce-scatter
-    # Contract: return InFlight(work, rows, shapes, dims, rights, mesh) whose `finish` gives, for each arrow, the
-    #   tensor the per-arrow reduce_scatter would: this rank's block (along the arrow's dimension) of the sum over the
-    #   axis's ranks. One collective, started without waiting, over mesh.group(axis), labelled `label`; x.tensor is
-    #   read, never written.
+    # Contract: return InFlight(work, rows, shapes, dims, rights, mesh) from which `finish` gives, for each arrow, the
+    #   tensor the arrow's own reduce_scatter would: this rank's block (along the arrow's dimension) of the sum over
+    #   the axis's ranks. One collective over mesh.group(axis), labelled `label`, started without waiting. The inputs
+    #   are read, never written.
     # The question: a reduce-scatter sums the group's buffers and hands rank j the j-th of n equal contiguous parts.
-    #   Where in the buffer must each tensor's block j (along its own dimension, not along dimension 0) sit, so that
-    #   part j holds exactly rank j's blocks, in the places finish reads them from?
-    # Pitfalls: the dimension differs from tensor to tensor (M/d is the last dimension of wq's gradient, the first of
-    #   wo's); a block along a dimension other than the first is not contiguous in the tensor.
-    # Hint 1: the mirror image of start_all_gather: build the n rows the gather would have delivered, row j holding
-    #         every tensor's block j, and let the collective leave this rank its own row, summed.
-    # Hint 2: x.tensor.chunk(n, dim=move.dim) gives the n blocks; torch.stack(blocks).reshape(n, -1) puts block j of
-    #         one tensor in row j; torch.cat(..., dim=1) lays the tensors side by side;
-    #         group.collectives.reduce_scatter(out (1, S), rows (n, S), label=label, async_op=True).
-    # Hint 3: rows = for each x: its n blocks along its dim, stacked and flattened to (n, numel / n);
-    #                the tensors concatenated along dimension 1
-    #         out = an empty (1, S) row;  work = the group's reduce-scatter of rows into out, started async
-    #         return InFlight(work, out, [shape of each block], [each move's dim], rights, mesh)
+    #   Where must each tensor's block j (along its own dimension) sit in this rank's buffer, so that part j holds
+    #   exactly rank j's blocks, in the places finish reads them from?
+    # Maths: block j of a tensor along dimension k: positions [j s, (j + 1) s) of that dimension, s = its size / n,
+    #   every position of the others; it holds numel / n values.
+    # Pitfalls: along which dimension is each tensor cut (M/d is the last dimension of wq's gradient, the first of
+    #   wo's)? Is a block along a dimension other than the first contiguous in its tensor?
+    # Hint 1: what would an all-gather of the results have delivered, row by row? (The chapter's 1-D case, run
+    #         backwards.)
+    # Hint 2: the buffer is (n, S): row j = every tensor's block j flattened, end to end, in the arrows' order; the
+    #         collective leaves this rank the sum of row i_axis, (1, S); shapes[i] = the shape of tensor i's block.
+    # Hint 3: blocks = [x.tensor.chunk(n, dim=move.dim) for each x, move]
+    #         rows = torch.cat([torch.stack(b).reshape(n, -1) for b in blocks], dim=1);  out = rows.new_empty(1, S)
+    #         work = mesh.group(axis).collectives.reduce_scatter(out, rows, label=label, async_op=True)
+    #         return InFlight(work, out, [b[0].shape for b in blocks], [each move's dim], rights, mesh)
     group = mesh.group(axis)
     blocks = [x.tensor.chunk(group.size, dim=move.dim) for x, move in zip(xs, moves)]
     rows = torch.cat([torch.stack(b).reshape(group.size, -1) for b in blocks], dim=1)
@@ -253,22 +257,23 @@ def start_reduce_scatter(arrows: list[str], xs: list[Sharded], label: str) -> In
 def finish(pending: InFlight) -> list[Sharded]:
     """The results of a grouped collective, in the order of its arrows: copy-out, once it has arrived."""
     # >>> TODO(m13): copy-out: each tensor's pieces from every row, side by side along its own dimension
-    # Contract: return [Sharded(tensor_i, pending.specs[i], pending.mesh)], tensor_i built as InFlight's docstring says
-    #   from pending.rows, as it is once the collective has delivered. Used for both kinds: an all-gather's n rows
-    #   and a reduce-scatter's one row. New tensors: the rows' buffer may be reused.
-    # The question: where does tensor i's piece start in a row, where does rank j's piece go in tensor i, and
-    #   when may the rows be read at all?
-    # Pitfalls: the offset of tensor i counts the values of the tensors before it in one row, not in all rows; a
-    #   piece laid along the wrong dimension can have the right shape (the test's tensors are square where it
-    #   matters). Under the tests' late collectives the rows are NaN until the work is waited for.
-    # Hint 1: wait first; then walk the tensors with a running offset into the row, and for each take its slice of
-    #         every row, shaped as its piece, and join them along its dimension.
-    # Hint 2: pending.work.wait(); rows[:, offset:offset + n] with n = prod(shape); .view(shape) of each row's slice;
-    #         torch.cat(pieces, dim=dim).
-    # Hint 3: wait for the work;  offset = 0
-    #         for each (shape, dim, spec): n = values in shape
-    #             pieces = each row's [offset, offset + n) viewed as shape;  result = pieces joined along dim
-    #             offset grows by n
+    # Contract: return [Sharded(tensor_i, pending.specs[i], pending.mesh)] in the arrows' order, tensor_i built from
+    #   pending.rows as InFlight's docstring says, once the collective has delivered them; the same for an
+    #   all-gather's n rows and a reduce-scatter's one. New tensors: a later collective may reuse the rows.
+    # The question: where does tensor i's piece start in a row, where does row j's piece go in tensor i, and from
+    #   when on may the rows be read?
+    # Maths: a piece of tensor i holds prod(shapes[i]) values; tensor i is n pieces long along dimension dims[i].
+    # Pitfalls: does the offset of tensor i count values of one row or of all rows? A piece joined along the wrong
+    #   dimension can have the right shape (the tests' tensors are square where it matters). What is in the rows
+    #   before the work is waited for (the tests' collectives deliver late: NaN)?
+    # Hint 1: which of the collective's promises does finish rely on, and which of start_all_gather's? (The
+    #         chapter unpacks its 1-D case by hand.)
+    # Hint 2: wait first; tensor i's piece in row j is [o_i, o_i + numel_i) with o_i = sum of numel before i,
+    #         viewed as shapes[i]; tensor i = the n pieces (row 0 first) concatenated along dims[i].
+    # Hint 3: pending.work.wait();  offset = 0
+    #         for shape, dim, spec: n = prod(shape)
+    #             pieces = [row[offset:offset + n].view(shape) for row in pending.rows]
+    #             result = Sharded(torch.cat(pieces, dim=dim), spec, pending.mesh);  offset += n
     pending.work.wait()
     results, offset = [], 0
     for shape, dim, spec in zip(pending.shapes, pending.dims, pending.specs):
