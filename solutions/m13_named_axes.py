@@ -263,9 +263,9 @@ def finish(pending: InFlight) -> list[Sharded]:
     # The question: where does tensor i's piece start in a row, where does row j's piece go in tensor i, and from
     #   when on may the rows be read?
     # Maths: a piece of tensor i holds prod(shapes[i]) values; tensor i is n pieces long along dimension dims[i].
-    # Pitfalls: does the offset of tensor i count values of one row or of all rows? A piece joined along the wrong
-    #   dimension can have the right shape (the tests' tensors are square where it matters). What is in the rows
-    #   before the work is waited for (the tests' collectives deliver late: NaN)?
+    # Pitfalls: does the offset of tensor i count values of one row or of all rows? Along which dimension do a
+    #   tensor's pieces join (M/d is the last of wq's, the first of wo's)? What is in the rows before the work is
+    #   waited for (the tests' collectives deliver late: NaN)?
     # Hint 1: which of the collective's promises does finish rely on, and which of start_all_gather's? (The
     #         chapter unpacks its 1-D case by hand.)
     # Hint 2: wait first; tensor i's piece in row j is [o_i, o_i + numel_i) with o_i = sum of numel before i,

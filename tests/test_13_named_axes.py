@@ -333,15 +333,26 @@ def _grouped(op, groups, inputs_of):
         kept = [x.tensor.clone() for x in xs]
         before = len(mesh.log)
         pending = start([arrow for arrow, *_ in group], xs, f"a group over {axis}")
-        out = axes.finish(pending)
-        results[axis] = {"out": [(o.tensor, str(o.spec)) for o in out], "rows": pending.rows.clone(),
+        started = {"dims": list(pending.dims), "shapes": [tuple(shape) for shape in pending.shapes]}
+        try:
+            out, raised = axes.finish(pending), None
+        except Exception as error:  # noqa: BLE001  reported by the parent after the checks of start_...
+            out, raised = [], f"{type(error).__name__}: {error}"
+        results[axis] = {"out": [(o.tensor, str(o.spec)) for o in out], "rows": pending.rows.clone(), **started,
+                         "raised": raised,
                          "log": [(c.op, c.axis, c.payload_bytes) for c in mesh.log[before:]],
                          "never waited": mesh.group(axis).collectives.never_waited(),
                          "inputs kept": all(torch.equal(a, x.tensor) for a, x in zip(kept, xs))}
     return results
 
 
-def check_grouped(rank, op, axis, group, got, rows, wanted, payload):
+def moved_dim(arrow: str) -> int:
+    """The dimension an arrow's collective moves: the first whose split differs on the two sides."""
+    left, right = ([token for token in side.split() if not token.startswith("{")] for side in arrow.split("->"))
+    return next(i for i, (a, b) in enumerate(zip(left, right)) if a != b)
+
+
+def check_grouped(rank, op, axis, group, got, rows, wanted, payload, dims, shapes):
     """A grouped collective's checks in order of blame: waited for (finish), one call (start_...), the rows it
     delivered (start_...), the results unpacked from them (finish)."""
     start, arrows = f"start_{op}", [arrow for arrow, *_ in group]
@@ -352,6 +363,10 @@ def check_grouped(rank, op, axis, group, got, rows, wanted, payload):
         (f"{where}: logged (op, axis, payload bytes) {got['log']}, expected one collective {[(op, axis, payload)]}: "
          f"your {start}")
     assert got["inputs kept"], f"{where}: an input tensor was written: your {start}"
+    assert got["dims"] == dims and got["shapes"] == shapes, \
+        (f"{where}: InFlight's dims {got['dims']} and shapes {got['shapes']}, expected {dims} (each arrow's own "
+         f"dimension) and {shapes} (each tensor's piece in a row): your {start}")
+    assert got["raised"] is None, f"{where}: finish raised {got['raised']}: your finish"
     assert got["rows"].shape == rows.shape and torch.allclose(got["rows"], rows, rtol=1e-15, atol=1e-15), \
         (f"{where}: the rows delivered (shape {tuple(got['rows'].shape)}, expected {tuple(rows.shape)}) are not the "
          f"blocks InFlight's docstring says, in the arrows' order, each flattened: your {start}")
@@ -381,7 +396,9 @@ def test_a_grouped_all_gather_gives_what_each_arrow_would():
                                 for m in members(axis, i_d, i_t)])
             wanted = [block(full[name], after) for _, name, _, after in group]
             payload = sum(block(full[name], mine).nbytes for _, name, mine, _ in group)
-            check_grouped(rank, "all_gather", axis, group, results[axis], rows, wanted, payload)
+            dims = [moved_dim(arrow) for arrow, *_ in group]
+            shapes = [tuple(block(full[name], mine).shape) for _, name, mine, _ in group]
+            check_grouped(rank, "all_gather", axis, group, results[axis], rows, wanted, payload, dims, shapes)
 
 
 def scatter_groups(i_d, i_t):
@@ -416,4 +433,6 @@ def test_a_grouped_reduce_scatter_gives_what_each_arrow_would():
             ranks = [m_d * T + m_t for m_d, m_t in members(axis, i_d, i_t)]
             wanted = [block(sum(parts[r][name] for r in ranks), mine) for _, name, mine in group]
             rows = torch.cat([w.reshape(-1) for w in wanted]).unsqueeze(0)
-            check_grouped(rank, "reduce_scatter", axis, group, results[axis], rows, wanted, rows.nbytes)
+            dims = [moved_dim(arrow) for arrow, *_ in group]
+            check_grouped(rank, "reduce_scatter", axis, group, results[axis], rows, wanted, rows.nbytes, dims,
+                          [tuple(w.shape) for w in wanted])

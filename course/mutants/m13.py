@@ -75,9 +75,9 @@ PLANTS = [
           "start_reduce_scatter cuts every gradient along its first dimension: wq's gradient is split over d along M, "
           "its last"),
     Plant(AXES, "    rows = torch.cat([torch.stack(b).reshape(group.size, -1) for b in blocks], dim=1)\n",
-          "    rows = torch.cat([torch.cat(b).reshape(group.size, -1) for b in blocks], dim=1)\n",
-          "start_reduce_scatter lays the blocks end to end along the cut dimension: rank j's row must hold block j "
-          "whole, which only stacking gives for a dimension other than the first"),
+          "    rows = torch.cat([x.tensor.reshape(group.size, -1) for x in xs], dim=1)\n",
+          "start_reduce_scatter cuts each gradient flat, as module 07's flat buffer: row j is then its j-th slice of "
+          "values, its block j only when the block is along the first dimension"),
     Plant(LLAMA, """        top_pending, pending = self.start_gather(self.top(), "top"), self.start_gather(self.blocks[0], "block 0")
         top = TopWeights(*finish(top_pending))
         x = self.embed(top, tokens, saved)
