@@ -59,7 +59,7 @@ def _run(cfg, mesh_shape, steps, batch, lr):
     optimizers = {which: torch.optim.AdamW(p, lr=lr, weight_decay=0.0) for which, p in params.items()}
 
     def torch_step(tokens, targets, n_microbatches, optimizer):
-        optimizer.zero_grad()  # PyTorch's backward adds into .grad: clear it before, so that a step's stay to be counted
+        optimizer.zero_grad()  # its backward adds into .grad: cleared before, so the last step's stay to be counted
         loss = loss_and_backward(llama, device_mesh, tokens, targets)
         optimizer.step()
         return loss
@@ -82,7 +82,7 @@ def _run(cfg, mesh_shape, steps, batch, lr):
     counter = TorchCollectiveLog()  # one more step of PyTorch's, untimed: the dispatch mode that counts is slow
     with counter:
         torch_step(*random_batch(data, batch, cfg.max_seq_len, generator), 1, optimizers["torch"])
-    results["torch"]["sent"] = (measured_cost(counter.log) if not counter.unknown else  # no total rather than a wrong one
+    results["torch"]["sent"] = (measured_cost(counter.log) if not counter.unknown else  # no total, not a wrong one
                                 f"? ({', '.join(sorted(counter.unknown))})")
     return results
 
