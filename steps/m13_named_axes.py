@@ -1,5 +1,5 @@
 # Generated from solutions/m13_named_axes.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 13`. (skeleton 024718b09203)
+# Grade your work with `python main.py grade 13`. (skeleton b2561f3b2d86)
 """Module 13, part 2 - the collectives, each written from its arrow between two specs.
 
 m13_specs (given) parses a spec such as "B/d T M/t" (B split over the mesh axis d, M over t) and
@@ -180,7 +180,7 @@ def finish(pending: InFlight) -> list[Sharded]:
     # The question: where does tensor i's piece start in a row, where does row j's piece go in tensor i, and from
     #   when on may the rows be read?
     # Maths: a piece of tensor i holds prod(shapes[i]) values; tensor i is n pieces long along dimension dims[i].
-    # Pitfalls: does the offset of tensor i count values of one row or of all rows? A piece joined along the wrong
-    #   dimension can have the right shape (the tests' tensors are square where it matters). What is in the rows
-    #   before the work is waited for (the tests' collectives deliver late: NaN)?
+    # Pitfalls: does the offset of tensor i count values of one row or of all rows? Along which dimension do a
+    #   tensor's pieces join (M/d is the last of wq's, the first of wo's)? What is in the rows before the work is
+    #   waited for (the tests' collectives deliver late: NaN)?
     raise NotImplementedError("TODO(m13): copy-out: each tensor's pieces from every row, side by side along its own dimension")
