@@ -252,6 +252,23 @@ def check_reduce_scatter(left: Spec, right: Spec, text: str) -> Move:
     return Move(i, added)
 
 
+def check_grouped(moves: list[Move], arrows: list[str], tensors: list[torch.Tensor], collective: str) -> str:
+    """Arrows that one grouped collective can serve: each moves one dimension over the same single mesh
+    axis, and their tensors share a dtype (they travel in one buffer). Returns that axis."""
+    if not arrows:
+        raise SpecError(f"grouped {collective}: no arrows (a group holds at least one tensor)")
+    axes = {move.axes for move in moves}
+    if len(axes) != 1 or len(next(iter(axes))) != 1:
+        listed = "; ".join(f"{a!r} over {'/'.join(m.axes)}" for a, m in zip(arrows, moves))
+        raise SpecError(f"grouped {collective}: every arrow must move its dimension over the same one mesh axis "
+                        f"(one collective over one group), got {listed}")
+    dtypes = {t.dtype for t in tensors}
+    if len(dtypes) != 1:
+        raise SpecError(f"grouped {collective}: one buffer holds one dtype, the tensors have "
+                        f"{', '.join(sorted(map(str, dtypes)))}")
+    return next(iter(axes))[0]
+
+
 def check_all_reduce(left: Spec, right: Spec, text: str) -> tuple[str, ...]:
     """An all-reduce sums over mesh axes the left side is unreduced over; the dimensions stay as they are."""
     if left.dims != right.dims:

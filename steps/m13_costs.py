@@ -1,5 +1,5 @@
 # Generated from solutions/m13_costs.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 13`. (skeleton 64b26d82a5c5)
+# Grade your work with `python main.py grade 13`. (skeleton 0841b1076c8e)
 """Module 13, part 4 - what the 2-D model costs, read off its equations: bytes sent and bytes kept.
 
 Notation (docs/glossary.md): d x t ranks; L blocks; M the width, F the FFN width, K key/value heads,
@@ -9,23 +9,25 @@ global batch of B sequences of T tokens in m microbatches, so N = B T / (m d) to
 a microbatch, and A = N M b bytes in one residual-stream activation. One block's matrices hold
 P = 2 H D M + 2 K D M + 3 F M values.
 
-Bytes sent. Every collective of the model is one arrow of its code, and the log records each with
-its payload: for an all-gather over n ranks this rank's block of the input, for a reduce-scatter
-this rank's block of the output, for an all-reduce the whole tensor. With the ring algorithms
-(course/collectives.py's `sent_bytes`) one rank sends n - 1 payloads for an all-gather or a
-reduce-scatter, and 2 (n - 1) / n of the tensor for an all-reduce; a two-axis arrow is one call on
-each axis. A rank's block follows from the spec: a matrix split over both axes is 1/(d t) of it,
-the stream [B/d T M/t] is A / t. Every collective is called (and logged) on an axis of size 1
-too, sending nothing.
+Bytes sent. Every collective of the model is one arrow of its code, or one grouped collective
+carrying several arrows over one mesh axis, and the log records each with its payload: for an
+all-gather over n ranks this rank's block of the input (a grouped one: its blocks of all the
+inputs), for a reduce-scatter this rank's block of the output, for an all-reduce the whole tensor.
+With the ring algorithms (course/collectives.py's `sent_bytes`) one rank sends n - 1 payloads for an
+all-gather or a reduce-scatter, and 2 (n - 1) / n of the tensor for an all-reduce; a two-axis arrow
+is one call on each axis. A rank's block follows from the spec: a matrix split over both axes is
+1/(d t) of it, the stream [B/d T M/t] is A / t. Grouping changes the calls, not the bytes: a grouped
+collective sends what its arrows would have sent one by one. Every collective is called (and
+logged) on an axis of size 1 too, sending nothing.
 
-One term, worked: the forward gathers each of a block's seven matrices over d just before its
-contraction (`"K/t Q D M/d -> K/t Q D M"` for wq). A rank's block of a matrix of n values is
-n / (d t) values; the gather over d sends d - 1 of those blocks: (d - 1) / (d t) n b. For a
-block's seven matrices that is 7 calls and (d - 1) / (d t) P b per microbatch, and L times that
-for the forward's blocks. The rest (the backward's gathers, the embedding and the LM head, the
-norms' two-axis arrows, the stream's collectives over t, the gradients' reduce-scatters, the loss's
-all-reduces) is read off the model's code the same way, by axis and kind of collective, and a step
-repeats a microbatch's m times.
+One term, worked on the stream over t: each half of a block gathers the stream [B/d T M/t] over t
+before its norm, together with the norm weight, in one collective, and reduce-scatters its output
+back; its backward does the same, conjugated. A rank's block of the stream is A / t, so each of
+those collectives sends (t - 1) A / t for the stream, 2 L of them a pass in each direction for the
+blocks' halves. The rest (the units' gathers and reduce-scatters over d, the embedding's and the
+loss's collectives over t, the norms' share of the grouped ones, the loss's all-reduces) is read
+off the model's code the same way, by axis and kind of collective, and a step repeats a
+microbatch's m times.
 
 Bytes kept. Between steps a rank keeps its block of every weight, as the weights' specs say (the
 model's TOP_SPECS and BLOCK_SPECS), its block of every gradient (a gradient has its weight's spec),
@@ -79,13 +81,13 @@ def step_traffic(cfg: LlamaConfig, sizes: dict[str, int], batch: int, dtype: tor
     #   collectives issued in one step and sent[(axis, op)] the bytes this rank sends for them, exactly what
     #   course/costs.py's measured_cost reads off the model's log (the tests compare on the meshes 1x1, 1x4, 2x2
     #   and 4x1, to the byte and to the call). Axes "d" and "t"; ops "all_gather", "reduce_scatter", "all_reduce".
-    # Maths: the module docstring's counting rule and its worked term: for each arrow of the forward and the
-    #   backward (m13_llama_2d), which axis, how big this rank's block of the tensor is, and how many times a
-    #   microbatch issues it.
-    # Pitfalls: a block of a matrix split over both axes is 1/(d t) of it, but its all-gather runs over d only;
-    #   a two-axis arrow is one call on each axis, each with its own block size; the loss statistics are in
-    #   compute_dtype (s bytes), the rest in dtype (b bytes). On a mesh axis of size 1 nothing is sent, yet
-    #   every call is made. Floats are fine: the tests compare sums of (n - 1) / n terms.
+    # The question: for each collective the forward and the backward issue (m13_llama_2d, each grouped one
+    #   counted once), which axis, how big is this rank's payload, and how many times does a microbatch issue it?
+    # Maths: the module docstring's counting rule and its worked term; P, V', N, A, b and s as it defines them.
+    # Pitfalls: a block of a matrix split over both axes is 1/(d t) of it, but which group does its unit gather
+    #   over? How many calls is a two-axis arrow, or a grouped collective? Which values are in compute_dtype (s
+    #   bytes)? What does an axis of size 1 send, and is the call made? (Floats are fine: the tests compare sums of
+    #   (n - 1) / n terms.)
     raise NotImplementedError('TODO(m13): the calls and the bytes one rank sends in a step, by axis and kind of collective')
 
 

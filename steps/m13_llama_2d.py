@@ -1,5 +1,5 @@
 # Generated from solutions/m13_llama_2d.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 13`. (skeleton 9005223f11f7)
+# Grade your work with `python main.py grade 13`. (skeleton 021054d26b99)
 """Module 13, part 3 - module 06's Llama over a d x t mesh: FSDP over d, Megatron over t, every line
 of the forward and the backward written in named axes, beside its equation in the chapter.
 
@@ -16,13 +16,22 @@ reading key/value head k):
     ln1, ln2, final_norm M/t/d         every weight on exactly one rank
 
 and the residual stream between the blocks is x[B/d T M/t]: the rows of the batch over d, the
-model width over t. The pattern of every linear is FSDP's: all_gather the weight over d just before
-it is used, contract locally, and reduce_scatter its gradient over d (a contraction over B/d leaves
-it unreduced over d). Around each half of a block it is Megatron's: all_gather the stream over t
-before the norm, contract over a dimension split over t at the end (o, down), reduce_scatter over t
-back into the stream. The backward of an all-gather is a reduce-scatter over the same axis, and the
-backward of a reduce-scatter an all-gather, so the backward has the same collectives as the
-forward, conjugated, plus the gradients' reduce-scatters.
+model width over t.
+
+Over d it is FSDP's, by units: a block's nine weights are one unit, and the embedding, the final
+norm and the LM head another (`TopWeights`, "the top"). A unit's weights travel together: one
+grouped all-gather over d (m13_named_axes's start_all_gather and finish) makes every weight of a
+block whole over d before the block runs, one more before its backward, and one grouped
+reduce-scatter returns all of its gradients (contractions over B/d, so unreduced over d) to their
+blocks. The top is gathered once a step: the embedding uses it first, the loss and its backward
+last. Each gather is started a unit ahead, so it travels while the unit before it computes.
+
+Inside a unit it is Megatron's, over t: each half all-gathers the stream over t before its norm,
+contracts over a dimension split over t at the end (o, down) and reduce-scatters over t back into
+the stream. The backward of an all-gather is a reduce-scatter over the same axis, and the backward
+of a reduce-scatter an all-gather, so the backward has the same collectives as the forward,
+conjugated. The halves receive their block's weights whole over d (`K/t Q D M`, `M/t`, ...) and
+return its gradients unreduced over d (`K/t Q D M {U_d}`, `M/t {U_d}`, ...).
 
 The mesh is course/mesh.py's, with the axes d and t (either may have size 1): `Llama2D(cfg,
 mesh)`, and module 12's loss runs on `mesh.group("t")`, the rank's tensor group. Every rank builds
@@ -33,7 +42,7 @@ and keeps its rows: the sharded model starts where a single process does. The lo
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -45,8 +54,9 @@ from .m06_llama_ops import (ATTENTION_CHUNK, attention_backward, attention_forwa
                             rmsnorm_forward, rope_backward, rope_forward, rope_tables, swiglu_backward,
                             swiglu_forward)
 from .m12_vocab_parallel import padded_rows, padded_vocab_size, vocab_parallel_cross_entropy
-from .m13_named_axes import all_gather, all_reduce, einsum_unreduced, reduce_scatter
-from .m13_specs import Sharded, Spec, check_matches, local, parse_spec, shard
+from .m13_named_axes import (InFlight, all_gather, all_reduce, einsum_unreduced, finish, reduce_scatter,
+                             start_all_gather, start_reduce_scatter)
+from .m13_specs import Dim, Sharded, Spec, check_matches, local, parse_spec, shard
 
 # The module's model: 8 query heads in 4 groups (K = 4 key/value heads, so t can be 1, 2 or 4), dim 32
 # (the norms' M/t/d needs d t | 32), FFN 48. Module 06's vocabulary of 256 bytes.
@@ -55,6 +65,35 @@ CONFIG = LlamaConfig(dim=32, n_heads=8, n_kv_heads=4, head_dim=4, ffn_dim=48, n_
 TOP_SPECS = {"embedding": "V/t M/d", "final_norm": "M/t/d", "lm_head": "V/t M/d"}
 BLOCK_SPECS = {"ln1": "M/t/d", "wq": "K/t Q D M/d", "wk": "K/t D M/d", "wv": "K/t D M/d", "wo": "M/d K/t Q D",
                "ln2": "M/t/d", "w_gate": "F/t M/d", "w_up": "F/t M/d", "w_down": "M/d F/t"}
+
+
+@dataclass
+class TopWeights:
+    """The weights outside the blocks, FSDP's unit at the top of the model: the embedding, the final
+    norm and the LM head (Sharded). Also used for their gradients."""
+    embedding: object
+    final_norm: object
+    lm_head: object
+
+    def tensors(self) -> list:
+        return [getattr(self, f.name) for f in fields(self)]
+
+
+def whole_over_d(spec: Spec) -> Spec:
+    """A weight's spec once gathered over d: 'K/t Q D M/d' -> 'K/t Q D M', 'M/t/d' -> 'M/t' (given)."""
+    return Spec(tuple(Dim(dim.name, tuple(a for a in dim.axes if a != "d")) for dim in spec.dims), spec.unreduced)
+
+
+def gather_arrows(unit) -> list[str]:
+    """Each weight's arrow in its unit's all-gather over d: 'K/t Q D M/d -> K/t Q D M', ... (given)."""
+    return [f"{w.spec} -> {whole_over_d(w.spec)}" for w in unit.tensors()]
+
+
+def scatter_arrows(grads) -> list[str]:
+    """Each gradient's arrow in its unit's reduce-scatter over d, onto its weight's block (given):
+    'K/t Q D M {U_d} -> K/t Q D M/d', 'M/t {U_d} -> M/t/d', ..."""
+    specs = TOP_SPECS if isinstance(grads, TopWeights) else BLOCK_SPECS
+    return [f"{g.spec} -> {specs[f.name]}" for f, g in zip(fields(grads), grads.tensors())]
 
 
 def check_mesh_fits(cfg: LlamaConfig, sizes: dict[str, int], batch: int | None = None, n_microbatches: int = 1):
@@ -148,25 +187,41 @@ class Llama2D:
         """What this rank's optimizer updates: its block of every weight."""
         return [s.tensor for s in self.weights()]
 
+    def top(self) -> TopWeights:
+        """This rank's blocks of the weights outside the blocks: FSDP's top unit."""
+        return TopWeights(self.embedding, self.final_norm, self.lm_head)
+
     def rope(self, seq_len: int, dtype: torch.dtype) -> Rope:
         if (seq_len, dtype) not in self._rope:
             cos, sin = rope_tables(seq_len, self.cfg.head_dim, self.cfg.rope_theta, dtype)
             self._rope[seq_len, dtype] = Rope(cos, sin, cos.unsqueeze(1), sin.unsqueeze(1))
         return self._rope[seq_len, dtype]
 
-    # --- forward ---------------------------------------------------------------------------------
-    def embed(self, tokens: Sharded, store: ActivationStore) -> Sharded:
-        """tokens[B/d T] -> x[B/d T M/t], the residual stream."""
+    # --- FSDP's units over d (given) ---------------------------------------------------------------
+    def start_gather(self, unit: BlockWeights | TopWeights, label: str) -> InFlight:
+        """Start the one all-gather over d of a unit's weights; finish() gives them whole over d, in a unit
+        of the same kind: BlockWeights(*finish(pending))."""
+        return start_all_gather(gather_arrows(unit), unit.tensors(), label)
+
+    def start_scatter(self, grads: BlockWeights | TopWeights, label: str) -> InFlight:
+        """Start the one reduce-scatter over d of a unit's gradients (whole over d and unreduced over d, as
+        the backward computes them); finish() gives this rank's block of each, in its weight's spec."""
+        return start_reduce_scatter(scatter_arrows(grads), grads.tensors(), label)
+
+    # --- forward: a unit's weights arrive whole over d ----------------------------------------------
+    def embed(self, top: TopWeights, tokens: Sharded, store: ActivationStore) -> Sharded:
+        """tokens[B/d T] -> x[B/d T M/t], the residual stream; top: the top unit gathered over d."""
         rows = self.padded_vocab // self.mesh.sizes["t"]
         # TODO(m13): the embedding: a one-hot over this rank's vocabulary rows, contracted with the gathered table
         # Contract: return x[B/d T M/t], the embedding of this rank's rows of tokens, this rank's block of M; save the
-        #   one-hot, a Sharded [B/d T V/t], under 'onehot' (the backward reads it).
+        #   one-hot, a Sharded [B/d T V/t], under 'onehot' (the backward reads it). top.embedding is the table
+        #   already gathered over d (its unit's all-gather, forward_backward's): [V/t M].
         # Maths: a lookup is a product with a one-hot: x = onehot . E, a sum over the vocabulary, onehot the tokens
-        #   that fall in this rank's vocabulary rows (vocab_one_hot, given: first row i_t * rows). Which collectives
-        #   make the table's block usable for that product, and bring its result to the stream's spec, follows from
-        #   the embedding's spec (TOP_SPECS), the stream's and the chapter's rules.
+        #   that fall in this rank's vocabulary rows (vocab_one_hot, given: first row i_t * rows). Which collective
+        #   brings that product to the stream's spec follows from the table's spec, the stream's and the chapter's
+        #   rules.
         # Pitfalls: this rank's first vocabulary row is its position along t times rows (not its rank); the one-hot
-        #   takes the weights' dtype (self.embedding.tensor.dtype). Every collective through the module's functions
+        #   takes the weights' dtype (top.embedding.tensor.dtype). Every collective through the module's functions
         #   (the tests read the log).
         raise NotImplementedError("TODO(m13): the embedding: a one-hot over this rank's vocabulary rows, contracted with the gathered table")
 
@@ -177,16 +232,14 @@ class Llama2D:
         # Contract: return h[B/d T M/t] = x + the attention output; save in the store, under these names, the
         #   activations the backward reads, as Sharded values with these specs: 'xg' (x gathered over t), 'n1',
         #   'r1', 'q', 'k' (after RoPE), 'v', 'o', 'lse'. Specs: xg, n1 [B/d T M]; r1 [B/d T]; q, o [B/d T K/t Q D];
-        #   k, v [B/d T K/t D]; lse [B/d K/t Q T].
-        # The equations: x gathered over t; ln1 gathered over d and t; RMSNorm (module 06's rmsnorm_forward, as a
-        #   local op); each of wq, wk, wv gathered over d and contracted over M; RoPE on q and k (rope.cos_q/sin_q
-        #   for q's five dimensions, rope.cos/sin for k's four); attention (grouped_attention_forward, chunk
-        #   self.attention_chunk); wo gathered over d and contracted over K/t Q D: unreduced over t, so
-        #   reduce-scattered over t onto M/t; the residual add.
-        # Pitfalls: every weight is gathered over d before it is contracted (an einsum with a weight still split
-        #   over d is refused, naming the axis); the residual add needs the reduce-scattered result (adding the
-        #   partial sum is refused); RoPE rotates q and k, never v. Every collective goes through the module's
-        #   functions, so the tests can count them against the formula.
+        #   k, v [B/d T K/t D]; lse [B/d K/t Q T]. w holds the block's weights already gathered over d (its unit's
+        #   all-gather, forward_backward's): wq [K/t Q D M], ..., ln1 [M/t]. Two collectives over t, the calls the
+        #   tests count against the formula.
+        # The question: the chapter's attention table, in code: which operation says each line, on which tensors?
+        # Maths: RMSNorm is module 06's rmsnorm_forward, RoPE its rope_forward (rope.cos_q/sin_q for q's five
+        #   dimensions, rope.cos/sin for k's four), attention grouped_attention_forward (chunk self.attention_chunk):
+        #   local ops, whose signatures state their specs.
+        # Pitfalls: what may be added to the residual stream, and what does RoPE rotate?
         raise NotImplementedError("TODO(m13): the attention half, line for line with the chapter's equations")
 
     def ffn_half(self, w: BlockWeights, h: Sharded, store: ActivationStore) -> Sharded:
@@ -194,57 +247,65 @@ class Llama2D:
         cfg = self.cfg
         # TODO(m13): the FFN half in named axes: each line's collectives and specs
         # Contract: return y[B/d T M/t] = h + the FFN output; save, as Sharded values, 'hg' (h with all of M, the
-        #   norm's input), 'n2', 'r2', 'g', 'u', 's'. Specs: hg, n2 [B/d T M]; r2 [B/d T]; g, u, s [B/d T F/t].
+        #   norm's input), 'n2', 'r2', 'g', 'u', 's'. Specs: hg, n2 [B/d T M]; r2 [B/d T]; g, u, s [B/d T F/t]. w holds
+        #   the block's weights already gathered over d (BLOCK_SPECS without d: w_gate [F/t M], ln2 [M/t]). The tests
+        #   count the collectives against the formula: as many as the attention half's.
+        # The question: the attention half's rules, on the FFN: which line moves what over t, and where?
         # Maths (module 06's FFN half): n2, r2 = RMSNorm(h) with ln2; g = n2 W_gate^T and u = n2 W_up^T; s = SwiGLU(g,
-        #   u) (module 06's swiglu_forward, a local op); y = h + s W_down^T. The chapter writes the attention half
-        #   line by line; this half follows from the same rules, the weights' specs (BLOCK_SPECS) and the stream's.
-        # Pitfalls: an einsum with a weight still split over d is refused, naming the axis; so is adding a partial
-        #   sum to the residual. Every collective goes through the module's functions, so the tests can count them
-        #   against the formula.
+        #   u) (module 06's swiglu_forward, a local op); y = h + s W_down^T.
+        # Pitfalls: which of these products leaves a partial sum, and what may be added to the residual?
         raise NotImplementedError("TODO(m13): the FFN half in named axes: each line's collectives and specs")
 
-    def loss_forward(self, x: Sharded, targets: Sharded, n_tokens: int, store: ActivationStore) -> Sharded:
+    def loss_forward(self, top: TopWeights, x: Sharded, targets: Sharded, n_tokens: int,
+                     store: ActivationStore) -> Sharded:
         """x[B/d T M/t] (the last block's output) -> the mean loss over the global batch's n_tokens
-        tokens, the same on every rank (spec: a scalar). Saves what loss_backward reads."""
+        tokens, the same on every rank (spec: a scalar); top: the top unit gathered over d. Saves what
+        loss_backward reads."""
         cfg = self.cfg
         # TODO(m13): the final norm, the LM head's logits, the vocabulary-parallel loss, its sum over d
         # Contract: return loss[], the mean cross-entropy over all n_tokens tokens of the global batch, the same on
         #   every rank. Save 'xf' (x with all of M, the final norm's input), 'nf', 'rf' (the norm's output and
-        #   statistics) and 'dlogits' (cross_entropy_over_t computes the gradient with the loss).
-        # Maths: nf, rf = RMSNorm(x) with the final norm; logits = nf LM_head^T, a sum over M, in the spec
-        #   cross_entropy_over_t takes (given: [B/d T V/t]); its loss is this rank's rows' share of the mean, {U_d}.
-        #   The collectives and specs on the way follow from the chapter's rules.
-        # Pitfalls: n_tokens is the global batch's token count (the caller passes it): the gradient of the mean over
-        #   the global batch is 1 / (B T) per token, not 1 / (B/d T). A scalar's spec lists no dimension.
+        #   statistics) and 'dlogits' (cross_entropy_over_t computes the gradient with the loss). top holds the final
+        #   norm and the LM head already gathered over d: [M/t] and [V/t M].
+        # The question: from the stream's spec to the spec cross_entropy_over_t takes, and from its loss to one
+        #   number on every rank: which collectives, over which axes?
+        # Maths: nf, rf = RMSNorm(x) with the final norm; logits = nf LM_head^T, a sum over M; cross_entropy_over_t
+        #   (given) takes logits [B/d T V/t] and returns this rank's rows' share of the mean, {U_d}.
+        # Pitfalls: n_tokens is the global batch's token count (the caller passes it): what is the gradient of the
+        #   mean over the global batch per token? What does a scalar's spec list?
         raise NotImplementedError("TODO(m13): the final norm, the LM head's logits, the vocabulary-parallel loss, its sum over d")
 
     # --- backward --------------------------------------------------------------------------------
-    def loss_backward(self, store: ActivationStore) -> tuple[Sharded, Sharded, Sharded]:
-        """(dx[B/d T M/t], d final_norm[M/t/d], d lm_head[V/t M/d]) from what loss_forward saved."""
+    def loss_backward(self, top: TopWeights, store: ActivationStore) -> tuple[Sharded, Sharded, Sharded]:
+        """(dx[B/d T M/t], d final_norm[M/t {U_d}], d lm_head[V/t M {U_d}]) from what loss_forward saved and
+        the top unit gathered over d (the forward's: not gathered again)."""
         # TODO(m13): the backward of the LM head and the final norm
         # Contract: return (dx, d_final_norm, d_lm_head): the gradient of the last block's output in the stream's
-        #   layout [B/d T M/t], and the two weights' gradients, each in its weight's spec (this rank's block only).
+        #   layout [B/d T M/t], and the two weights' gradients as their unit's reduce-scatter over d takes them: in the
+        #   specs of the weights as top holds them (gathered over d), unreduced over d: [M/t {U_d}], [V/t M {U_d}].
+        #   The top unit is the forward's (it is not gathered again).
+        # The question: by the chapter's two rules of the backward, which collectives does each line need, and which
+        #   of them happen at the same point of the code?
         # Maths (module 06's, from what loss_forward saved): dn = dlogits LM_head, a sum over the vocabulary;
         #   dLM_head = dlogits^T nf, a sum over the tokens; dxf, dfinal_norm = RMSNorm's backward (module 06's
-        #   rmsnorm_backward, linear in dn) at xf, rf. Each line's collectives and specs follow from the chapter's two
-        #   rules of the backward.
-        # Pitfalls: the norm weight's gradient is a sum over the rows of the batch *and* linear in dn: work out over
-        #   which axes it is a partial sum (reducing it over too few leaves ranks with different, partial gradients).
-        #   dx must be summed, not just sliced, into the stream's layout.
+        #   rmsnorm_backward, linear in dn) at xf, rf.
+        # Pitfalls: the norm weight's gradient is a sum over the rows of the batch *and* linear in dn: over which
+        #   axes is it a partial sum, and which of them is left to the unit? Is dx summed, or only sliced?
         raise NotImplementedError('TODO(m13): the backward of the LM head and the final norm')
 
     def ffn_half_backward(self, w: BlockWeights, dy: Sharded, store: ActivationStore, grads: dict) -> Sharded:
         """dy[B/d T M/t] -> dh[B/d T M/t]; puts the gradients of w_down, w_gate, w_up and ln2 into grads."""
         # TODO(m13): the FFN half's backward in named axes: the forward's collectives conjugated, each weight's gradient
         # Contract: return dh[B/d T M/t], the gradient of the half's input h; set grads["w_down"], grads["w_gate"],
-        #   grads["w_up"], grads["ln2"], each in its weight's spec (BLOCK_SPECS). Read g, u, s, hg, n2, r2 from the
-        #   store.
+        #   grads["w_up"], grads["ln2"], each as the block's reduce-scatter over d takes it: in the spec of its weight
+        #   as w holds it (gathered over d: w_down [M F/t], ln2 [M/t]), unreduced over d. Read g, u, s, hg, n2, r2
+        #   from the store. The tests count the collectives: one over t for each of the forward's.
+        # The question: which collective is each of the forward's conjugated into, and what travels with it?
         # Maths (module 06's FFN backward, the forward in reverse): ds = dy W_down; dW_down = dy^T s over the tokens;
         #   dg, du = SwiGLU's backward (module 06's swiglu_backward, local); dn2 = dg W_gate + du W_up; dW_gate =
-        #   dg^T n2 and dW_up = du^T n2; dhg, dln2 = RMSNorm's backward at hg, r2; dh = dy + dhg. Each line's
-        #   collectives and specs follow from the chapter's two rules of the backward and the forward's specs.
-        # Pitfalls: the residual adds dy exactly once. Every weight's gradient must end in its weight's spec: this
-        #   rank's block, summed over every rank that contributed to it.
+        #   dg^T n2 and dW_up = du^T n2; dhg, dln2 = RMSNorm's backward at hg, r2; dh = dy + dhg.
+        # Pitfalls: how many times does the residual add dy? Over which axes is each weight's gradient still a
+        #   partial sum, and which of them does the block's unit sum, once, for all nine?
         raise NotImplementedError("TODO(m13): the FFN half's backward in named axes: the forward's collectives conjugated, each weight's gradient")
 
     def attention_half_backward(self, w: BlockWeights, dh: Sharded, store: ActivationStore, grads: dict) -> Sharded:
@@ -252,26 +313,28 @@ class Llama2D:
         rope = self.rope(dh.tensor.shape[1], dh.tensor.dtype)
         # TODO(m13): the attention half's backward in named axes
         # Contract: return dx[B/d T M/t], the gradient of the block's input; set grads["wo"], grads["wq"],
-        #   grads["wk"], grads["wv"], grads["ln1"], each in its weight's spec. Read xg, n1, r1, q, k, v, o, lse from
-        #   the store.
+        #   grads["wk"], grads["wv"], grads["ln1"], each as in the FFN half's backward (the spec of its weight as w
+        #   holds it, unreduced over d). Read xg, n1, r1, q, k, v, o, lse from the store.
+        # The question: the FFN half's backward, for attention: what changes, what does not?
         # Maths (module 06's attention backward, the forward in reverse): do = dh W_o; dW_o = dh^T o over the
         #   tokens; dq, dk, dv = attention's backward (grouped_attention_backward, local, chunk
         #   self.attention_chunk, from the saved q and k after RoPE, v, o and lse); RoPE's backward on dq and dk
         #   (rope_backward with the forward's tables), never on dv; dn1 = dq W_q + dk W_k + dv W_v; dW_q = dq^T n1,
-        #   and so for k and v; dxg, dln1 = RMSNorm's backward at xg, r1; dx = dh + dxg. The collectives and specs
-        #   follow from the chapter's two rules of the backward, as in the FFN half's backward.
-        # Pitfalls: as in the FFN half's backward.
+        #   and so for k and v; dxg, dln1 = RMSNorm's backward at xg, r1; dx = dh + dxg.
+        # Pitfalls: as in the FFN half's backward; which of the three gradients does RoPE's backward touch?
         raise NotImplementedError("TODO(m13): the attention half's backward in named axes")
 
     def embed_backward(self, dx: Sharded, store: ActivationStore) -> Sharded:
-        """dx[B/d T M/t] (the gradient of the first block's input) -> d embedding[V/t M/d]."""
+        """dx[B/d T M/t] (the gradient of the first block's input) -> d embedding[V/t M {U_d}], as the top
+        unit's reduce-scatter over d takes it."""
         # TODO(m13): the embedding's gradient, back to this rank's block of the table
-        # Contract: return the embedding's gradient in its spec V/t M/d: this rank's block only.
+        # Contract: return the embedding's gradient as the top unit's reduce-scatter takes it: [V/t M {U_d}], this
+        #   rank's vocabulary rows, all of M, this rank's rows' share of the sum (the unit's collective sums over d).
         # Maths: the forward's product transposed: dE = onehot^T dx, a sum over the tokens (the saved one-hot, the
         #   gradient of the first block's input). Its collectives and specs follow from the chapter's two rules of the
         #   backward.
-        # Pitfalls: the gradient must land in this rank's block [V/t M/d], summed over every rank whose rows of the
-        #   batch contributed, not stay [V/t M] on every rank; a token seen twice adds twice (the contraction does it).
+        # Pitfalls: the one-hot is [B/d T V/t] and dx is split over t: the product needs all of M on this rank; a token
+        #   seen twice adds twice (the contraction does it).
         raise NotImplementedError("TODO(m13): the embedding's gradient, back to this rank's block of the table")
 
     # --- one step ----------------------------------------------------------------------------------
@@ -279,25 +342,25 @@ class Llama2D:
         """(loss, LlamaGrads of Sharded) for the global batch tokens, targets (B, T): the same tensors on every
         rank, each keeping its rows B/d. The loss is summed over the real targets of the whole batch and divided
         by n_tokens (module 06's convention; default: their count); each gradient is this rank's block of its
-        gradient."""
+        gradient, in its weight's spec."""
         self.cfg.check_seq_len(tokens.shape[1])
         mesh, n_tokens = self.mesh, real_tokens(targets) if n_tokens is None else n_tokens
         tokens, targets = shard("B/d T", tokens, mesh), shard("B/d T", targets, mesh)
-        top, stores = ActivationStore(), [ActivationStore() for _ in self.blocks]
-        x = self.embed(tokens, top)
-        for w, store in zip(self.blocks, stores, strict=True):
-            x = self.ffn_half(w, self.attention_half(w, x, store), store)
-        loss = self.loss_forward(x, targets, n_tokens, top)
-        dx, d_final_norm, d_lm_head = self.loss_backward(top)
-        block_grads = [None] * len(self.blocks)
-        for layer in reversed(range(len(self.blocks))):
-            grads = {}
-            dh = self.ffn_half_backward(self.blocks[layer], dx, stores[layer], grads)
-            dx = self.attention_half_backward(self.blocks[layer], dh, stores[layer], grads)
-            block_grads[layer] = BlockWeights(**grads)
-            stores[layer].clear()
-        d_embedding = self.embed_backward(dx, top)
-        return loss.tensor, LlamaGrads(d_embedding, block_grads, d_final_norm, d_lm_head)
+        saved, stores, L = ActivationStore(), [ActivationStore() for _ in self.blocks], len(self.blocks)
+        # TODO(m13): the step's units over d: one gather per unit and pass, each started a unit ahead
+        # Contract: return (loss.tensor, LlamaGrads(d_embedding, [a BlockWeights per block], d_final_norm, d_lm_head)),
+        #   every gradient this rank's block in its weight's spec, as module 06 computes it. Over d the step issues
+        #   grouped collectives only, one per unit and pass (self.start_gather, self.start_scatter, finish): the top
+        #   unit (self.top()) is gathered once a step, each block twice (its forward and its backward: no whole block
+        #   is kept between the passes), and every unit's gradients are reduce-scattered once.
+        # Overlap, which the tests read off the collectives in flight: when a block's forward starts, the next block's
+        #   gather is already on its way; when the loss starts, the last block's backward gather; when a block's
+        #   backward starts, the gather of the block before it; a block's reduce-scatter is started as soon as its
+        #   backward has its gradients, and left to travel while the earlier blocks compute.
+        # The question: in what order does the step need its units, and what can travel while each one computes?
+        # Pitfalls: what does a gather finished right after it starts overlap with? Does the loss's backward need
+        #   the top unit gathered again? Is every collective started also finished (finish is where it is waited for)?
+        raise NotImplementedError("TODO(m13): the step's units over d: one gather per unit and pass, each started a unit ahead")
 
     def train_step(self, tokens: torch.Tensor, targets: torch.Tensor, n_microbatches: int, optimizer) -> float:
         """One optimizer step on the global batch (the same on every rank), in n_microbatches whose

@@ -1,5 +1,5 @@
 # Generated from solutions/m13_specs.py by `python -m course.skeleton`. Given code: nothing
-# to fill in here; read it, then run it with `python main.py run 13`. (skeleton ee2aa3381bc4)
+# to fill in here; read it, then run it with `python main.py run 13`. (skeleton 0eacf642c780)
 """Module 13, part 1 - the spec notation (given): each tensor says which of its dimensions is split
 over which axis of the mesh it lives on, and every collective is an arrow between two such specs.
 
@@ -252,6 +252,23 @@ def check_reduce_scatter(left: Spec, right: Spec, text: str) -> Move:
         raise SpecError(f"reduce_scatter {text!r}: after summing over {', '.join(added)} the right side must be "
                         f"{describe(Spec(right.dims, left.unreduced - set(added)))}")
     return Move(i, added)
+
+
+def check_grouped(moves: list[Move], arrows: list[str], tensors: list[torch.Tensor], collective: str) -> str:
+    """Arrows that one grouped collective can serve: each moves one dimension over the same single mesh
+    axis, and their tensors share a dtype (they travel in one buffer). Returns that axis."""
+    if not arrows:
+        raise SpecError(f"grouped {collective}: no arrows (a group holds at least one tensor)")
+    axes = {move.axes for move in moves}
+    if len(axes) != 1 or len(next(iter(axes))) != 1:
+        listed = "; ".join(f"{a!r} over {'/'.join(m.axes)}" for a, m in zip(arrows, moves))
+        raise SpecError(f"grouped {collective}: every arrow must move its dimension over the same one mesh axis "
+                        f"(one collective over one group), got {listed}")
+    dtypes = {t.dtype for t in tensors}
+    if len(dtypes) != 1:
+        raise SpecError(f"grouped {collective}: one buffer holds one dtype, the tensors have "
+                        f"{', '.join(sorted(map(str, dtypes)))}")
+    return next(iter(axes))[0]
 
 
 def check_all_reduce(left: Spec, right: Spec, text: str) -> tuple[str, ...]:

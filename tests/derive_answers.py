@@ -149,39 +149,54 @@ FORBIDDEN = {
         ],
     },
     "13": {
-        # The spec strings of every line but the attention half's forward, which chapter 13 works out.
+        # The spec strings of every line but the attention half's forward, which chapter 13 works out; the units'
+        # schedule (the chapter prefetches a stack of layers' forward, the step's order of units is the TODO's);
+        # the copy-in and copy-out of the grouped collectives (the chapter packs a 1-D case by hand).
         "Llama2D.embed": [
-            code("B/d T V/t, V/t M -> B/d T M"), code("V/t M/d -> V/t M"), code("B/d T -> B/d T V/t"),
+            code("B/d T V/t, V/t M -> B/d T M"), code("B/d T -> B/d T V/t"),
         ],
         "Llama2D.ffn_half": [
-            code("B/d T M, F/t M -> B/d T F/t"), code("F/t M/d -> F/t M"), code("B/d T F/t, B/d T F/t -> B/d T F/t"),
-            code("M/d F/t -> M F/t"), code("B/d T F/t, M F/t -> B/d T M"),
+            code("B/d T M, F/t M -> B/d T F/t"), code("B/d T F/t, B/d T F/t -> B/d T F/t"), code("B/d T F/t, M F/t -> B/d T M"),
+            code("[h, w.ln2]"), "[h, LN2] gathered over t",
         ],
         "Llama2D.loss_forward": [
-            code("B/d T M, V/t M -> B/d T V/t"), code('"{U_d} ->"'), code("'{U_d} ->'"),
+            code("B/d T M, V/t M -> B/d T V/t"), code('"{U_d} ->"'), code("'{U_d} ->'"), code("[x, top.final_norm]"),
         ],
         "Llama2D.loss_backward": [
-            code("B/d T V/t, V/t M -> B/d T M"), code("B/d T V/t, B/d T M -> V/t M"), code("V/t M {U_d} -> V/t M/d"),
-            code("B/d T M {U_t}, B/d T M, B/d T, M -> B/d T M {U_t}, M {U_d,t}"),
+            code("B/d T V/t, V/t M -> B/d T M"), code("B/d T V/t, B/d T M -> V/t M"), code("M {U_d,t} -> M/t {U_d}"),
+            code("B/d T M {U_t}, B/d T M, B/d T, M -> B/d T M {U_t}, M {U_d,t}"), code("[dxf, d_norm]"),
         ],
         "Llama2D.ffn_half_backward": [
-            code("B/d T M, M F/t -> B/d T F/t"), code("B/d T M, B/d T F/t -> M F/t"), code("M F/t {U_d} -> M/d F/t"),
-            code("F/t M {U_d} -> F/t M/d"), code("B/d T F/t, B/d T M -> F/t M"), code("B/d T F/t, F/t M -> B/d T M"),
-            code("B/d T F/t, B/d T F/t, B/d T F/t -> B/d T F/t, B/d T F/t"),
+            code("B/d T M, M F/t -> B/d T F/t"), code("B/d T M, B/d T F/t -> M F/t"), code("B/d T F/t, B/d T M -> F/t M"),
+            code("B/d T F/t, F/t M -> B/d T M"), code("B/d T F/t, B/d T F/t, B/d T F/t -> B/d T F/t, B/d T F/t"),
+            code("[dy, w.ln2]"), code("[dhg, d_ln2]"),
         ],
         "Llama2D.attention_half_backward": [
             code("B/d T M, M K/t Q D -> B/d T K/t Q D"), code("B/d T M, B/d T K/t Q D -> M K/t Q D"),
-            code("M K/t Q D {U_d} -> M/d K/t Q D"), code("B/d T K/t Q D, K/t Q D M -> B/d T M"),
-            code("B/d T K/t D, K/t D M -> B/d T M"), code("B/d T K/t Q D, B/d T M -> K/t Q D M"),
-            code("K/t Q D M {U_d} -> K/t Q D M/d"), code("K/t D M {U_d} -> K/t D M/d"), code("B/d T K/t D, B/d T M -> K/t D M"),
+            code("B/d T K/t Q D, K/t Q D M -> B/d T M"), code("B/d T K/t D, K/t D M -> B/d T M"),
+            code("B/d T K/t Q D, B/d T M -> K/t Q D M"), code("B/d T K/t D, B/d T M -> K/t D M"), code("[dh, w.ln1]"),
+            code("[dxg, d_ln1]"),
         ],
         "Llama2D.embed_backward": [
-            code("B/d T V/t, B/d T M -> V/t M"), code("V/t M {U_d} -> V/t M/d"),
+            code("B/d T V/t, B/d T M -> V/t M"),
+        ],
+        "Llama2D.forward_backward": [
+            code("start_gather(self.blocks[layer + 1]"), code("start_gather(self.blocks[layer - 1]"), code("self.start_gather(self.blocks[-1]"),
+            "blocks 0 .. L-1, (top: loss, kept), blocks L-1 .. 0", "unit k + 1's gather is started before unit k's",
+        ],
+        "start_all_gather": [
+            code("torch.cat([x.tensor.reshape(-1) for x in xs])"), code("row.new_empty(n"), "row = its blocks flattened, end to end",
+        ],
+        "start_reduce_scatter": [
+            code("x.tensor.chunk(n, dim=move.dim)"), code("torch.stack(b).reshape(n, -1)"), "row j = every tensor's block j",
+        ],
+        "finish": [
+            code("row[offset:offset + n]"), code("torch.cat(pieces, dim=dim)"), code("pending.work.wait()"),
+            "o_i = sum of numel before i",
         ],
         "step_traffic": [
-            "14L + 3", "7L + 2", "4L + 2", "2 L P + 3 V' M", "L P + 2 V' M", "2 (2L + 1) + 4L + 2",
-            "2L + 1 + 4L + 2", "6 (t-1)/t N s", "2 (2L+1) (d-1)/(d t) M b", "(2L+1) (t-1)/t M b",
-            "3 (d-1)/(d t) P b", "8 (t-1)/t A a block",
+            "4L + 3", "4L + 2", "2L + 1 gathers", "L + 1 reduce-scatters", "2 L block + top", "L block + top",
+            "unit_d (2 L block", "(d - 1) u b / (d t)", "6 (t-1)/t N s", "(2L+1) (t-1)/t M b", "8 (t-1)/t A a block",
         ],
         "state_bytes": [
             "L (P + 2M) + 2 V' M + M", "(L (P + 2 M) + 2 V' M + M) // (d t)", "twice as many AdamW moments",

@@ -70,19 +70,21 @@ def test_a_worked_example_counted_by_hand():
     # The module's model (vocabulary 256, L = 2, M = 32, F = 48, 4 key/value heads of 4 x 2 query heads of
     # D = 4) on 2x2 in float32, a batch of 8 x 16 tokens: N = 4 x 16 = 64 tokens a rank, b = s = 4.
     # A block's matrices: P = 2 (32 x 32) + 2 (16 x 32) + 3 (48 x 32) = 7,680 values; 2 L + 1 = 5 norms.
-    # A block of a matrix over d sends (d-1)/(dt) b = 1 byte a value; a norm's step over d (d-1) M/(dt) b =
-    # 32 bytes, over t (t-1) M/t b = 64; a stream collective (t-1)/t N M b = 4,096.
-    #   d all-gathers:     2 L P + 3 V M = 30,720 + 24,576, and 10 norm steps x 32: 55,616 bytes; 14L + 3 + 10 = 41
-    #   t all-gathers:     10 norm steps x 64 + 10 stream x 4,096 = 41,600 bytes; 20 calls
-    #   d reduce-scatters: L P + 2 V M = 15,360 + 16,384, and 5 norm steps x 32: 31,904 bytes; 7L + 2 + 5 = 21
-    #   t reduce-scatters: 5 norm steps x 64 + 10 stream x 4,096 = 41,280 bytes; 15 calls
+    # A unit gathered or reduce-scattered over d sends (d-1)/(dt) b = 1 byte a value of the unit: a block's unit
+    # holds P + 2 M = 7,744 values, the top's 2 V M + M = 16,416. Over t, a norm weight's step sends (t-1) M/t b =
+    # 64 bytes, a stream collective (t-1)/t N M b = 4,096.
+    #   d all-gathers:     2 L blocks + the top = 30,976 + 16,416 = 47,392 bytes; 2L + 1 = 5 calls
+    #   t all-gathers:     10 norm steps x 64 + 10 stream x 4,096 = 41,600 bytes; 11 calls (each half's stream
+    #                      and norm weight together, in both passes; the final norm once more alone)
+    #   d reduce-scatters: L blocks + the top = 15,488 + 16,416 = 31,904 bytes; L + 1 = 3 calls
+    #   t reduce-scatters: 5 norm steps x 64 + 10 stream x 4,096 = 41,280 bytes; 10 calls
     #   t all-reduces:     3 x 2 (t-1)/t N s = 768 bytes; 3 calls.   d all-reduce: 2 (d-1)/d s = 4 bytes; 1 call
     # Kept: (L (P + 2M) + 2 V M + M) / (dt) = (15,488 + 16,384 + 32) / 4 = 7,976 values, 31,904 bytes each
     # for weights and gradients, 63,808 for AdamW's two moments.
     sizes = {"d": 2, "t": 2}
-    calls = {("d", "all_gather"): 41, ("t", "all_gather"): 20, ("d", "reduce_scatter"): 21,
-             ("t", "reduce_scatter"): 15, ("t", "all_reduce"): 3, ("d", "all_reduce"): 1}
-    sent = {("d", "all_gather"): 55_616, ("t", "all_gather"): 41_600, ("d", "reduce_scatter"): 31_904,
+    calls = {("d", "all_gather"): 5, ("t", "all_gather"): 11, ("d", "reduce_scatter"): 3,
+             ("t", "reduce_scatter"): 10, ("t", "all_reduce"): 3, ("d", "all_reduce"): 1}
+    sent = {("d", "all_gather"): 47_392, ("t", "all_gather"): 41_600, ("d", "reduce_scatter"): 31_904,
             ("t", "reduce_scatter"): 41_280, ("t", "all_reduce"): 768, ("d", "all_reduce"): 4}
     traffic = costs.step_traffic(model_2d.CONFIG, sizes, 8, torch.float32)
     assert traffic == StepCost(sent, calls), \

@@ -22,8 +22,9 @@ import torch.distributed.tensor.parallel  # noqa: F401
 from course.costs import measured_cost
 from course.dataset import load_text, random_batch
 from course.impl import load, reference
+from course.late_collectives import LateCollectives
 from course.launch import run_ranks
-from course.mesh import init_mesh
+from course.mesh import Group, init_mesh
 
 model_2d = load("m13_llama_2d")
 specs = load("m13_specs")
@@ -41,7 +42,8 @@ MESHES = [(1, 1), (1, 4), (2, 2), (4, 1)]
 # which the scorecard then points at.
 ALL_TODOS = ("Llama2D.loss_forward", "Llama2D.ffn_half", "Llama2D.attention_half", "Llama2D.embed",
              "Llama2D.loss_backward", "Llama2D.ffn_half_backward", "Llama2D.attention_half_backward",
-             "Llama2D.embed_backward", "all_gather", "reduce_scatter", "all_reduce", "einsum_unreduced")
+             "Llama2D.embed_backward", "Llama2D.forward_backward", "all_gather", "reduce_scatter", "all_reduce",
+             "einsum_unreduced", "start_all_gather", "start_reduce_scatter", "finish")
 FORWARD = {**dict.fromkeys(("onehot",), "Llama2D.embed"),
            **dict.fromkeys(("xg", "n1", "r1", "q", "k", "v", "o", "lse"), "Llama2D.attention_half"),
            **dict.fromkeys(("hg", "n2", "r2", "g", "u", "s"), "Llama2D.ffn_half")}
@@ -89,18 +91,26 @@ def models_on_the_same_weights(d, t, dtype):
     return mesh, model, single
 
 
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "start_all_gather", "start_reduce_scatter")
+GIVEN_METHODS = ("start_gather", "start_scatter")  # the units' collectives: counted where they are called from
+
+
 @contextlib.contextmanager
 def collectives_counted(module):
-    """Counts {(function, collective, arrow): calls} of the collectives `module`'s functions issue inside
-    the block ('Llama2D.embed_backward', 'reduce_scatter', 'V/t M {U_d} -> V/t M/d'), its collectives
-    wrapped meanwhile (in this rank's process only)."""
-    issued, originals = Counter(), {op: getattr(module, op) for op in ("all_gather", "reduce_scatter", "all_reduce")}
+    """Counts {(function, collective, arrow or arrows): calls} of the collectives `module`'s functions issue
+    inside the block ('Llama2D.loss_backward', 'start_reduce_scatter', "['B/d T M {U_t} -> B/d T M/t', ...]";
+    the units' gathers count in the function that calls start_gather), its collectives wrapped meanwhile (in
+    this rank's process only)."""
+    issued, originals = Counter(), {op: getattr(module, op) for op in COLLECTIVES}
 
     def counted(op):
-        def collective(arrow, x):
-            caller = sys._getframe(1).f_code.co_name
-            issued[(f"Llama2D.{caller}" if hasattr(module.Llama2D, caller) else caller, op, arrow)] += 1
-            return originals[op](arrow, x)
+        def collective(arrow, x, *label):
+            frame = sys._getframe(1)
+            while frame.f_code.co_name in GIVEN_METHODS:
+                frame = frame.f_back
+            caller = frame.f_code.co_name
+            issued[(f"Llama2D.{caller}" if hasattr(module.Llama2D, caller) else caller, op, str(arrow))] += 1
+            return originals[op](arrow, x, *label)
         return collective
     try:
         for op in originals:
@@ -126,13 +136,29 @@ def _forward_backward(d, t, tokens, targets, dtype):
     return loss, named, (measured, differ)
 
 
+def gathered_by_hand(model, single, d, t):
+    """(top, [blocks]): the units as their all-gathers over d leave them, cut by hand from module 06's weights
+    (`single`): each weight's block with d taken out of its spec ('K/t Q D M/d' -> 'K/t Q D M')."""
+    whole, mesh = by_name(single), model.mesh
+    i_d, i_t = mesh.index["d"], mesh.index["t"]
+
+    def gathered(name):
+        spec = spec_of(name).replace("/d", "")
+        return specs.Sharded(block_of(in_2d_layout(name, whole[name], t), spec, i_d, i_t, d, t),
+                             specs.parse_spec(spec, mesh.sizes), mesh)
+    top = model_2d.TopWeights(gathered("embedding"), gathered("final_norm"), gathered("lm_head"))
+    blocks = [model_2d.BlockWeights(**{name: gathered(f"block {layer} {name}") for name in given.BLOCK_SPECS})
+              for layer in range(CFG.n_layers)]
+    return top, blocks
+
+
 def _kept_specs(d, t, tokens):
     """What one block's forward (and the embedding) keep, as the demo's sharding table shows it."""
-    mesh = init_mesh({"d": d, "t": t})
-    model = model_2d.Llama2D(CFG, mesh, seed=3, dtype=f64)
+    mesh, model, single = models_on_the_same_weights(d, t, f64)
+    top, blocks = gathered_by_hand(model, single, d, t)
     store = reference("m06_llama_block").ActivationStore()
-    x = model.embed(specs.shard("B/d T", tokens, mesh), store)
-    model.ffn_half(model.blocks[0], model.attention_half(model.blocks[0], x, store), store)
+    x = model.embed(top, specs.shard("B/d T", tokens, mesh), store)
+    model.ffn_half(blocks[0], model.attention_half(blocks[0], x, store), store)
     return {name: str(value.spec) if hasattr(value, "spec") else type(value).__name__
             for name, value in store.tensors.items()}
 
@@ -180,10 +206,11 @@ def _activations_against_module_06(d, t, tokens):
     """The forward of both models on the same weights; the first activation (the one-hot, then each block's
     in forward order) where this rank's differs from its block of module 06's, as a message, or None."""
     mesh, model, single = models_on_the_same_weights(d, t, f64)
+    top, blocks = gathered_by_hand(model, single, d, t)
     Store = reference("m06_llama_block").ActivationStore
     stores = [Store() for _ in range(CFG.n_layers + 1)]
-    x = model.embed(specs.shard("B/d T", tokens, mesh), stores[0])
-    for w, store in zip(model.blocks, stores[1:]):
+    x = model.embed(top, specs.shard("B/d T", tokens, mesh), stores[0])
+    for w, store in zip(blocks, stores[1:]):
         x = model.ffn_half(w, model.attention_half(w, x, store), store)
     theirs = [single.block.new_store() for _ in range(CFG.n_layers)]
     single.forward_blocks(single.embedding[tokens], theirs)
@@ -317,6 +344,72 @@ def test_the_loss_and_every_gradient_block_equal_module_06s(d, t):
                                      f"log, the reference formula, given) where the calls or bytes differ: {differ}: "
                                      f"a collective too many or too few, or of another size"
                                      + (f". By function and arrow: {calls}" if calls else ""))
+
+
+def _in_flight_at_each_unit(d, t, tokens, targets):
+    """One forward_backward with the d group's collectives delivered late (course/late_collectives.py), noting
+    at the start of each unit's computation the grouped collectives over d started so far and still in flight:
+    [(when, all-gathers started, in flight, reduce-scatters started, in flight)], and those never waited for."""
+    mesh = init_mesh({"d": d, "t": t})
+    group = mesh.group("d")
+    late = LateCollectives(group.collectives.group, "d", group.ranks)
+    late.log = mesh.log
+    mesh.groups["d"] = Group("d", group.index, group.ranks, late)
+    model = model_2d.Llama2D(CFG, mesh, seed=3, dtype=f64)
+    events, calls = [], Counter()
+
+    def noting(name, when):
+        method = getattr(model, name)
+
+        def noted(*args, **kwargs):
+            label = when(calls[name])
+            calls[name] += 1
+            works = {op: [w for w in late.works if w.op == op] for op in ("all_gather", "reduce_scatter")}
+            events.append((label, *(n for op in ("all_gather", "reduce_scatter")
+                                    for n in (len(works[op]), sum(not w.waited for w in works[op])))))
+            return method(*args, **kwargs)
+        setattr(model, name, noted)
+    noting("attention_half", lambda k: f"block {k}'s forward")
+    noting("loss_forward", lambda k: "the loss")
+    noting("ffn_half_backward", lambda k: f"block {CFG.n_layers - 1 - k}'s backward")
+    noting("embed_backward", lambda k: "the embedding's backward")
+    loss, _ = model.forward_backward(tokens, targets)
+    return events, late.never_waited(), loss.item()
+
+
+def units_ahead(L: int) -> list[tuple]:
+    """What the contract of forward_backward says is started and in flight at each unit, L blocks: gathers one
+    unit ahead (the top once, each block twice), each block's reduce-scatter left in flight once started."""
+    return ([(f"block {i}'s forward", 1 + (i + 1) + (i < L - 1), int(i < L - 1), 0, 0) for i in range(L)]
+            + [("the loss", L + 2, 1, 0, 0)]
+            + [(f"block {i}'s backward", 1 + L + (L - i) + (i > 0), int(i > 0), L - 1 - i, min(1, L - 1 - i))
+               for i in reversed(range(L))]
+            + [("the embedding's backward", 1 + 2 * L, 0, L, 1)])
+
+
+@pytest.mark.exercises("Llama2D.forward_backward")
+def test_each_units_gather_is_in_flight_while_the_unit_before_it_computes():
+    tokens, targets = batch()
+    expected, L = units_ahead(CFG.n_layers), CFG.n_layers
+    for rank, (events, never_waited, loss) in enumerate(run_ranks(_in_flight_at_each_unit, 4, 2, 2, tokens, targets,
+                                                                   timeout=30)):
+        assert not never_waited, \
+            (f"rank {rank}: collectives over d started and never waited for: {never_waited} (finish waits: every "
+             f"unit's gather and reduce-scatter must be finished before the step returns): your "
+             f"Llama2D.forward_backward")
+        for got, want in zip(events, expected, strict=True):
+            gathers, gathers_flying, scatters, scatters_flying = got[1:]
+            assert gathers == want[1] and gathers_flying == want[2], \
+                (f"rank {rank}: when {want[0]} started, {gathers} all-gathers over d had been started and "
+                 f"{gathers_flying} were in flight; expected {want[1]} and {want[2]} (the top once, each block once a pass, the next "
+                 f"unit's gather started before the current one computes and finished only when it is needed): "
+                 f"your Llama2D.forward_backward")
+            assert scatters == want[3] and scatters_flying >= want[4], \
+                (f"rank {rank}: when {want[0]} started, {scatters} reduce-scatters over d had been started and "
+                 f"{scatters_flying} were in flight; expected {want[3]}, at least {want[4]} in flight (each block's "
+                 f"started once its gradients are complete, finished after the embedding's backward): your "
+                 f"Llama2D.forward_backward")
+        assert loss == loss, f"rank {rank}: the loss is NaN: a result read before its collective was waited for"
 
 
 @pytest.mark.exercises(*ALL_TODOS)

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from course.impl import load, reference
+from course.late_collectives import LateCollectives
 from course.launch import RankFailed, run_ranks
-from course.mesh import init_mesh, mesh_of_sizes, parse_mesh
+from course.mesh import Group, init_mesh, mesh_of_sizes, parse_mesh
 
 axes = load("m13_named_axes")
 specs = load("m13_specs")
@@ -285,3 +286,153 @@ def test_einsum_unreduced_contracts_locally_and_reports_the_axes(equation, by_ha
          f"(the mesh axes of the dimensions summed over, and only those)")
     assert [str(dim) for dim in out.spec.dims] == equation.split("-> ")[1].split(), \
         f"{equation!r}: the result's dimensions are {out.spec}"
+
+
+# --- grouped collectives: many arrows over one axis, one collective (2x2, delivered late) ---------
+
+def late_mesh(sizes):
+    """A mesh whose d and t groups deliver late (course/late_collectives.py): an asynchronous collective's
+    output is NaN until its work is waited for, so a result read before the wait is wrong on every run."""
+    mesh = init_mesh(sizes)
+    for axis in ("d", "t"):
+        group = mesh.group(axis)
+        late = LateCollectives(group.collectives.group, axis, group.ranks)
+        late.log = mesh.log  # one log for the mesh, as init_mesh's groups share
+        mesh.groups[axis] = Group(axis, group.index, group.ranks, late)
+    return mesh
+
+
+def grouped_wholes():
+    g = torch.Generator().manual_seed(7)
+    return {**whole_tensors(), "wq": torch.randn(4, 2, 3, 8, generator=g, dtype=f64)}
+
+
+def gather_groups(i_d, i_t):
+    """axis -> [(arrow, whole tensor, this rank's block before, after)]: blocks split along the first, the last and
+    a middle dimension of four; the group over t is the halves' (the stream and a norm weight)."""
+    return {"d": [("V/t M/d -> V/t M", "table", {0: [(T, i_t)], 1: [(D, i_d)]}, {0: [(T, i_t)]}),
+                  ("M/d F/t -> M F/t", "w", {0: [(D, i_d)], 1: [(T, i_t)]}, {1: [(T, i_t)]}),
+                  ("M/t/d -> M/t", "norm", {0: [(T, i_t), (D, i_d)]}, {0: [(T, i_t)]}),
+                  ("K/t Q D M/d -> K/t Q D M", "wq", {0: [(T, i_t)], 3: [(D, i_d)]}, {0: [(T, i_t)]})],
+            "t": [("B/d T M/t -> B/d T M", "x", {0: [(D, i_d)], 2: [(T, i_t)]}, {0: [(D, i_d)]}),
+                  ("M/t -> M", "norm", {0: [(T, i_t)]}, {})]}
+
+
+def members(axis, i_d, i_t):
+    """The (i_d, i_t) of each member of this rank's group along axis, in group order."""
+    return [(j, i_t) for j in range(D)] if axis == "d" else [(i_d, j) for j in range(T)]
+
+
+def _grouped(op, groups, inputs_of):
+    """Each group's grouped collective on a mesh of late collectives: its results, its rows, its log."""
+    mesh = late_mesh({"d": D, "t": T})
+    start = getattr(axes, f"start_{op}")
+    results = {}
+    for axis, group in groups(mesh.index["d"], mesh.index["t"]).items():
+        xs = [sharded(mesh, arrow.split("->")[0], tensor) for (arrow, *_), tensor in zip(group, inputs_of(mesh, group))]
+        kept = [x.tensor.clone() for x in xs]
+        before = len(mesh.log)
+        pending = start([arrow for arrow, *_ in group], xs, f"a group over {axis}")
+        started = {"dims": list(pending.dims), "shapes": [tuple(shape) for shape in pending.shapes]}
+        try:
+            out, raised = axes.finish(pending), None
+        except Exception as error:  # noqa: BLE001  reported by the parent after the checks of start_...
+            out, raised = [], f"{type(error).__name__}: {error}"
+        results[axis] = {"out": [(o.tensor, str(o.spec)) for o in out], "rows": pending.rows.clone(), **started,
+                         "raised": raised,
+                         "log": [(c.op, c.axis, c.payload_bytes) for c in mesh.log[before:]],
+                         "never waited": mesh.group(axis).collectives.never_waited(),
+                         "inputs kept": all(torch.equal(a, x.tensor) for a, x in zip(kept, xs))}
+    return results
+
+
+def moved_dim(arrow: str) -> int:
+    """The dimension an arrow's collective moves: the first whose split differs on the two sides."""
+    left, right = ([token for token in side.split() if not token.startswith("{")] for side in arrow.split("->"))
+    return next(i for i, (a, b) in enumerate(zip(left, right)) if a != b)
+
+
+def check_grouped(rank, op, axis, group, got, rows, wanted, payload, dims, shapes):
+    """A grouped collective's checks in order of blame: waited for (finish), one call (start_...), the rows it
+    delivered (start_...), the results unpacked from them (finish)."""
+    start, arrows = f"start_{op}", [arrow for arrow, *_ in group]
+    where = f"rank {rank}, grouped {op} over {axis} of {arrows}"
+    assert not got["never waited"], \
+        f"{where}: the collective was never waited for, so its rows were read before they arrived: your finish"
+    assert got["log"] == [(op, axis, payload)], \
+        (f"{where}: logged (op, axis, payload bytes) {got['log']}, expected one collective {[(op, axis, payload)]}: "
+         f"your {start}")
+    assert got["inputs kept"], f"{where}: an input tensor was written: your {start}"
+    assert got["dims"] == dims and got["shapes"] == shapes, \
+        (f"{where}: InFlight's dims {got['dims']} and shapes {got['shapes']}, expected {dims} (each arrow's own "
+         f"dimension) and {shapes} (each tensor's piece in a row): your {start}")
+    assert got["raised"] is None, f"{where}: finish raised {got['raised']}: your finish"
+    assert got["rows"].shape == rows.shape and torch.allclose(got["rows"], rows, rtol=1e-15, atol=1e-15), \
+        (f"{where}: the rows delivered (shape {tuple(got['rows'].shape)}, expected {tuple(rows.shape)}) are not the "
+         f"blocks InFlight's docstring says, in the arrows' order, each flattened: your {start}")
+    for arrow, (tensor, spec), want in zip(arrows, got["out"], wanted, strict=True):
+        assert spec == arrow.split("-> ")[1], f"{where}: {arrow!r} gives the spec {spec!r}: your finish"
+        assert tensor.shape == want.shape and torch.allclose(tensor, want, rtol=1e-15, atol=1e-15), \
+            (f"{where}: {arrow!r} unpacked wrong (shape {tuple(tensor.shape)}, expected {tuple(want.shape)}) from rows "
+             f"that are right: where each piece starts in a row, or the dimension the pieces are joined along: "
+             f"your finish")
+
+
+def _gather_inputs(mesh, group):
+    full = grouped_wholes()
+    blocks = [block(full[name], mine).clone() for _, name, mine, _ in group]
+    return [b.t().contiguous().t() if b.dim() == 2 else b for b in blocks]  # some not contiguous, as an einsum leaves them
+
+
+@pytest.mark.exercises("finish", "start_all_gather")
+def test_a_grouped_all_gather_gives_what_each_arrow_would():
+    full = grouped_wholes()
+    for rank, results in enumerate(run_ranks(_grouped, D * T, "all_gather", gather_groups, _gather_inputs,
+                                             timeout=30)):
+        i_d, i_t = divmod(rank, T)
+        for axis, group in gather_groups(i_d, i_t).items():
+            rows = torch.stack([torch.cat([block(full[name], gather_groups(*m)[axis][n][2]).reshape(-1)
+                                           for n, (_, name, _, _) in enumerate(group)])
+                                for m in members(axis, i_d, i_t)])
+            wanted = [block(full[name], after) for _, name, _, after in group]
+            payload = sum(block(full[name], mine).nbytes for _, name, mine, _ in group)
+            dims = [moved_dim(arrow) for arrow, *_ in group]
+            shapes = [tuple(block(full[name], mine).shape) for _, name, mine, _ in group]
+            check_grouped(rank, "all_gather", axis, group, results[axis], rows, wanted, payload, dims, shapes)
+
+
+def scatter_groups(i_d, i_t):
+    """axis -> [(arrow, partial sum's name, this rank's block of the sum)]: the units' gradients over d, the
+    halves' over t (the stream's and a norm weight's, still unreduced over d)."""
+    return {"d": [("M F/t {U_d} -> M/d F/t", "w", {0: [(D, i_d)]}),
+                  ("F/t M {U_d} -> F/t M/d", "wt", {1: [(D, i_d)]}),
+                  ("M/t {U_d} -> M/t/d", "norm_t", {0: [(D, i_d)]}),
+                  ("K/t Q D M {U_d} -> K/t Q D M/d", "wq", {3: [(D, i_d)]})],
+            "t": [("B/d T M {U_t} -> B/d T M/t", "x", {2: [(T, i_t)]}),
+                  ("M {U_d,t} -> M/t {U_d}", "norm", {0: [(T, i_t)]})]}
+
+
+def grouped_partials(rank):
+    g = torch.Generator().manual_seed(200 + rank)
+    return {**_partials(rank), "wt": torch.randn(3, 8, generator=g, dtype=f64),
+            "norm_t": torch.randn(4, generator=g, dtype=f64), "wq": torch.randn(2, 2, 3, 8, generator=g, dtype=f64)}
+
+
+def _scatter_inputs(mesh, group):
+    mine = grouped_partials(mesh.rank)
+    return [mine[name].t().contiguous().t() if mine[name].dim() == 2 else mine[name].clone() for _, name, _ in group]
+
+
+@pytest.mark.exercises("start_reduce_scatter", "finish")
+def test_a_grouped_reduce_scatter_gives_what_each_arrow_would():
+    parts = [grouped_partials(r) for r in range(D * T)]
+    for rank, results in enumerate(run_ranks(_grouped, D * T, "reduce_scatter", scatter_groups, _scatter_inputs,
+                                             timeout=30)):
+        i_d, i_t = divmod(rank, T)
+        for axis, group in scatter_groups(i_d, i_t).items():
+            ranks = [m_d * T + m_t for m_d, m_t in members(axis, i_d, i_t)]
+            wanted = [block(sum(parts[r][name] for r in ranks), mine) for _, name, mine in group]
+            rows = torch.cat([w.reshape(-1) for w in wanted]).unsqueeze(0)
+            dims = [moved_dim(arrow) for arrow, *_ in group]
+            check_grouped(rank, "reduce_scatter", axis, group, results[axis], rows, wanted, rows.nbytes, dims,
+                          [tuple(w.shape) for w in wanted])

@@ -58,7 +58,7 @@ def show_table(title: str, rows: list[tuple[str, object]], rank: int):
 
 def demo(args):
     m02, m06_model = load("m02_comms"), load("m06_llama_model")
-    specs, model_2d = load("m13_specs"), load("m13_llama_2d")
+    specs, axes, model_2d = load("m13_specs"), load("m13_named_axes"), load("m13_llama_2d")
     costs = reference("m13_costs")  # the formulas the measurements are checked against
     rank, _, _ = m02.init_distributed(backend="gloo")  # CPU tensors: gloo, even with GPUs
     torch.set_num_threads(1)
@@ -86,8 +86,10 @@ def demo(args):
                weights, rank)
     tokens = torch.zeros(args.batch, cfg.max_seq_len, dtype=torch.long)
     store = reference("m06_llama_block").ActivationStore()
-    x = model.embed(specs.shard("B/d T", tokens, mesh), store)
-    model.ffn_half(model.blocks[0], model.attention_half(model.blocks[0], x, store), store)
+    top = model_2d.TopWeights(*axes.finish(model.start_gather(model.top(), "top")))  # the units gathered over d
+    block = model_2d.BlockWeights(*axes.finish(model.start_gather(model.blocks[0], "block 0")))
+    x = model.embed(top, specs.shard("B/d T", tokens, mesh), store)
+    model.ffn_half(block, model.attention_half(block, x, store), store)
     show_table("\nActivations one block keeps (and the embedding's one-hot), the stream x between blocks:",
                [*store.tensors.items(), ("x (stream)", x)], rank)
     if rank != 0:

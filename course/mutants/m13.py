@@ -3,15 +3,11 @@ from course.mutants import Plant
 
 AXES, LLAMA, COSTS = "m13_named_axes.py", "m13_llama_2d.py", "m13_costs.py"
 PLANTS = [
-    Plant(COSTS, """    sent = {("d", "all_gather"): matrix * (2 * L * P + 3 * V * M) + 2 * norms * norm_d,
-            ("t", "all_gather"): 2 * norms * norm_t + (4 * L + 2) * stream,
-            ("d", "reduce_scatter"): matrix * (L * P + 2 * V * M) + norms * norm_d,""",
-          """    sent = {("d", "all_gather"): matrix * (2 * L * P + 3 * cfg.vocab_size * M) + 2 * norms * norm_d,
-            ("t", "all_gather"): 2 * norms * norm_t + (4 * L + 2) * stream,
-            ("d", "reduce_scatter"): matrix * (L * P + 2 * cfg.vocab_size * M) + norms * norm_d,""",
+    Plant(COSTS, "    block, top = P + 2 * M, 2 * V * M + M",
+          "    block, top = P + 2 * M, 2 * cfg.vocab_size * M + M",
           "step_traffic with the unpadded vocabulary: the embedding and LM head are padded to split over t"),
-    Plant(COSTS, "    matrix = (d - 1) / (d * t) * b\n", "    matrix = (d * t - 1) / (d * t) * b\n",
-          "a matrix's all-gather counted over the whole mesh: its block is W/(dt), but it is gathered over d only"),
+    Plant(COSTS, "    unit_d = (d - 1) / (d * t) * b", "    unit_d = (d * t - 1) / (d * t) * b",
+          "a unit's all-gather counted over the whole mesh: its block is 1/(dt) of it, but it is gathered over d only"),
     Plant(COSTS, "    norms = 2 * L + 1\n", "    norms = 2 * L\n",
           "the final norm forgotten: 2L + 1 norm weights are gathered and reduced in a step"),
     Plant(COSTS, """            ("t", "all_reduce"): 3 * 2 * (t - 1) / t * N * s,
@@ -37,31 +33,86 @@ PLANTS = [
           "a contraction over a sharded dimension said to be reduced: it is a partial sum until it is reduced"),
     Plant(LLAMA, 'first=self.mesh.index["t"] * rows', 'first=self.mesh.index["d"] * rows',
           "the embedding's rows offset by the d index: the vocabulary is split over t, the wrong axis of the mesh"),
-    Plant(LLAMA, """        dn2 = (einsum_unreduced("B/d T F/t, F/t M -> B/d T M", dg, w_gate)
-               + einsum_unreduced("B/d T F/t, F/t M -> B/d T M", du, w_up))""",
-          """        dn2 = einsum_unreduced("B/d T F/t, F/t M -> B/d T M", dg, w_gate)""",
+    Plant(LLAMA, """        dn2 = (einsum_unreduced("B/d T F/t, F/t M -> B/d T M", dg, w.w_gate)
+               + einsum_unreduced("B/d T F/t, F/t M -> B/d T M", du, w.w_up))""",
+          """        dn2 = einsum_unreduced("B/d T F/t, F/t M -> B/d T M", dg, w.w_gate)""",
           "n2 feeds the gate and the up projection: its gradient is the sum of both paths"),
-    Plant(LLAMA, '        return dh + reduce_scatter("B/d T M {U_t} -> B/d T M/t", dxg)',
-          '        return reduce_scatter("B/d T M {U_t} -> B/d T M/t", dxg)',
+    Plant(LLAMA, '[dxg, d_ln1], "dx, d ln1"))\n        return dh + dxg\n', '[dxg, d_ln1], "dx, d ln1"))\n        return dxg\n',
           "the attention half's backward drops the residual: dx is dh plus the gradient through the norm"),
-    Plant(LLAMA, '        d_head = reduce_scatter("V/t M {U_d} -> V/t M/d", d_head)\n',
-          '        d_head = reduce_scatter("V/t M {U_d} -> V/t M/d", d_head)\n        d_head.tensor.mul_(1 / self.mesh.sizes["d"])\n',
+    Plant(LLAMA, 'top.lm_head)\n        d_head = einsum_unreduced("B/d T V/t, B/d T M -> V/t M", dlogits, nf)\n',
+          'top.lm_head)\n        d_head = einsum_unreduced("B/d T V/t, B/d T M -> V/t M", dlogits, nf)\n'
+          '        d_head.tensor.mul_(1 / self.mesh.sizes["d"])\n',
           "the head's gradient averaged over d: the loss is already a mean over all tokens, so the sum is right"),
-    Plant(LLAMA, '        return reduce_scatter("V/t M {U_d} -> V/t M/d", d_table)\n',
-          '        own = d_table.tensor.chunk(self.mesh.sizes["d"], dim=1)[self.mesh.index["d"]]\n'
-          '        return Sharded(own, parse_spec("V/t M/d", self.mesh.sizes), self.mesh)\n',
-          "the embedding's gradient cut to this rank's M/d columns without the sum over d: each d rank saw other rows"),
-    Plant(LLAMA, """        ln2 = all_gather("M/t/d -> M", w.ln2)
-        n2, r2 = local(""", """        ln2 = all_gather("M/t/d -> M", w.ln1)
-        n2, r2 = local(""",
+    Plant(LLAMA, '[h, w.ln2], "h, ln2"', '[h, w.ln1], "h, ln2"',
           "the FFN half's norm with ln1, the attention half's weight: equal (ones) at the start, apart after a step"),
     Plant(LLAMA, "        return x + a\n", "        return a\n",
           "the attention half returns its output without the residual: h is x plus attention"),
     Plant(LLAMA, '        q = local("B/d T K/t Q D -> B/d T K/t Q D", rope_forward, q, cos=rope.cos_q, sin=rope.sin_q)\n', "",
           "RoPE on k only: q and k must both be rotated, or the scores no longer depend on relative position"),
-    Plant(LLAMA, '        s = local("B/d T F/t, B/d T F/t -> B/d T F/t", swiglu_forward, g, u)',
-          '        s = local("B/d T F/t, B/d T F/t -> B/d T F/t", swiglu_forward, u, g)',
+    Plant(LLAMA, '        s = local("B/d T F/t, B/d T F/t -> B/d T F/t", swiglu_forward, g, u)\n        f = ',
+          '        s = local("B/d T F/t, B/d T F/t -> B/d T F/t", swiglu_forward, u, g)\n        f = ',
           "SwiGLU's inputs swapped: the gate goes through SiLU, the up projection does not"),
     Plant(LLAMA, "        return h + f\n", "        return f\n",
           "the FFN half returns its output without the residual: y is h plus the FFN"),
+    # The grouped collectives: copy-in, copy-out, the wait (issue 34.1).
+    Plant(AXES, "        offset += n\n", "        offset += n * len(pending.rows)\n",
+          "finish's offset counted over every row: a tensor's piece starts at the same place of each row, after the "
+          "pieces of the tensors before it in that row only"),
+    Plant(AXES, "        n = prod(shape)\n        pieces = [row[offset:offset + n].view(shape) for row in pending.rows]\n",
+          "        n = prod(shape)\n        pieces = [row[offset:offset + n].view(shape) for row in pending.rows.flip(0)]\n",
+          "finish joins the ranks' pieces in reverse: row j is rank j's block, the j-th along the tensor's dimension"),
+    Plant(AXES, "    pending.work.wait()\n", "",
+          "finish reads the rows without waiting for the collective: they hold its result only once it is waited for"),
+    Plant(AXES, "        results.append(Sharded(torch.cat(pieces, dim=dim), spec, pending.mesh))\n",
+          "        results.append(Sharded(torch.cat(pieces, dim=-1), spec, pending.mesh))\n",
+          "finish joins every tensor's pieces along its last dimension: each is split over d along its own dimension "
+          "(M/d is the first of wo's, the last of wq's)"),
+    Plant(AXES, "    return InFlight(work, rows, [tuple(x.tensor.shape) for x in xs], [m.dim for m in moves], rights, mesh)",
+          "    return InFlight(work, rows, [tuple(x.tensor.shape) for x in xs], [moves[0].dim] * len(xs), rights, mesh)",
+          "start_all_gather gives the group one dimension, the first arrow's: each tensor is joined along its own"),
+    Plant(AXES, "    blocks = [x.tensor.chunk(group.size, dim=move.dim) for x, move in zip(xs, moves)]\n",
+          "    blocks = [x.tensor.chunk(group.size, dim=0) for x, move in zip(xs, moves)]\n",
+          "start_reduce_scatter cuts every gradient along its first dimension: wq's gradient is split over d along M, "
+          "its last"),
+    Plant(AXES, "    rows = torch.cat([torch.stack(b).reshape(group.size, -1) for b in blocks], dim=1)\n",
+          "    rows = torch.cat([x.tensor.reshape(group.size, -1) for x in xs], dim=1)\n",
+          "start_reduce_scatter cuts each gradient flat, as module 07's flat buffer: row j is then its j-th slice of "
+          "values, its block j only when the block is along the first dimension"),
+    Plant(LLAMA, """        top_pending, pending = self.start_gather(self.top(), "top"), self.start_gather(self.blocks[0], "block 0")
+        top = TopWeights(*finish(top_pending))
+        x = self.embed(top, tokens, saved)
+        for layer in range(L):
+            current = pending
+            if layer + 1 < L:
+                pending = self.start_gather(self.blocks[layer + 1], f"block {layer + 1}")
+            w = BlockWeights(*finish(current))
+""", """        top = TopWeights(*finish(self.start_gather(self.top(), "top")))
+        x = self.embed(top, tokens, saved)
+        for layer in range(L):
+            w = BlockWeights(*finish(self.start_gather(self.blocks[layer], f"block {layer}")))
+""", "the next block not prefetched: each block's gather waited for as soon as it starts, nothing computes meanwhile"),
+    Plant(LLAMA, "        dx, d_final_norm, d_lm_head = self.loss_backward(top, saved)\n",
+          '        top = TopWeights(*finish(self.start_gather(self.top(), "top")))\n'
+          "        dx, d_final_norm, d_lm_head = self.loss_backward(top, saved)\n",
+          "the LM head (the top unit) gathered a second time for the loss's backward: it is kept since the embedding"),
+    Plant(LLAMA, """            current = pending
+            if layer > 0:
+                pending = self.start_gather(self.blocks[layer - 1], f"block {layer - 1}")
+            w, grads = BlockWeights(*finish(current)), {}
+            dh = self.ffn_half_backward(w, dx, stores[layer], grads)
+            dx = self.attention_half_backward(w, dh, stores[layer], grads)
+""", """            w, grads = BlockWeights(*finish(pending)), {}
+            dh = self.ffn_half_backward(w, dx, stores[layer], grads)
+            dx = self.attention_half_backward(w, dh, stores[layer], grads)
+            if layer > 0:
+                pending = self.start_gather(self.blocks[layer - 1], f"block {layer - 1}")
+""", "the backward's next gather started after the block's backward: it travels while nothing computes"),
+    Plant(LLAMA, '            scatters[layer] = self.start_scatter(BlockWeights(**grads), f"block {layer}")\n',
+          '            scatters[layer] = self.start_scatter(BlockWeights(**grads), f"block {layer}")\n'
+          "            scatters[layer].work.wait()\n",
+          "each block's reduce-scatter waited for at once: it could travel while the earlier blocks compute"),
+    Plant(LLAMA, '        hg, ln2 = finish(start_all_gather(["B/d T M/t -> B/d T M", "M/t -> M"], [h, w.ln2], "h, ln2"))\n',
+          '        hg = all_gather("B/d T M/t -> B/d T M", h)\n        ln2 = all_gather("M/t -> M", w.ln2)\n',
+          "the stream and the norm weight gathered over t in two collectives: they cross the same axis at the same "
+          "point, one collective carries both"),
 ]
