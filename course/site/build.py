@@ -51,7 +51,7 @@ def executed_notebooks(execute: str) -> dict[Path, Path | None]:
     return found
 
 
-def stage(source: Path, execute: str, grid: explorer.Grid) -> Path:
+def stage(source: Path, execute: str, grid: explorer.Grid, cases=calculator.CASES) -> Path:
     """Lay out Sphinx's source folder: docs/, notebooks/, the home page, the chapters' figures, the explorer, the
     calculator, the hardware page and the timelines; return the folder of generated static files (the explorer's
     and the calculator's data)."""
@@ -80,19 +80,20 @@ def stage(source: Path, execute: str, grid: explorer.Grid) -> Path:
     (source / "hardware.md").write_text(hardware.write_hardware(source / "hardware"))
     generated = source.parent / "generated"
     explorer.write_explorer_data(generated / "explorer", grid)
-    calculator.write_calculator_data(generated / "calculator")
+    calculator.write_calculator_data(generated / "calculator", cases)
     return generated
 
 
 def build(out: Path = SITE, execute: str = "missing", grid: explorer.Grid = explorer.Grid(),
-          quiet: bool = True) -> tuple[Path, list[str]]:
+          quiet: bool = True, cases=calculator.CASES) -> tuple[Path, list[str]]:
     """Build the site into `out` (replacing what was there); return its index.html and Sphinx's warnings (a
-    link to a page that is not there is one), which are also printed. Its progress only if not `quiet`."""
+    link to a page that is not there is one), which are also printed. Its progress only if not `quiet`.
+    `grid` and `cases` are the explorer's and the calculator's (the test suite builds with smaller ones)."""
     from sphinx.application import Sphinx
 
     with tempfile.TemporaryDirectory(prefix="course-site-") as work:
         work = Path(work)
-        generated = stage(work / "source", execute, grid)
+        generated = stage(work / "source", execute, grid, cases)
         if out.exists():
             shutil.rmtree(out)
         warnings = io.StringIO()

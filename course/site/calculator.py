@@ -52,6 +52,7 @@ class Case:
 
 
 CASES = (Case("llama3-8b", "h100", 8), Case("llama3-70b", "h200", 16), Case("mixtral-8x7b", "h200", 8))
+SMALL = CASES[:1]   # the in-suite build's
 
 
 def plan_command(case: Case, layout) -> list[str]:

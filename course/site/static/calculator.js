@@ -82,8 +82,9 @@
   function controls(info, layouts) {
     const bar = element("div", {class: "calculator-controls"});
     bar.append(selectBox("calculator-case", "case", data.cases.map((c) => [c.key, c.title]), info.key, (key) => {
-      state.case = key;
-      state.mesh = null;
+      state.case = key;   // opens at the case's fastest layout
+      state.mesh = caseOf(key).fastest[0]?.mesh || null;
+      state.pick = caseOf(key).fastest[0]?.name || null;
       update();
     }));
     bar.append(selectBox("calculator-mesh", "mesh", info.meshes.map((m) => [m.key, m.name]), state.mesh, (key) => {
@@ -107,7 +108,7 @@
   function memoryBars(info, memory) {
     const kinds = Object.keys(memory);
     const total = kinds.reduce((sum, k) => sum + memory[k], 0);
-    const scale = Math.max(total, info.gpu_memory) * 1.05;
+    const scale = Math.max(total, info.gpu_memory) * 1.15;  // room for the GPU's label right of its line
     const width = 760, x = (bytes) => 10 + (width - 20) * bytes / scale;
     const svg = element("svg", {class: "calculator-bars", viewBox: `0 0 ${width} 70`, id: "calculator-memory",
                                 "data-total": String(total)});
