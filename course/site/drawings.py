@@ -83,7 +83,8 @@ def alpha_beta(path: Path):
     for name, bandwidth, alpha, colour in links:
         beta = bandwidth * model.link_efficiency
         ax.loglog(sizes, [(alpha + n / beta) * 1e6 for n in sizes], color=colour,
-                  label=f"{name}: α = {alpha * 1e6:.0f} µs, β = {beta / GB:.0f} GB/s, αβ = {alpha * beta / 1e6:.2g} MB")
+                  label=f"{name}: α = {alpha * 1e6:.0f} µs, β = {beta / GB:.0f} GB/s, "
+                        f"αβ = {alpha * beta / 1e6:.2g} MB")
         ax.plot([alpha * beta], [2 * alpha * 1e6], "o", color=colour)
     ax.set_xlabel("message size n (bytes)")
     ax.set_ylabel("time of one message (µs)")
@@ -160,7 +161,8 @@ def fsdp_calls(n_layers: int = 4) -> list[tuple[str, int]]:
     model.weights.get = lambda layer: current.append(layer) or get(layer)
     for kind in ("forward", "backward"):
         run = getattr(model.block, kind)
-        setattr(model.block, kind, lambda w, *args, run=run, kind=kind: calls.append((kind, current[-1])) or run(w, *args))
+        setattr(model.block, kind,
+                lambda w, *args, run=run, kind=kind: calls.append((kind, current[-1])) or run(w, *args))
     tokens = torch.randint(0, cfg.vocab_size, (2, cfg.max_seq_len), generator=torch.Generator().manual_seed(0))
     model.train_step(tokens, tokens, 1, types.SimpleNamespace(step=lambda: None))  # the calls, not an update
     return calls
@@ -342,7 +344,8 @@ def sequence_parallel(path: Path):
             kept = costs.tp_activations_by_name(cfg, {"t": t}, 1, torch.bfloat16, sequence_parallel=sp)
             split = sum(v for k, v in kept.items() if k not in stream) / 2 ** 20
             whole = sum(v for k, v in kept.items() if k in stream) / 2 ** 20
-            ax.bar(i + offset, split, 0.38, color="tab:blue", label="split by heads or FFN units" if i == 0 and sp else None)
+            ax.bar(i + offset, split, 0.38, color="tab:blue",
+                   label="split by heads or FFN units" if i == 0 and sp else None)
             ax.bar(i + offset, whole, 0.38, bottom=split, color="tab:orange" if not sp else "tab:green",
                    label=("residual stream, whole" if not sp else "residual stream, T/t positions") if i == 0 else None)
     ax.set_xticks(range(len(ranks)), [f"t = {t}\n(left: TP, right: TP + SP)" for t in ranks], fontsize=8)
@@ -491,7 +494,8 @@ def expert_exchange(path: Path):
     left.set_title("rows sent by the all-to-all (diagonal: kept at home)", fontsize=10)
     right.bar(range(moe.n_experts), per_expert.tolist(),
               color=[matplotlib.colormaps["tab10"](x // (moe.n_experts // e)) for x in range(moe.n_experts)])
-    right.axhline(e * moe.capacity(tokens), color="grey", linestyle="--", label=f"κ = {moe.capacity(tokens)} a source, x {e}")
+    right.axhline(e * moe.capacity(tokens), color="grey", linestyle="--",
+                  label=f"κ = {moe.capacity(tokens)} a source, x {e}")
     right.set_xlabel("expert (colour: the rank that holds it)")
     right.set_ylabel("rows computed")
     right.set_title(f"{kept} of {e * tokens * moe.top_k} slots kept", fontsize=10)
@@ -526,9 +530,9 @@ def mesh_groups(path: Path):
 
 def step_time_parts(path: Path):
     """18: where the predicted step time goes, for the fastest layout of each of the fastest meshes the site's
-    layout calculator costs for Llama 3 70B (module 18's step_time): the compute and the collectives on the critical path,
-    then the rest of the step (the bubble, or the weights' traffic where it outlasts the rest), and below,
-    the traffic that runs behind the compute."""
+    layout calculator costs for Llama 3 70B (module 18's step_time): the compute and the collectives on the
+    critical path, then the rest of the step (the bubble, or the weights' traffic where it outlasts the rest),
+    and below, the traffic that runs behind the compute."""
     from course.site import calculator
 
     exposed, hidden = calculator.axes_on_the_path()

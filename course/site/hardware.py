@@ -78,8 +78,9 @@ def gemms(model, tokens: int) -> dict[str, tuple[int, int, int]]:
     linears module 06's block runs (q, k, v; o; gate, up; down) and the LM head."""
     cfg = model.cfg
     q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-    return {"q k v": (tokens, cfg.dim, q + 2 * kv), "o": (tokens, q, cfg.dim), "gate, up": (tokens, cfg.dim, 2 * cfg.ffn_dim),
-            "down": (tokens, cfg.ffn_dim, cfg.dim), "LM head": (tokens, cfg.dim, cfg.vocab_size)}
+    return {"q k v": (tokens, cfg.dim, q + 2 * kv), "o": (tokens, q, cfg.dim),
+            "gate, up": (tokens, cfg.dim, 2 * cfg.ffn_dim), "down": (tokens, cfg.ffn_dim, cfg.dim),
+            "LM head": (tokens, cfg.dim, cfg.vocab_size)}
 
 
 def intensity(n: int, k: int, m: int, itemsize: int) -> float:
@@ -161,11 +162,13 @@ def write_hardware(folder: Path) -> str:
               "## The roofline", "",
               "A product of an (N, K) and a (K, M) matrix does 2 N K M FLOPs and moves at least its three "
               "matrices through HBM, so it runs at most at min(Φ, I β_HBM), where I is its FLOPs a byte. Below "
-              "the ridge (Φ / β_HBM) a kernel waits on memory; above it, on the tensor cores. A block's linears at one "
-              "8192-token sequence (circles) sit well above the ridge on every card; at 128 tokens (squares) they "
-              "fall below it, and bench 09's smallest product, measured, lies far under its roof. The time model of chapter 18 charges every FLOP at the same fraction "
-              "η of Φ (`TimeModel.efficiency`): a product below the ridge would run slower than that.", "",
-              "![Roofline of each GPU preset, with Llama 3 8B's linears and bench 09's measured ones](hardware/roofline.png)",
+              "the ridge (Φ / β_HBM) a kernel waits on memory; above it, on the tensor cores. A block's linears "
+              "at one 8192-token sequence (circles) sit well above the ridge on every card; at 128 tokens "
+              "(squares) they fall below it, and bench 09's smallest product, measured, lies far under its "
+              "roof. The time model of chapter 18 charges every FLOP at the same fraction η of Φ "
+              "(`TimeModel.efficiency`): a product below the ridge would run slower than that.", "",
+              "![Roofline of each GPU preset, with Llama 3 8B's linears and bench 09's measured ones]"
+              "(hardware/roofline.png)",
               "", "## Models", "", "| preset | name | L | M | H | K | F | V | T | B | experts |",
               "| --- " * 11 + "|"]
     for key, model in presets.MODELS.items():

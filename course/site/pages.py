@@ -117,5 +117,6 @@ def home_page(chapters: dict[str, Path], notebooks: dict[str, Path]) -> str:
     for caption, numbers in toctrees:
         entries = "\n".join(f"docs/{chapters[n].stem}" for n in numbers)
         lines += ["```{toctree}", f":caption: {caption}", ":hidden:", "", entries, "```", ""]
-    lines += ["```{toctree}", ":caption: Explore", ":hidden:", "", "explorer", "timelines", "calculator", "hardware", "docs/glossary", "```", ""]
+    lines += ["```{toctree}", ":caption: Explore", ":hidden:", "", "explorer", "timelines", "calculator", "hardware",
+              "docs/glossary", "```", ""]
     return "\n".join(lines)
