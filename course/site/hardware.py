@@ -145,7 +145,7 @@ def write_hardware(folder: Path) -> str:
     roofline(folder / "roofline.png")
     drawings.alpha_beta(folder / "links.png")
     fields = [f.name for f in dataclasses.fields(presets.GPU) if f.name != "name"]
-    lines = ["# Hardware", "", '<span id="hardware"></span>', "",
+    lines = ["# Hardware", "", '<span id="hardware-page"></span>', "",
              "The GPUs and links that module 18's plan (`python main.py plan`, the [layout calculator](calculator.md)) "
              "assumes: the numbers of `solutions/m18_presets.py`, each with the source written above it there, "
              "read from it when the site was built. Peaks are dense (the datasheets print FP8 and BF16 with "
