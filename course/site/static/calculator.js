@@ -210,7 +210,7 @@
       printed.classList.add("refused");
     }
     out.append(element("h3", {}, "What python main.py plan prints for it"), printed,
-               element("p", {class: "legend"}, info.above.join(" ")));
+               ...info.above.map((line) => element("p", {class: "legend"}, line)));
     out.append(element("h3", {}, "Memory of one GPU, by kind"), ...memoryBars(info, memory));
     const axes = Object.keys(sent);
     out.append(element("h3", {}, "What one GPU sends in one step, by axis"),
