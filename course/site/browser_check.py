@@ -329,7 +329,7 @@ def check_calculator(browser: Browser, site: Path) -> tuple[int, list[str]]:
             problems += found
             checked += 1
             print(f"  {'ok  ' if not found else 'FAIL'} {where}: {normalised(printed)[:110]}", flush=True)
-    browser.open(f"{(site / 'calculator.html').as_uri()}?case={calculator.CASES[1].key}", CALCULATOR_READY)
+    browser.open(f"{(site / 'calculator.html').as_uri()}?case={calculator.CASES[-1].key}", CALCULATOR_READY)
     browser.screenshot(SCREENSHOTS / "calculator.png", height=2200)
     return checked, problems
 
