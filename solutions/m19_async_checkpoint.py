@@ -66,17 +66,19 @@ def finished(value=None) -> Future:
 class AsyncCheckpointer:
     """Module 17's checkpoints of `description`'s model, under `root`, one step_NNNNNN/ per save, written in the
     background. staging="async" copies the state in the background too; "default" copies it before save returns
-    (DCP's default). `make_writer(directory)` makes DCP's storage writer (default: dcp.FileSystemWriter; the
-    tests' are slow, or kill a rank). Every rank makes one, together (it makes a process group)."""
+    (DCP's default). `make_writer(directory)` makes DCP's storage writer (default: dcp.FileSystemWriter) and
+    `stager` replaces the DefaultStager (the tests' write and copy slowly). Every rank makes one, together (it
+    makes a process group)."""
 
-    def __init__(self, root, description: dict, staging: str = "async", make_writer=None):
+    def __init__(self, root, description: dict, staging: str = "async", make_writer=None, stager=None):
         if staging not in ("async", "default"):
             raise ValueError(f"staging {staging!r}: 'async' (in the background) or 'default' (before save returns)")
         self.root, self.description, self.make_writer = Path(root), description, make_writer or dcp.FileSystemWriter
         self.group = dist.new_group(backend="gloo")  # DCP's collectives, in a thread of their own: see the docstring
         # On CPU: no pinned or shared memory, no non-blocking copies (they need an accelerator).
-        self.stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
-                                                   use_async_staging=staging == "async", use_non_blocking_copy=False))
+        self.stager = stager or DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                                             use_async_staging=staging == "async",
+                                                             use_non_blocking_copy=False))
         self.in_flight: InFlight | None = None
 
     def commit(self, save: InFlight):

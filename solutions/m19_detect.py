@@ -1,38 +1,44 @@
 """Module 19, part 1 - detecting a failure: a dead rank, a hung rank, a slow rank.
 
-A dead rank closes its connections: every peer blocked in a collective with it fails at once (gloo:
-"Connection closed by peer"), and torchrun's agent sees its exit code. A *hung* rank (a deadlock, a
-driver stuck, a process stopped) closes nothing: its peers wait in their next collective for as long
-as the group's timeout allows, which is 30 minutes by default on gloo (10 on NCCL). Every rank then
-waits for the one rank that will never come, and the job looks alive. So a job sets its collectives'
-timeout from what a healthy step takes, measured: long enough that no healthy step trips it, short
-enough that a hang surfaces in a bounded time. Every rank blocked in any collective then fails within
-that time of entering it, even one whose own peers are alive (they fail too, and its collective with
-them ends), and torchrun restarts the job.
+A dead rank closes its connections: every peer blocked in a collective or a receive with it fails at
+once (gloo: "Connection closed by peer"), and torchrun's agent sees its exit code. A *hung* rank (a
+deadlock, a driver stuck, a process stopped) closes nothing: its peers wait in their next collective
+or receive for as long as the group allows, 30 minutes by default on gloo (10 on NCCL), and a
+pipeline's receives, on gloo, for as long as the group was made with, whatever is set later. Every
+rank then waits for the one rank that will never come, and the job looks alive.
+
+So every rank keeps a heartbeat (`Heartbeat`, given): a thread that expects a beat after every step
+and, when none comes within the timeout, says where the rank was stuck and ends the process, so that
+torchrun stops the others and restarts the job. Every surviving rank is stuck in some step, so every
+one of them fails within the timeout of its last beat, whichever peer it waits for. The timeout is
+the job's own: long enough that no healthy step trips it, short enough that a hang surfaces in a
+bounded time; how to get it from measured steps is `step_timeout`'s question. (NCCL's watchdog thread
+does the same for the collectives it launches; torchft and NVIDIA's resiliency extension keep such
+heartbeats per rank, with timeouts measured from the run.)
 
 A *slow* rank (a throttled GPU, a bad link, a noisy neighbour) trips nothing: the job runs at its pace,
 every rank waiting for it at every collective. Only the ranks' own step times show it, compared with
 the job's; which ranks to call stragglers is `stragglers`' question.
-
-The timeouts go on the training's groups only (`set_collective_timeout`): the checkpoint's own group
-(m19_async_checkpoint) writes to disk, whose time has nothing to do with a step's.
 """
 from __future__ import annotations
 
-from datetime import timedelta
+import os
+import sys
+import threading
+import time
 
 import torch
-import torch.distributed as dist
-from torch.distributed.distributed_c10d import _set_pg_timeout, _world
+
+from course.launch import where_running
 
 MIN_TIMEOUT_S = 1.0  # below this, an operating system's scheduling hiccup on a loaded machine reads as a hang
 
 
-def collective_timeout(step_times: list[float], slack: float) -> float:
-    """Seconds after which a collective that has not completed means a dead or hung rank: `slack` times what a
+def step_timeout(step_times: list[float], slack: float) -> float:
+    """Seconds after which a step that has not finished means a dead or hung rank: `slack` times what a
     healthy step of this job takes, as `step_times` (seconds, this rank's recent steps) measured it; at least
     MIN_TIMEOUT_S."""
-    # >>> TODO(m19): the collectives' timeout from measured step times
+    # >>> TODO(m19): the heartbeat's timeout from measured step times
     # Contract: a number of seconds, at least MIN_TIMEOUT_S, that is `slack` times the time of a typical healthy
     #   step of the job. `step_times` are real measurements: the first step after a start or a restart pays for
     #   warm-up (allocations, first calls), a step that saved a checkpoint pays for the save, and the machine adds
@@ -76,10 +82,37 @@ def stragglers(times: torch.Tensor, factor: float) -> list[int]:
     # <<<
 
 
-def set_collective_timeout(seconds: float, keep=()):
-    """Give every process group of this rank (the default one and all the mesh's) a timeout of `seconds` for
-    the collectives issued from now on, except the groups in `keep` (given). torch has no public call for
-    a group's timeout after it is made; `_set_pg_timeout` is the one its own tests use."""
-    for group in list(_world.pg_map):
-        if group not in keep and dist.get_backend(group) == "gloo":
-            _set_pg_timeout(timedelta(seconds=seconds), group)
+class Heartbeat:
+    """A thread that expects `beat()` at least every `timeout` seconds once started (given). When a beat is
+    late, it calls `on_expiry(seconds since the last beat, where the watched thread is)` once; the default
+    prints one line naming the rank and its stuck frame, then ends the process with exit code 1 (torchrun
+    then stops the job's other ranks and restarts it). `timeout` may be changed at any time (after the
+    first steps have been measured)."""
+
+    def __init__(self, timeout: float, on_expiry=None):
+        self.timeout, self.on_expiry = timeout, on_expiry or self.exit
+        self.watched = threading.current_thread().ident
+        self.last = time.monotonic()
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._watch, name="heartbeat", daemon=True)
+        self.thread.start()
+
+    def beat(self):
+        self.last = time.monotonic()
+
+    def stop(self):
+        self.stopped.set()
+
+    def _watch(self):
+        while not self.stopped.wait(min(0.05, self.timeout / 10)):
+            late = time.monotonic() - self.last
+            if late > self.timeout:
+                self.on_expiry(late, where_running(sys._current_frames().get(self.watched)))
+                return
+
+    @staticmethod
+    def exit(late: float, where: str):
+        rank = os.environ.get("RANK", "?")
+        print(f"error: rank {rank}: no step finished for {late:.1f} s (stuck at {where}): a peer is dead or hung; "
+              f"ending this process so that the job restarts", file=sys.stderr, flush=True)
+        os._exit(1)

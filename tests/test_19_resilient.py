@@ -1,0 +1,77 @@
+"""Module 19 restarts: module 17's model (float64, d = 2) trained 8 steps on module 19's reader (an epoch ends
+every 4.4 batches), checkpointed every 2 steps by the learner's AsyncCheckpointer, through attempts in which a
+rank is SIGKILLed after a random number of steps (seeded), each attempt starting afresh (forked ranks, as
+torchrun starts fresh processes) and resuming from the last complete checkpoint. The last attempt's losses,
+those carried in the checkpoint included, equal an uninterrupted run's bit for bit: the same sums in the same
+order on the same mesh, from the same weights, moments and data. A repeated or skipped batch, or an update
+lost or done twice, changes every loss after it by 1e-3 or more.
+
+In the long checks (`python -m pytest -m long`): the same under `torchrun --max-restarts 3` with a c10d
+rendezvous, its ranks killed from outside by course/elastic.py's killer.
+"""
+import dataclasses
+import os
+import random
+import signal
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from course.chars import load_chars
+from course.impl import load, reference
+from course.launch import RankFailed, run_ranks
+from course.mesh import init_mesh
+
+resilient = load("m19_resilient")
+data = load("m19_data")
+checkpointing = load("m19_async_checkpoint")
+trainer, given, ck = reference("m17_trainer"), reference("m17_composition"), reference("m17_checkpoint")
+
+TEXT = load_chars()
+CFG = dataclasses.replace(given.CONFIG, vocab_size=TEXT.vocab_size)
+STEPS, EVERY, BATCH, M, LR = 8, 2, 8, 2, 3e-3
+WINDOWS = TEXT.train[:600]   # 35 windows of 17 characters: an epoch is 4.4 batches of 8
+TODOS = ("train", "training_state", "ShuffledSequences.restore", "ShuffledSequences.state", "AsyncCheckpointer.save",
+         "AsyncCheckpointer.before_update")
+
+
+def _attempt(root, kill):
+    """One attempt of the job on this rank; `kill` = (rank, n): that rank SIGKILLs itself after its n-th step of
+    this attempt (an async save may be in flight)."""
+    model = trainer.ComposedLlama(CFG, init_mesh(given.full_sizes({"d": 2})), M, "1f1b", dtype=torch.float64)
+    sampler = data.ShuffledSequences(WINDOWS, CFG.max_seq_len, BATCH, seed=0)
+    checkpointer = checkpointing.AsyncCheckpointer(root, ck.describe(CFG, TEXT.chars))
+    done = []
+
+    def on_step(step, loss):
+        done.append(step)
+        if kill is not None and kill == (dist.get_rank(), len(done)):
+            os.kill(os.getpid(), signal.SIGKILL)
+    return resilient.train(model, sampler, STEPS, checkpointer, EVERY, LR, M, on_step)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    return run_ranks(_attempt, 2, str(tmp_path_factory.mktemp("m19-whole") / "run"), None, timeout=120)[0]
+
+
+@pytest.mark.exercises(*TODOS)
+def test_a_run_killed_at_random_steps_computes_the_uninterrupted_losses(uninterrupted, tmp_path):
+    rng = random.Random(19)
+    kills = [(rng.randrange(2), rng.randrange(1, 4)) for _ in range(2)]
+    for rank, n in kills:
+        with pytest.raises(RankFailed, match=f"rank {rank} of 2 died"):
+            run_ranks(_attempt, 2, str(tmp_path), (rank, n), timeout=120)
+    resumed_from = ck.latest_checkpoint(tmp_path)
+    assert resumed_from is not None, f"after attempts killed at {kills}, no complete checkpoint under {tmp_path}"
+    for rank, losses in enumerate(run_ranks(_attempt, 2, str(tmp_path), None, timeout=120)):
+        assert len(losses) == STEPS, f"rank {rank}: {len(losses)} losses after the restarts; want one a step, {STEPS}"
+        assert losses == uninterrupted, (
+            f"rank {rank}, after attempts killed at {kills} (rank, its n-th step of the attempt) and a last one "
+            f"resumed from {resumed_from.name}: "
+            f"losses {losses}; the uninterrupted run's {uninterrupted}. From the first step that differs: what did "
+            f"the resumed run read again, skip, or not get back from the checkpoint (your train's resume, "
+            f"training_state)?")
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left[-1] == f"step_{STEPS:06d}" and not any(name.endswith(".partial") for name in left[-1:]), left
