@@ -61,7 +61,7 @@ class Job:
     seed: int = 0
     slack: float = 10.0      # the heartbeat's timeout: slack x the typical step (m19_detect.step_timeout)
     warmup: int = 5          # steps measured before the timeout is set
-    staging: str = "async"
+    staging: str = "async"  # async, default (DCP's staging, before async_save returns) or sync (module 17's save)
     dtype: str = "float32"
 
     def save(self, run_dir: Path):
@@ -123,7 +123,9 @@ def run_job(job: Job, root: Path, events: Events | None, heartbeat=None, on_step
     model = trainer.ComposedLlama(cfg, init_mesh(composition.full_sizes(job.mesh)), job.microbatches, "1f1b",
                                   seed=job.seed, dtype=getattr(torch, job.dtype))
     sampler = data.ShuffledSequences(text.train, cfg.max_seq_len, job.batch, job.seed)
-    checkpointer = checkpointing.AsyncCheckpointer(root, checkpoints.describe(cfg, text.chars), job.staging)
+    description = checkpoints.describe(cfg, text.chars)
+    checkpointer = (SyncCheckpointer(root, description) if job.staging == "sync"
+                    else checkpointing.AsyncCheckpointer(root, description, job.staging))
     rank, attempt = dist.get_rank(), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     timed_saves(checkpointer, events if rank == 0 else None, attempt)
     times, last = [], [time.perf_counter()]
@@ -143,6 +145,40 @@ def run_job(job: Job, root: Path, events: Events | None, heartbeat=None, on_step
         if on_step is not None:
             on_step(step, loss)
     return resilient.train(model, sampler, job.steps, checkpointer, job.every, job.lr, job.microbatches, step_done)
+
+
+class SyncCheckpointer:
+    """Module 17's save behind the checkpointer's interface (m19_async_checkpoint): training waits for the whole
+    write (the baseline that benchmarks compare the asynchronous saves with)."""
+
+    def __init__(self, root, description: dict):
+        self.root, self.description = Path(root), description
+
+    def save(self, model, optimizer, train_state: dict, step: int):
+        from course.impl import load
+        load("m17_checkpoint").save(model, optimizer, train_state, self.root, step, self.description)
+
+    def before_update(self):
+        pass
+
+    def close(self):
+        pass
+
+
+def forked_attempt(job: Job, root: Path, events: Events, attempt: int, kill_at: float, victim: int):
+    """One attempt of the job on a forked rank (course.launch.run_ranks): rank `victim` SIGKILLs itself at
+    time.monotonic() == kill_at (at once if that has passed: a failure during the restart), whatever it is doing.
+    Returns the losses (every step's, after the last attempt)."""
+    import torch.distributed as dist
+    os.environ["TORCHELASTIC_RESTART_COUNT"] = str(attempt)
+    if dist.get_rank() == 0:
+        events.log("start", rank=0, attempt=attempt)
+    if dist.get_rank() == victim:
+        def kill():
+            time.sleep(max(0.0, kill_at - time.monotonic()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        threading.Thread(target=kill, daemon=True).start()
+    return run_job(job, root, events)
 
 
 def timed_saves(checkpointer, events: Events | None, attempt: int):

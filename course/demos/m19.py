@@ -34,7 +34,7 @@ def add_args(parser: argparse.ArgumentParser):
                         "killing it: the other ranks' heartbeats must find it")
     parser.add_argument("--slack", type=float, default=10.0,
                         help="the heartbeat's timeout, in typical steps (module 19's step_timeout; default 10)")
-    parser.add_argument("--staging", default="async", help="async (default) or default: DCP's staging")
+    parser.add_argument("--staging", default="async", help="async (default), default (DCP's staging before async_save returns) or sync (module 17's save)")
     parser.add_argument("--dim", type=int, default=64, help="width M (default 64)")
     parser.add_argument("--layers", type=int, default=2, help="blocks L (default 2)")
     parser.add_argument("--seq-len", type=int, default=64, help="tokens a sequence, T (default 64)")
@@ -77,8 +77,8 @@ def check_args(args):
         raise ValueError("--steps, --layers, --seq-len, --batch and --microbatches must be positive, --slack above 1")
     if args.dim < 8 or args.dim % 8:
         raise ValueError(f"--dim {args.dim}: the model has 4 heads of an even width, so --dim must be a multiple of 8")
-    if args.staging not in ("async", "default"):
-        raise ValueError(f"--staging {args.staging!r}: async or default")
+    if args.staging not in ("async", "default", "sync"):
+        raise ValueError(f"--staging {args.staging!r}: async, default or sync")
     sizes = parse_mesh(args.mesh)
     if "e" in sizes:
         raise ValueError("--mesh: module 19 runs the dense model (no e axis)")
