@@ -41,7 +41,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from .m17_checkpoint import state_dict, step_directory
+from .m17_checkpoint import moments, state_dict, step_directory, to_dtensor, vocab_piece
 
 
 @dataclass
@@ -61,6 +61,32 @@ def finished(value=None) -> Future:
     future = Future()
     future.set_result(value)
     return future
+
+
+def live_state_dict(model, optimizer, train_state: dict) -> dict:
+    """Module 17's state_dict, except that the pieces which are the training's own tensors are handed to DCP as
+    they are, not copied (given): the replicated weights (embedding, final norm, LM head: module 12's rows of
+    them, without padding, are a view), their two AdamW moments, and AdamW's step count. DCP's own state dicts
+    hold the training's tensors so (torchtitan's do): staging is the one copy. The blocks are copies anyway,
+    gathered from module 07's flat shards into their logical shapes."""
+    state = state_dict(model, optimizer, model.mesh.device_mesh, train_state)
+    cfg, device_mesh = model.cfg, model.mesh.device_mesh
+    for stage in model.stages.values():
+        params = stage.parameters()
+        sources = {"model": {p: p for p in params}, "optim.exp_avg": moments(optimizer, params, "exp_avg"),
+                   "optim.exp_avg_sq": moments(optimizer, params, "exp_avg_sq")}
+        for prefix, tensors in sources.items():
+            for name, weight in stage.replicated.items():
+                live = tensors[weight]
+                if name in ("embedding", "lm_head"):
+                    piece, shape = vocab_piece(live, cfg.vocab_size, stage.groups.tp.index), (cfg.vocab_size, cfg.dim)
+                else:
+                    piece, shape = live, tuple(live.shape)
+                state[f"{prefix}.{name}"] = to_dtensor(name, piece, shape, device_mesh)
+    first = model.parameters()[0]
+    if "step" in optimizer.state[first]:
+        state["optim.step"] = optimizer.state[first]["step"]
+    return state
 
 
 class AsyncCheckpointer:
@@ -89,11 +115,11 @@ class AsyncCheckpointer:
         save.committed.set()
 
     def save(self, model, optimizer, train_state: dict, step: int):
-        """Start writing the checkpoint of `step` (module 17's state_dict of `model`, `optimizer`, `train_state`)
-        and return while it is written. Every rank calls it, at the same step."""
+        """Start writing the checkpoint of `step` (live_state_dict of `model`, `optimizer`, `train_state`: module
+        17's names and shapes) and return while it is written. Every rank calls it, at the same step."""
         # >>> TODO(m19): start the checkpoint of `step` in the background, module 17's commit rule kept
         # Contract: when it returns, the save of `step` is under way in the background (self.in_flight, an
-        #   InFlight, holds its futures and directories): DCP's async_save of module 17's state_dict, written into
+        #   InFlight, holds its futures and directories): DCP's async_save of live_state_dict (above), written into
         #   step_NNNNNN.partial/ (config.json beside it holding self.description, as module 17's save writes it) by
         #   self.make_writer, its collectives on self.group, its staging by self.stager. Once the write completes,
         #   rank 0 renames it to step_NNNNNN/ (commit), without the main thread's help. Before any of this, the
@@ -107,14 +133,14 @@ class AsyncCheckpointer:
         #   writer sees it). Renaming as soon as async_save returns publishes a checkpoint still being written.
         # Hint 1: finish the previous one; rank 0 prepares the directory; start the save; record it; have the
         #   write's completion trigger the commit on rank 0.
-        # Hint 2: self.wait(); step_directory(self.root, step) and its ".partial" sibling; state_dict(model,
-        #   optimizer, model.mesh.device_mesh, train_state); dcp.async_save(state, storage_writer=...,
+        # Hint 2: self.wait(); step_directory(self.root, step) and its ".partial" sibling; live_state_dict(model,
+        #   optimizer, train_state); dcp.async_save(state, storage_writer=...,
         #   process_group=self.group, async_stager=self.stager) returns an AsyncSaveResponse (staging_completion,
         #   upload_completion) with asynchronous staging, a Future (the write) without: wrap the latter with
         #   finished(). future.add_done_callback(fn) calls fn(future) once it is done, in the thread that did it.
         # Hint 3: self.wait()
         #         final = step_directory(self.root, step); partial = final.with_name(final.name + ".partial")
-        #         state = state_dict(model, optimizer, model.mesh.device_mesh, train_state)
+        #         state = live_state_dict(model, optimizer, train_state)
         #         rank 0: shutil.rmtree(partial, ignore_errors=True); partial.mkdir(parents=True);
         #                 (partial / "config.json").write_text(json.dumps(self.description))
         #         response = dcp.async_save(state, storage_writer=self.make_writer(partial), process_group=self.group,
@@ -125,7 +151,7 @@ class AsyncCheckpointer:
         self.wait()
         final = step_directory(self.root, step)
         partial = final.with_name(final.name + ".partial")
-        state = state_dict(model, optimizer, model.mesh.device_mesh, train_state)
+        state = live_state_dict(model, optimizer, train_state)
         if dist.get_rank() == 0:  # before async_save: its first collective (the plan) orders every rank's writes after it
             shutil.rmtree(partial, ignore_errors=True)
             partial.mkdir(parents=True)

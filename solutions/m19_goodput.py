@@ -12,7 +12,7 @@ The cost model (docs/19-failures.md states it; every function below is about it,
     costs a restart of τ_restart seconds before the next segment can begin (detection, new processes,
     the rendezvous, reading the checkpoint); a failure during a restart starts the restart again.
 
-Goodput γ is the fraction of wall time that ends up as useful training: τ_interval over the expected
+Goodput Γ is the fraction of wall time that ends up as useful training: τ_interval over the expected
 wall time one segment costs. It is a pure function of four times; course/failure_sim.py runs the
 same model on a fake clock (seeded failures, no ranks) as an independent check, and `bench 19` runs
 real ranks under a real killer.
@@ -35,7 +35,7 @@ def check_times(**times: float):
 
 
 def expected_goodput(interval: float, save_cost: float, restart_cost: float, mtbf: float) -> float:
-    """γ: the expected fraction of wall time spent on steps that count, for checkpoints every `interval`
+    """Γ: the expected fraction of wall time spent on steps that count, for checkpoints every `interval`
     seconds of training, each blocking for `save_cost`, restarts of `restart_cost`, and failures at a mean
     of one per `mtbf` seconds (the cost model above). In (0, 1)."""
     check_times(interval=interval, save_cost=save_cost, restart_cost=restart_cost, mtbf=mtbf)
@@ -54,7 +54,7 @@ def expected_goodput(interval: float, save_cost: float, restart_cost: float, mtb
     # Hint 2: with λ = 1/τ_mtbf, an attempt of L seconds survives with probability exp(-λ L); the expected wall time
     #   to get L uninterrupted seconds, a restart of τ_restart after each failure (itself needing τ_restart
     #   uninterrupted seconds), is τ_mtbf exp(τ_restart / τ_mtbf) (exp((τ_interval + τ_save) / τ_mtbf) - 1)
-    #   (Daly 2006, eq. for the total time per segment). γ = τ_interval / that.
+    #   (Daly 2006, eq. for the total time per segment). Γ = τ_interval / that.
     # Hint 3: segment = interval + save_cost
     #         expected = mtbf * math.exp(restart_cost / mtbf) * math.expm1(segment / mtbf)
     #         return interval / expected
@@ -76,10 +76,10 @@ def young_interval(save_cost: float, mtbf: float) -> float:
     # The question: to first order, how much work does a failure lose on average, if it strikes at a uniformly
     #   random moment of an interval? Then: which interval balances the saves' cost against the failures'?
     #   (docs/19 derives the same balance for a neighbouring problem: how much to order at a time.)
-    # Pitfalls: a failure loses half an interval on average, not a whole one (that drops a factor from the result,
-    #   which the tests see as a ratio of sqrt(2)); the restart costs the same whatever the interval, so it cannot
-    #   move the optimum.
+    # Pitfalls: the work a failure destroys depends on where in the interval it strikes: count it on average, not
+    #   at its worst; the restart costs the same whatever the interval.
     # Hint 1: waste per second of training = save_cost / interval + (expected loss per failure) / mtbf; minimise it.
+    #   A failure at a uniformly random moment of an interval loses half an interval on average.
     # Hint 2: waste(τ) = τ_save / τ + τ / (2 τ_mtbf); dwaste/dτ = 0 gives τ = sqrt(2 τ_save τ_mtbf) (Young 1974).
     # Hint 3: return math.sqrt(2 * save_cost * mtbf)
     return math.sqrt(2 * save_cost * mtbf)
@@ -98,8 +98,7 @@ def daly_interval(save_cost: float, restart_cost: float, mtbf: float) -> float:
     # The question: set the derivative of τ / E[segment time] to zero: what equation does the optimum solve, and how
     #   does the solution correct Young's when save_cost / mtbf is no longer tiny? What happens to restart_cost?
     # Pitfalls: the estimate is the interval of *training* between saves: the save's own time is not part of it
-    #   (leave that correction out and every interval is save_cost too long, which the test with frequent failures
-    #   sees); the series is in sqrt(save_cost / (2 mtbf)), not in save_cost / mtbf.
+    #   (every interval save_cost too long otherwise, which the test with frequent failures sees).
     # Hint 1: exp(restart_cost / mtbf) multiplies the expected time by a constant: it cannot move the maximum.
     #   Expand the optimum's equation in the small quantity sqrt(save_cost / (2 mtbf)).
     # Hint 2: the optimum solves exp((τ + τ_save)/τ_mtbf) (1 - τ/τ_mtbf) = 1; Daly's perturbation solution, with
@@ -117,8 +116,8 @@ def daly_interval(save_cost: float, restart_cost: float, mtbf: float) -> float:
 
 @dataclass(frozen=True)
 class Goodput:
-    """What failures do to a step time (given): checkpoints every `every` steps, the fraction γ of wall time
-    that is useful, and the step time the job effectively runs at (its step time / γ)."""
+    """What failures do to a step time (given): checkpoints every `every` steps, the fraction Γ of wall time
+    that is useful, and the step time the job effectively runs at (its step time / Γ)."""
     every: int
     goodput: float
     effective_step_time: float

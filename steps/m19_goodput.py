@@ -1,5 +1,5 @@
 # Generated from solutions/m19_goodput.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 19`. (skeleton 67039ff30171)
+# Grade your work with `python main.py grade 19`. (skeleton de0b67caad29)
 """Module 19, part 5 - how often to checkpoint: the goodput of a run that fails, and the interval that
 maximises it.
 
@@ -66,9 +66,8 @@ def young_interval(save_cost: float, mtbf: float) -> float:
     # The question: to first order, how much work does a failure lose on average, if it strikes at a uniformly
     #   random moment of an interval? Then: which interval balances the saves' cost against the failures'?
     #   (docs/19 derives the same balance for a neighbouring problem: how much to order at a time.)
-    # Pitfalls: a failure loses half an interval on average, not a whole one (that drops a factor from the result,
-    #   which the tests see as a ratio of sqrt(2)); the restart costs the same whatever the interval, so it cannot
-    #   move the optimum.
+    # Pitfalls: the work a failure destroys depends on where in the interval it strikes: count it on average, not
+    #   at its worst; the restart costs the same whatever the interval.
     raise NotImplementedError("TODO(m19): Young's interval, to first order")
 
 
@@ -84,8 +83,7 @@ def daly_interval(save_cost: float, restart_cost: float, mtbf: float) -> float:
     # The question: set the derivative of τ / E[segment time] to zero: what equation does the optimum solve, and how
     #   does the solution correct Young's when save_cost / mtbf is no longer tiny? What happens to restart_cost?
     # Pitfalls: the estimate is the interval of *training* between saves: the save's own time is not part of it
-    #   (leave that correction out and every interval is save_cost too long, which the test with frequent failures
-    #   sees); the series is in sqrt(save_cost / (2 mtbf)), not in save_cost / mtbf.
+    #   (every interval save_cost too long otherwise, which the test with frequent failures sees).
     raise NotImplementedError("TODO(m19): Daly's interval, to higher order")
 
 

@@ -111,7 +111,7 @@ def _resumed(root):
 @pytest.fixture(scope="module")
 def watched(tmp_path_factory):
     root = tmp_path_factory.mktemp("m19-async") / "run"
-    results = run_ranks(_watched, 2, str(root), timeout=120)
+    results = run_ranks(_watched, 2, str(root), timeout=60)
     return root, results[0][0], [r[1] for r in results]
 
 
@@ -157,7 +157,7 @@ def test_a_run_resumed_from_a_checkpoint_computes_the_same_losses(watched, tmp_p
     # whether they hold their own step's state.
     root, expected, _ = watched
     shutil.copytree(root / "step_000004", tmp_path / "step_000004")
-    for rank, losses in enumerate(run_ranks(_resumed, 2, str(tmp_path), timeout=120)):
+    for rank, losses in enumerate(run_ranks(_resumed, 2, str(tmp_path), timeout=60)):
         assert losses == expected, (
             f"rank {rank}, resumed from the checkpoint of step 4: losses {losses}; the uninterrupted run's "
             f"{expected}. The checkpoint holds another step's weights or moments beside step 4's data position: did "

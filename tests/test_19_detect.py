@@ -49,6 +49,14 @@ def test_one_long_pause_makes_no_straggler():
 
 
 @pytest.mark.exercises("stragglers")
+def test_a_fast_rank_makes_no_straggler_of_the_others():
+    times = steady(10, 9, seed=4)
+    times[0] *= 0.5   # rank 0 has less to do (the last stage without the LM head, say): the others are not slow
+    got = detect.stragglers(times, 1.5)
+    assert got == [], f"10 ranks at 1 s a step, rank 0 at 0.5 s (factor 1.5): your stragglers {got}, want none"
+
+
+@pytest.mark.exercises("stragglers")
 def test_a_slower_straggler_is_still_the_only_one():
     for slowdown in (2.0, 4.0, 50.0):
         times = steady(16, 7, seed=2)

@@ -113,7 +113,7 @@ def describe(e: dict, t0: float, kills: list[dict]) -> str | None:
     if kind == "step" and (e["step"] % 20 == 0 or e.get("first")):
         return f"{at}  step {e['step']:4d}  loss {e['loss']:.4f}"
     if kind == "timeout":
-        return f"{at}  heartbeat timeout {e['seconds']:.2f} s (slack x the median of {len(e['steps'])} steps)"
+        return f"{at}  heartbeat timeout {e['seconds']:.2f} s (step_timeout of the {len(e['steps'])} steps measured)"
     if kind == "save":
         return f"{at}  checkpoint of step {e['step']} under way: blocked {1e3 * (e['started'] + e['waited']):.1f} ms"
     if kind == "kill":
@@ -218,5 +218,5 @@ def tell(log: list[dict], t0: float, returncode, run_dir: Path, args):
     if blocked:
         print(f"each save blocked training for {min(blocked):.1f} to {max(blocked):.1f} ms (median "
               f"{sorted(blocked)[len(blocked) // 2]:.1f} ms)")
-    print(f"goodput: {len(losses)} steps x {typical:.3f} s (the median step) / {wall:.1f} s of wall time = "
+    print(f"goodput: {len(losses)} steps x {typical:.3f} s (a typical step) / {wall:.1f} s of wall time = "
           f"{len(losses) * typical / wall:.2f}")
