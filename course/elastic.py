@@ -236,6 +236,7 @@ def rank_main(run_dir: Path):
         losses = run_job(job, run_dir / "checkpoints", events, heartbeat)
     except Exception as exc:   # a peer died (connection closed), or the learner's code raised
         first = re.sub(r"^\[[^\]]*\] ", "", (str(exc).splitlines() or [""])[0])   # gloo's [file:line] prefix
+        first = first.split(" This is typically")[0]                                  # and its advice
         events.log("error", rank=rank, attempt=attempt, message=f"{type(exc).__name__}: {first}"[:300])
         os._exit(1)   # not a normal exit: the checkpoint's background thread may be stuck on a dead peer
     heartbeat.stop()

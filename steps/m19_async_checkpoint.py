@@ -1,5 +1,5 @@
 # Generated from solutions/m19_async_checkpoint.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 19`. (skeleton 1922167fdfc0)
+# Grade your work with `python main.py grade 19`. (skeleton 87e2af4db099)
 """Module 19, part 3 - saving without stopping: module 17's checkpoints written in the background.
 
 Module 17's `save` stops training for the whole write: every rank waits until DCP has written its
@@ -43,7 +43,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from .m17_checkpoint import state_dict, step_directory
+from .m17_checkpoint import moments, state_dict, step_directory, to_dtensor, vocab_piece
 
 
 @dataclass
@@ -63,6 +63,32 @@ def finished(value=None) -> Future:
     future = Future()
     future.set_result(value)
     return future
+
+
+def live_state_dict(model, optimizer, train_state: dict) -> dict:
+    """Module 17's state_dict, except that the pieces which are the training's own tensors are handed to DCP as
+    they are, not copied (given): the replicated weights (embedding, final norm, LM head: module 12's rows of
+    them, without padding, are a view), their two AdamW moments, and AdamW's step count. DCP's own state dicts
+    hold the training's tensors so (torchtitan's do): staging is the one copy. The blocks are copies anyway,
+    gathered from module 07's flat shards into their logical shapes."""
+    state = state_dict(model, optimizer, model.mesh.device_mesh, train_state)
+    cfg, device_mesh = model.cfg, model.mesh.device_mesh
+    for stage in model.stages.values():
+        params = stage.parameters()
+        sources = {"model": {p: p for p in params}, "optim.exp_avg": moments(optimizer, params, "exp_avg"),
+                   "optim.exp_avg_sq": moments(optimizer, params, "exp_avg_sq")}
+        for prefix, tensors in sources.items():
+            for name, weight in stage.replicated.items():
+                live = tensors[weight]
+                if name in ("embedding", "lm_head"):
+                    piece, shape = vocab_piece(live, cfg.vocab_size, stage.groups.tp.index), (cfg.vocab_size, cfg.dim)
+                else:
+                    piece, shape = live, tuple(live.shape)
+                state[f"{prefix}.{name}"] = to_dtensor(name, piece, shape, device_mesh)
+    first = model.parameters()[0]
+    if "step" in optimizer.state[first]:
+        state["optim.step"] = optimizer.state[first]["step"]
+    return state
 
 
 class AsyncCheckpointer:
@@ -91,11 +117,11 @@ class AsyncCheckpointer:
         save.committed.set()
 
     def save(self, model, optimizer, train_state: dict, step: int):
-        """Start writing the checkpoint of `step` (module 17's state_dict of `model`, `optimizer`, `train_state`)
-        and return while it is written. Every rank calls it, at the same step."""
+        """Start writing the checkpoint of `step` (live_state_dict of `model`, `optimizer`, `train_state`: module
+        17's names and shapes) and return while it is written. Every rank calls it, at the same step."""
         # TODO(m19): start the checkpoint of `step` in the background, module 17's commit rule kept
         # Contract: when it returns, the save of `step` is under way in the background (self.in_flight, an
-        #   InFlight, holds its futures and directories): DCP's async_save of module 17's state_dict, written into
+        #   InFlight, holds its futures and directories): DCP's async_save of live_state_dict (above), written into
         #   step_NNNNNN.partial/ (config.json beside it holding self.description, as module 17's save writes it) by
         #   self.make_writer, its collectives on self.group, its staging by self.stager. Once the write completes,
         #   rank 0 renames it to step_NNNNNN/ (commit), without the main thread's help. Before any of this, the

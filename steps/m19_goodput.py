@@ -1,5 +1,5 @@
 # Generated from solutions/m19_goodput.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 19`. (skeleton de0b67caad29)
+# Grade your work with `python main.py grade 19`. (skeleton 755e0bdb4423)
 """Module 19, part 5 - how often to checkpoint: the goodput of a run that fails, and the interval that
 maximises it.
 
@@ -14,7 +14,7 @@ The cost model (docs/19-failures.md states it; every function below is about it,
     costs a restart of τ_restart seconds before the next segment can begin (detection, new processes,
     the rendezvous, reading the checkpoint); a failure during a restart starts the restart again.
 
-Goodput γ is the fraction of wall time that ends up as useful training: τ_interval over the expected
+Goodput Γ is the fraction of wall time that ends up as useful training: τ_interval over the expected
 wall time one segment costs. It is a pure function of four times; course/failure_sim.py runs the
 same model on a fake clock (seeded failures, no ranks) as an independent check, and `bench 19` runs
 real ranks under a real killer.
@@ -37,7 +37,7 @@ def check_times(**times: float):
 
 
 def expected_goodput(interval: float, save_cost: float, restart_cost: float, mtbf: float) -> float:
-    """γ: the expected fraction of wall time spent on steps that count, for checkpoints every `interval`
+    """Γ: the expected fraction of wall time spent on steps that count, for checkpoints every `interval`
     seconds of training, each blocking for `save_cost`, restarts of `restart_cost`, and failures at a mean
     of one per `mtbf` seconds (the cost model above). In (0, 1)."""
     check_times(interval=interval, save_cost=save_cost, restart_cost=restart_cost, mtbf=mtbf)
@@ -89,8 +89,8 @@ def daly_interval(save_cost: float, restart_cost: float, mtbf: float) -> float:
 
 @dataclass(frozen=True)
 class Goodput:
-    """What failures do to a step time (given): checkpoints every `every` steps, the fraction γ of wall time
-    that is useful, and the step time the job effectively runs at (its step time / γ)."""
+    """What failures do to a step time (given): checkpoints every `every` steps, the fraction Γ of wall time
+    that is useful, and the step time the job effectively runs at (its step time / Γ)."""
     every: int
     goodput: float
     effective_step_time: float

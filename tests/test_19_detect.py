@@ -102,7 +102,7 @@ that then fails leaves too, as the processes would under torchrun. Returns (what
                 dist.all_reduce(longest, op=dist.ReduceOp.MAX)
             if step == hang_at and dist.get_rank() == 3:
                 began = time.time()
-                time.sleep(min(20.0, longest.item() + 2 * max(times) + 2))
+                time.sleep(min(20.0, longest.item() + 2 * max(times) + 1))
                 dist.destroy_process_group()
                 return ("hung", began, timeout, max(times))
             began = time.perf_counter()

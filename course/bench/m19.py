@@ -13,11 +13,12 @@ code (the implementation selected, --impl):
 2. Goodput against the checkpoint interval. Each row trains --steps steps, a checkpoint every k steps
    (sync saves: their cost is the one the interval trades against), while failures strike at seeded
    exponential times of mean --mtbf seconds (a random rank SIGKILLs itself; the job starts again in
-   fresh forked ranks from the last complete checkpoint). Measured: wall time, failures, goodput = steps
-   x the median step / wall. Formula: module 19's expected_goodput with the measured step, save cost
-   (table 1's sync) and restart (the mean time from a failure to the next attempt's first step, lost
-   work excluded), and the interval of Daly's and Young's estimates. A few failures a row: expect the
-   measured goodput within a few tens of percent of the formula, the ordering of the rows more so.
+   fresh forked ranks from the last complete checkpoint, about a second on 2 cores, where torchrun's
+   fresh interpreters take 10 to 25). Measured: wall time, failures, goodput = steps x the row's median
+   step / wall. Formula: module 19's expected_goodput with the row's step, the save cost (table 1's
+   sync) and the restart (the mean time from a failure to the next attempt's first step, lost work
+   excluded); Daly's and Young's intervals below. A row sees a few failures: its goodput is a noisy
+   sample of the formula's expectation.
 3. Detection time against the timeout: 4 ranks (p = 2, t = 2), rank 3 stops after 6 steps; each other
    rank's heartbeat expires `detected s` after the stop, against the timeout its step_timeout chose
    from the steps it measured (slack x a typical step); and a rank SIGKILLed instead: the time until
@@ -156,20 +157,21 @@ def goodput_rows(args, folder: Path, save_cost: float) -> list[dict]:
             t += rng.expovariate(1 / args.mtbf)
             times.append(t)
         t0 = time.monotonic()
-        wall, failures, restarts, step_times = run_with_failures(args, every, folder, times, t0)
-        measured.append((every, wall, failures, restarts, step_times))
-    step = statistics.median(s for *_, steps in measured for s in steps)
-    restart = statistics.mean(r for *_, restarts, _ in measured for r in restarts) if any(m[3] for m in measured) \
-        else float("nan")
-    daly = goodput.daly_interval(save_cost, restart, args.mtbf)
-    young = goodput.young_interval(save_cost, args.mtbf)
-    for every, wall, failures, restarts, _ in measured:
-        rows.append({"every (steps)": every, "interval s": round(every * step, 3), "failures": failures,
+        measured.append((every, *run_with_failures(args, every, folder, times, t0)))
+    restarts = [r for *_, rs, _ in measured for r in rs]
+    restart = statistics.mean(restarts) if restarts else float("nan")
+    for every, wall, failures, _, step_times in measured:
+        step = statistics.median(step_times)   # this row's: the machine's load changes from row to row
+        rows.append({"every (steps)": every, "step ms": round(1e3 * step, 1), "failures": failures,
                      "wall s": round(wall, 1), "goodput measured": round(args.steps * step / wall, 3),
                      "goodput formula": round(goodput.expected_goodput(every * step, save_cost, restart, args.mtbf), 3)})
-    notes = (f"step {1e3 * step:.1f} ms, save {1e3 * save_cost:.1f} ms (sync), restart {restart:.2f} s (measured), "
-             f"mtbf {args.mtbf:g} s: Daly's interval {daly:.2f} s = {daly / step:.1f} steps, Young's {young:.2f} s = "
-             f"{young / step:.1f} steps")
+    step = statistics.median(s for *_, steps in measured for s in steps)
+    daly, young = goodput.daly_interval(save_cost, restart, args.mtbf), goodput.young_interval(save_cost, args.mtbf)
+    notes = (f"save {1e3 * save_cost:.1f} ms (table 1's sync), restart {restart:.2f} s (measured: failure to the next "
+             f"attempt's first step, {len(restarts)} restarts), mtbf {args.mtbf:g} s; with the median step of all rows "
+             f"({1e3 * step:.1f} ms), Daly's interval {daly:.2f} s = {daly / step:.1f} steps, Young's {young:.2f} s = "
+             f"{young / step:.1f} steps. A row sees a few failures: its measured goodput varies by about "
+             f"1/sqrt(failures) of its losses")
     return rows, notes
 
 
