@@ -125,7 +125,7 @@ class AsyncCheckpointer:
         #   rank 0 renames it to step_NNNNNN/ (commit), without the main thread's help. Before any of this, the
         #   previous save (if any) is written and committed on every rank. The tests watch the writer (no two
         #   saves' writes overlap; nothing has its final name while written), check that save returns before a slow
-        #   write ends, and resume from every checkpoint.
+        #   write ends, and resume from a checkpoint.
         # The question: what can go wrong with two saves in flight at once (think of the group they share and of
         #   the order of the commits), and what must the ranks agree on before one of them removes or creates a
         #   directory the others write into?

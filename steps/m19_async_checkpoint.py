@@ -1,5 +1,5 @@
 # Generated from solutions/m19_async_checkpoint.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 19`. (skeleton 87e2af4db099)
+# Grade your work with `python main.py grade 19`. (skeleton 8ccba6600954)
 """Module 19, part 3 - saving without stopping: module 17's checkpoints written in the background.
 
 Module 17's `save` stops training for the whole write: every rank waits until DCP has written its
@@ -127,7 +127,7 @@ class AsyncCheckpointer:
         #   rank 0 renames it to step_NNNNNN/ (commit), without the main thread's help. Before any of this, the
         #   previous save (if any) is written and committed on every rank. The tests watch the writer (no two
         #   saves' writes overlap; nothing has its final name while written), check that save returns before a slow
-        #   write ends, and resume from every checkpoint.
+        #   write ends, and resume from a checkpoint.
         # The question: what can go wrong with two saves in flight at once (think of the group they share and of
         #   the order of the commits), and what must the ranks agree on before one of them removes or creates a
         #   directory the others write into?

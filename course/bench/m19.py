@@ -14,10 +14,11 @@ code (the implementation selected, --impl):
    (sync saves: their cost is the one the interval trades against), while failures strike at seeded
    exponential times of mean --mtbf seconds (a random rank SIGKILLs itself; the job starts again in
    fresh forked ranks from the last complete checkpoint, about a second on 2 cores, where torchrun's
-   fresh interpreters take 10 to 25). Measured: wall time, failures, goodput = steps x the row's median
-   step / wall. Formula: module 19's expected_goodput with the row's step, the save cost (table 1's
-   sync) and the restart (the mean time from a failure to the next attempt's first step, lost work
-   excluded); Daly's and Young's intervals below. A row sees a few failures: its goodput is a noisy
+   fresh interpreters take 10 to 25). Measured: wall time, failures, goodput = steps x the row's mean
+   step (each attempt's first left out) / wall. Formula: module 19's expected_goodput with the row's
+   step, the save cost (table 1's sync) and the restart (the mean time from a failure until the next
+   attempt's first useful step begins: new ranks, the group, the model, the checkpoint read);
+   Daly's and Young's intervals below. A row sees a few failures: its goodput is a noisy
    sample of the formula's expectation.
 3. Detection time against the timeout: 4 ranks (p = 2, t = 2), rank 3 stops after 6 steps; each other
    rank's heartbeat expires `detected s` after the stop, against the timeout its step_timeout chose
@@ -115,9 +116,10 @@ def blocking(args, folder: Path) -> tuple[list[dict], float]:
 
 # --- 2. goodput against the interval ------------------------------------------------------------
 
-def run_with_failures(args, every: int, folder: Path, failure_times: list[float], t0: float):
+def run_with_failures(args, every: int, folder: Path, failure_times: list[float], t0: float, unix_t0: float):
     """The job to args.steps with saves every `every` steps, attempt after attempt, failures at t0 + the given
-    times; returns (wall, failures, restart seconds each)."""
+    times (t0 on the monotonic clock, unix_t0 the same instant on the events' clock); returns (wall, failures,
+    restart seconds each, the step times but each attempt's first)."""
     events = Events(folder / f"every-{every}.jsonl")
     job, rng = job_of(args, args.steps, every, "sync"), random.Random(args.seed + every)
     pending, failures, attempt = list(failure_times), 0, 0
@@ -133,18 +135,20 @@ def run_with_failures(args, every: int, folder: Path, failure_times: list[float]
             pending.pop(0)
             failures += 1
             attempt += 1
-    log = events.read()
     wall = time.monotonic() - t0
+    log = events.read()
     first_steps = {}
     for e in log:
         if e["event"] == "step":
             first_steps.setdefault(e["attempt"], e)
-    starts = {e["attempt"]: e["time"] for e in log if e["event"] == "start"}
-    unix0 = min(starts.values())
+    steps = [e["seconds"] for e in log if e["event"] == "step" and not e["first"]]
+    typical = statistics.mean(steps)
     failed = sorted(failure_times[:failures])
-    restarts = [first_steps[a + 1]["time"] - first_steps[a + 1]["seconds"] - (unix0 + failed[a])
+    # From each failure until the next attempt's first step began doing useful work: new ranks, the group, the
+    # model, the checkpoint read; the first step's own time beyond a typical step counts as restart too.
+    restarts = [first_steps[a + 1]["time"] - typical - (unix_t0 + failed[a])
                 for a in range(failures) if a + 1 in first_steps]
-    return wall, failures, restarts, [e["seconds"] for e in log if e["event"] == "step"]
+    return wall, failures, restarts, steps
 
 
 def goodput_rows(args, folder: Path, save_cost: float) -> list[dict]:
@@ -156,21 +160,21 @@ def goodput_rows(args, folder: Path, save_cost: float) -> list[dict]:
         while t < 3600:
             t += rng.expovariate(1 / args.mtbf)
             times.append(t)
-        t0 = time.monotonic()
-        measured.append((every, *run_with_failures(args, every, folder, times, t0)))
+        t0, unix_t0 = time.monotonic(), time.time()
+        measured.append((every, *run_with_failures(args, every, folder, times, t0, unix_t0)))
     restarts = [r for *_, rs, _ in measured for r in rs]
     restart = statistics.mean(restarts) if restarts else float("nan")
     for every, wall, failures, _, step_times in measured:
-        step = statistics.median(step_times)   # this row's: the machine's load changes from row to row
+        step = statistics.mean(step_times)   # this row's: the machine's load changes from row to row
         rows.append({"every (steps)": every, "step ms": round(1e3 * step, 1), "failures": failures,
                      "wall s": round(wall, 1), "goodput measured": round(args.steps * step / wall, 3),
                      "goodput formula": round(goodput.expected_goodput(every * step, save_cost, restart, args.mtbf), 3)})
-    step = statistics.median(s for *_, steps in measured for s in steps)
+    step = statistics.mean(s for *_, steps in measured for s in steps)
     daly, young = goodput.daly_interval(save_cost, restart, args.mtbf), goodput.young_interval(save_cost, args.mtbf)
     notes = (f"save {1e3 * save_cost:.1f} ms (table 1's sync), restart {restart:.2f} s (measured: failure to the next "
-             f"attempt's first step, {len(restarts)} restarts), mtbf {args.mtbf:g} s; with the median step of all rows "
+             f"attempt's first step, {len(restarts)} restarts), mtbf {args.mtbf:g} s; with the mean step of all rows "
              f"({1e3 * step:.1f} ms), Daly's interval {daly:.2f} s = {daly / step:.1f} steps, Young's {young:.2f} s = "
-             f"{young / step:.1f} steps. A row sees a few failures: its measured goodput varies by about "
+             f"{young / step:.1f} steps (mean steps, each attempt's first left out). A row sees a few failures: its measured goodput varies by about "
              f"1/sqrt(failures) of its losses")
     return rows, notes
 
