@@ -269,6 +269,7 @@ def torchrun(run_dir: Path, nproc: int, max_restarts: int, impl: str):
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
                "--max-restarts", str(max_restarts), "--rdzv-backend", "c10d", "--rdzv-endpoint",
                f"127.0.0.1:{free_port()}", "--rdzv-id", f"m19-{os.getpid()}", "--monitor-interval", "0.1",
+               "--log-dir", str(run_dir / "torchrun-logs"),   # else a torchelastic_* folder left in /tmp
                "-m", "course.elastic", str(run_dir)]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "COURSE_IMPL": impl,
            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONUNBUFFERED": "1"}

@@ -77,7 +77,9 @@ def test_the_timeout_follows_the_usual_step_not_its_outliers():
         f"{got:.3f} s; 4 times the usual step is {4 * min(healthy):.2f} to {4 * max(healthy):.2f} s")
     scaled = detect.step_timeout([10 * t for t in measured], 4.0)
     assert scaled == pytest.approx(10 * got), f"steps 10 times longer: timeout {scaled:.3f} s, was {got:.3f} s"
-    assert detect.step_timeout([0.01] * 5, 4.0) == detect.MIN_TIMEOUT_S
+    tiny = detect.step_timeout([0.01] * 5, 4.0)
+    assert tiny == detect.MIN_TIMEOUT_S, (f"steps of 10 ms, slack 4: your step_timeout {tiny} s; never below "
+                                         f"MIN_TIMEOUT_S ({detect.MIN_TIMEOUT_S} s)")
 
 
 def _hang_rank_3(hang_at: int, steps: int, slack: float):

@@ -14,6 +14,7 @@ from course import RESULTS
 from course.chars import load_chars
 from course.elastic import Events, Job, Killer, config_of, torchrun
 from course.impl import reference
+from course.launch import RankFailed
 from course.mesh import check_mesh, parse_mesh
 
 TIMEOUT_S = 900.0        # the run's default --timeout: torchrun's restarts take seconds each on 2 cores
@@ -152,6 +153,8 @@ def demo(args):
                 seen += len(new)
                 for e in new:
                     kills += [e] if e["event"] == "kill" else []
+                    if e["event"] == "error" and "TODO(m" in e["message"]:   # no restart can fix an unfinished TODO
+                        raise RankFailed(f"rank {e['rank']} of {nproc} raised {e['message']}")
                     line = describe(e, t0, kills)
                     if line:
                         print(line, flush=True)
