@@ -239,4 +239,50 @@ FORBIDDEN = {
             code("every rank: dcp.save(state, storage_writer=... into partial); wait; rank 0 renames"),
         ],
     },
+    "19": {
+        # The statistics (chapter 19 shows a robust summary on nine timings of a matrix product), the data
+        # position (a playlist shuffled every time it ends), the staging wait (a renderer's copy of the world),
+        # Young's balance (the economic order quantity) and Daly's series (x + eps x^2 = 1).
+        "step_timeout": [
+            "quantile(0.5)", "statistics.median(step_times)", "median(step_times)", "slack * the median",
+            "slack x the median", "the median step time", "median of the steps", "median of the measured",
+        ],
+        "stragglers": [
+            "quantile(0.5, dim=1)", "median(dim=1)", "per_rank.quantile", "median of per_rank", "median over the ranks",
+            "median of the ranks", "median of each rank", "median over its steps", "median of its steps",
+        ],
+        "ShuffledSequences.state": [
+            '"epoch": torch.tensor(self.epoch)', "the epoch and the position", "epoch and position in it",
+            "the epoch and its position",
+        ],
+        "ShuffledSequences.restore": [
+            "range(epoch + 1)", "draws epoch + 1", "epoch + 1 orders", "draw_order() once for every epoch",
+        ],
+        "AsyncCheckpointer.save": [
+            "add_done_callback(lambda", "written.add_done_callback", "self.wait() first",
+        ],
+        "AsyncCheckpointer.before_update": [
+            "staged.result()", "wait for the copy, not for the write", "only the copy must be waited for",
+        ],
+        "training_state": [
+            'f"data.{', "the sampler's state, under names of its own",
+        ],
+        "train": [
+            "[0.0] * start", "sampler.restore({",
+        ],
+        "expected_goodput": [
+            "math.expm1(segment / mtbf)", "exp(restart_cost / mtbf)", "e^{R/M}", "exp(R/M)", "e^(R/M)",
+            "exp(τ_restart / τ_mtbf)", "exp(τ_restart/τ_mtbf)", "(exp((τ_interval + τ_save) / τ_mtbf) - 1)",
+            "τ_mtbf exp(", "M e^{R/M}",
+        ],
+        "young_interval": [
+            "sqrt(2 * save_cost * mtbf)", "√(2δM)", "sqrt(2δM)", "√(2 δ M)", "sqrt(2 δ M)", "√(2 τ_save τ_mtbf)",
+            "sqrt(2 τ_save τ_mtbf)", "√(2 T_s T_f)", "sqrt(2 T_s T_f)", "√(2 T_s/λ)", "τ / (2 τ_mtbf)",
+            "half an interval on average",
+        ],
+        "daly_interval": [
+            "sqrt(xi) / 3", "xi / 9", "√ξ/3", "ξ/9", "1 + (1/3)", "(1/9)", "sqrt(ξ)/3", "√(δ/2M)", "sqrt(δ/(2M))",
+            "δ/(2M)", "it cannot move the maximum",
+        ],
+    },
 }
