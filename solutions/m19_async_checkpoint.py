@@ -131,13 +131,12 @@ class AsyncCheckpointer:
         #   directory the others write into?
         # Pitfalls: waiting for this save's write before returning makes it synchronous again (the test's slow
         #   writer sees it). Renaming as soon as async_save returns publishes a checkpoint still being written.
-        # Hint 1: finish the previous one; rank 0 prepares the directory; start the save; record it; have the
-        #   write's completion trigger the commit on rank 0.
-        # Hint 2: self.wait(); step_directory(self.root, step) and its ".partial" sibling; live_state_dict(model,
-        #   optimizer, train_state); dcp.async_save(state, storage_writer=...,
-        #   process_group=self.group, async_stager=self.stager) returns an AsyncSaveResponse (staging_completion,
-        #   upload_completion) with asynchronous staging, a Future (the write) without: wrap the latter with
-        #   finished(). future.add_done_callback(fn) calls fn(future) once it is done, in the thread that did it.
+        # Hint 1: which thread is still running when the write completes, and who can commit from there? Where in
+        #   chapter 19's "Saving without stopping" does the renderer hand its frame over?
+        # Hint 2: the order that holds: previous save committed < rank 0's partial/ prepared < every rank's write
+        #   (DCP's first collective orders the ranks) < the write's completion < rank 0's rename. With asynchronous
+        #   staging DCP hands back two futures (the copy's and the write's); without it one (the write), the copy
+        #   being done when it returns; a future can run a function of yours when it completes.
         # Hint 3: self.wait()
         #         final = step_directory(self.root, step); partial = final.with_name(final.name + ".partial")
         #         state = live_state_dict(model, optimizer, train_state)
@@ -181,8 +180,9 @@ class AsyncCheckpointer:
         #   the training's own tensors, and which reads only DCP's copies?
         # Pitfalls: not waiting lets the update race the copy (the saved step is then a later one, or a mixture).
         #   Waiting for the write instead is correct, but blocks for the whole write, as a synchronous save does.
-        # Hint 1: wait for the copy, not for the write.
-        # Hint 2: self.in_flight.staged is the copy's future; .result() waits for it (and is at once when done).
+        # Hint 1: which of the save's two futures stands for the reading of the training's tensors?
+        # Hint 2: the update may run once the copy is complete; the write reads DCP's copies only, so it may go on
+        #   during the next steps.
         # Hint 3: if self.in_flight is not None: self.in_flight.staged.result()
         if self.in_flight is not None:
             self.in_flight.staged.result()

@@ -80,7 +80,8 @@ class ShuffledSequences:
         #   order itself is as long as the data.
         # Hint 1: a fresh reader with the same seed draws epoch 0's order, then epoch 1's, ...: how many draws does it
         #   take to be where this reader is?
-        # Hint 2: the epoch and the position in it; restore reseeds the generator and draws epoch + 1 orders.
+        # Hint 2: the epoch and the position in it (two numbers, whatever the number of sequences); restore
+        #   reseeds the generator and draws epoch + 1 orders.
         # Hint 3: return {"epoch": torch.tensor(self.epoch), "position": torch.tensor(self.position)}
         return {"epoch": torch.tensor(self.epoch), "position": torch.tensor(self.position)}
         # <<<
@@ -91,8 +92,9 @@ class ShuffledSequences:
         # Contract: afterwards this reader returns exactly the batches the reader that produced `state` returns
         #   from that point on; it may have been used before (restore replaces its position).
         # The question: the inverse of state(): which orders must the generator draw again, from where?
-        # Hint 1: start the generator again from the seed, as __init__ does.
-        # Hint 2: reseed, then draw_order() once for every epoch up to and including state's epoch.
+        # Hint 1: the generator's state is not saved: how does a fresh reader come to hold the order of epoch e?
+        # Hint 2: a reseeded generator that draws the orders of epochs 0, 1, ..., e is where this reader was when
+        #   it drew epoch e's order; the position then says where in it.
         # Hint 3: self.generator.manual_seed(self.seed)
         #         for _ in range(epoch + 1): self.order = self.draw_order()
         #         self.epoch, self.position = epoch, position

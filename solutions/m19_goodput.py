@@ -78,8 +78,8 @@ def young_interval(save_cost: float, mtbf: float) -> float:
     #   (docs/19 derives the same balance for a neighbouring problem: how much to order at a time.)
     # Pitfalls: the work a failure destroys depends on where in the interval it strikes: count it on average, not
     #   at its worst; the restart costs the same whatever the interval.
-    # Hint 1: waste per second of training = save_cost / interval + (expected loss per failure) / mtbf; minimise it.
-    #   A failure at a uniformly random moment of an interval loses half an interval on average.
+    # Hint 1: per second of training, what do you pay for the saves, and what, on average, for the failures? Where is
+    #   their sum smallest (chapter 19 balances two such costs for a shop's orders)?
     # Hint 2: waste(τ) = τ_save / τ + τ / (2 τ_mtbf); dwaste/dτ = 0 gives τ = sqrt(2 τ_save τ_mtbf) (Young 1974).
     # Hint 3: return math.sqrt(2 * save_cost * mtbf)
     return math.sqrt(2 * save_cost * mtbf)
@@ -99,8 +99,8 @@ def daly_interval(save_cost: float, restart_cost: float, mtbf: float) -> float:
     #   does the solution correct Young's when save_cost / mtbf is no longer tiny? What happens to restart_cost?
     # Pitfalls: the estimate is the interval of *training* between saves: the save's own time is not part of it
     #   (every interval save_cost too long otherwise, which the test with frequent failures sees).
-    # Hint 1: exp(restart_cost / mtbf) multiplies the expected time by a constant: it cannot move the maximum.
-    #   Expand the optimum's equation in the small quantity sqrt(save_cost / (2 mtbf)).
+    # Hint 1: does the restart cost change where the goodput is largest, or only its value? What small quantity can
+    #   you expand the optimum's equation in (chapter 19 solves x + eps x^2 = 1 by a series)?
     # Hint 2: the optimum solves exp((τ + τ_save)/τ_mtbf) (1 - τ/τ_mtbf) = 1; Daly's perturbation solution, with
     #   ξ = τ_save / (2 τ_mtbf): τ = sqrt(2 τ_save τ_mtbf) (1 + sqrt(ξ)/3 + ξ/9) - τ_save for τ_save < 2 τ_mtbf, else
     #   τ = τ_mtbf.

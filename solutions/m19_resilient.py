@@ -34,8 +34,9 @@ def training_state(sampler, losses: list[float]) -> dict[str, torch.Tensor]:
     #   with the process, and would a fresh one rebuild it differently?
     # Pitfalls: a resumed run whose reader starts again from the first batch repeats every sequence since the
     #   start and computes other losses from the first step after the resume.
-    # Hint 1: the sampler's state, under names of its own, and the losses.
-    # Hint 2: sampler.state() is a dict of tensors; the losses as torch.tensor(losses, dtype=torch.float64).
+    # Hint 1: list what the loop holds between two steps: which of it is the model's, which AdamW's, and what is left?
+    # Hint 2: the sampler's state (a dict of tensors) under names of its own, so that module 17's load cannot confuse
+    #   them with another entry, and the losses as one float64 tensor.
     # Hint 3: return {**{f"data.{k}": v for k, v in sampler.state().items()},
     #                 "losses": torch.tensor(losses, dtype=torch.float64)}
     return {**{f"data.{name}": value for name, value in sampler.state().items()},
@@ -62,11 +63,10 @@ def train(model, sampler, steps: int, checkpointer, every: int, lr: float = 3e-3
     #   before the load, how long is the losses tensor of checkpoint step_000k, and what must happen to the values
     #   once they are loaded?
     # Pitfalls: loading the sampler's tensors and not handing them back to the sampler leaves it at the first batch.
-    # Hint 1: the step is in the directory's name; a training_state of the right shapes to fill; then give the
-    #   sampler and the losses their values back.
-    # Hint 2: latest_checkpoint(checkpointer.root); int(latest.name.removeprefix("step_")); training_state(sampler,
-    #   [0.0] * start); load(model, optimizer, state, latest, checkpointer.description); sampler.restore({...});
-    #   losses = state["losses"].tolist().
+    # Hint 1: where can you read the step of a checkpoint without loading it, and what must a tensor look like before
+    #   module 17's load can fill it in place?
+    # Hint 2: the step k is in the directory's name step_00000k; the losses tensor to fill has k entries; the loaded
+    #   sampler state is handed back to the sampler, the loaded losses become the list.
     # Hint 3: latest = latest_checkpoint(checkpointer.root)
     #         if latest is not None: start = its step; state = training_state(sampler, [0.0] * start)
     #             load(model, optimizer, state, latest, checkpointer.description)

@@ -244,45 +244,54 @@ FORBIDDEN = {
         # position (a playlist shuffled every time it ends), the staging wait (a renderer's copy of the world),
         # Young's balance (the economic order quantity) and Daly's series (x + eps x^2 = 1).
         "step_timeout": [
-            "quantile(0.5)", "statistics.median(step_times)", "median(step_times)", "slack * the median",
-            "slack x the median", "the median step time", "median of the steps", "median of the measured",
+            ("slack x the median", "slack * the median", "the median step time", "median of the steps",
+             "median of the measured"),
+            code("quantile(0.5)", "statistics.median(step_times)", "median(step_times)"),
         ],
         "stragglers": [
-            "quantile(0.5, dim=1)", "median(dim=1)", "per_rank.quantile", "median of per_rank", "median over the ranks",
-            "median of the ranks", "median of each rank", "median over its steps", "median of its steps",
+            ("the median of per_rank", "median of per_rank", "median over the ranks", "median of the ranks",
+             "median of each rank", "median over its steps", "median of its steps"),
+            code("quantile(0.5, dim=1)", "median(dim=1)", "per_rank.quantile"),
         ],
         "ShuffledSequences.state": [
-            '"epoch": torch.tensor(self.epoch)', "the epoch and the position", "epoch and position in it",
-            "the epoch and its position",
+            ("the epoch and the position in it", "the epoch and the position", "epoch and position in it",
+             "the epoch and its position"),
+            code('"epoch": torch.tensor(self.epoch)'),
         ],
         "ShuffledSequences.restore": [
-            "range(epoch + 1)", "draws epoch + 1", "epoch + 1 orders", "draw_order() once for every epoch",
+            ("draws the orders of epochs 0, 1, ..., e", "draws epoch + 1 orders", "draws epoch + 1", "epoch + 1 orders", "draw_order() once for every epoch"),
+            code("range(epoch + 1)"),
         ],
         "AsyncCheckpointer.save": [
-            "add_done_callback(lambda", "written.add_done_callback", "self.wait() first",
+            ("a future can run a function of yours when it completes", "self.wait() first"),
+            code("add_done_callback(lambda", "written.add_done_callback"),
         ],
         "AsyncCheckpointer.before_update": [
-            "staged.result()", "wait for the copy, not for the write", "only the copy must be waited for",
+            ("the update may run once the copy is complete", "wait for the copy, not for the write",
+             "only the copy must be waited for"),
+            code("staged.result()"),
         ],
         "training_state": [
-            'f"data.{', "the sampler's state, under names of its own",
+            ("the sampler's state (a dict of tensors) under names of its own", "the sampler's state, under names of its own"),
+            code('f"data.{'),
         ],
         "train": [
-            "[0.0] * start", "sampler.restore({",
+            code("[0.0] * start", "sampler.restore({"),
         ],
         "expected_goodput": [
-            "math.expm1(segment / mtbf)", "exp(restart_cost / mtbf)", "e^{R/M}", "exp(R/M)", "e^(R/M)",
-            "exp(τ_restart / τ_mtbf)", "exp(τ_restart/τ_mtbf)", "(exp((τ_interval + τ_save) / τ_mtbf) - 1)",
-            "τ_mtbf exp(", "M e^{R/M}",
+            ("τ_mtbf exp(τ_restart / τ_mtbf) (exp((τ_interval + τ_save) / τ_mtbf) - 1)", "exp(restart_cost / mtbf)",
+             "e^{R/M}", "exp(R/M)", "e^(R/M)", "exp(τ_restart/τ_mtbf)", "M e^{R/M}"),
+            code("math.expm1(segment / mtbf)"),
         ],
         "young_interval": [
-            "sqrt(2 * save_cost * mtbf)", "√(2δM)", "sqrt(2δM)", "√(2 δ M)", "sqrt(2 δ M)", "√(2 τ_save τ_mtbf)",
-            "sqrt(2 τ_save τ_mtbf)", "√(2 T_s T_f)", "sqrt(2 T_s T_f)", "√(2 T_s/λ)", "τ / (2 τ_mtbf)",
-            "half an interval on average",
+            ("sqrt(2 τ_save τ_mtbf)", "√(2δM)", "sqrt(2δM)", "√(2 δ M)", "sqrt(2 δ M)", "√(2 τ_save τ_mtbf)",
+             "√(2 T_s T_f)", "sqrt(2 T_s T_f)", "√(2 T_s/λ)", "τ / (2 τ_mtbf)", "half an interval on average"),
+            code("sqrt(2 * save_cost * mtbf)"),
         ],
         "daly_interval": [
-            "sqrt(xi) / 3", "xi / 9", "√ξ/3", "ξ/9", "1 + (1/3)", "(1/9)", "sqrt(ξ)/3", "√(δ/2M)", "sqrt(δ/(2M))",
-            "δ/(2M)", "it cannot move the maximum",
+            ("sqrt(ξ)/3 + ξ/9", "√ξ/3", "ξ/9", "1 + (1/3)", "(1/9)", "sqrt(ξ)/3", "√(δ/2M)", "sqrt(δ/(2M))", "δ/(2M)",
+             "it cannot move the maximum"),
+            code("sqrt(xi) / 3", "xi / 9"),
         ],
     },
 }
