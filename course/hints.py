@@ -40,6 +40,18 @@ HINTS_SHOWN = REPO / ".course-hints.json"  # {"TODO(m05): ...": levels shown}
 RENAMED_TITLES: dict[str, str] = {
     "TODO(m01): give part two the remaining hidden layers, then the classification head":
         "TODO(m01): give part two the remaining hidden layers and the classification head",
+    "TODO(m02): send an activation to the next stage, blocking":
+        "TODO(m02): start sending a tensor to the neighbour its direction leads to, and return the handle",
+    "TODO(m02): send a gradient back to the previous stage, blocking":
+        "TODO(m02): start sending a tensor to the neighbour its direction leads to, and return the handle",
+    "TODO(m02): start sending an activation to the next stage, and return its handle":
+        "TODO(m02): start sending a tensor to the neighbour its direction leads to, and return the handle",
+    "TODO(m02): start sending a gradient back to the previous stage, and return its handle":
+        "TODO(m02): start sending a tensor to the neighbour its direction leads to, and return the handle",
+    "TODO(m02): receive an activation from the previous stage into a new buffer and return it":
+        "TODO(m02): receive a tensor from the neighbour its direction comes from, into a new buffer",
+    "TODO(m02): receive a gradient from the next stage into a new buffer and return it":
+        "TODO(m02): receive a tensor from the neighbour its direction comes from, into a new buffer",
 }
 
 
