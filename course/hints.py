@@ -52,6 +52,8 @@ RENAMED_TITLES: dict[str, str] = {
         "TODO(m02): receive a tensor from the neighbour its direction comes from, into a new buffer",
     "TODO(m02): receive a gradient from the next stage into a new buffer and return it":
         "TODO(m02): receive a tensor from the neighbour its direction comes from, into a new buffer",
+    "TODO(m05): run the whole batch as a single microbatch, forward then backward":
+        "TODO(m05): run GPipe: all m forwards, then all m backwards, and return the batch loss",
 }
 
 
