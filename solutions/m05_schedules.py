@@ -191,9 +191,9 @@ def one_f_one_b(stage, comms, x, y, n_microbatches):
     # one expected), the gradients and 50 steps, on p = 2 and 4 with m from 1 to 32.
     # The question: how many forwards must rank r run before its first backward?
     # Pitfalls: what if m is smaller than that warm-up (the grader runs m = 1 and 2 on 4 ranks)?
-    # Whose gradient arrives next from the next rank: the oldest microbatch's or the newest's?
     # On the last stage of a pipeline along one axis of a mesh (global ranks 2 and 3 of 4), is
-    # the rank's place its global rank? Where are the sends waited for?
+    # the rank's place its global rank? Where are the sends waited for? Where is each share of
+    # the loss added up, when the list of microbatches in flight is empty by the step's end?
     # Hint 1: In the steady state, which microbatches has rank r forwarded and not yet
     #         backwarded, and where are they? (docs/05-schedules.md, "Memory: why GPipe holds m
     #         microbatches and 1F1B at most p", and its p = 3 timeline)

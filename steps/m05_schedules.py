@@ -1,5 +1,5 @@
 # Generated from solutions/m05_schedules.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 05`. (skeleton f977458647d8)
+# Grade your work with `python main.py grade 05`. (skeleton 64d0b59d66dd)
 """Module 05 - pipeline schedules.
 
 Module 04 relayed the whole batch through the ranks; while one rank computes, all the others wait.
@@ -134,9 +134,9 @@ def one_f_one_b(stage, comms, x, y, n_microbatches):
     # one expected), the gradients and 50 steps, on p = 2 and 4 with m from 1 to 32.
     # The question: how many forwards must rank r run before its first backward?
     # Pitfalls: what if m is smaller than that warm-up (the grader runs m = 1 and 2 on 4 ranks)?
-    # Whose gradient arrives next from the next rank: the oldest microbatch's or the newest's?
     # On the last stage of a pipeline along one axis of a mesh (global ranks 2 and 3 of 4), is
-    # the rank's place its global rank? Where are the sends waited for?
+    # the rank's place its global rank? Where are the sends waited for? Where is each share of
+    # the loss added up, when the list of microbatches in flight is empty by the step's end?
     raise NotImplementedError('TODO(m05): run 1F1B: warm up with forwards, alternate one forward and one backward, then cool down')
 
 
