@@ -218,9 +218,12 @@ class RecordingComms:
     shape asked for (after the check above), non-blocking sends return handles that note whether
     they were waited for, blocking sends are noted."""
 
-    def __init__(self, rank, world_size, rows, note):
-        self.pp = group_of("p", rank, range(world_size))
-        self.rank, self.world_size, self.rows, self.note = rank, world_size, rows, note
+    def __init__(self, rank, world_size, rows, note, members=None):
+        # `rank` is the place in the pipeline; `members`, if given, the pipeline's global ranks (one
+        # axis of a mesh), whose member `rank` this comms is: then comms.rank is a global rank.
+        self.pp = group_of("p", rank, range(world_size) if members is None else members)
+        self.rank = rank if members is None else members[rank]
+        self.world_size, self.rows, self.note = world_size, rows, note
         self.prev = rank - 1 if rank > 0 else None
         self.next = rank + 1 if rank < world_size - 1 else None
         self.device, self.dtype = torch.device("cpu"), torch.float64
@@ -511,12 +514,32 @@ def _train_along_one_axis(schedule, n_microbatches, steps):
     return pp.ranks, mesh.index["d"], losses, profiler.ops()
 
 
+def _order_alone(members, index, n_microbatches):
+    """1F1B's F/B order on member `index` of the pipeline `members` (global ranks), run in this
+    process with comms that record (no peer, no process group)."""
+    profiler = Profiler(members[index])
+    comms = RecordingComms(index, len(members), ROWS // n_microbatches, f"{ROWS} rows in {n_microbatches} microbatches",
+                           members)
+    stage, (x, y) = profiler.wrap_stage(WideStage(index, len(members))), _wide_batch()
+    with profiler.step():
+        m05.one_f_one_b(stage, comms, x, y, n_microbatches)
+    return profiler.ops()
+
+
 @pytest.mark.exercises("one_f_one_b", "forward_step", "backward_step")
 def test_a_pipeline_along_one_axis_of_a_mesh_trains_like_the_monolith():
     # The schedule's place in the pipeline is comms.pp.index, not the global rank: on ranks 2 and 3
     # (the last stage of each pipeline) a warm-up read off the global rank asks for stages that do not
     # exist. m = 4 microbatches: module 05's 1e-6 on losses against the monolith.
     schedule, n_microbatches, steps = "1f1b", 4, 3
+    # First each member of the pipeline (1, 3) alone, in this process: a wrong place shows as a wrong
+    # order here, where on real ranks the pipeline would hang until its timeout.
+    for index in (0, 1):
+        ops, want = _order_alone((1, 3), index, n_microbatches), _canonical_1f1b(2, index, n_microbatches)
+        assert ops == want, \
+            (f"your one_f_one_b at place {index} of the pipeline of global ranks (1, 3) (comms.rank {(1, 3)[index]}, "
+             f"comms.pp.index {index}), m={n_microbatches}, ran {ops}, expected 1F1B's {want}: the warm-up counts the "
+             "stages after this one in the pipeline group (comms.pp), not in the whole job")
     results = run_ranks(_train_along_one_axis, 4, schedule, n_microbatches, steps, timeout=30)
     for rank, (members, replica, losses, ops) in enumerate(results):
         assert members == (replica, replica + 2), (rank, members, replica)
