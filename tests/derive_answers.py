@@ -44,6 +44,73 @@ HINT_LEAKS_UNTIL_REWRITE = {"07", "11", "12", "13"}  # hint 1 states an answer, 
 ANSWERS_NOT_IN_HINTS_UNTIL_REWRITE = {"07", "11", "12", "13", "17"}  # no hint level gives an answer at its level
 
 FORBIDDEN = {
+    "01": {
+        # Chapter 01 works the cut on a toy function (u = 2w, loss = u^2) and the random stream on two tensors.
+        "PartTwo.__init__": [
+            ("its layers, then its head", "layers first and its head last", "head created last", "the head last"),
+            code("cfg.layers - cfg.layers // 2"),
+        ],
+        "train_step": [
+            ("seeded with the received leaf's .grad", "seeded with received", "received tensor's .grad",
+             "backward from hidden"),
+            code("hidden.backward(received.grad)", ".backward(received.grad)"),
+            code("hidden.detach().requires_grad_()", "detach().requires_grad_()"),
+        ],
+    },
+    "02": {
+        # Chapter 02 works the neighbours on the pipeline of ranks (1, 3, 5), the bytes on a (2, 3) view.
+        "PipelineComms.__init__": [
+            code("self.pp.ranks[index - 1]", "ranks[index - 1]", "ranks[pp.index - 1]", "ranks[self.pp.index - 1]"),
+            code("self.pp.ranks[index + 1]", "ranks[index + 1]", "ranks[pp.index + 1]", "ranks[self.pp.index + 1]"),
+            code("index < size - 1", "index < self.pp.size - 1"),
+        ],
+        "init_distributed": [
+            code('dist.get_backend() == "nccl"', "get_backend() =="),
+            code('os.environ.get("LOCAL_RANK", "0")'),
+        ],
+        "start_send": [code("dist.isend(tensor.contiguous()", "isend(tensor.contiguous()"), code("tensor.contiguous()")],
+        "receive": [code("dtype=dtype or self.dtype", "dtype or self.dtype"),
+                    code("torch.empty(shape, dtype=dtype or self.dtype, device=self.device)")],
+    },
+    "03": {
+        # Chapter 03 states the game's rules and works the bookkeeping on a ring of three ranks.
+        "ping_pong": [
+            ("a send forward, then a receive backward", "send_forward then recv_backward", "send forward, then receive backward"),
+            ("a receive forward (+1), then a send backward", "recv_forward then send_backward"),
+            code("comms.recv_backward(x.shape, x.dtype) + 1", "recv_backward(x.shape, x.dtype)"),
+            code("comms.recv_forward(x.shape, x.dtype) + 1", "recv_forward(x.shape, x.dtype)"),
+        ],
+        "time_round_trip": [code("statistics.median(times)"), code("ping_pong(comms, ball, 1)")],
+    },
+    "04": {
+        # Chapter 04 draws 6 layers on 3 stages and a relay of 9 layers on 3 ranks; chapter 01 teaches the stream.
+        "layer_range": [("[s L/S, (s + 1) L/S)", "r·L/p to (r+1)·L/p", "r L/p to"),
+                        code("range(stage * per_stage, (stage + 1) * per_stage)", "stage * per_stage")],
+        "ShardedMLP.__init__": [
+            ("keeps only its own", "keep only its own", "keeping only this rank's", "replays the monolith's construction",
+             "replay the monolith's construction", "create all 16 layers in order"),
+            code("for index in range(cfg.layers)"),
+        ],
+        "sharded_forward": [
+            code("comms.recv_forward((x.shape[0], model.hidden))", "(x.shape[0], model.hidden)"),
+        ],
+    },
+    "05": {
+        # Chapter 05 works the share on 4 rows in 2 microbatches and 1F1B's warm-up on p = 3, m = 5.
+        "forward_step": [
+            ("loss_i / m", "divided by m", "divided by n_microbatches", "(1/m) Σ_i loss_i", "Σ_i loss_i / m"),
+            code("stage.loss(out, y_mb) / n_microbatches", "/ n_microbatches"),
+            code(".requires_grad_()"),
+        ],
+        "backward_step": [code("out.backward(comms.recv_backward(out.shape))", "recv_backward(out.shape)"),
+                          code("comms.isend_backward(inp.grad)", "isend_backward(inp.grad)")],
+        "gpipe": [code("sum(out.detach() for _, out in saved)")],
+        "one_f_one_b": [
+            ("p - r - 1", "p − r − 1", "min(p - r - 1, m)"),
+            code("comms.pp.size - comms.pp.index - 1", "pp.size - comms.pp.index - 1", "size - index - 1"),
+            code("in_flight.pop(0)", ".pop(0)"),
+        ],
+    },
     "07": {
         # The shards of 10 values on 4 ranks are the learner's case; chapter 07 cuts 12 values on 3.
         "FlatLayout.shard": [
