@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from course.dataset import load_text, random_batch
 from course.impl import load, reference
-from course.late_collectives import check_waited, late_group
+from course.late_collectives import check_count_in_flight, check_waited, late_group, token_counts
 from course.launch import run_ranks
 
 dp = load("m14_data_parallel")
@@ -316,14 +316,16 @@ def _llama(mesh_sizes, n_microbatches):
     model.on_block_grads = recorded
     optimizer = torch.optim.AdamW(model.ddp.parameters(), lr=3e-3, weight_decay=0.0)
     losses, data, generator = [], load_text(), torch.Generator().manual_seed(0)
-    del group.collectives.log[:]
+    del group.collectives.log[:], group.collectives.waited_at[:]
     for _ in range(STEPS):
         tokens, targets = random_batch(data, BATCH, CFG.max_seq_len, generator)
         losses.append(model.train_step(tokens, targets, n_microbatches, optimizer))
         check_waited(group)
-    first_bucket = next(i for i, r in enumerate(group.collectives.log) if r.label == "bucket 0")
+    log = group.collectives.log
+    first_bucket = next(i for i, r in enumerate(log) if r.label == "bucket 0")
+    buckets = [i for i, record in enumerate(log) if record.label.startswith("bucket")]
     return (group.ranks, losses, [t.clone() for t in model.parameters()], handed_over, first_bucket,
-            len(model.ddp.buckets))
+            len(model.ddp.buckets), buckets, token_counts(group))
 
 
 @pytest.mark.exercises("DataParallelLlama.train_step",
@@ -338,7 +340,7 @@ def _llama(mesh_sizes, n_microbatches):
 def test_module_06_llama_hands_each_block_to_the_buckets(mesh, world_size, n_microbatches):
     reference_model, reference_losses = m06.train(CFG, STEPS, BATCH, lr=3e-3, dtype=f64)
     expected = reference_model.parameters()
-    for rank, (ranks, losses, weights, handed_over, first_bucket, n_buckets) in enumerate(
+    for rank, (ranks, losses, weights, handed_over, first_bucket, n_buckets, buckets, counts) in enumerate(
             run_ranks(_llama, world_size, mesh, n_microbatches, timeout=90)):
         if mesh:
             assert ranks == (rank % 2, rank % 2 + 2), f"rank {rank}: its d group is {ranks}"
@@ -353,6 +355,7 @@ def test_module_06_llama_hands_each_block_to_the_buckets(mesh, world_size, n_mic
         assert first_bucket < handed_over[0], (
             f"rank {rank}: bucket 0 was sent as collective {first_bucket}, after block 0's gradients were handed over "
             f"(collective {handed_over[0]}): block 3's bucket should leave while blocks 2 .. 0 compute (your ready)")
+        check_count_in_flight(f"rank {rank}", counts, buckets, n_buckets, "your DataParallelLlama.train_step")
 
 
 # --- bad input: one line, before any process starts (given code) ----------------------------------
