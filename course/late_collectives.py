@@ -110,7 +110,8 @@ def check_waited(group: Group):
     """Fail if a collective of the group's LateCollectives was started and never waited for."""
     lost = group.collectives.never_waited()
     who = ("your finish waits for every bucket" if lost and lost[0].startswith("bucket") else
-           "your train_step waits for the count it started (global_token_count) before it reads it"
+           "your train_step, or DataParallelLlama.train_step, waits for the count global_token_count started "
+           "before it reads it"
            if lost and lost[0] == "token count" else
            "ZeroDataParallel.step waits for its all-gathers before it returns")
     assert not lost, (f"{lost[0]}'s collective was started and never waited for: its result may not have arrived "
