@@ -140,7 +140,7 @@ def check_count_in_flight(where: str, counts, buckets: list[int], n_buckets: int
             f"backward, with nothing to hide it behind (your global_token_count starts it without waiting)")
         first, last = buckets[step * n_buckets], buckets[(step + 1) * n_buckets - 1]
         assert place < first and waited > last, (
-            f"{where}: step {step}'s count was started as collective {place} and waited for when {waited} had been "
-            f"issued; its buckets went out as collectives {first} .. {last}: the count is started before them and "
-            f"waited for only after the last has left, so that nothing but the buckets is waited for while the "
-            f"micro-steps compute ({waits})")
+            f"{where}: {waits} waited for step {step}'s count when {waited} collectives had been issued; it was "
+            f"started as collective {place}, the buckets went out as collectives {first} .. {last}: the count is "
+            f"started before them and waited for only after the last has left, so that nothing but the buckets is "
+            f"waited for while the micro-steps compute")

@@ -91,15 +91,17 @@ def _replicas(dtype, mesh=None):
     start = [p.detach().clone() for p in model.parameters()]
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=LR)
     grads = keep_first_gradients(ddp, list(model.parameters()))
-    after, losses = [], []
+    after, losses, sent = [], [], []  # sent: the buckets' labels each step
     for step in range(STEPS):
+        del group.collectives.log[:]
         losses.append(ts.train_step(ddp, model, *mlp_batch(step, dtype), 1, optimizer))
         check_waited(group)
         after.append([p.detach().clone() for p in model.parameters()])
+        sent.append([r.label for r in group.collectives.log if r.label.startswith("bucket")])
     buffers = {b.grads.untyped_storage().data_ptr(): b for b in ddp.buckets}
     views = [name for name, p in model.named_parameters()
              if p.grad is None or p.grad.untyped_storage().data_ptr() not in buffers]
-    return group.ranks, start, after, losses, views, grads
+    return group.ranks, start, after, losses, views, grads, sent, len(ddp.buckets)
 
 
 def worst(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
@@ -159,19 +161,23 @@ def test_replicas_equal_one_process_on_the_whole_batch(mesh, world_size):
     with torch.no_grad():
         first_loss = F.cross_entropy(m00.build_model(MLP).to(f64)(mlp_batch(0)[0]), mlp_batch(0)[1]).item()
     grads = first_gradients(m00.build_model(MLP).to(f64))
-    for rank, (ranks, start, after, losses, views, got) in enumerate(run_ranks(_replicas, world_size, f64, mesh,
-                                                                                timeout=60)):
+    for rank, (ranks, start, after, losses, views, got, sent, n_buckets) in enumerate(
+            run_ranks(_replicas, world_size, f64, mesh, timeout=60)):
         where = f"rank {rank}" + (f" (its d group is ranks {ranks}, first member rank {ranks[0]})" if mesh else "")
         assert all(torch.equal(a, b) for a, b in zip(start, initial)), \
             (f"{where}: the replicas must start from the group's first member's weights, not their own, nor those "
              f"of the job's rank 0 (your broadcast_from_first)")
         assert not views, f"{where}: {views[0]}.grad is not a view into its bucket's buffer"
         assert math.isclose(losses[0], first_loss, rel_tol=1e-12), \
-            (f"{where}: the first step's loss is {losses[0]}, one process's {first_loss}: the summed token losses "
-             f"of every rank over the count of real tokens of every rank (your global_token_count counts them, your "
-             f"train_step adds up each micro-step's summed token losses in loss_sum)")
-        assert worst(got, grads) <= TOLERANCE, gradient_message(where, got, grads, MLP.batch, world_size // (2 if mesh else 1),
-                                                                "your train_step")
+            (f"{where}: your global_token_count or your train_step: the first step's loss is {losses[0]}, one "
+             f"process's {first_loss}: the summed token losses of every rank (train_step's loss_sum) over the count "
+             f"of real tokens of every rank (global_token_count's)")
+        assert worst(got, grads) <= TOLERANCE, gradient_message(where, got, grads, MLP.batch,
+                                                                world_size // (2 if mesh else 1), "your train_step")
+        for step, labels in enumerate(sent):
+            assert labels == [f"bucket {k}" for k in range(n_buckets)], (
+                f"{where}: step {step} sent {labels}: every bucket once a step, in order (your ready sends them; "
+                f"your finish leaves every bucket armed and the next one to send at 0 for the next step)")
         for step, (got, want) in enumerate(zip(after, expected)):
             gap = worst(got, want)
             assert gap <= TOLERANCE, beyond(f"{where}: the weights after step {step}", gap, factor=TWICE)
@@ -180,7 +186,7 @@ def test_replicas_equal_one_process_on_the_whole_batch(mesh, world_size):
 @pytest.mark.exercises(*REPLICAS)
 def test_float32_replicas_agree_to_float32_rounding():
     expected = one_process(m00.build_model(MLP).to(f32), dtype=f32)
-    for rank, (_, _, after, _, _, _) in enumerate(run_ranks(_replicas, 2, f32, timeout=60)):
+    for rank, (_, _, after, *_) in enumerate(run_ranks(_replicas, 2, f32, timeout=60)):
         gap = worst(after[-1], expected[-1])
         assert gap <= 1e-6, beyond(f"rank {rank}: float32 weights after {STEPS} steps", gap, 1e-6)
 

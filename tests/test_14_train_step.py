@@ -20,7 +20,6 @@ and the losses within 4.5e-16. We allow 1e-12. The per-microbatch mean misses by
 """
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from course.impl import load, reference
@@ -117,9 +116,9 @@ def test_accumulation_over_uneven_microbatches_equals_one_process(world_size, n_
             f"collective delivers only then, and an unfinished count reads as a huge negative number): your "
             f"train_step")
         gap = max(abs(a - b) for a, b in zip(losses, expected_losses, strict=True))
-        assert gap <= TOLERANCE, (f"{where}: losses {losses}, one process {expected_losses}: the step's loss is the "
-                                  f"mean over every real token of the global batch (your train_step's loss_sum "
-                                  f"holds this rank's summed token losses, n_tokens the step's count)")
+        assert gap <= TOLERANCE, (f"{where}: your train_step's losses {losses}, one process's {expected_losses}: the "
+                                  f"step's loss is the mean over every real token of the global batch (train_step's "
+                                  f"loss_sum holds this rank's summed token losses, n_tokens the step's count)")
         gap = max((a - b).abs().max().item() for a, b in zip(weights, expected, strict=True))
         assert gap <= TOLERANCE, (
             f"{where}: the weights after {STEPS} steps differ by {gap:.2e} from one process on the whole batch "

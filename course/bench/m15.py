@@ -31,7 +31,6 @@ formulas come from the reference.
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
@@ -39,7 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from course.bench import report, require_positive
+from course.bench import bench_parser, chosen_parts, report, require_positive, start
 from course.costs import measured_activations, measured_cost
 from course.cp_timeline import emulated_attention
 from course.impl import load, reference
@@ -213,8 +212,7 @@ def error_rows(args) -> list[dict]:
 
 
 def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="main.py bench 15", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", choices=PARTS, default=None, help="one table (default: all three)")
+    parser = bench_parser("15", __doc__, PARTS)
     parser.add_argument("--batch", type=int, default=4, help="traffic: global batch (default 4)")
     parser.add_argument("--tokens", type=int, default=1024, help="overlap: sequence length (default 1024)")
     parser.add_argument("--heads", type=int, default=8, help="overlap and error: query heads (default 8)")
@@ -224,11 +222,8 @@ def main(argv: list[str]) -> None:
                         help="overlap: the emulated device's GFLOP/s (default 2)")
     parser.add_argument("--repeats", type=int, default=5, help="overlap: repeats, median (default 5)")
     parser.add_argument("--error-tokens", type=int, default=256, help="error: sequence length (default 256)")
-    args = parser.parse_args(argv)
-    check(parser, args)
-    torch.set_num_threads(1)
-    torch.optim.Adam([torch.zeros(1, requires_grad=True)])  # import torch._dynamo once, not per rank
-    parts = [args.only] if args.only else list(PARTS)
+    args = start(parser, argv, check)
+    parts = chosen_parts(args, PARTS)
     cfg = reference("m15_cp_model").CONFIG
     if "traffic" in parts:
         report("bench-15-traffic",
