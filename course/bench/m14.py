@@ -307,8 +307,9 @@ def main(argv: list[str]) -> None:
                notes="median step time over the timed steps (from the last rank's start to the last rank's end); the "
                      "four run on the same ranks, their steps interleaved, and each ratio is the median of step-by-"
                      "step ratios. ours and DDP: SGD; ours ZeRO-1 and ZeRO-R (DDP with torch.distributed.optim."
-                     "ZeroRedundancyOptimizer): AdamW. Both loops all-reduce the step's loss; ours also the global "
-                     "count of real tokens (one 8-byte all-reduce a step), which the DDP loop does without.")
+                     "ZeroRedundancyOptimizer): AdamW. Both loops all-reduce the step's loss for the log (ours while "
+                     "the optimizer steps, the DDP loop after it); ours also the global count of real tokens, which "
+                     "the DDP loop does without: started at the step's start, waited for after the last bucket.")
 
 
 def check(parser, args):
