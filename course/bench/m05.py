@@ -1,18 +1,22 @@
 """Module 05 benchmark: the measured bubble of GPipe and 1F1B against (p-1)/(m+p-1), and our
 schedules against PyTorch's own (torch.distributed.pipelining ScheduleGPipe / Schedule1F1B).
 
-    python main.py bench 05                      # p in {2,4}, m in {1,2,4,8,16}: ~5 minutes on 2 cores
-    python main.py bench 05 --emulate-ms 12 --steps 9   # slower, overheads relatively smaller
+    python main.py bench 05                      # p in {2,4}, m in {1,2,4,8,16}: ~10 minutes on 2 cores
+    python main.py bench 05 --emulate-ms 6 --steps 9    # faster, overheads relatively larger
 
 Runs on CPU ranks in emulated-device mode (course.emulated.EmulatedStage: each layer's forward
-sleeps --emulate-ms, its backward twice that), so that 4 ranks on 2 cores behave like 4 devices.
+sleeps --emulate-ms, 12 ms by default as in `run 05`, its backward twice that), so that 4 ranks on 2
+cores behave like 4 devices: a message and its wake-ups cost about 1.5 ms there, and on a machine
+that other jobs share a rank may wait longer for a core; the longer the emulated layer, the smaller
+that share of a step.
 Both implementations run the same emulated stage on the same ranks, their steps interleaved: ours
 trains in module 05's own loop (`train`), whose `on_step` keeps the first step's gradients and runs
 one step of PyTorch's schedule after each of ours, so that a CPU that gets busier or quieter (other
 jobs on a shared machine) slows both alike. A step lasts from the first rank's start to the last
 rank's end; the first step pays for warm-up and is not timed. step_ms is the median of the timed
 steps, ours_over_torch the median of the step-by-step ratios (ours' step s over torch's step s).
-Idle (bubble) = 1 - compute / step time, per rank, averaged over the ranks and the timed steps.
+Idle (bubble) = 1 - compute / step time, per rank, averaged over the ranks, read off our step of
+median length.
 """
 from __future__ import annotations
 
@@ -25,7 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from course.bench import SelectedModule, bench_parser, report, start
-from course.bubble import summarize, theoretical_bubble, timed_steps
+from course.bubble import median_step, only_step, step_durations, summarize, theoretical_bubble
 from course.emulated import EmulatedStage
 from course.launch import run_ranks
 from course.mesh import world_group
@@ -110,30 +114,24 @@ def _same(ours: RankRun, theirs: RankRun) -> bool:
     return losses_equal and grads_equal
 
 
-def durations(steps_per_rank) -> list[float]:
-    """Each timed step's seconds, from the first rank's start to the last rank's end."""
-    return [max(r[s][1] for r in steps_per_rank) - min(r[s][0] for r in steps_per_rank)
-            for s in timed_steps(len(steps_per_rank[0]))]
-
-
 def run(world_size, n_microbatches, schedule, steps, emulate_ms) -> dict:
     per_rank = run_ranks(_both, world_size, schedule, world_size, n_microbatches, steps, emulate_ms, timeout=600)
     ours, theirs = [o for o, _ in per_rank], [t for _, t in per_rank]
     profiles = [r.profile for r in ours]
-    summary = summarize(profiles)
+    ours_s = step_durations([r.steps for r in ours])
+    summary = summarize(only_step(profiles, median_step(ours_s)))
     theory = theoretical_bubble(world_size, n_microbatches)
-    ours_s = durations([r.steps for r in ours])
     row = {"p": world_size, "m": n_microbatches, "schedule": schedule,
            "bubble": summary["idle"], "theory": theory, "diff_pp": 100 * (summary["idle"] - theory),
            "peak_live_per_rank": "/".join(str(max(p["peak_live"])) for p in profiles),
-           "step_ms": 1e3 * statistics.median(ours_s)}
+           "step_ms": 1e3 * statistics.median(ours_s.values())}
     if isinstance(theirs[0], str):
         print(f"  (torch.distributed.pipelining refused p={world_size}, m={n_microbatches}, {schedule}: {theirs[0]})")
         row.update(torch_step_ms="n/a", ours_over_torch="n/a", same_as_torch="n/a (refused)")
         return row
-    torch_s = durations([t.steps for t in theirs])
-    row.update(torch_step_ms=1e3 * statistics.median(torch_s),
-               ours_over_torch=statistics.median(a / b for a, b in zip(ours_s, torch_s)),
+    torch_s = step_durations([t.steps for t in theirs])
+    row.update(torch_step_ms=1e3 * statistics.median(torch_s.values()),
+               ours_over_torch=statistics.median(ours_s[s] / torch_s[s] for s in ours_s),
                same_as_torch=all(_same(o, t) for o, t in zip(ours, theirs)))
     return row
 
@@ -144,9 +142,10 @@ def main(argv):
     parser.add_argument("--microbatches", "--chunks", type=int, nargs="+", default=[1, 2, 4, 8, 16],
                         help="microbatches, m")
     parser.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b"], choices=["gpipe", "1f1b"])
-    parser.add_argument("--steps", type=int, default=6,
-                        help="steps per run (default 6); the first is not timed, the others' median is")
-    parser.add_argument("--emulate-ms", type=float, default=6.0, help="emulated ms per layer forward")
+    parser.add_argument("--steps", type=int, default=7,
+                        help="steps per run (default 7); the first is not timed, the others' median is")
+    parser.add_argument("--emulate-ms", type=float, default=12.0,
+                        help="emulated ms per layer forward (default 12: the demo's; its backward twice that)")
     args = start(parser, argv, check)
     rows = []
     for world_size in args.world_sizes:
@@ -156,9 +155,9 @@ def main(argv):
                 print(f"  measured p={world_size} m={n_microbatches} {schedule}", flush=True)
     notes = (f"emulated device: {args.emulate_ms:g} ms per layer forward, twice that backward; {args.steps} steps "
              "per run, the first not timed; ours' and torch's steps interleaved on the same ranks. step_ms: median "
-             "step; ours_over_torch: median of the step-by-step ratios. bubble = mean idle fraction of the ranks "
-             "over the timed steps; theory = (p-1)/(m+p-1). same_as_torch: losses within 1e-6 and gradients within "
-             "1e-5 relative.")
+             "step; ours_over_torch: median of the step-by-step ratios. bubble = mean idle fraction of the ranks in "
+             "our step of median length; theory = (p-1)/(m+p-1). same_as_torch: losses within 1e-6 and gradients "
+             "within 1e-5 relative.")
     report("bench-05", "Module 05: pipeline bubble, measured vs theory, and ours vs torch.distributed.pipelining",
            rows, notes=notes)
 

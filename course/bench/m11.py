@@ -26,7 +26,7 @@ import statistics
 from dataclasses import dataclass
 
 from course.bench import SelectedModule, bench_parser, report, require_positive, start
-from course.bubble import bubble_rows, stage_costs, timed_steps
+from course.bubble import bubble_rows, median_step, only_step, stage_costs, step_durations
 from course.emulated import EmulatedSplitStage
 from course.impl import reference
 from course.launch import run_ranks
@@ -85,28 +85,15 @@ def _same(ours: RankRun, theirs: dict) -> bool:
     return losses and grads
 
 
-def durations(steps_per_rank) -> dict[int, float]:
-    """Each timed step (not the first) and its seconds: first rank's start to last rank's end."""
-    return {s: max(r[s][1] for r in steps_per_rank) - min(r[s][0] for r in steps_per_rank)
-            for s in timed_steps(len(steps_per_rank[0]))}
-
-
-def _only_step(profiles, step: int) -> list[dict]:
-    """The profiles cut down to one step, as if it were the only one."""
-    return [{**p, "steps": [p["steps"][step]], "spans": [{**s, "step": 0} for s in p["spans"] if s["step"] == step]}
-            for p in profiles]
-
-
 def run(name, world_size, n_microbatches, steps, emulate_ms, stages_per_rank) -> dict:
     schedule = reference("m11_generators").make_schedule(name, world_size, n_microbatches, stages_per_rank)
     per_rank = run_ranks(_both, world_size, name, world_size, n_microbatches, steps, emulate_ms, stages_per_rank,
                          timeout=600)
     ours, theirs = [o for o, _ in per_rank], [t for _, t in per_rank]
     profiles = [r.profile for r in ours]
-    ours_s = durations([p["steps"] for p in profiles])
-    typical = sorted(ours_s, key=ours_s.get)[(len(ours_s) - 1) // 2]  # the step of the (lower) median duration
+    ours_s = step_durations([p["steps"] for p in profiles])
     costs = stage_costs(schedule, m00.MLPConfig(), emulate_ms)
-    rows = bubble_rows(_only_step(profiles, typical), schedule, costs, stages_per_rank)
+    rows = bubble_rows(only_step(profiles, median_step(ours_s)), schedule, costs, stages_per_rank)
     row = {"p": world_size, "m": n_microbatches, "schedule": name, "bubble": rows["summary"]["idle"],
            "simulated": rows["simulated"], "formula": "n/a" if rows["formula"] is None else rows["formula"],
            "diff_pp": 100 * (rows["summary"]["idle"] - rows["simulated"]),
@@ -120,7 +107,7 @@ def run(name, world_size, n_microbatches, steps, emulate_ms, stages_per_rank) ->
         print(f"  (torch.distributed.pipelining refused p={world_size}, m={n_microbatches}, {name}: {theirs[0]})")
         row.update(torch_step_ms="n/a", ours_over_torch="n/a", same_as_torch="n/a (refused)")
         return row
-    torch_s = durations([t["steps"] for t in theirs])
+    torch_s = step_durations([t["steps"] for t in theirs])
     row.update(torch_step_ms=1e3 * statistics.median(torch_s.values()),
                ours_over_torch=statistics.median(ours_s[s] / torch_s[s] for s in ours_s),
                same_as_torch=all(_same(o, t) for o, t in zip(ours, theirs)))
