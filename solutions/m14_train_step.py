@@ -60,8 +60,8 @@ def global_token_count(targets: torch.Tensor, group: Group) -> InFlight:
     #   tensor: one collective, labelled "token count", started here and not waited for (train_step waits where
     #   it needs the count). The tests pad microbatches with different numbers of IGNORE_INDEX targets, different
     #   on every rank, and deliver an asynchronous collective's result only at its wait().
-    # Pitfalls: the rank's own count (then each rank divides by a different number, and d times too little on
-    #   average); counting the padding; a float count (an int64 sum is exact at any size); a blocking collective
+    # Pitfalls: the rank's own count (each rank's step then has another scale, d times off on average); counting
+    #   the padding; a float count (an int64 sum is exact at any size); a blocking collective
     #   (correct, but every step then waits for it before its first backward).
     # Hint 1: which part of the count can a rank compute alone, and which collective turns the parts into it?
     # Hint 2: count = Σ over members of (this member's targets != IGNORE_INDEX).sum(), an int64 0-d tensor; an

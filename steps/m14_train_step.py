@@ -1,5 +1,5 @@
 # Generated from solutions/m14_train_step.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 14`. (skeleton deeabeff4373)
+# Grade your work with `python main.py grade 14`. (skeleton 6014a0e06f60)
 """Module 14, part 3 - one optimizer step of a data-parallel model: its rows of the global batch,
 m micro-steps of gradient accumulation that send nothing until the last, and the step's loss, the
 mean over the global batch's real tokens, with no collective waited for that DDP's loop does not
@@ -62,8 +62,8 @@ def global_token_count(targets: torch.Tensor, group: Group) -> InFlight:
     #   tensor: one collective, labelled "token count", started here and not waited for (train_step waits where
     #   it needs the count). The tests pad microbatches with different numbers of IGNORE_INDEX targets, different
     #   on every rank, and deliver an asynchronous collective's result only at its wait().
-    # Pitfalls: the rank's own count (then each rank divides by a different number, and d times too little on
-    #   average); counting the padding; a float count (an int64 sum is exact at any size); a blocking collective
+    # Pitfalls: the rank's own count (each rank's step then has another scale, d times off on average); counting
+    #   the padding; a float count (an int64 sum is exact at any size); a blocking collective
     #   (correct, but every step then waits for it before its first backward).
     raise NotImplementedError("TODO(m14): count the real tokens of the whole global batch, from each rank's own rows")
 
