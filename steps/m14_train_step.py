@@ -1,5 +1,5 @@
 # Generated from solutions/m14_train_step.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 14`. (skeleton 6014a0e06f60)
+# Grade your work with `python main.py grade 14`. (skeleton 9ade76d3ede3)
 """Module 14, part 3 - one optimizer step of a data-parallel model: its rows of the global batch,
 m micro-steps of gradient accumulation that send nothing until the last, and the step's loss, the
 mean over the global batch's real tokens, with no collective waited for that DDP's loop does not
@@ -149,8 +149,8 @@ class DataParallelLlama(LlamaModel):
         loss_sum = torch.zeros((), dtype=torch.float64)
         # TODO(m14): module 06's micro-steps: each microbatch's loss over the step's count, its gradients to the buckets
         # Contract: tokens, targets are this rank's rows. For each of the n_microbatches equal chunks, in order:
-        #   module 06's forward_backward(tok, tgt, n_tokens), whose loss and gradients are the chunk's summed token
-        #   losses divided by n_tokens; during it, the blocks' gradients reach the buckets through on_block_grads
+        #   module 06's forward_backward(tok, tgt, divisor), whose loss and gradients are the chunk's summed token
+        #   losses divided by that divisor (its argument n_tokens); during it, the blocks' gradients reach the buckets through on_block_grads
         #   (above); hand the three it returns at the end (embedding, final_norm, lm_head) to self.ddp.ready. Every
         #   micro-step but the last inside the buckets' no_sync(); their finish() after the last. When the block
         #   ends: loss_sum holds this rank's summed token losses (float64, 0-d), n_tokens the step's count (an int),
