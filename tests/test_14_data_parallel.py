@@ -404,10 +404,10 @@ def test_module_06_llama_hands_each_block_to_the_buckets(mesh, world_size, n_mic
             assert ranks == (rank % 2, rank % 2 + 2), f"rank {rank}: its d group is {ranks}"
         assert n_buckets > CFG.n_layers, f"expected a bucket per block at least, got {n_buckets}"
         gap = max(abs(a - b) for a, b in zip(losses, reference_losses))
-        assert gap <= TOLERANCE, (f"rank {rank}: the losses {losses} differ by {gap:.2e} from module 06's in one "
-                                  f"process {reference_losses}: your DataParallelLlama.train_step's loss_sum holds "
+        assert gap <= TOLERANCE, (f"rank {rank}: your DataParallelLlama.train_step's losses {losses} differ by "
+                                  f"{gap:.2e} from module 06's in one process {reference_losses}: its loss_sum holds "
                                   f"this rank's summed token losses, n_tokens the step's count (what did you pass "
-                                  f"forward_backward as n_tokens, and what does its loss hold then?)")
+                                  f"forward_backward as its divisor, and what does its loss hold then?)")
         assert worst(grads, first) <= TOLERANCE, gradient_message(
             f"rank {rank}", grads, first, int((targets != m06.IGNORE_INDEX).sum()), 2,
             "your DataParallelLlama.train_step")
