@@ -271,6 +271,18 @@ FORBIDDEN = {
             "2 values b", code("2 * values * b"),
         ],
     },
+    "14": {
+        # Chapter 14 works the count in flight on a weighted regression (divide by W once it and the buckets'
+        # sums have arrived); the learner's token count is the case left to derive.
+        "train_step": [
+            "loss / count", "(loss / count).backward()", "gradient.div_(", "div_(n_tokens)", "div_(count",
+            "divide the gradients by the count", "divides the gradients by the count", "gradients by n_tokens",
+            "n_tokens = int(count.wait())", "divide every tensor of ddp.gradients()",
+        ],
+        "DataParallelLlama.train_step": [
+            "forward_backward(tok, tgt, 1)", "n_tokens = 1", "n_tokens=1", "n_tokens of 1", "self.forward_backward(tok, tgt, 1)",
+        ],
+    },
     "17": {
         # Which group each message runs over, the loss's divisor, which gradient is summed over which axis,
         # the checkpoint's placements, the FSDP bytes and the save's order: the chapter works out pp and tp on

@@ -1,12 +1,11 @@
 """Module 06 ops: each forward against a straightforward PyTorch version, each hand-written backward
 against autograd (float64), and torch.autograd.gradcheck through the hand-written backward."""
-import math
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from course.impl import load
+from course.reference_attention import reference_attention
 from course.reference_llama import rope as reference_rope
 
 ops = load("m06_llama_ops")
@@ -124,11 +123,9 @@ def test_rope_gradcheck():
 
 
 # --- causal grouped-query attention -------------------------------------------------------------
-def reference_attention(q, k, v):
-    group = q.shape[2] // k.shape[2]
-    k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
-    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
-    return o.transpose(1, 2).flatten(2)
+def attention_output(q, k, v):
+    """course/reference_attention.py's causal attention output alone (what autograd differentiates here)."""
+    return reference_attention(q, k, v)[0]
 
 
 @pytest.mark.exercises("attention_forward")
@@ -137,10 +134,8 @@ def test_attention_forward_and_lse(heads, kv_heads, chunk):
     B, T, D = 2, 11, 8
     q, k, v = randn(B, T, heads, D, seed=1), randn(B, T, kv_heads, D, seed=2), randn(B, T, kv_heads, D, seed=3)
     o, lse = ops.attention_forward(q, k, v, chunk)
-    close(o, reference_attention(q, k, v), "attention output (B, T, heads * head_dim)")
-    scores = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(heads // kv_heads, dim=2)) / math.sqrt(D)
-    scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
-    expected_lse = torch.logsumexp(scores, dim=-1)  # (B, heads, T)
+    expected_o, expected_lse = reference_attention(q, k, v)  # lse: (B, heads, T)
+    close(o, expected_o, "attention output (B, T, heads * head_dim)")
     close(lse.reshape(B, heads, T), expected_lse, "log-sum-exp of each query's scores")
 
 
@@ -152,7 +147,7 @@ def test_attention_backward_matches_autograd(heads, kv_heads, chunk):
     do = randn(B, T, heads * D, seed=4)
     o, lse = ops.attention_forward(q, k, v, chunk)
     dq, dk, dv = ops.attention_backward(do, q, k, v, o, lse, chunk)
-    eq, ek, ev = autograd_grads(reference_attention, [q, k, v], [do])
+    eq, ek, ev = autograd_grads(attention_output, [q, k, v], [do])
     close(dq, eq, "dq")
     close(dk, ek, "dk (summed over the query heads of each group)")
     close(dv, ev, "dv (summed over the query heads of each group)")
@@ -211,7 +206,7 @@ def test_bf16_keeps_activations_in_bf16_and_statistics_in_float32():
     for name, t in got.items():
         expected = f32 if name.endswith((" r", " lse")) else bf16
         assert t.dtype == expected, f"{name}: expected {expected}, got {t.dtype}"
-    reference = reference_attention(q.double(), k.double(), v.double())
+    reference = attention_output(q.double(), k.double(), v.double())
     assert (o.double() - reference).abs().max() < 0.05, "bf16 attention output is far from the float64 one"
 
 
@@ -249,17 +244,6 @@ def test_bf16_rmsnorm_rounds_once_from_float32_statistics():
 
 
 # --- a block of queries against a block of keys, at their positions (what module 15's ring needs) --
-def masked_reference(q, k, v, q_positions, k_positions):
-    """float64 attention of q against k, v with key j visible to query i iff k_positions[j] <= q_positions[i]:
-    (output (B, Tq, heads * D), lse (B, heads, Tq)) from F.scaled_dot_product_attention and a logsumexp."""
-    group = q.shape[2] // k.shape[2]
-    k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
-    visible = k_positions.unsqueeze(0) <= q_positions.unsqueeze(1)
-    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=visible)
-    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
-    return o.transpose(1, 2).flatten(2), torch.logsumexp(scores.masked_fill(~visible, float("-inf")), dim=-1)
-
-
 @pytest.mark.exercises("attention_forward")
 @pytest.mark.parametrize("q_offset, k_offset, k_len, chunk", [(6, 2, 6, 3), (8, 0, 5, 256), (5, 5, 5, 2)],
                          ids=["overlapping", "all-before", "diagonal"])
@@ -269,8 +253,8 @@ def test_attention_of_a_block_of_queries_against_a_block_of_keys_at_their_positi
     B, heads, kv_heads, D, Tq = 2, 4, 2, 8, 5
     q, k, v = randn(B, Tq, heads, D, seed=1), randn(B, k_len, kv_heads, D, seed=2), randn(B, k_len, kv_heads, D, seed=3)
     o, lse = ops.attention_forward(q, k, v, chunk, q_offset=q_offset, k_offset=k_offset)
-    expected_o, expected_lse = masked_reference(q, k, v, torch.arange(q_offset, q_offset + Tq),
-                                                torch.arange(k_offset, k_offset + k_len))
+    expected_o, expected_lse = reference_attention(q, k, v, torch.arange(q_offset, q_offset + Tq),
+                                                   torch.arange(k_offset, k_offset + k_len))
     close(o, expected_o, f"output of queries at {q_offset}.. against keys at {k_offset}..")
     close(lse.reshape(B, heads, Tq), expected_lse, "log-sum-exp of each query's visible scores")
 
@@ -285,10 +269,10 @@ def test_attention_backward_of_one_block_of_keys_takes_the_merged_lse_and_delta(
     q, k, v = randn(B, T, heads, D, seed=1), randn(B, T, kv_heads, D, seed=2), randn(B, T, kv_heads, D, seed=3)
     do = randn(B, T, heads * D, seed=4)
     positions = torch.arange(T)
-    o, lse = masked_reference(q, k, v, positions, positions)
+    o, lse = reference_attention(q, k, v, positions, positions)
     lse = lse.reshape(B, kv_heads, heads // kv_heads, T)
     delta = (do * o).reshape(B, T, heads, D).sum(-1).transpose(1, 2).reshape(B, kv_heads, heads // kv_heads, T)
-    eq, ek, ev = autograd_grads(reference_attention, [q, k, v], [do])
+    eq, ek, ev = autograd_grads(attention_output, [q, k, v], [do])
     dq = torch.zeros_like(q)
     for start, stop in ((0, cut), (cut, T)):
         # The queries before the block see none of it: only queries start.. take part (q_offset = start).
