@@ -44,6 +44,56 @@ HINT_LEAKS_UNTIL_REWRITE = {"07", "11", "12", "13"}  # hint 1 states an answer, 
 ANSWERS_NOT_IN_HINTS_UNTIL_REWRITE = {"07", "11", "12", "13", "17"}  # no hint level gives an answer at its level
 
 FORBIDDEN = {
+    "06": {
+        # The backwards, derived: chapter 06 works each idea on a case that is no TODO's (y = x A by index, a shear's
+        # transpose, the l2 normalisation, the sigmoid gate, the softmax's Jacobian, the logistic loss, a weight
+        # source with three buffers); the forwards that are definitions (linear, RoPE, SwiGLU) are given.
+        "Matmul.backward": [
+            ("dx = dy W", "dx = dy w"), ("dW = dyᵀ x", "dW = dy^T x", "dw = dy.T x"), code("dy @ w"), code("dy.t() @ x"),
+        ],
+        "rmsnorm_forward": [
+            code("r.unsqueeze(-1)", "r[..., None]"), code("xf.pow(2).mean"),
+        ],
+        "rmsnorm_backward": [
+            ("g - x̂ mean(g ⊙ x̂)", "g - xhat * mean(g * xhat)", "g - x̂ mean(g x̂)"), code("(g * xhat).mean("),
+        ],
+        "residual_rmsnorm_backward": [
+            code("return dh + dh_norm", "dh + rmsnorm_backward("),
+        ],
+        "rope_backward": [
+            ("R(θ)ᵀ = R(-θ)", "R(-θ)", "the opposite angle", "the inverse rotation", "rotation by -"),
+            ("dx1 = dy1 cos θ + dy2 sin θ", "dy1 cos + dy2 sin"), code("dy1 * cos + dy2 * sin"),
+        ],
+        "attention_forward": [
+            ("p = exp(s - lse)", "exp(s - lse)", "exp(scores - lse"), code("torch.logsumexp(scores, dim=-1)"),
+            code("vg[..., :scores.shape[-1], :]"),
+        ],
+        "attention_backward": [
+            ("ds = p ⊙ (dp - delta)", "p * (dp - delta)", "p ⊙ (dp - δ)", "p (dp - delta)"),
+            ("dq = ds k / √D", "dq = ds k / sqrt(D)"), code("dk[..., :seen, :] +="), code("dprobs - delta["),
+        ],
+        "swiglu_backward": [
+            ("σ(g) (1 + g (1 - σ(g)))", "sig * (1 + g * (1 - sig))", "1 + g (1 - σ(g))"), code("ds * g * sig"),
+        ],
+        "LlamaBlock.ffn_half": [
+            code('mm.prepare(swiglu_forward(g, u), store, "s")'),
+        ],
+        "LlamaBlock.backward": [
+            ("dn2 = dg W_gate + du W_up",), ("dx is dh plus the norm's gradient of x",), code("dn2_gate + dn2_up"),
+            code("dn1_q + dn1_k + dn1_v"), code("dh + dx_norm"),
+        ],
+        "chunked_cross_entropy": [
+            ("softmax(z) - onehot(y)", "softmax - onehot", "softmax(logits) - onehot"), code("dlogits @ w_head"),
+            code("dlogits.t() @ x_chunk"),
+        ],
+        "LlamaModel.forward_blocks": [
+            ("gather(0) before the loop", "gather 0 before the loop"), code("self.weights.gather(layer + 1)"),
+        ],
+        "LlamaModel.backward_blocks": [
+            ("gather(L - 1) before the loop", "gather the last layer before the loop"),
+            code("self.weights.gather(layer - 1)"), code("self.on_block_grads(layer, grads[layer])"),
+        ],
+    },
     "07": {
         # The shards of 10 values on 4 ranks are the learner's case; chapter 07 cuts 12 values on 3.
         "FlatLayout.shard": [
