@@ -94,6 +94,30 @@ FORBIDDEN = {
             code("self.weights.gather(layer - 1)"), code("self.on_block_grads(layer, grads[layer])"),
         ],
     },
+    "08": {
+        # Who records each event on which stream, and who waits for it: chapter 08 works the two events of the
+        # other transfer (an activation offloaded to the host), where compute writes and the copy reads.
+        "HostWeights.__init__": [
+            code("runtime.pin(self.layout.flatten(b))"), code("self.copy_stream = runtime.new_stream()"),
+        ],
+        "HostWeights.gather": [
+            ("wait for buf.released", "waits for buf.released", "wait for `released`"),
+            ("record buf.ready", "records buf.ready", "record `ready`"),
+            code("self.copy_stream.wait_event(buf.released)"), code("buf.ready.record(self.copy_stream)"),
+        ],
+        "HostWeights.get": [
+            ("the compute stream waits for buf.ready", "wait for `ready`", "compute stream wait for buf.ready"),
+            code("self.compute_stream.wait_event(buf.ready)"),
+        ],
+        "HostWeights.release": [
+            ("record buf.released on the compute stream", "records `released` on the compute stream"),
+            code("buf.released.record(self.compute_stream)"),
+        ],
+        "HostWeights.invalidate": [
+            ("the host waits for the copy stream", "synchronize the copy stream"), code("self.copy_stream.synchronize()"),
+            code("self.version += 1"),
+        ],
+    },
     "07": {
         # The shards of 10 values on 4 ranks are the learner's case; chapter 07 cuts 12 values on 3.
         "FlatLayout.shard": [
