@@ -118,6 +118,28 @@ FORBIDDEN = {
             code("self.version += 1"),
         ],
     },
+    "09": {
+        # The scale, the strides and the operands: chapter 09 works symmetric int8's scale (127 / amax) and the
+        # layouts of attention's two products (q k^T, p v); the weight cache's version check is given.
+        "quantize": [
+            ("FP8_MAX / amax", "FP8_MAX[dtype] / amax"), ("scale = 1 / factor", "the factor's inverse"),
+            code("amax.new_tensor(FP8_MAX[dtype]) / amax"), code(".clamp(-FP8_MAX[dtype], FP8_MAX[dtype]).to(dtype)"),
+        ],
+        "check_scaled_mm_operands": [
+            ("row-major: stride 1 along dimension 1",), code("a.stride(1) != 1"), code("b.stride(0) != 1"),
+        ],
+        "FP8Matmul.prepare": [
+            code("store[key] if key in store else abs_max(x)", "store[amax_name] if amax_name in store else abs_max(x)"),
+            code("x.numel() // x.shape[-1]"),
+        ],
+        "FP8Matmul.forward": [
+            code("self.weights.row_major(w).t()"),
+        ],
+        "FP8Matmul.backward": [
+            code("self.quantize(dy, E5M2)"), code("self.weights.column_major(w)"), code("row_major(dy_fp8.t())"),
+            code("column_major(x_fp8)"),
+        ],
+    },
     "07": {
         # The shards of 10 values on 4 ranks are the learner's case; chapter 07 cuts 12 values on 3.
         "FlatLayout.shard": [
