@@ -154,11 +154,11 @@ def test_get_orders_compute_after_the_copy_and_hands_out_views_of_the_buffer():
     copy = next(n for n in runtime.nodes if n.label == "copy")
     w = source.get(0)
     runtime.compute_reads(w.wq, "block 0")
+    assert not runtime.host.waits, \
+        "your HostWeights.get made the host wait for the copy: the compute stream waits, the host only queues work"
     assert ordered(copy, runtime.nodes[-1]), \
         ("your HostWeights.get: the compute after get(0) is not ordered after the copy into the buffer: the compute "
          "stream must wait for buf.ready (a wait on the stream, not on the host)")
-    assert not runtime.host.waits, \
-        "your HostWeights.get made the host wait for the copy: the compute stream waits, the host only queues work"
     buf = source.buffers[0]
     assert buf.state == m08.IN_USE, f"your HostWeights.get left the buffer {buf.state!r}, expected IN_USE"
     assert address(w.wq) == address(buf.flat), "your HostWeights.get must return views into buf.flat (the layout's views)"
