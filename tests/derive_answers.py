@@ -94,6 +94,45 @@ FORBIDDEN = {
             code("self.weights.gather(layer - 1)"), code("self.on_block_grads(layer, grads[layer])"),
         ],
     },
+    "07": {
+        # The shards of 10 values on 4 ranks are the learner's case; chapter 07 cuts 12 values on 3.
+        "FlatLayout.shard": [
+            "[r * s, (r + 1) * s)", code("r * shard_numel"), code("(r + 1) * shard_numel"), code("rank * shard_numel"),
+            code("rank * self.shard_numel"), "rank 2 6-8", "rank 3 element 9", "rank 3 keeps 9",
+        ],
+        "FlatLayout.__init__": [
+            "s = ceil((P + 2M) / d)", code("ceil(numel / world_size)"), code("-(-numel // world_size)"), code("math.ceil"),
+            "rounded up", "round up", "ceiling division", "so each holds 3", "the buffer is 12 long",
+            "2 zeros of padding",
+        ],
+        "fsdp_traffic": [
+            "2Lm - kept (2m - 1)", "2 L m - kept", "kept (2m - 1)", code("kept * (2 * m - 1)"), "2m - 1 turns",
+            "turns = 2m - 1", "Lm reduce-scatters", "3 collectives, 3 payloads", "3 per block",
+            "collectives x (d - 1) x payload", "2 x d x ceil", "2 d payloads + 2 payloads",
+            "d ceil((P + 2M) / d) b", "(L shard + replicated) b", "(L shard + outer_shard) b",
+            "(2 d shard + d outer_shard + 2 shard) b", "(outer_shard, m, m)", "the outer's m each",
+            "m all-gathers of the outer", "2 L m - kept turns + m",
+        ],
+        "FSDPLlama.gather_outer": [
+            "outer_layout.views(whole)", "all-gather self.outer_shard into whole",
+        ],
+        "FSDPLlama.reduce_scatter_outer": [
+            "outer_layout.flatten(OuterWeights(grads", "flattened by the outer layout", "outer_grad += received",
+        ],
+        "ShardedWeights.gather": [
+            code("buf.layer == layer and buf.version == self.version"), "record in buf the layer and version",
+            "buf.pending is what get() must wait for", "if it already holds this layer at the current version",
+            "finds layer l in its buffer at the current version sends nothing",
+        ],
+        "ShardedWeights.get": [
+            "mark the buffer IN_USE; afterwards nothing is pending", code("buf.pending.wait()"), code("buf.pending = None"),
+            code("buf.state = IN_USE"), "leave the buffer IN_USE", "wait for it, then clear it", "state IN_USE;",
+        ],
+        "ShardedWeights.release": [
+            "only the state changes", "keep the layer and version it remembers",
+            "state becomes FREE, and nothing else changes", "resetting layer or version here",
+        ],
+    },
     "08": {
         # Who records each event on which stream, and who waits for it: chapter 08 works the two events of the
         # other transfer (an activation offloaded to the host), where compute writes and the copy reads.
@@ -140,43 +179,17 @@ FORBIDDEN = {
             code("column_major(x_fp8)"),
         ],
     },
-    "07": {
-        # The shards of 10 values on 4 ranks are the learner's case; chapter 07 cuts 12 values on 3.
-        "FlatLayout.shard": [
-            "[r * s, (r + 1) * s)", code("r * shard_numel"), code("(r + 1) * shard_numel"), code("rank * shard_numel"),
-            code("rank * self.shard_numel"), "rank 2 6-8", "rank 3 element 9", "rank 3 keeps 9",
+    "10": {
+        # The widths and the reruns: chapter 10 counts a GPT-2 style MLP block's saved bytes and works out which of
+        # its ops a dropped tensor needs again; new_store (a set expression its contract stated) is given.
+        "activation_bytes": [
+            ("k, v: K D", "k and v: K D"), ("lse: H statistics", "lse: H s"), ("r1, r2: one statistic",),
+            code('"lse": cfg.n_heads * stat', "lse=cfg.n_heads * stat"), code('"k": kv * act', "k=kv * act"),
         ],
-        "FlatLayout.__init__": [
-            "s = ceil((P + 2M) / d)", code("ceil(numel / world_size)"), code("-(-numel // world_size)"), code("math.ceil"),
-            "rounded up", "round up", "ceiling division", "so each holds 3", "the buffer is 12 long",
-            "2 zeros of padding",
-        ],
-        "fsdp_traffic": [
-            "2Lm - kept (2m - 1)", "2 L m - kept", "kept (2m - 1)", code("kept * (2 * m - 1)"), "2m - 1 turns",
-            "turns = 2m - 1", "Lm reduce-scatters", "3 collectives, 3 payloads", "3 per block",
-            "collectives x (d - 1) x payload", "2 x d x ceil", "2 d payloads + 2 payloads",
-            "d ceil((P + 2M) / d) b", "(L shard + replicated) b", "(L shard + outer_shard) b",
-            "(2 d shard + d outer_shard + 2 shard) b", "(outer_shard, m, m)", "the outer's m each",
-            "m all-gathers of the outer", "2 L m - kept turns + m",
-        ],
-        "FSDPLlama.gather_outer": [
-            "outer_layout.views(whole)", "all-gather self.outer_shard into whole",
-        ],
-        "FSDPLlama.reduce_scatter_outer": [
-            "outer_layout.flatten(OuterWeights(grads", "flattened by the outer layout", "outer_grad += received",
-        ],
-        "ShardedWeights.gather": [
-            code("buf.layer == layer and buf.version == self.version"), "record in buf the layer and version",
-            "buf.pending is what get() must wait for", "if it already holds this layer at the current version",
-            "finds layer l in its buffer at the current version sends nothing",
-        ],
-        "ShardedWeights.get": [
-            "mark the buffer IN_USE; afterwards nothing is pending", code("buf.pending.wait()"), code("buf.pending = None"),
-            code("buf.state = IN_USE"), "leave the buffer IN_USE", "wait for it, then clear it", "state IN_USE;",
-        ],
-        "ShardedWeights.release": [
-            "only the state changes", "keep the layer and version it remembers",
-            "state becomes FREE, and nothing else changes", "resetting layer or version here",
+        "RecomputeBlock.recompute": [
+            ("only attention_half makes q, k, v, o and lse",), ("only ffn_half makes h",),
+            code('if missing & {"q", "k", "v", "o", "lse"}', 'missing & {"q", "k", "v", "o", "lse"}'),
+            code('self.ffn_half(w, x, fresh["o"], fresh)'),
         ],
     },
     "11": {
