@@ -91,11 +91,12 @@ def test_abs_max_lands_on_the_format_max(dtype):
     x = spread((32, 48), seed=1)
     x[3, 7] = -5.0  # the abs-max, negative
     q = scaling.quantize(x, dtype)
-    assert q.data.dtype == dtype, f"data should be {dtype}, got {q.data.dtype}"
-    assert q.data[3, 7].float().item() == -MAX[dtype], f"the abs-max should map to -{MAX[dtype]}, got {q.data[3, 7].item()}"
-    assert q.scale.dtype == torch.float32 and q.scale.dim() == 0, "the scale is a float32 scalar tensor"
-    torch.testing.assert_close(q.scale, torch.tensor(5.0 / MAX[dtype]), rtol=1e-6, atol=0,
-                               msg=lambda m: f"scale should be amax / FP8_MAX (data * scale = values): {m}")
+    assert q.data.dtype == dtype, f"your quantize's data should be {dtype}, got {q.data.dtype}"
+    assert q.data[3, 7].float().item() == -MAX[dtype], \
+        f"your quantize: the abs-max -5.0 should land on -{MAX[dtype]}, got {q.data[3, 7].item()}"
+    assert q.scale.dtype == torch.float32 and q.scale.dim() == 0, "your quantize's scale is a float32 scalar tensor"
+    torch.testing.assert_close(q.data[3, 7].float() * q.scale, torch.tensor(-5.0), rtol=1e-6, atol=0,
+                               msg=lambda m: f"your quantize: data * scale must give the value back, -5.0 here: {m}")
 
 
 @pytest.mark.exercises("quantize")

@@ -184,8 +184,7 @@ class CountingMatmul(m06_ops.Matmul):
 
 
 @pytest.mark.exercises("RecomputeBlock.recompute")
-@pytest.mark.parametrize("option, matmuls", [("none", 0), ("swiglu", 0), ("norms", 0), ("ffn", 2), ("attention", 3),
-                                             ("block", 6)])
+@pytest.mark.parametrize("option, matmuls", [("swiglu", 0), ("norms", 0), ("ffn", 2), ("attention", 3), ("block", 6)])
 def test_recompute_reruns_only_the_matmuls_it_needs(option, matmuls):
     # ffn: gate and up; attention: q, k, v; block: all but down (its input s is recomputed, its
     # output is not needed by the backward).
@@ -200,8 +199,7 @@ def test_recompute_reruns_only_the_matmuls_it_needs(option, matmuls):
 
 
 @pytest.mark.exercises("RecomputeBlock.recompute")
-@pytest.mark.parametrize("option, norms", [("none", 0), ("swiglu", 0), ("norms", 2), ("ffn", 1), ("attention", 1),
-                                           ("block", 2)])
+@pytest.mark.parametrize("option, norms", [("swiglu", 0), ("norms", 2), ("ffn", 1), ("attention", 1), ("block", 2)])
 def test_recompute_reruns_each_norm_it_needs_once(option, norms, monkeypatch):
     # ffn needs n2 again; attention n1 (the attention half rebuilds it: running the norm a second time
     # after it is forward work done twice); block both; norms both, and nothing else.
