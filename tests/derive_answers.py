@@ -111,6 +111,56 @@ FORBIDDEN = {
             code("in_flight.pop(0)", ".pop(0)"),
         ],
     },
+    "06": {
+        # The backwards, derived: chapter 06 works each idea on a case that is no TODO's (y = x A by index, a shear's
+        # transpose, the l2 normalisation, the sigmoid gate, the softmax's Jacobian, the logistic loss, a weight
+        # source with three buffers); the forwards that are definitions (linear, RoPE, SwiGLU) are given.
+        "Matmul.backward": [
+            ("dx = dy W", "dx = dy w"), ("dW = dyᵀ x", "dW = dy^T x", "dw = dy.T x"), code("dy @ w"), code("dy.t() @ x"),
+        ],
+        "rmsnorm_forward": [
+            code("r.unsqueeze(-1)", "r[..., None]"), code("xf.pow(2).mean"),
+        ],
+        "rmsnorm_backward": [
+            ("g - x̂ mean(g ⊙ x̂)", "g - xhat * mean(g * xhat)", "g - x̂ mean(g x̂)"), code("(g * xhat).mean("),
+        ],
+        "residual_rmsnorm_backward": [
+            code("return dh + dh_norm", "dh + rmsnorm_backward("),
+        ],
+        "rope_backward": [
+            ("R(θ)ᵀ = R(-θ)", "R(-θ)", "the opposite angle", "the inverse rotation", "rotation by -"),
+            ("dx1 = dy1 cos θ + dy2 sin θ", "dy1 cos + dy2 sin"), code("dy1 * cos + dy2 * sin"),
+        ],
+        "attention_forward": [
+            ("p = exp(s - lse)", "exp(s - lse)", "exp(scores - lse"), code("torch.logsumexp(scores, dim=-1)"),
+            code("vg[..., :scores.shape[-1], :]"),
+        ],
+        "attention_backward": [
+            ("ds = p ⊙ (dp - delta)", "p * (dp - delta)", "p ⊙ (dp - δ)", "p (dp - delta)"),
+            ("dq = ds k / √D", "dq = ds k / sqrt(D)"), code("dk[..., :seen, :] +="), code("dprobs - delta["),
+        ],
+        "swiglu_backward": [
+            ("σ(g) (1 + g (1 - σ(g)))", "sig * (1 + g * (1 - sig))", "1 + g (1 - σ(g))"), code("ds * g * sig"),
+        ],
+        "LlamaBlock.ffn_half": [
+            code('mm.prepare(swiglu_forward(g, u), store, "s")'),
+        ],
+        "LlamaBlock.backward": [
+            ("dn2 = dg W_gate + du W_up",), ("dx is dh plus the norm's gradient of x",), code("dn2_gate + dn2_up"),
+            code("dn1_q + dn1_k + dn1_v"), code("dh + dx_norm"),
+        ],
+        "chunked_cross_entropy": [
+            ("softmax(z) - onehot(y)", "softmax - onehot", "softmax(logits) - onehot"), code("dlogits @ w_head"),
+            code("dlogits.t() @ x_chunk"),
+        ],
+        "LlamaModel.forward_blocks": [
+            ("gather(0) before the loop", "gather 0 before the loop"), code("self.weights.gather(layer + 1)"),
+        ],
+        "LlamaModel.backward_blocks": [
+            ("gather(L - 1) before the loop", "gather the last layer before the loop"),
+            code("self.weights.gather(layer - 1)"), code("self.on_block_grads(layer, grads[layer])"),
+        ],
+    },
     "07": {
         # The shards of 10 values on 4 ranks are the learner's case; chapter 07 cuts 12 values on 3.
         "FlatLayout.shard": [
@@ -148,6 +198,65 @@ FORBIDDEN = {
         "ShardedWeights.release": [
             "only the state changes", "keep the layer and version it remembers",
             "state becomes FREE, and nothing else changes", "resetting layer or version here",
+        ],
+    },
+    "08": {
+        # Who records each event on which stream, and who waits for it: chapter 08 works the two events of the
+        # other transfer (an activation offloaded to the host), where compute writes and the copy reads.
+        "HostWeights.__init__": [
+            code("runtime.pin(self.layout.flatten(b))"), code("self.copy_stream = runtime.new_stream()"),
+        ],
+        "HostWeights.gather": [
+            ("wait for buf.released", "waits for buf.released", "wait for `released`"),
+            ("record buf.ready", "records buf.ready", "record `ready`"),
+            code("self.copy_stream.wait_event(buf.released)"), code("buf.ready.record(self.copy_stream)"),
+        ],
+        "HostWeights.get": [
+            ("the compute stream waits for buf.ready", "wait for `ready`", "compute stream wait for buf.ready"),
+            code("self.compute_stream.wait_event(buf.ready)"),
+        ],
+        "HostWeights.release": [
+            ("record buf.released on the compute stream", "records `released` on the compute stream"),
+            code("buf.released.record(self.compute_stream)"),
+        ],
+        "HostWeights.invalidate": [
+            ("the host waits for the copy stream", "synchronize the copy stream"), code("self.copy_stream.synchronize()"),
+            code("self.version += 1"),
+        ],
+    },
+    "09": {
+        # The scale, the strides and the operands: chapter 09 works symmetric int8's scale (127 / amax) and the
+        # layouts of attention's two products (q k^T, p v); the weight cache's version check is given.
+        "quantize": [
+            ("FP8_MAX / amax", "FP8_MAX[dtype] / amax"), ("scale = 1 / factor", "the factor's inverse"),
+            code("amax.new_tensor(FP8_MAX[dtype]) / amax"), code(".clamp(-FP8_MAX[dtype], FP8_MAX[dtype]).to(dtype)"),
+        ],
+        "check_scaled_mm_operands": [
+            ("row-major: stride 1 along dimension 1",), code("a.stride(1) != 1"), code("b.stride(0) != 1"),
+        ],
+        "FP8Matmul.prepare": [
+            code("store[key] if key in store else abs_max(x)", "store[amax_name] if amax_name in store else abs_max(x)"),
+            code("x.numel() // x.shape[-1]"),
+        ],
+        "FP8Matmul.forward": [
+            code("self.weights.row_major(w).t()"),
+        ],
+        "FP8Matmul.backward": [
+            code("self.quantize(dy, E5M2)"), code("self.weights.column_major(w)"), code("row_major(dy_fp8.t())"),
+            code("column_major(x_fp8)"),
+        ],
+    },
+    "10": {
+        # The widths and the reruns: chapter 10 counts a GPT-2 style MLP block's saved bytes and works out which of
+        # its ops a dropped tensor needs again; new_store (a set expression its contract stated) is given.
+        "activation_bytes": [
+            ("k, v: K D", "k and v: K D"), ("lse: H statistics", "lse: H s"), ("r1, r2: one statistic",),
+            code('"lse": cfg.n_heads * stat', "lse=cfg.n_heads * stat"), code('"k": kv * act', "k=kv * act"),
+        ],
+        "RecomputeBlock.recompute": [
+            ("only attention_half makes q, k, v, o and lse",), ("only ffn_half makes h",),
+            code('if missing & {"q", "k", "v", "o", "lse"}', 'missing & {"q", "k", "v", "o", "lse"}'),
+            code('self.ffn_half(w, x, fresh["o"], fresh)'),
         ],
     },
     "11": {
