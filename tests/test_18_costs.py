@@ -10,6 +10,8 @@ papers wrote down.
   own FSDP shard, so it differs from rank to rank: the plan counts them all, which is the most any rank
   sends (the rank that holds the blocks' norms). With p > 1 the plan counts the embedding and the LM
   head on every stage, so it is an upper bound there.
+  Module 17 keeps the weights outside the blocks whole and all-reduces their gradients; the plan shards them
+  as FSDP2 does (sharded_outside, checked by hand): the comparison swaps that part for module 17's formula.
 - The Ultra-Scale Playbook's memory per GPU for mixed precision (2 Ψ parameters, 2 Ψ gradients,
   12 Ψ of AdamW with the float32 master copy; ZeRO-1 divides the 12 Ψ by N_d, ZeRO-2 the gradients
   too), on a model whose Ψ is counted here by hand.
@@ -31,6 +33,7 @@ from course.mesh import init_mesh
 from course.simulate import peak_live
 
 costs = load("m18_costs")
+given_costs = reference("m18_costs")  # given: sharded_outside
 layouts = reference("m18_layout")     # given: Layout, precisions
 presets = reference("m18_presets")    # given: Model
 m17 = reference("m17_trainer")
@@ -40,6 +43,7 @@ m10 = reference("m10_recompute")
 m12 = reference("m12_tp_costs")
 m14 = reference("m14_costs")
 m15 = reference("m15_costs")
+m17_costs = reference("m17_costs")
 
 CFG = m17_given.CONFIG                # dim 32, 8 / 4 heads of 4, FFN 64, 4 blocks, T = 16, V = 256
 TINY = presets.Model("tiny", CFG, batch=8)
@@ -76,13 +80,26 @@ def measured():
 
 
 def planned(sizes) -> StepCost:
-    """The plan of module 17's layout; its buffers are the whole slices only (the context attention's
-    transient buffer, which the plan adds on top, is not what the test measures)."""
+    """The plan of module 17's layout, with the weights outside the blocks as module 17 keeps them: whole on
+    every rank of d c and summed by one all-reduce (m17_costs.replicated_cost), where the plan shards them as
+    FSDP2 does (given: sharded_outside, checked by hand below). Its buffers are the whole slices only (the
+    context attention's transient buffer, which the plan adds on top, is not what the test measures)."""
     layout = Layout(p=sizes.get("p", 1), d=sizes.get("d", 1), c=sizes.get("c", 1), t=sizes.get("t", 1), zero=3,
                     schedule="1f1b" if sizes.get("p", 1) > 1 else "none", m=M, cp="zigzag")
     cost = costs.rank_cost(TINY, layout, BATCH, layouts.COURSE)
-    slices = costs.data_cost(TINY, layout, BATCH, layouts.COURSE).memory.get("buffers", 0)
-    return StepCost(cost.sent, cost.calls, {**cost.memory, "buffers": slices})
+    axis, n = ("dc", 4) if sizes.get("c", 1) > 1 else ("d", sizes.get("d", 1))
+    mesh = {"d": sizes.get("d", 1), "c": sizes.get("c", 1), "t": sizes.get("t", 1)}
+    sharded = given_costs.sharded_outside(layouts.stage_config(CFG, layout), mesh, torch.float32)
+    whole = m17_costs.replicated_cost(layouts.stage_config(CFG, layout), mesh, torch.float32)
+    sent, calls = dict(cost.sent), dict(cost.calls)
+    for table, part, sign in ((sent, sharded.sent, -1), (calls, sharded.calls, -1), (sent, whole.sent, 1),
+                              (calls, whole.calls, 1)):
+        for (_, op), value in part.items():
+            table[(axis, op)] = table.get((axis, op), 0) + sign * value
+    memory = {kind: cost.memory.get(kind, 0) - sharded.memory.get(kind, 0) + whole.memory.get(kind, 0)
+              for kind in ("parameters", "gradients")}
+    slices = costs.data_cost(TINY, layout, BATCH, layouts.COURSE).memory.get("buffers", 0) - sharded.memory["buffers"]
+    return StepCost(sent, calls, {**cost.memory, **memory, "buffers": slices})
 
 
 def renamed(cost: StepCost, sizes) -> dict:
@@ -168,14 +185,26 @@ def test_mixed_precision_state_is_the_playbooks_2_2_12_over_d(zero, parameters, 
 
 
 @pytest.mark.exercises("data_cost")
-def test_zero3_updates_only_its_shard_of_the_blocks_and_its_copy_of_the_rest():
+def test_zero3_updates_only_its_shard_of_every_weight():
     psi = hand_psi(CFG)
-    replicated = 2 * CFG.vocab_size * CFG.dim + CFG.dim
-    blocks = (psi - replicated) // 4   # a multiple of 4 here: module 17's flat slices need no padding
+    assert psi % 4 == 0   # each block's slice and the outside weights are multiples of 4: no padding on d = 4
     cost = costs.data_cost(TINY, Layout(d=4, zero=3), BATCH, layouts.COURSE)
-    want = 2 * 4 * (blocks + replicated)   # AdamW's two float32 moments of what the rank updates
-    assert cost.memory.get("optimizer") == want, f"ZeRO 3 on d = 4: optimizer {cost.memory.get('optimizer')}, want {want}"
-    assert cost.memory.get("parameters") == 4 * (blocks + replicated)
+    want = {"parameters": 4 * psi // 4, "gradients": 4 * psi // 4, "optimizer": 2 * 4 * psi // 4}
+    got = {kind: cost.memory.get(kind) for kind in want}
+    assert got == want, (f"ZeRO 3 on d = 4 shards every weight, the embedding, LM head and final norm too (FSDP2's way): "
+                         f"a quarter of Ψ = {psi} values in float32, and AdamW's two moments of it: {want}, got {got}")
+
+
+@pytest.mark.given
+def test_the_weights_outside_the_blocks_are_sharded_like_one_more_block():
+    # t = 2: the embedding's and the LM head's 256 / 2 vocabulary rows of dim 32 and the final norm's 32: 8,224
+    # values, padded to 8,224 on d c = 4 (a multiple already); float32 weights, float32 gradients
+    values = 2 * 128 * 32 + 32
+    got = given_costs.sharded_outside(CFG, {"d": 2, "c": 2, "t": 2}, torch.float32)
+    want = StepCost({("dc", "all_gather"): 3 * values, ("dc", "reduce_scatter"): 3 * values},
+                    {("dc", "all_gather"): 1, ("dc", "reduce_scatter"): 1},
+                    {"parameters": values, "gradients": values, "buffers": 8 * values})
+    assert got == want, f"sharded over 4 ranks: {want}, got {got}"
 
 
 @pytest.mark.exercises("data_cost")
@@ -201,6 +230,39 @@ def test_zero2_reduce_scatters_the_gradients_of_every_microbatch():
         f"ZeRO-2 on d = 4 with m = {M}: module 14 reduce-scatters each microbatch's gradients ({want.calls}, "
         f"{want.sent} bytes), the plan says {got.calls}, {got.sent}: does data_cost give zero_traffic the m "
         "microbatches?")
+
+
+@pytest.mark.exercises("data_cost")
+def test_zero2_once_a_step_reduce_scatters_once_and_keeps_whole_gradients():
+    # Module 14's pieces, counted here: the micro-steps accumulate whole gradients (Ψ' values, as ZeRO-1 keeps
+    # them), one reduce-scatter a step sends (d - 1)/d of them, one all-gather the updated weights
+    layout = Layout(d=4, zero=2, m=M, reduce_once=True)
+    dense, _ = layouts.rank_parameters(TINY, layout)
+    psi = sum(layouts.bucket_numels(tuple(dense), torch.float32))
+    buckets = len(layouts.bucket_numels(tuple(dense), torch.float32))
+    assert psi % 4 == 0   # no padding on d = 4
+    statistics = 2 * 2 * 3 / 4 * 8   # the token count's and the loss's 8-byte all-reduces
+    want_sent = {("d", "reduce_scatter"): 3 / 4 * psi * 4, ("d", "all_gather"): 3 / 4 * psi * 4,
+                 ("d", "all_reduce"): statistics}
+    want_calls = {("d", "reduce_scatter"): buckets, ("d", "all_gather"): buckets, ("d", "all_reduce"): 2}
+    got = costs.data_cost(TINY, layout, BATCH, layouts.COURSE)
+    assert (got.sent, got.calls) == (want_sent, want_calls), (
+        f"ZeRO-2 once a step on d = 4, m = {M}: one reduce-scatter a step of the accumulated gradients "
+        f"({want_calls}, {want_sent} bytes), got {got.calls}, {got.sent}")
+    want = {"parameters": 4 * psi, "gradients": 4 * psi, "optimizer": 2 * 4 * psi // 4}
+    kept = {kind: got.memory.get(kind) for kind in want}
+    assert kept == want, (f"ZeRO-2 once a step keeps the whole accumulated gradients until the reduce-scatter (ZeRO-1's "
+                          f"state: {want}), got {kept}")
+
+
+@pytest.mark.given
+def test_zero2_every_micro_step_with_a_pipeline_is_refused_in_one_line():
+    with pytest.raises(ValueError, match="DeepSpeed refuses ZeRO-2 with a pipeline") as refused:
+        layouts.check_layout(TINY, Layout(p=2, d=2, zero=2, schedule="1f1b", m=4), BATCH)
+    assert "\n" not in str(refused.value)
+    layouts.check_layout(TINY, Layout(p=2, d=2, zero=2, reduce_once=True, schedule="1f1b", m=4), BATCH)
+    with pytest.raises(ValueError, match="only ZeRO-2"):
+        layouts.check_layout(TINY, Layout(d=2, zero=1, reduce_once=True), BATCH)
 
 
 @pytest.mark.exercises("data_cost")
