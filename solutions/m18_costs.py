@@ -17,7 +17,8 @@ experts over e, and the weights over the d c ranks that hold the same copy:
                        float32 moments).
     t                  module 12's tp_traffic with sequence parallelism, on the stage's ⌈L/p⌉ blocks,
                        B/d sequences of T/c positions
-    c                  module 15's "c" entries, for the attention of a tensor rank (H/t and K/t heads)
+    c                  module 15's "c" entries, for the attention of a tensor rank (H/t and K/t heads);
+                       Ulysses as DeepSpeed runs it (its backward the adjoint of its forward's all-to-alls)
     e                  module 16's "e" entries, on records of a router that spreads each source's
                        k N slots evenly over the E experts (at most κ with a capacity): module 16's
                        formula reads a real run's routing; the planner has none, so it gives it the
@@ -272,7 +273,8 @@ def axes_cost(model: Model, layout: Layout, batch: int, precision: Precision) ->
     #   t: module 12's tp_traffic with sequence parallelism for the sequence_config (⌈L/p⌉ blocks, T/c positions),
     #      the mesh {"t": t} and the B/d sequences that one t group shares;
     #   c: module 15's cp_traffic's "c" entries for attention_view(stage, t) (H/t and K/t heads), the global batch B
-    #      of T-token sequences, c, layout.cp, d and m;
+    #      of T-token sequences, c, layout.cp, d and m, Ulysses as DeepSpeed runs it (adjoint: its backward sends
+    #      what its forward sent, where module 15's re-sends q, k, v);
     #   e (an MoE model only): module 16's step_cost's "e" entries for a step of balanced routing (exchange_cost);
     #   p: pipeline_sends(model, layout, batch, precision) (what the busiest rank sends, message by message, as
     #      module 11's StageComms logs it).
@@ -284,14 +286,14 @@ def axes_cost(model: Model, layout: Layout, batch: int, precision: Precision) ->
     #   15 splits T by c itself (give it the whole T).
     # Hint 1: four only(...) terms added with +; the e term only when model.moe is not None.
     # Hint 2: tp_traffic(seq, {"t": t}, batch // d, dtype, m, sequence_parallel=True); cp_traffic(attention_view(
-    #         stage, t), batch, model.cfg.max_seq_len, dtype, c, layout.cp, d, m); exchange_cost(model, layout,
-    #         batch, precision).
+    #         stage, t), batch, model.cfg.max_seq_len, dtype, c, layout.cp, d, m, adjoint=True); exchange_cost(model,
+    #         layout, batch, precision).
     # Hint 3: cost = only(tp_traffic(...), "t", t) + only(cp_traffic(...), "c", c)
     #         if model.moe is not None: cost += only(exchange_cost(...), "e", e)
     #         return cost + pipeline_sends(model, layout, batch, precision)
     cost = (only(tp_traffic(seq, {"t": t}, batch // d, dtype, m, sequence_parallel=True), "t", t)
-            + only(cp_traffic(attention_view(stage, t), batch, model.cfg.max_seq_len, dtype, c, layout.cp, d, m),
-                   "c", c))
+            + only(cp_traffic(attention_view(stage, t), batch, model.cfg.max_seq_len, dtype, c, layout.cp, d, m,
+                              adjoint=True), "c", c))
     if model.moe is not None:
         cost += only(exchange_cost(model, layout, batch, precision), "e", e)
     return cost + pipeline_sends(model, layout, batch, precision)

@@ -1,5 +1,5 @@
 # Generated from solutions/m18_costs.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 18`. (skeleton 9db469fb54b2)
+# Grade your work with `python main.py grade 18`. (skeleton f682646a4e3d)
 """Module 18, part 3 - what one rank keeps and sends in one step of a layout: the modules' own
 formulas, each evaluated on the share of the model and of the batch that the other axes leave it,
 and summed over the axes with `+` (course/costs.py's StepCost).
@@ -19,7 +19,8 @@ experts over e, and the weights over the d c ranks that hold the same copy:
                        float32 moments).
     t                  module 12's tp_traffic with sequence parallelism, on the stage's ⌈L/p⌉ blocks,
                        B/d sequences of T/c positions
-    c                  module 15's "c" entries, for the attention of a tensor rank (H/t and K/t heads)
+    c                  module 15's "c" entries, for the attention of a tensor rank (H/t and K/t heads);
+                       Ulysses as DeepSpeed runs it (its backward the adjoint of its forward's all-to-alls)
     e                  module 16's "e" entries, on records of a router that spreads each source's
                        k N slots evenly over the E experts (at most κ with a capacity): module 16's
                        formula reads a real run's routing; the planner has none, so it gives it the
@@ -239,7 +240,8 @@ def axes_cost(model: Model, layout: Layout, batch: int, precision: Precision) ->
     #   t: module 12's tp_traffic with sequence parallelism for the sequence_config (⌈L/p⌉ blocks, T/c positions),
     #      the mesh {"t": t} and the B/d sequences that one t group shares;
     #   c: module 15's cp_traffic's "c" entries for attention_view(stage, t) (H/t and K/t heads), the global batch B
-    #      of T-token sequences, c, layout.cp, d and m;
+    #      of T-token sequences, c, layout.cp, d and m, Ulysses as DeepSpeed runs it (adjoint: its backward sends
+    #      what its forward sent, where module 15's re-sends q, k, v);
     #   e (an MoE model only): module 16's step_cost's "e" entries for a step of balanced routing (exchange_cost);
     #   p: pipeline_sends(model, layout, batch, precision) (what the busiest rank sends, message by message, as
     #      module 11's StageComms logs it).

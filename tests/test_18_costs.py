@@ -364,3 +364,16 @@ def test_context_attention_is_costed_on_a_tensor_ranks_heads():
            if key[0] == "c"}
     assert got == want, (f"c = 2 on t = 2: module 15's formula for the {heads.n_heads} query and {heads.n_kv_heads} "
                          f"key/value heads of a tensor rank sends {want}, the plan says {got}")
+
+
+@pytest.mark.exercises("axes_cost")
+def test_ulysses_is_planned_as_deepspeed_runs_it():
+    # DeepSpeed's backward runs its forward's all-to-alls backwards (module 15's adjoint count); module 15's own
+    # UlyssesAttention re-sends q, k, v and the statistics, 13 all-to-alls where DeepSpeed's needs 8
+    layout = Layout(d=2, c=2, m=M, cp="ulysses")
+    formula = m15.cp_traffic(CFG, BATCH, CFG.max_seq_len, torch.float32, 2, "ulysses", 2, M, adjoint=True)
+    want = {key: value for key, value in formula.sent.items() if key[0] == "c"}
+    got = {key: value for key, value in costs.axes_cost(TINY, layout, BATCH, layouts.COURSE).sent.items()
+           if key[0] == "c"}
+    assert got == want, (f"c = 2, Ulysses: DeepSpeed's all-to-alls send {want}, the plan says {got} (module 15's "
+                         "cp_traffic with adjoint=True)")
