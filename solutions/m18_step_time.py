@@ -127,9 +127,9 @@ def gemm_time(rows: int, inner: int, cols: int, gpu: GPU, time_model: TimeModel,
     # Hint 1: count the FLOPs, count the bytes of the three matrices, hand both to roofline.
     # Hint 2: FLOPs 2 rows inner cols; bytes a (rows inner + inner cols) + 2 rows cols, a = 1 with fp8 else 2;
     #         peak gpu.fp8 if fp8 else gpu.bf16.
-    # Hint 3: operand = 1 if fp8 else 2
-    #         return roofline(2 * rows * inner * cols, operand * (rows * inner + inner * cols) + 2 * rows * cols,
-    #                         gpu.fp8 if fp8 else gpu.bf16, gpu, time_model)
+    # Hint 3: operand = one byte with fp8, else two
+    #         return roofline(2 rows inner cols, operand (rows inner + inner cols) + 2 rows cols, the dtype's peak,
+    #                         gpu, time_model)
     operand = 1 if fp8 else 2
     return roofline(2 * rows * inner * cols, operand * (rows * inner + inner * cols) + 2 * rows * cols,
                     gpu.fp8 if fp8 else gpu.bf16, gpu, time_model)
