@@ -1,5 +1,5 @@
 # Generated from solutions/m18_step_time.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 18`. (skeleton 1dbfc42faf6b)
+# Grade your work with `python main.py grade 18`. (skeleton 7bea0bb71e41)
 """Module 18, part 4 - how long a step takes: a stated model, not a measurement.
 
 Bytes and memory (m18_costs) are what the modules measured equal to their formulas; time is not,
@@ -261,9 +261,9 @@ def step_time(model: Model, layout: Layout, batch: int, gpu: GPU, cost, time_mod
     #   module docstring's sum.
     # Question: the weights' traffic runs beside the compute, but which compute? A collective can only hide
     #   behind what runs while it is in flight (hiding_window(op, ...)), and never all of it (time_model.hidden).
-    # Maths: the exposed axes' times add to the compute, the pipeline stretches their sum by 1 / (1 - bubble); of
-    #   the weights' collectives of one kind, taking τ seconds beside a window of w seconds of compute, what does
-    #   not hide is τ - min(hidden τ, w).
+    # Maths: the exposed axes' times add to the compute, the pipeline stretches their sum by 1 / (1 - bubble); the
+    #   weights' collectives of one kind take τ seconds beside a window of w seconds of compute, of which no more
+    #   than the fraction `hidden` can hide: what is left adds to the step.
     # Pitfalls: the bubble of another schedule than the layout's (interleaved divides 1F1B's by v, the zero-bubble
     #   ones do better still: the tests compare with course/simulate.py's timelines); an axis's bytes at another
     #   axis's bandwidth; the weights' traffic hidden behind the whole step (a step's reduction can only start

@@ -154,6 +154,14 @@ FORBIDDEN = {
             "2 values b", "2 * values * b",
         ],
     },
+    "15": {
+        # DeepSpeed-Ulysses' backward: chapter 15 states the principle (an all-to-all's adjoint is the reverse
+        # all-to-all, as large) and the totals for Llama 3 8B; which all-to-alls and their bytes are the TODO's.
+        "cp_traffic": [
+            "do, dq, dk, dv", "dO, dQ, dK, dV", "2 * (2 * q + 2 * k)", "2 (2q + 2k)", "2(2q+2k)", "8 all-to-alls",
+            "eight all-to-alls", "(8, (c - 1)", "what the forward sent, once more", "the forward's four all-to-alls",
+        ],
+    },
     "17": {
         # Which group each message runs over, the loss's divisor, which gradient is summed over which axis,
         # the checkpoint's placements, the FSDP bytes and the save's order: the chapter works out pp and tp on
@@ -185,6 +193,22 @@ FORBIDDEN = {
         ],
         "save": [
             "every rank: dcp.save(state, storage_writer=... into partial); wait; rank 0 renames",
+        ],
+    },
+    "18": {
+        # ZeRO-2 once a step from module 14's pieces; the roofline of one GEMM from its shape (chapter 18 works out
+        # a matrix-vector product); what of the weights' traffic hides (the docstring's table gives the windows).
+        "data_cost": [
+            "ZeRO-1's state", "ZeRO-1's gradients", "zero_state(buckets, b, size, 1)", "zero_traffic(buckets, b, size, 2, 1",
+            "micro_steps, kept = (1, 1)", "the traffic of one micro-step", "module 14's ZeRO-2 with m = 1",
+        ],
+        "gemm_time": [
+            "2 rows inner cols", "2 * rows * inner * cols", "rows inner + inner cols", "rows * inner + inner * cols",
+            "2 m n k", "2mnk", "(mk + kn + mn)", "m k + k n + m n", "(rows + cols) inner + rows cols",
+        ],
+        "step_time": [
+            "τ - min(hidden τ, w)", "min(hidden * seconds", "min(time_model.hidden", "tau - min(0.8 tau",
+            "seconds - min(", "- min(hidden",
         ],
     },
 }
