@@ -236,7 +236,7 @@ def data_parallel_bytes(planned) -> float:
     return sum(planned.cost.sent_bytes(axis) for axis in ("d", "dc", "ed"))
 
 
-def print_published(presets, search, layout, step_time):
+def print_published(presets, search, layout, step_time, costs):
     """docs/18-planning.md's table: each published run in its paper's convention, the planner on its layout
     (the fields the paper states pinned, the rest the planner's fastest that fits), and its own top pick."""
     rows = []
@@ -252,6 +252,7 @@ def print_published(presets, search, layout, step_time):
         published = [run.tflops * 1e12 / flops for flops in conventions]
         own = search.search(model, run.gpus, model.batch, run.gpu, layout.MIXED, time_model, {**run.layout, "fp8": False})
         top = search.search(model, run.gpus, model.batch, run.gpu, layout.MIXED, time_model, {"fp8": False})
+        costs.forget()
         if not own.fits or not top.fits:
             rows.append(f"| {run.source} | {run.gpus:,} | {run.tflops:g} | nothing fits | | | | | |")
             continue
@@ -282,7 +283,8 @@ def main(argv: list[str]) -> None:
         from course.launch import failures_explained
 
         with failures_explained("18", args.impl):
-            print_published(load("m18_presets"), load("m18_search"), load("m18_layout"), load("m18_step_time"))
+            print_published(load("m18_presets"), load("m18_search"), load("m18_layout"), load("m18_step_time"),
+                            load("m18_costs"))
         return
     try:
         model, gpu, batch, fixed = check(args)

@@ -363,3 +363,10 @@ def rank_cost(model: Model, layout: Layout, batch: int, precision: Precision) ->
 
 
 _WEIGHTS, _AXES, _TRAFFIC, _ACTIVATIONS = {}, {}, {}, {}   # computed once per key (see the docstring)
+
+
+def forget():
+    """Empty rank_cost's memory of the parts it computed (given): a command that plans one model after
+    another keeps only what the next can use."""
+    for table in (_WEIGHTS, _AXES, _TRAFFIC, _ACTIVATIONS):
+        table.clear()

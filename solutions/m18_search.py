@@ -102,6 +102,7 @@ def candidates(model: Model, gpus: int, batch: int, gpu: GPU, fixed: dict | None
                                               for zero, once in choices["zero"] if fixed.get("zero", zero) == zero
                                               and fixed.get("reduce_once", once) == once
                                               and not (zero == 2 and not once and p > 1)
+                                              and not (once and m == 1)   # one micro-step: the same ZeRO-2
                                               for fp8 in choices["fp8"] if fixed.get("fp8", fp8) == fp8
                                               for recompute in choices["recompute"]
                                               if fixed.get("recompute", recompute) == recompute]
