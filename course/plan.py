@@ -242,7 +242,7 @@ def print_published(presets, search, layout, step_time, costs):
     rows = []
     for run in presets.PUBLISHED:
         model, cfg = run.model, run.model.cfg
-        time_model = step_time.TimeModel(attention=run.attention, **({} if run.overlapped else {"hidden": 0.0}))
+        time_model = step_time.TimeModel(**({} if run.overlapped else {"hidden": 0.0}))
         tokens = model.batch * cfg.max_seq_len
         if run.counts == "eq3":   # Narayanan et al.'s Eq. 3: full attention, one more forward
             conventions = [step_time.model_flops(model, model.batch, True, True) / tokens]
@@ -251,7 +251,8 @@ def print_published(presets, search, layout, step_time, costs):
                            step_time.model_flops(model, model.batch, full_attention=True) / tokens]
         published = [run.tflops * 1e12 / flops for flops in conventions]
         own = search.search(model, run.gpus, model.batch, run.gpu, layout.MIXED, time_model, {**run.layout, "fp8": False})
-        top = search.search(model, run.gpus, model.batch, run.gpu, layout.MIXED, time_model, {"fp8": False})
+        software = {key: run.layout[key] for key in ("attention",) if key in run.layout}   # the run's kernels
+        top = search.search(model, run.gpus, model.batch, run.gpu, layout.MIXED, time_model, {"fp8": False, **software})
         costs.forget()
         if not own.fits or not top.fits:
             rows.append(f"| {run.source} | {run.gpus:,} | {run.tflops:g} | nothing fits | | | | | |")

@@ -129,23 +129,28 @@ def _busiest_sends(schedule: str, p: int, m: int, v: int) -> int:
 
 
 @functools.lru_cache(maxsize=1024)
-def _layer_activations(model: Model, rows: int, seq_len: int, dtype: torch.dtype) -> dict[str, int]:
+def _layer_activations(model: Model, rows: int, seq_len: int, dtype: torch.dtype, attention: str) -> dict[str, int]:
     cfg = model.cfg if model.moe is None else replace(model.cfg, ffn_dim=model.moe.expert_dim)
     by_name = layer_activation_bytes(cfg, rows, seq_len, dtype)
     if model.mlp == "gelu":   # GPT's feed-forward keeps u and s = gelu(u): no gate
         by_name["g"] = 0
+    if attention == "materialized":   # every head's softmax output, the dropout's 1-byte mask and output
+        by_name["scores"] = rows * cfg.n_heads * seq_len * seq_len * (2 * dtype.itemsize + 1)
     if model.moe is not None:
         k = model.moe.top_k
         by_name.update({name: k * by_name[name] for name in ("g", "u", "s")}, n2=(1 + k) * by_name["n2"])
     return by_name
 
 
-def layer_activations(model: Model, rows: int, seq_len: int, dtype: torch.dtype) -> dict[str, int]:
+def layer_activations(model: Model, rows: int, seq_len: int, dtype: torch.dtype, attention: str = "flash"
+                      ) -> dict[str, int]:
     """Bytes of each activation one block keeps for `rows` sequences of `seq_len` positions, whole
-    (before t splits anything): module 10's activation_bytes (a GELU feed-forward has no gate g). An MoE block (module 16) keeps the FFN's
-    g, u and s for each of the k N rows its experts compute (k times N at the experts' width F) and
-    n2 once for the router and k times as the rows sent to the experts: an estimate, not measured."""
-    return dict(_layer_activations(model, rows, seq_len, dtype))   # a copy: the caller may change it
+    (before t splits anything): module 10's activation_bytes (a GELU feed-forward has no gate g). An MoE
+    block (module 16) keeps the FFN's g, u and s for each of the k N rows its experts compute (k times N at
+    the experts' width F) and n2 once for the router and k times as the rows sent to the experts: an
+    estimate, not measured. A materialized attention kernel also keeps its "scores": every head's T x T
+    softmax output, the attention dropout's mask and its output (Korthikanti et al. 2022's 5 a s / h)."""
+    return dict(_layer_activations(model, rows, seq_len, dtype, attention))   # a copy: the caller may change it
 
 
 def live_stages(layout: Layout) -> int:
@@ -303,7 +308,8 @@ def axes_cost(model: Model, layout: Layout, batch: int, precision: Precision) ->
 def activation_bytes(model: Model, layout: Layout, batch: int, precision: Precision) -> int:
     """Bytes one rank keeps for the backward at the peak of a step (see the module docstring)."""
     dtype = precision.dtype
-    by_name = layer_activations(model, batch // (layout.d * layout.m), model.cfg.max_seq_len // layout.c, dtype)
+    by_name = layer_activations(model, batch // (layout.d * layout.m), model.cfg.max_seq_len // layout.c, dtype,
+                                layout.attention)
     # >>> TODO(m18): the activations one rank keeps at the peak, by the recompute option, t, fp8 and the schedule
     # Contract: an int, bytes: (the bytes one block keeps on this rank) x layers_per_stage(model, layout) x
     #   live_stages(layout). One block keeps, of `by_name` (module 10's fourteen tensors for this rank's rows and
@@ -354,7 +360,7 @@ def rank_cost(model: Model, layout: Layout, batch: int, precision: Precision) ->
     key = (weights, axes)
     if key not in _TRAFFIC:
         _TRAFFIC[key] = _WEIGHTS[weights] + _AXES[axes][0]
-    kept = (*shared, L.schedule, L.v, L.recompute, L.fp8)
+    kept = (*shared, L.schedule, L.v, L.recompute, L.fp8, L.attention)
     if kept not in _ACTIVATIONS:
         _ACTIVATIONS[kept] = activation_bytes(model, layout, batch, precision)
     traffic = _TRAFFIC[key]

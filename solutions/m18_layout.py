@@ -16,6 +16,7 @@ A `Layout` names everything the planner chooses:
                   step, which are also the gradient-accumulation steps when p = 1
     v             the stages a rank holds in a looped schedule (interleaved, interleaved_zb):
                   module 11's stages_per_rank, at least 2; the other schedules fix it
+    attention     the attention kernel: "flash" (module 06's) or "materialized" (below)
     recompute     module 10's option: which activations the forward does not keep (or "full",
                   below)
     fp8           module 09's FP8 linears (n1, n2, s kept as e4m3 by module 10's rule)
@@ -61,9 +62,15 @@ BUCKET_CAP = 25 * 2**20   # C: DDP's default bucket_cap_mb = 25, which module 14
 ZERO_STAGES = (0, 1, 2, 3)
 # The recompute options: module 10's, and "full", Megatron-LM's activation checkpointing of 2021: it keeps what
 # "block" keeps (the block's input) and runs the whole forward again, the down matmul too (module 10's "block"
-# skips it: its output is not needed). Never faster than "block", so only planned when asked for.
-DROPPED = {**MODULE_10_DROPPED, "full": MODULE_10_DROPPED["block"]}
+# skips it: its output is not needed). Never faster than "block", so only planned when asked for. An option
+# that recomputes the attention also drops a materialized kernel's scores (below).
+DROPPED = {option: names | ({"scores"} if "lse" in names else set())
+           for option, names in {**MODULE_10_DROPPED, "full": MODULE_10_DROPPED["block"]}.items()}
 RECOMPUTE_OPTIONS = tuple(DROPPED)
+# The attention kernel: "flash" (module 06's chunked attention, FlashAttention: the T x T scores never kept) or
+# "materialized" (attention before 2022, Megatron-LM's: every head's scores written, and kept for the backward).
+# Never better than flash, so only planned when asked for (the published runs of 2021 below).
+ATTENTION_KERNELS = ("flash", "materialized")
 # Module 15's variants the search tries: the ring sends what zigzag sends, and zigzag balances the causal work
 CONTEXT_VARIANTS = tuple(variant for variant in CP_VARIANTS if variant != "ring")
 
@@ -93,6 +100,7 @@ class Layout:
     cp: str = "allgather"
     reduce_once: bool = False
     v: int = 2
+    attention: str = "flash"
 
     @property
     def gpus(self) -> int:
@@ -103,7 +111,7 @@ class Layout:
         """Every choice but the recompute option: layouts of one family train alike, and differ only
         in the memory they keep and the time they spend recomputing."""
         return (self.p, self.d, self.c, self.t, self.e, self.zero, self.schedule, self.m, self.fp8, self.cp,
-                self.reduce_once, self.v)
+                self.reduce_once, self.v, self.attention)
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -117,7 +125,7 @@ class Layout:
             pipe += f" v={self.v}"
         zero = f"zero{self.zero}" + ("once" if self.reduce_once else "")
         return f"{mesh} {zero}{pipe} m={self.m} rc={self.recompute}{' fp8' if self.fp8 else ''}" + \
-            (f" cp={self.cp}" if self.c > 1 else "")
+            (f" cp={self.cp}" if self.c > 1 else "") + (f" {self.attention}" if self.attention != "flash" else "")
 
 
 def data_axis(layout: Layout) -> str:
@@ -208,6 +216,11 @@ def check_layout(model: Model, layout: Layout, batch: int):
         raise ValueError(f"ZeRO-2 reduce-scattering every micro-step with p={layout.p}: each microbatch's backward "
                          "would reduce-scatter the stage's whole gradients (DeepSpeed refuses ZeRO-2 with a "
                          "pipeline); accumulate them and reduce-scatter once a step (reduce_once), or use ZeRO 1")
+    if layout.attention not in ATTENTION_KERNELS:
+        raise ValueError(f"unknown attention kernel {layout.attention!r}: one of {', '.join(ATTENTION_KERNELS)}")
+    if layout.attention == "materialized" and layout.c > 1:
+        raise ValueError("the materialized attention kernel with c > 1: it is Megatron-LM's of 2021, which had no "
+                         "context parallelism; plan flash attention")
     if layout.recompute not in RECOMPUTE_OPTIONS:
         raise ValueError(f"unknown recompute option {layout.recompute!r}; one of {', '.join(RECOMPUTE_OPTIONS)}")
     if moe is None and layout.e > 1:

@@ -113,7 +113,6 @@ class Published:
     tflops: float               # TFLOP/s per GPU as printed
     counts: str                 # what those FLOPs count: "eq3" (Narayanan et al.'s Eq. 3: full attention and a
                                 # recomputed forward) or "unstated" (the Llama 3 paper does not say)
-    attention: str = "flash"    # the run's attention kernel (m18_step_time): "flash" or "materialized" scores
     overlapped: bool = True     # whether the run's gradient reduction overlaps the backward (m18_step_time)
 
 
@@ -132,9 +131,9 @@ def _megatron(billions: str, h: int, layers: int, heads: int, t: int, p: int, gp
     # allreduce_gradients once forward_backward returns), and attention that writes its T x T scores
     # (FlashAttention came in 2022)
     layout = {"p": p, "t": t, "c": 1, "d": gpus // (t * p), "zero": 0, "recompute": "full",
-              "schedule": "interleaved" if p > 1 else "none"}
+              "schedule": "interleaved" if p > 1 else "none", "attention": "materialized"}
     return Published(f"Narayanan et al. 2021, Table 1, {billions}B", dataclasses.replace(gpt(h, layers, heads), batch=batch),
-                     GPUS["a100"], gpus, layout, tflops, "eq3", "materialized", overlapped=False)
+                     GPUS["a100"], gpus, layout, tflops, "eq3", overlapped=False)
 
 
 # "The Llama 3 Herd of Models" (arXiv:2407.21783), Table 4: 405B with TP 8 and PP 16, 16M tokens a batch, the

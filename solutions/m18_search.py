@@ -86,7 +86,8 @@ def candidates(model: Model, gpus: int, batch: int, gpu: GPU, fixed: dict | None
                                 else [2]
                             for v in vs:
                                 for cp in (CONTEXT_VARIANTS if c > 1 else ("allgather",)):
-                                    base = Layout(p, d, c, t, e, schedule=schedule, m=m, cp=cp, v=v)
+                                    base = Layout(p, d, c, t, e, schedule=schedule, m=m, cp=cp, v=v,
+                                                  attention=fixed.get("attention", "flash"))
                                     if any(getattr(base, k) != val for k, val in fixed.items() if k not in choices
                                            and k != "reduce_once"):
                                         continue
@@ -98,7 +99,8 @@ def candidates(model: Model, gpus: int, batch: int, gpu: GPU, fixed: dict | None
                                         check_layout(model, base, batch)
                                     except ValueError:
                                         continue
-                                    found += [Layout(p, d, c, t, e, zero, schedule, m, recompute, fp8, cp, once, v)
+                                    found += [Layout(p, d, c, t, e, zero, schedule, m, recompute, fp8, cp, once, v,
+                                                     base.attention)
                                               for zero, once in choices["zero"] if fixed.get("zero", zero) == zero
                                               and fixed.get("reduce_once", once) == once
                                               and not (zero == 2 and not once and p > 1)

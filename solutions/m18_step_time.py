@@ -17,7 +17,7 @@ forward again what the recompute option rebuilds (module 10's docstring):
                        its backward recomputes the scores (5 products against the forward's 2, Dao et
                        al. 2022); a "materialized" kernel (attention before 2022: Megatron-LM's) writes
                        the T x T scores of every head, computes all of them (the mask after), and its
-                       softmax and GPT's attention dropout read and write them (`TimeModel.attention`)
+                       softmax and GPT's attention dropout read and write them (`Layout.attention`)
     the LM head        (N, M) x (M, V/t), on the last rank, which holds as many blocks fewer as the
                        p v stages have to spare (the slowest rank sets a pipeline's pace)
 
@@ -64,7 +64,6 @@ bubble_formula = functools.lru_cache(maxsize=None)(m11_generators.bubble_formula
 
 EXPOSED_AXES = ("t", "c", "e", "p")    # on the critical path
 HIDDEN_AXES = ("d", "dc", "ed")        # beside the compute, as far as it hides
-ATTENTION_KERNELS = ("flash", "materialized")
 
 
 @dataclass(frozen=True)
@@ -77,7 +76,6 @@ class TimeModel:
     link_efficiency: float = 0.8   # of a link's bandwidth, what a collective reaches
     latency_intra: float = 10e-6   # α, seconds per collective within a node
     latency_inter: float = 25e-6   # α, seconds per collective between nodes
-    attention: str = "flash"       # the attention kernel: "flash" or "materialized" (see the module docstring)
 
 
 @dataclass(frozen=True)
@@ -169,7 +167,7 @@ def attention_times(model: Model, layout: Layout, rows: int, gpu: GPU, time_mode
     (given; the module docstring's two kernels). With c > 1 each query still sees its whole sequence."""
     cfg = model.cfg
     H, K, D, T, c = cfg.n_heads // layout.t, max(cfg.n_kv_heads // layout.t, 1), cfg.head_dim, cfg.max_seq_len, layout.c
-    if time_model.attention == "flash":
+    if layout.attention == "flash":
         flops = 2 * rows * T * D * H                     # 2 products of 2 T D a query's head, over half the keys
         moved = 2 * rows * (2 * H + 2 * K) * D            # q, k, v read, o written (bf16)
         return (roofline(flops, moved, gpu.bf16, gpu, time_model),
@@ -188,8 +186,8 @@ def compute_times(model: Model, layout: Layout, batch: int, gpu: GPU, time_model
     for its m microbatches, the recompute's forward counted in the backward (it runs there). Remembered for
     the layouts that compute alike (a search asks for the same ones many times)."""
     L = layout
-    return _compute_times(model, Layout(L.p, L.d, L.c, L.t, L.e, m=L.m, recompute=L.recompute, fp8=L.fp8), batch, gpu,
-                          time_model)
+    return _compute_times(model, Layout(L.p, L.d, L.c, L.t, L.e, m=L.m, recompute=L.recompute, fp8=L.fp8,
+                                        attention=L.attention), batch, gpu, time_model)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -204,7 +202,7 @@ def _compute_times(model: Model, layout: Layout, batch: int, gpu: GPU, time_mode
     # counts written once and read once forward, twice that backward; the recompute rewrites what it dropped
     by_name = layer_activations(model, batch // (layout.d * layout.m), cfg.max_seq_len // layout.c, torch.bfloat16)
     written = 2 * sum(by_name.values()) / layout.t / gpu.bandwidth
-    rewritten = 2 * sum(by_name[name] for name in DROPPED[layout.recompute]) / layout.t / gpu.bandwidth
+    rewritten = 2 * sum(by_name.get(name, 0) for name in DROPPED[layout.recompute]) / layout.t / gpu.bandwidth
     head = gemm_time(rows, cfg.dim, cfg.vocab_size // layout.t, gpu, time_model)
     forward = sum(time.values()) + written
     backward = 2 * (forward - time["attention"]) + attention_backward + \

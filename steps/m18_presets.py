@@ -1,5 +1,5 @@
 # Generated from solutions/m18_presets.py by `python -m course.skeleton`. Given code: nothing
-# to fill in here; read it, then run it with `python main.py run 18`. (skeleton 874ea5e19375)
+# to fill in here; read it, then run it with `python main.py run 18`. (skeleton 4f3aa05d0342)
 """Module 18, part 1 - what the planner plans for (given): published models in module 06's
 `LlamaConfig` (module 16's `MoEConfig` for the experts), and GPUs, each number with its source.
 
@@ -115,7 +115,6 @@ class Published:
     tflops: float               # TFLOP/s per GPU as printed
     counts: str                 # what those FLOPs count: "eq3" (Narayanan et al.'s Eq. 3: full attention and a
                                 # recomputed forward) or "unstated" (the Llama 3 paper does not say)
-    attention: str = "flash"    # the run's attention kernel (m18_step_time): "flash" or "materialized" scores
     overlapped: bool = True     # whether the run's gradient reduction overlaps the backward (m18_step_time)
 
 
@@ -134,9 +133,9 @@ def _megatron(billions: str, h: int, layers: int, heads: int, t: int, p: int, gp
     # allreduce_gradients once forward_backward returns), and attention that writes its T x T scores
     # (FlashAttention came in 2022)
     layout = {"p": p, "t": t, "c": 1, "d": gpus // (t * p), "zero": 0, "recompute": "full",
-              "schedule": "interleaved" if p > 1 else "none"}
+              "schedule": "interleaved" if p > 1 else "none", "attention": "materialized"}
     return Published(f"Narayanan et al. 2021, Table 1, {billions}B", dataclasses.replace(gpt(h, layers, heads), batch=batch),
-                     GPUS["a100"], gpus, layout, tflops, "eq3", "materialized", overlapped=False)
+                     GPUS["a100"], gpus, layout, tflops, "eq3", overlapped=False)
 
 
 # "The Llama 3 Herd of Models" (arXiv:2407.21783), Table 4: 405B with TP 8 and PP 16, 16M tokens a batch, the

@@ -32,7 +32,7 @@ def predicted(layout, cost):
     return step_time.step_time(MODEL, layout, 512, GPU, cost, TIME)
 
 
-@pytest.mark.exercises("step_time")
+@pytest.mark.exercises("step_time", "gemm_time")
 @pytest.mark.parametrize("schedule, v, bubble", [("1f1b", 2, 3 / 11), ("gpipe", 2, 3 / 11), ("interleaved", 2, 3 / 19),
                                                  ("interleaved", 4, 3 / 35)])
 def test_the_bubble_is_the_layouts_schedules(schedule, v, bubble):
@@ -41,7 +41,7 @@ def test_the_bubble_is_the_layouts_schedules(schedule, v, bubble):
                                                      f"{got:.4f}")
 
 
-@pytest.mark.exercises("step_time")
+@pytest.mark.exercises("step_time", "gemm_time")
 @pytest.mark.parametrize("schedule", ["zbh1", "zbv"])
 def test_the_zero_bubble_schedules_idle_what_their_timeline_idles(schedule):
     order = m11.make_schedule(schedule, 4, 8)
@@ -86,7 +86,7 @@ def hides(tau, window):
     return tau - min(TIME.hidden * tau, window)
 
 
-@pytest.mark.exercises("step_time")
+@pytest.mark.exercises("step_time", "gemm_time")
 def test_exposed_axes_add_to_the_compute_and_a_step_reduction_hides_behind_the_last_backward():
     layout = Layout(p=4, d=16, t=1, zero=1, schedule="1f1b", m=8)   # p groups span 64 ranks: the network; d too
     cost = StepCost({("p", "send"): 4e9, ("d", "all_reduce"): 6e9, ("d", "all_gather"): 1e9},
@@ -105,7 +105,7 @@ def test_exposed_axes_add_to_the_compute_and_a_step_reduction_hides_behind_the_l
     assert got.exposed == pytest.approx(exposed, rel=1e-12)
 
 
-@pytest.mark.exercises("step_time")
+@pytest.mark.exercises("step_time", "gemm_time")
 @pytest.mark.parametrize("once", [False, True])
 def test_zero2s_reduce_scatters_hide_behind_the_backwards_they_run_beside(once):
     layout = Layout(d=64, zero=2, m=8, reduce_once=once)
@@ -122,7 +122,7 @@ def test_zero2s_reduce_scatters_hide_behind_the_backwards_they_run_beside(once):
         f"beside {'the last micro-step' if once else 'every micro-step'}'s backward, {window:.3f} s)")
 
 
-@pytest.mark.exercises("step_time")
+@pytest.mark.exercises("step_time", "gemm_time")
 def test_fsdp_gathers_hide_behind_the_first_forward():
     layout = Layout(d=64, zero=3, m=4)
     cost = StepCost({("d", "all_gather"): 3e10, ("d", "reduce_scatter"): 6e10},
@@ -136,7 +136,7 @@ def test_fsdp_gathers_hide_behind_the_first_forward():
         f"{forward + backward + exposed} s, got {got.step} s")
 
 
-@pytest.mark.exercises("step_time")
+@pytest.mark.exercises("step_time", "gemm_time")
 def test_an_axis_within_a_node_runs_at_nvlinks_bandwidth_and_a_long_weight_traffic_lengthens_the_step():
     layout = Layout(d=8, t=8, zero=2, m=1)          # t within a node, d across nodes
     cost = StepCost({("t", "all_gather"): 9e9, ("d", "reduce_scatter"): 4e12},
@@ -152,7 +152,7 @@ def test_an_axis_within_a_node_runs_at_nvlinks_bandwidth_and_a_long_weight_traff
     assert got.bubble == 0.0
 
 
-@pytest.mark.exercises("step_time")
+@pytest.mark.exercises("step_time", "gemm_time")
 def test_context_attentions_traffic_is_exposed():
     layout = Layout(d=16, c=4, zero=0, m=1)      # c groups within a node, d across
     cost = StepCost({("c", "send"): 2e10, ("dc", "all_reduce"): 1e8}, {("c", "send"): 96, ("dc", "all_reduce"): 4})
