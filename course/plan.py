@@ -262,7 +262,8 @@ def print_published(presets, search, layout, step_time, costs):
         flag = " (more, and faster)" if (data_parallel_bytes(top) > data_parallel_bytes(own)
                                          and top.time.step < own.time.step) else ""
         theirs = " / ".join(f"{x:,.1f}" for x in published)
-        residual = " / ".join(f"{speed['own'] / x - 1:+.0%}" for x in published)
+        residual = " / ".join(f"{speed['own'] / x - 1:+.0%}".replace("-0%", "0%").replace("+0%", "0%")
+                              for x in published)
         rows.append(f"| {run.source} | {run.gpus:,} {run.gpu.name.split()[0]} | {run.tflops:g} | {theirs} | "
                     f"`{own.layout}` | {speed['own']:,.1f} | {residual} | {gb(data_parallel_bytes(own))} | "
                     f"`{top.layout}` | {speed['top']:,.1f} | {gb(data_parallel_bytes(top))}{flag} |")

@@ -137,7 +137,7 @@ def gemm_time(rows: int, inner: int, cols: int, gpu: GPU, time_model: TimeModel,
 def block_gemms(model: Model, t: int, e: int, rows: int) -> dict[str, list[tuple[int, int, int]]]:
     """One block's forward GEMMs on one rank, (rows, inner, cols) each, by part: "qkv", "o", and the
     feed-forward's "in" (gate and up, or up) and "out" (down) products; an MoE block's router and its E/e
-    experts (k N e / E rows each, evenly routed) and shared expert (given)."""
+    experts (k N e / E rows each, evenly routed) (given)."""
     cfg, moe = model.cfg, model.moe
     M, D = cfg.dim, cfg.head_dim
     gemms = {"qkv": [(rows, M, (cfg.n_heads + 2 * cfg.n_kv_heads) * D // t)], "o": [(rows, cfg.n_heads * D // t, M)]}
@@ -149,10 +149,8 @@ def block_gemms(model: Model, t: int, e: int, rows: int) -> dict[str, list[tuple
     if moe.capacity(rows) is not None:
         routed = min(routed, moe.capacity(rows) * e)
     local, F = moe.n_experts // e, moe.expert_dim
-    shared = 1 if moe.shared_expert else 0
-    gemms.update({"router": [(rows, M, moe.n_experts)],
-                  "in": [(routed, M, F)] * (2 * local) + [(rows, M, F)] * (2 * shared),
-                  "out": [(routed, F, M)] * local + [(rows, F, M)] * shared})
+    gemms.update({"router": [(rows, M, moe.n_experts)], "in": [(routed, M, F)] * (2 * local),
+                  "out": [(routed, F, M)] * local})
     return gemms
 
 

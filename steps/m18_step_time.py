@@ -1,5 +1,5 @@
 # Generated from solutions/m18_step_time.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 18`. (skeleton 39c7194d7aa0)
+# Grade your work with `python main.py grade 18`. (skeleton 05cb2d2583e4)
 """Module 18, part 4 - how long a step takes: a stated model, not a measurement.
 
 Bytes and memory (m18_costs) are what the modules measured equal to their formulas; time is not,
@@ -130,7 +130,7 @@ def gemm_time(rows: int, inner: int, cols: int, gpu: GPU, time_model: TimeModel,
 def block_gemms(model: Model, t: int, e: int, rows: int) -> dict[str, list[tuple[int, int, int]]]:
     """One block's forward GEMMs on one rank, (rows, inner, cols) each, by part: "qkv", "o", and the
     feed-forward's "in" (gate and up, or up) and "out" (down) products; an MoE block's router and its E/e
-    experts (k N e / E rows each, evenly routed) and shared expert (given)."""
+    experts (k N e / E rows each, evenly routed) (given)."""
     cfg, moe = model.cfg, model.moe
     M, D = cfg.dim, cfg.head_dim
     gemms = {"qkv": [(rows, M, (cfg.n_heads + 2 * cfg.n_kv_heads) * D // t)], "o": [(rows, cfg.n_heads * D // t, M)]}
@@ -142,10 +142,8 @@ def block_gemms(model: Model, t: int, e: int, rows: int) -> dict[str, list[tuple
     if moe.capacity(rows) is not None:
         routed = min(routed, moe.capacity(rows) * e)
     local, F = moe.n_experts // e, moe.expert_dim
-    shared = 1 if moe.shared_expert else 0
-    gemms.update({"router": [(rows, M, moe.n_experts)],
-                  "in": [(routed, M, F)] * (2 * local) + [(rows, M, F)] * (2 * shared),
-                  "out": [(routed, F, M)] * local + [(rows, F, M)] * shared})
+    gemms.update({"router": [(rows, M, moe.n_experts)], "in": [(routed, M, F)] * (2 * local),
+                  "out": [(routed, F, M)] * local})
     return gemms
 
 
