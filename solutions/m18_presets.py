@@ -11,7 +11,7 @@ network card), each one way.
 The formulas of modules 07 to 16 take a `LlamaConfig` whatever its size: they only count, so
 Llama 3 405B is one more configuration to them. What cannot be written in it, and is therefore
 not planned: tied embeddings, biases, learned position embeddings (GPT's: counted as RoPE, which
-has no weights), and a dense FFN beside the experts (Mixtral has none).
+has no weights), a dense FFN beside the experts (Mixtral has none) and module 16's shared expert.
 
 `PUBLISHED` lists training runs whose speed a paper printed, each with its layout, its hardware and
 its figure in the paper's own convention: `python main.py plan --published` sets the planner's
