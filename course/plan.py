@@ -280,6 +280,11 @@ def print_published(presets, search, layout, step_time, costs):
 def main(argv: list[str]) -> None:
     args = parser().parse_args(argv)
     if args.published:
+        others = [name for name, value in vars(args).items()
+                  if name not in ("published", "impl") and value != parser().get_default(name)]
+        if others:
+            sys.exit(f"error: --published takes no other option (got --{others[0].replace('_', '-')}): it plans the "
+                     "published runs as their papers describe them")
         os.environ["COURSE_IMPL"] = args.impl
         from course.impl import load
         from course.launch import failures_explained
