@@ -69,8 +69,8 @@ HIDDEN_AXES = ("d", "dc", "ed")        # beside the compute, as far as it hides
 @dataclass(frozen=True)
 class TimeModel:
     # η: the fraction of Φ a compute-bound kernel reaches (its launches, its tails, what the roofline leaves out:
-    # norms, activations, the optimizer). One calibration point, docs/18-planning.md: Narayanan et al. 2021's
-    # 145.6B row predicted on its own layout.
+    # the optimizer, the loss, the gaps between kernels). One calibration point (docs/18-planning.md): the value
+    # at which Narayanan et al. 2021's 1T row (Table 1, 163 TFLOP/s a GPU) is predicted on its own layout.
     efficiency: float = 0.65
     hidden: float = 0.8            # the most of the weights' traffic that hides (module 14's bench: about 80 %)
     link_efficiency: float = 0.8   # of a link's bandwidth, what a collective reaches
