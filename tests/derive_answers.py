@@ -41,7 +41,7 @@ def code(*wordings: str) -> Code:
 # checks of its hint levels are expected to fail (pytest's strict xfail): when a module passes them,
 # take it out of the set (its tests fail while it is still listed, to say so).
 HINT_LEAKS_UNTIL_REWRITE = {"07", "11", "12", "13"}  # hint 1 states an answer, or hint 2 code
-ANSWERS_NOT_IN_HINTS_UNTIL_REWRITE = {"07", "11", "12", "13", "14", "17"}  # no hint level gives an answer at its level
+ANSWERS_NOT_IN_HINTS_UNTIL_REWRITE = {"07", "11", "12", "13", "14", "15", "17", "18"}  # no hint level gives an answer at its level
 
 FORBIDDEN = {
     "01": {
@@ -392,6 +392,14 @@ FORBIDDEN = {
             "forward_backward(tok, tgt, 1)", "n_tokens = 1", "n_tokens=1", "n_tokens of 1", "self.forward_backward(tok, tgt, 1)",
         ],
     },
+    "15": {
+        # DeepSpeed-Ulysses' backward: chapter 15 states the principle (an all-to-all's adjoint is the reverse
+        # all-to-all, as large) and the totals for Llama 3 8B; which all-to-alls and their bytes are the TODO's.
+        "cp_traffic": [
+            "do, dq, dk, dv", "dO, dQ, dK, dV", "2 * (2 * q + 2 * k)", "2 (2q + 2k)", "2(2q+2k)", "8 all-to-alls",
+            "eight all-to-alls", "(8, (c - 1)", "what the forward sent, once more", "the forward's four all-to-alls",
+        ],
+    },
     "17": {
         # Which group each message runs over, the loss's divisor, which gradient is summed over which axis,
         # the checkpoint's placements, the FSDP bytes and the save's order: the chapter works out pp and tp on
@@ -480,6 +488,22 @@ FORBIDDEN = {
             ("sqrt(ξ)/3 + ξ/9", "√ξ/3", "ξ/9", "1 + (1/3)", "(1/9)", "sqrt(ξ)/3", "√(δ/2M)", "sqrt(δ/(2M))", "δ/(2M)",
              "it cannot move the maximum"),
             code("sqrt(xi) / 3", "xi / 9"),
+        ],
+    },
+    "18": {
+        # ZeRO-2 once a step from module 14's pieces; the roofline of one GEMM from its shape (chapter 18 works out
+        # a matrix-vector product); what of the weights' traffic hides (the docstring's table gives the windows).
+        "data_cost": [
+            "ZeRO-1's state", "ZeRO-1's gradients", "zero_state(buckets, b, size, 1)", "zero_traffic(buckets, b, size, 2, 1",
+            "micro_steps, kept = (1, 1)", "the traffic of one micro-step", "module 14's ZeRO-2 with m = 1",
+        ],
+        "gemm_time": [
+            "2 rows inner cols", "2 * rows * inner * cols", "rows inner + inner cols", "rows * inner + inner * cols",
+            "2 m n k", "2mnk", "(mk + kn + mn)", "m k + k n + m n", "(rows + cols) inner + rows cols",
+        ],
+        "step_time": [
+            "τ - min(hidden τ, w)", "min(hidden * seconds", "min(time_model.hidden", "tau - min(0.8 tau",
+            "seconds - min(", "- min(hidden",
         ],
     },
 }

@@ -47,13 +47,15 @@ def llama3_8b():
     return presets().MODELS["llama3-8b"]
 
 
-def seconds_per_block(model, tokens: int, gpu, efficiency: float) -> tuple[float, float]:
-    """(forward, backward) seconds of one block for `tokens` tokens at a fraction `efficiency` of the GPU's
-    bf16 peak: module 18's FLOPs a token (flops_per_token: forward and backward, a backward twice a forward)."""
-    layout = reference("m18_layout").Layout()
-    linear, other = reference("m18_step_time").flops_per_token(model, layout, recomputed=False)
-    step = tokens * (linear + other) / (efficiency * gpu.bf16)
-    return step / 3, 2 * step / 3
+def seconds_per_block(model, tokens: int, gpu, time_model) -> tuple[float, float]:
+    """(forward, backward) seconds of one block for `tokens` tokens on one GPU, by module 18's time model: its
+    GEMMs on the roofline (block_gemms, gemm_time) and its flash attention (attention_times), a backward
+    twice the GEMMs' forward."""
+    step_time, layout = reference("m18_step_time"), reference("m18_layout").Layout()
+    gemms = sum(step_time.gemm_time(*shape, gpu, time_model)
+                for shapes in step_time.block_gemms(model, 1, 1, tokens).values() for shape in shapes)
+    attention_forward, attention_backward = step_time.attention_times(model, layout, tokens, gpu, time_model)
+    return gemms + attention_forward, 2 * gemms + attention_backward
 
 
 def draw_simulated(ax, name: str, p: int, m: int, costs: Costs = Costs(), v: int = 2):
@@ -216,7 +218,7 @@ def fsdp_prefetch(path: Path):
     communication queue, timed with module 18's time model, without and with the prefetch."""
     step_time, gpu, model = reference("m18_step_time"), presets().GPUS["h100"], llama3_8b()
     time_model, d, tokens = step_time.TimeModel(), 32, 2 * model.cfg.max_seq_len
-    forward, backward = seconds_per_block(model, tokens, gpu, time_model.efficiency)
+    forward, backward = seconds_per_block(model, tokens, gpu, time_model)
     block_bytes = (reference("m07_payload").block_matrix_params(model.cfg) + 2 * model.cfg.dim) * 2  # bf16
     collective = time_model.latency_inter + (d - 1) / d * block_bytes / (gpu.inter * time_model.link_efficiency)
     seconds = {"forward": forward, "backward": backward, "gather": collective, "reduce_scatter": collective}.get
@@ -405,7 +407,7 @@ def bucket_timeline(path: Path):
     assign = reference("m14_buckets").assign_buckets
     model, gpu, time_model, d = llama3_8b(), presets().GPUS["h100"], step_time.TimeModel(), 16
     numels, _ = layout_module.rank_parameters(model, layout_module.Layout(d=d))
-    _, backward = seconds_per_block(model, 2 * model.cfg.max_seq_len, gpu, time_model.efficiency)
+    _, backward = seconds_per_block(model, 2 * model.cfg.max_seq_len, gpu, time_model)
     L = model.cfg.n_layers
     per_block = (len(numels) - 3) // L
     # when each parameter's gradient exists: the head and final norm first (the loss), then the blocks from
