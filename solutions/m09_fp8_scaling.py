@@ -78,8 +78,8 @@ def quantize(t: torch.Tensor, dtype: torch.dtype, amax: torch.Tensor | None = No
     #   - no value is read back to the host (amax stays a tensor).
     # Question: which factor puts the abs-max on the format's largest number, and what must happen to values
     #   beyond it before the cast?
-    # Pitfalls: in PyTorch, is a Python number divided by a tensor one rounding or two? What does casting 500.0 to
-    #   e4m3fn give, and 70000.0 to e5m2? And a bf16 t times a float32 scalar tensor: which dtype is the product?
+    # Pitfalls: in PyTorch, is a Python number divided by a tensor one rounding or two? What does casting 70000.0 to
+    #   e5m2 give, and may you count on what a cast to e4m3fn does beyond 448? And a bf16 t times a float32 scalar tensor: which dtype is the product?
     # Hint 1: the chapter's "Abs-max scaling" works int8 out: what changes with FP8's largest number, and with
     #         a cast that rounds to the nearest FP8 value instead of an integer?
     # Hint 2: amax = max(amax, AMAX_FLOOR); factor = FP8_MAX / amax, one float32 division of two tensors;

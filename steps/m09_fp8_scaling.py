@@ -1,5 +1,5 @@
 # Generated from solutions/m09_fp8_scaling.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 09`. (skeleton a6f499ada572)
+# Grade your work with `python main.py grade 09`. (skeleton e8665c2478d2)
 """Module 09, part 1 - FP8 numbers and per-tensor abs-max scaling.
 
 An FP8 number has 8 bits: a sign, some exponent bits and some mantissa bits. Two layouts are used
@@ -80,6 +80,6 @@ def quantize(t: torch.Tensor, dtype: torch.dtype, amax: torch.Tensor | None = No
     #   - no value is read back to the host (amax stays a tensor).
     # Question: which factor puts the abs-max on the format's largest number, and what must happen to values
     #   beyond it before the cast?
-    # Pitfalls: in PyTorch, is a Python number divided by a tensor one rounding or two? What does casting 500.0 to
-    #   e4m3fn give, and 70000.0 to e5m2? And a bf16 t times a float32 scalar tensor: which dtype is the product?
+    # Pitfalls: in PyTorch, is a Python number divided by a tensor one rounding or two? What does casting 70000.0 to
+    #   e5m2 give, and may you count on what a cast to e4m3fn does beyond 448? And a bf16 t times a float32 scalar tensor: which dtype is the product?
     raise NotImplementedError('TODO(m09): per-tensor abs-max scaling and a saturating cast to FP8')
