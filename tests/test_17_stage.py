@@ -1,0 +1,434 @@
+"""Module 17 stage: each piece of one pipeline stage checked on its own, before the trainer puts them
+together (tests/test_17_trainer.py), so that a failure names the piece at fault. On two meshes of 4
+ranks with one stage (p = 1): d2 t2 (FSDP over d, tensor and sequence parallelism over t) and d2 c2
+(FSDP over d x c, the zig-zag ring over c). Each rank builds the composed model, then, in order:
+
+  LlamaStage.__init__          its shards, read back by this test's own reading of the layouts (module 07's
+                               flat layout of module 12's t slice; the outer group of the vocabulary rows),
+                               for stages 0 to 3 of 4 (first, middle, last): equal to the model's weights
+  LlamaStage.gather            each block's t slice whole (what module 12's block computes with), and zeroed
+                               whole gradient buffers in the accumulators' dtype
+  LlamaStage.gather_outer      the stage's embedding rows, final norm and LM head rows, their zeroed buffer
+  LlamaStage.forward           each microbatch's loss share, summed over the ranks of d and c that split it:
+                               module 06's single process on the same rows, divided by the step's real tokens
+  LlamaStage.backward          the whole gradient buffers after the step's microbatches, summed over c (and
+                               the norms over t, which each normed T/t positions): module 06's gradients of
+                               the rank's rows, cut by module 12 and laid out by module 07
+  LlamaStage.reduce_scatter    each gradient shard: this rank's slice of the sum, over its fsdp group, of the
+  (and reduce_scatter_outer)   whole buffers the backward filled (whatever they hold)
+  finish_gradients             a second step from the same weights, ending in ComposedLlama.finish_gradients:
+                               every gradient shard is this rank's piece of module 06's whole gradient
+
+Tolerance: float64, the same sums in another order: within 1e-10 relative to each tensor's largest entry
+(measured 4e-16); the copies (shards, gathers) are compared bit for bit.
+"""
+import functools
+
+import pytest
+import torch
+
+from composed_checks import m06, whole_model
+from course.dataset import load_text, random_batch
+from course.impl import load, reference
+from course.launch import run_ranks, where_raised
+from course.mesh import init_mesh
+
+trainer = load("m17_trainer")
+stage_module = load("m17_stage")
+given = reference("m17_composition")
+m07 = reference("m07_flat_shards")
+m12 = reference("m12_tp_block")
+vocab = reference("m12_vocab_parallel")
+grad_dtype = reference("m12_tp_linear").grad_dtype
+
+f64 = torch.float64
+CFG = given.CONFIG
+BATCH, M, TOLERANCE = 8, 2, 1e-10
+MESHES = {"d2 t2": {"d": 2, "t": 2}, "d2 c2": {"d": 2, "c": 2}}
+PIECES = ("init", "gather", "gather_outer", "forward", "backward", "reduce_scatter_outer", "reduce_scatter",
+          "finish_gradients")
+TODO_OF = {"init": "LlamaStage.__init__", "gather": "LlamaStage.gather", "gather_outer": "LlamaStage.gather_outer",
+           "forward": "LlamaStage.forward", "backward": "LlamaStage.backward",
+           "reduce_scatter": "LlamaStage.reduce_scatter", "reduce_scatter_outer": "LlamaStage.reduce_scatter_outer",
+           "finish_gradients": "ComposedLlama.finish_gradients"}
+
+
+def batch():
+    """The step's global batch: what module 06's fit draws first from seed 0."""
+    return random_batch(load_text(), BATCH, CFG.max_seq_len, torch.Generator().manual_seed(0))
+
+
+def _pieces(sizes):
+    mesh = init_mesh(given.full_sizes(sizes))
+    out = {"errors": {}}
+
+    def attempt(piece, fn):
+        try:
+            return fn()
+        except Exception as error:  # said by the test of this piece; the later pieces are not run
+            out["errors"][piece] = f"{type(error).__name__}: {error}{where_raised(error)}"
+            raise
+
+    def copies(tensors):
+        return None if tensors is None else [t.clone() for t in tensors]
+
+    try:
+        whole = whole_model(CFG)
+        model = attempt("init", lambda: trainer.ComposedLlama(CFG, mesh, M, "1f1b", 1, dtype=f64, whole=whole))
+        g = model.groups
+        out["place"] = {"d": g.data.index, "c": g.cp.index, "t": g.tp.index, "fsdp": g.fsdp.index}
+        stages = attempt("init", lambda: [stage_module.LlamaStage(CFG, g, s, 4, whole) for s in range(4)])
+        out["init"] = [{"shards": copies(s.shards), "outer": s.outer_shard.clone(), "layers": list(s.layers)}
+                       for s in stages]
+        [stage] = model.stages.values()
+        tokens, targets = batch()
+        rows, ys = model.share(tokens).chunk(M), model.share(targets).chunk(M)
+
+        def one_pass():
+            stage.begin_step(m06.real_tokens(targets), BATCH)
+            stage.gather_outer = lambda: None  # gather() ends by calling it: checked on its own below
+            attempt("gather", stage.gather)
+            del stage.gather_outer
+            attempt("gather_outer", stage.gather_outer)
+            buffers = {"weights": [copies(w.tensors()) for w in stage.weights], "full_grads": copies(stage.full_grads),
+                       "outer": copies([stage.embedding, stage.final_norm, stage.lm_head]),
+                       "outer_full_grad": stage.outer_full_grad.clone()}
+            losses = []
+            for i, (x, y) in enumerate(zip(rows, ys, strict=True)):
+                losses.append(attempt("forward", lambda: stage.forward(x, i, y)).item())
+                attempt("backward", lambda: stage.backward(i))
+            return buffers, losses
+
+        out["gathered"], out["losses"] = one_pass()
+        out["full_grads"], out["outer_full_grad"] = copies(stage.full_grads), stage.outer_full_grad.clone()
+        attempt("reduce_scatter_outer", stage.reduce_scatter_outer)
+        out["outer_grad"] = stage.outer_grad.clone()
+        out["outer_dropped"] = [name for name in ("outer_full", "outer_full_grad", "outer_grads", "embedding",
+                                                  "final_norm", "lm_head") if getattr(stage, name) is not None]
+        stage.reduce_scatter_outer = lambda: None  # reduce_scatter() starts by calling it: done above
+        attempt("reduce_scatter", stage.reduce_scatter)
+        del stage.reduce_scatter_outer
+        out["grad_shards"] = copies(stage.grad_shards)
+        out["dropped"] = [name for name in ("full", "weights", "full_grads", "block_grads")
+                          if getattr(stage, name) is not None]
+        # A second step from the same weights (no optimizer): its buffers are new ones, and it ends with the
+        # trainer's sums.
+        out["regathered"], _ = one_pass()
+        attempt("finish_gradients", model.finish_gradients)
+        out["finished"] = copies(stage.grad_shards) + [stage.outer_grad.clone()]
+    except Exception:
+        pass
+    return out
+
+
+@functools.cache
+def pieces(name):
+    return run_ranks(_pieces, 4, MESHES[name], timeout=90)
+
+
+@functools.cache
+def one_process(name):
+    """Module 06 on each data rank's rows: {i_d: (the microbatches' losses, the summed LlamaGrads)}, every
+    piece divided by the step's real tokens."""
+    model, d = whole(), MESHES[name].get("d", 1)
+    tokens, targets = batch()
+    n_tokens = m06.real_tokens(targets)
+    per_rank = {}
+    for i_d, (rows, ys) in enumerate(zip(tokens.chunk(d), targets.chunk(d), strict=True)):
+        losses, total = [], None
+        for x, y in zip(rows.chunk(M), ys.chunk(M), strict=True):
+            loss, grads = model.forward_backward(x, y, n_tokens)
+            losses.append(loss.item())
+            total = grads if total is None else summed(total, grads)
+        per_rank[i_d] = (losses, total)
+    return per_rank
+
+
+def summed(a, b):
+    """Two LlamaGrads added."""
+    blocks = [type(x)(*(p + q for p, q in zip(x.tensors(), y.tensors(), strict=True)))
+              for x, y in zip(a.blocks, b.blocks, strict=True)]
+    return m06.LlamaGrads(a.embedding + b.embedding, blocks, a.final_norm + b.final_norm, a.lm_head + b.lm_head)
+
+
+class OneRankOf:
+    """A group of `size` as rank `index` of it sees it (module 12's slicing reads only these)."""
+
+    def __init__(self, size, index):
+        self.size, self.index = size, index
+
+
+@functools.cache
+def whole():
+    return whole_model(CFG)
+
+
+def block_layout(t):
+    return m07.FlatLayout(m12.shard_block_weights(whole().blocks[0], CFG, OneRankOf(t, 0)), fsdp_size(t))
+
+
+def fsdp_size(t):
+    return 4 // t
+
+
+def t_slice_flat(block, t, i_t):
+    """Module 07's padded flat buffer of module 12's slice i_t of `block` (weights or their gradients)."""
+    return block_layout(t).flatten(m12.shard_block_weights(block, CFG, OneRankOf(t, i_t)))
+
+
+def outer_layout(first, last, t):
+    return m07.FlatLayout(outer_weights(whole(), first, last, t, 0), fsdp_size(t))
+
+
+def outer_weights(model_or_grads, first, last, t, i_t):
+    """The stage's outer group (module 07's OuterWeights) of rank i_t: the padded vocabulary rows it computes with."""
+    padded = vocab.padded_vocab_size(CFG.vocab_size, t)
+    rows = lambda w: vocab.vocab_rows(w, padded, OneRankOf(t, i_t))  # noqa: E731
+    e, n, h = model_or_grads.embedding, model_or_grads.final_norm, model_or_grads.lm_head
+    return m07.OuterWeights(rows(e) if first else e[:0], n if last else n[:0], rows(h) if last else h[:0])
+
+
+def outer_flat(grads, t, i_t):
+    return outer_layout(True, True, t).flatten(outer_weights(grads, True, True, t, i_t))
+
+
+def norm_mask(layout):
+    mask = torch.zeros(layout.padded_numel, dtype=torch.bool)
+    offset = 0
+    for name, numel in zip(layout.names, layout.numels, strict=True):
+        mask[offset:offset + numel] = name in ("ln1", "ln2", "final_norm")
+        offset += numel
+    return mask
+
+
+def fail_if_not_run(name, results, piece):
+    """The error of this piece, or of an earlier one it needs, on the first rank that has one."""
+    for rank, out in enumerate(results):
+        for earlier in PIECES[:PIECES.index(piece) + 1]:
+            if earlier in out["errors"]:
+                what = "building the composed model" if earlier == "init" else f"your {TODO_OF[earlier]}"
+                needs = "" if earlier == piece else f" (the check of {TODO_OF[piece]} needs it first)"
+                pytest.fail(f"{name}, rank {rank}: {what} raised {out['errors'][earlier]}{needs}")
+
+
+def relative(got, want):
+    return ((got - want).abs().max() / want.abs().max().clamp_min(1e-300)).item()
+
+
+def by_place(results, key):
+    """{(i_d, i_c, i_t): that rank's `key`}."""
+    return {(r["place"]["d"], r["place"]["c"], r["place"]["t"]): r[key] for r in results}
+
+
+@pytest.mark.exercises("LlamaStage.__init__")
+@pytest.mark.parametrize("name", MESHES)
+def test_each_stage_holds_its_blocks_t_slices_flat_over_fsdp_and_its_vocabulary_rows(name):
+    results = pieces(name)
+    fail_if_not_run(name, results, "init")
+    t, model = MESHES[name].get("t", 1), whole()
+    for s in range(4):
+        first, last = s == 0, s == 3
+        for i_t in range(t):
+            ranks = sorted((r for r in results if r["place"]["t"] == i_t), key=lambda r: r["place"]["fsdp"])
+            layers = ranks[0]["init"][s]["layers"]
+            assert layers == [s], f"{name}: stage {s} of 4 holds blocks {layers}, expected [{s}] (stage_layers, given)"
+            want = t_slice_flat(model.blocks[s], t, i_t)
+            shard_numel = block_layout(t).shard_numel
+            for r in ranks:
+                shard = r["init"][s]["shards"][0]
+                assert shard.shape == (shard_numel,), \
+                    (f"{name}, rank at fsdp {r['place']['fsdp']}, t {i_t}: stage {s}'s block shard has shape "
+                     f"{tuple(shard.shape)}, expected ({shard_numel},): 1/{fsdp_size(t)} of the block's t slice "
+                     f"({block_layout(t).numel} values, padded), the slice module 12 computes with on t rank {i_t} "
+                     f"(your LlamaStage.__init__)")
+            got = torch.cat([r["init"][s]["shards"][0] for r in ranks])
+            assert torch.equal(got, want), \
+                (f"{name}: stage {s}'s block shards of the fsdp ranks with t index {i_t}, end to end, are not "
+                 f"module 07's flat buffer of module 12's t slice {i_t} of block {s}: first differing value at "
+                 f"{(got != want).nonzero()[0].item()} (your LlamaStage.__init__: which tensors are laid out, cut "
+                 f"over which group, and which shard does a rank keep?)")
+            layout = outer_layout(first, last, t)
+            want = layout.flatten(outer_weights(model, first, last, t, i_t))
+            got = torch.cat([r["init"][s]["outer"] for r in ranks])
+            assert got.shape == want.shape and torch.equal(got, want), \
+                (f"{name}: stage {s} of 4 (first {first}, last {last}): the outer shards of the fsdp ranks with t "
+                 f"index {i_t}, end to end ({tuple(got.shape)}), are not the flat buffer of its outer weights "
+                 f"({tuple(want.shape)}): the embedding's rows (first stage) and the final norm and LM head's rows "
+                 f"(last), as t rank {i_t} computes with them (your LlamaStage.__init__)")
+
+
+@pytest.mark.exercises("LlamaStage.gather")
+@pytest.mark.parametrize("name", MESHES)
+def test_gather_gives_each_block_its_t_slice_whole_and_zeroed_buffers_for_its_gradient(name):
+    results = pieces(name)
+    fail_if_not_run(name, results, "gather")
+    t, model = MESHES[name].get("t", 1), whole()
+    for r in results:
+        where = f"{name}, rank at d {r['place']['d']}, c {r['place']['c']}, t {r['place']['t']}"
+        for key in [k for k in ("gathered", "regathered") if k in r]:
+            buffers = r[key]
+            assert len(buffers["weights"]) == CFG.n_layers, f"{where}: {len(buffers['weights'])} blocks gathered"
+            for layer, tensors in enumerate(buffers["weights"]):
+                want = m12.shard_block_weights(model.blocks[layer], CFG, OneRankOf(t, r["place"]["t"])).tensors()
+                for field, a, b in zip(m07.NAMES, tensors, want, strict=True):
+                    assert a.shape == b.shape and torch.equal(a, b), \
+                        (f"{where}: after your LlamaStage.gather, block {layer}'s {field} is not module 12's slice "
+                         f"of it on this t rank (shape {tuple(a.shape)}, expected {tuple(b.shape)}): gathered over "
+                         f"which group, into which buffer?")
+            padded = block_layout(t).padded_numel
+            for layer, g in enumerate(buffers["full_grads"]):
+                assert g.shape == (padded,) and g.dtype == grad_dtype(f64), \
+                    (f"{where}: your LlamaStage.gather made block {layer}'s whole gradient buffer {tuple(g.shape)} "
+                     f"{g.dtype}, expected ({padded},) {grad_dtype(f64)}")
+                assert not g.any(), \
+                    (f"{where}: {'a later step' if key == 'regathered' else 'the step'}'s whole gradient buffer of "
+                     f"block {layer} holds {int(g.count_nonzero())} non-zero values before any backward (your "
+                     f"LlamaStage.gather): every microbatch's backward adds into it")
+
+
+@pytest.mark.exercises("LlamaStage.gather_outer")
+@pytest.mark.parametrize("name", MESHES)
+def test_gather_outer_gives_the_stage_its_vocabulary_rows_and_final_norm_whole(name):
+    results = pieces(name)
+    fail_if_not_run(name, results, "gather_outer")
+    t = MESHES[name].get("t", 1)
+    for r in results:
+        where = f"{name}, rank at d {r['place']['d']}, c {r['place']['c']}, t {r['place']['t']}"
+        want = outer_weights(whole(), True, True, t, r["place"]["t"]).tensors()
+        for key in [k for k in ("gathered", "regathered") if k in r]:
+            for field, a, b in zip(("embedding", "final_norm", "lm_head"), r[key]["outer"], want, strict=True):
+                assert a.shape == b.shape and torch.equal(a, b), \
+                    (f"{where}: after your LlamaStage.gather_outer, self.{field} is not this t rank's padded rows "
+                     f"(shape {tuple(a.shape)}, expected {tuple(b.shape)})")
+            g, padded = r[key]["outer_full_grad"], outer_layout(True, True, t).padded_numel
+            assert g.shape == (padded,) and g.dtype == grad_dtype(f64) and not g.any(), \
+                (f"{where}: your LlamaStage.gather_outer made the outer gradient buffer {tuple(g.shape)} {g.dtype} "
+                 f"with {int(g.count_nonzero())} non-zero values; expected ({padded},) {grad_dtype(f64)}, zeroed")
+
+
+@pytest.mark.exercises("LlamaStage.forward")
+@pytest.mark.parametrize("name", MESHES)
+def test_forward_gives_each_rank_its_share_of_the_microbatch_loss(name):
+    results = pieces(name)
+    fail_if_not_run(name, results, "forward")
+    want = one_process(name)
+    losses = by_place(results, "losses")
+    t = MESHES[name].get("t", 1)
+    for i_d, (expected, _) in want.items():
+        for i_t in range(t):
+            got = [sum(v[i] for (d, _, tt), v in losses.items() if d == i_d and tt == i_t) for i in range(M)]
+            gap = max(abs(a - b) for a, b in zip(got, expected, strict=True))
+            ratio = got[0] / expected[0]
+            assert gap <= TOLERANCE * abs(expected[0]), \
+                (f"{name}: data rank {i_d}'s microbatch losses, summed over its c ranks (t index {i_t}), are {got}; "
+                 f"module 06 on the same rows {expected} (ratio {ratio:.3g}): your LlamaStage.forward (which "
+                 f"positions of the tokens and targets, which weights, divided by self.n_tokens alone?)")
+
+
+@pytest.mark.exercises("LlamaStage.backward")
+@pytest.mark.parametrize("name", MESHES)
+def test_backward_adds_each_microbatch_into_the_whole_gradient_buffers(name):
+    results = pieces(name)
+    fail_if_not_run(name, results, "backward")
+    t, want = MESHES[name].get("t", 1), one_process(name)
+    full, outer = by_place(results, "full_grads"), by_place(results, "outer_full_grad")
+    layout_mask, outer_mask = norm_mask(block_layout(t)), norm_mask(outer_layout(True, True, t))
+    for i_d, (_, grads) in want.items():
+        sums = {i_t: [sum(v[k] for (d, _, tt), v in full.items() if d == i_d and tt == i_t) for k in range(CFG.n_layers)]
+                for i_t in range(t)}
+        outer_sums = {i_t: sum(v for (d, _, tt), v in outer.items() if d == i_d and tt == i_t) for i_t in range(t)}
+        for i_t in range(t):
+            for layer in range(CFG.n_layers):
+                expected = t_slice_flat(grads.blocks[layer], t, i_t)
+                got = sums[i_t][layer].clone()
+                got[layout_mask] = sum(sums[j][layer] for j in range(t))[layout_mask]
+                error = relative(got, expected)
+                assert error <= TOLERANCE, \
+                    (f"{name}: block {layer}'s whole gradient after the step's {M} microbatches, data rank {i_d}, t "
+                     f"index {i_t} (summed over c, the norms also over t): relative error {error:.1e} against module "
+                     f"06's gradient of the same rows (your LlamaStage.backward: every block, added into "
+                     f"self.block_grads?)")
+            expected = outer_flat(grads, t, i_t)
+            got = outer_sums[i_t].clone()
+            got[outer_mask] = sum(outer_sums[j] for j in range(t))[outer_mask]
+            parts = outer_layout(True, True, t).views(got - expected)
+            worst = {f: p.abs().max().item() for f, p in zip(("embedding", "final_norm", "lm_head"), parts.tensors())}
+            error = relative(got, expected)
+            assert error <= TOLERANCE, \
+                (f"{name}: the outer weights' whole gradient, data rank {i_d}, t index {i_t}: relative error "
+                 f"{error:.1e} against module 06's (largest gaps {worst}): your LlamaStage.backward (the LM head, "
+                 f"the final norm and the embedding, each added into its accumulator in self.outer_grads?)")
+
+
+def check_reduce_scattered(name, results, key, shard_key, layout, what, todo):
+    t = MESHES[name].get("t", 1)
+    for i_t in range(t):
+        members = [r for r in results if r["place"]["t"] == i_t]
+        for k in range(len(members[0][key]) if isinstance(members[0][key], list) else 1):
+            pick = (lambda v: v[k]) if isinstance(members[0][key], list) else (lambda v: v)
+            total = sum(pick(r[key]) for r in members)
+            for r in members:
+                want = layout.shard(total, r["place"]["fsdp"])
+                got = pick(r[shard_key])
+                error = relative(got, want) if got.shape == want.shape else float("inf")
+                assert error <= TOLERANCE, \
+                    (f"{name}, rank at fsdp {r['place']['fsdp']}, t {i_t}: {what(k)} gradient shard "
+                     f"{tuple(got.shape)} is not this rank's slice of the sum of the whole buffers over its fsdp group "
+                     f"({tuple(want.shape)}; relative error {error:.1e}): your {todo}")
+
+
+@pytest.mark.exercises("LlamaStage.reduce_scatter_outer")
+@pytest.mark.parametrize("name", MESHES)
+def test_reduce_scatter_outer_sums_the_outer_buffer_over_fsdp_into_the_shard(name):
+    results = pieces(name)
+    fail_if_not_run(name, results, "reduce_scatter_outer")
+    t = MESHES[name].get("t", 1)
+    check_reduce_scattered(name, results, "outer_full_grad", "outer_grad", outer_layout(True, True, t),
+                           lambda k: "the outer weights'", "LlamaStage.reduce_scatter_outer")
+    for r in results:
+        assert not r["outer_dropped"], (f"{name}: after your LlamaStage.reduce_scatter_outer the stage still holds "
+                                        f"{r['outer_dropped']}: the next step gathers anew")
+
+
+@pytest.mark.exercises("LlamaStage.reduce_scatter")
+@pytest.mark.parametrize("name", MESHES)
+def test_reduce_scatter_sums_each_block_over_fsdp_into_its_shard(name):
+    results = pieces(name)
+    fail_if_not_run(name, results, "reduce_scatter")
+    t = MESHES[name].get("t", 1)
+    check_reduce_scattered(name, results, "full_grads", "grad_shards", block_layout(t), lambda k: f"block {k}'s",
+                           "LlamaStage.reduce_scatter")
+    for r in results:
+        assert not r["dropped"], (f"{name}: after your LlamaStage.reduce_scatter the stage still holds {r['dropped']}: "
+                                  f"the next step gathers anew (the optimizer changes the shards)")
+
+
+@pytest.mark.exercises("ComposedLlama.finish_gradients")
+@pytest.mark.parametrize("name", MESHES)
+def test_finish_gradients_leaves_every_shard_with_its_piece_of_the_whole_gradient(name):
+    results = pieces(name)
+    fail_if_not_run(name, results, "finish_gradients")
+    t, want = MESHES[name].get("t", 1), one_process(name)
+    total = functools.reduce(summed, [g for _, g in want.values()])
+    layout, outer = block_layout(t), outer_layout(True, True, t)
+    for r in results:
+        i_t, j = r["place"]["t"], r["place"]["fsdp"]
+        where = f"{name}, rank at d {r['place']['d']}, c {r['place']['c']}, t {i_t}"
+        for layer in range(CFG.n_layers):
+            expected = layout.shard(t_slice_flat(total.blocks[layer], t, i_t), j)
+            got = r["finished"][layer]
+            mask = layout.shard(norm_mask(layout), j)
+            error, norms = relative(got[~mask], expected[~mask]), relative(got[mask], expected[mask]) if mask.any() else 0
+            ratio = (got[mask].abs().sum() / expected[mask].abs().sum()).item() if mask.any() else 1.0
+            assert error <= TOLERANCE and norms <= TOLERANCE, \
+                (f"{where}: after your ComposedLlama.finish_gradients block {layer}'s gradient shard is off by "
+                 f"{error:.1e} (relative) outside the norms and {norms:.1e} at the norms (ln1, ln2; their size "
+                 f"{ratio:.2f} times the whole gradient's) against module 06's gradient of the whole batch")
+        expected = outer.shard(outer_flat(total, t, i_t), j)
+        got, mask = r["finished"][-1], outer.shard(norm_mask(outer), j)
+        error = relative(got, expected)
+        ratio = (got[mask].abs().sum() / expected[mask].abs().sum()).item() if mask.any() else 1.0
+        assert error <= TOLERANCE, \
+            (f"{where}: after your ComposedLlama.finish_gradients the outer gradient shard is off by {error:.1e} "
+             f"(relative) against module 06's gradient of the whole batch (its final norm's part {ratio:.2f} times "
+             f"the whole gradient's)")
