@@ -37,7 +37,10 @@ from course.skeleton import TodoBlock, todo_blocks
 HINTS_SHOWN = REPO / ".course-hints.json"  # {"TODO(m05): ...": levels shown}
 # A TODO's old title -> its new one ("TODO(m14): ..." both), oldest renaming first: a record read
 # under an old title counts for the new one (the higher level seen, if it holds both).
-RENAMED_TITLES: dict[str, str] = {}
+RENAMED_TITLES: dict[str, str] = {
+    "TODO(m07): this rank's rows, every microbatch divided by the global batch's tokens, one step":
+        "TODO(m07): this rank's rows, the loss's divisor, one step",
+}
 
 
 def module_todos(module: Module) -> list[TodoBlock]:
