@@ -126,8 +126,8 @@ def test_each_checkpoint_is_written_under_a_partial_name_then_renamed(uninterrup
     for rank, writes in enumerate(seen):
         steps = [int(re.search(r"step_(\d+)", name)[1]) for name, _ in writes]
         assert steps == [2, 4], (f"rank {rank} saved checkpoints of steps {steps}; every {EVERY} steps of {STEPS}: "
-                                 f"after steps 2 and 4, each under its step's number (your train: TODO(m17) 'one "
-                                 f"step, then (every checkpoint_every steps) its checkpoint')")
+                                 f"after steps 2 and 4, each under its step's number (your train: when does it save, "
+                                 f"and under which number?)")
         assert [name for name, _ in writes] == ["step_000002.partial", "step_000004.partial"], \
             (f"rank {rank} wrote its checkpoints into {[name for name, _ in writes]}: DCP's files go into "
              f"step_NNNNNN.partial/, which only a rename after every rank's save makes step_NNNNNN/")

@@ -1,11 +1,12 @@
 """Module 17 stage: each piece of one pipeline stage checked on its own, before the trainer puts them
 together (tests/test_17_trainer.py), so that a failure names the piece at fault. On two meshes of 4
 ranks with one stage (p = 1): d2 t2 (FSDP over d, tensor and sequence parallelism over t) and d2 c2
-(FSDP over d x c, the zig-zag ring over c). Each rank builds the composed model, then, in order:
+(FSDP over d x c, the zig-zag ring over c). The constructor first, in this process, for every place of the
+mesh; then each rank builds the composed model and runs, in order:
 
-  LlamaStage.__init__          its shards, read back by this test's own reading of the layouts (module 07's
-                               flat layout of module 12's t slice; the outer group of the vocabulary rows),
-                               for stages 0 to 3 of 4 (first, middle, last): equal to the model's weights
+  LlamaStage.__init__          (in this process) the shards, read back by this test's own reading of the
+                               layouts (module 07's flat layout of module 12's t slice; the outer group of the
+                               vocabulary rows), for stages 0 to 3 of 4 (first, middle, last): the model's weights
   LlamaStage.gather            each block's t slice whole (what module 12's block computes with), and zeroed
                                whole gradient buffers in the accumulators' dtype
   LlamaStage.gather_outer      the stage's embedding rows, final norm and LM head rows, their zeroed buffer
@@ -30,8 +31,8 @@ import torch
 from composed_checks import m06, whole_model
 from course.dataset import load_text, random_batch
 from course.impl import load, reference
-from course.launch import run_ranks, where_raised
-from course.mesh import init_mesh
+from course.launch import RankFailed, RankTimeout, run_ranks
+from course.mesh import group_of, init_mesh
 
 trainer = load("m17_trainer")
 stage_module = load("m17_stage")
@@ -45,12 +46,11 @@ f64 = torch.float64
 CFG = given.CONFIG
 BATCH, M, TOLERANCE = 8, 2, 1e-10
 MESHES = {"d2 t2": {"d": 2, "t": 2}, "d2 c2": {"d": 2, "c": 2}}
-PIECES = ("init", "gather", "gather_outer", "forward", "backward", "reduce_scatter_outer", "reduce_scatter",
-          "finish_gradients")
-TODO_OF = {"init": "LlamaStage.__init__", "gather": "LlamaStage.gather", "gather_outer": "LlamaStage.gather_outer",
-           "forward": "LlamaStage.forward", "backward": "LlamaStage.backward",
-           "reduce_scatter": "LlamaStage.reduce_scatter", "reduce_scatter_outer": "LlamaStage.reduce_scatter_outer",
-           "finish_gradients": "ComposedLlama.finish_gradients"}
+# Every check after the constructor's runs the same pieces on the ranks: a rank that raises stops them all, and the
+# error names the piece (and where, its frames), so every marker lists every piece, its own first.
+PIECES = ("LlamaStage.gather", "LlamaStage.gather_outer", "LlamaStage.forward",
+          "LlamaStage.backward", "LlamaStage.reduce_scatter_outer", "LlamaStage.reduce_scatter",
+          "ComposedLlama.finish_gradients", "compose_groups", "LlamaStage.__init__")
 
 
 def batch():
@@ -58,72 +58,91 @@ def batch():
     return random_batch(load_text(), BATCH, CFG.max_seq_len, torch.Generator().manual_seed(0))
 
 
-def _pieces(sizes):
-    mesh = init_mesh(given.full_sizes(sizes))
-    out = {"errors": {}}
+def stages_on_one_process(sizes):
+    """LlamaStage.__init__ of stages 0 to 3 of 4 at every (fsdp index, t index) of a mesh, built in this process:
+    the constructor only cuts and copies (groups made without torch.distributed, course/mesh.py's group_of)."""
+    t, n = sizes.get("t", 1), sizes.get("d", 1) * sizes.get("c", 1)
+    one = lambda axis: group_of(axis, 0, (0,))  # noqa: E731
+    built = {}
+    for i_fsdp in range(n):
+        for i_t in range(t):
+            groups = given.Groups(pp=one("p"), data=one("d"), cp=group_of("c", 0, range(sizes.get("c", 1))),
+                                  tp=group_of("t", i_t, range(t)), fsdp=group_of("dc", i_fsdp, range(n)),
+                                  replicas=group_of("dc", i_fsdp, range(n)))
+            built[i_fsdp, i_t] = [stage_module.LlamaStage(CFG, groups, s, 4, whole()) for s in range(4)]
+    return built
 
-    def attempt(piece, fn):
+
+def _pieces(sizes):
+    """The pieces of a step on one stage, each called on its own: a piece that raises is named in the error (the
+    launcher adds where, the learner's frames first), and the ranks stop there."""
+    def piece(name, fn):
         try:
             return fn()
-        except Exception as error:  # said by the test of this piece; the later pieces are not run
-            out["errors"][piece] = f"{type(error).__name__}: {error}{where_raised(error)}"
-            raise
+        except Exception as error:
+            raise RuntimeError(f"your {name} raised {type(error).__name__}: {error}") from error
 
-    def copies(tensors):
-        return None if tensors is None else [t.clone() for t in tensors]
+    mesh = init_mesh(given.full_sizes(sizes))
+    model = trainer.ComposedLlama(CFG, mesh, M, "1f1b", 1, dtype=f64, whole=whole_model(CFG))
+    g = model.groups
+    out = {"place": {"d": g.data.index, "c": g.cp.index, "t": g.tp.index, "fsdp": g.fsdp.index}}
+    [stage] = model.stages.values()
+    tokens, targets = batch()
+    rows, ys = model.share(tokens).chunk(M), model.share(targets).chunk(M)
 
-    try:
-        whole = whole_model(CFG)
-        model = attempt("init", lambda: trainer.ComposedLlama(CFG, mesh, M, "1f1b", 1, dtype=f64, whole=whole))
-        g = model.groups
-        out["place"] = {"d": g.data.index, "c": g.cp.index, "t": g.tp.index, "fsdp": g.fsdp.index}
-        stages = attempt("init", lambda: [stage_module.LlamaStage(CFG, g, s, 4, whole) for s in range(4)])
-        out["init"] = [{"shards": copies(s.shards), "outer": s.outer_shard.clone(), "layers": list(s.layers)}
-                       for s in stages]
-        [stage] = model.stages.values()
-        tokens, targets = batch()
-        rows, ys = model.share(tokens).chunk(M), model.share(targets).chunk(M)
+    def one_pass():
+        stage.begin_step(m06.real_tokens(targets), BATCH)
+        stage.gather_outer = lambda: None  # gather() ends by calling it: called on its own below
+        piece("LlamaStage.gather", stage.gather)
+        del stage.gather_outer
+        piece("LlamaStage.gather_outer", stage.gather_outer)
+        buffers = {"weights": [copies(w.tensors()) for w in stage.weights], "full_grads": copies(stage.full_grads),
+                   "outer": copies([stage.embedding, stage.final_norm, stage.lm_head]),
+                   "outer_full_grad": stage.outer_full_grad.clone()}
+        losses = []
+        for i, (x, y) in enumerate(zip(rows, ys, strict=True)):
+            losses.append(piece("LlamaStage.forward", lambda: stage.forward(x, i, y)).item())
+            piece("LlamaStage.backward", lambda: stage.backward(i))
+        return buffers, losses
 
-        def one_pass():
-            stage.begin_step(m06.real_tokens(targets), BATCH)
-            stage.gather_outer = lambda: None  # gather() ends by calling it: checked on its own below
-            attempt("gather", stage.gather)
-            del stage.gather_outer
-            attempt("gather_outer", stage.gather_outer)
-            buffers = {"weights": [copies(w.tensors()) for w in stage.weights], "full_grads": copies(stage.full_grads),
-                       "outer": copies([stage.embedding, stage.final_norm, stage.lm_head]),
-                       "outer_full_grad": stage.outer_full_grad.clone()}
-            losses = []
-            for i, (x, y) in enumerate(zip(rows, ys, strict=True)):
-                losses.append(attempt("forward", lambda: stage.forward(x, i, y)).item())
-                attempt("backward", lambda: stage.backward(i))
-            return buffers, losses
-
-        out["gathered"], out["losses"] = one_pass()
-        out["full_grads"], out["outer_full_grad"] = copies(stage.full_grads), stage.outer_full_grad.clone()
-        attempt("reduce_scatter_outer", stage.reduce_scatter_outer)
-        out["outer_grad"] = stage.outer_grad.clone()
-        out["outer_dropped"] = [name for name in ("outer_full", "outer_full_grad", "outer_grads", "embedding",
-                                                  "final_norm", "lm_head") if getattr(stage, name) is not None]
-        stage.reduce_scatter_outer = lambda: None  # reduce_scatter() starts by calling it: done above
-        attempt("reduce_scatter", stage.reduce_scatter)
-        del stage.reduce_scatter_outer
-        out["grad_shards"] = copies(stage.grad_shards)
-        out["dropped"] = [name for name in ("full", "weights", "full_grads", "block_grads")
-                          if getattr(stage, name) is not None]
-        # A second step from the same weights (no optimizer): its buffers are new ones, and it ends with the
-        # trainer's sums.
-        out["regathered"], _ = one_pass()
-        attempt("finish_gradients", model.finish_gradients)
-        out["finished"] = copies(stage.grad_shards) + [stage.outer_grad.clone()]
-    except Exception:
-        pass
+    out["gathered"], out["losses"] = one_pass()
+    out["full_grads"], out["outer_full_grad"] = copies(stage.full_grads), stage.outer_full_grad.clone()
+    piece("LlamaStage.reduce_scatter_outer", stage.reduce_scatter_outer)
+    out["outer_grad"] = stage.outer_grad.clone()
+    out["outer_dropped"] = [name for name in ("outer_full", "outer_full_grad", "outer_grads", "embedding",
+                                              "final_norm", "lm_head") if getattr(stage, name) is not None]
+    stage.reduce_scatter_outer = lambda: None  # reduce_scatter() starts by calling it: done above
+    piece("LlamaStage.reduce_scatter", stage.reduce_scatter)
+    del stage.reduce_scatter_outer
+    out["grad_shards"] = copies(stage.grad_shards)
+    out["dropped"] = [name for name in ("full", "weights", "full_grads", "block_grads") if getattr(stage, name) is not None]
+    # A second step from the same weights (no optimizer): its buffers are new ones, and it ends with the trainer's sums.
+    out["regathered"], _ = one_pass()
+    piece("ComposedLlama.finish_gradients", model.finish_gradients)
+    out["finished"] = copies(stage.grad_shards) + [stage.outer_grad.clone()]
     return out
 
 
+def copies(tensors):
+    return None if tensors is None else [t.clone() for t in tensors]
+
+
 @functools.cache
+def run_pieces(name):
+    """Every rank's pieces, or the error that stopped a rank: a rank raises (or waits forever) where its code went
+    wrong, and the launcher names that rank and where it was (the learner's frames first), which the checks'
+    markers read to name the piece."""
+    try:
+        return run_ranks(_pieces, 4, MESHES[name], timeout=90), None
+    except (RankFailed, RankTimeout) as error:
+        return None, error
+
+
 def pieces(name):
-    return run_ranks(_pieces, 4, MESHES[name], timeout=90)
+    results, error = run_pieces(name)
+    if error is not None:
+        raise error
+    return results
 
 
 @functools.cache
@@ -201,16 +220,6 @@ def norm_mask(layout):
     return mask
 
 
-def fail_if_not_run(name, results, piece):
-    """The error of this piece, or of an earlier one it needs, on the first rank that has one."""
-    for rank, out in enumerate(results):
-        for earlier in PIECES[:PIECES.index(piece) + 1]:
-            if earlier in out["errors"]:
-                what = "building the composed model" if earlier == "init" else f"your {TODO_OF[earlier]}"
-                needs = "" if earlier == piece else f" (the check of {TODO_OF[piece]} needs it first)"
-                pytest.fail(f"{name}, rank {rank}: {what} raised {out['errors'][earlier]}{needs}")
-
-
 def relative(got, want):
     return ((got - want).abs().max() / want.abs().max().clamp_min(1e-300)).item()
 
@@ -223,25 +232,24 @@ def by_place(results, key):
 @pytest.mark.exercises("LlamaStage.__init__")
 @pytest.mark.parametrize("name", MESHES)
 def test_each_stage_holds_its_blocks_t_slices_flat_over_fsdp_and_its_vocabulary_rows(name):
-    results = pieces(name)
-    fail_if_not_run(name, results, "init")
     t, model = MESHES[name].get("t", 1), whole()
+    built = stages_on_one_process(MESHES[name])
     for s in range(4):
         first, last = s == 0, s == 3
         for i_t in range(t):
-            ranks = sorted((r for r in results if r["place"]["t"] == i_t), key=lambda r: r["place"]["fsdp"])
-            layers = ranks[0]["init"][s]["layers"]
+            ranks = [built[i_fsdp, tt][s] for i_fsdp, tt in sorted(built) if tt == i_t]
+            layers = list(ranks[0].layers)
             assert layers == [s], f"{name}: stage {s} of 4 holds blocks {layers}, expected [{s}] (stage_layers, given)"
             want = t_slice_flat(model.blocks[s], t, i_t)
             shard_numel = block_layout(t).shard_numel
-            for r in ranks:
-                shard = r["init"][s]["shards"][0]
+            for i_fsdp, stage in enumerate(ranks):
+                shard = stage.shards[0]
                 assert shard.shape == (shard_numel,), \
-                    (f"{name}, rank at fsdp {r['place']['fsdp']}, t {i_t}: stage {s}'s block shard has shape "
-                     f"{tuple(shard.shape)}, expected ({shard_numel},): 1/{fsdp_size(t)} of the block's t slice "
-                     f"({block_layout(t).numel} values, padded), the slice module 12 computes with on t rank {i_t} "
-                     f"(your LlamaStage.__init__)")
-            got = torch.cat([r["init"][s]["shards"][0] for r in ranks])
+                    (f"{name}, the rank at fsdp {i_fsdp}, t {i_t}: your LlamaStage.__init__ made stage {s}'s block "
+                     f"shard of shape {tuple(shard.shape)}, expected ({shard_numel},): 1/{fsdp_size(t)} of the block's "
+                     f"t slice ({block_layout(t).numel} values, padded), the slice module 12 computes with on t rank "
+                     f"{i_t}")
+            got = torch.cat([stage.shards[0] for stage in ranks])
             assert torch.equal(got, want), \
                 (f"{name}: stage {s}'s block shards of the fsdp ranks with t index {i_t}, end to end, are not "
                  f"module 07's flat buffer of module 12's t slice {i_t} of block {s}: first differing value at "
@@ -249,7 +257,7 @@ def test_each_stage_holds_its_blocks_t_slices_flat_over_fsdp_and_its_vocabulary_
                  f"over which group, and which shard does a rank keep?)")
             layout = outer_layout(first, last, t)
             want = layout.flatten(outer_weights(model, first, last, t, i_t))
-            got = torch.cat([r["init"][s]["outer"] for r in ranks])
+            got = torch.cat([stage.outer_shard for stage in ranks])
             assert got.shape == want.shape and torch.equal(got, want), \
                 (f"{name}: stage {s} of 4 (first {first}, last {last}): the outer shards of the fsdp ranks with t "
                  f"index {i_t}, end to end ({tuple(got.shape)}), are not the flat buffer of its outer weights "
@@ -257,11 +265,10 @@ def test_each_stage_holds_its_blocks_t_slices_flat_over_fsdp_and_its_vocabulary_
                  f"(last), as t rank {i_t} computes with them (your LlamaStage.__init__)")
 
 
-@pytest.mark.exercises("LlamaStage.gather")
+@pytest.mark.exercises("LlamaStage.gather", *PIECES)
 @pytest.mark.parametrize("name", MESHES)
 def test_gather_gives_each_block_its_t_slice_whole_and_zeroed_buffers_for_its_gradient(name):
     results = pieces(name)
-    fail_if_not_run(name, results, "gather")
     t, model = MESHES[name].get("t", 1), whole()
     for r in results:
         where = f"{name}, rank at d {r['place']['d']}, c {r['place']['c']}, t {r['place']['t']}"
@@ -286,11 +293,10 @@ def test_gather_gives_each_block_its_t_slice_whole_and_zeroed_buffers_for_its_gr
                      f"LlamaStage.gather): every microbatch's backward adds into it")
 
 
-@pytest.mark.exercises("LlamaStage.gather_outer")
+@pytest.mark.exercises("LlamaStage.gather_outer", *PIECES)
 @pytest.mark.parametrize("name", MESHES)
 def test_gather_outer_gives_the_stage_its_vocabulary_rows_and_final_norm_whole(name):
     results = pieces(name)
-    fail_if_not_run(name, results, "gather_outer")
     t = MESHES[name].get("t", 1)
     for r in results:
         where = f"{name}, rank at d {r['place']['d']}, c {r['place']['c']}, t {r['place']['t']}"
@@ -306,11 +312,10 @@ def test_gather_outer_gives_the_stage_its_vocabulary_rows_and_final_norm_whole(n
                  f"with {int(g.count_nonzero())} non-zero values; expected ({padded},) {grad_dtype(f64)}, zeroed")
 
 
-@pytest.mark.exercises("LlamaStage.forward")
+@pytest.mark.exercises("LlamaStage.forward", *PIECES)
 @pytest.mark.parametrize("name", MESHES)
 def test_forward_gives_each_rank_its_share_of_the_microbatch_loss(name):
     results = pieces(name)
-    fail_if_not_run(name, results, "forward")
     want = one_process(name)
     losses = by_place(results, "losses")
     t = MESHES[name].get("t", 1)
@@ -325,11 +330,10 @@ def test_forward_gives_each_rank_its_share_of_the_microbatch_loss(name):
                  f"positions of the tokens and targets, which weights, divided by self.n_tokens alone?)")
 
 
-@pytest.mark.exercises("LlamaStage.backward")
+@pytest.mark.exercises("LlamaStage.backward", *PIECES)
 @pytest.mark.parametrize("name", MESHES)
 def test_backward_adds_each_microbatch_into_the_whole_gradient_buffers(name):
     results = pieces(name)
-    fail_if_not_run(name, results, "backward")
     t, want = MESHES[name].get("t", 1), one_process(name)
     full, outer = by_place(results, "full_grads"), by_place(results, "outer_full_grad")
     layout_mask, outer_mask = norm_mask(block_layout(t)), norm_mask(outer_layout(True, True, t))
@@ -377,11 +381,10 @@ def check_reduce_scattered(name, results, key, shard_key, layout, what, todo):
                      f"({tuple(want.shape)}; relative error {error:.1e}): your {todo}")
 
 
-@pytest.mark.exercises("LlamaStage.reduce_scatter_outer")
+@pytest.mark.exercises("LlamaStage.reduce_scatter_outer", *PIECES)
 @pytest.mark.parametrize("name", MESHES)
 def test_reduce_scatter_outer_sums_the_outer_buffer_over_fsdp_into_the_shard(name):
     results = pieces(name)
-    fail_if_not_run(name, results, "reduce_scatter_outer")
     t = MESHES[name].get("t", 1)
     check_reduce_scattered(name, results, "outer_full_grad", "outer_grad", outer_layout(True, True, t),
                            lambda k: "the outer weights'", "LlamaStage.reduce_scatter_outer")
@@ -390,11 +393,10 @@ def test_reduce_scatter_outer_sums_the_outer_buffer_over_fsdp_into_the_shard(nam
                                         f"{r['outer_dropped']}: the next step gathers anew")
 
 
-@pytest.mark.exercises("LlamaStage.reduce_scatter")
+@pytest.mark.exercises("LlamaStage.reduce_scatter", *PIECES)
 @pytest.mark.parametrize("name", MESHES)
 def test_reduce_scatter_sums_each_block_over_fsdp_into_its_shard(name):
     results = pieces(name)
-    fail_if_not_run(name, results, "reduce_scatter")
     t = MESHES[name].get("t", 1)
     check_reduce_scattered(name, results, "full_grads", "grad_shards", block_layout(t), lambda k: f"block {k}'s",
                            "LlamaStage.reduce_scatter")
@@ -403,11 +405,10 @@ def test_reduce_scatter_sums_each_block_over_fsdp_into_its_shard(name):
                                   f"the next step gathers anew (the optimizer changes the shards)")
 
 
-@pytest.mark.exercises("ComposedLlama.finish_gradients")
+@pytest.mark.exercises("ComposedLlama.finish_gradients", *PIECES)
 @pytest.mark.parametrize("name", MESHES)
 def test_finish_gradients_leaves_every_shard_with_its_piece_of_the_whole_gradient(name):
     results = pieces(name)
-    fail_if_not_run(name, results, "finish_gradients")
     t, want = MESHES[name].get("t", 1), one_process(name)
     total = functools.reduce(summed, [g for _, g in want.values()])
     layout, outer = block_layout(t), outer_layout(True, True, t)

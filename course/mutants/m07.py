@@ -97,4 +97,9 @@ PLANTS = [
     Plant(PAYLOAD, "\"buffers\": (2 * d * shard + d * outer_shard + 2 * shard) * b",
           "\"buffers\": (2 * d * shard + 2 * shard) * b",
           "the buffers without the outer weights gathered whole: during a microbatch every rank holds all of them"),
+    # Issue 36's divisor of every train_step, the other way to get it wrong (issue 37).
+    Plant(FSDP, "        loss = sum(self.accumulate(tok, tgt, n_tokens) for tok, tgt in\n",
+          "        loss = sum(self.accumulate(tok, tgt, real_tokens(tgt)) for tok, tgt in\n",
+          "each microbatch divided by its own real tokens: every microbatch's gradient is the mean of its piece, so the "
+          "sums over microbatches and ranks are m d times the step's", new=True),
 ]
