@@ -24,6 +24,8 @@ Tolerance: float64, the same sums in another order: within 1e-10 relative to eac
 (measured 4e-16); the copies (shards, gathers) are compared bit for bit.
 """
 import functools
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -73,10 +75,13 @@ def stages_on_one_process(sizes):
     return built
 
 
-def _pieces(sizes):
+def _pieces(sizes, progress):
     """The pieces of a step on one stage, each called on its own: a piece that raises is named in the error (the
-    launcher adds where, the learner's frames first), and the ranks stop there."""
+    launcher adds where, the learner's frames first), and the ranks stop there. Each rank notes in `progress` the
+    piece it is in: a rank that dies without a Python error (gloo aborts on messages that differ between ranks)
+    is then named by the piece it died in."""
     def piece(name, fn):
+        (Path(progress) / f"rank {torch.distributed.get_rank()}").write_text(name)
         try:
             return fn()
         except Exception as error:
@@ -132,10 +137,17 @@ def run_pieces(name):
     """Every rank's pieces, or the error that stopped a rank: a rank raises (or waits forever) where its code went
     wrong, and the launcher names that rank and where it was (the learner's frames first), which the checks'
     markers read to name the piece."""
-    try:
-        return run_ranks(_pieces, 4, MESHES[name], timeout=90), None
-    except (RankFailed, RankTimeout) as error:
-        return None, error
+    with tempfile.TemporaryDirectory() as progress:
+        try:
+            return run_ranks(_pieces, 4, MESHES[name], progress, timeout=90), None
+        except RankFailed as error:
+            if "died without a result" not in str(error):
+                return None, error
+            where = {path.name: path.read_text() for path in sorted(Path(progress).iterdir())}
+            return None, RankFailed(f"{error}; when it died, each rank was in: " +
+                                    ", ".join(f"{rank}: your {name}" for rank, name in where.items()))
+        except RankTimeout as error:
+            return None, error
 
 
 def pieces(name):

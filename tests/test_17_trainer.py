@@ -19,6 +19,8 @@ AdamW's first step by ~1e-3 or more.
 """
 import dataclasses
 import functools
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,7 +28,7 @@ import torch
 from composed_checks import whole_model
 from course.costs import measured_cost
 from course.impl import load, reference
-from course.launch import run_ranks
+from course.launch import RankTimeout, run_ranks
 from course.mesh import init_mesh
 
 trainer = load("m17_trainer")
@@ -51,10 +53,19 @@ ALL_TODOS = ("ComposedLlama.train_step", "LlamaStage.forward", "LlamaStage.backw
              "LlamaStage.__init__", "compose_groups")
 
 
-def _train(cfg, sizes, schedule, stages_per_rank, moe, recompute=False):
+def _train(cfg, sizes, schedule, stages_per_rank, moe, recompute=False, progress=None):
     mesh = init_mesh(given.full_sizes(sizes))
     model = trainer.ComposedLlama(cfg, mesh, M, schedule, stages_per_rank, dtype=f64, moe=moe,
                                   whole=whole_model(cfg, moe), recompute=recompute)
+    if progress is not None:  # note when each rank is inside finish_gradients: a sum a rank never joins hangs there
+        note = Path(progress) / f"rank {torch.distributed.get_rank()}"
+        finish = model.finish_gradients
+
+        def noted():
+            note.write_text("in")
+            finish()
+            note.write_text("past")
+        model.finish_gradients = noted
     marks = []
     _, losses = m06.fit(model, STEPS, BATCH, LR, n_microbatches=M, on_step=lambda step, loss: marks.append(len(mesh.log)))
     last_step = [r for r in mesh.log[marks[-2]:marks[-1]] if r.axis == "dc" and r.op in ("all_gather", "reduce_scatter")]
@@ -72,7 +83,21 @@ def _train(cfg, sizes, schedule, stages_per_rank, moe, recompute=False):
 @functools.cache
 def trained(name):
     sizes, schedule, stages_per_rank, moe = MESHES[name]
-    return run_ranks(_train, 4, CFG, sizes, schedule, stages_per_rank, moe, timeout=120)
+    with tempfile.TemporaryDirectory() as progress:
+        try:
+            return run_ranks(_train, 4, CFG, sizes, schedule, stages_per_rank, moe, False, progress, timeout=120)
+        except RankTimeout as error:
+            where = {path.name: path.read_text() for path in sorted(Path(progress).iterdir())}
+            stuck = [rank for rank, state in where.items() if state == "in"]
+            if not stuck:
+                raise
+            # The launcher's report names given code (the sums' helper) and the other ranks' later waits: the wait that
+            # never returned is inside finish_gradients, on these ranks.
+            raise RankTimeout(f"{name}: the step never finished: {', '.join(stuck)} waited forever inside your "
+                              f"ComposedLlama.finish_gradients (a sum that not every rank of its group joins, or joins "
+                              f"with another size), while "
+                              f"{', '.join(r for r in where if r not in stuck) or 'no other rank'} had gone past it "
+                              f"({str(error).split(';')[0]})") from None
 
 
 @functools.cache
@@ -287,11 +312,15 @@ def _train_bf16(sizes):
     model = trainer.ComposedLlama(CFG, init_mesh(given.full_sizes(sizes)), M, "1f1b", 1, dtype=BF16,
                                   whole=whole_model(CFG, dtype=BF16))
     [stage] = model.stages.values()
-    stage.gather()  # the buffers of a step, looked at before the step runs
-    dtypes = {"full_grads": sorted({str(g.dtype) for g in stage.full_grads}), "outer_full_grad":
-              str(stage.outer_full_grad.dtype)}
+    stage.gather()  # the buffers of a step, looked at before a step runs (a wrong dtype fails in its collectives)
+    blocks, outer = sorted({str(g.dtype) for g in stage.full_grads}), str(stage.outer_full_grad.dtype)
+    assert blocks == ["torch.float32"], \
+        (f"with bf16 weights your LlamaStage.gather made the blocks' whole gradient buffers in {blocks}: the "
+         f"accumulators (and so the reduce-scatters into the float32 gradient shards) are in grad_dtype(bf16) = float32")
+    assert outer == "torch.float32", (f"with bf16 weights your LlamaStage.gather_outer made the outer gradient buffer in "
+                                      f"{outer}, not grad_dtype(bf16) = float32")
     stage.release()
-    return dtypes, m06.fit(model, STEPS, BATCH, LR, n_microbatches=M)[1]
+    return m06.fit(model, STEPS, BATCH, LR, n_microbatches=M)[1]
 
 
 @functools.cache
@@ -305,14 +334,7 @@ def float64_from_bf16_weights():
 @pytest.mark.exercises("LlamaStage.gather", "LlamaStage.gather_outer", *ALL_TODOS)
 def test_bf16_weights_on_d2_accumulate_in_float32_and_train_within_bf16_rounding():
     want = float64_from_bf16_weights()
-    for rank, (dtypes, got) in enumerate(run_ranks(_train_bf16, 4, {"d": 2, "t": 2}, timeout=120)):
-        assert dtypes["full_grads"] == ["torch.float32"], \
-            (f"rank {rank}: with bf16 weights your LlamaStage.gather made the blocks' whole gradient buffers in "
-             f"{dtypes['full_grads']}: the accumulators (and so the reduce-scatters into the float32 gradient shards) "
-             f"are in grad_dtype(bf16) = float32")
-        assert dtypes["outer_full_grad"] == "torch.float32", \
-            (f"rank {rank}: with bf16 weights your LlamaStage.gather_outer made the outer gradient buffer in "
-             f"{dtypes['outer_full_grad']}, not grad_dtype(bf16) = float32")
+    for rank, got in enumerate(run_ranks(_train_bf16, 4, {"d": 2, "t": 2}, timeout=120)):
         gap = max(abs(a - b) for a, b in zip(got, want, strict=True))
         assert gap < 0.05, (f"rank {rank}: bf16 on d2 t2, losses {got}; one process in float64 from the same weights "
                             f"{want}: {gap:.2e} apart, more than bf16's rounding (ratio {got[0] / want[0]:.3g}: does "
