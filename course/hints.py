@@ -54,6 +54,8 @@ RENAMED_TITLES: dict[str, str] = {
         "TODO(m02): receive a tensor from the neighbour its direction comes from, into a new buffer",
     "TODO(m05): run the whole batch as a single microbatch, forward then backward":
         "TODO(m05): run GPipe: all m forwards, then all m backwards, and return the batch loss",
+    "TODO(m07): this rank's rows, every microbatch divided by the global batch's tokens, one step":
+        "TODO(m07): this rank's rows, the loss's divisor, one step",
 }
 
 

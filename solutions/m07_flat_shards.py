@@ -45,15 +45,18 @@ class FlatLayout:
         self.numels = [prod(s) for s in self.shapes]
         self.numel = sum(self.numels)  # the group's parameters, without padding
         # >>> TODO(m07): the shard size and the padded size: equal shards that cover every parameter
-        # Set self.shard_numel and self.padded_numel (integers). The numel parameters are cut into world_size shards
-        # of one size, the smallest size that lets them cover all numel; padded_numel is what the shards hold
-        # together: numel plus fewer than world_size elements of zero padding.
-        # Pitfall: the tests use 3 and 7 ranks, which do not divide the test block's numel; both sizes must be exact Python
-        # integers, also for counts of billions (float arithmetic is not).
-        # Hint 1: the shard size is numel divided by world_size, rounded *up*; the padding is what the rounding adds.
-        # Hint 2: integer ceiling division: (a + b - 1) // b, or -(-a // b).
-        # Hint 3: shard_numel = numel over world_size, rounded up (integers only)
-        #         padded_numel = shard_numel times world_size
+        # Contract: set self.shard_numel and self.padded_numel, Python ints (exact for counts of billions): world_size
+        #   shards of shard_numel values each, one per rank, which together hold all numel values and fewer than
+        #   world_size values of zero padding; padded_numel is the shards' total. The tests use 3 and 7 ranks, which do
+        #   not divide the test block's numel.
+        # The question: how long must each of d equal shards be to cover numel values, for any numel and d?
+        # Pitfall: what does float arithmetic give for a count of billions?
+        # Hint 1: if d does not divide numel, what is the shortest shard length that still covers everything, and how
+        #         much padding does it add? (docs/07, "Sharding: one flat buffer per block": try 10 values over 4
+        #         ranks.)
+        # Hint 2: s = ⌈numel / d⌉ (rounded up, in integers); padded = d s, so 0 ≤ padded − numel < d.
+        # Hint 3: shard_numel = -(-self.numel // world_size)  (into self.shard_numel)
+        #         padded_numel = shard_numel * world_size  (into self.padded_numel)
         self.shard_numel = -(-self.numel // world_size)
         self.padded_numel = self.shard_numel * world_size
         # <<<
@@ -64,17 +67,18 @@ class FlatLayout:
         first = block.tensors()[0]
         flat = torch.zeros(self.padded_numel, dtype=first.dtype, device=first.device)
         # >>> TODO(m07): lay the block's tensors end to end in the flat buffer
-        # flat is a zeroed (padded_numel,) buffer. Write each of the group's tensors into it, flattened, in field
-        # order (the order of block.tensors() and of self.numels), each right after the previous one;
-        # the padding at the end stays zero. The test compares with the tensors concatenated in that order,
-        # followed by zeros, for 1 to 7 ranks.
-        # Pitfall: view(-1) fails on a tensor that is not contiguous; a reshape copies only when it must.
-        # Hint 1: keep a running offset: each tensor fills its numel elements from there, and the next starts after.
-        # Hint 2: slice assignment (flat[a:b] = t) copies into the buffer; reshape(-1); zip(block.tensors(),
-        #         self.numels).
+        # Contract: flat is a zeroed (padded_numel,) buffer. Afterwards it holds the group's tensors flattened, in field
+        #   order (the order of block.tensors() and of self.numels), each right after the one before, and zeros in the
+        #   padding at the end. The test compares with the tensors concatenated in that order, followed by zeros, for 1
+        #   to 7 ranks.
+        # The question: where in the buffer does each tensor start?
+        # Pitfall: what does view(-1) do with a tensor that is not contiguous?
+        # Hint 1: if tensor k starts at o_k, where does tensor k + 1 start? (docs/07, "Sharding: one flat buffer per
+        #         block".)
+        # Hint 2: o_0 = 0, o_(k+1) = o_k + numel_k; tensor k fills flat[o_k : o_k + numel_k].
         # Hint 3: offset = 0
-        #         for each tensor and its numel n: the flattened tensor goes into flat[offset : offset + n]
-        #             offset grows by n
+        #         for tensor, n in zip(block.tensors(), self.numels):
+        #             flat[offset:offset + n] = tensor.reshape(-1);  offset += n
         offset = 0
         for tensor, n in zip(block.tensors(), self.numels):
             flat[offset:offset + n] = tensor.reshape(-1)
@@ -85,18 +89,18 @@ class FlatLayout:
     def views(self, flat: torch.Tensor) -> BlockWeights | OuterWeights:
         """The group's tensors as views into `flat` (writing through them writes the buffer)."""
         # >>> TODO(m07): the block's tensors as views into the flat buffer, each in its shape
-        # Return a group of the template's class (self.kind: BlockWeights for a block) whose fields (self.names, in
-        # order) are views of flat's first numel elements, each in its shape (self.shapes). Views, not copies: writing through a field writes the buffer, and an all-gather into
-        # the buffer changes what the fields show (that is how the gathered block reaches the loop). The padding
-        # belongs to no field.
-        # Pitfall: a copy (clone, cat, a reshape that had to copy) has the right values, but the test checks that
-        # every field shares the buffer's storage.
-        # Hint 1: cut the unpadded part of the buffer into consecutive pieces of the tensors' sizes, then give each
-        #         piece its shape.
-        # Hint 2: torch.split(tensor, list_of_sizes) returns views; .view(shape) never copies (it raises instead);
-        #         self.kind(**{name: tensor, ...}) builds the dataclass from a dict.
-        # Hint 3: pieces = flat's first numel elements split into self.numels
-        #         return a self.kind with, for each (name, piece, shape), the piece viewed in its shape
+        # Contract: return a group of the template's class (self.kind) whose fields (self.names, in order) are views of
+        #   flat's first numel values, each in its shape (self.shapes): writing through a field writes the buffer, and
+        #   an all-gather into the buffer changes what the fields show (that is how the gathered block reaches the
+        #   loop). The padding belongs to no field. The test checks that every field shares the buffer's storage.
+        # The question: which piece of the buffer is each field, and how do you get it without a copy?
+        # Pitfall: which of clone, cat and reshape may copy?
+        # Hint 1: flatten() put tensor k at o_k: which operations cut a tensor into pieces, or give a piece a shape,
+        #         without copying? (docs/07, "Sharding: one flat buffer per block": the flat parameter.)
+        # Hint 2: field k = flat[o_k : o_k + numel_k] in shape k, o_k as in flatten(); slicing and torch.split give
+        #         views, and .view never copies (it raises instead).
+        # Hint 3: pieces = torch.split(flat[:self.numel], self.numels)
+        #         return self.kind(**{name: p.view(shape) for name, p, shape in zip(self.names, pieces, self.shapes)})
         pieces = torch.split(flat[:self.numel], self.numels)
         return self.kind(**{name: p.view(shape) for name, p, shape in zip(self.names, pieces, self.shapes)})
         # <<<
@@ -104,14 +108,15 @@ class FlatLayout:
     def shard(self, flat: torch.Tensor, rank: int) -> torch.Tensor:
         """Rank `rank`'s slice of a padded flat buffer (a view)."""
         # >>> TODO(m07): the rank's shard: its slice of the padded buffer
-        # Return rank `rank`'s shard of a padded flat buffer: a view of shard_numel consecutive elements. Rank r's is
-        # the r-th of world_size equal consecutive pieces, so the shards of ranks 0 .. d - 1, in order, concatenate
-        # to the whole buffer (the test checks this; docs/07-fsdp.md cuts 12 values over 3 ranks, and leaves 10
-        # values over 4 ranks to you).
-        # Pitfall: sizes computed from the unpadded numel leave a gap or an overlap when d does not divide it.
-        # Hint 1: the shard starts rank shards into the buffer and is one shard long.
-        # Hint 2: basic slicing (flat[a:b]) is a view.
-        # Hint 3: start = rank times the shard size; return the slice of that length from start
+        # Contract: return rank `rank`'s shard of a padded flat buffer: a view of shard_numel consecutive values, such
+        #   that the shards of ranks 0 .. d - 1, in order, concatenate to the whole buffer (the test checks this).
+        # The question: where does rank r's shard start?
+        # Pitfall: what gap or overlap appears if the sizes come from the unpadded numel?
+        # Hint 1: what does an all-gather build from the ranks' pieces, and so where must each piece come from? (docs/07
+        #         cuts 12 values over 3 ranks, and leaves 10 values over 4 ranks to you.)
+        # Hint 2: rank r's shard is flat[r s : (r + 1) s], s = shard_numel: [r * s, (r + 1) * s).
+        # Hint 3: start = rank * self.shard_numel
+        #         return flat[start:start + self.shard_numel]
         start = rank * self.shard_numel
         return flat[start:start + self.shard_numel]
         # <<<

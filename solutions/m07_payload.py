@@ -54,31 +54,30 @@ def fsdp_traffic(cfg: LlamaConfig, sizes: dict[str, int], dtype: torch.dtype, n_
     block = block_matrix_params(cfg) + 2 * M     # P + 2M: one block's values, FlatLayout's numel
     outer = 2 * cfg.vocab_size * M + M           # the embedding, the LM head and the final norm: one more group
     # >>> TODO(m07): one optimizer step's all-gathers and reduce-scatters, the buffers, and the state kept
-    # Return a StepCost over the axis "d": calls[("d", op)] the number of all-gathers and reduce-scatters in one
-    #   step, sent[("d", op)] the bytes one rank sends for them, and memory: "buffers" (the full-size buffers, the
-    #   whole outer weights and the communication buffers), "parameters" (the L block shards and the outer
-    #   weights' shard), "gradients" (as many) and "optimizer" (AdamW's two moments of each), in bytes.
-    # Derive each from the module docstring: how many passes a step of n_microbatches makes, how many turns lie
-    #   between them and what `kept` saves at each, which collectives each pass and each microbatch issue for which
-    #   group, what one of them sends by the log's rule, and how big each buffer is. docs/07-fsdp.md works out the
-    #   Notes' forward, and the outer weights' memory.
-    # Pitfalls: a payload is one rank's shard of its group, padded like FlatLayout's (the tests use groups that
-    #   need padding), so the two groups' collectives send payloads of two sizes. The tests check PyTorch's FSDP
-    #   Notes' worked example (kept 0, the outer group's part counted by hand beside it), counts written out by
-    #   hand for kept 1 and 2, several microbatches, and the log and the tensors of a real step.
-    # Hint 1: count the passes (two per microbatch) and the turns between them (one fewer than the passes); each
-    #         turn saves `kept` all-gathers. The outer group: one all-gather and one reduce-scatter per microbatch.
-    # Hint 2: shard = ceil(block / d), outer_shard = ceil(outer / d) (integer ceilings); turns = 2m - 1; the blocks'
-    #         all-gathers = 2 L m - kept turns, their reduce-scatters = L m; the outer's m each; sent = calls (d - 1)
-    #         payload, group by group; buffers (2 d shard + d outer_shard + 2 shard) b; parameters (L shard +
-    #         outer_shard) b, gradients as many, optimizer twice that.
-    # Hint 3: shard, outer_shard as above;  turns = 2m - 1
-    #         for each group (shard, all-gathers, reduce-scatters): (shard, 2 L m - kept turns, L m), (outer_shard, m, m):
-    #             calls = {("d", "all_gather"): all-gathers, ("d", "reduce_scatter"): reduce-scatters}
-    #             cost += StepCost({key: n (d - 1) shard b for each key, n of calls}, calls)
-    #         owned = (L shard + outer_shard) b
-    #         memory = buffers (2 d shard + d outer_shard + 2 shard) b, parameters owned, gradients owned, optimizer
-    #         2 owned;  return cost + StepCost(memory=memory)
+    # Contract: return a StepCost over the axis "d": calls[("d", op)] the number of all-gathers and reduce-scatters in
+    #   one step, sent[("d", op)] the bytes one rank sends for them, and memory: "buffers" (the full-size buffers, the
+    #   whole outer weights and the communication buffers), "parameters" (the L block shards and the outer weights'
+    #   shard), "gradients" (as many) and "optimizer" (AdamW's state of each), in bytes. The tests check PyTorch's FSDP
+    #   Notes' worked example (kept 0, the outer group's part counted by hand beside it), counts written out by hand for
+    #   kept 1 and 2, several microbatches, and the log and the tensors of a real step, with groups that need padding.
+    # The question: from what the code does (the module docstring) and the log's rule, how many collectives does a step
+    #   of n_microbatches issue for each group, of which payload, and how big is each buffer?
+    # Pitfalls: is a payload the block's values over d, or a padded shard? Do the two groups' collectives carry payloads
+    #   of one size? Which turns between passes can reuse a kept block, and how many turns are there?
+    # Hint 1: how many passes over the L blocks does a step of m microbatches make, how many turns lie between them, and
+    #         what does `kept` save at each? (docs/07, "Payload and buffer arithmetic": the Notes' forward, worked.)
+    # Hint 2: shard = ⌈(P + 2M) / d⌉, outer_shard = ⌈(2VM + M) / d⌉; passes 2m, turns 2m - 1; the blocks' all-gathers 2
+    #         L m - kept (2m - 1), their reduce-scatters L m; the outer group's m each; a collective sends (d - 1)
+    #         payloads of its group's shard, b bytes a value; buffers (2 d shard + d outer_shard + 2 shard) b;
+    #         parameters (L shard + outer_shard) b, gradients as many, optimizer twice that.
+    # Hint 3: shard, outer_shard = -(-block // d), -(-outer // d);  turns = 2m - 1
+    #         for (size, all_gathers, reduce_scatters) in (shard, 2 * L * m - kept * turns, L * m)
+    #                                                      and (outer_shard, m, m):
+    #             calls = {("d", "all_gather"): all_gathers, ("d", "reduce_scatter"): reduce_scatters}
+    #             cost += StepCost({key: n * (d - 1) * size * b for key, n in calls.items()}, calls)
+    #         owned = (L * shard + outer_shard) * b
+    #         memory: buffers (2 * d * shard + d * outer_shard + 2 * shard) * b, parameters owned, gradients owned,
+    #                 optimizer 2 * owned;  return cost + StepCost(memory=memory)
     shard, outer_shard = -(-block // d), -(-outer // d)
     turns = 2 * m - 1
     cost = StepCost()

@@ -91,22 +91,26 @@ class ShardedWeights:
             buf.flat = torch.empty(self.layout.padded_numel, dtype=self.shards[0].dtype)
         # >>> TODO(m07): start gathering the layer into its buffer, unless it is there and current
         # Contract: after check_gather, buf (buffer layer % 2) is FREE. Leave it GATHERING, its fields true to
-        #   GatherBuffer's docstring for this layer at the current weights (self.version), so that get(layer) can
-        #   hand the block out; and send only what that needs: nothing when buf.flat already holds this layer as
-        #   the weights are now. The tests count the all-gathers of a step: exactly the reuses at the turns are
-        #   skipped, and a copy from before an optimizer step is not one.
-        # Contract with the tests: gather() returns at once, waiting for nothing (a blocking all-gather fails them:
-        #   the next block's transfer must overlap this block's compute); this rank's shard of the layer is
-        #   self.shards[layer]; the collective is labelled "block <layer>" (the tests read the layer number).
-        # Pitfall: all ranks take the same branch; a rank that skipped a collective its peers ran would hang them.
-        # Hint 1: compare what the buffer remembers (layer, version) with what is asked; on a miss, start the
-        #         transfer without waiting and remember what the buffer will hold.
-        # Hint 2: self.collectives.all_gather(output, shard, label=..., async_op=True) returns a work with .wait()
-        #         (course/collectives.py); self.version is the current version; FREE/GATHERING/IN_USE are the states.
-        # Hint 3: if buf holds this layer at the current version: nothing pending
-        #         else: pending = the async all-gather of this layer's shard into buf.flat, labelled with the layer
-        #               buf remembers this layer and the current version
-        #         the buffer's state becomes GATHERING
+        #   GatherBuffer's docstring for this layer at the current weights (self.version), so that get(layer) can hand
+        #   the block out; and send only what that needs. The tests count the all-gathers of a step: exactly the reuses
+        #   at the turns are skipped, and a copy from before an optimizer step is not one. gather() returns at once,
+        #   waiting for nothing (the next block's transfer must overlap this block's compute); this rank's shard of the
+        #   layer is self.shards[layer]; the collective is labelled "block <layer>" (the tests read the layer number).
+        # The question: which of the buffer's fields tell whether its contents can be handed out again as they are, and
+        #   what must the fields say afterwards in either case?
+        # Pitfall: all ranks take the same branch: what happens to the others if one rank skips a collective its peers
+        #   run?
+        # Hint 1: at the turn from forward to backward, the buffer already holds the layer asked for: what tells that
+        #         apart from the same layer gathered before an optimizer step? (docs/07, "The gather / get / release
+        #         cycle": the turn worked with L = 4.)
+        # Hint 2: no transfer exactly when buf.layer = layer and buf.version = self.version; otherwise one asynchronous
+        #         all-gather of the shard into buf.flat, and the buffer records this layer and version; either way the
+        #         state becomes GATHERING, and pending is the transfer in flight (or nothing).
+        # Hint 3: when buf.layer == layer and buf.version == self.version: buf.pending = None
+        #         otherwise: buf.pending = self.collectives.all_gather(buf.flat, self.shards[layer],
+        #                                                              label=f"block {layer}", async_op=True)
+        #                    and the buffer records them: buf.layer, buf.version = layer, self.version
+        #         buf.state = GATHERING
         if buf.layer == layer and buf.version == self.version:
             buf.pending = None  # still resident and current: nothing to send
         else:
@@ -119,19 +123,20 @@ class ShardedWeights:
         buf = self.buffer_for(layer)
         check_get(buf, layer)
         # >>> TODO(m07): hand out the gathered layer once its transfer has arrived
-        # Contract: after check_get the buffer is GATHERING this layer, and your gather() may have left a transfer
-        #   in flight into it. Return the block as views into buf.flat (no copy) that hold this layer's current
-        #   weights, and leave every field of buf true to GatherBuffer's docstring for a block the loop now holds
-        #   (its cycle says which state that is). What must be completed here before buf.flat holds those weights,
-        #   and what is then still in flight, follows from the fields.
-        # Contract with the tests: a collective's output holds NaN until its work is waited for (on a GPU the
-        #   transfer may still be running).
-        # Pitfall: completing the transfer in gather() instead would give the same numbers, but gather(l + 1) comes
-        #   before layer l computes: the transfer would no longer overlap it.
-        # Hint 1: wait if there is something to wait for, change the state, hand out views.
-        # Hint 2: the work's .wait(); self.layout.views(flat).
-        # Hint 3: if buf.pending is set: wait for it, then clear it
-        #         state IN_USE;  return the layout's views of buf.flat
+        # Contract: after check_get the buffer is GATHERING this layer, and your gather() may have left a transfer in
+        #   flight into it. Return the block as views into buf.flat (no copy) that hold this layer's current weights,
+        #   and leave every field of buf true to GatherBuffer's docstring for a block the loop now holds. A collective's
+        #   output holds NaN until its work is waited for (on a GPU the transfer may still be running).
+        # The question: what must have completed before buf.flat holds the weights, and what do the fields say once it
+        #   has?
+        # Pitfall: completing the transfer in gather() gives the same numbers: what does it cost the overlap?
+        # Hint 1: which field records a transfer still in flight, and where in the cycle is a buffer the loop computes
+        #         with? (docs/07, "The gather / get / release cycle"; course/collectives.py's async works.)
+        # Hint 2: if pending is set, its completion comes first, and afterwards nothing is pending; the state becomes
+        #         IN_USE; the block is FlatLayout.views of buf.flat.
+        # Hint 3: if buf.pending is not None: buf.pending.wait(); buf.pending = None
+        #         buf.state = IN_USE
+        #         return self.layout.views(buf.flat)
         if buf.pending is not None:
             buf.pending.wait()
             buf.pending = None
@@ -140,18 +145,10 @@ class ShardedWeights:
         # <<<
 
     def release(self, layer: int) -> None:
+        """The loop is done with the layer (given)."""
         buf = self.buffer_for(layer)
         check_release(buf, layer)
-        # >>> TODO(m07): free the buffer for the next gather (its contents stay valid for a reuse)
-        # Contract: after check_release the buffer holds this layer, IN_USE, and the loop is done with it. Leave it
-        #   FREE, so that the next gather into it may overwrite it, its fields true to GatherBuffer's docstring: its
-        #   contents are still this layer's, and a gather of this layer before the weights change (the turn from
-        #   forward to backward) must be able to reuse them. The tests count the all-gathers of a step.
-        # Hint 1: only the state changes.
-        # Hint 2: the three states are FREE, GATHERING and IN_USE (top of the file).
-        # Hint 3: the buffer's state becomes FREE, and nothing else changes
-        buf.state = FREE
-        # <<<
+        buf.state = FREE  # the buffer may be overwritten now; what it holds (layer, version) is still true
 
     def invalidate(self) -> None:
         """The optimizer changed the shards: a new version, and the stale copies freed (given)."""

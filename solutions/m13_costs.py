@@ -126,18 +126,20 @@ def state_bytes(cfg: LlamaConfig, sizes: dict[str, int], dtype: torch.dtype = to
     b, L, M = dtype.itemsize, cfg.n_layers, cfg.dim
     V = padded_vocab_size(cfg.vocab_size, t)
     # >>> TODO(m13): the bytes of parameters, gradients and optimizer state one rank keeps
-    # Contract: return StepCost(memory={"parameters": ..., "gradients": ..., "optimizer": ...}) in bytes (integers):
-    #   the tests compare them with the tensors a rank of the 2-D model really holds after a step (its weights'
-    #   blocks, its gradients' blocks, the tensors in its AdamW's state), on four meshes.
-    # The question: how many values of each a rank holds. The counting rule is the module docstring's (Bytes
-    #   kept): each weight's spec says which block of it a rank keeps; docs/13-2d-sharding.md works out wq's term.
-    #   Every weight of the model counts: the blocks', the embedding's, the final norm's, the LM head's.
-    # Pitfalls: the vocabulary is the padded one (V'); integer bytes: the mesh divides every size, so the blocks'
-    #   sizes are exact.
-    # Hint 1: count the values of the whole model (padded), divide by d t, times b; gradients the same; AdamW twice.
-    # Hint 2: block_matrix_params(cfg) for one block's matrices; + 2 M for its norms; 2 V' M + M for the rest.
-    # Hint 3: values = (L (P + 2 M) + 2 V' M + M) // (d t)
-    #         return StepCost(memory={"parameters": values b, "gradients": values b, "optimizer": 2 values b})
+    # Contract: return StepCost(memory={"parameters": ..., "gradients": ..., "optimizer": ...}) in bytes (integers): the
+    #   tests compare them with the tensors a rank of the 2-D model really holds after a step (its weights' blocks, its
+    #   gradients' blocks, the tensors in its AdamW's state), on four meshes.
+    # The question: how many values of each a rank holds. The counting rule is the module docstring's (Bytes kept): each
+    #   weight's spec says which block of it a rank keeps; docs/13-2d-sharding.md works out wq's term. Every weight of
+    #   the model counts: the blocks', the embedding's, the final norm's, the LM head's.
+    # Pitfalls: which vocabulary, V or V'? How many tensors does AdamW keep per value (its state after a step shows
+    #   them)? Integer bytes: the mesh divides every size, so the blocks' sizes are exact.
+    # Hint 1: what fraction of each weight does its spec leave a rank, and what does a gradient's spec, and AdamW's
+    #         state, add to it? (docs/13, "What it costs, from the equations": wq's term, worked.)
+    # Hint 2: every weight is split over both axes: values = (L (P + 2 M) + 2 V' M + M) / (d t); parameters values b,
+    #         gradients values b, optimizer 2 values b (AdamW's two moments).
+    # Hint 3: values = (cfg.n_layers * (block_matrix_params(cfg) + 2 * M) + 2 * V' * M + M) // (d * t)
+    #         memory: parameters values * b, gradients values * b, optimizer 2 * values * b
     values = (L * (block_matrix_params(cfg) + 2 * M) + 2 * V * M + M) // (d * t)
     return StepCost(memory={"parameters": values * b, "gradients": values * b, "optimizer": 2 * values * b})
     # <<<

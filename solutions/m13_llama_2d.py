@@ -222,12 +222,12 @@ class Llama2D:
         #   takes the weights' dtype (top.embedding.tensor.dtype). Every collective through the module's functions
         #   (the tests read the log).
         # Hint 1: which three lines of the chapter's notation make a lookup: what is local, what is left unreduced?
-        # Hint 2: x[B_d, T, M]{U_t} = onehot[B_d, T, V_t] . E[V_t, M] (a sum over V_t), then ReduceScatter_t onto M_t;
-        #         local("B/d T -> B/d T V/t", vocab_one_hot, tokens, first=..., rows=rows, dtype=...);
-        #         einsum_unreduced("B/d T V/t, V/t M -> ...", ...); reduce_scatter("B/d T M {U_t} -> ...", ...).
-        # Hint 3: onehot = the local one-hot of tokens, first = self.mesh.index["t"] * rows
-        #         x = einsum of onehot and top.embedding over V (unreduced over t)
-        #         save onehot; return the reduce-scatter of x over t onto M/t
+        # Hint 2: onehot[B_d, T, V_t] is local (its first row i_t V'/t); x[B_d, T, M]{U_t} = onehot . E[V_t, M], a sum
+        #         over V_t; then ReduceScatter_t onto M_t.
+        # Hint 3: onehot = local("B/d T -> B/d T V/t", vocab_one_hot, tokens, first=i_t * rows (self.mesh.index),
+        #                        rows=rows, dtype=the table's dtype)
+        #         x = einsum_unreduced with the spec "B/d T V/t, V/t M -> B/d T M" of onehot and top.embedding
+        #         save onehot; return reduce_scatter("B/d T M {U_t} -> B/d T M/t", x)
         onehot = local("B/d T -> B/d T V/t", vocab_one_hot, tokens, first=self.mesh.index["t"] * rows, rows=rows,
                        dtype=top.embedding.tensor.dtype)
         x = einsum_unreduced("B/d T V/t, V/t M -> B/d T M", onehot, top.embedding)
@@ -402,10 +402,14 @@ class Llama2D:
         # Hint 3: dyg, ln2 = finish(start_all_gather(["B/d T M/t -> B/d T M", "M/t -> M"], [dy, w.ln2], label))
         #         ds = einsum_unreduced("B/d T M, M F/t -> B/d T F/t", dyg, w.w_down)
         #         grads["w_down"] = einsum_unreduced("B/d T M, B/d T F/t -> M F/t", dyg, s)
-        #         dg, du = local SwiGLU backward;  dn2 = the two products over F/t, added
+        #         dg, du = local with the spec "B/d T F/t, B/d T F/t, B/d T F/t -> B/d T F/t, B/d T F/t",
+        #                  swiglu_backward, ds, g, u
+        #         dn2 = einsum_unreduced with "B/d T F/t, F/t M -> B/d T M" of (dg, w.w_gate), plus the same of
+        #               (du, w.w_up)
         #         grads["w_gate"], grads["w_up"] = einsum_unreduced("B/d T F/t, B/d T M -> F/t M", dg or du, n2)
         #         dhg, d_ln2 = local norm backward of dn2 at hg, r2, ln2 ("... -> B/d T M {U_t}, M {U_d,t}")
-        #         dhg, grads["ln2"] = finish(start_reduce_scatter([stream's arrow, "M {U_d,t} -> M/t {U_d}"], ...))
+        #         dhg, grads["ln2"] = finish(start_reduce_scatter([stream's arrow, "M {U_d,t} -> M/t {U_d}"],
+        #                                                         [dhg, d_ln2], label))
         #         return dy + dhg
         g, u, s, n2 = store["g"], store["u"], store["s"], store["n2"]
         dyg, ln2 = finish(start_all_gather(["B/d T M/t -> B/d T M", "M/t -> M"], [dy, w.ln2], "dy, ln2"))
@@ -447,9 +451,12 @@ class Llama2D:
         #         dq, dk, dv = local(q's, k's, v's, o's and lse's specs -> dq's, dk's, dv's,
         #                            grouped_attention_backward, do, q, k, v, o, lse, chunk=self.attention_chunk)
         #         dq, dk = local rope_backward of each (cos=rope.cos_q, sin=rope.sin_q for dq)
-        #         dn1 = the three einsum_unreduced(..., "K/t Q D M -> B/d T M") products, added
-        #         grads wq, wk, wv = einsum_unreduced("B/d T K/t Q D, B/d T M -> K/t Q D M", dq, n1), ...
-        #         dxg, d_ln1 = local norm backward;  dxg, grads["ln1"] = one grouped reduce-scatter over t
+        #         dn1 = the sum of einsum_unreduced with "B/d T K/t Q D, K/t Q D M -> B/d T M" of (dq, w.wq) and with
+        #               "B/d T K/t D, K/t D M -> B/d T M" of (dk, w.wk) and of (dv, w.wv)
+        #         grads["wq"] = einsum_unreduced("B/d T K/t Q D, B/d T M -> K/t Q D M", dq, n1); for wk and wv the
+        #               spec "B/d T K/t D, B/d T M -> K/t D M"
+        #         dxg, d_ln1 = local norm backward;  dxg, grads["ln1"] = finish(start_reduce_scatter([stream's arrow,
+        #               "M {U_d,t} -> M/t {U_d}"], [dxg, d_ln1], label))
         #         return dh + dxg
         n1 = store["n1"]
         dhg, ln1 = finish(start_all_gather(["B/d T M/t -> B/d T M", "M/t -> M"], [dh, w.ln1], "dh, ln1"))
@@ -485,10 +492,10 @@ class Llama2D:
         # Pitfalls: the one-hot is [B/d T V/t] and dx is split over t: the product needs all of M on this rank; a token
         #   seen twice adds twice (the contraction does it).
         # Hint 1: which of the forward's collectives does the backward conjugate here, and which is left to the unit?
-        # Hint 2: AllGather_t of dx, then dE[V_t, M]{U_d} = onehotᵀ . dx over B_d and T; einsum_unreduced("B/d T V/t,
-        #         B/d T M -> V/t M", store["onehot"], dxg).
-        # Hint 3: dxg = gather dx over t
-        #         return onehot contracted with dxg over B and T
+        # Hint 2: AllGather_t of dx (all of M on this rank), then dE[V_t, M]{U_d} = onehotᵀ . dx, a sum over B_d and
+        #         T; the sum over d is the top unit's reduce-scatter.
+        # Hint 3: dxg = all_gather("B/d T M/t -> B/d T M", dx)
+        #         return einsum_unreduced with the spec "B/d T V/t, B/d T M -> V/t M" of store["onehot"] and dxg
         dxg = all_gather("B/d T M/t -> B/d T M", dx)
         return einsum_unreduced("B/d T V/t, B/d T M -> V/t M", store["onehot"], dxg)
         # <<<
@@ -523,11 +530,13 @@ class Llama2D:
         #         finished and unit k computes; the reduce-scatters are finished after the embedding's backward.
         # Hint 3: top_pending, pending = self.start_gather(self.top(), "top"), self.start_gather(block 0, ...)
         #         top = TopWeights(*finish(top_pending));  x = self.embed(top, tokens, saved)
-        #         for each layer: current = pending;  pending = start_gather(layer + 1) if there is one
+        #         for each layer: current = pending;  if there is a next one: pending =
+        #             self.start_gather(self.blocks[layer + 1], its label)
         #             w = BlockWeights(*finish(current));  x = the two halves with w
-        #         pending = start_gather(the last block);  loss = self.loss_forward(top, ...)
+        #         pending = self.start_gather(self.blocks[-1], its label);  loss = self.loss_forward(top, ...)
         #         dx, d_norm, d_head = self.loss_backward(top, saved)
-        #         for each layer from the last: current = pending;  pending = start_gather(layer - 1) if there is one
+        #         for each layer from the last: current = pending;  if there is one before: pending =
+        #             self.start_gather(self.blocks[layer - 1], its label)
         #             w = finish(current);  grads = {} filled by the two backward halves
         #             scatters[layer] = self.start_scatter(BlockWeights(**grads), ...);  clear its store
         #         d_emb = self.embed_backward(dx, saved)

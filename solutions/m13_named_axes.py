@@ -31,22 +31,23 @@ def all_gather(arrow: str, x: Sharded) -> Sharded:
     check_matches(left, x, f"all_gather {arrow!r}")
     move = check_all_gather(left, right, arrow)
     # >>> TODO(m13): the all-gather the arrow asks for, one mesh axis at a time
-    # Contract: return Sharded(tensor, right, x.mesh), where tensor is this rank's block as `right` describes
-    #   it: dimension move.dim made larger by the size of every axis in move.axes. Each axis's collective goes
-    #   through x.mesh.group(axis).collectives (all_gather(output, shard, label, dim=...), which puts the group's
-    #   blocks side by side in group order), labelled with the arrow so the log says what it was for.
-    # Layout: move.axes are listed outermost first ('M/t/d -> M' gives ('t', 'd')), and block i_t d + i_d of
-    #   M/t/d sits inside block i_t of M/t. Gathering over d first joins the d blocks of one M/t block; over t
-    #   first would interleave blocks of different M/t pieces (the 2x2 tests use distinct values).
-    # Pitfalls: the group is the axis's (the t group gathers over t); the dimension is move.dim, not 0. Never
-    #   write into x.tensor.
-    # Hint 1: walk move.axes from the innermost to the outermost; each step multiplies the size of move.dim by
-    #         that axis's size and calls that axis's collectives.
-    # Hint 2: reversed(move.axes); x.mesh.sizes[axis]; block.new_empty(shape); collectives.all_gather(out, block,
-    #         label=..., dim=move.dim).
+    # Contract: return Sharded(tensor, right, x.mesh), where tensor is this rank's block as `right` describes it:
+    #   dimension move.dim made larger by the size of every axis in move.axes. Each axis's collective goes through
+    #   x.mesh.group(axis).collectives (all_gather(output, shard, label, dim=...), which puts the group's blocks side by
+    #   side in group order), labelled with the arrow so the log says what it was for. x.tensor is read, never written.
+    # Layout: move.axes are listed outermost first ('M/t/d -> M' gives ('t', 'd')), and block i_t d + i_d of M/t/d sits
+    #   inside block i_t of M/t (the 2x2 tests use distinct values).
+    # The question: with two axes, which gather comes first, so that the blocks land in the order the spec says?
+    # Pitfalls: which group gathers over t? Along which dimension, and is it always 0?
+    # Hint 1: after one gather over an axis, which blocks sit side by side: pieces of one larger block, or pieces of
+    #         different ones? (docs/13, "The notation": the table's all_gather row.)
+    # Hint 2: M/t/d -> M/t joins the d blocks inside one M/t block (the innermost axis), then M/t -> M joins the t
+    #         blocks: from the innermost axis to the outermost, the size of move.dim times that axis's size each time.
     # Hint 3: block = x.tensor
-    #         for axis from the innermost: shape = block's shape with move.dim times the axis size
-    #             out = empty of that shape; the axis's collectives all-gather block into out along move.dim
+    #         for each axis in reversed(move.axes):
+    #             shape = list(block.shape); shape[move.dim] *= x.mesh.sizes[axis];  out = block.new_empty(shape)
+    #             x.mesh.group(axis).collectives.all_gather(out, block, label=f"all_gather_{axis} {arrow}",
+    #                                                       dim=move.dim)
     #             block = out
     #         return Sharded(block, right, x.mesh)
     block = x.tensor
@@ -66,21 +67,23 @@ def reduce_scatter(arrow: str, x: Sharded) -> Sharded:
     check_matches(left, x, f"reduce_scatter {arrow!r}")
     move = check_reduce_scatter(left, right, arrow)
     # >>> TODO(m13): the reduce-scatter the arrow asks for, one mesh axis at a time
-    # Contract: return Sharded(tensor, right, x.mesh): tensor is this rank's block of the sum over the ranks of
-    #   every axis in move.axes, dimension move.dim cut into blocks as `right` says. Each axis goes through
+    # Contract: return Sharded(tensor, right, x.mesh): tensor is this rank's block of the sum over the ranks of every
+    #   axis in move.axes, dimension move.dim cut into blocks as `right` says. Each axis goes through
     #   x.mesh.group(axis).collectives.reduce_scatter(shard, full, label, dim=...), which sums `full` over the group and
-    #   leaves group member j with block j of it along dim.
-    # Layout: move.axes are the axes appended to the dimension, outermost first ('M {U_t,d} -> M/t/d' gives
-    #   ('t', 'd')); M/t/d's block i_t d + i_d is block i_d of block i_t. Scatter over the outermost axis first.
-    # Pitfalls: the other order leaves every rank a wrong block (the 2x2 test catches it); the group must be
-    #   the axis's; the dimension is move.dim. The input is read, never written.
-    # Hint 1: the mirror image of your all_gather: walk move.axes from the outermost, each step dividing the size
-    #         of move.dim by that axis's size.
-    # Hint 2: move.axes in order; block.new_empty(shape); collectives.reduce_scatter(out, block, label=...,
-    #         dim=move.dim).
+    #   leaves group member j with block j of it along dim. The input is read, never written.
+    # Layout: move.axes are the axes appended to the dimension, outermost first ('M {U_t,d} -> M/t/d' gives ('t', 'd'));
+    #   M/t/d's block i_t d + i_d is block i_d of block i_t (the 2x2 test uses distinct values).
+    # The question: with two axes, which scatter comes first, so that each rank is left its own block of the spec?
+    # Pitfalls: which group, and along which dimension?
+    # Hint 1: how does your all_gather undo a two-axis split, and what is its mirror image? (docs/13, "The notation":
+    #         the table's reduce_scatter row.)
+    # Hint 2: the mirror of the gather: from the outermost axis to the innermost (move.axes in order), the size of
+    #         move.dim divided by that axis's size each time: M {U_t,d} -> M/t {U_d} -> M/t/d.
     # Hint 3: block = x.tensor
-    #         for axis in move.axes: shape = block's shape with move.dim divided by the axis size
-    #             out = empty of that shape; the axis's collectives reduce-scatter block into out along move.dim
+    #         for axis in move.axes:
+    #             shape = list(block.shape); shape[move.dim] //= x.mesh.sizes[axis];  out = block.new_empty(shape)
+    #             x.mesh.group(axis).collectives.reduce_scatter(out, block, label=f"reduce_scatter_{axis} {arrow}",
+    #                                                           dim=move.dim)
     #             block = out
     #         return Sharded(block, right, x.mesh)
     block = x.tensor
@@ -101,15 +104,16 @@ def all_reduce(arrow: str, x: Sharded) -> Sharded:
     check_matches(left, x, f"all_reduce {arrow!r}")
     axes = check_all_reduce(left, right, arrow)
     # >>> TODO(m13): the all-reduce the arrow asks for, over each of its mesh axes
-    # Contract: return Sharded(tensor, right, x.mesh), tensor the sum of x over the ranks of every axis in
-    #   `axes` (one all-reduce per axis, through x.mesh.group(axis).collectives.all_reduce(tensor, label), which sums
-    #   in place). x itself is left as it was: the caller may still read it.
-    # Pitfalls: summing in place into x.tensor changes x behind the caller's back (the test checks x afterwards);
-    #   each axis is its own group (a sum over d and t is a sum over d, then over t).
-    # Hint 1: copy x's block once, then sum the copy over each axis in turn.
-    # Hint 2: x.tensor.clone(); x.mesh.group(axis).collectives.all_reduce(tensor, label=...).
-    # Hint 3: total = a copy of x.tensor
-    #         for each axis in axes: that axis's collectives all-reduce total (in place), labelled with the arrow
+    # Contract: return Sharded(tensor, right, x.mesh), tensor the sum of x over the ranks of every axis in `axes` (one
+    #   all-reduce per axis, through x.mesh.group(axis).collectives.all_reduce(tensor, label), which sums in place). x
+    #   itself is left as it was: the caller may still read it (the test checks x afterwards).
+    # The question: a sum over two axes is a sum over each group in turn: which tensor do the collectives sum into?
+    # Pitfall: what does an in-place collective on x.tensor do to the caller's x?
+    # Hint 1: which tensor may the collectives write into, and what does a sum over d and t decompose into? (docs/13,
+    #         "The notation": the table's all_reduce row.)
+    # Hint 2: total = a copy of x; total <- Σ over the ranks of each axis's group, one axis after the other.
+    # Hint 3: total = x.tensor.clone()
+    #         for axis in axes: x.mesh.group(axis).collectives.all_reduce(total, label=f"all_reduce_{axis} {arrow}")
     #         return Sharded(total, right, x.mesh)
     total = x.tensor.clone()
     for axis in axes:
@@ -131,20 +135,21 @@ def einsum_unreduced(equation: str, *operands: Sharded) -> Sharded:
     contracted = check_einsum(inputs, output, equation)
     # >>> TODO(m13): the local contraction, and the mesh axes over which its result is unreduced
     # Contract: return Sharded(result, Spec(output.dims, unreduced), mesh). result = torch.einsum on the operands'
-    #   blocks, with one letter per dimension name (names may be longer than a letter). unreduced = the mesh axes
-    #   that split a contracted dimension (`contracted`, the given check's list): each rank summed only its block
-    #   of that dimension, so the true result is the sum over those axes' ranks.
-    # Pitfalls: a contracted dimension that is whole (M in 'B/d T M, E/t M -> B/d T E/t') leaves nothing
-    #   unreduced; B/d contracted gives {U_d}, not {U_t}; two contracted dimensions give the union of their axes.
-    #   The tests compare both the values and the reported axes.
-    # Hint 1: name every dimension with a letter, write the einsum string from the specs, and collect the axes of
-    #         the contracted dimensions.
-    # Hint 2: {name: letter} over all names (string.ascii_letters); ",".join of the inputs' letter strings, "->",
-    #         the output's; torch.einsum(text, *tensors); frozenset of the axes of the dims in `contracted`.
-    # Hint 3: letters = a letter for each name, in order of first appearance
-    #         text = the inputs' letters joined by commas, '->', the output's letters
-    #         unreduced = every axis of every contracted dimension
-    #         return Sharded(einsum of text over the operands' tensors, Spec(output.dims, unreduced), mesh)
+    #   blocks, with one letter per dimension name (names may be longer than a letter). unreduced = the mesh axes over
+    #   which the result is a partial sum (`contracted`, the given check's list, holds the contracted dimensions). The
+    #   tests compare both the values and the reported axes.
+    # The question: when a rank contracts only its block of a dimension, over which ranks must its result still be
+    #   summed?
+    # Pitfalls: what does a contracted dimension that is whole (M in 'B/d T M, E/t M -> B/d T E/t') leave unreduced? And
+    #   B/d contracted? Two contracted dimensions?
+    # Hint 1: a contraction over a split dimension sums only this rank's part of it: which ranks hold the other parts?
+    #         (docs/13, "The notation": the table's einsum_unreduced row.)
+    # Hint 2: unreduced = the union over the contracted dimensions of the axes that split them; the einsum string maps
+    #         each distinct name to one letter: inputs joined by commas, "->", the output's.
+    # Hint 3: letters = {}; for each name of each input spec: letters.setdefault(name, the next letter)
+    #         text = ",".join(the letters of each input spec) + "->" + the output's letters
+    #         the unreduced axes: frozenset(axis for dim in contracted for axis in dim.axes)
+    #         return Sharded(torch.einsum(text, *(x.tensor for x in operands)), Spec(output.dims, unreduced), mesh)
     letters: dict[str, str] = {}
     for spec in inputs:
         for name in spec.names():

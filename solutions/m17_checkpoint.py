@@ -63,23 +63,30 @@ def to_dtensor(name: str, piece: torch.Tensor, shape: tuple[int, ...], device_me
     last part of the name), whose logical shape is `shape`, as a DTensor on `device_mesh` (the mesh's, with
     dimensions named p, d, c, t)."""
     # >>> TODO(m17): the DTensor of a rank's piece of a weight: its placement on every axis of the mesh
-    # Contract: return DTensor.from_local(piece, device_mesh, placements, run_check=False, shape=shape,
-    #   stride=the contiguous strides of `shape`), with one placement per dimension of the device mesh
-    #   (device_mesh.mesh_dim_names gives their names, in order).
+    # Contract: return DTensor.from_local(piece, device_mesh, placements, run_check=False, shape=shape, stride=the
+    #   contiguous strides of `shape`), with one placement per dimension of the device mesh (device_mesh.mesh_dim_names
+    #   gives their names, in order). The tests save on one mesh, resume on others (t = 4, d = 2) and compare the
+    #   losses.
     # The question, for each kind of weight (the field decides): along which axes of the mesh do the ranks hold
-    #   different parts of it (Shard(k): cut along which of the weight's dimensions?), and along which the same
-    #   copy (Replicate)? The piece is what the model computes with: after FSDP's gather, the whole of what
-    #   module 12 gives the rank.
-    # Pitfalls: a Shard where the ranks hold copies makes DCP stack the copies (a wrong shape, or their sizes
-    #   refused); a Replicate where they hold different slices keeps one slice and drops the others, silently
-    #   (the tests resume on other meshes and compare the losses). The vocabulary's padding rows are no part of
-    #   the weight: the caller passes the unpadded rows, so `shape` is the real (V, M).
-    # Hint 1: the field decides the placement over t; every other axis of the mesh is Replicate.
-    # Hint 2: Shard(0), Shard(1), Replicate() (torch.distributed.tensor); COLUMN_PARALLEL and ROW_PARALLEL above;
-    #         the embedding and the LM head are split by rows; torch.empty(shape).stride() is the contiguous stride.
-    # Hint 3: field = name's last part; over_t = Shard(0) for columns, the embedding and the LM head, Shard(1)
-    #         for rows, Replicate() for the norms; placements = [over_t if axis == "t" else Replicate() for axis
-    #         in device_mesh.mesh_dim_names]; return DTensor.from_local(...)
+    #   different parts of it (Shard(k): cut along which of the weight's dimensions?), and along which the same copy
+    #   (Replicate)? The piece is what the model computes with: after FSDP's gather, the whole of what module 12 gives
+    #   the rank.
+    # Pitfalls: what does DCP make of pieces marked Shard that are in fact copies, and of pieces marked Replicate that
+    #   differ? The vocabulary's padding rows are no part of the weight: the caller passes the unpadded rows, so `shape`
+    #   is the real (V, M).
+    # Hint 1: after the gather, which ranks hold the same piece of a weight, and along which dimension does module 12
+    #         cut each kind of weight over t? (docs/17, "Checkpoints with torch.distributed.checkpoint": wq's row
+    #         worked.)
+    # Hint 2: over t: Shard(0) for the column-parallel weights (wq, wk, wv, w_gate, w_up) and the vocabulary rows
+    #         (embedding, lm_head), cut along dimension 0; Shard(1) for the row-parallel wo and w_down (dimension 1);
+    #         Replicate for the norms (whole on every t rank). Over p, d and c: Replicate (after the gather the d c
+    #         ranks hold copies; a stage's weights are under names no other stage has).
+    # Hint 3: field = name.split(".")[-1]
+    #         over_t = Shard(0) if field in COLUMN_PARALLEL or field in ("embedding", "lm_head") else Shard(1) if field
+    #                  in ROW_PARALLEL else Replicate()
+    #         placements = [over_t if axis == "t" else Replicate() for axis in device_mesh.mesh_dim_names]
+    #         return DTensor.from_local(piece, device_mesh, placements, run_check=False, shape=torch.Size(shape),
+    #                                   stride=torch.empty(shape, device="meta").stride())
     field = name.split(".")[-1]
     if field in COLUMN_PARALLEL or field in ("embedding", "lm_head"):
         over_t = Shard(0)
@@ -268,23 +275,27 @@ def save(model, optimizer, train_state: dict, root, step: int, description: dict
     state = state_dict(model, optimizer, model.mesh.device_mesh, train_state)
     # >>> TODO(m17): save into a partial directory, make it visible by a rename once the save has returned
     # Contract: when this returns on any rank, `final` is a complete checkpoint (DCP's files, its .metadata, and
-    #   config.json holding `description` as JSON); until the moment it is complete, nothing under the name
-    #   `final` exists, so a run killed at any instant leaves either no `final` or a complete one. A `partial`
-    #   left by an earlier, killed run is removed first. Every rank calls save; the directory operations are
-    #   one rank's (rank 0), the others wait for them.
-    # The question: in which order do the ranks write, wait and publish, so that the name `final` can only ever
-    #   name a complete checkpoint? (A rename within one file system is atomic.) The storage writer is
-    #   make_writer(directory), or dcp.FileSystemWriter(directory) without one.
-    # Pitfalls: saving straight into `final` leaves a half-written checkpoint under a complete-looking name when
-    #   a rank is killed mid-save (the long check kills one, then resumes from what is left). Renaming before
-    #   every rank's save has returned publishes files still being written.
-    # Hint 1: rank 0 prepares, everyone saves, rank 0 renames; barriers between the phases.
-    # Hint 2: shutil.rmtree(partial, ignore_errors=True); partial.mkdir(parents=True); (partial / "config.json")
-    #         .write_text(json.dumps(description)); dcp.save(state, storage_writer=(make_writer or
-    #         dcp.FileSystemWriter)(partial)); dist.barrier(); os.rename(partial, final).
-    # Hint 3: rank 0: remove partial, make it, write config.json;  barrier
-    #         dcp.save(state, storage_writer=the writer, or a FileSystemWriter of partial);  barrier
-    #         rank 0: os.rename(partial, final);  barrier;  return final
+    #   config.json holding `description` as JSON); until the moment it is complete, nothing under the name `final`
+    #   exists, so a run killed at any instant leaves either no `final` or a complete one. A `partial` left by an
+    #   earlier, killed run is removed first. Every rank calls save; the directory operations are one rank's (rank 0),
+    #   the others wait for them. The storage writer is make_writer(directory), or dcp.FileSystemWriter(directory)
+    #   without one.
+    # The question: in which order do the ranks write, wait and publish, so that the name `final` can only ever name a
+    #   complete checkpoint? (A rename within one file system is atomic.)
+    # Pitfalls: what does a rank killed mid-save leave under a complete-looking name if the files go straight into
+    #   `final`? What does a rename publish while another rank is still writing?
+    # Hint 1: which of the ranks' operations must be finished, on every rank, before the next may start, and which one
+    #         act makes the checkpoint visible? (docs/17, "Checkpoints with torch.distributed.checkpoint", the last
+    #         paragraph.)
+    # Hint 2: three phases with a barrier between each: rank 0 makes an empty partial directory with config.json in it;
+    #         every rank's dcp.save into partial; rank 0 renames partial to final; a last barrier before any rank
+    #         returns.
+    # Hint 3: if dist.get_rank() == 0: shutil.rmtree(partial, ignore_errors=True); partial.mkdir(parents=True);
+    #             (partial / "config.json").write_text(json.dumps(description))
+    #         dist.barrier()
+    #         dcp.save(state, storage_writer=(make_writer or dcp.FileSystemWriter)(partial));  dist.barrier()
+    #         if dist.get_rank() == 0: os.rename(partial, final)
+    #         dist.barrier();  return final
     if dist.get_rank() == 0:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)

@@ -51,21 +51,24 @@ def compose_groups(mesh: Mesh) -> Groups:
     """This rank's groups on `mesh` (course/mesh.py's, every axis present or of size 1)."""
     # >>> TODO(m17): which group each kind of message of the step runs over
     # Contract: return Groups(pp=..., data=..., cp=..., tp=..., fsdp=..., replicas=..., experts=..., expert_data=...),
-    #   each a group of `mesh` (mesh.group(axis) or mesh.group(axis, axis)); experts and expert_data only when the
-    #   mesh has an "e" axis (mesh.sizes), else None.
-    # The question for each field (the Groups docstring says what each is for): along which axes do its members
-    #   differ, and along which must they agree? The members of a group differ in exactly what its message
-    #   combines (other rows, other positions, other slices) and agree on everything else (the same stage, the
-    #   same weights). Write down a rank's place (i_p, i_d, i_c, i_t) and ask which coordinates may change.
-    # Pitfalls: the pipeline's neighbours are places along p, not ranks r - 1 and r + 1 of the world (with d, c
-    #   or t > 1 those hold other rows, positions or slices). A group one axis too small leaves some ranks'
-    #   gradients unsummed; one axis too large mixes slices of different stages or of t.
-    #   The tests train on meshes where each wrong group gives wrong numbers (or a hang, stopped and named).
-    # Hint 1: one axis per parallelism; the weights' shards and the replicated weights' sums go over the ranks
-    #         that see different tokens of the same weights.
-    # Hint 2: mesh.group("p"), mesh.group("d"), mesh.group("c"), mesh.group("t"), mesh.group("d", "c") (the
-    #         "dc" group), mesh.group("e"), mesh.group("ed"); "e" in mesh.sizes.
-    # Hint 3: Groups(pp=p, data=d, cp=c, tp=t, fsdp=dc, replicas=dc, experts=e or None, expert_data=ed or None)
+    #   each a group of `mesh` (course/mesh.py's mesh.group, along one axis or two); experts and expert_data only when
+    #   the mesh has an "e" axis (mesh.sizes), else None. The tests compare every field's ranks with the rank formula on
+    #   four meshes of 4 ranks.
+    # The question for each field (the Groups docstring says what each is for): along which axes may its members differ,
+    #   and along which must they agree? The members of a group differ in exactly what its message combines and agree on
+    #   everything else.
+    # Pitfalls: are the pipeline's neighbours ranks r - 1 and r + 1 of the world when d, c or t > 1? A group one axis
+    #   too small leaves some ranks' gradients unsummed; what does a group one axis too large mix?
+    # Hint 1: write down a rank's place (i_p, i_d, i_c, i_t). For two ranks that hold the same t slice of the same
+    #         stage's blocks, which coordinates can differ, and did those ranks see the same tokens? (docs/17, "The mesh
+    #         and its groups": the table's first two rows are worked on rank 5.)
+    # Hint 2: pp: only i_p free; data: only i_d; cp: only i_c; tp: only i_t. fsdp and replicas: i_d and i_c free, i_p
+    #         and i_t fixed (the same stage, the same slice; other rows, other positions). experts and expert_data:
+    #         module 16's "e" and "ed" groups, carved out of d x c.
+    # Hint 3: moe = "e" in mesh.sizes
+    #         Groups(pp=mesh.group("p"), data=mesh.group("d"), cp=mesh.group("c"), tp=mesh.group("t"),
+    #                fsdp=mesh.group("d", "c"), replicas=mesh.group("d", "c"),
+    #                experts=mesh.group("e") if moe else None, expert_data=mesh.group("ed") if moe else None)
     moe = "e" in mesh.sizes
     return Groups(pp=mesh.group("p"), data=mesh.group("d"), cp=mesh.group("c"), tp=mesh.group("t"),
                   fsdp=mesh.group("d", "c"), replicas=mesh.group("d", "c"),

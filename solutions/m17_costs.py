@@ -41,15 +41,24 @@ def fsdp_traffic(cfg: LlamaConfig, sizes: dict[str, int], dtype: torch.dtype, n_
     """The FSDP collectives of one optimizer step on a rank that holds `n_blocks` blocks (its stages'),
     over the "dc" group of a mesh of `sizes`, weights in `dtype`: calls and bytes sent, by the module's policy."""
     # >>> TODO(m17): the bytes FSDP sends in one step when it gathers and reduce-scatters once a step
-    # Contract: a StepCost with sent[("dc", "all_gather")], sent[("dc", "reduce_scatter")] (bytes one rank sends in
-    #   one step, every block of the rank counted) and calls[...] for both.
-    # Pitfalls: the padded slice (a multiple of n = d c), not P_t itself; the gradients travel in grad_dtype(dtype)
-    #   (float32 at least), the weights in dtype. The test compares with what the collectives log measured, with m
-    #   = 2 microbatches: the number of microbatches appears nowhere in this policy.
-    # Hint 1: per block: one gather of the padded slice, one reduce-scatter of its gradient; times n_blocks.
-    # Hint 2: slice_numel(cfg, t); padded = -(-P_t // n) * n; (n - 1) * padded // n values a rank sends; .itemsize.
-    # Hint 3: n = d c;  shard = padded slice / n
-    #         sent: all_gather n_blocks (n - 1) shard b;  reduce_scatter n_blocks (n - 1) shard s;  calls: n_blocks each
+    # Contract: a StepCost with sent[("dc", "all_gather")] and sent[("dc", "reduce_scatter")] (the bytes one rank sends
+    #   in one step, every block of the rank counted) and calls[...] for both. The test compares it with what the
+    #   collectives log measured in a step of m = 2 microbatches, and with module 07's layout of module 12's slice on a
+    #   slice that needs padding, in float32 and bf16.
+    # The question: what does the policy (m17_stage) send per block in a step, and what does one collective of that size
+    #   cost one rank (course/collectives.py)?
+    # Pitfalls: which buffer travels, the slice or its padded flat buffer? In which dtype does each collective move its
+    #   values? Where would the number of microbatches enter?
+    # Hint 1: how many collectives does a block make in a step under this policy, of which buffer and dtype, and what
+    #         does a ring all-gather or reduce-scatter over n ranks send from each? (docs/17, "FSDP across the
+    #         pipeline's microbatches"; the given replicated_cost below costs the outer group by the same policy.)
+    # Hint 2: n = d c, P_t' = n ⌈P_t / n⌉ (P_t = slice_numel); per block and step one all-gather, (n - 1) P_t'/n b bytes
+    #         sent, and one reduce-scatter, (n - 1) P_t'/n s, s = the bytes of grad_dtype(dtype); times n_blocks, and
+    #         n_blocks calls of each.
+    # Hint 3: n = sizes.get("d", 1) * sizes.get("c", 1);  shard = -(-slice_numel(cfg, sizes.get("t", 1)) // n)
+    #         sent = {("dc", "all_gather"): n_blocks * (n - 1) * shard * dtype.itemsize,
+    #                 ("dc", "reduce_scatter"): n_blocks * (n - 1) * shard * grad_dtype(dtype).itemsize}
+    #         return StepCost(sent, {("dc", "all_gather"): n_blocks, ("dc", "reduce_scatter"): n_blocks})
     n = sizes.get("d", 1) * sizes.get("c", 1)
     P = slice_numel(cfg, sizes.get("t", 1))
     shard = -(-P // n)

@@ -54,18 +54,23 @@ def train(model, text: CharText, steps: int, batch: int = 8, lr: float = 3e-3, s
     for step in range(start, steps):
         tokens, targets = random_batch(text.train, batch, model.cfg.max_seq_len, generator)
         # >>> TODO(m17): one step, then (every checkpoint_every steps) its checkpoint
-        # Contract: append the step's loss (model.train_step on the global batch, optimizer) to `losses`; then, when
-        #   checkpoint_dir is set and checkpoint_every divides the number of steps done (step + 1), save the
-        #   checkpoint of that number with m17_checkpoint's save: the model, the optimizer, this run's
-        #   training_state (the generator, the losses), under checkpoint_dir, with `description` and `make_writer`.
-        # The question: checkpoint "step k" is what a run that has done k steps holds; a run resumed from it draws
-        #   batch k next and must compute what the uninterrupted run computes there.
-        # Pitfalls: a checkpoint written before the optimizer's step holds the weights of step k - 1 beside the data
-        #   position of step k: the resumed run skips an update (the tests resume and compare every loss).
-        # Hint 1: the step first, then the save of what it produced.
-        # Hint 2: model.train_step(tokens, targets, n_microbatches, optimizer); (step + 1) % checkpoint_every == 0.
-        # Hint 3: losses.append(the train step's loss)
-        #         if checkpoint_dir and checkpoint_every and (step + 1) % checkpoint_every == 0: save(...)
+        # Contract: append the step's loss (model.train_step on the global batch, optimizer) to `losses`. With
+        #   checkpoint_dir and checkpoint_every set, the run leaves one checkpoint (m17_checkpoint's save of the model,
+        #   the optimizer, training_state(generator, losses), under checkpoint_dir, with `description` and
+        #   `make_writer`) for every number of steps done that checkpoint_every divides, saved under that number.
+        # The question: checkpoint "step k" is what a run that has done k steps holds; a run resumed from it draws batch
+        #   k next and must compute what the uninterrupted run computes there. When in this loop's iteration is that
+        #   state there, and which k is it?
+        # Pitfalls: what does a checkpoint written before the optimizer's step hold beside the data position of step k?
+        #   What number of steps has the loop done when `step` is 0?
+        # Hint 1: what must checkpoint "step k" hold so that the resumed run continues the uninterrupted curve bit for
+        #         bit? (docs/17, "Checkpoints with torch.distributed.checkpoint": the state beside the weights.)
+        # Hint 2: after iteration `step`, k = step + 1 steps are done; save after train_step, when k mod
+        #         checkpoint_every = 0.
+        # Hint 3: losses.append(model.train_step(tokens, targets, n_microbatches, optimizer))
+        #         if checkpoint_dir and checkpoint_every and (step + 1) % checkpoint_every == 0:
+        #             save(model, optimizer, training_state(generator, losses), checkpoint_dir, step + 1, description,
+        #                  make_writer)
         losses.append(model.train_step(tokens, targets, n_microbatches, optimizer))
         if checkpoint_dir and checkpoint_every and (step + 1) % checkpoint_every == 0:
             save(model, optimizer, training_state(generator, losses), checkpoint_dir, step + 1, description,

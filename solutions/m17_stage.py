@@ -98,27 +98,30 @@ class LlamaStage:
         self.block = self.make_block(attention_chunk)
         self.padded_vocab = padded_vocab_size(cfg.vocab_size, tp.size)
         # >>> TODO(m17): hold the stage's blocks as FSDP x TP shards, and its vocabulary rows
-        # Contract: set self.layout (the FlatLayout of one block's tensor-parallel slice, cut over the fsdp group) and
-        #   self.shards (one per block of self.layers, in order: this rank's shard of that block's slice, a tensor
-        #   of its own, not a view of a whole block); self.outer_layout and self.outer_shard, the same for the stage's
-        #   outer weights: an OuterWeights of what this rank computes with, the embedding's vocabulary rows (first
-        #   stage) and the LM head's (last stage), padded (module 12), the final norm (last stage), and in place of
-        #   each one the stage does not use, that weight with no rows (whole.embedding[:0], ...).
-        # The question: in which order are the two splits taken, and what does each cut? gather() must give back,
-        #   on every rank, exactly the weights its block and its ends compute with (module 12's), and nothing else.
-        # Pitfalls: a layout of the wrong tensors (or of the wrong group's size) gathers weights of the wrong shape
-        #   or from the wrong ranks. Every rank reads its weights from `whole` (module 06's model, the same on every
-        #   rank).
-        # Hint 1: slice each of the stage's blocks for t, lay the slice out flat and keep this rank's fsdp shard; the
-        #         same with the outer weights' t rows.
-        # Hint 2: shard_block_weights(whole.blocks[l], cfg, tp); FlatLayout(a slice, fsdp.size); layout.flatten,
-        #         layout.shard(flat, fsdp.index), .clone(); vocab_rows(whole.embedding, self.padded_vocab, tp);
-        #         OuterWeights(embedding, final_norm, lm_head).
-        # Hint 3: slices = the t slice of each block l in self.layers
+        # Contract: set self.layout (the FlatLayout of one block's piece, cut over the fsdp group) and self.shards (one
+        #   per block of self.layers, in order: this rank's shard of that block, a tensor of its own, not a view of a
+        #   whole block); self.outer_layout and self.outer_shard, the same for the stage's outer weights: an
+        #   OuterWeights of what this rank's ends compute with (the embedding's vocabulary rows on the first stage, the
+        #   final norm and the LM head's rows on the last, padded as module 12 pads them), each weight the stage does
+        #   not use with no rows (whole.embedding[:0], ...). Every rank reads its weights from `whole` (module 06's
+        #   model, the same everywhere).
+        # The question: in which order are the two splits taken, and what does each cut? gather() must give back, on
+        #   every rank, exactly the weights its block and its ends compute with, and nothing else.
+        # Pitfalls: what shape does a shard have if the layout is of other tensors, or of another group's size? Which
+        #   ranks keep the same shard index?
+        # Hint 1: what does module 12's block multiply with on t rank i_t, and what can an all-gather over the fsdp
+        #         group rebuild from the shards? (docs/17, "A stage: FSDP x TP blocks": one linear split over t and
+        #         stored over d.)
+        # Hint 2: first over t, the way the block computes, then the slice is laid out flat: rank (i_fsdp, i_t) keeps
+        #         shard i_fsdp of the padded flat buffer of module 12's slice i_t of each block, n = the fsdp group's
+        #         size; the outer group likewise, from this t rank's V'/t rows of the embedding and the LM head and the
+        #         final norm.
+        # Hint 3: slices = [shard_block_weights(whole.blocks[layer], cfg, tp) for layer in self.layers]
         #         self.layout = FlatLayout(slices[0], fsdp.size)
-        #         self.shards = [clone of layout.shard(layout.flatten(slice), fsdp.index) for each slice]
-        #         outer = OuterWeights(vocab_rows of the embedding if first else whole.embedding[:0], whole.final_norm
-        #                 if last else whole.final_norm[:0], vocab_rows of the LM head if last else whole.lm_head[:0])
+        #         self.shards = [self.layout.shard(self.layout.flatten(s), fsdp.index).clone() for s in slices]
+        #         outer = OuterWeights(vocab_rows(whole.embedding, self.padded_vocab, tp) if first
+        #                              else whole.embedding[:0], whole.final_norm if last else whole.final_norm[:0],
+        #                              vocab_rows(whole.lm_head, self.padded_vocab, tp) if last else whole.lm_head[:0])
         #         outer_layout and outer_shard from outer, as for a slice
         slices = [shard_block_weights(whole.blocks[layer], cfg, tp) for layer in self.layers]
         self.layout = FlatLayout(slices[0], fsdp.size)
@@ -182,18 +185,24 @@ class LlamaStage:
         fsdp = self.groups.fsdp
         # >>> TODO(m17): gather the stage's blocks once per step, and the whole gradient buffers they add into
         # Contract: set self.full (one whole padded flat buffer per block, every fsdp rank's shard in it), self.weights
-        #   (a BlockWeights of views of each, for the block), self.full_grads (one zeroed flat buffer per block, in
-        #   self.grad_dtype) and self.block_grads (BlockWeights of views of each: the main_grad accumulators that module
-        #   12's block adds into). One all-gather per block over fsdp, labelled "block <layer>"; the m microbatches
-        #   of the step all use these copies.
-        # Pitfalls: gather over the fsdp group (the ranks that share this slice), not over t (other slices) or the
-        #   world. The gradient buffers start at zero: every microbatch's backward adds into them.
-        # Hint 1: start every block's all-gather without waiting, then wait for all; views of the flat buffers.
-        # Hint 2: torch.empty(self.layout.padded_numel, dtype=self.dtype); fsdp.collectives.all_gather(full, shard,
-        #         label=..., async_op=True) returns a work; self.layout.views(flat); torch.zeros(..., dtype=...).
-        # Hint 3: full = an empty buffer per shard; works = async all-gathers of each shard into its buffer
-        #         wait for each work;  weights = views of each full buffer
-        #         full_grads = a zeroed buffer per block (grad dtype);  block_grads = views of each
+        #   (a BlockWeights of views of each, what the block computes with), self.full_grads (one zeroed flat buffer per
+        #   block, in self.grad_dtype) and self.block_grads (BlockWeights of views of each: the main_grad accumulators
+        #   that module 12's block adds into). One all-gather per block over fsdp, labelled "block <layer>"; the m
+        #   microbatches of the step all use these copies.
+        # The question: how do the shards come back whole once for the whole step, and what must be true of a block's
+        #   gradient buffer before the step's first backward adds into it?
+        # Pitfalls: must the first block's transfer wait for the last one's to start? What is in a new buffer's memory?
+        # Hint 1: how many blocks' transfers may be in flight at once, and which must have arrived before the stage's
+        #         first forward reads a weight? (docs/17, "FSDP across the pipeline's microbatches";
+        #         course/collectives.py's all_gather, as module 07 calls it.)
+        # Hint 2: full_l = shard_0 ‖ shard_1 ‖ ... ‖ shard_(n-1) over the fsdp ranks in order; the accumulator starts at
+        #         G_l = 0 and ends the step at Σ_(i < m) ∂L_i/∂W_l, in the accumulators' dtype (float32 at least).
+        # Hint 3: self.full = [torch.empty(self.layout.padded_numel, dtype=self.dtype) for _ in self.shards]
+        #         works = [fsdp.collectives.all_gather(full, shard, label=f"block {layer}", async_op=True)
+        #                  for full, shard, layer in zip(self.full, self.shards, self.layers)]
+        #         wait for each work;  self.weights = [self.layout.views(full) for full in self.full]
+        #         self.full_grads = [torch.zeros(self.layout.padded_numel, dtype=self.grad_dtype) for each shard]
+        #         self.block_grads = views of each
         self.full = [torch.empty(self.layout.padded_numel, dtype=self.dtype) for _ in self.shards]
         works = [fsdp.collectives.all_gather(full, shard, label=f"block {layer}", async_op=True)
                  for full, shard, layer in zip(self.full, self.shards, self.layers, strict=True)]
@@ -211,17 +220,20 @@ class LlamaStage:
             return  # a stage between the first and the last: none (every rank of fsdp holds the same stage)
         # >>> TODO(m17): the stage's embedding, final norm and LM head whole for the step, and their gradient buffer
         # Contract: set self.outer_full (the outer group's whole padded flat buffer, every fsdp rank's shard in it),
-        #   self.embedding, self.final_norm and self.lm_head (views of it: what forward() reads), self.outer_full_grad (a
-        #   zeroed whole buffer in self.grad_dtype) and self.outer_grads (an OuterWeights of views of it: the
+        #   self.embedding, self.final_norm and self.lm_head (views of it: what forward() reads), self.outer_full_grad
+        #   (a zeroed whole buffer in self.grad_dtype) and self.outer_grads (an OuterWeights of views of it: the
         #   accumulators backward() adds into). One all-gather over fsdp, labelled "outer".
-        # Pitfalls: module 07 gathers them for each microbatch; here they stay whole for the step, like the stage's
-        #   blocks. The gradient buffer starts at zero: every microbatch's backward adds into it.
-        # Hint 1: one buffer, one collective, views; a second, zeroed buffer and its views.
-        # Hint 2: torch.empty(self.outer_layout.padded_numel, dtype=self.dtype); self.groups.fsdp.collectives.all_gather(
-        #         full, self.outer_shard, label="outer"); self.outer_layout.views(flat).tensors(); torch.zeros(...).
-        # Hint 3: outer_full = an empty buffer;  all-gather outer_shard into it over fsdp, labelled "outer"
-        #         embedding, final_norm, lm_head = the outer layout's views of outer_full
-        #         outer_full_grad = a zeroed buffer (grad dtype);  outer_grads = the outer layout's views of it
+        # The question: the blocks' policy (gather()) applied to one more group: what changes?
+        # Pitfall: module 07 gathers these for each microbatch; how long do they stay whole here?
+        # Hint 1: which of gather()'s steps carry over to a single group, and which views does forward() read? (docs/17,
+        #         "FSDP across the pipeline's microbatches", the outer weights' paragraph.)
+        # Hint 2: outer_full = shard_0 ‖ ... ‖ shard_(n-1) over the fsdp ranks; G_outer = 0 before the step's first
+        #         backward, in the accumulators' dtype.
+        # Hint 3: self.outer_full = torch.empty(self.outer_layout.padded_numel, dtype=self.dtype)
+        #         self.groups.fsdp.collectives.all_gather(self.outer_full, self.outer_shard, label="outer")
+        #         self.embedding, self.final_norm, self.lm_head = self.outer_layout.views(self.outer_full).tensors()
+        #         self.outer_full_grad = torch.zeros(self.outer_layout.padded_numel, dtype=self.grad_dtype)
+        #         self.outer_grads = self.outer_layout.views(self.outer_full_grad)
         self.outer_full = torch.empty(self.outer_layout.padded_numel, dtype=self.dtype)
         self.groups.fsdp.collectives.all_gather(self.outer_full, self.outer_shard, label="outer")
         self.embedding, self.final_norm, self.lm_head = self.outer_layout.views(self.outer_full).tensors()
@@ -235,17 +247,21 @@ class LlamaStage:
         self.reduce_scatter_outer()
         fsdp = self.groups.fsdp
         # >>> TODO(m17): reduce-scatter each block's whole gradient once per step; drop the whole copies
-        # Contract: afterwards self.grad_shards[i] holds this rank's slice (its fsdp shard) of the sum over the fsdp
-        #   group of block i's whole gradient (self.full_grads[i]); one reduce-scatter per block, labelled "block
-        #   <layer>"; then self.full, self.weights, self.full_grads and self.block_grads are None again (the next step
-        #   gathers anew: the optimizer changes the shards). A stage that ran no forward this step has nothing.
-        # Pitfalls: the slice must land where the weights' shard is (the same layout and the same group); the
-        #   sum is over fsdp only: t ranks hold different slices, the pipeline's other places other blocks.
-        # Hint 1: one collective per block, each into its gradient shard; then forget the whole buffers.
-        # Hint 2: fsdp.collectives.reduce_scatter(shard, full, label=..., async_op=True) and .wait().
+        # Contract: afterwards self.grad_shards[i] holds this rank's slice (its fsdp shard, where self.shards[i] lies)
+        #   of the sum over the fsdp group of block i's whole gradient (self.full_grads[i]); one reduce-scatter per
+        #   block, labelled "block <layer>"; then self.full, self.weights, self.full_grads and self.block_grads are None
+        #   again (the next step gathers anew: the optimizer changes the shards). A stage that ran no forward this step
+        #   has nothing to send.
+        # The question: which collective leaves each rank with only its own slice of a sum, and into which tensor?
+        # Pitfalls: where must the slice land so that the optimizer pairs it with its weight? Which ranks' buffers
+        #   belong in the sum (do the t ranks, or the pipeline's other places, hold the same weights)?
+        # Hint 1: what does one reduce-scatter over n ranks leave on each of them, and how is that the sum an all-reduce
+        #         would give, cut as the shards are cut? (docs/17, "FSDP across the pipeline's microbatches".)
+        # Hint 2: grad_shard_l = slice i_fsdp of Σ_(fsdp ranks) G_l (the same layout as the weights' shards).
         # Hint 3: if self.full_grads is None: return
-        #         works = async reduce-scatters of each full_grads[i] into grad_shards[i];  wait for each
-        #         set full, weights, full_grads, block_grads to None
+        #         works = [fsdp.collectives.reduce_scatter(shard, full, label=f"block {layer}", async_op=True)
+        #                  for shard, full, layer in zip(self.grad_shards, self.full_grads, self.layers)]
+        #         wait for each work;  set full, weights, full_grads, block_grads to None
         if self.full_grads is None:
             return
         works = [fsdp.collectives.reduce_scatter(shard, full, label=f"block {layer}", async_op=True)
@@ -264,10 +280,12 @@ class LlamaStage:
         # Contract: afterwards self.outer_grad holds this rank's slice (its fsdp shard, where self.outer_shard lies) of
         #   the sum over the fsdp group of self.outer_full_grad; one collective over fsdp, labelled "outer"; then
         #   self.outer_full, self.outer_full_grad, self.outer_grads and the three weights' views are None again.
-        # Pitfall: the slice must land where the weights' shard is (the same layout and the same group).
-        # Hint 1: one collective straight into the gradient shard (zeroed at the step's start); then forget.
-        # Hint 2: self.groups.fsdp.collectives.reduce_scatter(shard, full, label="outer").
-        # Hint 3: reduce-scatter outer_full_grad into outer_grad over fsdp, labelled "outer"
+        # The question: reduce_scatter() for one more group: what carries over?
+        # Pitfall: does an all-reduce followed by keeping one's slice send the same bytes?
+        # Hint 1: which collective sums over the fsdp ranks and leaves each with its own slice only? (docs/17, the outer
+        #         weights' paragraph.)
+        # Hint 2: outer_grad = slice i_fsdp of Σ_(fsdp ranks) G_outer.
+        # Hint 3: self.groups.fsdp.collectives.reduce_scatter(self.outer_grad, self.outer_full_grad, label="outer")
         #         set outer_full, outer_full_grad, outer_grads, embedding, final_norm, lm_head to None
         self.groups.fsdp.collectives.reduce_scatter(self.outer_grad, self.outer_full_grad, label="outer")
         self.outer_full = self.outer_full_grad = self.outer_grads = None
@@ -311,28 +329,34 @@ class LlamaStage:
         rows = x.shape[0]
         stores = [self.new_store() for _ in self.layers]
         # >>> TODO(m17): the stage's forward on this rank's piece of the microbatch
-        # Contract: on the first stage x is (rows, T) tokens: embed this rank's positions of them (self.positions) into
-        #   the residual stream (rows, T/(c t), M) with module 12's vocabulary-parallel embedding (sequence parallel);
-        #   elsewhere x is the message (rows, self.hidden): view it as that stream. Run every block (block_forward,
-        #   each with its store). Not the last stage: keep Saved(stores, tokens) in self.saved[microbatch] (only
-        #   while self.training) and return the stream as (rows, self.hidden). Last stage: the final norm, the LM
-        #   head (module 12's column-parallel linear over the vocabulary rows) and the vocabulary-parallel loss of
-        #   this rank's positions of the targets, divided by self.n_tokens; keep h, n, r and dlogits in Saved too;
-        #   return the loss (a 0-d tensor).
-        # The divisor: self.n_tokens, set by the trainer (ComposedLlama.train_step derives what it is); the stage
-        #   divides every piece by it and by nothing else.
-        # Pitfalls: the executor's n_microbatches is not the loss's divisor. The targets are cut by the same layout
-        #   as the tokens (position j's target is token j + 1's id).
-        # Hint 1: module 12's TPLlama.forward_backward, the forward half, with a stage's piece of it: the embedding
-        #         only on the first stage, the head and the loss only on the last.
-        # Hint 2: embedding_forward(tokens, self.embedding, tp, True); x.view(rows, self.stream_len, cfg.dim);
-        #         rmsnorm_forward; column_parallel_forward(n, [self.lm_head], tp, True, "lm head");
-        #         vocab_parallel_cross_entropy(logits as (N, V'/t), targets as (N,), cfg.vocab_size, tp, n_tokens).
-        # Hint 3: tokens = self.positions(x) on the first stage;  h = embedded tokens, or x viewed as the stream
-        #         h = block_forward(i, h, stores[i]) for each block i
-        #         not last: save Saved(stores, tokens) when training; return h reshaped to (rows, hidden)
-        #         last: n, r = final norm of h; (logits,) = LM head; loss, dlogits = the loss of this rank's targets
-        #               save Saved(stores, tokens, h, n, r, dlogits as logits' shape) when training; return loss
+        # Contract: x is the microbatch's token rows (rows, T) on the first stage, else the previous stage's message
+        #   (rows, self.hidden). Not the last stage: return this rank's residual stream after the stage's blocks, as
+        #   (rows, self.hidden). Last stage: return this rank's share of the step's loss (a 0-d tensor): the summed
+        #   cross-entropy of its positions divided by self.n_tokens (the trainer sets it), so that the shares of every
+        #   rank and microbatch add up to the step's loss. While self.training, keep in self.saved[microbatch] a Saved
+        #   of what backward() reads (the blocks' stores; the tokens on the first stage; h, n, r and dlogits on the
+        #   last).
+        # The question: which part of module 12's forward does a stage run, and on which of the microbatch's positions?
+        # Pitfalls: is the executor's n_microbatches the loss's divisor? Which positions of the targets go with this
+        #   rank's positions of the tokens?
+        # Hint 1: where does module 12's TPLlama forward start and stop on a first, a middle and a last stage, and which
+        #         of the T positions does a rank hold after module 15's layout and sequence parallelism? (docs/17, "A
+        #         stage: FSDP x TP blocks", the message between stages.)
+        # Hint 2: first stage: h = E[tokens] at this rank's T/c positions (vocabulary-parallel, sequence-parallel:
+        #         (rows, T/(c t), M)); else h = the message as (rows, T/(c t), M). h <- block_l(h) for each of the
+        #         stage's blocks. Last stage: n = rmsnorm(h) with the final norm, z = n W_head^T on this t rank's V'/t
+        #         rows, share = Σ_j ℓ_j / self.n_tokens over this rank's positions j (module 12's vocabulary-parallel
+        #         cross-entropy).
+        # Hint 3: tokens = self.positions(x) on the first stage
+        #         h = embedding_forward(tokens, self.embedding, tp, True) on the first stage,
+        #             else x.view(rows, self.stream_len, cfg.dim)
+        #         h = self.block_forward(i, h, stores[i]) for each block i
+        #         not last: keep Saved(stores, tokens) while training; return h.reshape(rows, self.hidden)
+        #         last: n, r = rmsnorm_forward(h, self.final_norm, cfg.norm_eps)
+        #               (logits,) = column_parallel_forward(n, [self.lm_head], tp, True, "lm head")
+        #               loss, dlogits = vocab_parallel_cross_entropy(logits as (N, V'/t), self.positions(targets)
+        #                                                            as (N,), cfg.vocab_size, tp, self.n_tokens)
+        #               keep Saved(stores, tokens, h, n, r, dlogits.view_as(logits)) while training; return loss
         tokens = self.positions(x) if self.is_first else None
         h = embedding_forward(tokens, self.embedding, tp, True) if self.is_first else \
             x.view(rows, self.stream_len, cfg.dim)
@@ -359,20 +383,29 @@ class LlamaStage:
         saved = self.saved.pop(microbatch)
         tp = self.groups.tp
         # >>> TODO(m17): the stage's backward: loss, head and final norm (last stage), blocks, embedding (first)
-        # Contract: the forward in reverse. Last stage: from the saved dlogits through the LM head (column-parallel
-        #   backward, adding into the LM head's accumulator) and the final norm (adding into its accumulator);
-        #   elsewhere grad_output (rows, hidden) viewed as the stream. Every block from the last: block_backward,
-        #   then clear its store. First stage: the embedding's backward into its accumulator, return None; else
-        #   return the stream's gradient as (rows, self.hidden).
-        # Pitfalls: the accumulators are self.outer_grads.embedding, .final_norm, .lm_head (views of the whole buffer
-        #   gather() made). Add, never assign: the m microbatches of the step add up.
-        # Hint 1: module 12's TPLlama.forward_backward, the backward half, on a stage's piece.
-        # Hint 2: column_parallel_backward([dlogits], n, [self.lm_head], [its accumulator], tp, True, "lm head");
-        #         rmsnorm_backward(dn, h, r, self.final_norm); embedding_backward(dh, tokens, its accumulator, tp, True).
-        # Hint 3: last: dn = the LM head's backward; dh, d_final = final norm's backward; accumulate d_final
-        #         else: dh = grad_output viewed as (rows, stream_len, M)
-        #         for each block from the last: dh = block_backward(i, dh, store); clear the store
-        #         first: embedding backward, return None; else return dh reshaped to (rows, hidden)
+        # Contract: the forward in reverse, from what forward() saved. Every weight's gradient of this microbatch's
+        #   share is added into its accumulator: the blocks' through block_backward (into self.block_grads), the LM
+        #   head's, the final norm's and the embedding's into self.outer_grads (views of the whole buffer gather_outer()
+        #   made). Return the gradient of the stage's input as (rows, self.hidden), or None on the first stage; each
+        #   block's store is empty afterwards.
+        # The question: which backward undoes each step of the forward, on a first, a middle and a last stage?
+        # Pitfalls: do the m microbatches of the step add up, or does each replace the one before? Where does the last
+        #   stage's gradient start, and what does grad_output hold elsewhere?
+        # Hint 1: module 12's TPLlama backward, on a stage's piece: which weights does each stage end own, and in which
+        #         order do their backwards run? (docs/17, "A stage: FSDP x TP blocks".)
+        # Hint 2: last stage: from dlogits through the LM head (dn, and ∂W_head += dlogits^T n over the gathered
+        #         positions), then the final norm (dh, and ∂g += its gradient); else dh = grad_output as (rows, T/(c t),
+        #         M). dh <- block_l's backward for l from the stage's last block to its first. First stage: ∂E[token] +=
+        #         dh at each of this rank's positions (module 12's vocabulary-parallel embedding backward).
+        # Hint 3: acc = self.outer_grads
+        #         last: dn = column_parallel_backward([saved.dlogits], saved.n, [self.lm_head], [acc.lm_head], tp, True,
+        #                                             "lm head")
+        #               dh, d_final = rmsnorm_backward(dn, saved.h, saved.r, self.final_norm)
+        #               acc.final_norm.add_(d_final)
+        #         else: dh = grad_output.view(rows, self.stream_len, cfg.dim)
+        #         for i from the last block to the first: dh = self.block_backward(i, dh, saved.stores[i]); clear it
+        #         first: embedding_backward(dh, saved.tokens, acc.embedding, tp, True); return None
+        #         else: return dh.reshape(rows, self.hidden)
         accumulators = self.outer_grads
         if self.is_last:
             dn = column_parallel_backward([saved.dlogits], saved.n, [self.lm_head], [accumulators.lm_head], tp,

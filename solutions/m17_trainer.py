@@ -147,24 +147,30 @@ class ComposedLlama:
         # >>> TODO(m17): each gradient summed over the ranks that hold the same weight and saw other tokens
         # Contract: afterwards every gradient this rank holds (each stage's grad_shards, outer_grad, replicated_grads
         #   and expert_grads) is the whole gradient of its piece: the sum over every rank that holds the same piece and
-        #   saw other tokens of it. The blocks' and the outer weights' by stage.reduce_scatter (once a step), each
-        #   other sum by one all-reduce (sum_over) labelled "norm grads" (the norm weights: the elements stage.norms
-        #   of the grad shards, and stage.outer_norms, the final norm's, of the outer gradient shard), "replicated
-        #   grads" (stage.replicated_grads: a MoE model's routers) or, with a MoE model (groups.expert_data is not
-        #   None), "expert grads" (stage.expert_grads).
+        #   saw other tokens of it. The blocks' and the outer weights' sums over fsdp are the stages' reduce-scatters
+        #   (once a step); every other sum is one all-reduce (sum_over, above) per group, labelled "norm grads" (the
+        #   norm weights: the positions stage.norms of each grad shard, stage.outer_norms of the outer gradient shard),
+        #   "replicated grads" (stage.replicated_grads: a MoE model's routers and shared experts) and, with a MoE model
+        #   (groups.expert_data is not None), "expert grads" (stage.expert_grads).
         # The question, for each kind of weight (a block's t slice, the block norms inside it, the final norm, the
         #   vocabulary rows, a router, an expert): along which axes do the ranks hold the same copy of it, and along
         #   which of those did they see other tokens (rows, positions) of it? Its gradient is partial over those.
-        # Pitfalls: the norms sit inside the flat shards: their extra sum is of the reduce-scattered shards
-        #   (stage.norms and stage.outer_norms are positions in a shard). Summing a weight over an axis whose ranks hold different slices
-        #   of it (a column's slice, vocabulary rows) adds other ranks' slices into it.
-        # Hint 1: reduce-scatter every stage's blocks; then three sums, each over its group, each in one collective.
-        # Hint 2: sum_over(group, parts, label) (above) takes tensors and (tensor, index) pairs.
-        # Hint 3: each stage: reduce_scatter()
-        #         sum_over(t, [(shard, stage.norms) for every stage and shard] + [(stage.outer_grad, stage.outer_norms)
-        #                  for every stage], "norm grads")
-        #         sum_over(replicas, [every replicated accumulator], "replicated grads")
-        #         with experts: sum_over(expert_data, [every expert gradient], "expert grads")
+        # Pitfalls: the norms sit inside the flat shards: is their extra sum taken before or after the reduce-scatter,
+        #   and where in the shard are they? What does summing a weight over ranks that hold different slices of it add
+        #   in?
+        # Hint 1: for each row of docs/17's table "Which gradient is summed over which axis": which ranks hold the same
+        #         copy, and which of them computed with other rows or other positions? (The chapter works it on d alone
+        #         and on t alone.)
+        # Hint 2: a block's t slice, the vocabulary rows: Σ over d c, done by the reduce-scatters. A norm weight is
+        #         whole on every t rank and each normed T/t positions (sequence parallelism): g = Σ_t g_t, summed over
+        #         t, in one all-reduce, after the reduce-scatter over d c. A router or shared expert: Σ over d c
+        #         (replicas). A rank's experts: Σ over module 16's ed (expert_data).
+        # Hint 3: for each stage: stage.reduce_scatter()
+        #         norms = [(shard, stage.norms) for every stage and shard]
+        #                 + [(stage.outer_grad, stage.outer_norms) for every stage]
+        #         sum_over(groups.tp, norms, "norm grads")
+        #         sum_over(groups.replicas, [every replicated accumulator], "replicated grads")
+        #         with experts: sum_over(groups.expert_data, [every expert gradient], "expert grads")
         for stage in stages:
             stage.reduce_scatter()
         norms = [(shard, stage.norms) for stage in stages for shard in stage.grad_shards]
@@ -182,23 +188,27 @@ class ComposedLlama:
             raise ValueError(f"this model runs {self.schedule.name} with {self.schedule.n_microbatches} microbatches "
                              f"(ComposedLlama's n_microbatches), not {n_microbatches}")
         # >>> TODO(m17): one composed step: the loss's divisor, this rank's rows through the schedule, the sums, AdamW
-        # Contract: give every stage the step's divisor and the global batch's size (stage.begin_step(n_tokens, B)),
-        #   run module 11's run_schedule(self.schedule, self.stages, self.comms, x, y) on this rank's rows of tokens
-        #   and targets (self.share), finish the gradients (above), hand each parameter its gradient (p.grad, in p's
-        #   dtype; parameters() and grads() are in the same order), step the optimizer; return the step's loss on
-        #   every rank (step_loss of what run_schedule returned).
-        # The question: the loss is the mean over the step's real targets (module 06's IGNORE_INDEX marks the
-        #   others). Each rank's share of a microbatch is summed, plainly, over the m microbatches (run_schedule),
-        #   and over the ranks (step_loss; the gradients in finish_gradients): what must every share be divided by, counted
-        #   where, so that those plain sums are that mean and its gradient, with no scale left to apply anywhere?
-        # Pitfalls: a divisor off by a constant factor puts the loss off by that factor and every gradient too;
-        #   AdamW hides most of it, but not from the tests' 1e-10 against one process (their message says the ratio).
-        # Hint 1: count, set, run the schedule, finish the gradients, step, report.
-        # Hint 2: real_tokens(targets) on the whole global batch; self.share(tokens); tokens.shape[0] is B.
-        # Hint 3: n_tokens = real tokens of the global targets;  every stage: begin_step(n_tokens, B)
-        #         loss = run_schedule(self.schedule, self.stages, self.comms, share of tokens, share of targets)
-        #         finish_gradients();  p.grad = g.to(p.dtype) for each pair;  optimizer.step()
-        #         return step_loss(loss, self.groups)
+        # Contract: one optimizer step on the global batch (module 06's `fit` contract): afterwards AdamW has updated
+        #   every parameter this rank holds with the whole gradient of the step's loss, and the step's loss is returned,
+        #   the same on every rank (step_loss of what module 11's run_schedule returned). The given pieces:
+        #   stage.begin_step(n_tokens, B) (a stage's divisor, before its schedule), module 11's run_schedule,
+        #   finish_gradients (above), and parameters() and grads() (the same order; p.grad must be in p's dtype).
+        # The question: the loss is the mean over the step's real targets (module 06's IGNORE_INDEX marks the others).
+        #   Each rank's share of a microbatch is summed, plainly, over the m microbatches (run_schedule) and over the
+        #   ranks (step_loss; the gradients in finish_gradients): what must every share be divided by, counted where, so
+        #   that those plain sums are that mean and its gradient, with no scale left to apply anywhere?
+        # Pitfalls: which rows of the global batch are this rank's? A divisor off by a constant factor puts the loss off
+        #   by that factor and every gradient too: AdamW hides most of it, but not the tests' 1e-10 against one process.
+        # Hint 1: the loss L = (1/N) Σ_j ℓ_j is cut into pieces by microbatch, data rank and context rank: for the
+        #         pieces' plain sum to be L, which N must each piece divide by, and can one rank count it? (docs/17,
+        #         "The loss: one divisor, derived": worked for gradient accumulation on one process.)
+        # Hint 2: every piece divides its sum by N_real, counted once on the whole global batch (its real targets, the
+        #         same number on every rank): L = Σ_pieces (S_piece / N_real). The rank's rows are block i_d of d.
+        # Hint 3: n_tokens = real_tokens(targets)  (the global targets)
+        #         for each stage: stage.begin_step(n_tokens, tokens.shape[0])
+        #         loss = run_schedule(self.schedule, self.stages, self.comms, self.share(tokens), self.share(targets))
+        #         self.finish_gradients();  p.grad = g.to(p.dtype) for p, g in zip(self.parameters(), self.grads())
+        #         optimizer.step();  return step_loss(loss, self.groups)
         n_tokens = real_tokens(targets)
         for stage in self.stages.values():
             stage.begin_step(n_tokens, tokens.shape[0])
@@ -212,10 +222,12 @@ class ComposedLlama:
 
     @torch.no_grad()
     def evaluate(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
-        """The mean loss of a global batch, forwards only, no gradient, no update (given): a validation loss."""
+        """The mean loss of a global batch, forwards only, no gradient, no update (given): a validation loss.
+        With no gradient to keep in scale, the shares are summed losses (a divisor of 1), and the report
+        divides their total once."""
         for stage in self.stages.values():
-            stage.begin_step(real_tokens(targets), tokens.shape[0])
+            stage.begin_step(1, tokens.shape[0])
         with EvalMode(self.stages.values()):
             loss = run_schedule(self.eval_schedule, self.stages, self.eval_comms, self.share(tokens),
                                 self.share(targets))
-        return step_loss(loss, self.groups)
+        return step_loss(loss, self.groups) / real_tokens(targets)

@@ -1,5 +1,5 @@
 # Generated from solutions/m07_flat_shards.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 07`. (skeleton 568618c4082a)
+# Grade your work with `python main.py grade 07`. (skeleton 8f0c11081884)
 """Module 07, part 1 - a group of weights as one flat buffer, cut into equal shards.
 
 An all-gather moves one contiguous tensor, so FSDP lays all of a block's weights end to end in a
@@ -47,11 +47,12 @@ class FlatLayout:
         self.numels = [prod(s) for s in self.shapes]
         self.numel = sum(self.numels)  # the group's parameters, without padding
         # TODO(m07): the shard size and the padded size: equal shards that cover every parameter
-        # Set self.shard_numel and self.padded_numel (integers). The numel parameters are cut into world_size shards
-        # of one size, the smallest size that lets them cover all numel; padded_numel is what the shards hold
-        # together: numel plus fewer than world_size elements of zero padding.
-        # Pitfall: the tests use 3 and 7 ranks, which do not divide the test block's numel; both sizes must be exact Python
-        # integers, also for counts of billions (float arithmetic is not).
+        # Contract: set self.shard_numel and self.padded_numel, Python ints (exact for counts of billions): world_size
+        #   shards of shard_numel values each, one per rank, which together hold all numel values and fewer than
+        #   world_size values of zero padding; padded_numel is the shards' total. The tests use 3 and 7 ranks, which do
+        #   not divide the test block's numel.
+        # The question: how long must each of d equal shards be to cover numel values, for any numel and d?
+        # Pitfall: what does float arithmetic give for a count of billions?
         raise NotImplementedError('TODO(m07): the shard size and the padded size: equal shards that cover every parameter')
         self.world_size = world_size
 
@@ -60,31 +61,31 @@ class FlatLayout:
         first = block.tensors()[0]
         flat = torch.zeros(self.padded_numel, dtype=first.dtype, device=first.device)
         # TODO(m07): lay the block's tensors end to end in the flat buffer
-        # flat is a zeroed (padded_numel,) buffer. Write each of the group's tensors into it, flattened, in field
-        # order (the order of block.tensors() and of self.numels), each right after the previous one;
-        # the padding at the end stays zero. The test compares with the tensors concatenated in that order,
-        # followed by zeros, for 1 to 7 ranks.
-        # Pitfall: view(-1) fails on a tensor that is not contiguous; a reshape copies only when it must.
+        # Contract: flat is a zeroed (padded_numel,) buffer. Afterwards it holds the group's tensors flattened, in field
+        #   order (the order of block.tensors() and of self.numels), each right after the one before, and zeros in the
+        #   padding at the end. The test compares with the tensors concatenated in that order, followed by zeros, for 1
+        #   to 7 ranks.
+        # The question: where in the buffer does each tensor start?
+        # Pitfall: what does view(-1) do with a tensor that is not contiguous?
         raise NotImplementedError("TODO(m07): lay the block's tensors end to end in the flat buffer")
         return flat
 
     def views(self, flat: torch.Tensor) -> BlockWeights | OuterWeights:
         """The group's tensors as views into `flat` (writing through them writes the buffer)."""
         # TODO(m07): the block's tensors as views into the flat buffer, each in its shape
-        # Return a group of the template's class (self.kind: BlockWeights for a block) whose fields (self.names, in
-        # order) are views of flat's first numel elements, each in its shape (self.shapes). Views, not copies: writing through a field writes the buffer, and an all-gather into
-        # the buffer changes what the fields show (that is how the gathered block reaches the loop). The padding
-        # belongs to no field.
-        # Pitfall: a copy (clone, cat, a reshape that had to copy) has the right values, but the test checks that
-        # every field shares the buffer's storage.
+        # Contract: return a group of the template's class (self.kind) whose fields (self.names, in order) are views of
+        #   flat's first numel values, each in its shape (self.shapes): writing through a field writes the buffer, and
+        #   an all-gather into the buffer changes what the fields show (that is how the gathered block reaches the
+        #   loop). The padding belongs to no field. The test checks that every field shares the buffer's storage.
+        # The question: which piece of the buffer is each field, and how do you get it without a copy?
+        # Pitfall: which of clone, cat and reshape may copy?
         raise NotImplementedError("TODO(m07): the block's tensors as views into the flat buffer, each in its shape")
 
     def shard(self, flat: torch.Tensor, rank: int) -> torch.Tensor:
         """Rank `rank`'s slice of a padded flat buffer (a view)."""
         # TODO(m07): the rank's shard: its slice of the padded buffer
-        # Return rank `rank`'s shard of a padded flat buffer: a view of shard_numel consecutive elements. Rank r's is
-        # the r-th of world_size equal consecutive pieces, so the shards of ranks 0 .. d - 1, in order, concatenate
-        # to the whole buffer (the test checks this; docs/07-fsdp.md cuts 12 values over 3 ranks, and leaves 10
-        # values over 4 ranks to you).
-        # Pitfall: sizes computed from the unpadded numel leave a gap or an overlap when d does not divide it.
+        # Contract: return rank `rank`'s shard of a padded flat buffer: a view of shard_numel consecutive values, such
+        #   that the shards of ranks 0 .. d - 1, in order, concatenate to the whole buffer (the test checks this).
+        # The question: where does rank r's shard start?
+        # Pitfall: what gap or overlap appears if the sizes come from the unpadded numel?
         raise NotImplementedError("TODO(m07): the rank's shard: its slice of the padded buffer")

@@ -1,5 +1,5 @@
 # Generated from solutions/m07_fsdp.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 07`. (skeleton ea51ec45cd66)
+# Grade your work with `python main.py grade 07`. (skeleton f0788192f6e5)
 """Module 07 - FSDP: every rank keeps 1/d of each weight; whole blocks exist only while in use.
 
 The d ranks of one data-parallel group (`dp`, a course.mesh `Group`: `dp.index`, `dp.size` = d,
@@ -9,15 +9,14 @@ on its own rows of it. Sharded: each rank keeps only its shard of every block's 
 Module 06's loop asks a weight source for each block; ours (m07_sharded_weights) all-gathers the
 block from the shards just in time, into one of two buffers.
 
-    forward   gather(0); for l: gather(l + 1), get(l), block l, release(l)
-    backward  for l from the last: gather(l - 1), get(l), block l's backward, release(l),
-              reduce-scatter l's gradient (summed over ranks) to the shard owners, without
-              waiting: it is finished (waited for, added to the shard's gradient) just before the
-              next one starts, so it travels while block l - 1's backward computes
+    forward   module 06's loop, unchanged: gather(0); for l: gather(l + 1), get(l), block l, release(l)
+    backward  module 06's loop, and each block's gradient summed over ranks into the shard owners'
+              gradient shards by a reduce-scatter that travels while the next block's backward
+              computes (backward_blocks: where each call goes is its question)
 
-In the backward the next all-gather is issued *before* the current reduce-scatter (explicit
-backward prefetch): with one communication queue, a reduce-scatter issued first would delay the
-gather the next block's backward is waiting for.
+With one communication queue, the order in which the backward issues its all-gathers and
+reduce-scatters decides which of them waits for the other (docs/07, "Implicit and explicit
+prefetch").
 
 The embedding, final norm and LM head (OuterWeights) are sharded too, as one more flat group, the
 way FSDP2 shards the weights of its root module: each microbatch gathers them whole before its
@@ -26,9 +25,9 @@ them to the end of its backward, then reduce-scatters their gradients and drops 
 
     microbatch  gather the outer weights; forward; backward; reduce-scatter their gradients
 
-Gradients are those of the mean loss over the global batch: every rank divides each microbatch's
-loss by the real tokens of the whole global batch (module 06's `real_tokens`), so the sums over
-microbatches and over ranks need no further scale. Module 06's `fit` trains it:
+Gradients are those of the mean loss over the global batch's real tokens, summed plainly over the
+microbatches (in the accumulators) and over the ranks (by the reduce-scatters): what each
+microbatch's loss must be divided by for that is train_step's question. Module 06's `fit` trains it:
 `fit(FSDPLlama(cfg, dp), steps)`.
 """
 from dataclasses import dataclass
@@ -64,13 +63,14 @@ class FSDPLlama(LlamaModel):
         outer = OuterWeights(self.embedding, self.final_norm, self.lm_head)
         self.outer_layout = FlatLayout(outer, dp.size)
         # TODO(m07): keep this rank's shard of every block, and nothing of the full blocks
-        # self.blocks holds the full model's blocks and `outer` its embedding, final norm and LM head (every rank
-        # built the same ones from the seed). Set self.shards: one tensor per layer, this rank's shard of that block's
-        # padded flat buffer (self.layout, your FlatLayout); and self.outer_shard: this rank's shard of the outer
-        # weights' padded flat buffer (self.outer_layout). The whole weights are dropped on the next lines;
-        # afterwards a rank must hold only its shards, and the optimizer updates each shard in place.
-        # Pitfall: a shard is a view, and a view keeps its whole buffer alive: the test measures the memory behind
-        # self.shards and self.outer_shard and fails if it is a whole group instead of one shard.
+        # Contract: self.blocks holds the full model's blocks and `outer` its embedding, final norm and LM head (every
+        #   rank built the same ones from the seed). Set self.shards (one tensor per layer: this rank's shard of that
+        #   block's padded flat buffer, self.layout) and self.outer_shard (the same of the outer weights,
+        #   self.outer_layout). The whole weights are dropped on the next lines: afterwards a rank holds only its
+        #   shards, each owning its memory, and the optimizer updates each in place. The test measures the memory behind
+        #   self.shards and self.outer_shard.
+        # The question: what does a rank keep of each group, and what memory does it keep alive with it?
+        # Pitfall: what does a slice keep alive of the tensor it was taken from?
         raise NotImplementedError("TODO(m07): keep this rank's shard of every block, and nothing of the full blocks")
         self.blocks = []  # from here on, whole blocks exist only in the weight source's two buffers
         self.embedding = self.final_norm = self.lm_head = None  # and the outer weights only during a microbatch
@@ -91,19 +91,16 @@ class FSDPLlama(LlamaModel):
         """Module 06's backward loop, plus a reduce-scatter of each block's gradient as soon as it exists."""
         n_layers = self.cfg.n_layers
         # TODO(m07): the backward loop, each block's gradient reduce-scattered as soon as it exists
-        # Module 06's backward loop (gather one layer ahead, get, the block's backward, clear the store, release),
-        # plus: right after a layer's release, start the reduce-scatter of its gradient (reduce_scatter_grad); after
-        # the loop, finish the last one still in flight, so that every layer's sum over ranks has landed in
-        # self.grad_shards when this returns.
-        # Returns (dx, this rank's gradient shards). dx, the gradient of the embedded input, is what forward_backward
-        # needs (it becomes the embedding's gradient). The second item becomes LlamaGrads.blocks: in FSDP no whole
-        # per-layer gradient may outlive the loop (L of them alive is what sharding avoids), so the blocks'
-        # gradients exist only as the shards in self.grad_shards (LlamaGrads takes a flat shard per layer in place
-        # of a BlockWeights). The optimizer reads them through grads(), in parameters()' order.
-        # Pitfalls the grader catches: the order of calls (the test records gather, get, backward, release and the
-        # collectives): the next layer's gather goes out *before* this layer's reduce-scatter (the module docstring:
-        # one communication queue), and a layer is released only after its backward ran. A reduce-scatter never
-        # waited for fails at the end of the step (its sum may not have arrived when the optimizer reads it).
+        # Contract: module 06's backward loop over the weight source (your m06 backward_blocks), plus: every layer's
+        #   gradient is reduce-scattered (reduce_scatter_grad) as soon as its backward has run, and when this returns
+        #   every layer's sum over ranks has landed in self.grad_shards. Returns (dx, self.grad_shards): dx is the
+        #   gradient of the embedded input; the second item becomes LlamaGrads.blocks, this rank's flat gradient shard
+        #   per layer (no whole per-layer gradient outlives the loop: L of them alive is what sharding avoids). The test
+        #   records the calls (gather, get, backward, release, the collectives) and checks their order.
+        # The question: where in the loop does each reduce-scatter go, relative to the next layer's gather and to the
+        #   release, and what is left to do once the loop ends?
+        # Pitfalls: with one communication queue, what does a reduce-scatter issued before the next layer's gather
+        #   delay? What happens to a reduce-scatter that nobody waits for before the optimizer reads its sum?
         raise NotImplementedError("TODO(m07): the backward loop, each block's gradient reduce-scattered as soon as it exists")
 
     def reduce_scatter_grad(self, layer: int, grads):
@@ -111,17 +108,16 @@ class FSDPLlama(LlamaModel):
         waiting: it travels while the next block's backward computes. The one started for the block
         before is finished first, so at most one is in flight (and at most two full gradients exist)."""
         # TODO(m07): finish the reduce-scatter in flight, then start this block's without waiting
-        # grads is the block's full gradient on this rank (a BlockWeights, from this rank's rows of the batch). Start
-        # summing it over ranks so that each rank receives its own shard_numel slice of the sum, in the layout of
-        # the weights' shards, without waiting for it. Before that, finish the one started for the previous block:
-        # at most one in flight, at most two whole gradients alive. Leave in self.in_flight (a
-        # ReduceScatterInFlight) everything finish_reduce_scatter needs.
-        # Contract with the tests: the collective is asynchronous and labelled "block <layer>"; starting one while
-        # another is still in flight fails at once (each keeps a whole block's gradient alive until waited for).
-        # Pitfalls: the collective reads the flat gradient until it completes, so self.in_flight keeps it alive.
-        # Receive into a fresh tensor, not into grad_shards: the slice is added as it is when it is finished
-        # (that is how microbatches accumulate; each loss is already divided by the global batch's tokens, so
-        # nothing is left to scale).
+        # Contract: grads is the block's full gradient on this rank (a BlockWeights, from its rows of the batch). Start
+        #   summing it over ranks so that each rank receives its own shard_numel slice of the sum, in the layout of the
+        #   weights' shards, without waiting for it; before that, the one started for the previous block is finished (at
+        #   most one in flight, at most two whole gradients alive). Leave in self.in_flight (a ReduceScatterInFlight)
+        #   everything finish_reduce_scatter needs. The collective is asynchronous and labelled "block <layer>";
+        #   starting one while another is in flight fails at once in the tests.
+        # The question: how must the gradient be laid out so that slice r of its sum over ranks is the gradient of rank
+        #   r's shard, and what must stay alive until the sum has arrived?
+        # Pitfalls: what does the collective read from until it completes? Why receive into a fresh tensor rather than
+        #   into grad_shards, which earlier microbatches have added to?
         raise NotImplementedError("TODO(m07): finish the reduce-scatter in flight, then start this block's without waiting")
 
     def finish_reduce_scatter(self):
@@ -129,33 +125,35 @@ class FSDPLlama(LlamaModel):
         if self.in_flight is None:
             return
         # TODO(m07): complete the reduce-scatter in flight; add its slice to the gradient shard
-        # self.in_flight (not None here) holds the work, the flat gradient it reads, the slice it receives and the
-        # layer. Once the work has completed, add the received slice (the sum over ranks of this microbatch's
-        # gradients of this rank's shard) into self.grad_shards[layer]. Afterwards nothing is in flight.
-        # Pitfalls: reading the slice before the work has completed reads whatever the buffer held (the tests
-        # deliver it only on wait()). Assigning instead of adding loses the earlier microbatches' gradients.
+        # Contract: self.in_flight (not None here) holds the work, the flat gradient it reads, the slice it receives and
+        #   the layer. Afterwards self.grad_shards[layer] includes this microbatch's slice of the sum over ranks, and
+        #   nothing is in flight. The tests deliver a collective's result only when its work is waited for, and run 2
+        #   microbatches.
+        # The question: when is the received slice valid, and how does it join the earlier microbatches' gradients?
+        # Pitfall: what does the received tensor hold before its work completes?
         raise NotImplementedError('TODO(m07): complete the reduce-scatter in flight; add its slice to the gradient shard')
 
     def train_step(self, tokens: torch.Tensor, targets: torch.Tensor, n_microbatches: int, optimizer) -> float:
         """One optimizer step on the global batch tokens, targets (B, T), the same on every rank: this rank
         trains on its rows, in n_microbatches; returns the step's mean loss over the global batch."""
-        # TODO(m07): this rank's rows, every microbatch divided by the global batch's tokens, one step
-        # Contract: this rank (self.dp.index = i_d of d = self.dp.size) takes rows [i_d B/d, (i_d + 1) B/d) of the
-        #   global batch, zeroes its accumulators (grads()), accumulates its rows in n_microbatches (accumulate) and
-        #   steps (optimizer_step). Returns the mean loss over the global batch, the same on every rank:
-        #   summed_over(this rank's part, self.dp), given below.
-        # Maths: the step's gradient is that of the mean loss over the real tokens of the *whole global batch*.
-        #   Each microbatch's loss is divided by that count (module 06's real_tokens of the global targets): then
-        #   the sums over microbatches (in the accumulators) and over ranks (the reduce-scatters) are that gradient as they are, with no scale left to apply.
-        # Pitfalls: dividing by this rank's tokens, or by a microbatch's, gives gradients d or m d times too big:
-        #   AdamW barely notices a constant factor, so the losses move by only ~1e-7, yet that is 10^5 times the
-        #   tests' tolerance against single-process training (their message names the scale). Count the real
-        #   tokens of the whole batch, before taking this rank's rows.
-        raise NotImplementedError("TODO(m07): this rank's rows, every microbatch divided by the global batch's tokens, one step")
+        # TODO(m07): this rank's rows, the loss's divisor, one step
+        # Contract: one optimizer step on the global batch (module 06's `fit` contract): this rank (self.dp.index = i_d
+        #   of d = self.dp.size) trains on rows [i_d B/d, (i_d + 1) B/d) of it, in n_microbatches (accumulate, given,
+        #   returns a microbatch's part of the loss), from zeroed accumulators (grads()), then steps (optimizer_step).
+        #   Returns the step's mean loss over the global batch, the same on every rank (summed_over(this rank's part,
+        #   self.dp), given).
+        # The question: accumulate divides each microbatch's loss by the n_tokens it is given. The gradients are then
+        #   summed plainly, over the microbatches in the accumulators and over the ranks by the reduce-scatters: which
+        #   count must n_tokens be, counted where, for those plain sums to be the gradient of the mean loss over the
+        #   global batch's real tokens (module 06's IGNORE_INDEX marks the others)?
+        # Pitfalls: a divisor off by a constant factor scales every gradient: AdamW barely notices, so the losses move
+        #   by only ~1e-7, yet that is 10^5 times the tests' tolerance against single-process training (their message
+        #   names the scale). Which rows of the global batch are this rank's?
+        raise NotImplementedError("TODO(m07): this rank's rows, the loss's divisor, one step")
 
     def accumulate(self, tokens: torch.Tensor, targets: torch.Tensor, n_tokens: int) -> float:
-        """Forward and backward of one microbatch, its loss divided by n_tokens (the global batch's real
-        tokens), its gradients added to this rank's shards of them (given): the blocks' by their
+        """Forward and backward of one microbatch, its loss divided by n_tokens (train_step's divisor), its
+        gradients added to this rank's shards of them (given): the blocks' by their
         reduce-scatters during the backward, the outer weights' by theirs after it. The outer weights are
         whole only for the microbatch, as FSDP2 keeps its root's. Returns its part of the step's loss."""
         self.gather_outer()
@@ -174,7 +172,7 @@ class FSDPLlama(LlamaModel):
         #   "outer".
         # The question: this is a block's gather and get at once, for a group needed at once (the embedding is the
         #   microbatch's first op). What does this rank contribute, and where does each weight lie in what arrives?
-        # Pitfall: a buffer of the unpadded size cannot receive every rank's padded shard.
+        # Pitfall: can a buffer of the unpadded size receive every rank's padded shard?
         raise NotImplementedError('TODO(m07): the embedding, final norm and LM head whole for one microbatch')
 
     def reduce_scatter_outer(self, grads: LlamaGrads):
@@ -182,23 +180,25 @@ class FSDPLlama(LlamaModel):
         LlamaGrads: whole, from this rank's rows) summed over ranks into this rank's shard of them."""
         # TODO(m07): the outer weights' gradients summed over ranks into this rank's gradient shard
         # Contract: afterwards self.outer_grad has grown by this rank's slice (the slice self.outer_shard is of the
-        #   weights) of the sum over the data group of the microbatch's three gradients; one collective over the
-        #   data group, labelled "outer".
-        # The question: how must the three gradients be laid out for slice r of their sum to be the gradient of rank
-        #   r's shard?
-        # Pitfalls: summing the whole gradients over ranks and keeping a slice gives the same numbers for twice the
-        #   bytes (the tests count the step's collectives). Assigning instead of adding loses the earlier
-        #   microbatches' gradients (the tests run 2 microbatches).
+        #   weights) of the sum over the data group of the microbatch's three gradients; one collective over the data
+        #   group, labelled "outer". The tests count the step's collectives and run 2 microbatches.
+        # The question: how must the three gradients be laid out for slice r of their sum to be the gradient of rank r's
+        #   shard?
+        # Pitfalls: summing the whole gradients over ranks and keeping a slice gives the same numbers: for how many
+        #   bytes? What happens to the earlier microbatches' part if the slice is assigned?
         raise NotImplementedError("TODO(m07): the outer weights' gradients summed over ranks into this rank's gradient shard")
 
     def optimizer_step(self, optimizer):
         """After the last microbatch every gradient this rank holds is its slice of the sum over ranks:
         step, and invalidate the weight source."""
         # TODO(m07): step on the gradient shards; invalidate the gathered copies
-        # Contract: the optimizer updates every shard (it reads each parameter's .grad; grads() is in parameters()'
-        #   order); afterwards the weight source hands out no block gathered before this step.
-        # Pitfall: without invalidate() the next step reuses stale blocks from the buffers (the losses drift from
-        #   single-process training).
+        # Contract: the optimizer updates every shard this rank holds from its accumulated gradient (grads() is in
+        #   parameters()' order; the optimizer reads each parameter's .grad); afterwards the weight source hands out no
+        #   block gathered before this step.
+        # The question: what does the weight source still hold after the step, and how does it learn that those copies
+        #   are stale?
+        # Pitfall: what does your ShardedWeights.gather find in its buffers at the next step's first turn if nothing
+        #   tells it the weights changed?
         raise NotImplementedError('TODO(m07): step on the gradient shards; invalidate the gathered copies')
 
 

@@ -1,5 +1,5 @@
 # Generated from solutions/m07_payload.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 07`. (skeleton 8df5d88eff08)
+# Grade your work with `python main.py grade 07`. (skeleton d89c22d6fec2)
 """Module 07, part 2 - FSDP's communication and memory arithmetic, before running anything.
 
 A block holds P + 2M values (its seven matrices, P, and its two norm weights of M each: the
@@ -56,16 +56,14 @@ def fsdp_traffic(cfg: LlamaConfig, sizes: dict[str, int], dtype: torch.dtype, n_
     block = block_matrix_params(cfg) + 2 * M     # P + 2M: one block's values, FlatLayout's numel
     outer = 2 * cfg.vocab_size * M + M           # the embedding, the LM head and the final norm: one more group
     # TODO(m07): one optimizer step's all-gathers and reduce-scatters, the buffers, and the state kept
-    # Return a StepCost over the axis "d": calls[("d", op)] the number of all-gathers and reduce-scatters in one
-    #   step, sent[("d", op)] the bytes one rank sends for them, and memory: "buffers" (the full-size buffers, the
-    #   whole outer weights and the communication buffers), "parameters" (the L block shards and the outer
-    #   weights' shard), "gradients" (as many) and "optimizer" (AdamW's two moments of each), in bytes.
-    # Derive each from the module docstring: how many passes a step of n_microbatches makes, how many turns lie
-    #   between them and what `kept` saves at each, which collectives each pass and each microbatch issue for which
-    #   group, what one of them sends by the log's rule, and how big each buffer is. docs/07-fsdp.md works out the
-    #   Notes' forward, and the outer weights' memory.
-    # Pitfalls: a payload is one rank's shard of its group, padded like FlatLayout's (the tests use groups that
-    #   need padding), so the two groups' collectives send payloads of two sizes. The tests check PyTorch's FSDP
-    #   Notes' worked example (kept 0, the outer group's part counted by hand beside it), counts written out by
-    #   hand for kept 1 and 2, several microbatches, and the log and the tensors of a real step.
+    # Contract: return a StepCost over the axis "d": calls[("d", op)] the number of all-gathers and reduce-scatters in
+    #   one step, sent[("d", op)] the bytes one rank sends for them, and memory: "buffers" (the full-size buffers, the
+    #   whole outer weights and the communication buffers), "parameters" (the L block shards and the outer weights'
+    #   shard), "gradients" (as many) and "optimizer" (AdamW's state of each), in bytes. The tests check PyTorch's FSDP
+    #   Notes' worked example (kept 0, the outer group's part counted by hand beside it), counts written out by hand for
+    #   kept 1 and 2, several microbatches, and the log and the tensors of a real step, with groups that need padding.
+    # The question: from what the code does (the module docstring) and the log's rule, how many collectives does a step
+    #   of n_microbatches issue for each group, of which payload, and how big is each buffer?
+    # Pitfalls: is a payload the block's values over d, or a padded shard? Do the two groups' collectives carry payloads
+    #   of one size? Which turns between passes can reuse a kept block, and how many turns are there?
     raise NotImplementedError("TODO(m07): one optimizer step's all-gathers and reduce-scatters, the buffers, and the state kept")

@@ -1,5 +1,5 @@
 # Generated from solutions/m07_sharded_weights.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 07`. (skeleton 0a1b6c051dd8)
+# Grade your work with `python main.py grade 07`. (skeleton fbd738d84978)
 """Module 07, part 3 - a weight source that all-gathers each block from its shards, just in time.
 
 It implements module 06's WeightSource protocol, so the model loop does not change:
@@ -93,40 +93,35 @@ class ShardedWeights:
             buf.flat = torch.empty(self.layout.padded_numel, dtype=self.shards[0].dtype)
         # TODO(m07): start gathering the layer into its buffer, unless it is there and current
         # Contract: after check_gather, buf (buffer layer % 2) is FREE. Leave it GATHERING, its fields true to
-        #   GatherBuffer's docstring for this layer at the current weights (self.version), so that get(layer) can
-        #   hand the block out; and send only what that needs: nothing when buf.flat already holds this layer as
-        #   the weights are now. The tests count the all-gathers of a step: exactly the reuses at the turns are
-        #   skipped, and a copy from before an optimizer step is not one.
-        # Contract with the tests: gather() returns at once, waiting for nothing (a blocking all-gather fails them:
-        #   the next block's transfer must overlap this block's compute); this rank's shard of the layer is
-        #   self.shards[layer]; the collective is labelled "block <layer>" (the tests read the layer number).
-        # Pitfall: all ranks take the same branch; a rank that skipped a collective its peers ran would hang them.
+        #   GatherBuffer's docstring for this layer at the current weights (self.version), so that get(layer) can hand
+        #   the block out; and send only what that needs. The tests count the all-gathers of a step: exactly the reuses
+        #   at the turns are skipped, and a copy from before an optimizer step is not one. gather() returns at once,
+        #   waiting for nothing (the next block's transfer must overlap this block's compute); this rank's shard of the
+        #   layer is self.shards[layer]; the collective is labelled "block <layer>" (the tests read the layer number).
+        # The question: which of the buffer's fields tell whether its contents can be handed out again as they are, and
+        #   what must the fields say afterwards in either case?
+        # Pitfall: all ranks take the same branch: what happens to the others if one rank skips a collective its peers
+        #   run?
         raise NotImplementedError('TODO(m07): start gathering the layer into its buffer, unless it is there and current')
 
     def get(self, layer: int) -> BlockWeights:
         buf = self.buffer_for(layer)
         check_get(buf, layer)
         # TODO(m07): hand out the gathered layer once its transfer has arrived
-        # Contract: after check_get the buffer is GATHERING this layer, and your gather() may have left a transfer
-        #   in flight into it. Return the block as views into buf.flat (no copy) that hold this layer's current
-        #   weights, and leave every field of buf true to GatherBuffer's docstring for a block the loop now holds
-        #   (its cycle says which state that is). What must be completed here before buf.flat holds those weights,
-        #   and what is then still in flight, follows from the fields.
-        # Contract with the tests: a collective's output holds NaN until its work is waited for (on a GPU the
-        #   transfer may still be running).
-        # Pitfall: completing the transfer in gather() instead would give the same numbers, but gather(l + 1) comes
-        #   before layer l computes: the transfer would no longer overlap it.
+        # Contract: after check_get the buffer is GATHERING this layer, and your gather() may have left a transfer in
+        #   flight into it. Return the block as views into buf.flat (no copy) that hold this layer's current weights,
+        #   and leave every field of buf true to GatherBuffer's docstring for a block the loop now holds. A collective's
+        #   output holds NaN until its work is waited for (on a GPU the transfer may still be running).
+        # The question: what must have completed before buf.flat holds the weights, and what do the fields say once it
+        #   has?
+        # Pitfall: completing the transfer in gather() gives the same numbers: what does it cost the overlap?
         raise NotImplementedError('TODO(m07): hand out the gathered layer once its transfer has arrived')
 
     def release(self, layer: int) -> None:
+        """The loop is done with the layer (given)."""
         buf = self.buffer_for(layer)
         check_release(buf, layer)
-        # TODO(m07): free the buffer for the next gather (its contents stay valid for a reuse)
-        # Contract: after check_release the buffer holds this layer, IN_USE, and the loop is done with it. Leave it
-        #   FREE, so that the next gather into it may overwrite it, its fields true to GatherBuffer's docstring: its
-        #   contents are still this layer's, and a gather of this layer before the weights change (the turn from
-        #   forward to backward) must be able to reuse them. The tests count the all-gathers of a step.
-        raise NotImplementedError('TODO(m07): free the buffer for the next gather (its contents stay valid for a reuse)')
+        buf.state = FREE  # the buffer may be overwritten now; what it holds (layer, version) is still true
 
     def invalidate(self) -> None:
         """The optimizer changed the shards: a new version, and the stale copies freed (given)."""

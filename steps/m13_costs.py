@@ -1,5 +1,5 @@
 # Generated from solutions/m13_costs.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 13`. (skeleton 0841b1076c8e)
+# Grade your work with `python main.py grade 13`. (skeleton 63abb4bd8e3c)
 """Module 13, part 4 - what the 2-D model costs, read off its equations: bytes sent and bytes kept.
 
 Notation (docs/glossary.md): d x t ranks; L blocks; M the width, F the FFN width, K key/value heads,
@@ -98,12 +98,12 @@ def state_bytes(cfg: LlamaConfig, sizes: dict[str, int], dtype: torch.dtype = to
     b, L, M = dtype.itemsize, cfg.n_layers, cfg.dim
     V = padded_vocab_size(cfg.vocab_size, t)
     # TODO(m13): the bytes of parameters, gradients and optimizer state one rank keeps
-    # Contract: return StepCost(memory={"parameters": ..., "gradients": ..., "optimizer": ...}) in bytes (integers):
-    #   the tests compare them with the tensors a rank of the 2-D model really holds after a step (its weights'
-    #   blocks, its gradients' blocks, the tensors in its AdamW's state), on four meshes.
-    # The question: how many values of each a rank holds. The counting rule is the module docstring's (Bytes
-    #   kept): each weight's spec says which block of it a rank keeps; docs/13-2d-sharding.md works out wq's term.
-    #   Every weight of the model counts: the blocks', the embedding's, the final norm's, the LM head's.
-    # Pitfalls: the vocabulary is the padded one (V'); integer bytes: the mesh divides every size, so the blocks'
-    #   sizes are exact.
+    # Contract: return StepCost(memory={"parameters": ..., "gradients": ..., "optimizer": ...}) in bytes (integers): the
+    #   tests compare them with the tensors a rank of the 2-D model really holds after a step (its weights' blocks, its
+    #   gradients' blocks, the tensors in its AdamW's state), on four meshes.
+    # The question: how many values of each a rank holds. The counting rule is the module docstring's (Bytes kept): each
+    #   weight's spec says which block of it a rank keeps; docs/13-2d-sharding.md works out wq's term. Every weight of
+    #   the model counts: the blocks', the embedding's, the final norm's, the LM head's.
+    # Pitfalls: which vocabulary, V or V'? How many tensors does AdamW keep per value (its state after a step shows
+    #   them)? Integer bytes: the mesh divides every size, so the blocks' sizes are exact.
     raise NotImplementedError('TODO(m13): the bytes of parameters, gradients and optimizer state one rank keeps')

@@ -1,5 +1,5 @@
 # Generated from solutions/m13_named_axes.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 13`. (skeleton b2561f3b2d86)
+# Grade your work with `python main.py grade 13`. (skeleton f756aedf2ab0)
 """Module 13, part 2 - the collectives, each written from its arrow between two specs.
 
 m13_specs (given) parses a spec such as "B/d T M/t" (B split over the mesh axis d, M over t) and
@@ -33,15 +33,14 @@ def all_gather(arrow: str, x: Sharded) -> Sharded:
     check_matches(left, x, f"all_gather {arrow!r}")
     move = check_all_gather(left, right, arrow)
     # TODO(m13): the all-gather the arrow asks for, one mesh axis at a time
-    # Contract: return Sharded(tensor, right, x.mesh), where tensor is this rank's block as `right` describes
-    #   it: dimension move.dim made larger by the size of every axis in move.axes. Each axis's collective goes
-    #   through x.mesh.group(axis).collectives (all_gather(output, shard, label, dim=...), which puts the group's
-    #   blocks side by side in group order), labelled with the arrow so the log says what it was for.
-    # Layout: move.axes are listed outermost first ('M/t/d -> M' gives ('t', 'd')), and block i_t d + i_d of
-    #   M/t/d sits inside block i_t of M/t. Gathering over d first joins the d blocks of one M/t block; over t
-    #   first would interleave blocks of different M/t pieces (the 2x2 tests use distinct values).
-    # Pitfalls: the group is the axis's (the t group gathers over t); the dimension is move.dim, not 0. Never
-    #   write into x.tensor.
+    # Contract: return Sharded(tensor, right, x.mesh), where tensor is this rank's block as `right` describes it:
+    #   dimension move.dim made larger by the size of every axis in move.axes. Each axis's collective goes through
+    #   x.mesh.group(axis).collectives (all_gather(output, shard, label, dim=...), which puts the group's blocks side by
+    #   side in group order), labelled with the arrow so the log says what it was for. x.tensor is read, never written.
+    # Layout: move.axes are listed outermost first ('M/t/d -> M' gives ('t', 'd')), and block i_t d + i_d of M/t/d sits
+    #   inside block i_t of M/t (the 2x2 tests use distinct values).
+    # The question: with two axes, which gather comes first, so that the blocks land in the order the spec says?
+    # Pitfalls: which group gathers over t? Along which dimension, and is it always 0?
     raise NotImplementedError('TODO(m13): the all-gather the arrow asks for, one mesh axis at a time')
 
 
@@ -51,14 +50,14 @@ def reduce_scatter(arrow: str, x: Sharded) -> Sharded:
     check_matches(left, x, f"reduce_scatter {arrow!r}")
     move = check_reduce_scatter(left, right, arrow)
     # TODO(m13): the reduce-scatter the arrow asks for, one mesh axis at a time
-    # Contract: return Sharded(tensor, right, x.mesh): tensor is this rank's block of the sum over the ranks of
-    #   every axis in move.axes, dimension move.dim cut into blocks as `right` says. Each axis goes through
+    # Contract: return Sharded(tensor, right, x.mesh): tensor is this rank's block of the sum over the ranks of every
+    #   axis in move.axes, dimension move.dim cut into blocks as `right` says. Each axis goes through
     #   x.mesh.group(axis).collectives.reduce_scatter(shard, full, label, dim=...), which sums `full` over the group and
-    #   leaves group member j with block j of it along dim.
-    # Layout: move.axes are the axes appended to the dimension, outermost first ('M {U_t,d} -> M/t/d' gives
-    #   ('t', 'd')); M/t/d's block i_t d + i_d is block i_d of block i_t. Scatter over the outermost axis first.
-    # Pitfalls: the other order leaves every rank a wrong block (the 2x2 test catches it); the group must be
-    #   the axis's; the dimension is move.dim. The input is read, never written.
+    #   leaves group member j with block j of it along dim. The input is read, never written.
+    # Layout: move.axes are the axes appended to the dimension, outermost first ('M {U_t,d} -> M/t/d' gives ('t', 'd'));
+    #   M/t/d's block i_t d + i_d is block i_d of block i_t (the 2x2 test uses distinct values).
+    # The question: with two axes, which scatter comes first, so that each rank is left its own block of the spec?
+    # Pitfalls: which group, and along which dimension?
     raise NotImplementedError('TODO(m13): the reduce-scatter the arrow asks for, one mesh axis at a time')
 
 
@@ -69,11 +68,11 @@ def all_reduce(arrow: str, x: Sharded) -> Sharded:
     check_matches(left, x, f"all_reduce {arrow!r}")
     axes = check_all_reduce(left, right, arrow)
     # TODO(m13): the all-reduce the arrow asks for, over each of its mesh axes
-    # Contract: return Sharded(tensor, right, x.mesh), tensor the sum of x over the ranks of every axis in
-    #   `axes` (one all-reduce per axis, through x.mesh.group(axis).collectives.all_reduce(tensor, label), which sums
-    #   in place). x itself is left as it was: the caller may still read it.
-    # Pitfalls: summing in place into x.tensor changes x behind the caller's back (the test checks x afterwards);
-    #   each axis is its own group (a sum over d and t is a sum over d, then over t).
+    # Contract: return Sharded(tensor, right, x.mesh), tensor the sum of x over the ranks of every axis in `axes` (one
+    #   all-reduce per axis, through x.mesh.group(axis).collectives.all_reduce(tensor, label), which sums in place). x
+    #   itself is left as it was: the caller may still read it (the test checks x afterwards).
+    # The question: a sum over two axes is a sum over each group in turn: which tensor do the collectives sum into?
+    # Pitfall: what does an in-place collective on x.tensor do to the caller's x?
     raise NotImplementedError('TODO(m13): the all-reduce the arrow asks for, over each of its mesh axes')
 
 
@@ -90,12 +89,13 @@ def einsum_unreduced(equation: str, *operands: Sharded) -> Sharded:
     contracted = check_einsum(inputs, output, equation)
     # TODO(m13): the local contraction, and the mesh axes over which its result is unreduced
     # Contract: return Sharded(result, Spec(output.dims, unreduced), mesh). result = torch.einsum on the operands'
-    #   blocks, with one letter per dimension name (names may be longer than a letter). unreduced = the mesh axes
-    #   that split a contracted dimension (`contracted`, the given check's list): each rank summed only its block
-    #   of that dimension, so the true result is the sum over those axes' ranks.
-    # Pitfalls: a contracted dimension that is whole (M in 'B/d T M, E/t M -> B/d T E/t') leaves nothing
-    #   unreduced; B/d contracted gives {U_d}, not {U_t}; two contracted dimensions give the union of their axes.
-    #   The tests compare both the values and the reported axes.
+    #   blocks, with one letter per dimension name (names may be longer than a letter). unreduced = the mesh axes over
+    #   which the result is a partial sum (`contracted`, the given check's list, holds the contracted dimensions). The
+    #   tests compare both the values and the reported axes.
+    # The question: when a rank contracts only its block of a dimension, over which ranks must its result still be
+    #   summed?
+    # Pitfalls: what does a contracted dimension that is whole (M in 'B/d T M, E/t M -> B/d T E/t') leave unreduced? And
+    #   B/d contracted? Two contracted dimensions?
     raise NotImplementedError('TODO(m13): the local contraction, and the mesh axes over which its result is unreduced')
 
 

@@ -1,5 +1,5 @@
 # Generated from solutions/m17_checkpoint.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 17`. (skeleton faef2405e565)
+# Grade your work with `python main.py grade 17`. (skeleton 17aadd3c52e8)
 """Module 17, part 6 - checkpoints with torch.distributed.checkpoint (DCP): saved in the model's own
 shapes, loaded onto any mesh, never half-written.
 
@@ -65,17 +65,17 @@ def to_dtensor(name: str, piece: torch.Tensor, shape: tuple[int, ...], device_me
     last part of the name), whose logical shape is `shape`, as a DTensor on `device_mesh` (the mesh's, with
     dimensions named p, d, c, t)."""
     # TODO(m17): the DTensor of a rank's piece of a weight: its placement on every axis of the mesh
-    # Contract: return DTensor.from_local(piece, device_mesh, placements, run_check=False, shape=shape,
-    #   stride=the contiguous strides of `shape`), with one placement per dimension of the device mesh
-    #   (device_mesh.mesh_dim_names gives their names, in order).
+    # Contract: return DTensor.from_local(piece, device_mesh, placements, run_check=False, shape=shape, stride=the
+    #   contiguous strides of `shape`), with one placement per dimension of the device mesh (device_mesh.mesh_dim_names
+    #   gives their names, in order). The tests save on one mesh, resume on others (t = 4, d = 2) and compare the
+    #   losses.
     # The question, for each kind of weight (the field decides): along which axes of the mesh do the ranks hold
-    #   different parts of it (Shard(k): cut along which of the weight's dimensions?), and along which the same
-    #   copy (Replicate)? The piece is what the model computes with: after FSDP's gather, the whole of what
-    #   module 12 gives the rank.
-    # Pitfalls: a Shard where the ranks hold copies makes DCP stack the copies (a wrong shape, or their sizes
-    #   refused); a Replicate where they hold different slices keeps one slice and drops the others, silently
-    #   (the tests resume on other meshes and compare the losses). The vocabulary's padding rows are no part of
-    #   the weight: the caller passes the unpadded rows, so `shape` is the real (V, M).
+    #   different parts of it (Shard(k): cut along which of the weight's dimensions?), and along which the same copy
+    #   (Replicate)? The piece is what the model computes with: after FSDP's gather, the whole of what module 12 gives
+    #   the rank.
+    # Pitfalls: what does DCP make of pieces marked Shard that are in fact copies, and of pieces marked Replicate that
+    #   differ? The vocabulary's padding rows are no part of the weight: the caller passes the unpadded rows, so `shape`
+    #   is the real (V, M).
     raise NotImplementedError("TODO(m17): the DTensor of a rank's piece of a weight: its placement on every axis of the mesh")
 
 
@@ -254,16 +254,15 @@ def save(model, optimizer, train_state: dict, root, step: int, description: dict
     state = state_dict(model, optimizer, model.mesh.device_mesh, train_state)
     # TODO(m17): save into a partial directory, make it visible by a rename once the save has returned
     # Contract: when this returns on any rank, `final` is a complete checkpoint (DCP's files, its .metadata, and
-    #   config.json holding `description` as JSON); until the moment it is complete, nothing under the name
-    #   `final` exists, so a run killed at any instant leaves either no `final` or a complete one. A `partial`
-    #   left by an earlier, killed run is removed first. Every rank calls save; the directory operations are
-    #   one rank's (rank 0), the others wait for them.
-    # The question: in which order do the ranks write, wait and publish, so that the name `final` can only ever
-    #   name a complete checkpoint? (A rename within one file system is atomic.) The storage writer is
-    #   make_writer(directory), or dcp.FileSystemWriter(directory) without one.
-    # Pitfalls: saving straight into `final` leaves a half-written checkpoint under a complete-looking name when
-    #   a rank is killed mid-save (the long check kills one, then resumes from what is left). Renaming before
-    #   every rank's save has returned publishes files still being written.
+    #   config.json holding `description` as JSON); until the moment it is complete, nothing under the name `final`
+    #   exists, so a run killed at any instant leaves either no `final` or a complete one. A `partial` left by an
+    #   earlier, killed run is removed first. Every rank calls save; the directory operations are one rank's (rank 0),
+    #   the others wait for them. The storage writer is make_writer(directory), or dcp.FileSystemWriter(directory)
+    #   without one.
+    # The question: in which order do the ranks write, wait and publish, so that the name `final` can only ever name a
+    #   complete checkpoint? (A rename within one file system is atomic.)
+    # Pitfalls: what does a rank killed mid-save leave under a complete-looking name if the files go straight into
+    #   `final`? What does a rename publish while another rank is still writing?
     raise NotImplementedError('TODO(m17): save into a partial directory, make it visible by a rename once the save has returned')
 
 

@@ -1,5 +1,5 @@
 # Generated from solutions/m17_composition.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 17`. (skeleton 815834f1acca)
+# Grade your work with `python main.py grade 17`. (skeleton 6036c19953b5)
 """Module 17, part 1 - one mesh, five parallelisms: which group each piece of a step talks over.
 
 The capstone composes the course's parallelisms on one mesh of R = p d c t ranks (course/mesh.py):
@@ -53,16 +53,14 @@ def compose_groups(mesh: Mesh) -> Groups:
     """This rank's groups on `mesh` (course/mesh.py's, every axis present or of size 1)."""
     # TODO(m17): which group each kind of message of the step runs over
     # Contract: return Groups(pp=..., data=..., cp=..., tp=..., fsdp=..., replicas=..., experts=..., expert_data=...),
-    #   each a group of `mesh` (mesh.group(axis) or mesh.group(axis, axis)); experts and expert_data only when the
-    #   mesh has an "e" axis (mesh.sizes), else None.
-    # The question for each field (the Groups docstring says what each is for): along which axes do its members
-    #   differ, and along which must they agree? The members of a group differ in exactly what its message
-    #   combines (other rows, other positions, other slices) and agree on everything else (the same stage, the
-    #   same weights). Write down a rank's place (i_p, i_d, i_c, i_t) and ask which coordinates may change.
-    # Pitfalls: the pipeline's neighbours are places along p, not ranks r - 1 and r + 1 of the world (with d, c
-    #   or t > 1 those hold other rows, positions or slices). A group one axis too small leaves some ranks'
-    #   gradients unsummed; one axis too large mixes slices of different stages or of t.
-    #   The tests train on meshes where each wrong group gives wrong numbers (or a hang, stopped and named).
+    #   each a group of `mesh` (course/mesh.py's mesh.group, along one axis or two); experts and expert_data only when
+    #   the mesh has an "e" axis (mesh.sizes), else None. The tests compare every field's ranks with the rank formula on
+    #   four meshes of 4 ranks.
+    # The question for each field (the Groups docstring says what each is for): along which axes may its members differ,
+    #   and along which must they agree? The members of a group differ in exactly what its message combines and agree on
+    #   everything else.
+    # Pitfalls: are the pipeline's neighbours ranks r - 1 and r + 1 of the world when d, c or t > 1? A group one axis
+    #   too small leaves some ranks' gradients unsummed; what does a group one axis too large mix?
     raise NotImplementedError('TODO(m17): which group each kind of message of the step runs over')
 
 

@@ -1,5 +1,5 @@
 # Generated from solutions/m17_costs.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 17`. (skeleton 8b8590e8be96)
+# Grade your work with `python main.py grade 17`. (skeleton f78460b156ea)
 """Module 17, part 5 - what FSDP costs across the pipeline's microbatches.
 
 A stage gathers each of its blocks once per step and reduce-scatters each block's gradient once per
@@ -43,11 +43,14 @@ def fsdp_traffic(cfg: LlamaConfig, sizes: dict[str, int], dtype: torch.dtype, n_
     """The FSDP collectives of one optimizer step on a rank that holds `n_blocks` blocks (its stages'),
     over the "dc" group of a mesh of `sizes`, weights in `dtype`: calls and bytes sent, by the module's policy."""
     # TODO(m17): the bytes FSDP sends in one step when it gathers and reduce-scatters once a step
-    # Contract: a StepCost with sent[("dc", "all_gather")], sent[("dc", "reduce_scatter")] (bytes one rank sends in
-    #   one step, every block of the rank counted) and calls[...] for both.
-    # Pitfalls: the padded slice (a multiple of n = d c), not P_t itself; the gradients travel in grad_dtype(dtype)
-    #   (float32 at least), the weights in dtype. The test compares with what the collectives log measured, with m
-    #   = 2 microbatches: the number of microbatches appears nowhere in this policy.
+    # Contract: a StepCost with sent[("dc", "all_gather")] and sent[("dc", "reduce_scatter")] (the bytes one rank sends
+    #   in one step, every block of the rank counted) and calls[...] for both. The test compares it with what the
+    #   collectives log measured in a step of m = 2 microbatches, and with module 07's layout of module 12's slice on a
+    #   slice that needs padding, in float32 and bf16.
+    # The question: what does the policy (m17_stage) send per block in a step, and what does one collective of that size
+    #   cost one rank (course/collectives.py)?
+    # Pitfalls: which buffer travels, the slice or its padded flat buffer? In which dtype does each collective move its
+    #   values? Where would the number of microbatches enter?
     raise NotImplementedError('TODO(m17): the bytes FSDP sends in one step when it gathers and reduce-scatters once a step')
 
 

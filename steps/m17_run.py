@@ -1,5 +1,5 @@
 # Generated from solutions/m17_run.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 17`. (skeleton de9391afd886)
+# Grade your work with `python main.py grade 17`. (skeleton 176e8d4146d7)
 """Module 17, part 7 - a training run that survives being stopped: the composed trainer on characters
 of Shakespeare (course/chars.py), a validation loss now and then, a checkpoint every k steps, and a
 resume from the last complete one, on the same mesh or on another.
@@ -56,14 +56,15 @@ def train(model, text: CharText, steps: int, batch: int = 8, lr: float = 3e-3, s
     for step in range(start, steps):
         tokens, targets = random_batch(text.train, batch, model.cfg.max_seq_len, generator)
         # TODO(m17): one step, then (every checkpoint_every steps) its checkpoint
-        # Contract: append the step's loss (model.train_step on the global batch, optimizer) to `losses`; then, when
-        #   checkpoint_dir is set and checkpoint_every divides the number of steps done (step + 1), save the
-        #   checkpoint of that number with m17_checkpoint's save: the model, the optimizer, this run's
-        #   training_state (the generator, the losses), under checkpoint_dir, with `description` and `make_writer`.
-        # The question: checkpoint "step k" is what a run that has done k steps holds; a run resumed from it draws
-        #   batch k next and must compute what the uninterrupted run computes there.
-        # Pitfalls: a checkpoint written before the optimizer's step holds the weights of step k - 1 beside the data
-        #   position of step k: the resumed run skips an update (the tests resume and compare every loss).
+        # Contract: append the step's loss (model.train_step on the global batch, optimizer) to `losses`. With
+        #   checkpoint_dir and checkpoint_every set, the run leaves one checkpoint (m17_checkpoint's save of the model,
+        #   the optimizer, training_state(generator, losses), under checkpoint_dir, with `description` and
+        #   `make_writer`) for every number of steps done that checkpoint_every divides, saved under that number.
+        # The question: checkpoint "step k" is what a run that has done k steps holds; a run resumed from it draws batch
+        #   k next and must compute what the uninterrupted run computes there. When in this loop's iteration is that
+        #   state there, and which k is it?
+        # Pitfalls: what does a checkpoint written before the optimizer's step hold beside the data position of step k?
+        #   What number of steps has the loop done when `step` is 0?
         raise NotImplementedError('TODO(m17): one step, then (every checkpoint_every steps) its checkpoint')
         if on_step is not None:
             on_step(step, losses[-1])

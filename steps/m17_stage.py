@@ -1,5 +1,5 @@
 # Generated from solutions/m17_stage.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 17`. (skeleton 5c438078cf7a)
+# Grade your work with `python main.py grade 17`. (skeleton f48f2a944537)
 """Module 17, part 2 - one pipeline stage of the composed Llama, for module 11's executor.
 
 Stage s of S = p v holds blocks [s L/S, (s+1) L/S) (the first also the embedding, the last the final
@@ -100,17 +100,17 @@ class LlamaStage:
         self.block = self.make_block(attention_chunk)
         self.padded_vocab = padded_vocab_size(cfg.vocab_size, tp.size)
         # TODO(m17): hold the stage's blocks as FSDP x TP shards, and its vocabulary rows
-        # Contract: set self.layout (the FlatLayout of one block's tensor-parallel slice, cut over the fsdp group) and
-        #   self.shards (one per block of self.layers, in order: this rank's shard of that block's slice, a tensor
-        #   of its own, not a view of a whole block); self.outer_layout and self.outer_shard, the same for the stage's
-        #   outer weights: an OuterWeights of what this rank computes with, the embedding's vocabulary rows (first
-        #   stage) and the LM head's (last stage), padded (module 12), the final norm (last stage), and in place of
-        #   each one the stage does not use, that weight with no rows (whole.embedding[:0], ...).
-        # The question: in which order are the two splits taken, and what does each cut? gather() must give back,
-        #   on every rank, exactly the weights its block and its ends compute with (module 12's), and nothing else.
-        # Pitfalls: a layout of the wrong tensors (or of the wrong group's size) gathers weights of the wrong shape
-        #   or from the wrong ranks. Every rank reads its weights from `whole` (module 06's model, the same on every
-        #   rank).
+        # Contract: set self.layout (the FlatLayout of one block's piece, cut over the fsdp group) and self.shards (one
+        #   per block of self.layers, in order: this rank's shard of that block, a tensor of its own, not a view of a
+        #   whole block); self.outer_layout and self.outer_shard, the same for the stage's outer weights: an
+        #   OuterWeights of what this rank's ends compute with (the embedding's vocabulary rows on the first stage, the
+        #   final norm and the LM head's rows on the last, padded as module 12 pads them), each weight the stage does
+        #   not use with no rows (whole.embedding[:0], ...). Every rank reads its weights from `whole` (module 06's
+        #   model, the same everywhere).
+        # The question: in which order are the two splits taken, and what does each cut? gather() must give back, on
+        #   every rank, exactly the weights its block and its ends compute with, and nothing else.
+        # Pitfalls: what shape does a shard have if the layout is of other tensors, or of another group's size? Which
+        #   ranks keep the same shard index?
         raise NotImplementedError("TODO(m17): hold the stage's blocks as FSDP x TP shards, and its vocabulary rows")
         # The weights every rank of groups.replicas holds the same copy of (a MoE stage's routers), by name, and
         # their accumulators.
@@ -165,12 +165,13 @@ class LlamaStage:
         fsdp = self.groups.fsdp
         # TODO(m17): gather the stage's blocks once per step, and the whole gradient buffers they add into
         # Contract: set self.full (one whole padded flat buffer per block, every fsdp rank's shard in it), self.weights
-        #   (a BlockWeights of views of each, for the block), self.full_grads (one zeroed flat buffer per block, in
-        #   self.grad_dtype) and self.block_grads (BlockWeights of views of each: the main_grad accumulators that module
-        #   12's block adds into). One all-gather per block over fsdp, labelled "block <layer>"; the m microbatches
-        #   of the step all use these copies.
-        # Pitfalls: gather over the fsdp group (the ranks that share this slice), not over t (other slices) or the
-        #   world. The gradient buffers start at zero: every microbatch's backward adds into them.
+        #   (a BlockWeights of views of each, what the block computes with), self.full_grads (one zeroed flat buffer per
+        #   block, in self.grad_dtype) and self.block_grads (BlockWeights of views of each: the main_grad accumulators
+        #   that module 12's block adds into). One all-gather per block over fsdp, labelled "block <layer>"; the m
+        #   microbatches of the step all use these copies.
+        # The question: how do the shards come back whole once for the whole step, and what must be true of a block's
+        #   gradient buffer before the step's first backward adds into it?
+        # Pitfalls: must the first block's transfer wait for the last one's to start? What is in a new buffer's memory?
         raise NotImplementedError("TODO(m17): gather the stage's blocks once per step, and the whole gradient buffers they add into")
         self.gather_outer()
 
@@ -180,11 +181,11 @@ class LlamaStage:
             return  # a stage between the first and the last: none (every rank of fsdp holds the same stage)
         # TODO(m17): the stage's embedding, final norm and LM head whole for the step, and their gradient buffer
         # Contract: set self.outer_full (the outer group's whole padded flat buffer, every fsdp rank's shard in it),
-        #   self.embedding, self.final_norm and self.lm_head (views of it: what forward() reads), self.outer_full_grad (a
-        #   zeroed whole buffer in self.grad_dtype) and self.outer_grads (an OuterWeights of views of it: the
+        #   self.embedding, self.final_norm and self.lm_head (views of it: what forward() reads), self.outer_full_grad
+        #   (a zeroed whole buffer in self.grad_dtype) and self.outer_grads (an OuterWeights of views of it: the
         #   accumulators backward() adds into). One all-gather over fsdp, labelled "outer".
-        # Pitfalls: module 07 gathers them for each microbatch; here they stay whole for the step, like the stage's
-        #   blocks. The gradient buffer starts at zero: every microbatch's backward adds into it.
+        # The question: the blocks' policy (gather()) applied to one more group: what changes?
+        # Pitfall: module 07 gathers these for each microbatch; how long do they stay whole here?
         raise NotImplementedError("TODO(m17): the stage's embedding, final norm and LM head whole for the step, and their gradient buffer")
 
     def reduce_scatter(self):
@@ -193,12 +194,14 @@ class LlamaStage:
         self.reduce_scatter_outer()
         fsdp = self.groups.fsdp
         # TODO(m17): reduce-scatter each block's whole gradient once per step; drop the whole copies
-        # Contract: afterwards self.grad_shards[i] holds this rank's slice (its fsdp shard) of the sum over the fsdp
-        #   group of block i's whole gradient (self.full_grads[i]); one reduce-scatter per block, labelled "block
-        #   <layer>"; then self.full, self.weights, self.full_grads and self.block_grads are None again (the next step
-        #   gathers anew: the optimizer changes the shards). A stage that ran no forward this step has nothing.
-        # Pitfalls: the slice must land where the weights' shard is (the same layout and the same group); the
-        #   sum is over fsdp only: t ranks hold different slices, the pipeline's other places other blocks.
+        # Contract: afterwards self.grad_shards[i] holds this rank's slice (its fsdp shard, where self.shards[i] lies)
+        #   of the sum over the fsdp group of block i's whole gradient (self.full_grads[i]); one reduce-scatter per
+        #   block, labelled "block <layer>"; then self.full, self.weights, self.full_grads and self.block_grads are None
+        #   again (the next step gathers anew: the optimizer changes the shards). A stage that ran no forward this step
+        #   has nothing to send.
+        # The question: which collective leaves each rank with only its own slice of a sum, and into which tensor?
+        # Pitfalls: where must the slice land so that the optimizer pairs it with its weight? Which ranks' buffers
+        #   belong in the sum (do the t ranks, or the pipeline's other places, hold the same weights)?
         raise NotImplementedError("TODO(m17): reduce-scatter each block's whole gradient once per step; drop the whole copies")
 
     def reduce_scatter_outer(self):
@@ -210,7 +213,8 @@ class LlamaStage:
         # Contract: afterwards self.outer_grad holds this rank's slice (its fsdp shard, where self.outer_shard lies) of
         #   the sum over the fsdp group of self.outer_full_grad; one collective over fsdp, labelled "outer"; then
         #   self.outer_full, self.outer_full_grad, self.outer_grads and the three weights' views are None again.
-        # Pitfall: the slice must land where the weights' shard is (the same layout and the same group).
+        # The question: reduce_scatter() for one more group: what carries over?
+        # Pitfall: does an all-reduce followed by keeping one's slice send the same bytes?
         raise NotImplementedError("TODO(m17): reduce-scatter the outer weights' whole gradient once per step; drop their whole copies")
 
     def release(self):
@@ -250,18 +254,16 @@ class LlamaStage:
         rows = x.shape[0]
         stores = [self.new_store() for _ in self.layers]
         # TODO(m17): the stage's forward on this rank's piece of the microbatch
-        # Contract: on the first stage x is (rows, T) tokens: embed this rank's positions of them (self.positions) into
-        #   the residual stream (rows, T/(c t), M) with module 12's vocabulary-parallel embedding (sequence parallel);
-        #   elsewhere x is the message (rows, self.hidden): view it as that stream. Run every block (block_forward,
-        #   each with its store). Not the last stage: keep Saved(stores, tokens) in self.saved[microbatch] (only
-        #   while self.training) and return the stream as (rows, self.hidden). Last stage: the final norm, the LM
-        #   head (module 12's column-parallel linear over the vocabulary rows) and the vocabulary-parallel loss of
-        #   this rank's positions of the targets, divided by self.n_tokens; keep h, n, r and dlogits in Saved too;
-        #   return the loss (a 0-d tensor).
-        # The divisor: self.n_tokens, set by the trainer (ComposedLlama.train_step derives what it is); the stage
-        #   divides every piece by it and by nothing else.
-        # Pitfalls: the executor's n_microbatches is not the loss's divisor. The targets are cut by the same layout
-        #   as the tokens (position j's target is token j + 1's id).
+        # Contract: x is the microbatch's token rows (rows, T) on the first stage, else the previous stage's message
+        #   (rows, self.hidden). Not the last stage: return this rank's residual stream after the stage's blocks, as
+        #   (rows, self.hidden). Last stage: return this rank's share of the step's loss (a 0-d tensor): the summed
+        #   cross-entropy of its positions divided by self.n_tokens (the trainer sets it), so that the shares of every
+        #   rank and microbatch add up to the step's loss. While self.training, keep in self.saved[microbatch] a Saved
+        #   of what backward() reads (the blocks' stores; the tokens on the first stage; h, n, r and dlogits on the
+        #   last).
+        # The question: which part of module 12's forward does a stage run, and on which of the microbatch's positions?
+        # Pitfalls: is the executor's n_microbatches the loss's divisor? Which positions of the targets go with this
+        #   rank's positions of the tokens?
         raise NotImplementedError("TODO(m17): the stage's forward on this rank's piece of the microbatch")
 
     @torch.no_grad()
@@ -271,13 +273,14 @@ class LlamaStage:
         saved = self.saved.pop(microbatch)
         tp = self.groups.tp
         # TODO(m17): the stage's backward: loss, head and final norm (last stage), blocks, embedding (first)
-        # Contract: the forward in reverse. Last stage: from the saved dlogits through the LM head (column-parallel
-        #   backward, adding into the LM head's accumulator) and the final norm (adding into its accumulator);
-        #   elsewhere grad_output (rows, hidden) viewed as the stream. Every block from the last: block_backward,
-        #   then clear its store. First stage: the embedding's backward into its accumulator, return None; else
-        #   return the stream's gradient as (rows, self.hidden).
-        # Pitfalls: the accumulators are self.outer_grads.embedding, .final_norm, .lm_head (views of the whole buffer
-        #   gather() made). Add, never assign: the m microbatches of the step add up.
+        # Contract: the forward in reverse, from what forward() saved. Every weight's gradient of this microbatch's
+        #   share is added into its accumulator: the blocks' through block_backward (into self.block_grads), the LM
+        #   head's, the final norm's and the embedding's into self.outer_grads (views of the whole buffer gather_outer()
+        #   made). Return the gradient of the stage's input as (rows, self.hidden), or None on the first stage; each
+        #   block's store is empty afterwards.
+        # The question: which backward undoes each step of the forward, on a first, a middle and a last stage?
+        # Pitfalls: do the m microbatches of the step add up, or does each replace the one before? Where does the last
+        #   stage's gradient start, and what does grad_output hold elsewhere?
         raise NotImplementedError("TODO(m17): the stage's backward: loss, head and final norm (last stage), blocks, embedding (first)")
 
 

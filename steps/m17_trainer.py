@@ -1,5 +1,5 @@
 # Generated from solutions/m17_trainer.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 17`. (skeleton da8a47aaea9a)
+# Grade your work with `python main.py grade 17`. (skeleton c563765cec7c)
 """Module 17, part 3 - the composed trainer: this rank's stages, module 11's executor, one step.
 
     ComposedLlama(cfg, mesh, n_microbatches, schedule="1f1b")   this rank's stages of the schedule's
@@ -149,17 +149,17 @@ class ComposedLlama:
         # TODO(m17): each gradient summed over the ranks that hold the same weight and saw other tokens
         # Contract: afterwards every gradient this rank holds (each stage's grad_shards, outer_grad, replicated_grads
         #   and expert_grads) is the whole gradient of its piece: the sum over every rank that holds the same piece and
-        #   saw other tokens of it. The blocks' and the outer weights' by stage.reduce_scatter (once a step), each
-        #   other sum by one all-reduce (sum_over) labelled "norm grads" (the norm weights: the elements stage.norms
-        #   of the grad shards, and stage.outer_norms, the final norm's, of the outer gradient shard), "replicated
-        #   grads" (stage.replicated_grads: a MoE model's routers) or, with a MoE model (groups.expert_data is not
-        #   None), "expert grads" (stage.expert_grads).
+        #   saw other tokens of it. The blocks' and the outer weights' sums over fsdp are the stages' reduce-scatters
+        #   (once a step); every other sum is one all-reduce (sum_over, above) per group, labelled "norm grads" (the
+        #   norm weights: the positions stage.norms of each grad shard, stage.outer_norms of the outer gradient shard),
+        #   "replicated grads" (stage.replicated_grads: a MoE model's routers and shared experts) and, with a MoE model
+        #   (groups.expert_data is not None), "expert grads" (stage.expert_grads).
         # The question, for each kind of weight (a block's t slice, the block norms inside it, the final norm, the
         #   vocabulary rows, a router, an expert): along which axes do the ranks hold the same copy of it, and along
         #   which of those did they see other tokens (rows, positions) of it? Its gradient is partial over those.
-        # Pitfalls: the norms sit inside the flat shards: their extra sum is of the reduce-scattered shards
-        #   (stage.norms and stage.outer_norms are positions in a shard). Summing a weight over an axis whose ranks hold different slices
-        #   of it (a column's slice, vocabulary rows) adds other ranks' slices into it.
+        # Pitfalls: the norms sit inside the flat shards: is their extra sum taken before or after the reduce-scatter,
+        #   and where in the shard are they? What does summing a weight over ranks that hold different slices of it add
+        #   in?
         raise NotImplementedError('TODO(m17): each gradient summed over the ranks that hold the same weight and saw other tokens')
 
     def train_step(self, tokens: torch.Tensor, targets: torch.Tensor, n_microbatches: int, optimizer) -> float:
@@ -169,25 +169,27 @@ class ComposedLlama:
             raise ValueError(f"this model runs {self.schedule.name} with {self.schedule.n_microbatches} microbatches "
                              f"(ComposedLlama's n_microbatches), not {n_microbatches}")
         # TODO(m17): one composed step: the loss's divisor, this rank's rows through the schedule, the sums, AdamW
-        # Contract: give every stage the step's divisor and the global batch's size (stage.begin_step(n_tokens, B)),
-        #   run module 11's run_schedule(self.schedule, self.stages, self.comms, x, y) on this rank's rows of tokens
-        #   and targets (self.share), finish the gradients (above), hand each parameter its gradient (p.grad, in p's
-        #   dtype; parameters() and grads() are in the same order), step the optimizer; return the step's loss on
-        #   every rank (step_loss of what run_schedule returned).
-        # The question: the loss is the mean over the step's real targets (module 06's IGNORE_INDEX marks the
-        #   others). Each rank's share of a microbatch is summed, plainly, over the m microbatches (run_schedule),
-        #   and over the ranks (step_loss; the gradients in finish_gradients): what must every share be divided by, counted
-        #   where, so that those plain sums are that mean and its gradient, with no scale left to apply anywhere?
-        # Pitfalls: a divisor off by a constant factor puts the loss off by that factor and every gradient too;
-        #   AdamW hides most of it, but not from the tests' 1e-10 against one process (their message says the ratio).
+        # Contract: one optimizer step on the global batch (module 06's `fit` contract): afterwards AdamW has updated
+        #   every parameter this rank holds with the whole gradient of the step's loss, and the step's loss is returned,
+        #   the same on every rank (step_loss of what module 11's run_schedule returned). The given pieces:
+        #   stage.begin_step(n_tokens, B) (a stage's divisor, before its schedule), module 11's run_schedule,
+        #   finish_gradients (above), and parameters() and grads() (the same order; p.grad must be in p's dtype).
+        # The question: the loss is the mean over the step's real targets (module 06's IGNORE_INDEX marks the others).
+        #   Each rank's share of a microbatch is summed, plainly, over the m microbatches (run_schedule) and over the
+        #   ranks (step_loss; the gradients in finish_gradients): what must every share be divided by, counted where, so
+        #   that those plain sums are that mean and its gradient, with no scale left to apply anywhere?
+        # Pitfalls: which rows of the global batch are this rank's? A divisor off by a constant factor puts the loss off
+        #   by that factor and every gradient too: AdamW hides most of it, but not the tests' 1e-10 against one process.
         raise NotImplementedError("TODO(m17): one composed step: the loss's divisor, this rank's rows through the schedule, the sums, AdamW")
 
     @torch.no_grad()
     def evaluate(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
-        """The mean loss of a global batch, forwards only, no gradient, no update (given): a validation loss."""
+        """The mean loss of a global batch, forwards only, no gradient, no update (given): a validation loss.
+        With no gradient to keep in scale, the shares are summed losses (a divisor of 1), and the report
+        divides their total once."""
         for stage in self.stages.values():
-            stage.begin_step(real_tokens(targets), tokens.shape[0])
+            stage.begin_step(1, tokens.shape[0])
         with EvalMode(self.stages.values()):
             loss = run_schedule(self.eval_schedule, self.stages, self.eval_comms, self.share(tokens),
                                 self.share(targets))
-        return step_loss(loss, self.groups)
+        return step_loss(loss, self.groups) / real_tokens(targets)

@@ -53,22 +53,22 @@ TOLERANCE = 1e-12
 # that run before it, so the TODOs only a whole step exercises come first. A failure message that can
 # tell names the function instead ("your FSDPLlama.train_step"): the scorecard points there.
 LAYOUT = ("FlatLayout.shard", "FlatLayout.views", "FlatLayout.flatten", "FlatLayout.__init__")
-GATHERING = ("FSDPLlama.__init__", "ShardedWeights.gather", "ShardedWeights.get", "ShardedWeights.release", *LAYOUT)
+GATHERING = ("FSDPLlama.__init__", "ShardedWeights.gather", "ShardedWeights.get", *LAYOUT)
 OUTER = ("FSDPLlama.gather_outer", "FSDPLlama.reduce_scatter_outer")
 TRAINING = ("FSDPLlama.train_step", *OUTER, "FSDPLlama.optimizer_step",
             "FSDPLlama.finish_reduce_scatter", "FSDPLlama.reduce_scatter_grad", "FSDPLlama.backward_blocks",
-            "ShardedWeights.release", "ShardedWeights.gather", "ShardedWeights.get", "FSDPLlama.__init__", *LAYOUT)
-ORDER = ("FSDPLlama.backward_blocks", "ShardedWeights.gather", "ShardedWeights.release", "ShardedWeights.get",
+            "ShardedWeights.gather", "ShardedWeights.get", "FSDPLlama.__init__", *LAYOUT)
+ORDER = ("FSDPLlama.backward_blocks", "ShardedWeights.gather", "ShardedWeights.get",
          "FSDPLlama.reduce_scatter_grad", "FSDPLlama.finish_reduce_scatter", *OUTER, "FSDPLlama.train_step",
          "FSDPLlama.optimizer_step", "FSDPLlama.__init__", *LAYOUT)
-COUNTS = ("ShardedWeights.gather", "ShardedWeights.release", "FSDPLlama.backward_blocks",
+COUNTS = ("ShardedWeights.gather", "FSDPLlama.backward_blocks",
           "FSDPLlama.reduce_scatter_grad", *OUTER, "ShardedWeights.get",
           "FSDPLlama.finish_reduce_scatter", "FSDPLlama.train_step", "FSDPLlama.optimizer_step", "FSDPLlama.__init__",
           *LAYOUT)
-MEMORY = ("FSDPLlama.__init__", "ShardedWeights.get", "ShardedWeights.gather", "ShardedWeights.release",
+MEMORY = ("FSDPLlama.__init__", "ShardedWeights.get", "ShardedWeights.gather",
           "FSDPLlama.backward_blocks", "FSDPLlama.reduce_scatter_grad", "FSDPLlama.finish_reduce_scatter",
           *OUTER, "FSDPLlama.train_step", "FSDPLlama.optimizer_step", *LAYOUT)
-MISUSE = ("ShardedWeights.get", "ShardedWeights.gather", "ShardedWeights.release", "FSDPLlama.__init__", *LAYOUT)
+MISUSE = ("ShardedWeights.get", "ShardedWeights.gather", "FSDPLlama.__init__", *LAYOUT)
 
 
 def flat(block) -> torch.Tensor:
@@ -702,8 +702,8 @@ def culprit_of(differing: list[tuple], previous: tuple | None) -> str:
     if kinds & {"wait all_gather"}:
         return "look at your ShardedWeights.get (it waits) and ShardedWeights.gather (it must not)"
     if differing[0][0] == "all_gather":
-        return ("an all-gather of a block its buffer may still hold: your ShardedWeights.release must leave what "
-                "lets your ShardedWeights.gather reuse it")
+        return ("an all-gather of a block its buffer may still hold, current: your ShardedWeights.gather must reuse "
+                "it")
     if kinds & {"all_gather"}:
         return ("an all-gather skipped: your ShardedWeights.gather reused a buffer whose contents are not this "
                 "layer's current weights")
@@ -826,7 +826,7 @@ def test_collectives_per_step_are_the_hand_counted_ones(world_size, n_microbatch
     counts = {op: sum(c.op == op for c in blocks) / steps for op in ("all_gather", "reduce_scatter", "all_reduce")}
     assert counts["all_gather"] == all_gathers, \
         (f"the blocks' collectives per step: {counts}; expected {all_gathers} all-gathers: your ShardedWeights.gather "
-         f"sends one unless the layer is in its buffer and current, from what your ShardedWeights.release leaves there")
+         f"sends one unless the layer is in its buffer and current")
     assert counts["reduce_scatter"] == reduce_scatters, \
         (f"the blocks' collectives per step: {counts}; expected {reduce_scatters} reduce-scatters, one a block and "
          f"microbatch: your FSDPLlama.backward_blocks and FSDPLlama.reduce_scatter_grad")

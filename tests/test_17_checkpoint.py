@@ -101,9 +101,21 @@ def uninterrupted(tmp_path_factory):
 
 
 def resumed_from_step_2(uninterrupted, tmp_path, cfg, sizes, world_size=4):
-    root, *_ = uninterrupted
+    root, expected, *_ = uninterrupted
     shutil.copytree(root / "step_000002", tmp_path / "step_000002")
-    return run_ranks(_run, world_size, cfg, sizes, str(tmp_path), STEPS, 0, True, timeout=180)
+    results = run_ranks(_run, world_size, cfg, sizes, str(tmp_path), STEPS, 0, True, timeout=180)
+    check_state_of_step_2(results, expected)
+    return results
+
+
+def check_state_of_step_2(results, expected):
+    """The losses a resumed run read back from checkpoint "step 2" are the uninterrupted run's first two: a
+    checkpoint taken at another moment of the loop holds others (or another number of them)."""
+    for rank, losses in enumerate(results):
+        assert len(losses) == len(expected) and losses[:2] == expected[:2], \
+            (f"rank {rank}: resumed from checkpoint step_000002, the losses read back from it are {losses[:-2]}, the "
+             f"uninterrupted run's first 2 are {expected[:2]}: the checkpoint of step k holds what a run has after k "
+             f"steps, its optimizer step included (your train: when does it save, under which number?)")
 
 
 @pytest.mark.exercises("save", "train")
@@ -114,8 +126,8 @@ def test_each_checkpoint_is_written_under_a_partial_name_then_renamed(uninterrup
     for rank, writes in enumerate(seen):
         steps = [int(re.search(r"step_(\d+)", name)[1]) for name, _ in writes]
         assert steps == [2, 4], (f"rank {rank} saved checkpoints of steps {steps}; every {EVERY} steps of {STEPS}: "
-                                 f"after steps 2 and 4, each under its step's number (your train: TODO(m17) 'one "
-                                 f"step, then (every checkpoint_every steps) its checkpoint')")
+                                 f"after steps 2 and 4, each under its step's number (your train: when does it save, "
+                                 f"and under which number?)")
         assert [name for name, _ in writes] == ["step_000002.partial", "step_000004.partial"], \
             (f"rank {rank} wrote its checkpoints into {[name for name, _ in writes]}: DCP's files go into "
              f"step_NNNNNN.partial/, which only a rename after every rank's save makes step_NNNNNN/")
@@ -194,7 +206,9 @@ def test_the_moe_model_with_experts_over_e_resumes_bit_for_bit(tmp_path):
                   for f in ("gate", "up", "down"))
     assert experts == want, f"the MoE checkpoint's experts: {experts}; every layer's 4 experts, each once: {want}"
     shutil.copytree(whole / "step_000002", resumed / "step_000002")
-    for rank, losses in enumerate(run_ranks(_run_moe, 4, str(resumed), STEPS, 0, True, timeout=120)):
+    results = run_ranks(_run_moe, 4, str(resumed), STEPS, 0, True, timeout=120)
+    check_state_of_step_2(results, expected)
+    for rank, losses in enumerate(results):
         assert losses == expected, (f"rank {rank}: the MoE model resumed from step 2, losses {losses}; the "
                                     f"uninterrupted run's {expected}: not the same bits")
 

@@ -44,9 +44,6 @@ PLANTS = [
     Plant(PAYLOAD, "    shard, outer_shard = -(-block // d), -(-outer // d)\n",
           "    shard, outer_shard = block // d, outer // d\n",
           "the shard's bytes without padding: a shard is the padded block over N, rounded up"),
-    Plant(WEIGHTS, "        # Hint 3: the buffer's state becomes FREE, and nothing else changes\n        buf.state = FREE\n",
-          "        buf.state, buf.layer = FREE, -1\n",
-          "release forgets which layer the buffer holds: the blocks still there at the turns are gathered again"),
     Plant(WEIGHTS, "            buf.layer, buf.version = layer, self.version\n", "            buf.layer = layer\n",
           "the buffer's version never recorded: a block still there and current is never reused"),
     Plant(FSDP, "        mine = slice(self.dp.index * rows, (self.dp.index + 1) * rows)\n",
@@ -100,4 +97,9 @@ PLANTS = [
     Plant(PAYLOAD, "\"buffers\": (2 * d * shard + d * outer_shard + 2 * shard) * b",
           "\"buffers\": (2 * d * shard + 2 * shard) * b",
           "the buffers without the outer weights gathered whole: during a microbatch every rank holds all of them"),
+    # Issue 36's divisor of every train_step, the other way to get it wrong (issue 37).
+    Plant(FSDP, "        loss = sum(self.accumulate(tok, tgt, n_tokens) for tok, tgt in\n",
+          "        loss = sum(self.accumulate(tok, tgt, real_tokens(tgt)) for tok, tgt in\n",
+          "each microbatch divided by its own real tokens: every microbatch's gradient is the mean of its piece, so the "
+          "sums over microbatches and ranks are m d times the step's", new=True),
 ]
