@@ -1,5 +1,5 @@
 # Generated from solutions/m19_resilient.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 19`. (skeleton 41a18a6f6b6a)
+# Grade your work with `python main.py grade 19`. (skeleton 6bb84a5cb687)
 """Module 19, part 4 - training that survives its failures: each start of the job resumes from the last
 complete checkpoint, so a run whose ranks are killed at random steps computes the same losses, step
 for step, as a run that was never interrupted.
@@ -29,9 +29,10 @@ def training_state(sampler, losses: list[float]) -> dict[str, torch.Tensor]:
     under "train.NAME" and its load fills tensors of the same names and shapes in place."""
     # TODO(m19): the run's state a fresh process needs, besides the model and AdamW
     # Contract: a dict of tensors from which a process that starts with nothing but the configuration and the seed
-    #   continues the run exactly: the losses so far (float64, one a step, for the curve) and everything else that
-    #   decides a later step's result and is not part of the model or the optimizer. The tests kill ranks at random
-    #   steps and compare every loss of the resumed runs with an uninterrupted run's, in float64, exactly.
+    #   continues the run exactly: the losses so far under "losses" (float64, one a step, for the curve) and, under
+    #   names "data.NAME" (train below hands those back), everything else that decides a later step's result and is
+    #   not part of the model or the optimizer. The tests kill ranks at random steps and compare every loss of the
+    #   resumed runs with an uninterrupted run's, in float64, exactly.
     # The question: between two steps, what does this loop hold besides the model and AdamW? Which of it is lost
     #   with the process, and would a fresh one rebuild it differently?
     # Pitfalls: a resumed run whose reader starts again from the first batch repeats every sequence since the
@@ -49,16 +50,19 @@ def train(model, sampler, steps: int, checkpointer, every: int, lr: float = 3e-3
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     optimizer.register_step_pre_hook(lambda *_: checkpointer.before_update())
     losses, start = [], 0
-    # TODO(m19): resume from the last complete checkpoint, if there is one
-    # Contract: if checkpointer.root holds a complete checkpoint (module 17's latest_checkpoint), afterwards the
-    #   model, the optimizer, the sampler and `losses` are those of its step, and `start` is that step (the first
-    #   step to run); else all are as built. The checkpoint is read with module 17's load (the model, the
-    #   optimizer, a training_state to fill, the directory, checkpointer.description).
-    # The question: module 17's load fills tensors of the saved names and shapes in place: which tensors must exist
-    #   before the load, how long is the losses tensor of checkpoint step_000k, and what must happen to the values
-    #   once they are loaded?
-    # Pitfalls: loading the sampler's tensors and not handing them back to the sampler leaves it at the first batch.
-    raise NotImplementedError('TODO(m19): resume from the last complete checkpoint, if there is one')
+    # Resume (given: module 17's resume, with the data position handed back to the sampler): the tensors
+    # training_state names are made in the shapes of checkpoint k's (k losses), load fills them in place.
+    latest = latest_checkpoint(checkpointer.root)
+    if latest is not None:
+        start = int(latest.name.removeprefix("step_"))
+        state = training_state(sampler, [0.0] * start)
+        load(model, optimizer, state, latest, checkpointer.description)
+        position = {name.removeprefix("data."): value for name, value in state.items() if name.startswith("data.")}
+        if not position:
+            raise ValueError(f"resuming from {latest.name}: your training_state holds nothing of the sampler's (no "
+                             f"'data.NAME' entry), so the resumed run would read its batches from the first one again")
+        sampler.restore(position)
+        losses = state["losses"].tolist()
     for step in range(start, steps):
         tokens, targets = sampler.next_batch()
         losses.append(model.train_step(tokens, targets, n_microbatches, optimizer))

@@ -538,11 +538,8 @@ FORBIDDEN = {
             code("staged.result()"),
         ],
         "training_state": [
-            ("the sampler's state (a dict of tensors) under names of its own", "the sampler's state, under names of its own"),
+            ("the reader's position, whose state() is already a dict of tensors", "the reader's position"),
             code('f"data.{'),
-        ],
-        "train": [
-            code("[0.0] * start", "sampler.restore({"),
         ],
         "expected_goodput": [
             ("τ_mtbf exp(τ_restart / τ_mtbf) (exp((τ_interval + τ_save) / τ_mtbf) - 1)", "exp(restart_cost / mtbf)",

@@ -10,7 +10,9 @@ name while it is written, and the run ends with complete checkpoints only; resum
 """
 import dataclasses
 import shutil
+import threading
 import time
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -162,6 +164,36 @@ def test_a_run_resumed_from_a_checkpoint_computes_the_same_losses(watched, tmp_p
             f"rank {rank}, resumed from the checkpoint of step 4: losses {losses}; the uninterrupted run's "
             f"{expected}. The checkpoint holds another step's weights or moments beside step 4's data position: did "
             f"the optimizer's update run before the copy was done (AsyncCheckpointer.before_update)?")
+
+
+@pytest.mark.exercises("AsyncCheckpointer.before_update")
+def test_the_update_waits_for_the_copy_and_not_for_the_write():
+    # One save in flight (no ranks: a checkpointer holding it), its copy and its write futures set by the test.
+    checkpointer = checkpointing.AsyncCheckpointer.__new__(checkpointing.AsyncCheckpointer)
+    staged, written = Future(), Future()
+    checkpointer.in_flight = checkpointing.InFlight(3, staged, written, Path("step_000003.partial"), Path("step_000003"))
+    returned, errors = threading.Event(), []
+
+    def update():
+        try:
+            checkpointer.before_update()
+        except BaseException as error:  # noqa: BLE001 - handed to the test's thread below
+            errors.append(error)
+        finally:
+            returned.set()
+
+    threading.Thread(target=update, daemon=True).start()
+    copying = not returned.wait(0.3)
+    if errors:
+        raise errors[0]
+    assert copying, ("your AsyncCheckpointer.before_update returned while the copy of step 3 was still under way: "
+                     "the update would change tensors the save has not read yet")
+    staged.set_result(None)
+    finished = returned.wait(5)
+    written.set_result(None)
+    assert finished, ("your AsyncCheckpointer.before_update still blocks once the copy is complete, while the write "
+                      "goes on: correct, but the update waits as long as a synchronous save would (bench 19 "
+                      "measures it). Which of the save's stages reads the training's own tensors?")
 
 
 @pytest.mark.given

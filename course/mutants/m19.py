@@ -5,9 +5,9 @@ DETECT, DATA, SAVE, RESILIENT, GOODPUT = ("m19_detect.py", "m19_data.py", "m19_a
                                           "m19_resilient.py", "m19_goodput.py")
 PLANTS = [
     # The issue's list.
-    Plant(RESILIENT, "        sampler.restore({name.removeprefix(\"data.\"): value for name, value in state.items() "
-                     "if name.startswith(\"data.\")})\n", "",
-          "the data position saved but never handed back: the resumed run reads from the first batch again"),
+    Plant(RESILIENT, "    return {**{f\"data.{name}\": value for name, value in sampler.state().items()},\n"
+                     "            \"losses\"", "    return {\"losses\"",
+          "the data position not saved: the resumed run reads from the first batch again"),
     Plant(SAVE, "        if self.in_flight is not None:\n            self.in_flight.staged.result()",
           "        return",
           "the optimizer's update not held back for the copy: the checkpoint of step k holds step k + 1's weights"),
@@ -57,11 +57,6 @@ PLANTS = [
     Plant(RESILIENT, "\n            \"losses\": torch.tensor(losses, dtype=torch.float64)}",
           "\n            \"losses\": torch.tensor(losses)}",
           "the losses kept in float32: the curve before the resume comes back rounded"),
-    Plant(RESILIENT, "\n        losses = state[\"losses\"].tolist()\n", "\n",
-          "the losses before the checkpoint not read back: the curve restarts at the resume"),
-    Plant(RESILIENT, "        start = int(latest.name.removeprefix(\"step_\"))",
-          "        start = int(latest.name.removeprefix(\"step_\")) + 1",
-          "resumed one step late: checkpoint k holds k steps, the next to run is step k (0-based), not k + 1"),
     # Goodput.
     Plant(GOODPUT, "\n    expected = mtbf * math.exp(restart_cost / mtbf) * math.expm1(segment / mtbf)",
           "\n    expected = (mtbf + restart_cost) * math.expm1(segment / mtbf)",
