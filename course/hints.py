@@ -54,6 +54,12 @@ RENAMED_TITLES: dict[str, str] = {
         "TODO(m02): receive a tensor from the neighbour its direction comes from, into a new buffer",
     "TODO(m05): run the whole batch as a single microbatch, forward then backward":
         "TODO(m05): run GPipe: all m forwards, then all m backwards, and return the batch loss",
+    "TODO(m15): the two chunks a rank holds under zig-zag (head-tail) load balancing":
+        "TODO(m15): the two chunks a rank holds under zig-zag load balancing",
+    "TODO(m15): the backward: gather again, this rank's share of every key's gradient, reduce-scatter":
+        "TODO(m15): the backward: every rank's keys' gradients, summed over the ranks, home to their owners",
+    "TODO(m15): one step: this rank's share, every piece divided by the step's real tokens, the sum over d x c":
+        "TODO(m15): one step: this rank's share of the batch, the step's mean loss and its gradient over d x c",
 }
 
 
