@@ -1,5 +1,5 @@
 # Generated from solutions/m16_expert_parallel.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 16`. (skeleton 6ea6a257ac98)
+# Grade your work with `python main.py grade 16`. (skeleton f9147cf85474)
 """Module 16, part 3 - expert parallelism: the E experts split over the e ranks of an expert group,
 rows sent to their expert and back with two all-to-alls.
 
@@ -79,13 +79,13 @@ def check_exchange(exchange: Exchange, group: Group):
                            group=group.collectives.group)
     for s, (send, recv) in enumerate(every):
         if len(send) != group.size or len(recv) != group.size:
-            raise ValueError(f"member {s} has {len(send)} send splits and {len(recv)} recv splits: one per member of "
+            raise ValueError(f"your plan_exchange: member {s} has {len(send)} send splits and {len(recv)} recv splits: one per member of "
                              f"the group ({group.size}) each")
     for s, (_, recv) in enumerate(every):
         for t, (send, _) in enumerate(every):
             if int(recv[t]) != int(send[s]):
-                raise ValueError(f"member {s} receives {int(recv[t])} rows from member {t} by its recv_splits, but "
-                                 f"{t} sends {int(send[s])}; take them from the counts you received")
+                raise ValueError(f"your plan_exchange: member {s} receives {int(recv[t])} rows from member {t} by its "
+                                 f"recv_splits, but {t} sends {int(send[s])} (whose counts say what arrives?)")
 
 
 def plan_exchange(counts: torch.Tensor, group: Group) -> Exchange:
