@@ -60,6 +60,8 @@ RENAMED_TITLES: dict[str, str] = {
         "TODO(m15): the backward: every rank's keys' gradients, summed over the ranks, home to their owners",
     "TODO(m15): one step: this rank's share, every piece divided by the step's real tokens, the sum over d x c":
         "TODO(m15): one step: this rank's share of the batch, the step's mean loss and its gradient over d x c",
+    "TODO(m16): sum the dense gradients over every data rank, the experts' over the expert-data group":
+        "TODO(m16): sum each gradient over the ranks that hold a copy of its weight",
 }
 
 

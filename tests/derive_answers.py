@@ -469,6 +469,85 @@ FORBIDDEN = {
             code("(3 c - 2, 2 (c - 1) kv + c dkv)", "(3 * c - 2, 2 * (c - 1) * kv + c * dkv)"),
         ],
     },
+    "16": {
+        # Chapter 16 differentiates a vector divided by its length (the router's and the auxiliary loss's
+        # normalisations divide by a sum), applies the capacity rule to 6 slots by hand, finds one regroup of
+        # 4 rows by hand (the rule for any counts is the TODO's), states the adjoints of a permutation and of
+        # an all-to-all (which exchange carries which gradient is the TODO's), finds the copies of one expert
+        # on a 6-rank layout, splits a mean of five numbers, and counts one all-to-all's bytes.
+        "route": [
+            code("scores.gather(1, experts)", "chosen.sum(-1, keepdim=True)"),
+        ],
+        "route_backward": [
+            ("(dw_i - Σ_j dw_j w_j) / S", "(d_weights_i - Σ_j d_weights_j w_j) / S", "d_weights / S minus",
+             "dσ_l = (dσ'_l - Σ_i dσ'_i σ'_i) / Σσ"),
+            ("du = σ (dσ - Σ_j dσ_j σ_j)", "σ (dσ - Σ dσ σ)"),
+            code("(d_weights * weights).sum(-1, keepdim=True)", "scatter_add_(1, experts, d_chosen)"),
+        ],
+        "sequence_aux_loss": [
+            ("λ φ_j / T", "λ φ / T", "dσ' = λ φ / T"),
+            ("dσ = (dσ' - Σ_j dσ'_j σ'_j) / Σ_j σ_j", "(dσ' - rowsum(dσ' σ')) / Σσ"),
+            code("repeat_interleave(seq_len, dim=0)", "moe.aux_coef * share / length"),
+        ],
+        "update_biases": [
+            ("γ sign(share - load_j)", "γ sign(error)", "ρ_j += γ sign", "ρ_j ← ρ_j + γ sign"),
+            code("torch.sign(", "loads.sum(-1, keepdim=True) / moe.n_experts - loads"),
+        ],
+        "plan_dispatch": [
+            ("cumulative sum down the slots of one-hot rows", "one-hot of flat, cumulative sum",
+             "a running count per expert gives each slot its position"),
+            ("sort the kept slots by expert, stably", "sorted by expert, stably", "a sort by expert that keeps ties in place"),
+            code("one_hot(flat, n_experts).cumsum(0)", "one_hot(flat, E).cumsum(0)", "stable=True"),
+        ],
+        "combine": [
+            ("the rows written at their slots", "scatters each row to its slot", "with r(s) the row whose slot is s"),
+            code("per_slot[plan.slots] = rows", "[plan.slots] = rows"),
+        ],
+        "combine_backward": [
+            ("d row_r = w_{t,i} dy_t", "row of slot (t, i) gets w_{t,i} dy_t"),
+            code("dy[plan.tokens]", "(dy_rows * rows).sum(-1)"),
+        ],
+        "plan_exchange": [
+            ("sort by label, keeping ties in place", "sort the labels stably", "label every arriving row with its local expert"),
+            ("what member s announced", "recv_splits[s] = Σ_j received[s, j]"),
+            code("received.sum(1)", "repeat_interleave(received.flatten())", "torch.argsort(labels, stable=True)"),
+        ],
+        "return_from_experts": [
+            ("inverse permutation (a scatter by the same index)", "scatter by the same permutation",
+             "writing grouped at the positions π"),
+            ("with the splits swapped", "sends recv_splits and receives send_splits"),
+            code("arrived[exchange.regroup] = rows", "[exchange.regroup] = rows",
+                 "exchange.recv_splits, exchange.send_splits"),
+        ],
+        "MoELayer.backward": [
+            ("goes *to* the experts with `send_to_experts`", "the adjoint of return_from_experts is send_to_experts",
+             "d rows go to the experts by the adjoint of the way home", "send_to_experts (the adjoint of the way back)"),
+            code('send_to_experts(d_back, exchange, group, "combine backward")', "index_add_(0, plan.tokens, d_rows)"),
+        ],
+        "sum_gradients": [
+            ("the experts' over the expert-data group", "experts' gradients over \"ed\"", "summed over \"ed\" only",
+             "the experts' over the expert-data group, \"ed\""),
+            code('mesh.group("ed")'),
+        ],
+        "MoELlama.train_step": [
+            ("divides its summed cross-entropy by the real tokens of the whole global batch",
+             "divided by the real tokens of the whole global batch"),
+            ("records[mb L + l]", "view(m, L, E).sum(0)"),
+            code("real_tokens(targets)", "forward_backward(tok, tgt, n_tokens, 1.0 / n_sequences)",
+                 ".view(n_microbatches, n_layers, n_experts).sum(0)"),
+        ],
+        "step_cost": [
+            ("2 (S_out + S_in) M b", "2(S_out+S_in)Mb"),
+            ("(e - 1) E / e 8", "(e − 1) E / e · 8", "(e - 1) E / e · 8"),
+            ("in 5 all-to-alls", "5 all-to-alls over", "5 calls"),
+            ("of L (E/e) 3 F M b over ed", "L (E / e) 3 F M b over"),
+            code("2 * (rows_out + rows_in) * M * b", "(e - 1) * E // e * 8"),
+        ],
+        "state_bytes": [
+            ("values = Ψ_dense + L (E/e) 3 F M", "Ψ_dense + L (E/e) 3 F M", "Ψ_dense + L E/e 3 F M"),
+            code("L * E // e * 3 * moe.expert_dim * cfg.dim"),
+        ],
+    },
     "17": {
         # Which group each message runs over, the loss's divisor, which gradient is summed over which axis,
         # the checkpoint's placements, the FSDP bytes and the save's order: the chapter works out pp and tp on

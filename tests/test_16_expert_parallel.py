@@ -103,14 +103,14 @@ def test_the_plan_has_both_sides_split_sizes_and_a_stable_regroup():
                  f"in the order it sent them")
 
 
-@pytest.mark.exercises("send_to_experts", "return_from_experts")
+@pytest.mark.exercises("return_from_experts")
 def test_each_expert_receives_its_rows_and_every_row_comes_home():
     for rank, result in enumerate(run_ranks(_moves, 4, timeout=30)):
         for e, (arrived, back, log) in result.items():
             _, _, _, _, want = expected_exchange(rank, e)
             where = f"e={e}, rank {rank}"
             assert torch.equal(arrived, want), \
-                (f"your send_to_experts, {where}: the rows its experts receive, as (source, expert, index) labels: "
+                (f"send_to_experts (given), {where}: the rows its experts receive, as (source, expert, index) labels: "
                  f"got {labels(arrived)}, expected {labels(want)} (local-expert-major, then by source)")
             rows = rows_of(rank)
             home = rows.clone()
