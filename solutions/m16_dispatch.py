@@ -113,8 +113,8 @@ def combine_backward(dy: torch.Tensor, rows: torch.Tensor, plan: DispatchPlan, w
     # Question: which part of dy does each row's gradient read, and which product gives each weight's?
     # Pitfalls: which token and which weight belong to row r? The router's backward reads d_weights by token and
     #   choice: where does row r's value go?
-    # Hint 1: the chapter's "The layer" differentiates a weighted sum on the forward's side; here each term is a weight
-    #         times a row: what does each factor get from dy?
+    # Hint 1: the chapter's "The layer" defines y as h plus a weighted sum of rows: each term is a weight times a
+    #         row; what does each factor of a product get from the gradient dy of the sum?
     # Hint 2: d row_r = w_{t,i} dy_t for the slot (t, i) of row r; d w_{t,i} = dy_t · row(t, i) (a dot product over M).
     # Hint 3: dy_rows = dy[plan.tokens];  d_rows = dy_rows * weights.reshape(-1)[plan.slots].to(dy.dtype).unsqueeze(-1)
     #         d_weights = weights.new_zeros(N k);  d_weights[plan.slots] = (dy_rows * rows).sum(-1).to(weights.dtype)

@@ -99,7 +99,7 @@ def plan_exchange(counts: torch.Tensor, group: Group) -> Exchange:
     #   local-expert-major order?
     # Pitfalls: does what this member receives depend on its own counts or on the counts it received? Within one
     #   expert, do your rows keep member 0's first and each member's order? With one member, what must every step give?
-    # Hint 1: the chapter's "Expert parallelism" works an exchange of 3 members by hand: after the counts have
+    # Hint 1: the chapter's "Expert parallelism" works an exchange of 2 members by hand: after the counts have
     #         travelled, what does row s of what arrived tell its receiver, and how did the chapter put each
     #         expert's rows side by side?
     # Hint 2: send_splits[s] = Σ of counts over member s's experts; recv_splits[s] = Σ_j received[s, j]; give every

@@ -71,7 +71,7 @@ CASES = {
 
 
 @pytest.mark.exercises("MoELayer.backward", "route", "route_backward", "sequence_aux_loss", "plan_dispatch",
-                       "combine", "combine_backward", "plan_exchange", "return_from_experts")
+                       "combine", "combine_backward")
 @pytest.mark.parametrize("case", CASES)
 def test_the_layer_on_one_rank_equals_autograd(case):
     moe = router.MoEConfig(**BASE, **CASES[case])
@@ -122,8 +122,10 @@ EP_CASES = {"e=4-softmax-aux-dropless-shared": (4, dict(score="softmax", balance
             "e=2-sigmoid-bias-capacity": (2, dict(score="sigmoid", balance="bias", capacity_factor=0.75))}
 
 
-@pytest.mark.exercises("MoELayer.backward", "plan_exchange", "return_from_experts", "plan_dispatch",
-                       "combine", "combine_backward", "route", "route_backward", "sequence_aux_loss")
+# plan_exchange and return_from_experts are graded on their own first (test_16_expert_parallel.py): a crash
+# inside them here comes from what the layer hands them, so the layer's backward is blamed.
+@pytest.mark.exercises("MoELayer.backward", "plan_dispatch", "combine", "combine_backward", "route", "route_backward",
+                       "sequence_aux_loss")
 def test_experts_over_ranks_equal_the_single_process_layer():
     cases = {name: (e, router.MoEConfig(**BASE, **fields)) for name, (e, fields) in EP_CASES.items()}
     results = run_ranks(_expert_parallel, 4, cases, timeout=60)
