@@ -62,6 +62,12 @@ RENAMED_TITLES: dict[str, str] = {
         "TODO(m15): one step: this rank's share of the batch, the step's mean loss and its gradient over d x c",
     "TODO(m16): sum the dense gradients over every data rank, the experts' over the expert-data group":
         "TODO(m16): sum each gradient over the ranks that hold a copy of its weight",
+    "TODO(m16): the router's forward: scores, top-k with the bias for selection only, weights after top-k":
+        "TODO(m16): the router's forward: the scores, each token's k experts and their combine weights",
+    "TODO(m16): undo the regroup, then the all-to-all home":
+        "TODO(m16): the way back: every row from the experts home to where it left",
+    "TODO(m16): the MoE layer's backward: combine, the all-to-alls the other way, experts, router":
+        "TODO(m16): the MoE layer's backward: every gradient of the layer, through every piece of its forward",
 }
 
 

@@ -130,7 +130,7 @@ def return_from_experts(rows: torch.Tensor, exchange: Exchange, group: Group, la
     """The experts' output rows, local-expert-major (sum(recv_splits), M) -> back to the members they
     came from: this member's rows in its own expert-major order (sum(send_splits), M). Also the
     backward of send_to_experts."""
-    # >>> TODO(m16): undo the regroup, then the all-to-all home
+    # >>> TODO(m16): the way back: every row from the experts home to where it left
     # Contract: the inverse of send_to_experts (given, above): row r of the result is the output for row r this member
     #   sent, in its own expert-major order, (sum(send_splits), M). The tests feed it the rows each expert should have
     #   received, labelled, and check that every row comes home to its place.

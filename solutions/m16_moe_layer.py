@@ -151,7 +151,7 @@ class MoELayer:
         group, shape = self.group, dy.shape
         dy = dy.reshape(-1, shape[-1])
         n, routing, plan, exchange = store["moe_n"], store["moe_routing"], store["moe_plan"], store["moe_exchange"]
-        # >>> TODO(m16): the MoE layer's backward: combine, the all-to-alls the other way, experts, router
+        # >>> TODO(m16): the MoE layer's backward: every gradient of the layer, through every piece of its forward
         # Contract: return (dn, grads): dn of dy's `shape` (B, T, M), the gradient of the layer's input n from every path
         #   (the routed experts' rows, the shared expert, the router); grads = MoEWeights(router=dW_r, bias=None,
         #   experts=the local experts' gradients, shared=the shared expert's or None). The exchange that carries the

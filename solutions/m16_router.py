@@ -92,7 +92,7 @@ class Routing:
 
 def route(n: torch.Tensor, w_router: torch.Tensor, bias: torch.Tensor | None, moe: MoEConfig) -> Routing:
     """Scores, the top-k choice (biased by `bias` if given) and the combine weights of tokens n (N, M)."""
-    # >>> TODO(m16): the router's forward: scores, top-k with the bias for selection only, weights after top-k
+    # >>> TODO(m16): the router's forward: the scores, each token's k experts and their combine weights
     # Contract: n is (N, M), w_router (E, M), bias (E,) or None (no bias). Return Routing(scores, experts, weights):
     #   σ (N, E) in compute_dtype(n.dtype) (float32 for bf16 tokens), the k chosen experts (N, k) best first (as
     #   torch.topk orders them), and their weights w (N, k) in the same dtype, which sum to 1 over each token's k.

@@ -1,5 +1,5 @@
 # Generated from solutions/m16_expert_parallel.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 16`. (skeleton e2c8bddab563)
+# Grade your work with `python main.py grade 16`. (skeleton 47e17bb13b2c)
 """Module 16, part 3 - expert parallelism: the E experts split over the e ranks of an expert group,
 rows sent to their expert and back with two all-to-alls.
 
@@ -114,7 +114,7 @@ def return_from_experts(rows: torch.Tensor, exchange: Exchange, group: Group, la
     """The experts' output rows, local-expert-major (sum(recv_splits), M) -> back to the members they
     came from: this member's rows in its own expert-major order (sum(send_splits), M). Also the
     backward of send_to_experts."""
-    # TODO(m16): undo the regroup, then the all-to-all home
+    # TODO(m16): the way back: every row from the experts home to where it left
     # Contract: the inverse of send_to_experts (given, above): row r of the result is the output for row r this member
     #   sent, in its own expert-major order, (sum(send_splits), M). The tests feed it the rows each expert should have
     #   received, labelled, and check that every row comes home to its place.
@@ -123,4 +123,4 @@ def return_from_experts(rows: torch.Tensor, exchange: Exchange, group: Group, la
     # Question: what undoes each of send_to_experts' two steps, and in which order?
     # Pitfalls: does indexing by regroup a second time undo the regroup or apply it twice? Which sizes describe the
     #   rows going home: the ones that left, or the ones that arrived?
-    raise NotImplementedError('TODO(m16): undo the regroup, then the all-to-all home')
+    raise NotImplementedError('TODO(m16): the way back: every row from the experts home to where it left')

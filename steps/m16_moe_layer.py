@@ -1,5 +1,5 @@
 # Generated from solutions/m16_moe_layer.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 16`. (skeleton c6a513fb0099)
+# Grade your work with `python main.py grade 16`. (skeleton 778ce3aab080)
 """Module 16, part 4 - the mixture-of-experts layer, and module 06's block with it in place of the SwiGLU.
 
     n (N, M) -> route -> plan (capacity, expert-major slots) -> rows = n[tokens]
@@ -153,7 +153,7 @@ class MoELayer:
         group, shape = self.group, dy.shape
         dy = dy.reshape(-1, shape[-1])
         n, routing, plan, exchange = store["moe_n"], store["moe_routing"], store["moe_plan"], store["moe_exchange"]
-        # TODO(m16): the MoE layer's backward: combine, the all-to-alls the other way, experts, router
+        # TODO(m16): the MoE layer's backward: every gradient of the layer, through every piece of its forward
         # Contract: return (dn, grads): dn of dy's `shape` (B, T, M), the gradient of the layer's input n from every path
         #   (the routed experts' rows, the shared expert, the router); grads = MoEWeights(router=dW_r, bias=None,
         #   experts=the local experts' gradients, shared=the shared expert's or None). The exchange that carries the
@@ -167,7 +167,7 @@ class MoELayer:
         # Question: which of your two row exchanges carries each gradient, and which way?
         # Pitfalls: what does a token chosen by k experts receive from its k rows? Which paths besides the routed experts
         #   reach n? Does every member run both exchanges when it has nothing to send?
-        raise NotImplementedError("TODO(m16): the MoE layer's backward: combine, the all-to-alls the other way, experts, router")
+        raise NotImplementedError("TODO(m16): the MoE layer's backward: every gradient of the layer, through every piece of its forward")
 
 
 @dataclass

@@ -1,5 +1,5 @@
 # Generated from solutions/m16_router.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 16`. (skeleton c05440f2f4ed)
+# Grade your work with `python main.py grade 16`. (skeleton 09ddab2504be)
 """Module 16, part 1 - the router: which k of the E experts each token goes to, with what weight,
 and the two ways of keeping the experts' loads even.
 
@@ -94,7 +94,7 @@ class Routing:
 
 def route(n: torch.Tensor, w_router: torch.Tensor, bias: torch.Tensor | None, moe: MoEConfig) -> Routing:
     """Scores, the top-k choice (biased by `bias` if given) and the combine weights of tokens n (N, M)."""
-    # TODO(m16): the router's forward: scores, top-k with the bias for selection only, weights after top-k
+    # TODO(m16): the router's forward: the scores, each token's k experts and their combine weights
     # Contract: n is (N, M), w_router (E, M), bias (E,) or None (no bias). Return Routing(scores, experts, weights):
     #   σ (N, E) in compute_dtype(n.dtype) (float32 for bf16 tokens), the k chosen experts (N, k) best first (as
     #   torch.topk orders them), and their weights w (N, k) in the same dtype, which sum to 1 over each token's k.
@@ -103,7 +103,7 @@ def route(n: torch.Tensor, w_router: torch.Tensor, bias: torch.Tensor | None, mo
     # Maths: the module docstring defines u, σ, the choice and w.
     # Question: which quantity decides the choice, which one makes the weights, and what does each see of the bias?
     # Pitfalls: what do weights normalised over all E, then cut to k, sum to? Which dtype does the bias arrive in?
-    raise NotImplementedError("TODO(m16): the router's forward: scores, top-k with the bias for selection only, weights after top-k")
+    raise NotImplementedError("TODO(m16): the router's forward: the scores, each token's k experts and their combine weights")
 
 
 def route_backward(d_weights: torch.Tensor, d_scores: torch.Tensor | None, n: torch.Tensor, w_router: torch.Tensor,
