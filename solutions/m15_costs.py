@@ -49,8 +49,8 @@ def cp_traffic(cfg: LlamaConfig, batch: int, seq_len: int, dtype: torch.dtype, c
     n = d * c  # the "dc" group
     dc_sent = 2 * (n - 1) / n * (parameter_count(cfg) + 1) * s  # the gradients, accumulated in s bytes, and the loss
     # >>> TODO(m15): the bytes and calls of one step, per variant
-    # Contract: return StepCost(sent, calls): sent[(axis, op)] the bytes one rank sends in one step and
-    #   calls[(axis, op)] the collectives it issues (receives are not counted), exactly as the log of a real step
+    # Contract: a StepCost whose sent[(axis, op)] holds the bytes one rank sends in one step and
+    #   whose calls[(axis, op)] the collectives it issues (receives are not counted), exactly as the log of a real step
     #   counts them (the tests compare with real steps of every variant on c = 2, and with hand counts for c = 4
     #   and c = 1, float32 and bf16): ("c", "send") for the ring and zigzag, ("c", "all_gather") and ("c",
     #   "reduce_scatter") for the all-gather, ("c", "all_to_all") for Ulysses (module 15's, or with adjoint
