@@ -56,6 +56,20 @@ RENAMED_TITLES: dict[str, str] = {
         "TODO(m05): run GPipe: all m forwards, then all m backwards, and return the batch loss",
     "TODO(m07): this rank's rows, every microbatch divided by the global batch's tokens, one step":
         "TODO(m07): this rank's rows, the loss's divisor, one step",
+    "TODO(m15): the two chunks a rank holds under zig-zag (head-tail) load balancing":
+        "TODO(m15): the two chunks a rank holds under zig-zag load balancing",
+    "TODO(m15): the backward: gather again, this rank's share of every key's gradient, reduce-scatter":
+        "TODO(m15): the backward: every rank's keys' gradients, summed over the ranks, home to their owners",
+    "TODO(m15): one step: this rank's share, every piece divided by the step's real tokens, the sum over d x c":
+        "TODO(m15): one step: this rank's share of the batch, the step's mean loss and its gradient over d x c",
+    "TODO(m16): sum the dense gradients over every data rank, the experts' over the expert-data group":
+        "TODO(m16): sum each gradient over the ranks that hold a copy of its weight",
+    "TODO(m16): the router's forward: scores, top-k with the bias for selection only, weights after top-k":
+        "TODO(m16): the router's forward: the scores, each token's k experts and their combine weights",
+    "TODO(m16): undo the regroup, then the all-to-all home":
+        "TODO(m16): the way back: every row from the experts home to where it left",
+    "TODO(m16): the MoE layer's backward: combine, the all-to-alls the other way, experts, router":
+        "TODO(m16): the MoE layer's backward: every gradient of the layer, through every piece of its forward",
 }
 
 

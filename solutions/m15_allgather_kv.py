@@ -10,14 +10,9 @@ size (Llama 3 8B: 8 key/value heads for 32 query heads), small beside the activa
 keeps anyway. It does not overlap the gather with compute, and needs no merge: the lse comes out of
 one attention over all keys.
 
-The backward gathers the keys and values again (the store keeps only this rank's k and v: the
-activation memory stays T/c), computes dq, and dk and dv for the *whole* sequence (this rank's
-queries' contributions to every key), and a reduce-scatter sums those over the ranks and hands each
-rank the sum for its own positions.
-
-The gathered keys come in the order the ranks hold them (rank 0's, then rank 1's, ...: the layout's
-`order()`); attention wants them in position order, and the reduce-scatter wants the gradients back
-in the ranks' order.
+The backward needs the whole sequence's keys and values again (the store keeps only this rank's k
+and v: the activation memory stays T/c), and each rank's queries contribute to the gradients of
+every rank's keys: those contributions must be summed over the ranks and end at the keys' owners.
 """
 from __future__ import annotations
 
@@ -41,15 +36,18 @@ class AllGatherKVAttention:
     def gather_kv(self, k: torch.Tensor, v: torch.Tensor, layout: SequenceLayout) -> torch.Tensor:
         """Every rank's keys and values, (2, B, T, kv_heads, D), in position order."""
         # >>> TODO(m15): the whole sequence's keys and values, gathered, in position order
-        # Contract: one all-gather (label "kv") through self.group.collectives of k and v stacked, (2, B, T/c,
-        #   kv_heads, D), along the time axis; return (2, B, T, kv_heads, D) with time in position order.
-        # Pitfall: the gathered time axis is in the ranks' order, layout.order() (rank 0's positions, then rank 1's,
-        #   ...), not in position order: the two are the same only for the contiguous layout.
-        # Hint 1: stack, gather along the time axis of the stack, reorder the time axis.
-        # Hint 2: torch.stack((k, v)); all_gather(out, shard, label="kv", dim=2) with out (2, B, T, kv_heads, D); the
-        #         gathered index j holds position layout.order()[j]: index_select with its argsort.
-        # Hint 3: local = stack of k and v; gathered = empty (2, B, layout.seq_len, kv_heads, D) like k
-        #         all-gather local into gathered (label "kv", dim=2)
+        # Contract: return (2, B, T, kv_heads, D), k and v of the whole sequence stacked, element t of the time axis
+        #   holding position t, whatever the layout. One all-gather of this rank's k and v stacked (2, B, T/c,
+        #   kv_heads, D) along their time axis, through self.group.collectives.all_gather (label "kv").
+        # Question: in which order does the all-gather join the ranks' tokens, and what puts them in position order?
+        # Pitfalls: are the two orders the same for the contiguous layout? For zig-zag? The tests run both.
+        # Hint 1: the chapter's "All-gather KV" and SequenceLayout: which positions does the gathered index j hold,
+        #         and how do you undo a permutation?
+        # Hint 2: the gathered time axis is layout.order(): index j holds position order[j]; the inverse permutation,
+        #         order.argsort(), reads position t at index argsort[t].
+        # Hint 3: local = torch.stack((k, v))
+        #         gathered = torch.empty((2, B, layout.seq_len, kv_heads, D)) in k's dtype
+        #         self.group.collectives.all_gather(gathered, local, label="kv", dim=2)
         #         return gathered.index_select(2, layout.order().argsort())
         local = torch.stack((k, v))
         gathered = torch.empty((2, k.shape[0], layout.seq_len, *k.shape[2:]), dtype=k.dtype, device=k.device)
@@ -60,18 +58,22 @@ class AllGatherKVAttention:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         me, layout = self.group.index, self.layout(q.shape[1])
         # >>> TODO(m15): attend once per piece of this rank's queries, against the whole sequence's keys
-        # Contract: return (o, lse) for this rank's tokens in its local order: o (B, T/c, heads * D) in q's dtype, lse
-        #   (B, kv_heads, group, T/c), as module 06's attention_forward returns them; the keys and values of the
-        #   whole sequence come from self.gather_kv (one all-gather).
-        # Maths: each piece of queries (layout.local_pieces(me): first position, rows) against all T keys, the first
-        #   at position 0: attention_forward at offsets (q_start, 0) sees exactly the keys before each query.
-        # Pitfalls: the pieces' outputs and lse's go back side by side along the time axis (dim 1 for o, the last
-        #   for lse), in the local order.
-        # Hint 1: gather, attend piece by piece, concatenate.
-        # Hint 2: attention_forward(q[:, rows], kv[0], kv[1], self.chunk, q_start, 0).
-        # Hint 3: kv = self.gather_kv(k, v, layout)
-        #         for q_start, rows in layout.local_pieces(me): o_p, lse_p = attention_forward(...)
-        #         return the o_p concatenated on dim 1, the lse_p on the last dim
+        # Contract: return (o, lse) for this rank's tokens in its local order, as module 06's attention_forward
+        #   returns them: o (B, T/c, heads * D) in q's dtype, lse (B, kv_heads, group, T/c); causal over the whole
+        #   sequence. The keys and values come from self.gather_kv (one all-gather a forward).
+        # Maths: layout.local_pieces(me) lists this rank's runs of positions as (first position, its rows);
+        #   attention_forward(q, k, v, chunk, q_offset, k_offset) puts query i at q_offset + i and key j at k_offset + j.
+        # Question: at which offsets does a piece of queries, scored against all T keys, see exactly the keys up to
+        #   each query's position?
+        # Pitfalls: is a piece's first position the same as its first row for a zig-zag rank's second piece? Along
+        #   which axis do the pieces' o and lse join?
+        # Hint 1: the chapter's "All-gather KV": where does the gathered sequence start, and where does the piece?
+        # Hint 2: the piece starting at position q_start against keys starting at position 0: offsets (q_start, 0);
+        #         the pieces' o side by side along time (dim 1), their lse along the last axis.
+        # Hint 3: kv = self.gather_kv(k, v, layout);  outputs, lses = [], []
+        #         for q_start, rows in layout.local_pieces(me):
+        #             o_p, lse_p = attention_forward(q[:, rows], kv[0], kv[1], self.chunk, q_start, 0)
+        #         return torch.cat(outputs, dim=1), torch.cat(lses, dim=-1)
         kv = self.gather_kv(k, v, layout)
         outputs, lses = [], []
         for q_start, rows in layout.local_pieces(me):
@@ -85,22 +87,33 @@ class AllGatherKVAttention:
                  lse: torch.Tensor):
         me, layout = self.group.index, self.layout(q.shape[1])
         delta = attention_delta(do, o, q.shape[2], k.shape[2])  # from the output: once, for every piece
-        # >>> TODO(m15): the backward: gather again, this rank's share of every key's gradient, reduce-scatter
-        # Contract: return (dq, dk, dv) for this rank's tokens, in q's, k's and v's dtypes. Gather k and v again (the
-        #   store kept only this rank's), run attention_backward per piece at the forward's positions with this
-        #   rank's rows of do, lse and delta (o not read: pass None), sum every piece's dk and dv over the whole
-        #   sequence (lse's dtype), and reduce-scatter them (label "dkv") so that each rank receives the sum over
-        #   the ranks for its own positions.
-        # Pitfalls: the reduce-scatter hands rank j block j of the time axis: lay the gradients out in the ranks'
-        #   order (layout.order()) first, not in position order. Its output is (2, B, T/c, kv_heads, D).
-        # Hint 1: the forward's loop with attention_backward, then one reduce-scatter of dk and dv stacked.
-        # Hint 2: attention_backward(do[:, rows], q[:, rows], kv[0], kv[1], None, lse[..., rows], self.chunk, q_start,
-        #         0, delta[..., rows]) -> dq_p (B, rows, heads, D), dk_p and dv_p (B, T, kv_heads, D);
-        #         group.collectives.reduce_scatter(mine, full.index_select(2, layout.order()), label="dkv", dim=2).
-        # Hint 3: kv = gather_kv again;  dkv = zeros (2, B, T, kv_heads, D) in lse's dtype;  dqs = []
-        #         for each piece: dq_p, dk_p, dv_p = ...; dqs.append(dq_p); dkv[0] += dk_p; dkv[1] += dv_p
-        #         mine = empty (2, *k.shape) in lse's dtype; reduce-scatter dkv in the ranks' order into it
-        #         return cat(dqs, dim=1), mine[0], mine[1], each in its tensor's dtype
+        # >>> TODO(m15): the backward: every rank's keys' gradients, summed over the ranks, home to their owners
+        # Contract: return (dq, dk, dv) for this rank's tokens, in q's, k's and v's dtypes: dq of this rank's queries;
+        #   dk and dv of this rank's keys summed over every rank's queries, the sum in lse's dtype (float32 at least:
+        #   bf16 inputs too). Collectives: one all-gather (self.gather_kv: the store kept only this rank's k and v)
+        #   and one reduce-scatter of dk and dv stacked (2, B, T, kv_heads, D), through
+        #   self.group.collectives.reduce_scatter(out, full, label="dkv", dim=2), which hands rank j block j of
+        #   full's time axis, summed over the ranks. The tests compare with autograd on the whole sequence (c = 4,
+        #   both layouts, float64 and bf16, o and lse from a correct forward) and read the collectives off the log.
+        # Maths: attention_backward(do, q, k, v, None, lse, chunk, q_offset, k_offset, delta) on a piece of queries
+        #   against all T keys returns its dq and its contributions to every key's dk and dv, given this rank's rows
+        #   of lse and delta (above); the pieces are scored as in the forward.
+        # Question: in which order must the time axis of the gradients be laid out so that block j of it holds
+        #   exactly rank j's positions?
+        # Pitfalls: is that position order, for zig-zag? In which dtype are the pieces' contributions added and
+        #   reduce-scattered?
+        # Hint 1: the chapter's "All-gather KV": the reduce-scatter is the all-gather's adjoint; in which order did
+        #         the all-gather lay out the ranks' tokens?
+        # Hint 2: block j of the reduce-scatter's input must be rank j's positions, i.e. the time axis in
+        #         layout.order(): the gradients in position order, read at order[j] for index j.
+        # Hint 3: kv = self.gather_kv(k, v, layout);  dkv = torch.zeros(kv.shape, dtype=lse.dtype);  dqs = []
+        #         for q_start, rows in layout.local_pieces(me):
+        #             dq, dk, dv = attention_backward(do[:, rows], q[:, rows], kv[0], kv[1], None, lse[..., rows],
+        #                                             self.chunk, q_start, 0, delta[..., rows])
+        #             dqs.append(dq);  dkv[0] += dk;  dkv[1] += dv
+        #         mine = torch.empty((2, *k.shape), dtype=lse.dtype)
+        #         self.group.collectives.reduce_scatter(mine, dkv.index_select(2, layout.order()), label="dkv", dim=2)
+        #         return torch.cat(dqs, dim=1).to(q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype)
         kv = self.gather_kv(k, v, layout)
         dkv = torch.zeros(kv.shape, dtype=lse.dtype, device=kv.device)
         dqs = []

@@ -11,13 +11,12 @@ whole sequence, which on a zig-zag rank are two runs far apart: CPBlock override
 `rope` tables with those of the rank's own positions.
 
 The loss is the mean over the step's *real* tokens (module 06's `real_tokens` of the global
-targets: padding, IGNORE_INDEX, is no token), on all d c ranks together: each rank adds its tokens'
-losses and divides by that one global count, and the gradients are summed over the d c ranks (the
-"dc" group), never averaged. Dividing by a rank's own token count instead and summing gives a loss
-and gradients d c times too large; averaging the ranks' means hides the mistake only while every
-rank has the same number of real tokens. The sum over "dc" is one all-reduce here,
-`sum_over_data_and_context`; module 14's data parallelism replaces it with its bucketed, overlapped
-version. Module 06's `fit` trains the model: `fit(CPLlama(cfg, mesh, variant), steps)`.
+targets: padding, IGNORE_INDEX, is no token), as one process computes it on the whole batch, and the
+gradients are those of that loss. Context ranks hold different tokens of the same sequences, so
+their weight gradients are partial sums like the data ranks': every gradient is summed over the d c
+ranks (the "dc" group), in one all-reduce here, `sum_over_data_and_context`; module 14's data
+parallelism replaces it with its bucketed, overlapped version. Module 06's `fit` trains the model:
+`fit(CPLlama(cfg, mesh, variant), steps)`.
 """
 from __future__ import annotations
 
@@ -66,25 +65,13 @@ class CPBlock(LlamaBlock):
 
     def rope(self, seq_len: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin for this rank's seq_len tokens, rotating each by its position in the whole
-        sequence (c seq_len positions, cut by the layout); built once per length, dtype and device."""
+        sequence (c seq_len positions, cut by the layout); built once per length, dtype and device (given)."""
         key = (seq_len, dtype, str(device))
         if key not in self._rope:
-            # >>> TODO(m15): the RoPE tables of this rank's positions
-            # Contract: store in self._rope[key] what module 06's LlamaBlock.rope would return for a sequence whose
-            #   positions are this rank's (the block calls self.rope with its local length, seq_len = T/c): cos and
-            #   sin, each (seq_len, 1, head_dim // 2), row j for the position of local token j.
-            # Pitfall: positions 0 .. T/c - 1 are right on context rank 0 of the contiguous layout only; on a zig-zag
-            #   rank the positions are two runs far apart. The tests train every variant against one process.
-            # Hint 1: the layout of the whole sequence says where this rank's tokens sit; module 06 has tables for
-            #         given positions.
-            # Hint 2: SequenceLayout(self.layout_kind, seq_len * self.group.size, self.group.size).positions(
-            #         self.group.index); rope_tables_at(positions, head_dim, rope_theta, dtype, device).
-            # Hint 3: positions = the layout's positions of this rank
-            #         self._rope[key] = rope_tables_at(positions, cfg.head_dim, cfg.rope_theta, dtype, device)
+            # The rank's positions in the whole sequence: on a zig-zag rank two runs far apart.
             layout = SequenceLayout(self.layout_kind, seq_len * self.group.size, self.group.size)
             self._rope[key] = rope_tables_at(layout.positions(self.group.index), self.cfg.head_dim,
                                              self.cfg.rope_theta, dtype, device)
-            # <<<
         return self._rope[key]
 
 
@@ -122,31 +109,39 @@ class CPLlama(LlamaModel):
     def train_step(self, tokens: torch.Tensor, targets: torch.Tensor, n_microbatches: int, optimizer) -> float:
         """One optimizer step on the global batch tokens, targets (B, T), the same on every rank; returns
         the step's mean loss over its real tokens (the same on every rank). What module 06's `fit` calls."""
-        # >>> TODO(m15): one step: this rank's share, every piece divided by the step's real tokens, the sum over d x c
+        # >>> TODO(m15): one step: this rank's share of the batch, the step's mean loss and its gradient over d x c
         # Contract: the gradient handed to the optimizer (each parameter's .grad, in its dtype) is that of the step's
-        #   mean loss: the sum of the losses of the global batch's real tokens (targets != IGNORE_INDEX) divided by
-        #   their count; the returned float is that loss. This rank runs self.forward_backward on each of
-        #   n_microbatches slices of its share (self.share of the batch, cut along the rows); then the gradients
-        #   and the loss are summed over the d x c ranks (self.mesh.group("d", "c")): the gradients with
-        #   sum_over_data_and_context, the loss in an all-reduce of its own (label "loss"). Then the optimizer steps.
-        # Maths: module 06's forward_backward(tokens, targets, n_tokens) divides the summed loss of the tokens it is
-        #   given (and so its gradients) by n_tokens, by default their own real count. Which count makes the pieces'
-        #   losses and gradients, summed over the microbatches and the d c ranks, the step's mean and its gradient?
-        # Pitfalls: a piece's own mean, summed over d c ranks, is d c times too large; averaging the pieces' means
-        #   (1 / (m d c) each) is right only while every piece holds as many real tokens as the others, which
-        #   padding breaks: the tests pad the batch unevenly and compare with one process on the whole batch.
-        #   Accumulate in the gradients' compute dtype (compute_dtype), not in place in the LlamaGrads.
-        # Hint 1: count the real tokens of the whole batch once; take this rank's share; for each microbatch,
-        #         forward_backward with that count and add its loss and gradients up; one sum over "dc" for the
-        #         gradients and one for the loss; .grad; step.
-        # Hint 2: real_tokens(targets), before self.share; microbatches(tok, tgt, n_microbatches) cuts the rows;
-        #         grads.tensors() is in parameters()'s order; self.mesh.group("d", "c").collectives.all_reduce(loss,
-        #         label="loss").
-        # Hint 3: n_tokens = real_tokens(targets);  tok, tgt = self.share(tokens), self.share(targets)
-        #         acc = zeros like each parameter, in compute_dtype;  loss = zero scalar (compute dtype)
-        #         for each microbatch: part, grads = forward_backward(tok_m, tgt_m, n_tokens)
-        #             loss += part;  each acc += its gradient
-        #         sum acc over "dc"; all-reduce loss over "dc"; p.grad = acc in p's dtype; step; return loss.item()
+        #   mean loss: the sum of the cross-entropies of the global batch's real tokens (targets != IGNORE_INDEX)
+        #   divided by their count, as one process computes it on the whole batch; the returned float is that loss,
+        #   the same on every rank. This rank runs self.forward_backward on each of n_microbatches slices (module
+        #   06's microbatches) of its share (self.share of tokens and targets); the gradients are added up in their
+        #   compute dtype (compute_dtype: float32 at least, also for a bf16 model) and summed over the d x c ranks
+        #   (self.mesh.group("d", "c")) with sum_over_data_and_context, the loss in an all-reduce of its own (label
+        #   "loss"); then the optimizer steps. The tests pad the batch unevenly (every rank's microbatches hold
+        #   different numbers of real tokens) and compare with one process on the whole batch, and read the dtype
+        #   of the sums off the log in a bf16 step.
+        # Maths: module 06's forward_backward(tokens, targets, n_tokens) returns the summed loss of the tokens it is
+        #   given divided by n_tokens, and that loss's gradients; by default n_tokens is their own real count. The
+        #   step's mean loss is Σ ℓ_j / N_real over the whole batch's real tokens.
+        # Question: which n_tokens makes the pieces' losses and gradients, added over the microbatches and the d c
+        #   ranks, exactly the step's mean and its gradient?
+        # Pitfalls: what does a piece's own mean, summed over d c ranks and m microbatches, amount to? Would an
+        #   average of the pieces' means still be right when the pieces hold different numbers of real tokens? In
+        #   which dtype does a bf16 model's gradient sum run?
+        # Hint 1: the chapter's "In the model" splits a mean over pieces: what must each piece divide its sum by so
+        #         that the pieces' results add up to the whole mean, whatever each piece holds?
+        # Hint 2: the step's loss is Σ_pieces (Σ_{j in piece} ℓ_j) / N_real with N_real = real_tokens(targets) of the
+        #         whole global batch: every piece divides by that one count, and the pieces' results are summed over
+        #         the microbatches and the d c ranks.
+        # Hint 3: dc = self.mesh.group("d", "c");  n_tokens = real_tokens(targets)
+        #         tok, tgt = self.share(tokens), self.share(targets);  params = self.parameters()
+        #         acc = [torch.zeros(p.shape, dtype=compute_dtype(p.dtype)) for p in params]
+        #         loss = torch.zeros((), dtype=compute_dtype(self.embedding.dtype))
+        #         for tok_m, tgt_m in microbatches(tok, tgt, n_microbatches):
+        #             part, grads = forward_backward(tok_m, tgt_m, n_tokens)
+        #             loss += part;  each acc[i].add_(grads.tensors()[i])
+        #         sum acc with sum_over_data_and_context over dc;  dc.collectives.all_reduce(loss, label="loss")
+        #         each p.grad = acc[i].to(p.dtype);  optimizer.step();  return loss.item()
         dc = self.mesh.group("d", "c")
         n_tokens = real_tokens(targets)  # of the whole global batch: every piece divides by the same count
         tok, tgt = self.share(tokens), self.share(targets)

@@ -13,7 +13,7 @@ Two layouts of the positions:
 
 Under the causal mask the query at position p attends to p + 1 keys, so with the contiguous layout
 the last rank has about 2c - 1 times the first rank's work, and every rank waits for the last.
-The zig-zag layout pairs an early chunk with a late one so that every rank has the same work.
+The zig-zag layout gives each rank two chunks chosen so that every rank has the same work.
 
 A rank's *pieces* are the runs of consecutive positions it holds, in its own order: its local
 tokens are piece after piece. Attention needs positions (RoPE, the causal mask); everything else
@@ -49,17 +49,22 @@ def contiguous_pieces(seq_len: int, c: int, index: int) -> list[tuple[int, int]]
 def zigzag_pieces(seq_len: int, c: int, index: int) -> list[tuple[int, int]]:
     """The two runs of positions rank `index` of c holds under head-tail load balancing, in its own
     order: [(first position, length), (first position, length)]."""
-    # >>> TODO(m15): the two chunks a rank holds under zig-zag (head-tail) load balancing
+    # >>> TODO(m15): the two chunks a rank holds under zig-zag load balancing
     # Contract: cut the T positions into 2c chunks of T/(2c) consecutive positions; rank `index` holds two of them,
-    #   the earlier one first. Across the ranks every chunk is held exactly once, rank `index`'s first chunk is
-    #   chunk `index`, and every rank has the same number of unmasked (query, key) pairs under the causal mask
-    #   (a query at position p sees p + 1 keys). Return [(first position, length)] for the two chunks.
-    # The question: which partner chunk evens out the work? Add up the keys seen by the queries of chunk j.
-    # Pitfall: the tests compare with PyTorch's own head-tail load balancer and count the pairs per rank.
-    # Hint 1: the work of chunk j grows linearly with j; pair the j-th chunk from the start with the j-th from
-    #         the end.
-    # Hint 2: with h = T/(2c) positions a chunk, chunk j is [j h, (j + 1) h); rank i's partner is chunk 2c-1-i.
-    # Hint 3: h = seq_len // (2 c); return [(index h, h), ((2 c - 1 - index) h, h)]
+    #   the earlier one first, and its first is chunk `index`. Return [(first position, length)] for the two. Across
+    #   the ranks every chunk is held exactly once, and every rank has the same number of (query, key) pairs that
+    #   the causal mask keeps. The tests count those pairs per rank for c = 1, 2, 3, 4 and 8, and compare the
+    #   ranks' positions, rank after rank, with PyTorch's own load balancer.
+    # Maths: a query at position p sees p + 1 keys; a chunk's work is the sum of that over its positions.
+    # Question: which second chunk gives rank `index` exactly as much work as every other rank?
+    # Pitfalls: does your rule hold every chunk once for an odd c too? Does rank c - 1's second chunk exist?
+    # Hint 1: the chapter's "Which positions" adds up the work of one chunk: how does it change from chunk j to
+    #         chunk j + 1, and which pairs of chunk numbers then have the same total whatever the pair?
+    # Hint 2: with h = T/(2c), chunk j's work is h² j + h(h+1)/2, linear in j, so two chunks j, j' have the
+    #         total h² (j + j') + h(h+1): the same for every rank when j + j' = 2c - 1. Rank i's partner is
+    #         chunk 2c - 1 - i.
+    # Hint 3: h = seq_len // (2 * c)
+    #         return [(index * h, h), ((2 * c - 1 - index) * h, h)]
     length = seq_len // (2 * c)
     return [(index * length, length), ((2 * c - 1 - index) * length, length)]
     # <<<
@@ -93,9 +98,8 @@ class SequenceLayout:
         return torch.cat([torch.arange(start, start + length) for start, length in self.pieces(index)])
 
     def order(self) -> torch.Tensor:
-        """The positions of rank 0's tokens, then rank 1's, ...: the sequence as the ranks hold it, as a
-        gather lays it out. x[:, layout.order()] lays a whole sequence out that way; y[:, order.argsort()]
-        puts such a y back in position order."""
+        """The positions of rank 0's tokens, then rank 1's, ...: the sequence as the ranks hold it, one
+        rank's tokens after another's."""
         return torch.cat([self.positions(index) for index in range(self.size)])
 
     def shard(self, x: torch.Tensor, index: int, dim: int = 1) -> torch.Tensor:

@@ -6,26 +6,20 @@ vocabulary V; b bytes a value (the weights' and activations' dtype). A rank's re
 routing did in each forward (m16_moe_layer.RoutingRecord): `sent` (E,), the rows it sent each expert
 after the capacity, and `received` (e, E/e), the rows each member sent its own experts.
 
-Bytes sent. The all-to-all of course/collectives.py logs the rows that leave this rank, so for one
-forward of one layer, with i this rank's index in its expert group:
+Bytes sent. course/collectives.py logs what leaves this rank: of an all-to-all, the blocks for the
+other members (a block for itself crosses no wire); of a ring all-reduce over n ranks, 2 (n - 1) / n
+of the tensor. With i this rank's index in its expert group, in one forward of one layer:
 
-  counts    an all-to-all of E int64 counts: (e - 1) E / e 8 bytes
-  rows      S_out = Σ sent - (what it sent its own experts), S_in = Σ received - received[i] (the rows
-            from the others): the forward sends S_out rows out and S_in rows back, the backward the
-            same again: 2 (S_out + S_in) M b
-  calls     5 all-to-alls over "e" (counts; dispatch and combine; their two adjoints)
+  S_out  the rows it sends to the other members' experts (`sent`, less what went to its own experts)
+  S_in   the rows the other members send its experts (`received`, less its own row i)
 
-The routing decides S_out and S_in: evenly spread and dropless, S_out ≈ S_in ≈ k N (e - 1) / e for
-N tokens a rank; a capacity bounds each source's rows to an expert by κ. Once per step (ring
-all-reduces: 2 (n - 1) / n of the tensor over a group of n):
+The routing decides them: evenly spread and dropless, S_out ≈ S_in ≈ k N (e - 1) / e for N tokens a
+rank; a capacity bounds each source's rows to an expert by κ. Which collectives a step runs, over
+which group, and what each carries: the layer and the step you wrote. Ψ_dense (dense_values, given)
+counts the weights every rank holds: 2 V M + M + L (2 H D M + 2 K D M + 2 M + E M [+ 3 F M with a
+shared expert]).
 
-  dense gradients    Ψ_dense b over "dc", with Ψ_dense = 2 V M + M + L (2 H D M + 2 K D M + 2 M + E M
-                     [+ 3 F M with a shared expert])
-  expert gradients   L (E / e) 3 F M b over "ed"
-  step statistics    3 + L E float64 values (loss, aux, dropped, loads) over "dc"
-
-Bytes kept: the parameters (the dense weights, and the rank's L E/e experts: Ψ_dense + L (E/e) 3 F M
-values), as many gradients, and AdamW's two moments of each; the biases (L E values) as buffers.
+Bytes kept: the parameters, their gradients, AdamW's two moments of each, and the biases as buffers.
 """
 from __future__ import annotations
 
@@ -55,23 +49,26 @@ def step_cost(cfg: LlamaConfig, moe: MoEConfig, sizes: dict[str, int], index: in
     e, dc = sizes.get("e", 1), sizes.get("d", 1) * sizes.get("c", 1)
     ed = dc // e
     # >>> TODO(m16): the bytes and calls of one step, by axis and collective
-    # Contract: return StepCost(sent, calls) with keys (axis, op): ("e", "all_to_all") for the exchanges,
-    #   ("dc", "all_reduce") for the dense gradients and the step statistics, ("ed", "all_reduce") for the experts'
-    #   gradients. Bytes as course/collectives.py counts them (the tests compare with the log of real steps on
-    #   1, 2 and 4 ranks, to the byte), calls as the model issues them (a group of one still logs its calls).
-    # Maths: the module docstring's table: per record, the counts' bytes and 2 (S_out + S_in) M b, 5 calls; per
-    #   step, three all-reduces, 2 (n - 1) / n of what each sums.
-    # Pitfalls: S_out leaves out the rows a rank sends its own experts, S_in the rows it receives from itself
-    #   (rows that stay on the rank cross no wire); its own experts are those of index, E/e of them; the
-    #   statistics are float64 whatever the model's dtype.
-    # Hint 1: loop over the records for the all-to-alls; add the three all-reduces; build the StepCost.
-    # Hint 2: own = range(index E/e, (index + 1) E/e); record.sent[own.start:own.stop].sum();
-    #         record.received[index].sum(); dense_values(cfg, moe) for Ψ_dense.
-    # Hint 3: exchange = Σ over records of (e - 1) E / e 8 + 2 M b (S_out + S_in)
-    #         ring(n, values, bytes) = 2 (n - 1) / n values bytes
-    #         sent = {("e", "all_to_all"): exchange, ("dc", "all_reduce"): ring(dc, Ψ_dense, b) + ring(dc, 3 + L E, 8),
-    #                 ("ed", "all_reduce"): ring(ed, L E/e 3 F M, b)}
-    #         calls = {("e", "all_to_all"): 5 per record, ("dc", "all_reduce"): 2, ("ed", "all_reduce"): 1}
+    # Contract: return StepCost(sent, calls) with keys (axis, op): ("e", "all_to_all") for the exchanges, ("dc",
+    #   "all_reduce") for the dense gradients and the step statistics, ("ed", "all_reduce") for the experts' gradients.
+    #   Bytes as course/collectives.py counts them (what leaves this rank), calls as the model issues them (a group of
+    #   one still logs its calls). The tests compare with the log of real steps on 1, 2 and 4 ranks, to the byte, and
+    #   with a worked example.
+    # Maths: the module docstring defines S_out and S_in and the ring all-reduce's bytes.
+    # Question: which tensors cross which group in one step, how large is each, and how many times does one layer's
+    #   forward and backward exchange rows?
+    # Pitfalls: do the rows a rank sends its own experts cross a wire? Which experts are its own? What dtype are the
+    #   counts and the statistics, whatever the model's dtype?
+    # Hint 1: the chapter's "What a step costs" counts the bytes of one all-to-all of 3 members; count, from the layer
+    #         and the step you wrote, every collective of one forward and backward of a layer, and of one step.
+    # Hint 2: per record: (e - 1) E / e 8 bytes of counts + 2 (S_out + S_in) M b, in 5 all-to-alls; per step:
+    #         2 (n - 1) / n of Ψ_dense b and of (3 + L E) 8 over dc, of L (E/e) 3 F M b over ed; 2 and 1 calls.
+    # Hint 3: own = slice(index E/e, (index + 1) E/e)
+    #         for record in records: S_out = record.sent.sum() - record.sent[own].sum();  S_in = record.received.sum() - record.received[index].sum()
+    #             exchange += (e - 1) * E // e * 8 + 2 * (S_out + S_in) * M * b
+    #         ring(n, values, nbytes) = 2 (n - 1) / n values nbytes
+    #         sent = {("e", "all_to_all"): exchange, ("dc", "all_reduce"): ring(dc, dense_values(cfg, moe), b) + ring(dc, 3 + L E, 8),
+    #                 ("ed", "all_reduce"): ring(ed, L E // e 3 F M, b)};  calls = {...: 5 per record, ...: 2, ...: 1}
     own = slice(index * E // e, (index + 1) * E // e)
     exchange = 0.0
     for record in records:
@@ -94,16 +91,17 @@ def state_bytes(cfg: LlamaConfig, moe: MoEConfig, e: int, dtype=torch.float32) -
     b, L, E = dtype.itemsize, cfg.n_layers, moe.n_experts
     # >>> TODO(m16): the bytes one expert-parallel rank keeps
     # Contract: return StepCost(memory={"parameters": ..., "gradients": ..., "optimizer": ..., "buffers": ...}),
-    #   integers, in bytes: the tests compare with the tensors a rank of the model holds after a step, for e in
-    #   1, 2 and 4.
-    # Maths: the module docstring: the dense weights, whole, and E / e of each layer's experts; gradients like
-    #   the parameters; AdamW keeps two moments of each; the biases, L E values.
-    # Pitfalls: only the experts are split; each expert has three matrices of F M values.
-    # Hint 1: count the values, times b.
-    # Hint 2: dense_values(cfg, moe) + L (E / e) 3 F M.
-    # Hint 3: values = dense_values + L E // e 3 F M
-    #         return StepCost(memory={"parameters": values b, "gradients": values b, "optimizer": 2 values b,
-    #                                 "buffers": L E b})
+    #   integers, in bytes: the tests compare with the tensors a rank of the model holds after a step, for e in 1, 2
+    #   and 4, and with a worked example.
+    # Maths: dense_values (given) is Ψ_dense; an expert is a SwiGLU of width F.
+    # Question: which of the model's weights does an expert-parallel rank hold whole, which only in part, and what does
+    #   AdamW keep per value?
+    # Pitfalls: how many matrices of how many values does one expert have? Which dtype are the biases in?
+    # Hint 1: the chapter's "What a step costs" counts what a rank holds in words: write it as a count of values.
+    # Hint 2: values = Ψ_dense + L (E/e) 3 F M; parameters and gradients values b each, AdamW 2 values b; buffers L E b.
+    # Hint 3: values = dense_values(cfg, moe) + L * E // e * 3 * moe.expert_dim * cfg.dim
+    #         return StepCost(memory={"parameters": values * b, "gradients": values * b, "optimizer": 2 * values * b,
+    #                                 "buffers": L * E * b})
     values = dense_values(cfg, moe) + L * E // e * 3 * moe.expert_dim * cfg.dim
     return StepCost(memory={"parameters": values * b, "gradients": values * b, "optimizer": 2 * values * b,
                             "buffers": L * E * b})

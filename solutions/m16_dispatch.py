@@ -47,25 +47,25 @@ def plan_dispatch(experts: torch.Tensor, n_experts: int, capacity: int | None) -
     (None: dropless)."""
     n_tokens, top_k = experts.shape
     # >>> TODO(m16): capacity, and the expert-major order of the rows to send
-    # Contract: return DispatchPlan(slots, counts, kept, top_k). kept (N, k) marks the slots the capacity rule
-    #   keeps (all of them when capacity is None). slots lists the kept slots (slot = token k + i) in
-    #   expert-major order, and within one expert in slot order; counts (E,) the kept slots per expert.
-    # Maths: the module docstring's rule: a slot is kept when fewer than κ earlier slots (in slot order) chose
-    #   the same expert. Slot order is token order, then the token's choices in the router's order.
-    # Pitfalls: the rule counts per expert, not per token; a stable sort keeps slot order within an expert (an
-    #   unstable one may reorder equal keys, and the rows of one expert would not be in token order); empty
-    #   experts still get a count of 0 (counts has E entries). The tests compare the dropped set with a loop
-    #   over the slots, exactly, and the order of the rows.
-    # Hint 1: flatten the choices to N k slots; a running count per expert gives each slot its position among
-    #         its expert's slots; keep position < κ; sort the kept slots by expert, stably.
-    # Hint 2: torch.nn.functional.one_hot(flat, E).cumsum(0) counts up to and including each slot;
-    #         .gather(1, flat[:, None]); torch.nonzero(mask).squeeze(1) or torch.arange(N k)[mask];
-    #         torch.argsort(keys, stable=True); torch.bincount(x, minlength=E).
-    # Hint 3: flat = experts as (N k,)
-    #         position = (one-hot of flat, cumulative sum down the slots, at each slot's own expert) - 1
-    #         kept = position < κ (all True without a capacity)
-    #         kept_slots = the indices of kept slots;  slots = kept_slots sorted stably by flat[kept_slots]
-    #         counts = bincount of flat[slots] with E bins;  return DispatchPlan(slots, counts, kept as (N, k), k)
+    # Contract: return DispatchPlan(slots, counts, kept, top_k). kept (N, k) marks the slots the capacity rule keeps
+    #   (all of them when capacity is None); slots lists the kept slots (slot = token k + i) expert after expert and,
+    #   within one expert, in slot order; counts (E,) the kept slots per expert (0 for an expert with none). The
+    #   tests compare the dropped set and the order with a loop over the slots, exactly.
+    # Maths: the module docstring's rule: a slot is kept when fewer than κ earlier slots (in slot order) chose the same
+    #   expert. Slot order is token order, then the token's choices in the router's order.
+    # Question: how does each slot learn how many earlier slots chose its expert, without a loop over the slots, and
+    #   how do you list the kept slots expert by expert without disturbing their order within an expert?
+    # Pitfalls: does the rule count per expert or per token? Does your way of ordering keep equal experts in slot order
+    #   (some do not, on more than a few rows)? How many entries does counts need when an expert gets nothing?
+    # Hint 1: the chapter's "Slots, capacity and the expert-major order" applies the rule to a small routing by hand:
+    #         what running count did you keep per expert while walking the slots, and which tensor operations keep
+    #         running counts for every expert at once?
+    # Hint 2: position(s) = #{s' ≤ s : expert(s') = expert(s)} - 1 is a cumulative sum down the slots of one-hot rows,
+    #         read at the slot's own expert; keep position < κ; the order is a sort by expert that keeps ties in place.
+    # Hint 3: flat = experts.reshape(-1)
+    #         position = torch.nn.functional.one_hot(flat, E).cumsum(0).gather(1, flat.unsqueeze(1)).squeeze(1) - 1
+    #         kept = position < capacity (all True without one);  kept_slots = torch.arange(N k)[kept]
+    #         slots = kept_slots[torch.argsort(flat[kept_slots], stable=True)];  counts = torch.bincount(flat[slots], minlength=E)
     flat = experts.reshape(-1)
     if capacity is None:
         kept = torch.ones_like(flat, dtype=torch.bool)
@@ -83,20 +83,18 @@ def combine(h: torch.Tensor, rows: torch.Tensor, plan: DispatchPlan, weights: to
     """y = h + Σ_i w_i expert_i(token) for each token: h (N, M) the residual stream, rows (R, M) the
     experts' outputs in the plan's order, weights (N, k) the router's."""
     # >>> TODO(m16): the combine: un-permute the experts' rows and add their weighted sum into the residual
-    # Contract: return y (N, M) in h's dtype: h plus, for every token, the sum over its kept slots of the slot's
-    #   weight times the slot's row (rows[r] belongs to slot plan.slots[r]). Dropped slots add nothing; h itself
-    #   is not modified.
-    # Maths: the module docstring: un-permuting is the inverse of the gather that made the rows, a scatter to the
-    #   slots; then each token's k slots are weighted and summed.
-    # Pitfalls: a token whose slots were all dropped must come out as h, unchanged (the residual carries it),
-    #   not as zeros; rows[plan.slots] would apply the permutation a second time instead of undoing it (the
-    #   tests use experts whose weights all differ, so a mixed-up row shows). The weights are in compute dtype:
-    #   cast them to h's dtype.
-    # Hint 1: a zero (N k, M) buffer of slot outputs, the rows written at their slots, a weighted sum over the
-    #         k slots of each token, added to h.
-    # Hint 2: buffer[plan.slots] = rows (a scatter); .view(N, k, M); weights.unsqueeze(-1); .sum(1).
-    # Hint 3: per_slot = zeros (N k, M) in rows' dtype;  per_slot[slots] = rows
-    #         return h + (weights as h's dtype, unsqueezed, times per_slot viewed (N, k, M)) summed over k
+    # Contract: return y (N, M) in h's dtype: h plus, for every token, the sum over its kept slots of the slot's weight
+    #   times the slot's row (rows[r] belongs to slot plan.slots[r]). Dropped slots add nothing; h itself is not
+    #   modified. The tests compare with the sum written row by row, with experts whose rows all differ.
+    # Maths: the rows were gathered from the tokens in the plan's order (row r carries token plan.tokens[r]).
+    # Question: where does row r go back to, and how do a token's k slots become one vector?
+    # Pitfalls: what must a token whose every slot was dropped come out as? Does indexing rows by plan.slots put them
+    #   back, or move them once more? Which dtype are the weights in?
+    # Hint 1: the chapter's "Slots, capacity and the expert-major order" gathers rows by an index and asks what puts
+    #         them back: what is the inverse of a gather?
+    # Hint 2: with r(s) the row whose slot is s (none for a dropped slot), y_t = h_t + Σ_i w_{t,i} row_{r(t k + i)}.
+    # Hint 3: per_slot = rows.new_zeros(N k, M);  per_slot[plan.slots] = rows
+    #         return h + (weights.to(h.dtype).unsqueeze(-1) * per_slot.view(N, k, M)).sum(1)
     n_tokens, top_k = weights.shape
     per_slot = rows.new_zeros(n_tokens * top_k, rows.shape[-1])
     per_slot[plan.slots] = rows
@@ -108,21 +106,19 @@ def combine_backward(dy: torch.Tensor, rows: torch.Tensor, plan: DispatchPlan, w
     """(d_rows, d_weights) for combine, given dy (N, M) = dL/dy: d_rows (R, M) in the plan's order,
     d_weights (N, k) in weights' dtype (zero at dropped slots). dL/dh is dy itself (the residual)."""
     # >>> TODO(m16): the combine's backward: the rows' gradient and the weights'
-    # Contract: return (d_rows, d_weights): d_rows (R, M) in rows' dtype, row r the gradient of rows[r];
-    #   d_weights (N, k) in weights' dtype, the gradient of each slot's weight (0 for a dropped slot).
-    # Maths: y_t = h_t + Σ_i w_{t,i} row(t, i): the row of slot (t, i) gets w_{t,i} dy_t, and the weight gets
-    #   the dot product of dy_t with that row.
-    # Pitfalls: the rows are in the plan's order: the token of row r is plan.tokens[r], its weight
-    #   weights.view(-1)[plan.slots[r]]; scatter the dot products back to their slots (the router's backward
-    #   reads d_weights by token and choice). The tests compare both with autograd.
-    # Hint 1: gather each row's token gradient and weight; one product gives d_rows, a row-wise dot product the
-    #         weights' gradients, which go back to their slots.
-    # Hint 2: dy[plan.tokens]; weights.reshape(-1)[plan.slots]; (a * b).sum(-1); zeros(N k).index_put_ or
-    #         d[plan.slots] = values; .view(N, k).
-    # Hint 3: dy_rows = dy at plan.tokens;  w_rows = flattened weights at plan.slots
-    #         d_rows = dy_rows times w_rows (as a column, in dy's dtype)
-    #         d_weights = zeros (N k) in weights' dtype;  at plan.slots: the row-wise sum of dy_rows * rows
-    #         return d_rows, d_weights viewed (N, k)
+    # Contract: return (d_rows, d_weights): d_rows (R, M) in rows' dtype, row r the gradient of rows[r]; d_weights (N, k)
+    #   in weights' dtype, the gradient of each slot's weight (0 for a dropped slot). The tests compare both with
+    #   autograd.
+    # Maths: y_t = h_t + Σ_i w_{t,i} row(t, i), row(t, i) the row of slot t k + i.
+    # Question: which part of dy does each row's gradient read, and which product gives each weight's?
+    # Pitfalls: which token and which weight belong to row r? The router's backward reads d_weights by token and
+    #   choice: where does row r's value go?
+    # Hint 1: the chapter's "The layer" defines y as h plus a weighted sum of rows: each term is a weight times a
+    #         row; what does each factor of a product get from the gradient dy of the sum?
+    # Hint 2: d row_r = w_{t,i} dy_t for the slot (t, i) of row r; d w_{t,i} = dy_t · row(t, i) (a dot product over M).
+    # Hint 3: dy_rows = dy[plan.tokens];  d_rows = dy_rows * weights.reshape(-1)[plan.slots].to(dy.dtype).unsqueeze(-1)
+    #         d_weights = weights.new_zeros(N k);  d_weights[plan.slots] = (dy_rows * rows).sum(-1).to(weights.dtype)
+    #         return d_rows, d_weights.view(N, k)
     n_tokens, top_k = weights.shape
     dy_rows = dy[plan.tokens]
     d_rows = dy_rows * weights.reshape(-1)[plan.slots].to(dy.dtype).unsqueeze(-1)

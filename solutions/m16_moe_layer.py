@@ -5,11 +5,8 @@
       -> return_from_experts (inverse regroup, all-to-all home) -> combine: y = h + Σ_i w_i expert_i(n)
       (+ the shared expert, weight 1, on every token; + the auxiliary loss on the scores)
 
-The backward runs it in reverse: the combine's backward gives the rows' gradient and the weights';
-the rows' gradient goes to the experts with `send_to_experts` (the adjoint of the way back), through
-the experts' backward, and home with `return_from_experts` (the adjoint of the way out), where each
-row's gradient is added into its token's; the weights' gradient (and the auxiliary loss's, on the
-scores) goes through the router's backward. Two all-to-alls of rows each way, and the counts'.
+The backward (`MoELayer.backward`, yours) runs the chain in reverse, through every piece above,
+each exchange of rows included: the forward's saved values are in the store.
 
 The experts are module 06's SwiGLU, E/e of them on each member of the expert group, each on its own
 rows (a loop of GEMMs here; a grouped GEMM in production). Expert j's weights: gate (F, M), up (F,
@@ -154,33 +151,32 @@ class MoELayer:
         group, shape = self.group, dy.shape
         dy = dy.reshape(-1, shape[-1])
         n, routing, plan, exchange = store["moe_n"], store["moe_routing"], store["moe_plan"], store["moe_exchange"]
-        # >>> TODO(m16): the MoE layer's backward: combine, the all-to-alls the other way, experts, router
-        # Contract: return (dn, grads): dn of dy's `shape` (B, T, M), the gradient of the layer's input n from every
-        #   path (the routed experts' rows, the shared expert, the router); grads = MoEWeights(router=dW_r,
-        #   bias=None, experts=the local experts' gradients, shared=the shared expert's or None).
-        # Maths: the module docstring, read backwards. The forward's saved values are in the store: 'moe_n',
-        #   'moe_routing', 'moe_plan', 'moe_exchange', 'moe_experts' (experts_forward's saved), 'moe_back' (the rows
-        #   back from the experts), 'moe_shared' (with a shared expert) and 'moe_d_scores' (with the auxiliary loss:
-        #   its gradient of σ, already weighted).
-        # Pitfalls: the adjoint of return_from_experts is send_to_experts and vice versa (label them "combine
-        #   backward" and "dispatch backward"); a token chosen by several experts receives the sum of its rows'
-        #   gradients (scatter-add, not assignment); dn also collects the router's and the shared expert's
-        #   gradients. Every member of the group runs both all-to-alls even with nothing to send. The tests
-        #   compare dn and every weight's gradient with autograd on one rank and with the single-process layer
+        # >>> TODO(m16): the MoE layer's backward: every gradient of the layer, through every piece of its forward
+        # Contract: return (dn, grads): dn of dy's `shape` (B, T, M), the gradient of the layer's input n from every path
+        #   (the routed experts' rows, the shared expert, the router); grads = MoEWeights(router=dW_r, bias=None,
+        #   experts=the local experts' gradients, shared=the shared expert's or None). The exchange that carries the
+        #   combine's gradient is labelled "combine backward", the one that carries the experts' input gradient "dispatch
+        #   backward". The tests compare dn and every gradient with autograd on one rank and with the single-process layer
         #   on 2 and 4.
-        # Hint 1: combine's backward; send the rows' gradient to the experts; the experts' backward; return it;
-        #         add each row's gradient into its token's; the shared expert; the router.
-        # Hint 2: combine_backward(dy, back, plan, weights); send_to_experts(d, exchange, group, label);
-        #         experts_backward(d, saved, w.experts); return_from_experts; torch.zeros_like(n).index_add_(0,
-        #         plan.tokens, d_rows); experts_backward(dy, store["moe_shared"], w.shared); route_backward(
-        #         d_weights, d_scores or None, n, w.router, routing, moe).
-        # Hint 3: d_back, d_weights = combine's backward of dy
-        #         d_out = send_to_experts(d_back, ..., "combine backward")
-        #         d_arrived, expert_grads = experts' backward of d_out
-        #         d_rows = return_from_experts(d_arrived, ..., "dispatch backward")
-        #         dn = zeros like n, index-add d_rows at plan.tokens;  + the shared expert's d_rows (its grads too)
-        #         dn_router, d_router = the router's backward (d_scores: store's 'moe_d_scores' if there)
-        #         return (dn + dn_router) viewed as `shape`, MoEWeights(d_router, None, expert_grads, shared_grads)
+        # Maths: the forward (above) is a chain of given pieces and yours; its saved values are in the store: 'moe_n',
+        #   'moe_routing', 'moe_plan', 'moe_exchange', 'moe_experts' (experts_forward's saved), 'moe_back' (the rows back
+        #   from the experts), 'moe_shared' (with a shared expert) and 'moe_d_scores' (with the auxiliary loss: its
+        #   gradient of σ, already weighted).
+        # Question: which of your two row exchanges carries each gradient, and which way?
+        # Pitfalls: what does a token chosen by k experts receive from its k rows? Which paths besides the routed experts
+        #   reach n? Does every member run both exchanges when it has nothing to send?
+        # Hint 1: the chapter's "Expert parallelism" works the adjoint of an all-to-all and of a permutation: the forward
+        #         went out with send_to_experts and home with return_from_experts; which one is the adjoint of which?
+        # Hint 2: the combine's backward gives d rows and d w; d rows go to the experts by the adjoint of the way home,
+        #         through the experts' backward, and home by the adjoint of the way out; dn_t = Σ over the rows r of
+        #         token t of d row_r, plus the shared expert's and the router's dn.
+        # Hint 3: d_back, d_weights = combine_backward(dy, store["moe_back"], plan, routing.weights)
+        #         d_out = send_to_experts(d_back, exchange, group, "combine backward")
+        #         d_arrived, expert_grads = experts_backward(d_out, store["moe_experts"], w.experts)
+        #         d_rows = return_from_experts(d_arrived, exchange, group, "dispatch backward")
+        #         dn = torch.zeros_like(n).index_add_(0, plan.tokens, d_rows);  + experts_backward(dy, store["moe_shared"], w.shared)
+        #         dn_router, d_router = route_backward(d_weights, store's 'moe_d_scores' or None, n, w.router, routing, moe)
+        #         return (dn + dn_router).view(shape), MoEWeights(d_router, None, expert_grads, shared_grads)
         d_back, d_weights = combine_backward(dy, store["moe_back"], plan, routing.weights)
         d_out = send_to_experts(d_back, exchange, group, "combine backward")
         d_arrived, expert_grads = experts_backward(d_out, store["moe_experts"], w.experts)

@@ -7,20 +7,16 @@ each then cuts its share into m microbatches. A microbatch's forward sends each 
 of the rank's expert group ("e") that holds its expert, so the e members of a group compute on
 each other's tokens, and every rank's loss is its own tokens' loss.
 
-Which ranks sum which gradients:
+Which rank holds what:
 
-  dense weights (embedding, attention, norms, router, shared expert, LM head)  every rank has a copy and
-      its own tokens' gradient: summed over every data rank, mesh.group("d", "c")
-  experts (gate, up, down of each local expert)  the members of the expert-data group "ed" hold the same
-      experts; each copy's gradient already holds every token its expert group routed to it: summed
-      over "ed" only (d c / e ranks)
+  dense weights (embedding, attention, norms, router, shared expert, LM head)  a copy on every rank
+  experts (gate, up, down)  member i of an expert group holds experts i E/e .. (i + 1) E/e - 1 of
+      every layer; a copy's gradient holds every token its expert group routed to those experts
 
 The loss of a step is the mean cross-entropy over the global batch's real tokens (module 06's
 `real_tokens`: IGNORE_INDEX marks padding) plus, with the auxiliary loss, (1/B) Σ over its sequences
-of Σ over the layers of L_seq: each microbatch's summed cross-entropy is divided by the real tokens
-of the whole global batch (so the pieces add up to the step's mean, however the padding falls), each
-sequence's auxiliary loss weighted by 1 / B. With the auxiliary-loss-free bias, the step's loads
-(summed over every data rank) move the biases after the optimizer's step. Dropless, the losses
+of Σ over the layers of L_seq. With the auxiliary-loss-free bias, the step's loads (over the whole
+global batch) move the biases after the optimizer's step. Dropless, the losses
 follow one process's on the whole batch; with a capacity they follow one process that drops by the
 same groups: d c m microbatches, one per source. Module 06's `fit` trains it.
 """
@@ -64,22 +60,23 @@ def sum_gradients(dense: list[torch.Tensor], experts: list[torch.Tensor], mesh: 
     """Sum the gradients of a step in place over the ranks that hold the same weights: `dense`, those
     of the weights every rank holds, `experts`, those of this rank's experts. (Module 14 replaces this
     with its bucketed, overlapped version.)"""
-    # >>> TODO(m16): sum the dense gradients over every data rank, the experts' over the expert-data group
-    # Contract: afterwards every tensor of `dense` holds its sum over mesh.group("d", "c"), and every tensor of
-    #   `experts` its sum over mesh.group("ed"). One all-reduce for each list (flatten it into one buffer, sum,
-    #   copy back), labelled "dense gradients" and "expert gradients": the cost formula counts two.
-    # Maths: the module docstring's table: a gradient is summed over the ranks that hold the same weight and saw
-    #   different tokens.
-    # Pitfalls: the experts are *not* on every data rank: summing them over "d", "c" adds different experts'
-    #   gradients together, summing them over "e" too; the dense weights over "ed" or "e" miss ranks. On one
-    #   rank every group has one member (the collectives then copy nothing and send nothing).
-    # Hint 1: for each list: one flat buffer, one all-reduce over the right group, the sums copied back.
-    # Hint 2: torch.cat([t.reshape(-1) for t in ts]); group.collectives.all_reduce(buffer, label=...);
-    #         buffer.split([t.numel() for t in ts]); t.copy_(part.view_as(t)).
+    # >>> TODO(m16): sum each gradient over the ranks that hold a copy of its weight
+    # Contract: afterwards every tensor of `dense` and of `experts` holds the sum of that gradient over every rank that
+    #   holds a copy of its weight (the ranks that saw other tokens). One all-reduce for each list, each flattened into
+    #   one buffer, labelled "dense gradients" and "expert gradients" (the cost formula counts two). The test gives
+    #   each rank its own values and reads which ranks' values each list holds afterwards.
+    # Maths: the module docstring says which ranks hold which weights.
+    # Question: for a dense weight, and for one expert's weight, which of the mesh's groups is exactly the set of its
+    #   copies?
+    # Pitfalls: are the experts on every data rank? Does the expert group hold copies of one expert, or different
+    #   experts? On one rank every group has one member: what must the sums then be?
+    # Hint 1: the chapter's "Which group sums which gradient" finds the copies of a weight on a 6-rank layout: draw this
+    #         module's layout (d = 4, e = 2) the same way; where else is rank 0's expert 0?
+    # Hint 2: the dense gradients are summed over mesh.group("d", "c"), the experts' over the expert-data group, "ed".
     # Hint 3: for (tensors, group, label) in ((dense, mesh.group("d", "c"), "dense gradients"),
     #                                          (experts, mesh.group("ed"), "expert gradients")):
-    #             flat = concatenation of the flattened tensors;  all-reduce flat over the group
-    #             copy each piece of flat back into its tensor
+    #             flat = torch.cat([t.reshape(-1) for t in tensors]);  group.collectives.all_reduce(flat, label=label)
+    #             for t, part in zip(tensors, flat.split([t.numel() for t in tensors])): t.copy_(part.view_as(t))
     for tensors, group, label in ((dense, mesh.group("d", "c"), "dense gradients"),
                                   (experts, mesh.group("ed"), "expert gradients")):
         flat = torch.cat([t.reshape(-1) for t in tensors])
@@ -146,39 +143,34 @@ class MoELlama(LlamaModel):
                              f"{n_microbatches} microbatches")
         self.layer.records.clear()
         # >>> TODO(m16): one training step: this rank's share in microbatches, the gradient sums, the step, the biases
-        # Contract: take rows data.index * B/(d c) .. of tokens and targets (B = tokens.shape[0], d c = data.size),
-        #   cut them into n_microbatches, run forward_backward on each, add up the gradients, sum them with
-        #   sum_gradients, hand them to the optimizer (p.grad, in parameters()' order: dense, then experts), step.
-        #   Then leave in `stats` the step's statistics summed over the whole global batch, float64: [cross-entropy
-        #   (the microbatches' losses added up), auxiliary loss sum (the records' aux), dropped slots (the records'
-        #   dropped), then the loads (L, E) flattened], and with self.moe.balance == "bias" update the biases with
-        #   those loads.
-        # Maths: the module docstring: every microbatch's summed cross-entropy is divided by the real tokens of the
-        #   whole global batch (module 06's real_tokens of `targets`), so that the microbatches' losses and
-        #   gradients, added up over the microbatches and the ranks, are the step's mean and its gradient; each
-        #   sequence's auxiliary loss weighs 1 / B. self.layer.records holds one RoutingRecord per layer and
-        #   microbatch, in call order (microbatch by microbatch, layer by layer).
-        # Pitfalls: counting the real tokens of this rank's rows or of a microbatch: without padding that only
-        #   rescales, with padding it weighs the pieces wrongly (the tests pad sequences unevenly with
-        #   IGNORE_INDEX). Every statistic the step's loss or the biases read is summed over every data rank
-        #   ("d", "c"), in one all-reduce labelled "step statistics". The loads are the router's choices before the
-        #   capacity, summed over the microbatches layer by layer (with m > 1 a layer's records are not side by
-        #   side). The tests train on 2 and 4 ranks, with experts over 2 and 4 of them, with and without
-        #   microbatches, the auxiliary loss and the biases, against one process, loads and dropped slots included.
-        # Hint 1: count the real tokens; a loop over this rank's microbatches, adding up the gradients;
-        #         sum_gradients; .grad; the optimizer's step; the statistics from the records, one all-reduce; the
-        #         bias update.
-        # Hint 2: real_tokens(targets); module 06's microbatches(tokens[mine], targets[mine], m) cuts this rank's
-        #         rows; self.forward_backward(tok, tgt, n_tokens, 1 / B); torch.stack([r.loads for r in
-        #         records]).view(m, L, E).sum(0); data.collectives.all_reduce(stats,
-        #         label="step statistics"); update_biases(self.biases(), loads, self.moe).
-        # Hint 3: n_tokens = real tokens of the whole targets;  mine = rows i B/(d c) .. (i + 1) B/(d c), i = data.index
-        #         dense, experts = None;  for each microbatch of this rank's rows:
-        #             loss, d, x = forward_backward(tok, tgt, n_tokens, 1 / B);  add d, x into dense, experts;
-        #             loss_sum += loss.item()
-        #         sum_gradients(dense, experts, self.mesh);  p.grad = g over parameters() and dense + experts;  step
-        #         stats = float64 [loss_sum, sum of records' aux, sum of dropped, loads (m, L, E) summed over m, flat]
-        #         all-reduce stats over data;  if balance is "bias": update_biases(self.biases(), stats[3:] as (L, E))
+        # Contract: afterwards every parameter has had one optimizer step, with p.grad (set for parameters() in order:
+        #   dense, then experts) the gradient of the step's loss (the mean cross-entropy over the whole global batch's real
+        #   tokens, plus each sequence's L_seq weighted 1 / B) summed over its copies; this rank computed rows
+        #   data.index B/(d c) .. (data.index + 1) B/(d c) - 1 of tokens and targets, in n_microbatches microbatches, with
+        #   forward_backward; `stats` holds, float64 and the same on every rank, [the cross-entropy (the microbatches'
+        #   losses added up), the aux losses' sum (the records'), the dropped slots, then the loads (L, E) flattened], over
+        #   the whole global batch, from one all-reduce labelled "step statistics"; with self.moe.balance == "bias" the
+        #   biases have moved by those loads. The tests train on 4 ranks (experts over 2 and 4, with microbatches, the
+        #   auxiliary loss, the bias, a capacity, targets padded unevenly) against one process.
+        # Maths: the module docstring defines the step's loss. self.layer.records holds one RoutingRecord per layer and
+        #   forward, in call order.
+        # Question: what must each microbatch's cross-entropy be divided by, and each sequence's auxiliary loss weighted by,
+        #   so that the pieces added over the microbatches and the ranks are the step's loss and its gradient?
+        # Pitfalls: what if the padding falls unevenly over the ranks and the microbatches? In which order do the records
+        #   come when m > 1? Are the loads counted before or after the capacity? Over which group must every statistic the
+        #   loss or the biases read be summed?
+        # Hint 1: the chapter's "Which group sums which gradient" splits a mean over pieces that hold different numbers of
+        #         items: which count may each piece divide by without knowing the others?
+        # Hint 2: each microbatch divides its summed cross-entropy by the real tokens of the whole global batch (module
+        #         06's real_tokens of `targets`) and weighs each sequence's L_seq by 1 / B; loads[l] = Σ over microbatches
+        #         of records[mb L + l].loads.
+        # Hint 3: n_tokens = real_tokens(targets);  rows = B // data.size;  mine = slice(data.index * rows, (data.index + 1) * rows)
+        #         for tok, tgt in microbatches(tokens[mine], targets[mine], m):
+        #             loss, d, x = self.forward_backward(tok, tgt, n_tokens, 1.0 / B);  add d, x up;  loss_sum += loss.item()
+        #         sum_gradients(dense, experts, self.mesh);  p.grad = g over parameters() and dense + experts;  optimizer.step()
+        #         loads = torch.stack([r.loads for r in records]).view(m, L, E).sum(0)
+        #         stats = float64 [loss_sum, Σ r.aux, Σ r.dropped, *loads.flatten()];  data.collectives.all_reduce(stats, label="step statistics")
+        #         if balance is "bias": update_biases(self.biases(), stats[3:].view(L, E), self.moe)
         n_tokens, rows = real_tokens(targets), n_sequences // data.size
         mine = slice(data.index * rows, (data.index + 1) * rows)
         dense = experts = None

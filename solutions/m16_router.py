@@ -92,22 +92,23 @@ class Routing:
 
 def route(n: torch.Tensor, w_router: torch.Tensor, bias: torch.Tensor | None, moe: MoEConfig) -> Routing:
     """Scores, the top-k choice (biased by `bias` if given) and the combine weights of tokens n (N, M)."""
-    # >>> TODO(m16): the router's forward: scores, top-k with the bias for selection only, weights after top-k
-    # Contract: n is (N, M), w_router (E, M), bias (E,) or None (no bias). Return Routing(scores, experts,
-    #   weights): σ (N, E) in compute_dtype(n.dtype) (float32 at least), the k chosen experts (N, k) as torch.topk
-    #   orders them (best first), and their weights w (N, k), which sum to 1 over each token's k.
-    # Maths: the module docstring. moe.score picks softmax (over the E experts) or sigmoid.
-    # Pitfalls: the bias ρ moves the *choice* only: the weights are the unbiased scores of the chosen experts.
-    #   Normalise after the top-k, over the k chosen: a softmax normalised over all E and then cut to k
-    #   gives weights summing to less than 1 (the tests compare with autograd on the same maths in float64,
-    #   with a bias that changes the choice).
-    # Hint 1: logits, scores, then choose on the scores plus the bias, read back the chosen unbiased scores,
-    #         normalise them.
-    # Hint 2: n.to(dtype) @ w_router.to(dtype).t(); torch.softmax(u, dim=-1) or torch.sigmoid; torch.topk(x, k,
-    #         dim=-1).indices; scores.gather(1, experts); .sum(-1, keepdim=True).
-    # Hint 3: u = n W_r^T in compute dtype;  σ = softmax or sigmoid of u
-    #         experts = indices of the top k of (σ + bias, or σ alone)
-    #         chosen = σ at experts;  weights = chosen / its sum over the k;  return Routing(σ, experts, weights)
+    # >>> TODO(m16): the router's forward: the scores, each token's k experts and their combine weights
+    # Contract: n is (N, M), w_router (E, M), bias (E,) or None (no bias). Return Routing(scores, experts, weights):
+    #   σ (N, E) in compute_dtype(n.dtype) (float32 for bf16 tokens), the k chosen experts (N, k) best first (as
+    #   torch.topk orders them), and their weights w (N, k) in the same dtype, which sum to 1 over each token's k.
+    #   The tests compare with the maths in float64 (softmax and sigmoid, with a bias that changes the choice) and
+    #   check the dtypes with bf16 tokens.
+    # Maths: the module docstring defines u, σ, the choice and w.
+    # Question: which quantity decides the choice, which one makes the weights, and what does each see of the bias?
+    # Pitfalls: what do weights normalised over all E, then cut to k, sum to? Which dtype does the bias arrive in?
+    # Hint 1: the chapter's "The layer" tells the choice apart from the weights: which of the two may the bias touch,
+    #         and over which experts does a token's normalisation run?
+    # Hint 2: u = n W_r^T in compute dtype; σ = softmax(u) over E or sigmoid(u); chosen = the top k of σ + ρ;
+    #         w_i = σ_i / Σ_{j chosen} σ_j (the unbiased scores).
+    # Hint 3: dtype = compute_dtype(n.dtype);  u = n.to(dtype) @ w_router.to(dtype).t()
+    #         scores = torch.softmax(u, dim=-1) or torch.sigmoid(u)
+    #         experts = torch.topk(scores + bias.to(dtype) (or scores alone), k, dim=-1).indices
+    #         chosen = scores.gather(1, experts);  return Routing(scores, experts, chosen / chosen.sum(-1, keepdim=True))
     dtype = compute_dtype(n.dtype)
     logits = n.to(dtype) @ w_router.to(dtype).t()
     scores = torch.softmax(logits, dim=-1) if moe.score == "softmax" else torch.sigmoid(logits)
@@ -124,22 +125,24 @@ def route_backward(d_weights: torch.Tensor, d_scores: torch.Tensor | None, n: to
     # >>> TODO(m16): the router's backward: through the weights' normalisation, the top-k and the scores
     # Contract: d_weights (N, k) is dL/dw for the chosen experts (compute dtype); d_scores (N, E) or None is a
     #   gradient of σ from elsewhere (the auxiliary loss). Return (dn, dw_router): dn in n's shape and dtype,
-    #   dw_router in w_router's shape and dtype.
-    # Maths: w_i = σ_i / S with S = the sum of the k chosen σ. The top-k is a selection: the chosen scores get
-    #   their gradient, the others none (from this path). Then the score function's backward to the logits u,
-    #   and the linear u = n W_r^T.
-    # Pitfalls: S depends on every chosen score, so each chosen σ_i gets d_weights_i / S minus a term shared by
-    #   the token; the softmax's backward mixes all E scores, the sigmoid's does not; d_scores joins the scores'
-    #   gradient (all E of them) before the score function's backward, not after. The tests compare dn and
-    #   dw_router with autograd in float64, softmax and sigmoid, with and without d_scores.
-    # Hint 1: three backwards in turn: the normalisation (to the k chosen scores), the gather (scatter them back
-    #         among E), the score function (to u); then the linear layer's two products.
-    # Hint 2: d chosen_i = (d_weights_i - Σ_j d_weights_j w_j) / S; torch.zeros(N, E).scatter_add_(1, experts, ·);
+    #   dw_router in w_router's shape and dtype, computed in routing's dtype (float32 for bf16 tokens). The tests
+    #   compare with autograd in float64 (softmax and sigmoid, with and without d_scores) on a routing of their own,
+    #   and bf16 tokens with float64 on the same inputs.
+    # Maths: w = the chosen σ divided by S, their sum over the k; the top-k is a selection, with no gradient of its own.
+    # Question: what gradient does each of the E scores get from d_weights, and where does d_scores join it?
+    # Pitfalls: does S depend on one chosen score or on all k of them? Which scores does the selection leave without a
+    #   gradient? Does the softmax's backward mix the E scores, and the sigmoid's? Before or after the score function's
+    #   backward does d_scores join?
+    # Hint 1: the chapter's "The router's backward" differentiates a vector divided by its length; here a vector is
+    #         divided by its sum: what changes in the term that every entry shares? Then: what does a selection pass
+    #         back, and what do the score function and the linear layer?
+    # Hint 2: dσ_i = (dw_i - Σ_j dw_j w_j) / S for the chosen i, 0 for the others, plus d_scores;
     #         softmax: du = σ (dσ - Σ_j dσ_j σ_j); sigmoid: du = dσ σ (1 - σ); dn = du W_r, dW_r = du^T n.
-    # Hint 3: S = sum over the k of σ at experts;  d_chosen = (d_weights - rowsum(d_weights w)) / S
-    #         dσ = zeros (N, E), scatter-add d_chosen at experts, plus d_scores if given
-    #         du = the score function's backward of dσ
-    #         return (du W_r cast to n's dtype, du^T n cast to w_router's dtype)
+    # Hint 3: total = scores.gather(1, experts).sum(-1, keepdim=True)
+    #         d_chosen = (d_weights - (d_weights * weights).sum(-1, keepdim=True)) / total
+    #         d_all = torch.zeros_like(scores).scatter_add_(1, experts, d_chosen), plus d_scores if given
+    #         softmax: du = scores * (d_all - (d_all * scores).sum(-1, keepdim=True));  sigmoid: du = d_all * scores * (1 - scores)
+    #         return (du @ w_router.to(dtype)).to(n.dtype), (du.t() @ n.to(dtype)).to(w_router.dtype)
     scores, weights = routing.scores, routing.weights
     total = scores.gather(1, routing.experts).sum(-1, keepdim=True)
     d_chosen = (d_weights - (d_weights * weights).sum(-1, keepdim=True)) / total
@@ -164,31 +167,29 @@ def sequence_aux_loss(scores: torch.Tensor, experts: torch.Tensor, seq_len: int,
     `context` is the group of ranks that hold the other parts of the same sequences (context
     parallelism: each rank holds seq_len of the sequence's c seq_len tokens), or None."""
     # >>> TODO(m16): the per-sequence auxiliary loss and its gradient
-    # Contract: return (losses, d_scores): losses (S,) holds L_seq = λ Σ_j φ_j π_j of each sequence (λ is
-    #   moe.aux_coef), d_scores (N, E) the gradient of losses.sum() with respect to scores, both in scores' dtype.
-    #   With a context group, the per-sequence counts and sums of σ' travel as one tensor, (S, 2E), in one
-    #   all-reduce through context.collectives labelled "aux loss statistics" (the test reads the log).
-    # Maths: the module docstring. T is the sequence's whole length: seq_len times the context group's size. The
-    #   count behind φ_j is how many of the sequence's tokens have j among their k experts; φ is a count, so no
-    #   gradient flows through it. π_j averages σ' = σ / (the token's sum of σ over all E): for a softmax that sum
-    #   is 1, for a sigmoid it is not, and σ' is what makes the two comparable.
-    # Pitfalls: per *sequence*: the counts and the means run over each sequence's T tokens, not over all N
-    #   tokens this rank holds (that would make the loss depend on how many sequences a rank or a microbatch
-    #   has: the tests compare 1, 2 and 4 ranks, with and without microbatches); the normalisation E / (k T)
-    #   makes perfect balance φ_j = 1. With context parallelism the two per-sequence sums (counts and sums of σ')
-    #   are all-reduced over `context` before they are used: a part of a sequence alone has neither.
-    # Hint 1: view the rows as (S, seq_len, E); per sequence count the choices per expert and sum σ'; make both
-    #         whole sequences' sums (the context all-reduce); then φ, π, the loss, and dσ' = λ φ / T per token,
-    #         back through σ' = σ / Σσ.
-    # Hint 2: torch.zeros(N, E).scatter_(1, experts, 1) marks each token's chosen experts; .view(S, seq_len,
-    #         E).sum(1); torch.cat both (S, E) sums into one tensor for context.collectives.all_reduce; the
-    #         normalisation's backward is dσ = (dσ' - Σ_j dσ'_j σ'_j) / Σσ, per token.
+    # Contract: return (losses, d_scores): losses (S,) holds each sequence's L_seq (λ is moe.aux_coef), d_scores (N, E)
+    #   the gradient of losses.sum() with respect to scores, both in scores' dtype. With a context group, whatever the
+    #   ranks must share travels as one tensor, (S, 2E), in one all-reduce through context.collectives labelled
+    #   "aux loss statistics" (the test reads the log). The tests compare with autograd, 1 sequence worked by hand,
+    #   and sequences split over 2 ranks with whole ones.
+    # Maths: the module docstring defines φ, π, σ' and L_seq; T is the sequence's whole length (seq_len times the
+    #   context group's size); φ is a count: no gradient flows through it.
+    # Question: what gradient does L_seq send to one token's σ, and what must a rank that holds part of a sequence
+    #   learn from the others before it can form φ and π?
+    # Pitfalls: over which tokens do the counts and the means run: the sequence's, or all the N a rank holds (the tests
+    #   compare 1, 2 and 4 ranks, with and without microbatches)? For a sigmoid, is σ' the same as σ? What is T when
+    #   a sequence is on c ranks?
+    # Hint 1: the chapter's "Load balancing" works L_seq of a small sequence by hand: holding φ fixed, what is
+    #         dL_seq/dσ'_{t,j}, and how does it go back through σ' = σ / Σσ (the router's backward did a normalisation
+    #         by a sum)? Which two per-sequence sums does that need?
+    # Hint 2: dL_seq/dσ'_{t,j} = λ φ_j / T for every token t of the sequence; dσ = (dσ' - Σ_j dσ'_j σ'_j) / Σ_j σ_j,
+    #         per token; the counts and the sums of σ' per sequence are (S, E) each, and those are what c ranks add up.
     # Hint 3: S = N // seq_len;  T = seq_len times the context's size (1 without one)
-    #         normalised = σ / σ's row sums;  chose = 1 where a token chose an expert, else 0
-    #         counts = chose summed per sequence;  sums = normalised summed per sequence  (both (S, E))
-    #         all-reduce [counts | sums] over the context, if any
-    #         φ = E / (k T) counts;  π = sums / T;  losses = λ (φ π) summed over E
-    #         dσ' = λ φ / T repeated for each of the sequence's tokens;  dσ = (dσ' - rowsum(dσ' σ')) / Σσ
+    #         normalised = σ / σ's row sums;  chose = torch.zeros_like(σ).scatter_(1, experts, 1.0)
+    #         stats = torch.cat([chose.view(S, seq_len, E).sum(1), normalised.view(S, seq_len, E).sum(1)], dim=1)
+    #         all-reduce stats over the context, if any;  counts, sums = stats.split(E, dim=1)
+    #         φ = E / (k T) counts;  π = sums / T;  losses = λ (φ π).sum(-1)
+    #         d_norm = (λ φ / T).repeat_interleave(seq_len, dim=0);  d_scores = (d_norm - (d_norm * normalised).sum(-1, keepdim=True)) / row sums
     n_tokens, n_experts = scores.shape
     n_sequences = n_tokens // seq_len
     length = seq_len * (context.size if context is not None else 1)
@@ -214,18 +215,19 @@ def update_biases(biases: list[torch.Tensor], loads: torch.Tensor, moe: MoEConfi
     in place; loads (L, E) the tokens each layer's router sent each expert in the step, over the whole
     global batch (summed over every data rank by the caller)."""
     # >>> TODO(m16): the auxiliary-loss-free bias update
-    # Contract: for every layer l, biases[l] moves in place by γ (moe.bias_rate) per expert, in the direction
-    #   that evens the loads: up where expert j got fewer tokens than the even share, down where it got more,
-    #   unchanged where it got exactly its share. Nothing is returned.
-    # Maths: the even share of layer l is its total load divided by E (every token sends k slots, so the total
-    #   is k times the tokens); the error is share - load_j, and the step is γ sign(error) (DeepSeek-V3).
-    # Pitfalls: loads are counts over the whole global batch; a bias updated from one rank's loads would differ
-    #   between ranks (the model test compares the biases after training with a single process's). The bias
-    #   never enters the weights (route's pitfall), so it needs no gradient.
-    # Hint 1: per layer, the mean load, the sign of mean minus load, a step of γ times that sign.
-    # Hint 2: loads.sum(-1, keepdim=True) / E; torch.sign; bias.add_(...) updates in place.
-    # Hint 3: error = loads.sum over experts / E - loads   (L, E)
-    #         for each layer l: biases[l] += γ sign(error[l])  (cast to the bias's dtype)
+    # Contract: for every layer l, biases[l] moves in place by exactly γ (moe.bias_rate) per expert: up where expert j got
+    #   fewer tokens than the even share of the layer's load, down where it got more, unchanged where it got exactly
+    #   its share. Nothing is returned. The test checks two layers' biases by value and that the tensors are the same.
+    # Maths: loads (L, E) counts slots; every token sends k of them.
+    # Question: what is the even share of a layer's load, and what one expression moves a bias by a fixed step against
+    #   its expert's error?
+    # Pitfalls: does `bias = ...` change the tensor the model holds? Whose loads are they: one rank's, or the whole
+    #   global batch's (the caller sums them)?
+    # Hint 1: the chapter's "Load balancing" says what the bias is for: by how much, and in which direction, should an
+    #         expert's bias move after a step in which it was crowded?
+    # Hint 2: ρ_j ← ρ_j + γ sign(share - load_j), with share = (Σ_j load_j) / E per layer.
+    # Hint 3: error = loads.sum(-1, keepdim=True) / E - loads
+    #         for each layer's bias and error row: bias.add_(γ * torch.sign(row).to(bias.dtype))
     error = loads.sum(-1, keepdim=True) / moe.n_experts - loads
     for bias, layer_error in zip(biases, error, strict=True):
         bias.add_(moe.bias_rate * torch.sign(layer_error).to(bias.dtype))

@@ -1,36 +1,19 @@
 # Generated from solutions/m15_costs.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 15`. (skeleton 2c9bb2a68c89)
+# Grade your work with `python main.py grade 15`. (skeleton 1e0c9d7d022e)
 """Module 15, part 6 - what context parallelism costs one rank: bytes sent, activations kept.
 
 One microbatch on one rank: B / (d m) sequences of T/c tokens, N = B T / (d c m) tokens. Values are
 b bytes, statistics (lse, delta, and the ring's gradient accumulators) s bytes. One key/value block
-is KV = 2 N K D b bytes (k and v of this rank's tokens). Per block and microbatch:
+is KV = 2 N K D b bytes (k and v of this rank's tokens). The traffic of a variant is what its
+attention objects send, message by message, as course/collectives.py logs them: a send counts its
+payload; an all-gather or a reduce-scatter (c - 1) shards; an all-to-all the (c - 1)/c of its input
+that goes to other ranks; a ring all-reduce 2 (n - 1)/n of its payload over a group of n. Each
+block does the same in every microbatch; once a step the gradients (Ψ values, accumulated in s
+bytes) and the loss (s bytes) are all-reduced over the d c ranks ("dc").
 
-  ring        forward: c - 1 sends of KV (every block but the last moves on)
-              backward: c - 1 sends of KV, and c sends of an accumulator 2 N K D s (each travels c - 1
-              hops with its block, then one more home); nothing at all with c = 1
-  all-gather  forward: one all-gather of KV; backward: another, and a reduce-scatter of the
-              accumulated gradients (this rank's shard: 2 N K D s); each sends (c - 1) shards
-  Ulysses     forward: all-to-alls of q (N H D b), k and v (N K' D b each, K' = K copies: K, or c
-              when c is a multiple of K), o (N H D b) and lse (N H s); backward, the course's
-              (module 15's UlyssesAttention): lse and delta (2 N H s), q, k, v, do, and dq, dk, dv
-              back: 5 forward, 8 backward; each sends the (c - 1)/c of its input that goes to other
-              ranks. DeepSpeed-Ulysses (`adjoint=True`) keeps the head-sharded q, k, v, o and lse of
-              its forward, sends no lse, and leaves its backward to autograd, through all-to-alls
-              whose backward is the reverse all-to-all (chapter 15)
-
-and once a step, over the d c ranks ("dc"): one all-reduce of every gradient (Ψ values, accumulated
-in s bytes) and one of the loss (s bytes), each sending 2 (dc - 1)/(dc) of its payload.
-
-Forward, the ring and the all-gather send the same (c - 1) KV = 2 (c - 1) N K D b: about the keys
-and values of the rank's whole sequences (c N tokens), whatever c. The ring spreads it over c - 1 messages that hide
-behind block attention; the all-gather spends one latency and does not overlap here. Ulysses sends
-(c - 1)/c of N (2H + 2K') D b (and the lse), and N shrinks as 1/c: in the forward the ratio
-Ulysses / ring is about (H + K') / (K c). With many key/value heads (K = H: 2/c) Ulysses sends less
-for any c > 2; with grouped-query attention the ring's blocks are small and it sends less until c
-exceeds (H + K') / K (Llama 3 8B: H = 32, K = 8: c > 5), and c cannot exceed H for Ulysses at all.
-Over a whole step the backward decides, and the two Ulysses backwards differ (chapter 15 works it
-out for Llama 3 8B at 128K tokens).
+DeepSpeed-Ulysses (`adjoint=True`) keeps the head-sharded q, k, v, o and lse of its forward, sends
+no lse, and leaves its backward to autograd, through all-to-alls whose backward is the reverse
+all-to-all (chapter 15), where module 15's UlyssesAttention re-shards what its backward reads.
 
 Activations. The block keeps module 06's fourteen tensors for this rank's N tokens: exactly one
 process's store for a sequence c times shorter. The attention's transient buffers (not kept) are
@@ -68,17 +51,21 @@ def cp_traffic(cfg: LlamaConfig, batch: int, seq_len: int, dtype: torch.dtype, c
     n = d * c  # the "dc" group
     dc_sent = 2 * (n - 1) / n * (parameter_count(cfg) + 1) * s  # the gradients, accumulated in s bytes, and the loss
     # TODO(m15): the bytes and calls of one step, per variant
-    # Contract: return a StepCost of two dicts, sent[(axis, op)] the bytes one rank sends per step and
-    #   calls[(axis, op)] the collectives it issues per step (receives are not counted), for the ops of the
-    #   module docstring: ("c", "send") for the ring, ("c", "all_gather") and ("c", "reduce_scatter") for the
-    #   all-gather, ("c", "all_to_all") for Ulysses (the course's, or with adjoint DeepSpeed's), and always ("dc",
-    #   "all_reduce"): 2 calls (gradients, loss), dc_sent bytes (given above). Per microbatch and block, times m L.
-    # Question: autograd's backward of an all-to-all is an all-to-all of the gradient the other way, the same size;
-    #   what then does DeepSpeed's backward send, knowing which of its forward's all-to-alls it runs backwards?
-    # Pitfalls: a group of one still logs its collectives (0 bytes), but the ring sends nothing with c = 1. The
-    #   ring's accumulators are in the statistics' dtype (s bytes), not the values'. An all-gather or reduce-scatter
-    #   sends c - 1 times its shard; an all-to-all (c - 1)/c of its input. "zigzag" is the ring's traffic. The
-    #   adjoint re-sends none of its forward's inputs.
+    # Contract: a StepCost whose sent[(axis, op)] holds the bytes one rank sends in one step and
+    #   whose calls[(axis, op)] the collectives it issues (receives are not counted), exactly as the log of a real step
+    #   counts them (the tests compare with real steps of every variant on c = 2, and with hand counts for c = 4
+    #   and c = 1, float32 and bf16): ("c", "send") for the ring and zigzag, ("c", "all_gather") and ("c",
+    #   "reduce_scatter") for the all-gather, ("c", "all_to_all") for Ulysses (module 15's, or with adjoint
+    #   DeepSpeed's), and always ("dc", "all_reduce"): 2 calls, dc_sent bytes (above). A group of one still logs
+    #   its collectives (0 bytes each).
+    # Maths: the module docstring's definitions (KV, N, b, s, what each collective sends); every block does the
+    #   same in every microbatch.
+    # Question: what do your own forward and backward of each variant send, message by message, in one block and
+    #   microbatch, and in which dtype? And DeepSpeed's backward, knowing that autograd runs the adjoint of each of
+    #   its forward's all-to-alls, an all-to-all of the same size the other way?
+    # Pitfalls: how many hops does an accumulator make, and does a ring of one send anything? In which dtype do the
+    #   ring's accumulators and the all-gather's gradients travel? Which of DeepSpeed's forward all-to-alls does its
+    #   backward repeat, and does it send an lse?
     raise NotImplementedError('TODO(m15): the bytes and calls of one step, per variant')
 
 

@@ -1,5 +1,5 @@
 # Generated from solutions/m15_ulysses.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 15`. (skeleton 29924afd0578)
+# Grade your work with `python main.py grade 15`. (skeleton c8210e5153bf)
 """Module 15, part 4 - Ulysses: trade the sequence split for a head split around attention.
 
 DeepSpeed-Ulysses (Jacobs et al. 2023) does not split attention's work by positions at all. Around
@@ -12,8 +12,8 @@ goes back the other way, to the positions this rank holds.
     sequence-sharded (B, T/c, heads, D)  --all-to-all-->  head-sharded (B, T, heads/c, D)
 
 Every rank computes a full causal attention of H/c heads: the same work on every rank, whatever the
-layout, with no merge and no skipped blocks. The price: four all-to-alls forward (each sends
-(c - 1)/c of its input, whose size does not shrink as c grows), and c is limited by the heads.
+layout, with no merge and no skipped blocks. The price: all-to-alls of whole activations around
+every attention, and c is limited by the heads.
 
 Grouped-query attention: rank j's query heads [j H/c, (j+1) H/c) read the key/value heads
 h // (H/K). If c divides K, rank j takes key/value heads [j K/c, (j+1) K/c), exactly those. If c is
@@ -49,12 +49,14 @@ def sequence_to_heads(x: torch.Tensor, group: Group, label: str = "") -> torch.T
     this rank's heads, time in the ranks' order (rank 0's positions, then rank 1's, ...)."""
     # TODO(m15): the all-to-all from sequence-sharded to head-sharded
     # Contract: rank j of c receives heads [j h/c, (j+1) h/c) of every rank's positions; the time axis of the result
-    #   is the ranks' positions one rank after the other. One group.collectives.all_to_all (label `label`), which
-    #   cuts its input along dim 0 into c equal blocks (block j goes to rank j) and fills its output's dim 0 with
-    #   the block from each rank, in rank order.
-    # Pitfalls: the block for rank j is cut along the *heads*; what arrives is laid side by side along *time*.
-    #   Cutting and joining along the same axis, or the two swapped, runs without error and mixes heads and
-    #   positions: the tests compare every variant with the whole attention. all_to_all wants contiguous tensors.
+    #   is the ranks' positions one rank after the other. One group.collectives.all_to_all(output, input,
+    #   label=label), which cuts its input along dim 0 into c equal blocks (block j goes to rank j) and fills its
+    #   output's dim 0 with the block from each rank, in rank order; it wants contiguous tensors. The tests send
+    #   values that encode their (position, head) and read them back on every rank.
+    # Question: along which axis must x be cut into the c blocks, and along which must the arriving blocks be
+    #   joined?
+    # Pitfalls: cutting and joining along the same axis, or the two swapped, runs without an error: what does each
+    #   arriving block hold, and where does it belong in the result?
     raise NotImplementedError('TODO(m15): the all-to-all from sequence-sharded to head-sharded')
 
 
@@ -63,7 +65,9 @@ def heads_to_sequence(x: torch.Tensor, group: Group, label: str = "") -> torch.T
     # TODO(m15): the all-to-all back, from head-sharded to sequence-sharded
     # Contract: rank j receives its own positions (block j of the time axis) of every rank's heads, laid side by side
     #   along the heads in rank order: sequence_to_heads followed by heads_to_sequence gives x back. One all_to_all.
-    # Pitfall: the mirror image of sequence_to_heads: cut along time, join along the heads.
+    # Question: which axis is cut this time, and which joined?
+    # Pitfalls: rank s's heads are heads [s h/c, (s+1) h/c): do they come back one block after another, or
+    #   interleaved?
     raise NotImplementedError('TODO(m15): the all-to-all back, from head-sharded to sequence-sharded')
 
 
@@ -94,15 +98,20 @@ class UlyssesAttention:
         copies = kv_copies(kv_heads, c)
         # TODO(m15): Ulysses' forward: to heads, attend on the whole sequence, back to the sequence
         # Contract: return (o, lse) for this rank's tokens as module 06's attention_forward returns them (o (B, T/c,
-        #   heads * D) in q's dtype, lse (B, kv_heads, heads // kv_heads, T/c)). Five all-to-alls, labelled "q",
-        #   "k", "v" (this rank's heads, with self.to_heads), then "o" and "lse" (back, with self.to_sequence).
-        #   Key/value heads are first copied `copies` times each (repeat_interleave on the head axis).
-        # Maths: attention_forward on the head-sharded q, k, v (the whole sequence, position 0 first) is ordinary
-        #   causal attention of this rank's heads. Its lse is (B, k_heads, q_heads, T) for this rank's heads: flatten
-        #   them to one head axis (their global order), send them back like an output with D = 1, and regroup as
-        #   (B, kv_heads, heads // kv_heads, T/c).
-        # Pitfalls: the head axis of o and lse must come back in the global head order (head h = kv head h // group,
-        #   then its place in the group), which is what the all-to-alls' rank order gives if nothing is permuted.
+        #   heads * D) in q's dtype, lse (B, kv_heads, heads // kv_heads, T/c) in its float dtype). Five all-to-alls,
+        #   labelled "q", "k", "v" (to this rank's heads, with self.to_heads), then "o" and "lse" (back, with
+        #   self.to_sequence). When c is a multiple of K, each key/value head goes out as `copies` copies, so that
+        #   every rank receives the key/value head its query heads read. The tests compare with SDPA on the whole
+        #   sequence for c dividing K, K copied, and two key/value heads a rank.
+        # Maths: query head h reads key/value head h // (heads // kv_heads); module 06's lse is grouped (B, kv_heads,
+        #   group, T): its head order is key/value head first, then the place in the group. attention_forward on the
+        #   head-sharded q, k, v (the whole sequence, position 0 first) is ordinary causal attention of this rank's
+        #   heads.
+        # Question: how does this rank's lse, grouped by its own key/value heads, travel back as a per-position,
+        #   per-head tensor, and come out in the global head order?
+        # Pitfalls: which copying puts on rank j the key/value head its query heads read, each head's copies side by
+        #   side or the whole set repeated? With two key/value heads a rank, does your lse keep (key/value head,
+        #   group) in that order?
         raise NotImplementedError("TODO(m15): Ulysses' forward: to heads, attend on the whole sequence, back to the sequence")
 
     def backward(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
@@ -114,10 +123,14 @@ class UlyssesAttention:
         copies = kv_copies(kv_heads, c)
         delta = attention_delta(do, o, heads, kv_heads)  # this rank's positions, every head: no need to send o
         # TODO(m15): Ulysses' backward: everything to heads, module 06's backward, the gradients back
-        # Contract: return (dq, dk, dv) for this rank's tokens, in q's, k's and v's dtypes. All-to-alls labelled
-        #   "lse, delta" (the two statistics stacked on a last axis of 2, like the forward's lse), "q", "k", "v", "do"
-        #   to heads, then "dq", "dk", "dv" back. attention_backward takes the head-sharded lse and delta in its own
-        #   grouping (B, k_heads, q_heads, T) of this rank's heads, and o=None.
-        # Maths: dk and dv come back for every copy of each key/value head: the copies of a head add up.
-        # Pitfalls: lse and delta travel per (position, head) like the output did, in the global head order.
+        # Contract: return (dq, dk, dv) for this rank's tokens, in q's, k's and v's dtypes. Eight all-to-alls,
+        #   labelled "lse, delta" (the two statistics stacked on a last axis of 2), "q", "k", "v", "do" to this rank's
+        #   heads, then "dq", "dk", "dv" back. attention_backward takes this rank's heads' lse and delta in its own
+        #   grouping (B, k_heads, q_heads, T), and o=None. The tests compare with autograd on the whole sequence.
+        # Maths: the forward's re-sharding, for every tensor the attention's backward reads; dk and dv come back for
+        #   every copy of a key/value head.
+        # Question: how do the statistics travel per (position, head), and what does the backward do with the
+        #   gradients of a head's copies?
+        # Pitfalls: what is the gradient of a tensor that was copied before use? Do lse and delta come back in the
+        #   grouping attention_backward reads, (key/value head, group)?
         raise NotImplementedError("TODO(m15): Ulysses' backward: everything to heads, module 06's backward, the gradients back")

@@ -1,5 +1,5 @@
 # Generated from solutions/m16_dispatch.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 16`. (skeleton f61766b55a05)
+# Grade your work with `python main.py grade 16`. (skeleton c0fc06d81022)
 """Module 16, part 2 - from tokens to expert rows and back, on one rank: capacity, the expert-major
 permutation, and the weighted combine.
 
@@ -49,15 +49,16 @@ def plan_dispatch(experts: torch.Tensor, n_experts: int, capacity: int | None) -
     (None: dropless)."""
     n_tokens, top_k = experts.shape
     # TODO(m16): capacity, and the expert-major order of the rows to send
-    # Contract: return DispatchPlan(slots, counts, kept, top_k). kept (N, k) marks the slots the capacity rule
-    #   keeps (all of them when capacity is None). slots lists the kept slots (slot = token k + i) in
-    #   expert-major order, and within one expert in slot order; counts (E,) the kept slots per expert.
-    # Maths: the module docstring's rule: a slot is kept when fewer than κ earlier slots (in slot order) chose
-    #   the same expert. Slot order is token order, then the token's choices in the router's order.
-    # Pitfalls: the rule counts per expert, not per token; a stable sort keeps slot order within an expert (an
-    #   unstable one may reorder equal keys, and the rows of one expert would not be in token order); empty
-    #   experts still get a count of 0 (counts has E entries). The tests compare the dropped set with a loop
-    #   over the slots, exactly, and the order of the rows.
+    # Contract: return DispatchPlan(slots, counts, kept, top_k). kept (N, k) marks the slots the capacity rule keeps
+    #   (all of them when capacity is None); slots lists the kept slots (slot = token k + i) expert after expert and,
+    #   within one expert, in slot order; counts (E,) the kept slots per expert (0 for an expert with none). The
+    #   tests compare the dropped set and the order with a loop over the slots, exactly.
+    # Maths: the module docstring's rule: a slot is kept when fewer than κ earlier slots (in slot order) chose the same
+    #   expert. Slot order is token order, then the token's choices in the router's order.
+    # Question: how does each slot learn how many earlier slots chose its expert, without a loop over the slots, and
+    #   how do you list the kept slots expert by expert without disturbing their order within an expert?
+    # Pitfalls: does the rule count per expert or per token? Does your way of ordering keep equal experts in slot order
+    #   (some do not, on more than a few rows)? How many entries does counts need when an expert gets nothing?
     raise NotImplementedError('TODO(m16): capacity, and the expert-major order of the rows to send')
 
 
@@ -65,15 +66,13 @@ def combine(h: torch.Tensor, rows: torch.Tensor, plan: DispatchPlan, weights: to
     """y = h + Σ_i w_i expert_i(token) for each token: h (N, M) the residual stream, rows (R, M) the
     experts' outputs in the plan's order, weights (N, k) the router's."""
     # TODO(m16): the combine: un-permute the experts' rows and add their weighted sum into the residual
-    # Contract: return y (N, M) in h's dtype: h plus, for every token, the sum over its kept slots of the slot's
-    #   weight times the slot's row (rows[r] belongs to slot plan.slots[r]). Dropped slots add nothing; h itself
-    #   is not modified.
-    # Maths: the module docstring: un-permuting is the inverse of the gather that made the rows, a scatter to the
-    #   slots; then each token's k slots are weighted and summed.
-    # Pitfalls: a token whose slots were all dropped must come out as h, unchanged (the residual carries it),
-    #   not as zeros; rows[plan.slots] would apply the permutation a second time instead of undoing it (the
-    #   tests use experts whose weights all differ, so a mixed-up row shows). The weights are in compute dtype:
-    #   cast them to h's dtype.
+    # Contract: return y (N, M) in h's dtype: h plus, for every token, the sum over its kept slots of the slot's weight
+    #   times the slot's row (rows[r] belongs to slot plan.slots[r]). Dropped slots add nothing; h itself is not
+    #   modified. The tests compare with the sum written row by row, with experts whose rows all differ.
+    # Maths: the rows were gathered from the tokens in the plan's order (row r carries token plan.tokens[r]).
+    # Question: where does row r go back to, and how do a token's k slots become one vector?
+    # Pitfalls: what must a token whose every slot was dropped come out as? Does indexing rows by plan.slots put them
+    #   back, or move them once more? Which dtype are the weights in?
     raise NotImplementedError("TODO(m16): the combine: un-permute the experts' rows and add their weighted sum into the residual")
 
 
@@ -81,11 +80,11 @@ def combine_backward(dy: torch.Tensor, rows: torch.Tensor, plan: DispatchPlan, w
     """(d_rows, d_weights) for combine, given dy (N, M) = dL/dy: d_rows (R, M) in the plan's order,
     d_weights (N, k) in weights' dtype (zero at dropped slots). dL/dh is dy itself (the residual)."""
     # TODO(m16): the combine's backward: the rows' gradient and the weights'
-    # Contract: return (d_rows, d_weights): d_rows (R, M) in rows' dtype, row r the gradient of rows[r];
-    #   d_weights (N, k) in weights' dtype, the gradient of each slot's weight (0 for a dropped slot).
-    # Maths: y_t = h_t + Σ_i w_{t,i} row(t, i): the row of slot (t, i) gets w_{t,i} dy_t, and the weight gets
-    #   the dot product of dy_t with that row.
-    # Pitfalls: the rows are in the plan's order: the token of row r is plan.tokens[r], its weight
-    #   weights.view(-1)[plan.slots[r]]; scatter the dot products back to their slots (the router's backward
-    #   reads d_weights by token and choice). The tests compare both with autograd.
+    # Contract: return (d_rows, d_weights): d_rows (R, M) in rows' dtype, row r the gradient of rows[r]; d_weights (N, k)
+    #   in weights' dtype, the gradient of each slot's weight (0 for a dropped slot). The tests compare both with
+    #   autograd.
+    # Maths: y_t = h_t + Σ_i w_{t,i} row(t, i), row(t, i) the row of slot t k + i.
+    # Question: which part of dy does each row's gradient read, and which product gives each weight's?
+    # Pitfalls: which token and which weight belong to row r? The router's backward reads d_weights by token and
+    #   choice: where does row r's value go?
     raise NotImplementedError("TODO(m16): the combine's backward: the rows' gradient and the weights'")

@@ -1,5 +1,5 @@
 # Generated from solutions/m16_expert_parallel.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 16`. (skeleton 6ea6a257ac98)
+# Grade your work with `python main.py grade 16`. (skeleton 47e17bb13b2c)
 """Module 16, part 3 - expert parallelism: the E experts split over the e ranks of an expert group,
 rows sent to their expert and back with two all-to-alls.
 
@@ -17,11 +17,9 @@ tokens) holds experts i E/e .. (i + 1) E/e - 1, so the expert-major rows of part
   3. regroup  a local permutation from source-major to expert-major, so each local expert has its rows
               side by side: local expert j's rows from member 0, then from member 1, ...
 
-and the way back undoes 3 (the inverse permutation), then sends each row home with the all-to-all
-whose splits are the first one's, swapped. In the backward the two directions swap roles: the
-adjoint of "send rows to the experts" is "return rows from the experts", since the adjoint of a
-permutation is its inverse and the adjoint of an all-to-all is the all-to-all the other way. So
-the four functions of a layer's forward and backward are the two below, each used twice.
+and the way back (`return_from_experts`, yours) is the inverse of the way out (`send_to_experts`,
+given: steps 2 and 3). A layer's backward needs the adjoints of both; the two functions below are
+all it uses, each twice (the chapter's "Expert parallelism" says why).
 
 Every all-to-all goes through the group's `collectives` (course/collectives.py), which logs it
 with the bytes that leave this rank: the rows for the other members.
@@ -79,52 +77,50 @@ def check_exchange(exchange: Exchange, group: Group):
                            group=group.collectives.group)
     for s, (send, recv) in enumerate(every):
         if len(send) != group.size or len(recv) != group.size:
-            raise ValueError(f"member {s} has {len(send)} send splits and {len(recv)} recv splits: one per member of "
+            raise ValueError(f"your plan_exchange: member {s} has {len(send)} send splits and {len(recv)} recv splits: one per member of "
                              f"the group ({group.size}) each")
     for s, (_, recv) in enumerate(every):
         for t, (send, _) in enumerate(every):
             if int(recv[t]) != int(send[s]):
-                raise ValueError(f"member {s} receives {int(recv[t])} rows from member {t} by its recv_splits, but "
-                                 f"{t} sends {int(send[s])}; take them from the counts you received")
+                raise ValueError(f"your plan_exchange: member {s} receives {int(recv[t])} rows from member {t} by its "
+                                 f"recv_splits, but {t} sends {int(send[s])} (whose counts say what arrives?)")
 
 
 def plan_exchange(counts: torch.Tensor, group: Group) -> Exchange:
     """The counts' all-to-all: counts (E,) int64 are the rows this member sends to each expert (in
     expert-major order, so member-major too)."""
     # TODO(m16): the counts' all-to-all, the split sizes of both sides, and the regroup permutation
-    # Contract: return Exchange(send_splits, recv_splits, received, regroup) as the dataclass describes:
-    #   splits as Python ints (one per member, in group order), received (e, E/e) int64, regroup the permutation
-    #   that turns the arriving source-major rows into local-expert-major order (stable: within one expert,
-    #   member 0's rows first, each member's in the order it sent them).
-    # Maths: the module docstring, steps 1 and 3. The counts tensor, viewed (e, E/e), has one row per member;
-    #   an all-to-all with equal splits hands member s row s of everyone's view.
-    # Pitfalls: each side must use *its own* split sizes: what this member sends comes from its counts, what it
-    #   receives from the counts it received (another member's plan, not its own: the tests route unevenly, and
-    #   taking the receive sizes from the send side breaks the exchange). The all-to-all goes through
-    #   group.collectives with label="counts" (the cost test reads the log). With one member, every step is a
-    #   copy, and regroup is the identity.
+    # Contract: return Exchange(send_splits, recv_splits, received, regroup) as the dataclass describes: splits as
+    #   Python ints (one per member, in group order), received (e, E/e) int64, regroup the permutation that turns the
+    #   arriving source-major rows into local-expert-major order (within one expert, member 0's rows first, each
+    #   member's in the order it sent them). One all-to-all through group.collectives labelled "counts" (the tests
+    #   read the log, and compare every field with what they work out from all members' counts, routed unevenly).
+    # Maths: the module docstring, steps 1 and 3. An all-to-all of a tensor viewed (e, ...) with equal splits hands
+    #   member s block s of every member's tensor, member 0's first.
+    # Question: who knows how many rows will arrive from each member, and which permutation puts the arrivals in
+    #   local-expert-major order?
+    # Pitfalls: does what this member receives depend on its own counts or on the counts it received? Within one
+    #   expert, do your rows keep member 0's first and each member's order? With one member, what must every step give?
     raise NotImplementedError("TODO(m16): the counts' all-to-all, the split sizes of both sides, and the regroup permutation")
 
 
 def send_to_experts(rows: torch.Tensor, exchange: Exchange, group: Group, label: str = "dispatch") -> torch.Tensor:
     """Rows in this member's expert-major order (sum(send_splits), M) -> the rows this member's experts
-    process, local-expert-major (sum(recv_splits), M). Also the backward of return_from_experts."""
-    # TODO(m16): the rows' all-to-all to the experts, then the regroup
-    # Contract: return the arrived rows put in local-expert-major order, as described by `exchange`.
-    # Maths: the module docstring, steps 2 and 3: exchange_rows (given) cuts and sends by the splits you give it.
-    # Pitfalls: which splits are sent and which received; the regroup is a gather (arrived[regroup]). The label
-    #   names the all-to-all in the log.
-    raise NotImplementedError("TODO(m16): the rows' all-to-all to the experts, then the regroup")
+    process, local-expert-major (sum(recv_splits), M): the rows' all-to-all, then the regroup (given)."""
+    return exchange_rows(rows, exchange.send_splits, exchange.recv_splits, group, label)[exchange.regroup]
 
 
 def return_from_experts(rows: torch.Tensor, exchange: Exchange, group: Group, label: str = "combine") -> torch.Tensor:
     """The experts' output rows, local-expert-major (sum(recv_splits), M) -> back to the members they
     came from: this member's rows in its own expert-major order (sum(send_splits), M). Also the
     backward of send_to_experts."""
-    # TODO(m16): undo the regroup, then the all-to-all home
-    # Contract: the inverse of send_to_experts: row r of the result is the output for row r this member sent.
-    # Maths: the inverse of a gather by a permutation is the scatter by the same permutation; then the
-    #   all-to-all with the splits swapped.
-    # Pitfalls: gathering by regroup again applies the permutation twice instead of undoing it (with several
-    #   local experts and several members the rows land on the wrong tokens: the tests check the output).
-    raise NotImplementedError('TODO(m16): undo the regroup, then the all-to-all home')
+    # TODO(m16): the way back: every row from the experts home to where it left
+    # Contract: the inverse of send_to_experts (given, above): row r of the result is the output for row r this member
+    #   sent, in its own expert-major order, (sum(send_splits), M). The tests feed it the rows each expert should have
+    #   received, labelled, and check that every row comes home to its place.
+    # Maths: send_to_experts exchanges the rows and then regroups them; exchange_rows (given) cuts what it sends by
+    #   its first splits and lays out what arrives by its second.
+    # Question: what undoes each of send_to_experts' two steps, and in which order?
+    # Pitfalls: does indexing by regroup a second time undo the regroup or apply it twice? Which sizes describe the
+    #   rows going home: the ones that left, or the ones that arrived?
+    raise NotImplementedError('TODO(m16): the way back: every row from the experts home to where it left')

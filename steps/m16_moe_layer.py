@@ -1,5 +1,5 @@
 # Generated from solutions/m16_moe_layer.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 16`. (skeleton 11163d64cc15)
+# Grade your work with `python main.py grade 16`. (skeleton 778ce3aab080)
 """Module 16, part 4 - the mixture-of-experts layer, and module 06's block with it in place of the SwiGLU.
 
     n (N, M) -> route -> plan (capacity, expert-major slots) -> rows = n[tokens]
@@ -7,11 +7,8 @@
       -> return_from_experts (inverse regroup, all-to-all home) -> combine: y = h + Σ_i w_i expert_i(n)
       (+ the shared expert, weight 1, on every token; + the auxiliary loss on the scores)
 
-The backward runs it in reverse: the combine's backward gives the rows' gradient and the weights';
-the rows' gradient goes to the experts with `send_to_experts` (the adjoint of the way back), through
-the experts' backward, and home with `return_from_experts` (the adjoint of the way out), where each
-row's gradient is added into its token's; the weights' gradient (and the auxiliary loss's, on the
-scores) goes through the router's backward. Two all-to-alls of rows each way, and the counts'.
+The backward (`MoELayer.backward`, yours) runs the chain in reverse, through every piece above,
+each exchange of rows included: the forward's saved values are in the store.
 
 The experts are module 06's SwiGLU, E/e of them on each member of the expert group, each on its own
 rows (a loop of GEMMs here; a grouped GEMM in production). Expert j's weights: gate (F, M), up (F,
@@ -156,21 +153,21 @@ class MoELayer:
         group, shape = self.group, dy.shape
         dy = dy.reshape(-1, shape[-1])
         n, routing, plan, exchange = store["moe_n"], store["moe_routing"], store["moe_plan"], store["moe_exchange"]
-        # TODO(m16): the MoE layer's backward: combine, the all-to-alls the other way, experts, router
-        # Contract: return (dn, grads): dn of dy's `shape` (B, T, M), the gradient of the layer's input n from every
-        #   path (the routed experts' rows, the shared expert, the router); grads = MoEWeights(router=dW_r,
-        #   bias=None, experts=the local experts' gradients, shared=the shared expert's or None).
-        # Maths: the module docstring, read backwards. The forward's saved values are in the store: 'moe_n',
-        #   'moe_routing', 'moe_plan', 'moe_exchange', 'moe_experts' (experts_forward's saved), 'moe_back' (the rows
-        #   back from the experts), 'moe_shared' (with a shared expert) and 'moe_d_scores' (with the auxiliary loss:
-        #   its gradient of σ, already weighted).
-        # Pitfalls: the adjoint of return_from_experts is send_to_experts and vice versa (label them "combine
-        #   backward" and "dispatch backward"); a token chosen by several experts receives the sum of its rows'
-        #   gradients (scatter-add, not assignment); dn also collects the router's and the shared expert's
-        #   gradients. Every member of the group runs both all-to-alls even with nothing to send. The tests
-        #   compare dn and every weight's gradient with autograd on one rank and with the single-process layer
+        # TODO(m16): the MoE layer's backward: every gradient of the layer, through every piece of its forward
+        # Contract: return (dn, grads): dn of dy's `shape` (B, T, M), the gradient of the layer's input n from every path
+        #   (the routed experts' rows, the shared expert, the router); grads = MoEWeights(router=dW_r, bias=None,
+        #   experts=the local experts' gradients, shared=the shared expert's or None). The exchange that carries the
+        #   combine's gradient is labelled "combine backward", the one that carries the experts' input gradient "dispatch
+        #   backward". The tests compare dn and every gradient with autograd on one rank and with the single-process layer
         #   on 2 and 4.
-        raise NotImplementedError("TODO(m16): the MoE layer's backward: combine, the all-to-alls the other way, experts, router")
+        # Maths: the forward (above) is a chain of given pieces and yours; its saved values are in the store: 'moe_n',
+        #   'moe_routing', 'moe_plan', 'moe_exchange', 'moe_experts' (experts_forward's saved), 'moe_back' (the rows back
+        #   from the experts), 'moe_shared' (with a shared expert) and 'moe_d_scores' (with the auxiliary loss: its
+        #   gradient of σ, already weighted).
+        # Question: which of your two row exchanges carries each gradient, and which way?
+        # Pitfalls: what does a token chosen by k experts receive from its k rows? Which paths besides the routed experts
+        #   reach n? Does every member run both exchanges when it has nothing to send?
+        raise NotImplementedError("TODO(m16): the MoE layer's backward: every gradient of the layer, through every piece of its forward")
 
 
 @dataclass

@@ -1,5 +1,5 @@
 # Generated from solutions/m16_router.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 16`. (skeleton 9232268a3a2f)
+# Grade your work with `python main.py grade 16`. (skeleton 09ddab2504be)
 """Module 16, part 1 - the router: which k of the E experts each token goes to, with what weight,
 and the two ways of keeping the experts' loads even.
 
@@ -94,16 +94,16 @@ class Routing:
 
 def route(n: torch.Tensor, w_router: torch.Tensor, bias: torch.Tensor | None, moe: MoEConfig) -> Routing:
     """Scores, the top-k choice (biased by `bias` if given) and the combine weights of tokens n (N, M)."""
-    # TODO(m16): the router's forward: scores, top-k with the bias for selection only, weights after top-k
-    # Contract: n is (N, M), w_router (E, M), bias (E,) or None (no bias). Return Routing(scores, experts,
-    #   weights): σ (N, E) in compute_dtype(n.dtype) (float32 at least), the k chosen experts (N, k) as torch.topk
-    #   orders them (best first), and their weights w (N, k), which sum to 1 over each token's k.
-    # Maths: the module docstring. moe.score picks softmax (over the E experts) or sigmoid.
-    # Pitfalls: the bias ρ moves the *choice* only: the weights are the unbiased scores of the chosen experts.
-    #   Normalise after the top-k, over the k chosen: a softmax normalised over all E and then cut to k
-    #   gives weights summing to less than 1 (the tests compare with autograd on the same maths in float64,
-    #   with a bias that changes the choice).
-    raise NotImplementedError("TODO(m16): the router's forward: scores, top-k with the bias for selection only, weights after top-k")
+    # TODO(m16): the router's forward: the scores, each token's k experts and their combine weights
+    # Contract: n is (N, M), w_router (E, M), bias (E,) or None (no bias). Return Routing(scores, experts, weights):
+    #   σ (N, E) in compute_dtype(n.dtype) (float32 for bf16 tokens), the k chosen experts (N, k) best first (as
+    #   torch.topk orders them), and their weights w (N, k) in the same dtype, which sum to 1 over each token's k.
+    #   The tests compare with the maths in float64 (softmax and sigmoid, with a bias that changes the choice) and
+    #   check the dtypes with bf16 tokens.
+    # Maths: the module docstring defines u, σ, the choice and w.
+    # Question: which quantity decides the choice, which one makes the weights, and what does each see of the bias?
+    # Pitfalls: what do weights normalised over all E, then cut to k, sum to? Which dtype does the bias arrive in?
+    raise NotImplementedError("TODO(m16): the router's forward: the scores, each token's k experts and their combine weights")
 
 
 def route_backward(d_weights: torch.Tensor, d_scores: torch.Tensor | None, n: torch.Tensor, w_router: torch.Tensor,
@@ -113,14 +113,14 @@ def route_backward(d_weights: torch.Tensor, d_scores: torch.Tensor | None, n: to
     # TODO(m16): the router's backward: through the weights' normalisation, the top-k and the scores
     # Contract: d_weights (N, k) is dL/dw for the chosen experts (compute dtype); d_scores (N, E) or None is a
     #   gradient of σ from elsewhere (the auxiliary loss). Return (dn, dw_router): dn in n's shape and dtype,
-    #   dw_router in w_router's shape and dtype.
-    # Maths: w_i = σ_i / S with S = the sum of the k chosen σ. The top-k is a selection: the chosen scores get
-    #   their gradient, the others none (from this path). Then the score function's backward to the logits u,
-    #   and the linear u = n W_r^T.
-    # Pitfalls: S depends on every chosen score, so each chosen σ_i gets d_weights_i / S minus a term shared by
-    #   the token; the softmax's backward mixes all E scores, the sigmoid's does not; d_scores joins the scores'
-    #   gradient (all E of them) before the score function's backward, not after. The tests compare dn and
-    #   dw_router with autograd in float64, softmax and sigmoid, with and without d_scores.
+    #   dw_router in w_router's shape and dtype, computed in routing's dtype (float32 for bf16 tokens). The tests
+    #   compare with autograd in float64 (softmax and sigmoid, with and without d_scores) on a routing of their own,
+    #   and bf16 tokens with float64 on the same inputs.
+    # Maths: w = the chosen σ divided by S, their sum over the k; the top-k is a selection, with no gradient of its own.
+    # Question: what gradient does each of the E scores get from d_weights, and where does d_scores join it?
+    # Pitfalls: does S depend on one chosen score or on all k of them? Which scores does the selection leave without a
+    #   gradient? Does the softmax's backward mix the E scores, and the sigmoid's? Before or after the score function's
+    #   backward does d_scores join?
     raise NotImplementedError("TODO(m16): the router's backward: through the weights' normalisation, the top-k and the scores")
 
 
@@ -133,19 +133,18 @@ def sequence_aux_loss(scores: torch.Tensor, experts: torch.Tensor, seq_len: int,
     `context` is the group of ranks that hold the other parts of the same sequences (context
     parallelism: each rank holds seq_len of the sequence's c seq_len tokens), or None."""
     # TODO(m16): the per-sequence auxiliary loss and its gradient
-    # Contract: return (losses, d_scores): losses (S,) holds L_seq = λ Σ_j φ_j π_j of each sequence (λ is
-    #   moe.aux_coef), d_scores (N, E) the gradient of losses.sum() with respect to scores, both in scores' dtype.
-    #   With a context group, the per-sequence counts and sums of σ' travel as one tensor, (S, 2E), in one
-    #   all-reduce through context.collectives labelled "aux loss statistics" (the test reads the log).
-    # Maths: the module docstring. T is the sequence's whole length: seq_len times the context group's size. The
-    #   count behind φ_j is how many of the sequence's tokens have j among their k experts; φ is a count, so no
-    #   gradient flows through it. π_j averages σ' = σ / (the token's sum of σ over all E): for a softmax that sum
-    #   is 1, for a sigmoid it is not, and σ' is what makes the two comparable.
-    # Pitfalls: per *sequence*: the counts and the means run over each sequence's T tokens, not over all N
-    #   tokens this rank holds (that would make the loss depend on how many sequences a rank or a microbatch
-    #   has: the tests compare 1, 2 and 4 ranks, with and without microbatches); the normalisation E / (k T)
-    #   makes perfect balance φ_j = 1. With context parallelism the two per-sequence sums (counts and sums of σ')
-    #   are all-reduced over `context` before they are used: a part of a sequence alone has neither.
+    # Contract: return (losses, d_scores): losses (S,) holds each sequence's L_seq (λ is moe.aux_coef), d_scores (N, E)
+    #   the gradient of losses.sum() with respect to scores, both in scores' dtype. With a context group, whatever the
+    #   ranks must share travels as one tensor, (S, 2E), in one all-reduce through context.collectives labelled
+    #   "aux loss statistics" (the test reads the log). The tests compare with autograd, 1 sequence worked by hand,
+    #   and sequences split over 2 ranks with whole ones.
+    # Maths: the module docstring defines φ, π, σ' and L_seq; T is the sequence's whole length (seq_len times the
+    #   context group's size); φ is a count: no gradient flows through it.
+    # Question: what gradient does L_seq send to one token's σ, and what must a rank that holds part of a sequence
+    #   learn from the others before it can form φ and π?
+    # Pitfalls: over which tokens do the counts and the means run: the sequence's, or all the N a rank holds (the tests
+    #   compare 1, 2 and 4 ranks, with and without microbatches)? For a sigmoid, is σ' the same as σ? What is T when
+    #   a sequence is on c ranks?
     raise NotImplementedError('TODO(m16): the per-sequence auxiliary loss and its gradient')
 
 
@@ -154,12 +153,12 @@ def update_biases(biases: list[torch.Tensor], loads: torch.Tensor, moe: MoEConfi
     in place; loads (L, E) the tokens each layer's router sent each expert in the step, over the whole
     global batch (summed over every data rank by the caller)."""
     # TODO(m16): the auxiliary-loss-free bias update
-    # Contract: for every layer l, biases[l] moves in place by γ (moe.bias_rate) per expert, in the direction
-    #   that evens the loads: up where expert j got fewer tokens than the even share, down where it got more,
-    #   unchanged where it got exactly its share. Nothing is returned.
-    # Maths: the even share of layer l is its total load divided by E (every token sends k slots, so the total
-    #   is k times the tokens); the error is share - load_j, and the step is γ sign(error) (DeepSeek-V3).
-    # Pitfalls: loads are counts over the whole global batch; a bias updated from one rank's loads would differ
-    #   between ranks (the model test compares the biases after training with a single process's). The bias
-    #   never enters the weights (route's pitfall), so it needs no gradient.
+    # Contract: for every layer l, biases[l] moves in place by exactly γ (moe.bias_rate) per expert: up where expert j got
+    #   fewer tokens than the even share of the layer's load, down where it got more, unchanged where it got exactly
+    #   its share. Nothing is returned. The test checks two layers' biases by value and that the tensors are the same.
+    # Maths: loads (L, E) counts slots; every token sends k of them.
+    # Question: what is the even share of a layer's load, and what one expression moves a bias by a fixed step against
+    #   its expert's error?
+    # Pitfalls: does `bias = ...` change the tensor the model holds? Whose loads are they: one rank's, or the whole
+    #   global batch's (the caller sums them)?
     raise NotImplementedError('TODO(m16): the auxiliary-loss-free bias update')

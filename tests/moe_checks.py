@@ -1,7 +1,10 @@
-"""Shared by module 16's layer and model tests (not a test file itself)."""
-from course.impl import reference
+"""Shared by module 16's tests (not a test file itself): the exchange check the layer and model tests
+run, and a comparison that says how far off a tensor is, and by what factor when it is a multiple."""
+import torch
 
-check_exchange = reference("m16_expert_parallel").check_exchange   # given code
+from course.impl import load
+
+check_exchange = load("m16_expert_parallel").check_exchange   # given code, in the learner's own file
 
 
 def check_every_exchange(layer_module) -> None:
@@ -14,3 +17,25 @@ def check_every_exchange(layer_module) -> None:
         check_exchange(exchange, group)
         return exchange
     layer_module.plan_exchange = checked
+
+
+def differs(got: torch.Tensor, want: torch.Tensor, rtol: float = 1e-12) -> str | None:
+    """None when got equals want within rtol (of want's largest entry, and 1e-12 absolute); else what is
+    off: the dtype or shape, the largest error against the largest entry, and, when got is close to a
+    multiple c want (c not 1), the factor: a sum taken twice or a term left out reads as one."""
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return f"got {tuple(got.shape)} {got.dtype}, expected {tuple(want.shape)} {want.dtype}"
+    got64, want64 = got.double(), want.double()
+    scale = want64.abs().max().item()
+    error = (got64 - want64).abs().max().item()
+    if error <= rtol * max(scale, 1.0):
+        return None
+    text = f"largest error {error:.2e} where the largest entry is {scale:.2e}"
+    norm = (want64 * want64).sum().item()
+    if norm > 0:
+        factor = (got64 * want64).sum().item() / norm
+        if abs(factor - 1) > 1e-6 and (got64 - factor * want64).abs().max().item() <= 1e-9 * max(scale, 1e-300):
+            return f"{factor:.3g} times the expected values ({text})"
+    if not torch.isfinite(got64).all():
+        return f"not finite at {torch.nonzero(~torch.isfinite(got64))[0].tolist()} ({text})"
+    return text

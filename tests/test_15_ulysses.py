@@ -76,10 +76,12 @@ def test_the_all_to_alls_move_heads_and_positions_where_they_belong():
         expected_positions = torch.arange(T, dtype=f64)[:, None].expand(T, 2)
         assert to_heads.shape == (1, T, 2, 2) and torch.equal(positions, expected_positions) \
             and torch.equal(heads, expected_heads), \
-            (f"rank {rank}: sequence_to_heads gave (position, head) pairs {to_heads[0, :, :, :].tolist()[:3]}...; "
-             f"expected positions 0..{T - 1} of heads {2 * rank} and {2 * rank + 1}: cut the heads, join along time")
+            (f"rank {rank}: your sequence_to_heads gave (position, head) pairs {to_heads[0, :, :, :].tolist()[:3]}...; "
+             f"expected positions 0..{T - 1} of heads {2 * rank} and {2 * rank + 1}, in that order")
         assert torch.equal(back, labelled(n, 8, rank, C)), \
-            f"rank {rank}: heads_to_sequence(sequence_to_heads(x)) is not x: cut along time, join along the heads"
+            (f"rank {rank}: your heads_to_sequence(sequence_to_heads(x)) is not x (sequence_to_heads is right): got "
+             f"(position, head) pairs {back[0, 0].tolist()} for position {rank * n}, expected "
+             f"{labelled(n, 8, rank, C)[0, 0].tolist()}")
 
 
 NAMES = ("o", "lse", "dq", "dk", "dv")
@@ -101,9 +103,9 @@ def too_far(case, which):
 def test_ulysses_forward_equals_attention_on_the_whole_sequence(case):
     H, K = HEADS[case]
     wrong = too_far(case, (0, 1))
-    assert not wrong, (f"c={C}, H={H}, K={K} ({case}), float64: forward above 1e-10 from SDPA and a float64 "
-                       f"log-sum-exp on the whole sequence (lse's heads in module 06's order: key/value head, then "
-                       f"its group): " + "; ".join(wrong))
+    assert not wrong, (f"c={C}, H={H}, K={K} ({case}), float64: your UlyssesAttention.forward is above 1e-10 from "
+                       f"SDPA and a float64 log-sum-exp on the whole sequence (lse's heads in module 06's order: "
+                       f"key/value head, then its group): " + "; ".join(wrong))
 
 
 @pytest.mark.exercises("UlyssesAttention.backward", "UlyssesAttention.forward", "sequence_to_heads",
@@ -112,8 +114,8 @@ def test_ulysses_forward_equals_attention_on_the_whole_sequence(case):
 def test_ulysses_backward_equals_autograd_on_the_whole_sequence(case):
     H, K = HEADS[case]
     wrong = too_far(case, (2, 3, 4))
-    assert not wrong, (f"c={C}, H={H}, K={K} ({case}), float64: backward above 1e-10 from autograd on the whole "
-                       f"sequence, first in the order computed: " + "; ".join(wrong))
+    assert not wrong, (f"c={C}, H={H}, K={K} ({case}), float64: your UlyssesAttention.backward is above 1e-10 from "
+                       f"autograd on the whole sequence, from your forward's o and lse: " + "; ".join(wrong))
 
 
 @pytest.mark.exercises("UlyssesAttention.forward", "UlyssesAttention.backward")
@@ -127,7 +129,10 @@ def test_five_all_to_alls_forward_and_eight_backward():
                 ("all_to_all", "dk", kv), ("all_to_all", "dv", kv)]
     for rank, per_rank in enumerate(results()):
         log = per_rank["K divides"][5]
-        assert log == expected, f"rank {rank}: all-to-alls (op, label, payload) {log}, expected {expected}"
+        which = "forward" if log[:5] != expected[:5] else "backward"
+        assert log == expected, (f"rank {rank}: your UlyssesAttention.{which}'s all-to-alls (op, label, payload) "
+                                 f"{log[:5] if which == 'forward' else log[5:]}, expected "
+                                 f"{expected[:5] if which == 'forward' else expected[5:]}")
 
 
 @pytest.mark.given

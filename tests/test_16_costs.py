@@ -48,11 +48,11 @@ def test_the_formulas_equal_what_a_step_sends_and_keeps(sizes, n_microbatches, d
     for rank, (measured, records, index, memory) in enumerate(results):
         formula = costs.step_cost(trusted.CONFIG, MOE, sizes, index, records, dtype)
         assert formula.sent == measured.sent and formula.calls == measured.calls, \
-            (f"{sizes or 'one rank'}, rank {rank}: (axis, collective) -> bytes: formula {formula.sent}, measured "
+            (f"your step_cost, {sizes or 'one rank'}, rank {rank}: (axis, collective) -> bytes: formula {formula.sent}, measured "
              f"{measured.sent}; calls: formula {formula.calls}, measured {measured.calls}")
         kept = costs.state_bytes(trusted.CONFIG, MOE, sizes.get("e", 1), dtype).memory
         assert kept == memory, \
-            f"{sizes or 'one rank'}, rank {rank}: bytes kept: formula {kept}, the rank holds {memory}"
+            f"your state_bytes, {sizes or 'one rank'}, rank {rank}: bytes kept: formula {kept}, the rank holds {memory}"
 
 
 @pytest.mark.exercises("step_cost", "state_bytes")
@@ -73,8 +73,8 @@ def test_a_worked_example_counted_by_hand():
     moe = trusted.MOE
     cost = costs.step_cost(trusted.CONFIG, moe, {"d": 4, "e": 2}, 0, [record], torch.float32)
     assert cost.sent == {("e", "all_to_all"): 2_848, ("dc", "all_reduce"): 139_428, ("ed", "all_reduce"): 98_304}, \
-        f"bytes sent: {cost.sent}"
+        f"your step_cost, the worked example: bytes sent {cost.sent}"
     assert cost.calls == {("e", "all_to_all"): 5, ("dc", "all_reduce"): 2, ("ed", "all_reduce"): 1}, \
-        f"calls: {cost.calls}"
+        f"your step_cost, the worked example: calls {cost.calls}"
     kept = costs.state_bytes(trusted.CONFIG, moe, 2, torch.float32).memory
-    assert kept == {"parameters": 191_104, "gradients": 191_104, "optimizer": 382_208, "buffers": 64}, f"kept: {kept}"
+    assert kept == {"parameters": 191_104, "gradients": 191_104, "optimizer": 382_208, "buffers": 64}, f"your state_bytes, the worked example: kept {kept}"

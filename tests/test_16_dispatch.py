@@ -6,6 +6,8 @@ import torch
 
 from course.impl import load
 
+from moe_checks import differs  # tests/moe_checks.py
+
 dispatch = load("m16_dispatch")
 f64 = torch.float64
 
@@ -41,11 +43,11 @@ def test_the_capacity_keeps_the_first_G_slots_of_each_expert_in_expert_major_ord
     plan = dispatch.plan_dispatch(experts, 6, capacity)
     dropped = lambda k: sorted(map(tuple, torch.nonzero(~k).tolist()))  # noqa: E731
     assert torch.equal(plan.kept, kept), \
-        (f"capacity {capacity}: dropped (token, choice) slots {dropped(plan.kept)}, expected {dropped(kept)}: each "
+        (f"your plan_dispatch, capacity {capacity}: dropped (token, choice) slots {dropped(plan.kept)}, expected {dropped(kept)}: each "
          f"expert keeps its first G slots in token order")
-    assert torch.equal(plan.counts, counts), f"counts {plan.counts.tolist()}, expected {counts.tolist()}"
+    assert torch.equal(plan.counts, counts), f"your plan_dispatch: counts {plan.counts.tolist()}, expected {counts.tolist()}"
     assert torch.equal(plan.slots, slots), \
-        (f"the rows' slots {plan.slots.tolist()}, expected {slots.tolist()}: expert-major, each expert's slots in "
+        (f"your plan_dispatch: the rows' slots {plan.slots.tolist()}, expected {slots.tolist()}: expert-major, each expert's slots in "
          f"slot order (a stable sort)")
     assert torch.equal(plan.tokens, slots // 2)
 
@@ -55,8 +57,9 @@ def made_plan(experts, n_experts, capacity):
     return dispatch.DispatchPlan(slots, counts, kept, experts.shape[1])
 
 
-@pytest.mark.exercises("combine", "combine_backward")
-def test_the_combine_and_its_backward_equal_autograd_and_dropped_tokens_pass_through():
+def combine_case():
+    """12 tokens, 4 experts, top-2, capacity 2 (some tokens lose every slot); the combine written row by row,
+    with autograd: (plan, h, rows, weights, dy, expected y, fully dropped tokens, d_rows, d_weights)."""
     g = torch.Generator().manual_seed(4)
     experts = random_choices(12, 4, 2, g)
     plan = made_plan(experts, 4, 2)
@@ -70,17 +73,31 @@ def test_the_combine_and_its_backward_equal_autograd_and_dropped_tokens_pass_thr
     for r, slot in enumerate(plan.slots.tolist()):   # row r is the output of slot (token, choice)
         token, choice = divmod(slot, 2)
         expected = expected.index_add(0, torch.tensor([token]), (weights[token, choice] * rows[r]).unsqueeze(0))
-    d_rows_want, d_weights_want = torch.autograd.grad((expected * dy).sum(), (rows, weights))
+    d_rows, d_weights = torch.autograd.grad((expected * dy).sum(), (rows, weights))
+    return plan, h, rows.detach(), weights.detach(), dy, expected.detach(), fully_dropped, d_rows, d_weights
 
-    y = dispatch.combine(h, rows.detach(), plan, weights.detach())
-    torch.testing.assert_close(y, expected.detach(), rtol=1e-12, atol=1e-12,
-                               msg=lambda m: f"y = h + Σ_i w_i row(slot i): {m}\n(rows[r] is the output of slot "
-                                             f"plan.slots[r]; each slot's row weighted by its weight)")
+
+@pytest.mark.exercises("combine")
+def test_the_combine_equals_the_sum_row_by_row_and_dropped_tokens_pass_through():
+    plan, h, rows, weights, _, expected, fully_dropped, _, _ = combine_case()
+    h_before = h.clone()
+    y = dispatch.combine(h, rows, plan, weights)
+    assert torch.equal(h, h_before), "your combine changed h in place: the residual stream is read, not written"
     assert torch.equal(y[fully_dropped], h[fully_dropped]), \
-        (f"tokens {torch.nonzero(fully_dropped).flatten().tolist()} lost every slot to the capacity: they must pass "
-         f"through unchanged (y = h, the residual), got {y[fully_dropped][:, 0].tolist()} for h "
+        (f"your combine: tokens {torch.nonzero(fully_dropped).flatten().tolist()} lost every slot to the capacity: "
+         f"they must pass through unchanged (y = h, the residual), got {y[fully_dropped][:, 0].tolist()} for h "
          f"{h[fully_dropped][:, 0].tolist()}")
-    d_rows, d_weights = dispatch.combine_backward(dy, rows.detach(), plan, weights.detach())
-    torch.testing.assert_close(d_rows, d_rows_want, rtol=1e-12, atol=1e-12, msg=lambda m: f"d_rows: {m}")
-    torch.testing.assert_close(d_weights, d_weights_want, rtol=1e-12, atol=1e-12,
-                               msg=lambda m: f"d_weights (zero at dropped slots): {m}")
+    wrong = differs(y, expected)
+    assert wrong is None, \
+        (f"your combine: y, against the sum written row by row: {wrong} (which slot is row r the output of, and "
+         f"with which weight?)")
+
+
+@pytest.mark.exercises("combine_backward")
+def test_the_combines_backward_equals_autograd():
+    plan, _, rows, weights, dy, _, _, d_rows_want, d_weights_want = combine_case()
+    d_rows, d_weights = dispatch.combine_backward(dy, rows, plan, weights)
+    for name, got, want in (("d_rows", d_rows, d_rows_want), ("d_weights (zero at dropped slots)", d_weights,
+                                                               d_weights_want)):
+        wrong = differs(got, want)
+        assert wrong is None, f"your combine_backward: {name}: {wrong}"

@@ -16,12 +16,11 @@ from course.launch import run_ranks
 from course.mesh import init_mesh, single_group
 from course.reference_moe import moe_ffn
 
-from moe_checks import check_every_exchange  # tests/moe_checks.py
+from moe_checks import check_every_exchange, differs  # tests/moe_checks.py
 
 layer_module = load("m16_moe_layer")
 router = load("m16_router")
 f64 = torch.float64
-TOL = dict(rtol=1e-12, atol=1e-12)
 DIM, SEQS, SEQ_LEN = 16, 2, 8
 BASE = dict(n_experts=8, top_k=2, expert_dim=12, aux_coef=0.1)
 AUX_WEIGHT = 0.5
@@ -72,7 +71,7 @@ CASES = {
 
 
 @pytest.mark.exercises("MoELayer.backward", "route", "route_backward", "sequence_aux_loss", "plan_dispatch",
-                       "combine", "combine_backward", "plan_exchange", "send_to_experts", "return_from_experts")
+                       "combine", "combine_backward")
 @pytest.mark.parametrize("case", CASES)
 def test_the_layer_on_one_rank_equals_autograd(case):
     moe = router.MoEConfig(**BASE, **CASES[case])
@@ -82,8 +81,8 @@ def test_the_layer_on_one_rank_equals_autograd(case):
     out, want, _, want_kept = reference(moe, n.view(-1, DIM), dy.view(-1, DIM), w, 1)
     assert torch.equal(kept, want_kept), f"{case}: dropped slots {torch.nonzero(~kept).tolist()}, expected " \
                                          f"{torch.nonzero(~want_kept).tolist()}"
-    torch.testing.assert_close(y.view(-1, DIM), h.view(-1, DIM) + out, **TOL,
-                               msg=lambda m: f"{case}: y = h + MoE(n): {m}")
+    wrong = differs(y.view(-1, DIM), h.view(-1, DIM) + out)
+    assert wrong is None, f"{case}: the layer's output y = h + MoE(n): {wrong}"
     if case.endswith("passthrough"):
         gone = ~kept.any(1)
         assert gone.any(), "the test's own check: some tokens lose every slot"
@@ -94,8 +93,8 @@ def test_the_layer_on_one_rank_equals_autograd(case):
              ("d down", grads.experts.down, want["down"])]
     if moe.shared_expert:
         named += [(f"d shared {k}", getattr(grads.shared, k), want[f"shared_{k}"]) for k in ("gate", "up", "down")]
-    wrong = [name for name, got, expected in named if not torch.allclose(got, expected, **TOL)]
-    assert not wrong, f"{case}: gradients that differ from autograd's: {wrong}"
+    wrong = [f"{name}: {d}" for name, got, expected in named if (d := differs(got, expected)) is not None]
+    assert not wrong, f"your MoELayer.backward, {case}: gradients that differ from autograd's: {'; '.join(wrong)}"
 
 
 def _expert_parallel(cases):
@@ -123,8 +122,10 @@ EP_CASES = {"e=4-softmax-aux-dropless-shared": (4, dict(score="softmax", balance
             "e=2-sigmoid-bias-capacity": (2, dict(score="sigmoid", balance="bias", capacity_factor=0.75))}
 
 
-@pytest.mark.exercises("MoELayer.backward", "plan_exchange", "send_to_experts", "return_from_experts", "plan_dispatch",
-                       "combine", "combine_backward", "route", "route_backward", "sequence_aux_loss")
+# plan_exchange and return_from_experts are graded on their own first (test_16_expert_parallel.py): a crash
+# inside them here comes from what the layer hands them, so the layer's backward is blamed.
+@pytest.mark.exercises("MoELayer.backward", "plan_dispatch", "combine", "combine_backward", "route", "route_backward",
+                       "sequence_aux_loss")
 def test_experts_over_ranks_equal_the_single_process_layer():
     cases = {name: (e, router.MoEConfig(**BASE, **fields)) for name, (e, fields) in EP_CASES.items()}
     results = run_ranks(_expert_parallel, 4, cases, timeout=60)
@@ -156,13 +157,15 @@ def check_group(name, e, moe, members, results, h, n, out, want, experts, kept):
             assert len(block) == len(token) and torch.equal(sorted_rows(block), sorted_rows(n[token])), \
                 (f"{where}: expert {j} computed {len(block)} rows, the reference router sends it {len(token)}"
                  f"{'' if len(block) != len(token) else ', but not the same tokens'}")
-        torch.testing.assert_close(y.view(-1, DIM), h[mine] + out[mine], **TOL, msg=lambda m: f"{where}: y: {m}")
+        wrong = differs(y.view(-1, DIM), h[mine] + out[mine])
+        assert wrong is None, f"{where}: the layer's output y: {wrong}"
         gone = ~kept[mine].any(1)
         assert torch.equal(y.view(-1, DIM)[gone], h[mine][gone]), f"{where}: fully dropped tokens must pass through"
-        torch.testing.assert_close(dn.view(-1, DIM), want["n"][mine], **TOL, msg=lambda m: f"{where}: dn: {m}")
-        for k in ("gate", "up", "down"):
-            torch.testing.assert_close(getattr(grads.experts, k), want[k][own.start:own.stop], **TOL,
-                                       msg=lambda m: f"{where}: d {k} of its experts {own.start}..{own.stop - 1}: {m}")
+        wrong = [f"d {k} of its experts {own.start}..{own.stop - 1}: {d}" for k in ("gate", "up", "down")
+                 if (d := differs(getattr(grads.experts, k), want[k][own.start:own.stop])) is not None]
+        if (d := differs(dn.view(-1, DIM), want["n"][mine])) is not None:
+            wrong.append(f"dn: {d}")
+        assert not wrong, f"your MoELayer.backward, {where}: {'; '.join(wrong)}"
         d_router += grads.router
         rows_out = int(sent[i].sum() - sent[i, own.start:own.stop].sum())
         rows_in = int(sent[:, own.start:own.stop].sum() - sent[i, own.start:own.stop].sum())
@@ -174,8 +177,8 @@ def check_group(name, e, moe, members, results, h, n, out, want, experts, kept):
         assert measured == formula, \
             (f"{where}: the all-to-alls sent {measured} bytes; its routing ({rows_out} rows to other members' experts, "
              f"{rows_in} from them) sends {formula}: the counts once, the rows out and back, in both directions")
-    torch.testing.assert_close(d_router, want["router"], **TOL,
-                               msg=lambda m: f"{name}: the router's gradient summed over the group: {m}")
+    wrong = differs(d_router, want["router"])
+    assert wrong is None, f"your MoELayer.backward, {name}: the router's gradient summed over the group: {wrong}"
 
 
 def sorted_rows(rows):

@@ -128,6 +128,40 @@ def close(a, b):
     return (a - b).abs().max().item() <= 1e-12 * max(1.0, b.abs().max().item())
 
 
+def _summed():
+    """sum_gradients on d = 4, e = 2: rank r's dense gradients hold (r + 1) 10^i in entry i of tensor i, its
+    experts' 1000 (r + 1) (i + 1)."""
+    mesh = init_mesh({"d": 4, "e": 2})
+    rank = mesh.rank
+    dense = [torch.full((3,), float((rank + 1) * 10 ** i), dtype=f64) for i in range(3)]
+    experts = [torch.full((2, 2), float(1000 * (rank + 1) * (i + 1)), dtype=f64) for i in range(2)]
+    model_module.sum_gradients(dense, experts, mesh)
+    return [t[0].item() / 10 ** i for i, t in enumerate(dense)], [t[0, 0].item() / (1000 * (i + 1))
+                                                                  for i, t in enumerate(experts)], \
+        [(c.op, c.axis, c.label) for c in mesh.log], mesh.group("ed").ranks
+
+
+GROUP_SUMS = {10.0: "every data rank (d, c)", 4.0: "the expert-data group 'ed' {0, 2}", 6.0: "the expert-data group 'ed'",
+              3.0: "the expert group 'e' {0, 1}", 7.0: "the expert group 'e' {2, 3}"}
+
+
+@pytest.mark.exercises("sum_gradients")
+def test_each_gradient_is_summed_over_the_ranks_that_hold_its_weight():
+    for rank, (dense, experts, log, ed) in enumerate(run_ranks(_summed, 4, timeout=30)):
+        want_experts = float(sum(r + 1 for r in ed))
+        where = f"your sum_gradients, d=4 e=2, rank {rank}"
+        for what, got, want in (("dense", dense, 10.0), ("expert", experts, want_experts)):
+            if any(g != want for g in got):
+                seen = GROUP_SUMS.get(got[0], "no group's")
+                raise AssertionError(
+                    f"{where}: the {what} gradients hold {got[0]:g} times one rank's unit, the sum over "
+                    f"{seen}; expected {want:g}, the sum over "
+                    f"{'every data rank' if what == 'dense' else f'the ranks {ed} that hold the same experts'}")
+        assert [entry for entry in log if entry[0] == "all_reduce"] == \
+            [("all_reduce", "dc", "dense gradients"), ("all_reduce", "ed", "expert gradients")], \
+            f"{where}: collectives {log}, expected one all-reduce over dc ('dense gradients'), one over ed"
+
+
 @pytest.mark.exercises("MoELlama.train_step", "sum_gradients", "update_biases", "MoELayer.backward")
 @pytest.mark.parametrize("name", ["e=2, m=2, aux", "e=4, m=1, bias", "e=2, m=2, aux, padded"])
 def test_training_with_experts_over_ranks_reproduces_the_single_process_loss_curve(name, runs, references):

@@ -120,10 +120,6 @@ PLANTS = [
      teaches= "copies of a key/value head must sit next to each other, so each rank gets the one its queries read"),
     # --- the model ---------------------------------------------------------------------------------
     Plant(file="m15_cp_model.py",
-     find= "            self._rope[key] = rope_tables_at(layout.positions(self.group.index), self.cfg.head_dim,",
-     replace= "            self._rope[key] = rope_tables_at(self.group.index * seq_len + torch.arange(seq_len), self.cfg.head_dim,",
-     teaches= "zig-zag positions not following the chunks: RoPE must rotate by the layout's positions"),
-    Plant(file="m15_cp_model.py",
      find= "        n_tokens = real_tokens(targets)  # of the whole global batch",
      replace= "        n_tokens = real_tokens(self.share(targets))  # of the whole global batch",
      teaches= "a loss averaged over the local tokens only: summed over d c ranks it is d c times too large"),
@@ -239,4 +235,44 @@ PLANTS = [
      find= "        n_tokens = real_tokens(targets)  # of the whole global batch",
      replace= "        n_tokens = targets.numel()  # of the whole global batch",
      teaches= "padding (IGNORE_INDEX) is no token: divide by the real tokens, not the batch's size"),
+    # --- issue 37: a learner's mistakes, and the contracts' accumulator dtypes -----------------------
+    Plant(file="m15_ring_attention.py",
+     find= "            if c > 1:\n                sends.append((group.collectives.isend(acc, (me + 1) % c, label=\"dkv\", tag=DKV_TAG), acc))",
+     replace= "            if c > 1 and not last:\n                sends.append((group.collectives.isend(acc, (me + 1) % c, label=\"dkv\", tag=DKV_TAG), acc))",
+     teaches= "an accumulator never sent home: its owner waits for it forever (a hang, in the backward)",
+     new=True),
+    Plant(file="m15_ring_attention.py",
+     find= "                recv = group.collectives.irecv(incoming, (me - 1) % c, label=\"kv\", tag=KV_TAG)\n"
+             "                send = group.collectives.isend(kv, (me + 1) % c, label=\"kv\", tag=KV_TAG)\n"
+             "            for q_start",
+     replace= "                recv = group.collectives.irecv(incoming, (me + 1) % c, label=\"kv\", tag=KV_TAG)\n"
+                "                send = group.collectives.isend(kv, (me - 1) % c, label=\"kv\", tag=KV_TAG)\n"
+                "            for q_start",
+     teaches= "the ring turned the other way while the owner is still (me - s): the block in hand is another rank's",
+     new=True),
+    Plant(file="m15_ring_attention.py",
+     find= "    top = torch.maximum(lse, lse_block)\n"
+             "    merged = top + torch.log(torch.exp(lse - top) + torch.exp(lse_block - top))\n"
+             "    return (o * torch.exp(lse - merged).unsqueeze(-1) + o_block * torch.exp(lse_block - merged).unsqueeze(-1),\n"
+             "            merged)",
+     replace= "    total = torch.exp(lse) + torch.exp(lse_block)\n"
+                "    return (o * (torch.exp(lse) / total).unsqueeze(-1) + o_block * (torch.exp(lse_block) / total).unsqueeze(-1),\n"
+                "            torch.log(total))",
+     teaches= "the merge's weights as shares of exp(lse) without the maximum taken out: inf / inf in float32",
+     new=True),
+    Plant(file="m15_allgather_kv.py",
+     find= "        return gathered.index_select(2, layout.order().argsort().to(k.device))",
+     replace= "        return gathered.index_select(2, layout.order().to(k.device))",
+     teaches= "the gathered keys permuted by the ranks' order again instead of its inverse",
+     new=True),
+    Plant(file="m15_cp_model.py",
+     find= "        acc = [torch.zeros(p.shape, dtype=compute_dtype(p.dtype), device=p.device) for p in params]",
+     replace= "        acc = [torch.zeros_like(p) for p in params]",
+     teaches= "a bf16 model's gradients added up and summed over d x c in bf16: the contract's accumulator is float32",
+     new=True),
+    Plant(file="m15_costs.py",
+     find= "        per_block = {\"send\": (3 * c - 2, 2 * (c - 1) * kv + c * dkv) if c > 1 else (0, 0)}",
+     replace= "        per_block = {\"send\": (3 * c - 2, 2 * (c - 1) * kv + c * kv) if c > 1 else (0, 0)}",
+     teaches= "the ring's accumulators counted in the values' dtype: they travel in the statistics' s bytes",
+     new=True),
 ]

@@ -8,8 +8,8 @@ DENSE_SUM = 'for tensors, group, label in ((dense, mesh.group("d", "c"), "dense 
 EXPERT_SUM = '\n' + ' ' * 34 + '(experts, mesh.group("ed"), "expert gradients")):'
 PLANTS = [
     # The issue's list.
-    Plant(ROUTER, "return Routing(scores, experts, chosen / chosen.sum(-1, keepdim=True))",
-          "return Routing(scores, experts, chosen / scores.sum(-1, keepdim=True))",
+    Plant(ROUTER, "\n    return Routing(scores, experts, chosen / chosen.sum(-1, keepdim=True))",
+          "\n    return Routing(scores, experts, chosen / scores.sum(-1, keepdim=True))",
           "scores normalised before the top-k (over all E): the k weights no longer sum to 1"),
     Plant(DISPATCH, "return h + (weights.to(h.dtype).unsqueeze(-1) * per_slot.view(n_tokens, top_k, -1)).sum(1)",
           "return h + per_slot.view(n_tokens, top_k, -1).sum(1)",
@@ -35,15 +35,15 @@ PLANTS = [
           "expert gradients summed over the expert group: its members hold different experts"),
     Plant(MODEL, DENSE_SUM, DENSE_SUM.replace('group("d", "c")', 'group("ed")'),
           "dense gradients summed over the expert-data group only: the ranks of the same expert group are missed"),
-    Plant(MODEL, 'data.collectives.all_reduce(stats, label="step statistics")',
-          'self.mesh.group("e").collectives.all_reduce(stats, label="step statistics")',
+    Plant(MODEL, '\n        data.collectives.all_reduce(stats, label="step statistics")',
+          '\n        self.mesh.group("e").collectives.all_reduce(stats, label="step statistics")',
           "the loads (and the loss) summed over the expert group only: the biases differ between expert groups"),
     # The router.
     Plant(ROUTER, "torch.topk(scores if bias is None else scores + bias.to(dtype), moe.top_k, dim=-1)",
           "torch.topk(scores, moe.top_k, dim=-1)",
           "the bias ignored in the selection: the auxiliary-loss-free balancing does nothing"),
-    Plant(ROUTER, "d_chosen = (d_weights - (d_weights * weights).sum(-1, keepdim=True)) / total",
-          "d_chosen = d_weights / total",
+    Plant(ROUTER, "\n    d_chosen = (d_weights - (d_weights * weights).sum(-1, keepdim=True)) / total",
+          "\n    d_chosen = d_weights / total",
           "the normalisation's backward without its shared term: the sum S depends on every chosen score"),
     Plant(ROUTER, "d_logits = d_scores_all * scores * (1 - scores)", "d_logits = d_scores_all * scores",
           "the sigmoid's derivative taken as σ instead of σ (1 - σ)"),
@@ -61,28 +61,25 @@ PLANTS = [
           "bias = bias + moe.bias_rate * torch.sign(layer_error).to(bias.dtype)",
           "the bias updated out of place: the model's biases never change"),
     # Capacity and combine.
-    Plant(DISPATCH, "kept = position < capacity", "kept = position <= capacity",
+    Plant(DISPATCH, "\n        kept = position < capacity", "\n        kept = position <= capacity",
           "off by one: an expert keeps G + 1 slots per source"),
     Plant(DISPATCH, "        kept = position < capacity\n",
           "        kept = torch.arange(flat.numel(), device=flat.device) // top_k < capacity\n",
           "a capacity counted in tokens, not per expert: the first G tokens keep every slot, the rest none"),
-    Plant(DISPATCH, "d_rows = dy_rows * weights.reshape(-1)[plan.slots].to(dy.dtype).unsqueeze(-1)",
-          "d_rows = dy_rows", "the rows' gradient without the combine weight"),
+    Plant(DISPATCH, "\n    d_rows = dy_rows * weights.reshape(-1)[plan.slots].to(dy.dtype).unsqueeze(-1)",
+          "\n    d_rows = dy_rows", "the rows' gradient without the combine weight"),
     # Expert parallelism.
-    Plant(PARALLEL, "exchange.recv_splits, group, label)[exchange.regroup]",
-          "exchange.recv_splits, group, label)",
-          "no regroup: each local expert gets source-major rows, other experts' rows among them"),
-    Plant(PARALLEL, "return exchange_rows(arrived, exchange.recv_splits, exchange.send_splits, group, label)",
-          "return exchange_rows(arrived, exchange.send_splits, exchange.recv_splits, group, label)",
+    Plant(PARALLEL, "\n    return exchange_rows(arrived, exchange.recv_splits, exchange.send_splits, group, label)",
+          "\n    return exchange_rows(arrived, exchange.send_splits, exchange.recv_splits, group, label)",
           "the way back with the splits of the way out: the rows do not fit what each member expects"),
     # The layer's backward.
-    Plant(LAYER, "dn = torch.zeros_like(n).index_add_(0, plan.tokens, d_rows)",
-          "dn = torch.zeros_like(n).index_copy_(0, plan.tokens, d_rows)",
+    Plant(LAYER, "\n        dn = torch.zeros_like(n).index_add_(0, plan.tokens, d_rows)",
+          "\n        dn = torch.zeros_like(n).index_copy_(0, plan.tokens, d_rows)",
           "a token routed to k experts keeps only one row's gradient (copy, not add)"),
     Plant(LAYER, 'd_scores = store["moe_d_scores"] if "moe_d_scores" in store else None', "d_scores = None",
           "the auxiliary loss's gradient left out of the router's backward"),
-    Plant(LAYER, 'd_out = send_to_experts(d_back, exchange, group, "combine backward")',
-          'd_out = return_from_experts(d_back, exchange, group, "combine backward")',
+    Plant(LAYER, '\n        d_out = send_to_experts(d_back, exchange, group, "combine backward")',
+          '\n        d_out = return_from_experts(d_back, exchange, group, "combine backward")',
           "the combine's adjoint taken as the combine itself: the gradient must go to the experts"),
     # Training.
     Plant(MODEL, "        n_tokens, rows = real_tokens(targets), n_sequences // data.size\n"
@@ -94,7 +91,7 @@ PLANTS = [
     Plant(MODEL, "self.forward_backward(tok, tgt, n_tokens, 1.0 / n_sequences)",
           "self.forward_backward(tok, tgt, n_tokens, 1.0 / len(tok))",
           "each sequence's auxiliary loss weighted by the microbatch's own count: a local mean, d m times too big"),
-    Plant(MODEL, "loads = torch.stack([r.loads for r in records])", "loads = torch.stack([r.sent for r in records])",
+    Plant(MODEL, "\n        loads = torch.stack([r.loads for r in records])", "\n        loads = torch.stack([r.sent for r in records])",
           "the loads counted after the capacity: the router's overload is hidden by the drops"),
     # Costs.
     Plant(COSTS, "rows_in = int(record.received.sum() - record.received[index].sum())",
@@ -105,8 +102,8 @@ PLANTS = [
           "the backward's two all-to-alls forgotten"),
     Plant(COSTS, "ring(dc, 3 + L * E, STAT_BYTES)", "ring(dc, 3 + L * E, b)",
           "the statistics counted in the model's dtype: they are float64"),
-    Plant(COSTS, "values = dense_values(cfg, moe) + L * E // e * 3 * moe.expert_dim * cfg.dim",
-          "values = dense_values(cfg, moe) + L * E * 3 * moe.expert_dim * cfg.dim",
+    Plant(COSTS, "\n    values = dense_values(cfg, moe) + L * E // e * 3 * moe.expert_dim * cfg.dim",
+          "\n    values = dense_values(cfg, moe) + L * E * 3 * moe.expert_dim * cfg.dim",
           "every expert counted on every rank: a rank keeps E / e of them"),
     # A learner's run (issue: plants that survived or were reported badly).
     Plant(MODEL, ".view(n_microbatches, n_layers, n_experts).sum(0)",
@@ -115,7 +112,7 @@ PLANTS = [
           "layer gets another's loads"),
     Plant(MODEL, "sum(r.dropped for r in records)", "0",
           "the dropped slots never counted: the step reports none while the capacity drops tokens"),
-    Plant(PARALLEL, "received, torch.argsort(labels, stable=True)", "received, torch.argsort(labels)",
+    Plant(PARALLEL, "recv_splits, received, torch.argsort(labels, stable=True)", "recv_splits, received, torch.argsort(labels)",
           "an unstable sort for the regroup: one expert's rows from several members may come in any order (torch's "
           "CPU sort keeps equal keys in order only on a few rows)"),
     Plant(ROUTER, '        context.collectives.all_reduce(stats, label="aux loss statistics")\n',
@@ -131,7 +128,27 @@ PLANTS = [
           "self.forward_backward(tok, tgt, real_tokens(tgt) * data.size * n_microbatches, 1.0 / n_sequences)",
           "each microbatch divided by d m times its own real tokens (the mean's 1 / (d c m) share): the global count "
           "only when every microbatch has as many real tokens; padding makes them differ"),
-    Plant(DISPATCH, "slots = kept_slots[torch.argsort(flat[kept_slots], stable=True)]",
-          "slots = kept_slots[torch.argsort(flat[kept_slots])]",
+    Plant(DISPATCH, "\n    slots = kept_slots[torch.argsort(flat[kept_slots], stable=True)]",
+          "\n    slots = kept_slots[torch.argsort(flat[kept_slots])]",
           "an unstable sort for the expert-major order: one expert's slots may leave token order"),
+    # Issue 37's rewrite (the pitfalls its TODOs now ask about).
+    Plant(ROUTER, "        d_scores_all = d_scores_all + d_scores\n", "        pass\n",
+          "the auxiliary loss's gradient of the scores dropped in the router's backward", new=True),
+    Plant(ROUTER, "    length = seq_len * (context.size if context is not None else 1)\n", "    length = seq_len\n",
+          "with context parallelism, T taken as this rank's part of the sequence, not its whole length", new=True),
+    Plant(DISPATCH, "\n    per_slot[plan.slots] = rows\n", "\n    per_slot[:len(rows)] = rows\n",
+          "the experts' rows left in the plan's order instead of put back at their slots", new=True),
+    Plant(LAYER, "            dn = dn + d_shared\n", "",
+          "the shared expert's gradient of n left out of dn (its weights' gradients kept)", new=True),
+    Plant(COSTS, "(e - 1) * E // e * COUNT_BYTES + 2", "(e - 1) * E // e * b + 2",
+          "the counts counted in the model's dtype: they are int64", new=True),
+    Plant(MODEL, "self.forward_backward(tok, tgt, n_tokens, 1.0 / n_sequences)",
+          "self.forward_backward(tok, tgt, n_tokens, 1.0 / rows)",
+          "each sequence's auxiliary loss weighted by 1 / (this rank's sequences): d times too big", new=True),
+    Plant(PARALLEL, "    labels = torch.arange(received.shape[1], device=counts.device).repeat(e)"
+                    ".repeat_interleave(received.flatten())\n",
+          "    labels = torch.arange(received.shape[1], device=counts.device).repeat_interleave(e)"
+          ".repeat_interleave(received.flatten())\n",
+          "the regroup's labels numbered member by member instead of expert by expert (wrong with E/e > 1)", new=True),
 ]
+
