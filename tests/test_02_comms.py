@@ -179,17 +179,20 @@ def test_init_distributed_without_local_variables_and_with_its_timeout():
 
 
 @pytest.mark.exercises("init_distributed")
-def test_init_distributed_follows_the_backend_of_a_group_that_already_exists():
-    # A launcher (or module 02 called twice) already created an nccl group: init_distributed() with no
-    # backend joins it, and its device follows that group's backend, not the argument it was given.
+@pytest.mark.parametrize("asked", [None, "gloo"], ids=["no backend asked", "gloo asked"])
+def test_init_distributed_follows_the_backend_of_a_group_that_already_exists(asked):
+    # A launcher (or module 02 called twice) already created an nccl group: init_distributed joins it,
+    # and its device follows that group's backend, not the argument it was given (None, or a module
+    # such as 07 asking for gloo: the group it joins is still nccl, so its tensors live on the GPU).
     [(rank, world_size, device, backend, set_device, _, created)] = run_ranks(
-        _init_with_a_gpu_per_local_rank, 1, None, True, None, 2, "nccl", timeout=20, init_process_group=False)
+        _init_with_a_gpu_per_local_rank, 1, asked, True, None, 2, "nccl", timeout=20, init_process_group=False)
+    called = "init_distributed()" if asked is None else f"init_distributed(backend={asked!r})"
     assert created == [], \
-        f"an nccl group already existed, but your init_distributed created another (backends {created})"
+        f"an nccl group already existed, but your {called} created another (backends {created})"
     assert device == "cuda:1" and set_device == ["cuda:1"], \
-        (f"an nccl group already existed (LOCAL_RANK=1, 2 GPUs) and your init_distributed() was called with no backend: "
-         f"expected this rank's GPU, cuda:1, made current (set_device(cuda:1)), got {device} (set_device calls "
-         f"{set_device}): which backend does the group this rank ends up in use?")
+        (f"an nccl group already existed (LOCAL_RANK=1, 2 GPUs) and your {called} joined it: expected this rank's "
+         f"GPU, cuda:1, made current (set_device(cuda:1)), got {device} (set_device calls {set_device}): which "
+         "backend does the group this rank ends up in use?")
 
 
 def global_numbering(device: str, rank: int) -> str:

@@ -50,4 +50,7 @@ PLANTS = [
     Plant(F, '    if dist.get_backend() == "nccl":\n        device', '    if backend == "nccl":\n        device',
           "the device chosen from the backend argument, not the group's: a group that exists already (nccl) gets the CPU",
           new=True),
+    Plant(F, '    if dist.get_backend() == "nccl":\n        device', '    if (backend or dist.get_backend()) == "nccl":\n        device',
+          "the device chosen from the backend asked for when one was: a caller asking for gloo who joins an existing "
+          "nccl group gets the CPU", new=True),
 ]
