@@ -576,7 +576,8 @@ def _order_difference(ops, world_size, index, n_microbatches):
     warmup = min(world_size - index - 1, n_microbatches)
     if forwards_first(ops) != forwards_first(want):
         then = ", then the steady state's first forward" if warmup < n_microbatches else ": every microbatch"
-        return (said + f"{forwards_first(ops)} forwards before the first backward, where 1F1B at place {index} of a "
+        ran = forwards_first(ops)
+        return (said + f"{ran} forward{'' if ran == 1 else 's'} before the first backward, where 1F1B at place {index} of a "
                 f"pipeline of {world_size} with m={n_microbatches} runs {forwards_first(want)} (its warm-up of {warmup}"
                 f"{then})")
     k = next((k for k, (got, expected) in enumerate(zip(ops, want)) if got != expected), min(len(ops), len(want)))
