@@ -40,11 +40,11 @@ def cmd_list(args=None):
     except HintError as exc:  # a record that cannot be read: said in one line, the table printed all the same
         print(f"error: {exc}", file=sys.stderr)
         shown = None
-    # hints: of each module's TODOs, how many with no hint seen / with hints up to level 2 / with level 3
-    print(f"{'module':<7} {'ranks':>5}  {'your TODOs':>10}  {'hints: none/≤2/3':>16}  title")
+    # hints: of each module's TODOs, how many with no hint seen / with hint 1 or 2 at most / with hint 3
+    print(f"{'module':<7} {'ranks':>5}  {'your TODOs':>10}  {'hints: none/1-2/3':>17}  title")
     for m in MODULES.values():
         seen = "" if m.is_given() else "?" if shown is None else hints_seen(m, shown).compact()
-        print(f"{m.number:<7} {m.ranks:>5}  {m.status(steps_dir()):>10}  {seen:>16}  {m.title}")
+        print(f"{m.number:<7} {m.ranks:>5}  {m.status(steps_dir()):>10}  {seen:>17}  {m.title}")
 
 
 def cmd_tour(args):

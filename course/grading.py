@@ -21,6 +21,7 @@ import traceback
 
 import pytest
 
+from course import REPO
 from course.launch import RankFailed, RankInterrupted, RankTimeout, is_learners_file, where_raised, where_running
 from course.skeleton import HEADER, todo_blocks, todo_owner
 
@@ -191,11 +192,12 @@ class Scorecard:
             return
         lines = [line for line in report.longreprtext.strip().splitlines()
                  if not line.startswith("Hint: make sure your test modules")]  # pytest's, misleading here
-        where_and_why = "\n".join(lines[-8:])
+        where_and_why = without_test_paths("\n".join(lines[-8:]))
+        what = without_test_paths(report.nodeid)
         self.results.append({"test": report.nodeid, "outcome": "failed",
-                             "reason": f"cannot import {report.nodeid}: none of its checks ran\n{where_and_why}"})
+                             "reason": f"cannot import {what}: none of its checks ran\n{where_and_why}"})
         if self.live:
-            self.write(f"  cannot import {report.nodeid}:\n{where_and_why}")
+            self.write(f"  cannot import {what}:\n{where_and_why}")
 
     def write(self, text: str):
         # pytest's terminal writer is the one stream its output capturing leaves alone.
@@ -211,7 +213,7 @@ def scorecard_line(result: dict, width: int | None = None) -> str:
     """'  PASS  test_name', and for a failure or skip its whole reason below it, wrapped to the
     terminal's width (never cut), then for a failure the hint command for the TODO it points at."""
     mark = {"passed": "PASS", "failed": "FAIL", "skipped": "SKIP"}[result["outcome"]]
-    line = f"  {mark}  {result['test'].split('::', 1)[-1]}"
+    line = f"  {mark}  {without_test_paths(result['test'].split('::', 1)[-1])}"
     if result["reason"] and mark != "PASS":
         line += "\n" + wrapped(result["reason"], width)
     return line + (f"\n        help: {result['hint']}" if result.get("hint") else "")
@@ -311,7 +313,24 @@ def failure_reason(report) -> str:
         for what in ("Mismatched elements", "Greatest absolute"):
             if line.strip().startswith(what):
                 details.setdefault(what, line.strip())
-    return as_in_steps("\n".join(message) + (f" ({'; '.join(details.values())})" if details else ""))
+    return without_test_paths(as_in_steps("\n".join(message) + (f" ({'; '.join(details.values())})" if details else "")))
+
+
+# A frame in the grader's own files (tests/..., as course.launch shortens a path in the repository), with
+# what led to it ("given code at", "at" or nothing).
+_TESTS = rf"(?<![\w./-])(?:{re.escape(str(REPO))}/)?tests/[\w/]*?(?P<file>\w+\.py)"
+TEST_FRAME = re.compile(rf"(?P<lead>(?:in )?given code at |at )?{_TESTS}:\d+ in (?P<function>[\w<>]+)")
+TEST_FILE = re.compile(_TESTS)
+
+
+def without_test_paths(message: str) -> str:
+    """A message that never sends the learner into tests/: a frame in a check's own file ("raised in
+    given code at tests/test_01_manual_split.py:61 in check_boundary", a rank "at tests/...:62 in
+    _train") becomes "in the check's own code, in check_boundary", and any other path there the bare
+    file's name. The learner fixes their steps/ file; the check says in words what it expected."""
+    message = TEST_FRAME.sub(lambda frame: f"{'in ' if frame['lead'] else ''}the check's own code, in {frame['function']}",
+                             message)
+    return TEST_FILE.sub(lambda path: f"the checks' file {path['file']}", message)
 
 
 REFERENCE_FRAME = re.compile(r"(?<![\w/.])solutions/(?P<file>m\d\d_\w+\.py):(?P<line>\d+) in (?P<function>[\w<>]+)")

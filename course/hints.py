@@ -8,7 +8,7 @@ formula in the glossary's symbols, no code); `# Hint 3:` pseudo-code or code. (d
 "Writing a TODO", has the whole rule.) Each call shows the next level of one TODO; which levels were
 shown is remembered in a git-ignored file (HINTS_SHOWN), so regenerating the skeletons or pulling the
 course never resets it, and it never touches steps/. `python main.py grade NN` and `list` read it to
-say how many TODOs were written with no hint seen, with hints up to level 2, and with level 3.
+say how many TODOs were written with no hint seen, with hint 1 or 2 at most, and with hint 3.
 The file is replaced whole on each save (never left half-written); one that does not hold such a
 record is named and left as it is, never silently reset. It is keyed by the TODOs' titles: a title
 renamed in solutions/ goes in RENAMED_TITLES, so that what a learner has seen follows it.
@@ -171,21 +171,22 @@ def hint_command_for(number: str, text: str) -> str | None:
 
 @dataclass(frozen=True)
 class HintsSeen:
-    """How many of a module's TODOs the learner wrote with no hint seen, with hints up to level 2 (the
-    question and the maths), and with level 3 (the code), by the record of hints seen."""
+    """How many of a module's TODOs the learner wrote with no hint seen, with hint 1 or 2 at most (the
+    question, or the question and the maths), and with hint 3 (the code), by the record of hints seen."""
     without: int
     up_to_2: int
     with_3: int
 
     def __str__(self) -> str:
-        """'11 of 14 TODOs without a hint, 2 with hints up to level 2, 1 with level 3'."""
+        """'11 of 14 TODOs without a hint, 2 with hint 1 or 2, 1 with hint 3': the highest level seen of
+        each TODO (never "up to level 2", which would claim level 2 was seen where only level 1 was)."""
         total = self.without + self.up_to_2 + self.with_3
-        more = [f"{self.up_to_2} with hints up to level 2"] * bool(self.up_to_2) + \
-               [f"{self.with_3} with level 3"] * bool(self.with_3)
+        more = [f"{self.up_to_2} with hint 1 or 2"] * bool(self.up_to_2) + \
+               [f"{self.with_3} with hint 3"] * bool(self.with_3)
         return ", ".join([f"{self.without} of {total} TODOs without a hint", *more])
 
     def compact(self) -> str:
-        """'11/2/1': `python main.py list`'s column."""
+        """'11/2/1': `python main.py list`'s column, headed none/1-2/3."""
         return f"{self.without}/{self.up_to_2}/{self.with_3}"
 
 

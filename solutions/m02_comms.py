@@ -10,8 +10,8 @@ The stages are the members of a group of ranks (course/mesh.py's `Group`): by de
 of the job, in rank order, but it may be one axis of a bigger mesh, whose members are not
 consecutive ranks. A stage's neighbours are the group's previous and next members.
 
-A receive needs a buffer of the right shape, dtype and device before the data arrives: the
-sender's tensor is not transferred with its metadata, only its bytes.
+Only a tensor's bytes travel, never its shape, dtype or device: what they mean is up to the
+receiving side.
 """
 import os
 from datetime import timedelta
@@ -168,21 +168,22 @@ class PipelineComms:
         """Receive the message travelling `direction` ("forward" or "backward") into a new buffer of
         `shape` and `dtype` (None: this comms' dtype), and return it; `verb` names the public method."""
         # >>> TODO(m02): receive a tensor from the neighbour its direction comes from, into a new buffer
-        # Contract: returns a new tensor of `shape`, of dtype `dtype` (this comms' self.dtype when
-        # dtype is None), on self.device, holding the values the neighbour sent with start_send in
-        # the same direction. Blocking: it returns only once they have arrived. Where there is no
-        # neighbour that way, _peer's clear error is raised before any message (a receive from "no
-        # rank" would accept a message from any rank).
-        # The question: what must the buffer be for the bytes that arrive to mean the sender's
-        # values?
+        # Contract: returns the values the neighbour sent with start_send in the same direction,
+        # as a tensor of the `shape` and `dtype` the caller asks for (self.dtype when dtype is
+        # None) on self.device, a new one at every call. Blocking: it returns only once they have
+        # arrived. Where there is no neighbour that way, _peer's clear error is raised before any
+        # message (a receive from "no rank" would accept a message from any rank).
+        # The question: the message carries bytes only; what must exist on this rank before they
+        # arrive, for them to become the sender's values?
         # Pitfalls: what becomes of float64 bytes landing in a float32 buffer (the grader sends
         # float64, and float16 to a float16 comms that receives with no dtype)? Which device's
         # memory can nccl fill?
-        # Hint 1: Only bytes travel: who decides the shape, dtype and device they land in?
-        #         (docs/02-comms.md, "Point-to-point messages")
-        # Hint 2: forward comes from prev, backward from next; the buffer has the shape asked
-        #         for, the dtype asked for or else the comms' own, on the comms' device, and its
-        #         values need no initialising (they are overwritten).
+        # Hint 1: A blocking receive hands torch.distributed something to fill: what, and who
+        #         decides what the bytes will mean? (docs/02-comms.md, "Point-to-point messages")
+        # Hint 2: forward comes from prev, backward from next; the receiver makes a buffer of the
+        #         right shape, dtype and device before the receive (the shape asked for, the dtype
+        #         asked for or else the comms' own, the comms' device), whose values need no
+        #         initialising (they are overwritten), and the receive fills it.
         # Hint 3: buffer <- torch.empty(shape, dtype=dtype or self.dtype, device=self.device)
         #         dist.recv(buffer, self._peer("prev" if direction == "forward" else "next", verb))
         #         return buffer

@@ -68,22 +68,26 @@ def time_round_trip(comms: PipelineComms, numel: int, repeats: int = 20, warmup:
     memory, which are not what we want to measure.
     """
     # >>> TODO(m03): time single round trips of a numel-element ball and return their median
-    # Contract: runs on both ranks at once, with the same arguments. Plays warmup + repeats round
-    # trips of a float32 ball of numel elements on comms.device; the first `warmup` are not
-    # timed, each of the next `repeats` is timed on its own, and the result is the median of
-    # those durations, in seconds (a float). Each rank therefore sends warmup + repeats messages.
-    # The grader replaces the module's clock (the `time` module imported above: read the clock
-    # through it) with a scripted one whose round trips take known durations.
-    # The question: why single round trips and their median, rather than one long timed loop?
+    # Contract: runs on both ranks at once, with the same arguments, and returns a float in
+    # seconds. The grader's clock makes round trip k of the game take a known d_k: the result
+    # must equal the median of d_(warmup+1) .. d_(warmup+repeats), whatever d_1 .. d_warmup were.
+    # Every message is a float32 ball of numel elements on comms.device, and each rank sends
+    # warmup + repeats of them. The grader replaces the module's clock (the `time` module
+    # imported above: read the clock through it) with its scripted one.
+    # The question: which clock readings bound the duration of one round trip, and how does your
+    # ping_pong play exactly one?
     # Pitfalls: what happens if the two ranks do not play the same number of round trips? With
-    # an even number of timed round trips, which value is the median? Does the first round trip
-    # of a fresh connection measure the link?
-    # Hint 1: What does noise on a shared machine do to a single timing: can it make one shorter,
-    #         or only longer? (docs/03-ping-pong.md, "Latency and bandwidth")
-    # Hint 2: a round trip takes 2(α + bytes/β) plus noise that only ever adds time; the median of
-    #         the timed durations t_1 .. t_repeats ignores a few slow ones, where the mean (or the
-    #         total over repeats) absorbs them. With an even count the median is the mean of the
-    #         two middle values.
+    # an even number of timed round trips, which value is the median? What can a single reading
+    # around many round trips tell about each of them?
+    # Hint 1: Noise on a shared machine only ever adds time: which statistic of many timings does
+    #         one slow outlier not move, and what must have been measured to compute it?
+    #         (docs/03-ping-pong.md, "Timing what is noisy")
+    # Hint 2: a round trip takes 2(α + bytes/β) plus noise that only ever adds time. The first
+    #         warmup round trips pay for set-up and are left out; each of the next repeats is timed
+    #         on its own (a reading before and after one round trip of the game), and the median of
+    #         those durations t_1 .. t_repeats ignores a few slow ones, where the mean (or the total
+    #         over repeats) absorbs them. With an even count the median is the mean of the two
+    #         middle values.
     # Hint 3: ball <- torch.zeros(numel, device=comms.device)
     #         warmup times: ping_pong(comms, ball, 1)
     #         repeats times: start <- time.perf_counter(); ping_pong(comms, ball, 1);

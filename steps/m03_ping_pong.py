@@ -1,5 +1,5 @@
 # Generated from solutions/m03_ping_pong.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 03`. (skeleton 6012d070d206)
+# Grade your work with `python main.py grade 03`. (skeleton f07e1767ac09)
 """Module 03 - ping-pong.
 
 Two ranks bounce one tensor back and forth. Rank 0 serves; whoever receives the ball adds 1 and
@@ -50,15 +50,16 @@ def time_round_trip(comms: PipelineComms, numel: int, repeats: int = 20, warmup:
     memory, which are not what we want to measure.
     """
     # TODO(m03): time single round trips of a numel-element ball and return their median
-    # Contract: runs on both ranks at once, with the same arguments. Plays warmup + repeats round
-    # trips of a float32 ball of numel elements on comms.device; the first `warmup` are not
-    # timed, each of the next `repeats` is timed on its own, and the result is the median of
-    # those durations, in seconds (a float). Each rank therefore sends warmup + repeats messages.
-    # The grader replaces the module's clock (the `time` module imported above: read the clock
-    # through it) with a scripted one whose round trips take known durations.
-    # The question: why single round trips and their median, rather than one long timed loop?
+    # Contract: runs on both ranks at once, with the same arguments, and returns a float in
+    # seconds. The grader's clock makes round trip k of the game take a known d_k: the result
+    # must equal the median of d_(warmup+1) .. d_(warmup+repeats), whatever d_1 .. d_warmup were.
+    # Every message is a float32 ball of numel elements on comms.device, and each rank sends
+    # warmup + repeats of them. The grader replaces the module's clock (the `time` module
+    # imported above: read the clock through it) with its scripted one.
+    # The question: which clock readings bound the duration of one round trip, and how does your
+    # ping_pong play exactly one?
     # Pitfalls: what happens if the two ranks do not play the same number of round trips? With
-    # an even number of timed round trips, which value is the median? Does the first round trip
-    # of a fresh connection measure the link?
+    # an even number of timed round trips, which value is the median? What can a single reading
+    # around many round trips tell about each of them?
     raise NotImplementedError('TODO(m03): time single round trips of a numel-element ball and return their median')
 

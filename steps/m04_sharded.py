@@ -1,5 +1,5 @@
 # Generated from solutions/m04_sharded.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 04`. (skeleton cce5c0bbf85a)
+# Grade your work with `python main.py grade 04`. (skeleton d25d10531ee0)
 """Module 04 - the sharded model.
 
 The model is cut into stages of consecutive layers, one per rank of the pipeline (the last stage
@@ -65,7 +65,8 @@ class ShardedMLP(nn.Module):
         # stage and None on every other. What the process drew from the random stream before this
         # constructor must not matter: the grader draws with another seed before each shard, on
         # pipelines of 1 to 16 ranks. Memory: never hold the whole model, only this rank's layers
-        # and at most a layer or two more at any moment.
+        # and at most a layer or two more at any moment (the grader counts the nn.Linear modules
+        # alive at once while this constructor runs).
         # The question: the monolith's layer i is initialised by draws that come after every draw
         # of layers 0 .. i - 1. How does rank r end up with the weights of the layers it owns,
         # and with no others kept?

@@ -58,7 +58,8 @@ FORBIDDEN = {
         ],
     },
     "02": {
-        # Chapter 02 works the neighbours on the pipeline of ranks (1, 3, 5), the bytes on a (2, 3) view.
+        # Chapter 02 works the neighbours on the pipeline of ranks (1, 3, 5), the bytes on a (2, 3) view
+        # and the meaning of 12 bytes of a (2, 3) float16 tensor.
         "PipelineComms.__init__": [
             code("self.pp.ranks[index - 1]", "ranks[index - 1]", "ranks[pp.index - 1]", "ranks[self.pp.index - 1]"),
             code("self.pp.ranks[index + 1]", "ranks[index + 1]", "ranks[pp.index + 1]", "ranks[self.pp.index + 1]"),
@@ -69,18 +70,23 @@ FORBIDDEN = {
             code('os.environ.get("LOCAL_RANK", "0")'),
         ],
         "start_send": [code("dist.isend(tensor.contiguous()", "isend(tensor.contiguous()"), code("tensor.contiguous()")],
-        "receive": [code("dtype=dtype or self.dtype", "dtype or self.dtype"),
-                    code("torch.empty(shape, dtype=dtype or self.dtype, device=self.device)")],
+        "receive": [("a buffer of the right shape, dtype and device", "buffer of the right shape, dtype and device"),
+                    code("dtype=dtype or self.dtype", "dtype or self.dtype"),
+                    code("torch.empty(shape, dtype=dtype or self.dtype, device=self.device)"),
+                    code("dist.recv(buffer", "recv(buffer")],
     },
     "03": {
-        # Chapter 03 states the game's rules and works the bookkeeping on a ring of three ranks.
+        # Chapter 03 states the game's rules and works the bookkeeping on a ring of three ranks, the
+        # median of single timings on eight matrix products.
         "ping_pong": [
             ("a send forward, then a receive backward", "send_forward then recv_backward", "send forward, then receive backward"),
             ("a receive forward (+1), then a send backward", "recv_forward then send_backward"),
             code("comms.recv_backward(x.shape, x.dtype) + 1", "recv_backward(x.shape, x.dtype)"),
             code("comms.recv_forward(x.shape, x.dtype) + 1", "recv_forward(x.shape, x.dtype)"),
         ],
-        "time_round_trip": [code("statistics.median(times)"), code("ping_pong(comms, ball, 1)")],
+        "time_round_trip": [("timed on its own", "each round trip timed", "time each round trip", "times each of the next"),
+                            code("statistics.median(times)"), code("ping_pong(comms, ball, 1)"),
+                            code("time.perf_counter()", "perf_counter()")],
     },
     "04": {
         # Chapter 04 draws 6 layers on 3 stages and a relay of 9 layers on 3 ranks; chapter 01 teaches the stream.

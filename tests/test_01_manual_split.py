@@ -31,7 +31,8 @@ def test_parts_start_from_the_monolith_weights(cfg):
         registered = len(list(part.parameters()))
         assert registered == expected, \
             (f"your {name}.__init__ registers {registered} parameter tensors, expected {expected} (a weight and a "
-             "bias per Linear): are its layers kept where .parameters() looks (a plain Python list is not)?")
+             f"bias per Linear): it holds {len(part.layers)} layers, but {name}.parameters() does not list all their "
+             "tensors, so an optimizer given them would never update those layers")
     for i, layer in enumerate([*part_one.layers, *part_two.layers]):
         owner = "PartOne.__init__" if i < half else "PartTwo.__init__"
         for name in ("weight", "bias"):
@@ -48,13 +49,31 @@ def test_parts_start_from_the_monolith_weights(cfg):
              "stream than the monolith, or another shape")
 
 
+def parts_first(cfg):
+    """The checks below train the parts, to grade train_step. Check first what the constructors must
+    give them (their layers, registered, with the monolith's weights), naming the constructor at fault:
+    a part built wrong would otherwise show as a wrong gradient or loss, blamed on train_step."""
+    part_one, part_two = m01.build_parts(cfg)
+    monolith = m00.build_model(cfg)
+    half = cfg.layers // 2
+    for name, part, count in [("PartOne", part_one, half), ("PartTwo", part_two, cfg.layers - half)]:
+        registered, expected = len(list(part.parameters())), 2 * count + 2 * (name == "PartTwo")
+        assert len(part.layers) == count and registered == expected, \
+            (f"before training, cfg.layers = {cfg.layers}: your {name}.__init__ holds {len(part.layers)} layers and "
+             f"registers {registered} parameter tensors, expected {count} layers and {expected} tensors (the optimizer "
+             "updates only what .parameters() lists; test_parts_start_from_the_monolith_weights says more)")
+    mine = [*part_one.parameters(), *part_two.parameters()]
+    differs = next((i for i, (p, q) in enumerate(zip(mine, monolith.parameters())) if not torch.equal(p, q)), None)
+    assert differs is None, \
+        (f"before training: your {'PartOne' if differs < 2 * half else 'PartTwo'}.__init__ builds parameter tensors "
+         "that differ from the monolith's initial ones (test_parts_start_from_the_monolith_weights says which)")
+    return part_one, part_two
+
+
 @pytest.mark.exercises("train_step", "PartOne.__init__", "PartTwo.__init__")
 @pytest.mark.parametrize("cfg", CONFIGS, ids=CONFIG_IDS)
 def test_gradients_cross_the_boundary_exactly(cfg):
-    part_one, part_two = m01.build_parts(cfg)
-    assert len(part_one.layers) == cfg.layers // 2, \
-        (f"cfg.layers = {cfg.layers}: your PartOne.__init__ made {len(part_one.layers)} layers, expected "
-         f"{cfg.layers // 2} (test_parts_start_from_the_monolith_weights says more)")
+    part_one, part_two = parts_first(cfg)
     received = []
 
     def check_boundary(module, args):  # before part two runs, so the message comes before any crash
@@ -81,22 +100,15 @@ def test_gradients_cross_the_boundary_exactly(cfg):
     (boundary,) = received
     assert boundary.grad is not None, \
         "the tensor part two received has no .grad after your train_step: was the loss backpropagated?"
-    same_weights = all(torch.equal(p, q) for p, q in zip([*part_one.parameters(), *part_two.parameters()],
-                                                          monolith.parameters()))
     ratio = (boundary.grad.norm() / hidden.grad.norm()).item()
     factor = (f"; {ratio:.4g} is the batch size, {cfg.batch}: the loss summed over the batch, not averaged?"
               if abs(ratio - cfg.batch) < 1e-3 * cfg.batch else "")
     assert torch.equal(boundary.grad, hidden.grad), \
         (f"the gradient your train_step leaves at the boundary differs from the monolith's: |got| / |expected| = "
-         f"{ratio:.4g} (expected 1){factor}: " +
-         ("the loss is F.cross_entropy's mean over the batch, backpropagated once, with no extra scaling"
-          if same_weights else "the parts do not start from the monolith's weights (see "
-                               "test_parts_start_from_the_monolith_weights)"))
+         f"{ratio:.4g} (expected 1){factor}: the loss is F.cross_entropy's mean over the batch, backpropagated once, "
+         "with no extra scaling")
     mine = [*(("part_one." + n, p) for n, p in part_one.named_parameters()),
             *(("part_two." + n, p) for n, p in part_two.named_parameters())]
-    assert len(mine) == len(list(monolith.parameters())), \
-        (f"the parts register {len(mine)} parameter tensors, the monolith {len(list(monolith.parameters()))}: "
-         "layers kept in a plain Python list are invisible to .parameters(); use nn.ModuleList")
     for (name, p), q in zip(mine, monolith.parameters(), strict=True):
         assert p.grad is not None, f"{name} got no gradient from your train_step: did a backward run on part one's side?"
         assert torch.equal(p.grad, q.grad), \
@@ -107,6 +119,7 @@ def test_gradients_cross_the_boundary_exactly(cfg):
 
 @pytest.mark.exercises("train_step", "PartOne.__init__", "PartTwo.__init__")
 def test_loss_curve_equals_the_monolith_bit_for_bit():
+    parts_first(cfg)
     (model, ours), (monolith_model, monolith) = m01.train(cfg), m00.train(cfg)
     first_bad = next((i for i, (a, b) in enumerate(zip(ours, monolith)) if a != b), None)
     assert first_bad is None, \

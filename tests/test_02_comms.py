@@ -56,12 +56,20 @@ def _init_in_existing_group():
     return rank, world_size, str(device), dist.get_rank(), dist.get_world_size(), set_device
 
 
+def returned(rank, world_size) -> str:
+    """'rank '0' (a str), world size '2' (a str)': repr and type, so a str that prints like an int shows."""
+    return ", ".join(f"{what} {value!r}" + ("" if type(value) is int else f" (a {type(value).__name__})")
+                     for what, value in (("rank", rank), ("world size", world_size)))
+
+
 @pytest.mark.exercises("init_distributed")
 def test_init_distributed_reports_rank_world_size_and_device():
     results = run_ranks(_init_in_existing_group, 2, timeout=20)
     for rank, (got_rank, got_world, device, group_rank, group_world, set_device) in enumerate(results):
-        assert (got_rank, got_world) == (group_rank, group_world) == (rank, 2), \
-            f"rank {rank} of 2: init_distributed returned rank {got_rank}, world size {got_world}"
+        assert (got_rank, got_world) == (group_rank, group_world) == (rank, 2) and \
+            type(got_rank) is int and type(got_world) is int, \
+            (f"rank {rank} of 2: your init_distributed returned {returned(got_rank, got_world)}; expected rank {rank} "
+             "and world size 2, both ints")
         assert device == "cpu" and set_device == [], \
             (f"rank {rank}: the existing group is gloo, so the device must be the CPU (and no CUDA device set), "
              f"got {device} (set_device calls {set_device}), on a machine with a GPU per rank: derive the device "
@@ -80,26 +88,33 @@ def _init_from_environment(gpus, local_world_size):
 
 @pytest.mark.exercises("init_distributed")
 def test_init_distributed_creates_the_group_from_torchrun_variables():
-    assert run_ranks(_init_from_environment, 1, 0, 1, timeout=20, init_process_group=False) == [
-        (0, 1, "cpu", "gloo")]
+    [(rank, world_size, device, backend)] = run_ranks(_init_from_environment, 1, 0, 1, timeout=20,
+                                                      init_process_group=False)
+    assert (rank, world_size, device, backend) == (0, 1, "cpu", "gloo") and type(rank) is int and type(world_size) is int, \
+        (f"RANK=0, WORLD_SIZE=1, no GPU: your init_distributed returned {returned(rank, world_size)}, device {device}, "
+         f"in a group of backend {backend!r}; expected rank 0 and world size 1 (ints), the CPU, gloo")
 
 
-def _init_with_a_gpu_per_local_rank(backend=None, local=True, timeout_s=None, gpus=2):
+def _init_with_a_gpu_per_local_rank(backend=None, local=True, timeout_s=None, gpus=2, existing=None):
     # Rank 3 of 4, the second of 2 ranks on this machine, with 2 GPUs: one GPU per local rank, so
     # nccl, on this rank's local GPU cuda:1 (not cuda:3, its global rank). Nothing here may touch
     # CUDA (this is a forked rank, maybe on a machine without it): the GPUs are pretended, and the
     # group and set_device are recorders, so the choice is checked on any machine (a real nccl group
     # on a CPU build would only fail with "NCCL not built in"). With local=False, LOCAL_RANK and
-    # LOCAL_WORLD_SIZE are missing, which means local rank 0 of 1.
+    # LOCAL_WORLD_SIZE are missing, which means local rank 0 of 1. With existing="nccl", a group of that
+    # backend exists before the call (created by someone else): init_distributed must only join it.
     os.environ.update(RANK="3", WORLD_SIZE="4", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2")
     if not local:
         del os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"]
     torch.cuda.is_available = lambda: gpus > 0
     torch.cuda.device_count = lambda: gpus
-    group, set_device = {}, []
+    group, set_device, created = {}, [], []
+    if existing is not None:
+        group.update(backend=existing, timeout=None, rank=3, world_size=4)
 
     def init_process_group(backend=None, init_method=None, timeout=None, world_size=-1, rank=-1, **kwargs):
         # torch's own signature and defaults, so positional and keyword calls are both recorded
+        created.append(backend)
         group.update(backend=backend, timeout=timeout, rank=None if rank == -1 else rank,
                      world_size=None if world_size == -1 else world_size)
 
@@ -115,22 +130,24 @@ def _init_with_a_gpu_per_local_rank(backend=None, local=True, timeout_s=None, gp
     kwargs = {} if timeout_s is None else {"timeout_s": timeout_s}
     rank, world_size, device = m02.init_distributed(backend=backend, **kwargs)
     dist.is_initialized = lambda: False  # the recorded group is no real one: nothing for the launcher to destroy
-    return rank, world_size, str(device), group.get("backend"), set_device, group.get("timeout")
+    return rank, world_size, str(device), group.get("backend"), set_device, group.get("timeout"), created
 
 
 @pytest.mark.exercises("init_distributed")
 def test_init_distributed_picks_nccl_and_the_local_gpu_when_every_local_rank_has_one():
-    [(rank, world_size, device, backend, set_device, _)] = run_ranks(
+    [(rank, world_size, device, backend, set_device, _, _)] = run_ranks(
         _init_with_a_gpu_per_local_rank, 1, timeout=20, init_process_group=False)
-    assert (rank, world_size) == (3, 4), f"RANK=3, WORLD_SIZE=4 but init_distributed returned {rank}, {world_size}"
+    assert (rank, world_size) == (3, 4) and type(rank) is int and type(world_size) is int, \
+        f"RANK=3, WORLD_SIZE=4 but your init_distributed returned {returned(rank, world_size)}"
     assert backend == "nccl", f"2 GPUs for 2 local ranks: the group must use nccl, got {backend!r}"
     assert device == "cuda:1" and set_device == ["cuda:1"], \
-        f"LOCAL_RANK=1: expected device cuda:1 and set_device(cuda:1), got {device} and set_device calls {set_device}"
+        (f"RANK=3, LOCAL_RANK=1 (the second rank on a machine with 2 GPUs): expected device cuda:1 and "
+         f"set_device(cuda:1), got {device} and set_device calls {set_device}{global_numbering(device, 3)}")
 
 
 @pytest.mark.exercises("init_distributed")
 def test_init_distributed_picks_gloo_when_local_ranks_would_share_a_gpu():
-    [(_, _, device, backend, set_device, _)] = run_ranks(
+    [(_, _, device, backend, set_device, _, _)] = run_ranks(
         _init_with_a_gpu_per_local_rank, 1, None, True, None, 1, timeout=20, init_process_group=False)
     assert (backend, device, set_device) == ("gloo", "cpu", []), \
         (f"1 GPU for LOCAL_WORLD_SIZE=2 ranks: expected gloo on the CPU and no CUDA device set, got {backend!r} on "
@@ -140,7 +157,7 @@ def test_init_distributed_picks_gloo_when_local_ranks_would_share_a_gpu():
 @pytest.mark.exercises("init_distributed")
 def test_init_distributed_uses_the_backend_asked_for():
     # Module 07 keeps its tensors in CPU memory and asks for gloo, even where nccl would be chosen.
-    [(_, _, device, backend, set_device, _)] = run_ranks(
+    [(_, _, device, backend, set_device, _, _)] = run_ranks(
         _init_with_a_gpu_per_local_rank, 1, "gloo", timeout=20, init_process_group=False)
     assert backend == "gloo" and device == "cpu" and set_device == [], \
         f"init_distributed(backend='gloo'): expected gloo on the CPU, got {backend!r} on {device} (set_device {set_device})"
@@ -150,14 +167,38 @@ def test_init_distributed_uses_the_backend_asked_for():
 def test_init_distributed_without_local_variables_and_with_its_timeout():
     # LOCAL_RANK and LOCAL_WORLD_SIZE missing mean local rank 0 of 1: with 2 GPUs, nccl on cuda:0.
     # The timeout must reach the group, or a hung collective waits for torch's default (minutes).
-    [(rank, world_size, device, backend, set_device, timeout)] = run_ranks(
+    [(rank, world_size, device, backend, set_device, timeout, _)] = run_ranks(
         _init_with_a_gpu_per_local_rank, 1, None, False, 7.0, timeout=20, init_process_group=False)
     assert (backend, device, set_device) == ("nccl", "cuda:0", ["cuda:0"]), \
-        (f"without LOCAL_RANK and LOCAL_WORLD_SIZE (local rank 0 of 1, 2 GPUs): expected nccl on cuda:0, got "
-         f"{backend!r} on {device} (set_device calls {set_device}); read them with os.environ.get(name, default)")
+        (f"RANK=3 with LOCAL_RANK and LOCAL_WORLD_SIZE missing from the environment (which means local rank 0 of 1), "
+         f"2 GPUs: expected nccl on cuda:0, got {backend!r} on {device} (set_device calls {set_device})"
+         f"{global_numbering(device, 3)}")
     assert timeout == timedelta(seconds=7), \
         (f"init_distributed(timeout_s=7.0) created the group with timeout={timeout!r}, expected "
          "timedelta(seconds=7): pass the timeout on to dist.init_process_group")
+
+
+@pytest.mark.exercises("init_distributed")
+@pytest.mark.parametrize("asked", [None, "gloo"], ids=["no backend asked", "gloo asked"])
+def test_init_distributed_follows_the_backend_of_a_group_that_already_exists(asked):
+    # A launcher (or module 02 called twice) already created an nccl group: init_distributed joins it,
+    # and its device follows that group's backend, not the argument it was given (None, or a module
+    # such as 07 asking for gloo: the group it joins is still nccl, so its tensors live on the GPU).
+    [(rank, world_size, device, backend, set_device, _, created)] = run_ranks(
+        _init_with_a_gpu_per_local_rank, 1, asked, True, None, 2, "nccl", timeout=20, init_process_group=False)
+    called = "init_distributed()" if asked is None else f"init_distributed(backend={asked!r})"
+    assert created == [], \
+        f"an nccl group already existed, but your {called} created another (backends {created})"
+    assert device == "cuda:1" and set_device == ["cuda:1"], \
+        (f"an nccl group already existed (LOCAL_RANK=1, 2 GPUs) and your {called} joined it: expected this rank's "
+         f"GPU, cuda:1, made current (set_device(cuda:1)), got {device} (set_device calls {set_device}): which "
+         "backend does the group this rank ends up in use?")
+
+
+def global_numbering(device: str, rank: int) -> str:
+    """What a device numbered by the global rank says, when it is one (GPUs are numbered per machine)."""
+    return (f": cuda:{rank} is numbered by the global rank, RANK={rank}; a machine numbers its own GPUs from 0"
+            if device == f"cuda:{rank}" else "")
 
 
 class _RecordedWork:

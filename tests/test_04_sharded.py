@@ -1,9 +1,12 @@
 """Module 04: each rank holds exactly the monolith's slice, and the relay reproduces its logits.
 
 The pipeline's ranks are a group (course/mesh.py's `Group`): a stage's place is its index in it."""
+import weakref
+
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 from course.impl import load, reference
 from course.launch import run_ranks
@@ -72,6 +75,50 @@ def test_every_rank_starts_from_its_slice_of_the_monolith(cfg, world_size):
     assert held == total, \
         (f"the shards your ShardedMLP.__init__ builds hold {held} parameters together, the monolith {total}: are the layers "
          "registered as parameters (a plain list is not)?")
+
+
+class LiveLinears:
+    """Within `with LiveLinears() as live:`, every nn.Linear created is counted from its creation until
+    it is freed; `live.peak` is the most that were alive at once (CPython frees a module as soon as
+    nothing refers to it, so a layer let go is no longer counted)."""
+
+    def __enter__(self):
+        self.live = self.peak = 0
+        self.original, counter = nn.Linear.__init__, self
+
+        def counted_init(module, *args, **kwargs):
+            counter.original(module, *args, **kwargs)
+            counter.live += 1
+            counter.peak = max(counter.peak, counter.live)
+            weakref.finalize(module, counter.freed)
+        nn.Linear.__init__ = counted_init
+        return self
+
+    def freed(self):
+        self.live -= 1
+
+    def __exit__(self, *exc):
+        nn.Linear.__init__ = self.original
+
+
+@pytest.mark.exercises("ShardedMLP.__init__")
+@pytest.mark.parametrize("cfg, world_size", [(cfg, 2), (cfg, 4), (cfg, 16), (SMALL, 3)],
+                         ids=["p=2", "p=4", "p=16", "12 layers, width 8, 3 classes, p=3"])
+def test_a_rank_never_holds_the_whole_model_while_it_builds_its_stage(cfg, world_size):
+    # The point of the split: a rank's memory holds its share of the model. Building the whole
+    # monolith (or all its layers at once) and keeping a slice gives the right weights, but a rank
+    # that can hold the whole model needs no pipeline. The contract allows this rank's layers, its head
+    # and at most two more layers alive at any moment (the one being made and the one before it).
+    whole = cfg.layers + 1
+    for rank in range(world_size):
+        kept = cfg.layers // world_size + (rank == world_size - 1)
+        with LiveLinears() as live:
+            shard = m04.ShardedMLP(cfg, pipeline(world_size, rank))
+        assert live.peak <= kept + 2, \
+            (f"world {world_size}, rank {rank}: while your ShardedMLP.__init__ ran, {live.peak} nn.Linear modules were "
+             f"alive at once (the whole model has {whole}); this rank keeps {kept} ({len(shard.layers)} layers"
+             f"{' and the head' if rank == world_size - 1 else ''}), and the contract allows at most 2 more at any "
+             "moment: a rank never holds the whole model, not even while it builds its stage")
 
 
 def _forward(cfg, world_size):

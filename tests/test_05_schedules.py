@@ -538,15 +538,15 @@ def test_a_pipeline_along_one_axis_of_a_mesh_trains_like_the_monolith():
         ops, want = _order_alone((1, 3), index, n_microbatches), _canonical_1f1b(2, index, n_microbatches)
         assert ops == want, \
             (f"your one_f_one_b at place {index} of the pipeline of global ranks (1, 3) (comms.rank {(1, 3)[index]}, "
-             f"comms.pp.index {index}), m={n_microbatches}, ran {ops}, expected 1F1B's {want}: the warm-up counts the "
-             "stages after this one in the pipeline group (comms.pp), not in the whole job")
+             f"comms.pp.index {index}, comms.pp.size 2), m={n_microbatches}: "
+             + _order_difference(ops, 2, index, n_microbatches))
     results = run_ranks(_train_along_one_axis, 4, schedule, n_microbatches, steps, timeout=30)
     for rank, (members, replica, losses, ops) in enumerate(results):
         assert members == (replica, replica + 2), (rank, members, replica)
         want = _canonical_1f1b(2, members.index(rank), n_microbatches)
         assert ops == want, \
-            (f"rank {rank}, stage {members.index(rank)} of the pipeline {members}: ran {ops}, expected 1F1B's {want}: "
-             "the warm-up counts the stages after this one in the pipeline group (comms.pp), not in the whole job")
+            (f"rank {rank}, stage {members.index(rank)} of the pipeline {members}, m={n_microbatches}: "
+             + _order_difference(ops, 2, members.index(rank), n_microbatches))
         if rank != members[-1]:
             assert losses == [], f"rank {rank} holds the first stage of pipeline {members}: it has no loss, got {losses}"
             continue
@@ -566,13 +566,32 @@ def _canonical_1f1b(world_size, rank, n_microbatches):
     return order + [("B", m) for m in range(n_microbatches - warmup, n_microbatches)]
 
 
+def _order_difference(ops, world_size, index, n_microbatches):
+    """What differs between the F/B order `ops` ran at place `index` of a pipeline of `world_size` and
+    1F1B's: the warm-up's length if that differs, else the first operation that does (no guessed cause)."""
+    want = _canonical_1f1b(world_size, index, n_microbatches)
+    said = f"ran {ops}, expected 1F1B's {want}: "
+    def forwards_first(order):
+        return next((k for k, (op, _) in enumerate(order) if op == "B"), len(order))
+    warmup = min(world_size - index - 1, n_microbatches)
+    if forwards_first(ops) != forwards_first(want):
+        then = ", then the steady state's first forward" if warmup < n_microbatches else ": every microbatch"
+        ran = forwards_first(ops)
+        return (said + f"{ran} forward{'' if ran == 1 else 's'} before the first backward, where 1F1B at place {index} of a "
+                f"pipeline of {world_size} with m={n_microbatches} runs {forwards_first(want)} (its warm-up of {warmup}"
+                f"{then})")
+    k = next((k for k, (got, expected) in enumerate(zip(ops, want)) if got != expected), min(len(ops), len(want)))
+    ran, expected = (ops[k] if k < len(ops) else "nothing"), (want[k] if k < len(want) else "nothing")
+    return said + f"the forwards before the first backward are right; operation {k} is {ran}, expected {expected}"
+
+
 @pytest.mark.exercises("one_f_one_b", "forward_step", "backward_step")
 @pytest.mark.parametrize("world_size,n_microbatches", [(2, 4), (4, 8), (4, 2), (4, 1)])
 def test_1f1b_runs_the_canonical_order_and_holds_at_most_p_minus_rank_microbatches(world_size, n_microbatches):
     results = run_ranks(_train, world_size, "1f1b", world_size, n_microbatches, 1, True, timeout=20)
     for rank, (_, _, ops, peak) in enumerate(results):
         assert ops == _canonical_1f1b(world_size, rank, n_microbatches), \
-            f"rank {rank} of {world_size}, m={n_microbatches}: ran {ops}, expected {_canonical_1f1b(world_size, rank, n_microbatches)}"
+            f"rank {rank} of {world_size}, m={n_microbatches}: " + _order_difference(ops, world_size, rank, n_microbatches)
         assert peak == [min(world_size - rank, n_microbatches)], \
             f"rank {rank}: at most {peak[0]} microbatches' activations alive, expected {min(world_size - rank, n_microbatches)}"
 

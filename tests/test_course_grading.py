@@ -259,3 +259,50 @@ def test_a_frame_in_the_reference_is_shown_where_the_learner_has_it(tmp_path, mo
     assert inside == "boom (at the check's reference plan_exchange)", inside
     monkeypatch.setenv("COURSE_IMPL", "solutions")  # grading the reference: its own files, as they are
     assert as_in_steps(message) == message
+
+
+def test_an_error_raised_in_the_checks_own_code_shows_no_tests_path(tmp_path):
+    # A learner run's finding: module 01's check said "raised in given code at tests/test_01_manual_split.py:61
+    # in check_boundary" (its hook on part two, called from their train_step), inviting them into tests/.
+    # The same mistake here: part two handed the activation itself, not a leaf.
+    import shutil
+    steps = tmp_path / "steps"
+    shutil.copytree(REPO / "solutions", steps, ignore=shutil.ignore_patterns("__pycache__"))
+    mine = steps / "m01_manual_split.py"
+    mine.write_text(mine.read_text().replace("received = hidden.detach().requires_grad_()", "received = hidden"))
+    report = tmp_path / "grades.json"
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_01_manual_split.py",
+                    "-k", "test_gradients_cross_the_boundary_exactly and 16", "--impl=steps", f"--grading-json={report}"],
+                   cwd=REPO, capture_output=True, text=True, env={**os.environ, "COURSE_STEPS_DIR": str(steps)},
+                   timeout=120)
+    [result] = json.loads(report.read_text())
+    assert result["outcome"] == "failed" and "tests/" not in result["reason"], result
+    assert re.search(r"\(at \S*steps/m01_manual_split\.py:\d+ in train_step; raised in the check's own code, in "
+                     r"check_boundary\)$", result["reason"]), result["reason"]
+
+
+def test_no_form_of_a_frame_in_tests_reaches_the_scorecard():
+    # A rank's error raised by the check itself, a stuck rank, a check stopped in its own loop, a test
+    # file that cannot be imported: each says "the check's own code", never a path into tests/.
+    from types import SimpleNamespace
+
+    from course.grading import failure_reason, scorecard_line
+    messages = [
+        "rank 0 of 2 raised AssertionError: gpipe returned None (at tests/test_05_schedules.py:62 in _train)",
+        "rank 1 of 2 raised AssertionError: bad shape (at steps/m05_schedules.py:70 in forward_step; raised in given "
+        "code at tests/test_05_schedules.py:167 in _check_receive)",
+        "RankTimeout: timed out after 3 s; still running: rank 0, 1. rank 0 at steps/m05_schedules.py:3 in gpipe <- "
+        f"{REPO}/tests/test_05_schedules.py:62 in _train; rank 1 stuck in given code at tests/moe_checks.py:9 in check",
+        "CheckTimeout: this check ran for over 180 s and was stopped at tests/test_04_sharded.py:3 in test_relay",
+    ]
+    for message in messages:
+        report = SimpleNamespace(outcome="failed", longrepr=SimpleNamespace(reprcrash=SimpleNamespace(message=message)))
+        reason = failure_reason(report)
+        assert "tests/" not in reason and "test_05_schedules.py" not in reason and "the check's own code, in " in reason, \
+            reason
+    assert "steps/m05_schedules.py:70 in forward_step; raised in the check's own code, in _check_receive)" in \
+        failure_reason(SimpleNamespace(outcome="failed", longrepr=SimpleNamespace(
+            reprcrash=SimpleNamespace(message=messages[1]))))
+    line = scorecard_line({"test": "tests/test_05_schedules.py", "outcome": "failed",
+                           "reason": "cannot import the checks' file test_05_schedules.py: none of its checks ran"})
+    assert "tests/" not in line, line

@@ -1,5 +1,5 @@
 """The scorecard says what was derived (issue 36.4): from the record of hints seen, `grade` and `list`
-count a module's TODOs written with no hint seen, with hints up to level 2, and with level 3. (The
+count a module's TODOs written with no hint seen, with hint 1 or 2 at most, and with hint 3. (The
 hint command itself is tested in tests/test_course_cli.py.)"""
 import json
 import re
@@ -31,10 +31,13 @@ def test_the_todos_are_counted_by_the_highest_level_seen(record):
     record(0, 1, 2, 3)
     seen = hints_seen(MODULES["05"])
     assert seen == HintsSeen(without=1, up_to_2=2, with_3=1)
-    assert str(seen) == "1 of 4 TODOs without a hint, 2 with hints up to level 2, 1 with level 3"
+    assert str(seen) == "1 of 4 TODOs without a hint, 2 with hint 1 or 2, 1 with hint 3"
     assert seen.compact() == "1/2/1"
     assert str(HintsSeen(14, 0, 0)) == "14 of 14 TODOs without a hint"
-    assert str(HintsSeen(11, 0, 3)) == "11 of 14 TODOs without a hint, 3 with level 3"
+    assert str(HintsSeen(11, 0, 3)) == "11 of 14 TODOs without a hint, 3 with hint 3"
+    # Only hint 1 seen: nothing may say that level 2 was (a learner run read "with hints up to level 2").
+    assert str(HintsSeen(0, 3, 0)) == "0 of 3 TODOs without a hint, 3 with hint 1 or 2"
+    assert "level 2" not in str(HintsSeen(0, 3, 0))
 
 
 def test_a_renamed_title_keeps_what_was_seen_under_the_old_one(record):
@@ -53,7 +56,7 @@ def test_grade_says_how_many_todos_were_written_without_a_hint_when_the_module_p
     passed = [{"test": f"t.py::test_{k}", "outcome": "passed", "reason": ""} for k in range(4)]
     assert _scorecard(MODULES["05"], "steps", ["t.py"], passed, 0) == 0
     assert capsys.readouterr().out.splitlines()[-1] == \
-        "4/4 checks pass; 2 of 4 TODOs without a hint, 1 with hints up to level 2, 1 with level 3"
+        "4/4 checks pass; 2 of 4 TODOs without a hint, 1 with hint 1 or 2, 1 with hint 3"
     failed = passed[:3] + [{"test": "t.py::test_3", "outcome": "failed", "reason": "off", "hint": None}]
     assert _scorecard(MODULES["05"], "steps", ["t.py"], failed, 1) == 1
     assert "3/4 checks pass\n" in capsys.readouterr().out  # nothing to say until it passes
@@ -75,7 +78,7 @@ def test_list_shows_the_same_counts_per_module(record, capsys):
     main.main(["list"])
     lines = capsys.readouterr().out.splitlines()
     rows = {row.split()[0]: row for row in lines[1:]}
-    assert "hints: none/≤2/3" in lines[0]
+    assert "hints: none/1-2/3" in lines[0] and "≤" not in lines[0]
     assert " 2/1/1  Pipeline schedules" in rows["05"], rows["05"]
     assert f" {len(module_todos(MODULES['01']))}/0/0  Manual split" in rows["01"], rows["01"]
     assert re.search(r"given +Monolith", rows["00"]), rows["00"]  # a given module: no count

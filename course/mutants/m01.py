@@ -33,4 +33,8 @@ PLANTS = [
           new=True),
     Plant(F, "    received = hidden.detach().requires_grad_()\n", "    received = hidden.detach()\n",
           "the leaf part two receives does not require grad: no .grad to start part one's backward from", new=True),
+    Plant(F, "        self.layers = nn.ModuleList(\n            nn.Linear(cfg.hidden, cfg.hidden) for _ in range(cfg.layers - cfg.layers // 2))",
+          "        self.layers = [\n            nn.Linear(cfg.hidden, cfg.hidden) for _ in range(cfg.layers - cfg.layers // 2)]",
+          "part two's layers in a plain list: not parameters, so the optimizer never updates them (TODO 2, not train_step)",
+          new=True),
 ]

@@ -44,4 +44,13 @@ PLANTS = [
           "the buffer converted to float32 on return: the dtype asked for (float64, float16) is lost", new=True),
     Plant(F, 'local_rank = int(os.environ.get("LOCAL_RANK", "0"))', 'local_rank = int(os.environ["LOCAL_RANK"])',
           "LOCAL_RANK read as if always set: a job started without it (one process, a plain launcher) fails", new=True),
+    Plant(F, 'rank = int(os.environ["RANK"])\n    world_size = int(os.environ["WORLD_SIZE"])',
+          'rank = os.environ["RANK"]\n    world_size = os.environ["WORLD_SIZE"]',
+          "rank and world size returned as the environment's strings: '0' prints like 0 but is no int", new=True),
+    Plant(F, '    if dist.get_backend() == "nccl":\n        device', '    if backend == "nccl":\n        device',
+          "the device chosen from the backend argument, not the group's: a group that exists already (nccl) gets the CPU",
+          new=True),
+    Plant(F, '    if dist.get_backend() == "nccl":\n        device', '    if (backend or dist.get_backend()) == "nccl":\n        device',
+          "the device chosen from the backend asked for when one was: a caller asking for gloo who joins an existing "
+          "nccl group gets the CPU", new=True),
 ]

@@ -48,4 +48,18 @@ PLANTS = [
         self.layers = nn.ModuleList(kept)""",
           "the head drawn first on the last rank: its layers and its head take other draws than the monolith's",
           new=True),
+    Plant(F, """        torch.manual_seed(cfg.seed)
+        kept = []
+        for index in range(cfg.layers):
+            layer = nn.Linear(cfg.hidden, cfg.hidden)  # every rank draws every layer's weights
+            if index in mine:
+                kept.append(layer)
+        self.layers = nn.ModuleList(kept)
+        self.head = nn.Linear(cfg.hidden, cfg.classes) if self.is_last else None""",
+          """        from .m00_monolith import build_model
+        monolith = build_model(cfg)
+        self.layers = nn.ModuleList(monolith.layers[index] for index in mine)
+        self.head = monolith.head if self.is_last else None""",
+          "the whole monolith built and sliced: the right weights, but every rank holds the whole model while it builds",
+          new=True),
 ]
