@@ -213,7 +213,7 @@ def run_schedule(schedule: Schedule, stages: dict[int, SplitStage], comms: Stage
     """One step: this rank's list of `schedule` on its `stages`. Returns the batch loss (the sum of
     the shares) on the rank holding the last stage, else None; every send has completed."""
     xs, ys = split_microbatches(x, schedule.n_microbatches), split_microbatches(y, schedule.n_microbatches)
-    # >>> TODO(m11): run every action of this rank's list in order; wait for every send; return the loss
+    # >>> TODO(m11): one step: this rank's whole list, every send completed, the loss
     # Contract: run_action for each action of schedule.orders[comms.pp.index] (this rank's list: its place in
     #   the pipeline group), on stages[action.stage], in order. Returns the sum of the loss shares run_action
     #   returned, added in microbatch order (the tests compare it with the monolith's bit for bit), or None on a

@@ -136,7 +136,7 @@ class SplitStage(nn.Module):
         # Hint 2: dW = dzᵀ x (out x in, like W) and db = Σ_rows dz, added to the .grad (set if None).
         # Hint 3: saved = self.saved.pop(microbatch)
         #         for layer, x, dz in zip(self.linears(), saved.inputs, saved.grads):
-        #             for param, grad in ((layer.weight, dz.t() @ x), (layer.bias, dz.sum(0))):
+        #             for (param, grad) in (layer.weight, dz.t() @ x) and (layer.bias, dz.sum(0)):
         #                 param.grad = grad if param.grad is None else param.grad + grad (in place)
         saved = self.saved.pop(microbatch)
         for layer, x, dz in zip(self.linears(), saved.inputs, saved.grads, strict=True):

@@ -1,12 +1,12 @@
 # Generated from solutions/m11_stage.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 11`. (skeleton 39f672b74de4)
+# Grade your work with `python main.py grade 11`. (skeleton 7f333aaa651c)
 """Module 11 - a pipeline stage whose backward comes in two halves: I and W.
 
-A layer y = relu(x W^T + b) has two gradients to compute in its backward, from dz, the gradient
-at its pre-activation:
+A layer y = relu(x W^T + b) has two gradients to compute in its backward, both from dz, the
+gradient at its pre-activation:
 
-    I  dx = dz W          what the stage before is waiting for: on the critical path
-    W  dW = dz^T x,  db = sum of dz over the rows      needed only by the optimizer step
+    I  the gradient of its input x     what the stage before is waiting for: on the critical path
+    W  the gradients of W and b        needed only by the optimizer step
 
 Autograd computes both at once (module 05's B). Written by hand, they can run at different times:
 I as soon as the gradient arrives, W later, in a gap where the rank would otherwise wait. Between

@@ -40,8 +40,8 @@ def code(*wordings: str) -> Code:
 # Issue 36.2 rewrites every module's TODOs and hints to the rule. Until a module's rewrite lands, the
 # checks of its hint levels are expected to fail (pytest's strict xfail): when a module passes them,
 # take it out of the set (its tests fail while it is still listed, to say so).
-HINT_LEAKS_UNTIL_REWRITE = {"07", "12", "13"}  # hint 1 states an answer, or hint 2 code
-ANSWERS_NOT_IN_HINTS_UNTIL_REWRITE = {"07", "12", "13", "17"}  # no hint level gives an answer at its level
+HINT_LEAKS_UNTIL_REWRITE = {"07", "13"}  # hint 1 states an answer, or hint 2 code
+ANSWERS_NOT_IN_HINTS_UNTIL_REWRITE = {"07", "13", "17"}  # no hint level gives an answer at its level
 
 FORBIDDEN = {
     "07": {
@@ -141,45 +141,76 @@ FORBIDDEN = {
         ],
     },
     "12": {
-        # The conjugate operators: which collective each runs, forward and backward, with and without
-        # sequence parallelism (chapter 12 derives f's backward without it).
+        # The conjugate operators: which collective each runs, forward and backward, with and without sequence
+        # parallelism (chapter 12 derives f's backward without it); the overlap order with sequence parallelism
+        # (the chapter places dx's collective without it); the fused GEMM's operands; the loss's other two
+        # reductions and its formulas (the chapter works out z_max); the traffic counts (the chapter counts the
+        # forward's all-reduces without sequence parallelism).
         "enter_tp_forward": [
-            "identity, or an all-gather along the sequence", "forward all-gather along the sequence",
-            "f (enter), sequence-parallel | all-gather", "f (enter) | before the column-parallel linears | identity",
-            "forward identity, backward all-reduce",
+            ("an all-gather along SEQUENCE_DIM", "identity, or an all-gather along the sequence",
+             "forward all-gather along the sequence", "f (enter), sequence-parallel | all-gather",
+             "forward identity, backward all-reduce", "f (enter) | before the column-parallel linears | identity"),
+            code("tp.collectives.all_gather(full, x, label, async_op=async_op, dim=SEQUENCE_DIM)"),
         ],
         "enter_tp_backward": [
-            "all-reduce, or reduce-scatter along the sequence", "backward reduce-scatter along the sequence",
-            "all-gather along the sequence | reduce-scatter along the sequence",
+            ("a reduce-scatter along SEQUENCE_DIM", "all-reduce, or reduce-scatter along the sequence",
+             "backward reduce-scatter along the sequence", "all-gather along the sequence | reduce-scatter along the sequence"),
+            code("tp.collectives.reduce_scatter(shard, dx, label, async_op=async_op, dim=SEQUENCE_DIM)",
+                 "tp.collectives.all_reduce(dx, label, async_op=async_op)"),
         ],
         "leave_tp_forward": [
-            "g forward: all-reduce", "forward reduce-scatter along the sequence",
-            "g (leave), sequence-parallel | reduce-scatter", "| all-reduce: sum the partials | identity",
-            "forward all-reduce, backward identity",
+            ("g's forward is f's backward", "g forward: all-reduce", "forward reduce-scatter along the sequence",
+             "g (leave), sequence-parallel | reduce-scatter", "| all-reduce: sum the partials | identity",
+             "forward all-reduce, backward identity"),
+            code("enter_tp_backward(y, tp, sequence_parallel, label).wait()"),
         ],
         "leave_tp_backward": [
-            "identity, or an all-gather along the sequence", "backward all-gather along the sequence",
-            "reduce-scatter along the sequence | all-gather along the sequence", "every rank's partial gets dy",
-            "every rank's partial receives dy itself", "an all-reduce here would add the t identical copies",
-            "in g's backward (the gradient does)",
+            ("every rank's partial receives dy itself", "every rank's partial gets dy", "∂y/∂y_r is the identity",
+             "identity, or an all-gather along the sequence", "backward all-gather along the sequence",
+             "reduce-scatter along the sequence | all-gather along the sequence",
+             "an all-reduce here would add the t identical copies", "in g's backward (the gradient does)"),
+            code("enter_tp_forward(dy, tp, sequence_parallel, label).wait()"),
         ],
         "column_parallel_backward": [
-            "start gathering x (sequence parallelism)", "start the all-gather of x (sequence parallelism)",
-            "wait for x; start dx's", "wait for dx, return it", "x travels during the next line",
-            "re-gather of x, behind the input-gradient GEMMs", "x's re-gather behind the input-gradient GEMMs",
+            ("start the all-gather of x (f's forward, async) -> the input-gradient GEMMs",
+             "start gathering x (sequence parallelism)", "start the all-gather of x (sequence parallelism)",
+             "x's re-gather behind the input-gradient GEMMs", "re-gather of x, behind the input-gradient GEMMs",
+             "x travels during the next line"),
+            ("wait for x, start dx's collective (f's backward, async)", "wait for x; start dx's"),
+            ("wait for dx and return it", "wait for dx, return it"),
+            code("gathering = enter_tp_forward(x, tp, sequence_parallel, label, async_op=True)"),
         ],
         "accumulate_weight_grad": [
-            code("addmm(main_grad, dyᵀ, x, out=main_grad)"), code("addmm(main_grad, dy"), code("addmm_into(main_grad, dy"),
-            code("torch.addmm with out=main_grad"),
+            code("addmm_into(main_grad, dy.t(), x)", "addmm(main_grad, dyᵀ, x, out=main_grad)", "addmm(main_grad, dy",
+                 "addmm_into(main_grad, dy", "torch.addmm with out=main_grad"),
+            code("main_grad.add_(dy.t() @ x)"),
         ],
         "vocab_parallel_cross_entropy": [
-            "log Z + z_max - z_y", "exp(z - z_max) / Z", "exp(z_v - z_max) / Z", "sum exp(z - z_max)",
-            "Σ exp(z_v - z_max)", "the target's logit, from its owner", "the target's logit, from the rank owning it",
-            "(sum; the others give 0)", "contributes 0 here",
+            ("log Z + z_max - z_y",), ("exp(z_v - z_max) / Z", "exp(z - z_max) / Z"),
+            ("Z = Σ_v exp(z_v - z_max)", "sum exp(z - z_max)", "Σ exp(z_v - z_max)"),
+            ("from its owner (the others give 0", "the target's logit, from its owner",
+             "the target's logit, from the rank owning it", "(sum; the others give 0)", "contributes 0 here"),
+            code('all_reduce(sum_exp, "loss sum exp")', 'all_reduce(z_y, "loss target")'),
+        ],
+        "embedding_forward": [
+            ("owned when 0 <= local < V'/t",), code("rows[torch.where(mine, local, 0)]"),
+        ],
+        "embedding_backward": [
+            code("grad_rows.index_add_(0, local[mine]"),
+        ],
+        "sum_norm_grads": [
+            ("one all-reduce (a sum) of all the tensors laid end to end in one flat buffer",
+             "pack them into one flat tensor (torch.cat of the flattened tensors), all-reduce it, copy back"),
+            code("torch.cat([g.reshape(-1) for g in norm_grads])"),
         ],
         "tp_traffic": [
-            "4L + 2", "6L + 3", "8L + 4", "10L + 5", "2L + 1 all-reduces (blocks, LM head input)",
-            "2 per block backward", "4L + 2 all-gathers",
+            ("4L + 2 all-reduces of A",), ("6L + 3 all-gathers",), ("4L + 2 reduce-scatters",),
+            ("8L + 4", "10L + 5", "4L + 2", "6L + 3"),
+            ("2L + 1 in the backward", "2 per block backward", "2L + 1 all-reduces (blocks, LM head input)"),
+            ("3 loss all-reduces of N s",),
+        ],
+        "tp_activations_by_name": [
+            ("q, o (H/t) D values",), ("STREAM_NAMES kept for N/t tokens",),
         ],
     },
     "13": {

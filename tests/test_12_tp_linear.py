@@ -259,7 +259,26 @@ def test_fused_accumulation_is_exact_in_float64_and_reads_token_axes():
     linear.accumulate_weight_grad(main_grad, dy, x)
     expected = 1 + torch.einsum("bto,bti->oi", dy, x)
     torch.testing.assert_close(main_grad, expected, rtol=1e-12, atol=1e-12,
-                               msg=lambda m: f"main_grad must grow by dy^T x summed over every token: {m}")
+                               msg=lambda m: f"your accumulate_weight_grad: main_grad must grow by dy^T x summed over "
+                                             f"every token: {m}")
+    unfused = torch.ones(6, 4, dtype=f64)
+    linear.accumulate_weight_grad(unfused, dy, x, fused=False)
+    torch.testing.assert_close(unfused, expected, rtol=1e-12, atol=1e-12,
+                               msg=lambda m: f"your accumulate_weight_grad with fused=False: main_grad must grow by "
+                                             f"the same dy^T x: {m}")
+
+
+@pytest.mark.exercises("accumulate_weight_grad")
+def test_the_unfused_path_rounds_the_gradient_to_the_inputs_dtype_first():
+    # fused=False is the path the fused GEMM replaces, kept to compare (bench 12): the product in the inputs'
+    # dtype (torch's bf16 GEMM), then added into the float32 main_grad.
+    [(dy, x)] = microbatches(1, torch.bfloat16, seed=2)
+    main_grad = torch.ones(24, 40)
+    linear.accumulate_weight_grad(main_grad, dy, x, fused=False)
+    expected = 1 + (dy.t() @ x).float()
+    assert main_grad.dtype == torch.float32 and torch.equal(main_grad, expected), \
+        ("your accumulate_weight_grad with fused=False must add torch's bf16 product dy^T x into the float32 main_grad "
+         f"(the path the fused GEMM replaces); it is off by up to {(main_grad - expected).abs().max().item():.2e}")
 
 
 @pytest.mark.given

@@ -18,7 +18,7 @@ f64 = torch.float64
 VOCAB, N = 50, 24
 
 
-@pytest.mark.exercises("padded_vocab_size")
+@pytest.mark.given
 @pytest.mark.parametrize("vocab_size, t, divisible_by, padded", [
     (50, 4, 1, 52), (256, 4, 1, 256), (50, 4, 8, 64), (50, 3, 1, 51), (1, 2, 128, 256)])
 def test_the_vocabulary_is_padded_to_a_multiple_of_t(vocab_size, t, divisible_by, padded):
@@ -123,7 +123,7 @@ def _embedding_on_ranks(sequence_parallel, table, tokens, dx):
     return x, grad_rows
 
 
-@pytest.mark.exercises("padded_vocab_size", "embedding_forward", "embedding_backward")
+@pytest.mark.exercises("embedding_forward", "embedding_backward")
 @pytest.mark.parametrize("world_size, sequence_parallel", [(4, False), (4, True)])
 def test_the_embedding_equals_a_lookup_of_the_whole_table(world_size, sequence_parallel):
     g = torch.Generator().manual_seed(3)
