@@ -11,7 +11,9 @@ in the wrong place is off by a factor t or 1/t, or by a whole term, far beyond e
 import pytest
 import torch
 
+from course.catalog import MODULES
 from course.collectives import Collectives
+from course.hints import module_todos
 from course.impl import load, reference
 from course.launch import run_ranks
 from course.mesh import Group, world_group
@@ -49,42 +51,58 @@ def _tp_block(sequence_parallel, weights, x, dy, more=()):
         store = m06.ActivationStore()
         y = block.forward(w, mine(x), store)
         saved = {name: (tuple(v.shape), v.untyped_storage().nbytes()) for name, v in store.tensors.items()}
+        o = store.tensors["o"].clone() if "o" in store.tensors else None
         dx = block.backward(w, mine(dy), store, grads)
     block12.sum_norm_grads([grads.ln1, grads.ln2], tp, sequence_parallel)
-    return y, dx, grads, saved, [(c.op, c.payload_bytes) for c in tp.collectives.log]
+    return y, dx, grads, saved, [(c.op, c.payload_bytes) for c in tp.collectives.log], o
 
 
 def single_process(weights, x, dy):
+    """Module 06's y, dx, gradients and attention output o (every head)."""
     block, store = m06.LlamaBlock(CFG, attention_chunk=5), m06.ActivationStore()
     y = block.forward(weights, x, store)
+    o = store["o"].clone()
     dx, grads = block.backward(weights, dy, store)
-    return y, dx, grads
+    return y, dx, grads, o
 
 
 def relative_errors(results, expected, sequence_parallel):
-    """(name, worst |difference| / worst |expected|) for y, dx and every weight gradient, the ranks' pieces joined."""
-    y_ref, dx_ref, grads_ref = expected
+    """(name, worst |difference| / worst |expected|) for the attention output o (this rank's heads, joined), y,
+    dx and every weight gradient, the ranks' pieces joined."""
+    y_ref, dx_ref, grads_ref, o_ref = expected
     joined = (lambda parts: torch.cat(parts, dim=1)) if sequence_parallel else (lambda parts: parts[0])
-    got = {"y": joined([r[0] for r in results]), "dx": joined([r[1] for r in results])}
+    got = {"o": torch.cat([r[5].reshape(*r[5].shape[:2], -1) for r in results], dim=-1)
+           if all(r[5] is not None for r in results) else torch.full_like(o_ref, float("nan")),
+           "y": joined([r[0] for r in results]), "dx": joined([r[1] for r in results])}
     for name in ROWS + COLUMNS + ("ln1", "ln2"):
         parts = [getattr(r[2], name) for r in results]
         got[f"d{name}"] = parts[0] if name.startswith("ln") else torch.cat(parts, dim=1 if name in COLUMNS else 0)
-    want = {"y": y_ref, "dx": dx_ref, **{f"d{name}": getattr(grads_ref, name) for name in ROWS + COLUMNS + ("ln1", "ln2")}}
+    want = {"o": o_ref.reshape(*o_ref.shape[:2], -1), "y": y_ref, "dx": dx_ref,
+            **{f"d{name}": getattr(grads_ref, name) for name in ROWS + COLUMNS + ("ln1", "ln2")}}
     return [(name, ((got[name].double() - want[name].double()).abs().max() / want[name].double().abs().max()).item())
             for name in want]
 
 
 @pytest.mark.exercises("shard_block_weights")
 @pytest.mark.parametrize("t", [2, 4])
-def test_each_shard_is_a_contiguous_copy_of_its_own_size(t):
-    # A slice of the whole weight has the right numbers but keeps the whole weight's storage alive (a
-    # row block is even contiguous): every rank would hold the whole block. The docstring asks for copies.
+def test_each_shard_is_a_contiguous_copy_of_this_ranks_block(t):
+    # Column-parallel weights keep block i_t of their rows, row-parallel ones block i_t of their columns, the
+    # norms all of it (the definition, docs/12). A slice of the whole weight has the right numbers but keeps the
+    # whole weight's storage alive (a row block is even contiguous): every rank would hold the whole block. The
+    # docstring asks for copies.
     weights = inputs(f64)[0]
     whole = {tensor.untyped_storage().data_ptr() for tensor in weights.tensors()}
+    names = ("ln1", "wq", "wk", "wv", "wo", "ln2", "w_gate", "w_up", "w_down")
     for rank in range(t):
         members = tuple(range(t))  # rank's place in a group of t, without processes: the shards are local
         w = block12.shard_block_weights(weights, CFG, Group("t", rank, members, Collectives(None, "t", members)))
-        for name, shard in zip(("ln1", "wq", "wk", "wv", "wo", "ln2", "w_gate", "w_up", "w_down"), w.tensors()):
+        for name, shard, full in zip(names, w.tensors(), weights.tensors()):
+            want = full if name.startswith("ln") else full.chunk(t, dim=1 if name in COLUMNS else 0)[rank]
+            cut = "whole" if name.startswith("ln") else "block of its columns" if name in COLUMNS else "block of its rows"
+            assert shard.shape == want.shape and torch.equal(shard, want), \
+                (f"your shard_block_weights: t={t}, rank {rank}: {name} is {tuple(shard.shape)}, expected "
+                 f"{tuple(want.shape)}, this rank's {cut} of the whole {tuple(full.shape)}"
+                 + ("" if shard.shape != want.shape else ": same shape, other values"))
             storage, size = shard.untyped_storage(), shard.numel() * shard.element_size()
             where = f"t={t}, rank {rank}: {name} {tuple(shard.shape)}"
             assert storage.data_ptr() not in whole, \
@@ -95,16 +113,28 @@ def test_each_shard_is_a_contiguous_copy_of_its_own_size(t):
                  f"{size}: keep a contiguous copy of exactly this rank's block")
 
 
+def _title(function: str, word: str) -> str:
+    """The title of `function`'s TODO about `word` ("attention", "FFN"): TPBlock.forward and backward hold two each."""
+    return next(b.title for b in module_todos(MODULES["12"]) if b.function == function and word in b.title)
+
+
+# The half each tensor is computed in, as its TODO's title (a message quoting titles is sent to the first TODO it
+# quotes, in the module's order: a wrong forward half makes everything after it wrong too).
+HALVES = {"o": _title("TPBlock.forward", "attention"), "y": _title("TPBlock.forward", "FFN"),
+          **{f"d{name}": _title("TPBlock.backward", "FFN") for name in ("w_gate", "w_up", "w_down")},
+          **{f"d{name}": _title("TPBlock.backward", "attention") for name in ("wq", "wk", "wv", "wo", "x")}}
+
+
 def hint(name: str, sequence_parallel: bool) -> str:
-    """Which of the learner's functions computes `name`: the first wrong one in the order computed."""
+    """Which of the learner's TODOs computes `name`: the first wrong one in the order computed."""
     if name in ("dln1", "dln2"):
         return (" (with sequence parallelism each rank's norm gradients cover its positions only: your "
                 "sum_norm_grads sums them over the group)" if sequence_parallel else
                 " (without sequence parallelism every rank's norm gradients are already whole: your sum_norm_grads "
                 "leaves them as they are, or your TPBlock.backward adds them)")
-    if name == "y":
-        return " (your TPBlock.forward, on the slices of your shard_block_weights)"
-    return " (your TPBlock.backward)"
+    if name in ("o", "y"):
+        return f" (your TPBlock.forward, {HALVES[name]}, on the slices of your shard_block_weights)"
+    return f" (your TPBlock.backward, {HALVES[name]})"
 
 
 def described(wrong: list[tuple[str, float]], sequence_parallel: bool) -> str:
@@ -144,10 +174,10 @@ def test_two_microbatches_accumulate_into_the_same_gradients():
     weights, x, dy = inputs(f64)
     _, x2, dy2 = inputs(f64, seed=2)
     results = run_ranks(_tp_block, 2, True, weights, x, dy, [(x2, dy2)], timeout=30)
-    _, _, first = single_process(weights, x, dy)
-    y, dx, second = single_process(weights, x2, dy2)
+    _, _, first, _ = single_process(weights, x, dy)
+    y, dx, second, o = single_process(weights, x2, dy2)
     both = m06.BlockWeights(*(a + b for a, b in zip(first.tensors(), second.tensors())))
-    errors = relative_errors(results, (y, dx, both), True)
+    errors = relative_errors(results, (y, dx, both, o), True)
     wrong = [f"{name}: {error:.1e}" for name, error in errors if not error <= 1e-12]
     assert not wrong, ("t=2 with sequence parallelism, two microbatches into the same gradients: relative error "
                        "above 1e-12 against the sum of module 06's two gradients (add into grads, never assign: "
@@ -247,9 +277,10 @@ def _block_with_policy(sequence_parallel, weights, x, dy):
     block = block12.TPBlock(CFG, tp, sequence_parallel, attention_chunk=5, matmul=policy)
     grads, store = block12.zero_grads(w), m06.ActivationStore()
     y = block.forward(w, mine(x), store)
+    o = store.tensors["o"].clone() if "o" in store.tensors else None
     dx = block.backward(w, mine(dy), store, grads)
     block12.sum_norm_grads([grads.ln1, grads.ln2], tp, sequence_parallel)
-    return y, dx, grads, None, None, policy.calls
+    return y, dx, grads, None, None, o, policy.calls
 
 
 @pytest.mark.exercises("TPBlock.forward", "TPBlock.backward", *LINEARS)
@@ -261,8 +292,8 @@ def test_every_linear_goes_through_the_blocks_matmul_policy(sequence_parallel):
     weights, x, dy = inputs(f64)
     results = run_ranks(_block_with_policy, 2, sequence_parallel, weights, x, dy, timeout=30)
     for rank, result in enumerate(results):
-        assert result[5] == {"forward": 7, "backward": 7}, \
-            (f"rank {rank}: the policy saw {result[5]} products, module 06's block 7 and 7: every linear of your "
+        assert result[6] == {"forward": 7, "backward": 7}, \
+            (f"rank {rank}: the policy saw {result[6]} products, module 06's block 7 and 7: every linear of your "
              f"TPBlock.forward and TPBlock.backward passes self.matmul on (column_parallel_forward(..., mm), ...)")
     errors = relative_errors(results, single_process(weights, x, dy), sequence_parallel)
     wrong = [f"{name}: {error:.1e}" for name, error in errors if not error <= 1e-12]

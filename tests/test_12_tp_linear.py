@@ -8,6 +8,8 @@ partial products are summed (torch 2.13 CPU: differences of a few units of 1e-16
 misplaced collective is off by a factor (t, or 1/t) or by a whole term.
 """
 import dataclasses
+import sys
+from unittest import mock
 
 import pytest
 import torch
@@ -34,10 +36,28 @@ def pair_inputs(seed=0):
     return x, dy, gate, up, down
 
 
+def _checked_accumulation(accumulate):
+    """The learner's accumulate_weight_grad (graded on its own below), after checking what its caller hands
+    it: a shape error inside it is the caller's, and says so."""
+    def checked(main_grad, dy, x, fused=True):
+        caller = sys._getframe(1).f_code.co_name
+        assert dy.shape[:-1] == x.shape[:-1] and tuple(main_grad.shape) == (dy.shape[-1], x.shape[-1]), \
+            (f"your {caller} hands accumulate_weight_grad dy {tuple(dy.shape)} and x {tuple(x.shape)} for main_grad "
+             f"{tuple(main_grad.shape)}: the weight gradient needs dy and x at the same tokens, every position of the "
+             "sequence, and main_grad is (dy's features, x's features)")
+        return accumulate(main_grad, dy, x, fused)
+    return checked
+
+
 def _pair_on_ranks(sequence_parallel, inputs):
     """z1, z2 = x gate^T, x up^T (column-parallel, one input); y = (z1 * z2) down^T (row-parallel). Also
     each operator alone: f and g on x and dy, and the sums (g's forward, f's backward) of partials
     (rank + 1) x."""
+    with mock.patch.object(linear, "accumulate_weight_grad", _checked_accumulation(linear.accumulate_weight_grad)):
+        return _pair(sequence_parallel, inputs)
+
+
+def _pair(sequence_parallel, inputs):
     x, dy, gate, up, down = inputs
     tp, sp = world_group("t"), sequence_parallel
     rank, t = tp.index, tp.size

@@ -94,4 +94,32 @@ PLANTS = [
         stage.backward_weight(m)""", """    elif action.kind == "W":
         pass""",
           "W skipped: no weight gradient ever reaches .grad on a zero-bubble schedule's stages"),
+    # issue 37 (helper d1112): plausible mistakes of the rewritten TODOs, each to be caught and blamed on its own TODO
+    Plant(GEN, "            if k >= r:  # rank r keeps its first r W's for the cool-down",
+          "            if k >= world_size - 1 - r:  # rank r keeps its first r W's for the cool-down",
+          "ZB-H1's mirror image: rank r holds back p-1-r W's, so rank 0 keeps nearly 2p microbatches", new=True),
+    Plant(GEN, "warmup = min((v - 1) * g + 2 * (world_size - r - 1), total)",
+          "warmup = min((v - 1) * g + 2 * (world_size - r - 1) + 1, total)",
+          "interleaved's warm-up one forward too long: valid, but one more activation kept and not Megatron-LM's order",
+          new=True),
+    Plant(GEN, "            return (k // (g * v)) * g + k % g", "            return (k // v) % g + (k // (g * v)) * g",
+          "interleaved's k-th forward takes the microbatches round the local stages one by one, not a group at a time",
+          new=True),
+    Plant(GEN, 'add(*[(down, "F")] * (2 * (p - r - 1)))', 'add(*[(down, "F")] * (2 * (p - r) - 1))',
+          "DualPipeV's phase 1 with ZB-V's count: one forward of down too many before up's first", new=True),
+    Plant(GEN, """        for _ in range(r + 1):
+            weight()
+        orders.append(order)""", """        for _ in range(r):
+            weight()
+        orders.append(order)""",
+          "DualPipeV's last phase one W short: a W left in the queue never computes its weight gradient", new=True),
+    Plant(STAGE, "            dy = None if index == 0 and self.is_first else dz @ linears[index].weight",
+          "            dy = dz @ linears[index].weight",
+          "I computes the first stage's input gradient too: a matmul for a gradient nobody uses", new=True),
+    Plant(STAGE, "        saved = self.saved.pop(microbatch)\n", "        saved = self.saved[microbatch]\n",
+          "W reads the microbatch's activations without freeing them: every microbatch stays alive to the end", new=True),
+    Plant(EXEC, '        grad = None if stage.is_last else comms.recv("grad", action.stage, m, shape)',
+          '        grad = None if stage.is_last else comms.recv("grad", action.stage + 1, m, shape)',
+          "the gradient asked for under the name of the stage that sends it: a message is named by its receiver",
+          new=True),
 ]
