@@ -79,8 +79,12 @@ def relative_errors(results, expected, sequence_parallel):
         got[f"d{name}"] = parts[0] if name.startswith("ln") else torch.cat(parts, dim=1 if name in COLUMNS else 0)
     want = {"o": o_ref.reshape(*o_ref.shape[:2], -1), "y": y_ref, "dx": dx_ref,
             **{f"d{name}": getattr(grads_ref, name) for name in ROWS + COLUMNS + ("ln1", "ln2")}}
-    return [(name, ((got[name].double() - want[name].double()).abs().max() / want[name].double().abs().max()).item())
-            for name in want]
+    errors = []
+    for name in want:
+        a, b = got[name].double(), want[name].double()
+        factor = ((a * b).sum() / (b * b).sum()).item()  # how many times the reference it is, where it is a multiple
+        errors.append((name, ((a - b).abs().max() / b.abs().max()).item(), factor))
+    return errors
 
 
 @pytest.mark.exercises("shard_block_weights")
@@ -125,27 +129,28 @@ HALVES = {"o": _title("TPBlock.forward", "attention"), "y": _title("TPBlock.forw
           **{f"d{name}": _title("TPBlock.backward", "attention") for name in ("wq", "wk", "wv", "wo", "x")}}
 
 
-def hint(name: str, sequence_parallel: bool) -> str:
-    """Which of the learner's TODOs computes `name`: the first wrong one in the order computed."""
+def hint(name: str, sequence_parallel: bool, factor: float, t: int) -> str:
+    """Which of the learner's TODOs computes `name`: the first wrong one in the order computed. A norm's gradient
+    t (or 1/t) times the reference's is summed over the group once too often (or never): sum_norm_grads."""
     if name in ("dln1", "dln2"):
-        return (" (with sequence parallelism each rank's norm gradients cover its positions only: your "
-                "sum_norm_grads sums them over the group)" if sequence_parallel else
-                " (without sequence parallelism every rank's norm gradients are already whole: your sum_norm_grads "
-                "leaves them as they are, or your TPBlock.backward adds them)")
+        if t > 1 and min(abs(factor - t), abs(factor - 1 / t)) < 1e-6:
+            return (f" ({factor:.2f} times: with sequence parallelism each rank's norm gradients cover its positions "
+                    "only, and your sum_norm_grads sums them over the group" if sequence_parallel else
+                    f" ({factor:.2f} times: without sequence parallelism every rank's norm gradients are already "
+                    "whole, and your sum_norm_grads leaves them as they are")
+        half = _title("TPBlock.backward", "attention" if name == "dln1" else "FFN")
+        return f" (your TPBlock.backward, {half}: its norm's gradient is added into grads)"
     if name in ("o", "y"):
         return f" (your TPBlock.forward, {HALVES[name]}, on the slices of your shard_block_weights)"
     return f" (your TPBlock.backward, {HALVES[name]})"
 
 
-def described(wrong: list[tuple[str, float]], sequence_parallel: bool) -> str:
+def described(wrong: list[tuple[str, float, float]], sequence_parallel: bool, t: int) -> str:
     """'dln1: 1.0e+00; dln2: 1.0e+00 (hint)': each wrong tensor's error, and each different hint once,
     after the last tensor it is about."""
-    parts = []
-    for i, (name, error) in enumerate(wrong):
-        note = hint(name, sequence_parallel)
-        parts.append(f"{name}: {error:.1e}" + ("" if i + 1 < len(wrong) and hint(wrong[i + 1][0], sequence_parallel)
-                                                == note else note))
-    return "; ".join(parts)
+    notes = [hint(name, sequence_parallel, factor, t) for name, _, factor in wrong]
+    return "; ".join(f"{name}: {error:.1e}" + ("" if i + 1 < len(wrong) and notes[i + 1] == notes[i] else notes[i])
+                     for i, (name, error, _) in enumerate(wrong))
 
 
 # The block's checks grade its TODOs first; the linears of m12_tp_linear have checks of their own.
@@ -161,9 +166,9 @@ def test_the_block_equals_module_06s_block(world_size, sequence_parallel):
     weights, x, dy = inputs(f64)
     results = run_ranks(_tp_block, world_size, sequence_parallel, weights, x, dy, timeout=30)
     errors = relative_errors(results, single_process(weights, x, dy), sequence_parallel)
-    wrong = [(name, error) for name, error in errors if not error <= 1e-12]
+    wrong = [error for error in errors if not error[1] <= 1e-12]
     assert not wrong, (f"t={world_size}, sequence parallel {sequence_parallel}: relative error above 1e-12 "
-                       f"(first in the order computed): {described(wrong, sequence_parallel)}")
+                       f"(first in the order computed): {described(wrong, sequence_parallel, world_size)}")
 
 
 @pytest.mark.exercises("TPBlock.backward", "sum_norm_grads", "TPBlock.forward", "shard_block_weights", *LINEARS)
@@ -178,10 +183,10 @@ def test_two_microbatches_accumulate_into_the_same_gradients():
     y, dx, second, o = single_process(weights, x2, dy2)
     both = m06.BlockWeights(*(a + b for a, b in zip(first.tensors(), second.tensors())))
     errors = relative_errors(results, (y, dx, both, o), True)
-    wrong = [f"{name}: {error:.1e}" for name, error in errors if not error <= 1e-12]
+    wrong = [error for error in errors if not error[1] <= 1e-12]
     assert not wrong, ("t=2 with sequence parallelism, two microbatches into the same gradients: relative error "
                        "above 1e-12 against the sum of module 06's two gradients (add into grads, never assign: "
-                       "microbatches accumulate): " + "; ".join(wrong))
+                       "microbatches accumulate): " + described(wrong, True, 2))
 
 
 @pytest.mark.exercises(*BLOCK)
@@ -189,8 +194,8 @@ def test_the_block_in_float32_is_within_rounding_of_module_06s():
     weights, x, dy = inputs(torch.float32)
     results = run_ranks(_tp_block, 4, True, weights, x, dy, timeout=30)
     errors = relative_errors(results, single_process(weights, x, dy), True)
-    wrong = [(name, error) for name, error in errors if not error <= 1e-5]
-    assert not wrong, f"t=4 with sequence parallelism, float32: relative error above 1e-5: {described(wrong, True)}"
+    wrong = [error for error in errors if not error[1] <= 1e-5]
+    assert not wrong, f"t=4 with sequence parallelism, float32: relative error above 1e-5: {described(wrong, True, 4)}"
 
 
 @pytest.mark.exercises("TPBlock.forward", "shard_block_weights", "TPBlock.backward", "sum_norm_grads", *LINEARS)
@@ -296,5 +301,5 @@ def test_every_linear_goes_through_the_blocks_matmul_policy(sequence_parallel):
             (f"rank {rank}: the policy saw {result[6]} products, module 06's block 7 and 7: every linear of your "
              f"TPBlock.forward and TPBlock.backward passes self.matmul on (column_parallel_forward(..., mm), ...)")
     errors = relative_errors(results, single_process(weights, x, dy), sequence_parallel)
-    wrong = [f"{name}: {error:.1e}" for name, error in errors if not error <= 1e-12]
-    assert not wrong, "with a matmul policy, relative error above 1e-12: " + "; ".join(wrong)
+    wrong = [error for error in errors if not error[1] <= 1e-12]
+    assert not wrong, "with a matmul policy, relative error above 1e-12: " + described(wrong, sequence_parallel, 2)

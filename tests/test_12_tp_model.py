@@ -26,8 +26,8 @@ m06 = reference("m06_llama_model")  # the single-process model: trusted code, no
 LlamaConfig = reference("m06_llama_block").LlamaConfig
 
 # forward_backward holds two TODOs: a message that knows the backward's is at fault quotes its title.
-BACKWARD_TODO = next(b.title for b in module_todos(MODULES["12"])
-                     if b.function == "TPLlama.forward_backward" and "backward" in b.title.split(": ", 1)[1])
+BACKWARD_TODO, FORWARD_TODO = (next(b.title for b in module_todos(MODULES["12"]) if b.function == "TPLlama.forward_backward"
+                                    and ("backward" in b.title.split(": ", 1)[1]) == backward) for backward in (True, False))
 f64 = torch.float64
 CFG = LlamaConfig(dim=32, n_heads=8, n_kv_heads=4, head_dim=4, ffn_dim=24, n_layers=2, max_seq_len=16)
 SMALL_VOCAB = LlamaConfig(**{**CFG.__dict__, "vocab_size": 50})  # 52 on 4 ranks: padding
@@ -54,7 +54,10 @@ def _forward_backward(sequence_parallel, tokens, targets):
     for mine, norms in zip(model.blocks, whole.blocks, strict=True):
         mine.ln1.copy_(norms.ln1), mine.ln2.copy_(norms.ln2)
     model.final_norm.copy_(whole.final_norm)
-    loss = model.forward_backward(tokens, targets)
+    # Two microbatches (one sequence each) into the same accumulators, each divided by the whole batch's tokens:
+    # their losses and gradients add up to the whole batch's.
+    n_tokens = tokens.numel()
+    loss = sum(model.forward_backward(tokens[i:i + 1], targets[i:i + 1], n_tokens) for i in range(tokens.shape[0]))
     block12.sum_norm_grads(model.norm_grads(), tp, sequence_parallel)  # what train_step does after the last microbatch
     return loss, model.grads
 
@@ -79,26 +82,32 @@ def test_the_loss_and_every_gradient_equal_module_06s_model(world_size, sequence
     for rank, (loss, _) in enumerate(results):
         assert abs(loss.item() - expected_loss.item()) <= 1e-12, \
             (f"rank {rank}: loss {loss.item()} vs {expected_loss.item()} (the forward half of your "
-             f"TPLlama.forward_backward)")
+             f"TPLlama.forward_backward: {FORWARD_TODO})")
     pieces = [("d lm_head", joined(results, "lm_head"), expected.lm_head),
               ("d final_norm", joined(results, "final_norm"), expected.final_norm)]
     for layer in reversed(range(CFG.n_layers)):
         pieces += [(f"layer {layer} d{name}", joined(results, name, layer), getattr(expected.blocks[layer], name))
                    for name in ("w_down", "w_gate", "w_up", "ln2", "wo", "wq", "wk", "wv", "ln1")]
     pieces.append(("d embedding", joined(results, "embedding"), expected.embedding))
-    wrong = []
+    wrong, factors = [], []
     for name, got, want in pieces:  # the padding rows (embedding, LM head) must get exactly nothing
         if name in ("d lm_head", "d embedding") and got[want.shape[0]:].any():
             wrong.append(f"{name}: the padding rows got a gradient")
         error = ((got[:want.shape[0]] - want).abs().max() / want.abs().max()).item()
         if not error <= 1e-12:
-            wrong.append(f"{name}: relative error {error:.1e}")
-    norms_only = all(w.split(":")[0].endswith(("dln1", "dln2", "d final_norm")) for w in wrong)
-    where = ("only the norms' gradients: your sum_norm_grads" + ("" if sequence_parallel else
-                                                               " (nothing to sum without sequence parallelism)")
-             if norms_only else "the backward of your TPLlama.forward_backward")
-    assert not wrong, (f"t={world_size}, sequence parallel {sequence_parallel}: {len(wrong)} gradients differ from "
-                       f"module 06's, first to last in backward order ({where}): " + "; ".join(wrong))
+            factor = ((got[:want.shape[0]] * want).sum() / (want * want).sum()).item()
+            wrong.append(f"{name}: relative error {error:.1e}, {factor:.2f} times module 06's")
+            factors.append(factor)
+    # Norm gradients off by t (or 1/t) alone are summed once too often (or never): sum_norm_grads. Anything else
+    # is the backward's.
+    by_the_group = all(w.split(":")[0].endswith(("dln1", "dln2", "d final_norm")) for w in wrong) and all(
+        min(abs(f - world_size), abs(f - 1 / world_size)) < 1e-9 for f in factors)
+    where = (f"only the norms' gradients, {world_size} or 1/{world_size} times: your sum_norm_grads"
+             + ("" if sequence_parallel else " (nothing to sum without sequence parallelism)")
+             if by_the_group else f"the backward of your TPLlama.forward_backward: {BACKWARD_TODO}")
+    assert not wrong, (f"t={world_size}, sequence parallel {sequence_parallel}, two microbatches accumulated: "
+                       f"{len(wrong)} gradients differ from module 06's on the whole batch, first to last in backward "
+                       f"order ({where}; each adds into its accumulator): " + "; ".join(wrong))
 
 
 def _stores_left_full(tokens, targets):
