@@ -261,31 +261,61 @@ def test_a_t_that_does_not_divide_is_refused_in_one_line(t, seq_len, message):
 
 
 class CountingMatmul(m06_ops.Matmul):
-    """Module 06's plain policy, counting its products: what module 09's seam sees of the block."""
+    """Module 06's plain policy, counting its products: what module 09's seam sees of the block, by weight (each
+    product's w is one of this rank's shards, known by its storage)."""
 
-    def __init__(self):
-        self.calls = {"forward": 0, "backward": 0}
+    def __init__(self, shards: dict[int, str]):
+        self.shards, self.calls = shards, {"forward": 0, "backward": 0}
+        self.seen: set[tuple[str, str]] = set()
+
+    def _count(self, kind, w):
+        self.calls[kind] += 1
+        self.seen.add((self.shards.get(w.untyped_storage().data_ptr(), "another tensor"), kind))
 
     def forward(self, x, w):
-        self.calls["forward"] += 1
+        self._count("forward", w)
         return super().forward(x, w)
 
     def backward(self, dy, x, w):
-        self.calls["backward"] += 1
+        self._count("backward", w)
         return super().backward(dy, x, w)
 
 
 def _block_with_policy(sequence_parallel, weights, x, dy):
     tp = world_group("t")
     mine = (lambda a: a.chunk(tp.size, dim=1)[tp.index].contiguous()) if sequence_parallel else (lambda a: a)
-    w, policy = block12.shard_block_weights(weights, CFG, tp), CountingMatmul()
+    w = block12.shard_block_weights(weights, CFG, tp)
+    names = ("ln1", "wq", "wk", "wv", "wo", "ln2", "w_gate", "w_up", "w_down")
+    policy = CountingMatmul({t.untyped_storage().data_ptr(): name for name, t in zip(names, w.tensors())})
     block = block12.TPBlock(CFG, tp, sequence_parallel, attention_chunk=5, matmul=policy)
     grads, store = block12.zero_grads(w), m06.ActivationStore()
     y = block.forward(w, mine(x), store)
     o = store.tensors["o"].clone() if "o" in store.tensors else None
     dx = block.backward(w, mine(dy), store, grads)
     block12.sum_norm_grads([grads.ln1, grads.ln2], tp, sequence_parallel)
-    return y, dx, grads, None, None, o, policy.calls
+    return y, dx, grads, None, None, o, policy.calls, policy.seen
+
+
+# Which TODO multiplies each weight, forward and backward (the FFN half's forward starts with o's projection).
+POLICY_TODOS = {**{(name, "forward"): ("TPBlock.forward", "attention") for name in ("wq", "wk", "wv")},
+                **{(name, "forward"): ("TPBlock.forward", "FFN") for name in ("wo", "w_gate", "w_up", "w_down")},
+                **{(name, "backward"): ("TPBlock.backward", "FFN") for name in ("w_gate", "w_up", "w_down")},
+                **{(name, "backward"): ("TPBlock.backward", "attention") for name in ("wq", "wk", "wv", "wo")}}
+LINEAR_OF = {("forward", True): "column_parallel_forward", ("forward", False): "row_parallel_forward",
+             ("backward", True): "column_parallel_backward", ("backward", False): "row_parallel_backward"}
+
+
+def policy_culprit(seen: set) -> str:
+    """The products the policy never saw, and who skips them: one of the linears' functions when it skips
+    every weight of its kind, else the TODO of the block's half that calls the linear without mm."""
+    missing = sorted(key for key in POLICY_TODOS if key not in seen)
+    for (kind, column), function in LINEAR_OF.items():
+        kind_missing = [name for name, k in missing if k == kind and (name not in COLUMNS) == column]
+        if len(kind_missing) == (5 if column else 2) and all(k == kind and (n not in COLUMNS) == column for n, k in missing):
+            return f"no {kind} product of {', '.join(kind_missing)} went through it: your {function} ignores its matmul"
+    todos = dict.fromkeys(_title(*POLICY_TODOS[key]) for key in missing)
+    return (f"no product of {', '.join(f'{name} ({kind})' for name, kind in missing)} went through it: every linear "
+            f"takes the block's policy mm ({'; '.join(todos)})")
 
 
 @pytest.mark.exercises("TPBlock.forward", "TPBlock.backward", *LINEARS)
@@ -298,8 +328,7 @@ def test_every_linear_goes_through_the_blocks_matmul_policy(sequence_parallel):
     results = run_ranks(_block_with_policy, 2, sequence_parallel, weights, x, dy, timeout=30)
     for rank, result in enumerate(results):
         assert result[6] == {"forward": 7, "backward": 7}, \
-            (f"rank {rank}: the policy saw {result[6]} products, module 06's block 7 and 7: every linear of your "
-             f"TPBlock.forward and TPBlock.backward passes self.matmul on (column_parallel_forward(..., mm), ...)")
+            (f"rank {rank}: the policy saw {result[6]} products, module 06's block 7 and 7: {policy_culprit(result[7])}")
     errors = relative_errors(results, single_process(weights, x, dy), sequence_parallel)
     wrong = [error for error in errors if not error[1] <= 1e-12]
     assert not wrong, "with a matmul policy, relative error above 1e-12: " + described(wrong, sequence_parallel, 2)

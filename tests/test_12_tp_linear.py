@@ -68,9 +68,16 @@ def _pair(sequence_parallel, inputs):
                  "g backward": linear.leave_tp_backward(mine(dy).clone(), tp, sp, "g"),
                  "f backward": linear.enter_tp_backward(x * (rank + 1), tp, sp, "f").wait()}
     z1, z2 = linear.column_parallel_forward(mine(x), [gate_r, up_r], tp, sp, "in")
+    features = (B, T, F // t)  # this rank's output features, at every position of the sequence
+    assert z1.shape == z2.shape == features, \
+        (f"your column_parallel_forward returns {tuple(z1.shape)} and {tuple(z2.shape)} from x {tuple(mine(x).shape)}, "
+         f"expected {features}: this rank's features at every position of the sequence")
     y = linear.row_parallel_forward(z1 * z2, down_r, tp, sp, "out")
     grads = [torch.zeros_like(w) for w in (gate_r, up_r, down_r)]
     ds = linear.row_parallel_backward(mine(dy), z1 * z2, down_r, grads[2], tp, sp, "out")
+    assert ds.shape == features, \
+        (f"your row_parallel_backward returns dx {tuple(ds.shape)} from dy {tuple(mine(dy).shape)}, expected "
+         f"{features}: the gradient of this rank's input features, at every position")
     dx = linear.column_parallel_backward([ds * z2, ds * z1], mine(x), [gate_r, up_r], grads[:2], tp, sp, "in")
     return y, dx, grads, operators, (z1, z2, ds)
 
