@@ -134,10 +134,15 @@ def test_a_column_then_row_pair_equals_the_whole_linears(world_size, sequence_pa
             assert_all_close([(name, got, want)], rtol=1e-12, atol=1e-13)
         except AssertionError as mismatch:
             wrong.append(str(mismatch).split(": ", 1)[1])
+    names = [w.split(" (")[0] for w in wrong]
+    # g's forward is f's backward's collective and g's backward f's forward's: when both of a pair are wrong, the
+    # operator they share is the likelier culprit.
+    first = ("f backward" if {"g forward", "f backward"} <= set(names) else
+             "f forward" if {"f forward", "g backward"} <= set(names) else names[0]) if wrong else None
     assert not wrong, (f"t={world_size}, sequence parallel {sequence_parallel} (y, dx, g's forward, f's backward: {layout}; "
                        f"z, ds: each rank's features, joined): {len(wrong)} of {len(pieces)} pieces differ, in the order "
-                       f"computed: {', '.join(w.split(' (')[0] for w in wrong)}. The first, {wrong[0]}, is computed by "
-                       f"{PIECES[wrong[0].split(' (')[0]]}")
+                       f"computed: {', '.join(names)}. {wrong[names.index(first)]} is computed by {PIECES[first]}"
+                       + (" (and g's, which does the same collective)" if first != names[0] else ""))
     if not sequence_parallel:  # replicated: every rank must hold the same whole tensors
         for rank, (y_r, dx_r, *_) in enumerate(results):
             assert torch.equal(y_r, results[0][0]) and torch.equal(dx_r, results[0][1]), \

@@ -24,6 +24,7 @@ model12 = load("m12_tp_model")
 block12 = load("m12_tp_block")
 m06 = reference("m06_llama_model")  # the single-process model: trusted code, not graded here
 LlamaConfig = reference("m06_llama_block").LlamaConfig
+BlockWeights = reference("m06_llama_block").BlockWeights
 
 # forward_backward holds two TODOs: a message that knows the backward's is at fault quotes its title.
 BACKWARD_TODO, FORWARD_TODO = (next(b.title for b in module_todos(MODULES["12"]) if b.function == "TPLlama.forward_backward"
@@ -126,6 +127,63 @@ def test_activation_stores_are_emptied_by_the_backward():
             (f"rank {rank}, your TPLlama.forward_backward ({BACKWARD_TODO}): the stores of layers {full} still hold "
              "activations after the backward: clear each layer's store after its block's backward, so its activations "
              "are freed as the backward goes")
+
+
+class _KeepGradients:
+    """An optimizer that keeps the gradients it is handed (a copy of each .grad) and changes nothing."""
+
+    def __init__(self, parameters):
+        self.parameters, self.grads = parameters, None
+
+    def step(self):
+        self.grads = [p.grad.clone() for p in self.parameters]
+
+
+def _one_step(sequence_parallel, tokens, targets):
+    tp = world_group("t")
+    model = model12.TPLlama(SMALL_VOCAB, tp, seed=3, dtype=f64, sequence_parallel=sequence_parallel, attention_chunk=5)
+    whole = with_uneven_norms(m06.LlamaModel(SMALL_VOCAB, 3, f64))
+    for mine, norms in zip(model.blocks, whole.blocks, strict=True):
+        mine.ln1.copy_(norms.ln1), mine.ln2.copy_(norms.ln2)
+    model.final_norm.copy_(whole.final_norm)
+    optimizer = _KeepGradients(model.parameters())
+    loss = model.train_step(tokens, targets, 2, optimizer)
+    g = optimizer.grads
+    per_block = len(g[1:-2]) // len(model.blocks)
+    blocks = [BlockWeights(*g[1 + i * per_block:1 + (i + 1) * per_block]) for i in range(len(model.blocks))]
+    return loss, m06.LlamaGrads(g[0], blocks, g[-2], g[-1])
+
+
+@pytest.mark.exercises("TPLlama.train_step", "sum_norm_grads", "TPLlama.forward_backward", *PIECES)
+@pytest.mark.parametrize("world_size, sequence_parallel", [(2, False), (2, True)])
+def test_one_step_hands_the_optimizer_the_gradient_of_the_batchs_mean_loss(world_size, sequence_parallel):
+    # Two microbatches with different numbers of real tokens (ignored targets in the first): every microbatch
+    # divides by the whole batch's real tokens, so the losses and gradients add up to module 06's on the whole batch.
+    g = torch.Generator().manual_seed(5)
+    tokens, targets = torch.randint(0, 50, (2, 12), generator=g), torch.randint(0, 50, (2, 12), generator=g)
+    targets[0, :5] = -100
+    results = run_ranks(_one_step, world_size, sequence_parallel, tokens, targets, timeout=30)
+    expected_loss, expected = with_uneven_norms(m06.LlamaModel(SMALL_VOCAB, 3, f64)).forward_backward(tokens, targets)
+    label = f"t={world_size}, sequence parallel {sequence_parallel}, 2 microbatches of 7 and 12 real tokens"
+    loss = results[0][0]
+    assert abs(loss - expected_loss.item()) <= 1e-12, \
+        (f"{label}: your TPLlama.train_step returns {loss!r}, module 06's mean loss over the batch is "
+         f"{expected_loss.item()!r} ({loss / expected_loss.item():.2f} times): every microbatch divides by the real "
+         "tokens of the whole batch")
+    names = [(f"layer {layer} d{name}", joined(results, name, layer), getattr(expected.blocks[layer], name))
+             for layer in range(CFG.n_layers) for name in ("ln1", "wq", "wk", "wv", "wo", "ln2", "w_gate", "w_up", "w_down")]
+    pieces = [("d embedding", joined(results, "embedding"), expected.embedding), *names,
+              ("d final_norm", joined(results, "final_norm"), expected.final_norm),
+              ("d lm_head", joined(results, "lm_head"), expected.lm_head)]
+    wrong = [(name, ((got[:want.shape[0]] * want).sum() / (want * want).sum()).item()) for name, got, want in pieces
+             if not ((got[:want.shape[0]] - want).abs().max() / want.abs().max()).item() <= 1e-12]
+    norms = all(name.endswith(("dln1", "dln2", "d final_norm")) for name, _ in wrong)
+    culprit = ("your sum_norm_grads (the norms' gradients summed over the group once per step, only with sequence "
+               "parallelism)" if norms else "your TPLlama.train_step (each microbatch's gradient added into the "
+               "accumulators, divided by the whole batch's real tokens; each .grad its accumulator)")
+    assert not wrong, (f"{label}: {len(wrong)} of the {len(pieces)} gradients handed to the optimizer differ from "
+                       "module 06's on the whole batch: " + ", ".join(f"{n} {f:.2f} times" for n, f in wrong[:4])
+                       + (", ..." if len(wrong) > 4 else "") + f"; look at {culprit}")
 
 
 def _train(sequence_parallel, n_microbatches):
