@@ -40,6 +40,24 @@ def step_time(steps_per_rank: list[list[tuple[float, float]]], skip_first: bool 
                for s in steps) / len(steps)
 
 
+def step_durations(steps_per_rank: list[list[tuple[float, float]]]) -> dict[int, float]:
+    """Each timed step (`timed_steps`) and its seconds, from the first rank's start to the last rank's end."""
+    return {s: max(r[s][1] for r in steps_per_rank) - min(r[s][0] for r in steps_per_rank)
+            for s in timed_steps(len(steps_per_rank[0]))}
+
+
+def median_step(durations: dict[int, float]) -> int:
+    """The step of median duration (the shorter of the two middle ones): a typical step, from which a
+    benchmark reads the bubble of a run whose steps other jobs on a shared machine disturbed unevenly."""
+    return sorted(durations, key=durations.get)[(len(durations) - 1) // 2]
+
+
+def only_step(profiles: list[dict], step: int) -> list[dict]:
+    """The profiles cut down to one step, as if it were the only one."""
+    return [{**p, "steps": [p["steps"][step]], "spans": [{**s, "step": 0} for s in p["spans"] if s["step"] == step]}
+            for p in profiles]
+
+
 def summarize(profiles: list[dict], skip_first: bool = True) -> dict:
     """Per-rank and overall step time, compute and idle fraction, averaged over the timed steps; and
     the per-rank-span bubble (`span_idle`): 1 - the ranks' mean compute / the longest rank's own span

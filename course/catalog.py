@@ -92,4 +92,7 @@ MODULES = {m.number: m for m in [
                "m17_run")),
     Module("18", "Planning: every layout of a real cluster costed with the modules' formulas, checked against runs",
            1, ("m18_presets", "m18_layout", "m18_costs", "m18_step_time", "m18_search")),
+    Module("19", "Training through failures: detect a dead, hung or slow rank, restart without losing or repeating data, "
+           "save asynchronously, checkpoint at the interval that maximises goodput", 1,
+           ("m19_detect", "m19_data", "m19_async_checkpoint", "m19_resilient", "m19_goodput")),
 ]}

@@ -38,6 +38,22 @@ HINTS_SHOWN = REPO / ".course-hints.json"  # {"TODO(m05): ...": levels shown}
 # A TODO's old title -> its new one ("TODO(m14): ..." both), oldest renaming first: a record read
 # under an old title counts for the new one (the higher level seen, if it holds both).
 RENAMED_TITLES: dict[str, str] = {
+    "TODO(m01): give part two the remaining hidden layers, then the classification head":
+        "TODO(m01): give part two the remaining hidden layers and the classification head",
+    "TODO(m02): send an activation to the next stage, blocking":
+        "TODO(m02): start sending a tensor to the neighbour its direction leads to, and return the handle",
+    "TODO(m02): send a gradient back to the previous stage, blocking":
+        "TODO(m02): start sending a tensor to the neighbour its direction leads to, and return the handle",
+    "TODO(m02): start sending an activation to the next stage, and return its handle":
+        "TODO(m02): start sending a tensor to the neighbour its direction leads to, and return the handle",
+    "TODO(m02): start sending a gradient back to the previous stage, and return its handle":
+        "TODO(m02): start sending a tensor to the neighbour its direction leads to, and return the handle",
+    "TODO(m02): receive an activation from the previous stage into a new buffer and return it":
+        "TODO(m02): receive a tensor from the neighbour its direction comes from, into a new buffer",
+    "TODO(m02): receive a gradient from the next stage into a new buffer and return it":
+        "TODO(m02): receive a tensor from the neighbour its direction comes from, into a new buffer",
+    "TODO(m05): run the whole batch as a single microbatch, forward then backward":
+        "TODO(m05): run GPipe: all m forwards, then all m backwards, and return the batch loss",
     "TODO(m12): the attention half: norm, column-parallel q/k/v, RoPE, attention on this rank's heads":
         "TODO(m12): the attention half on t ranks: what this rank computes and saves",
     "TODO(m12): the FFN half: row-parallel o, residual + norm, column-parallel gate/up, SwiGLU, row-parallel down":

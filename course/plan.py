@@ -10,6 +10,11 @@ steps/m18_*.py, `--impl`) and ranked by the predicted step time of docs/18-plann
     --mesh   pins axes, e.g. p=16,t=8 (the others are searched); --zero, --schedule, --microbatches,
              --recompute, --cp pin those choices; --fp8 off (default), on or both
 
+`python main.py plan --published` sets the planner beside the training runs papers published
+(m18_presets.PUBLISHED): each run's speed in its paper's convention, the planner's prediction on
+the run's own layout with the residual, and the planner's own top pick, as the markdown table of
+docs/18-planning.md.
+
 Bad arguments, a preset that does not exist, a GPU count no layout can use and contradictory
 options are refused in one line before the search starts; a model that fits no layout is told
 which came closest and why.
@@ -31,9 +36,9 @@ GPU_UNITS = {"memory": 1e9, "bf16": 1e12, "fp8": 1e12, "intra": 1e9, "inter": 1e
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="main.py plan", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="a preset (llama3-8b, llama3-70b, llama3-405b, mixtral-8x7b) "
+    p.add_argument("--model", help="a preset (llama3-8b, llama3-70b, llama3-405b, mixtral-8x7b) "
                    "or dim=..,layers=..,heads=..,kv_heads=..,ffn=..,vocab=..,seq=..[,experts=..,top_k=..][,batch=..]")
-    p.add_argument("--gpus", type=int, required=True, help="R, the GPUs to plan for")
+    p.add_argument("--gpus", type=int, help="R, the GPUs to plan for")
     p.add_argument("--gpu", default="h100", help="a preset (h100, h200, a100) or memory=..,bf16=..,fp8=..,intra=..,"
                    "inter=..[,per_node=..] in GB, TFLOP/s, GB/s (default h100)")
     p.add_argument("--batch", type=int, default=None, help="B, sequences in the global batch (default: the model's)")
@@ -47,9 +52,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--fp8", choices=("off", "on", "both"), default="off", help="FP8 linears: off (default), on, both")
     p.add_argument("--precision", choices=("mixed", "course"), default="mixed",
                    help="mixed: bf16 with a float32 master copy and moments (default); course: float32, the modules' runs")
-    p.add_argument("--efficiency", type=float, default=None, help="η, the fraction of the peak FLOP/s reached (default 0.5)")
+    p.add_argument("--efficiency", type=float, default=None,
+                   help="η, the fraction of the peak FLOP/s a compute-bound kernel reaches (default 0.65)")
     p.add_argument("--top", type=int, default=10, help="rows to print (default 10)")
     p.add_argument("--impl", choices=IMPLS, default="steps", help="your steps/ (default) or the reference solutions/")
+    p.add_argument("--published", action="store_true",
+                   help="the published runs against the planner (docs/18-planning.md's table); takes no other option")
     return p
 
 
@@ -119,6 +127,8 @@ def check(args):
     from course.mesh import MeshError, parse_mesh
 
     presets, layout = reference("m18_presets"), reference("m18_layout")
+    if args.model is None or args.gpus is None:
+        raise ValueError("--model and --gpus are needed (or --published alone)")
     model = parse_model(args.model, presets)
     if args.seq_len is not None:
         check_count(args.seq_len, "--seq-len")
@@ -210,8 +220,9 @@ def print_plan(model, gpu, gpus: int, batch: int, plan, step_time, time_model, t
     print(f"time model: η = {time_model.efficiency}, links at {time_model.link_efficiency:.0%}, α = "
           f"{time_model.latency_intra * 1e6:.0f}/{time_model.latency_inter * 1e6:.0f} µs; "
           f"{plan.considered} layouts costed, {len(plan.fits)} fit (one per recompute family)")
+    full = step_time.model_flops(model, batch, full_attention=True)
     header = (f"{'#':>3}  {'layout':<58} {'state':>6} {'acts':>6} {'total':>6}  {'GB sent a step by axis':<30} "
-              f"{'bubble':>6} {'step s':>7} {'tok/s/GPU':>9} {'MFU':>5}")
+              f"{'bubble':>6} {'step s':>7} {'tok/s/GPU':>9} {'MFU half/full':>13}")
     print(header)
     for rank, planned in enumerate(plan.fits[:top], start=1):
         memory, t = planned.cost.memory, planned.time
@@ -219,15 +230,74 @@ def print_plan(model, gpu, gpus: int, batch: int, plan, step_time, time_model, t
         sent = " ".join(f"{axis}:{gb(planned.cost.sent_bytes(axis))}" for axis in
                         sorted({a for a, _ in planned.cost.sent}, key="pdcetx".find)) or "-"
         tokens = batch * cfg.max_seq_len / t.step / gpus
-        mfu = flops / (t.step * gpus * gpu.bf16)
+        mfu = f"{flops / (t.step * gpus * gpu.bf16):.1%}/{full / (t.step * gpus * gpu.bf16):.1%}"
         print(f"{rank:>3}  {str(planned.layout):<58} {gb(state):>6} {gb(memory.get('activations', 0)):>6} "
-              f"{gb(planned.memory):>6}  {sent:<30} {t.bubble:>6.1%} {t.step:>7.2f} {tokens:>9.0f} {mfu:>5.1%}")
+              f"{gb(planned.memory):>6}  {sent:<30} {t.bubble:>6.1%} {t.step:>7.2f} {tokens:>9.0f} {mfu:>13}")
     print("GB: 10^9 bytes a GPU. state: parameters, gradients and optimizer; acts: activations at the peak; "
-          "total adds buffers. MFU counts causal attention at half (docs/18-planning.md).")
+          "total adds buffers. MFU: causal attention counted at half / full (torchtitan's count), docs/18-planning.md.")
+
+
+def data_parallel_bytes(planned) -> float:
+    return sum(planned.cost.sent_bytes(axis) for axis in ("d", "dc", "ed"))
+
+
+def print_published(presets, search, layout, step_time, costs):
+    """docs/18-planning.md's table: each published run in its paper's convention, the planner on its layout
+    (the fields the paper states pinned, the rest the planner's fastest that fits), and its own top pick."""
+    rows = []
+    for run in presets.PUBLISHED:
+        model, cfg = run.model, run.model.cfg
+        time_model = step_time.TimeModel(**({} if run.overlapped else {"hidden": 0.0}))
+        tokens = model.batch * cfg.max_seq_len
+        if run.counts == "eq3":   # Narayanan et al.'s Eq. 3: full attention, one more forward
+            conventions = [step_time.model_flops(model, model.batch, True, True) / tokens]
+        else:                     # unstated: causal attention at half, or full (torchtitan's count)
+            conventions = [step_time.model_flops(model, model.batch) / tokens,
+                           step_time.model_flops(model, model.batch, full_attention=True) / tokens]
+        published = [run.tflops * 1e12 / flops for flops in conventions]
+        own = search.search(model, run.gpus, model.batch, run.gpu, layout.MIXED, time_model, {**run.layout, "fp8": False})
+        software = {key: run.layout[key] for key in ("attention",) if key in run.layout}   # the run's kernels
+        top = search.search(model, run.gpus, model.batch, run.gpu, layout.MIXED, time_model, {"fp8": False, **software})
+        costs.forget()
+        if not own.fits or not top.fits:
+            rows.append(f"| {run.source} | {run.gpus:,} | {run.tflops:g} | nothing fits | | | | | |")
+            continue
+        own, top = own.fits[0], top.fits[0]
+        speed = {name: tokens / planned.time.step / run.gpus for name, planned in (("own", own), ("top", top))}
+        flag = " (more, and faster)" if (data_parallel_bytes(top) > data_parallel_bytes(own)
+                                         and top.time.step < own.time.step) else ""
+        theirs = " / ".join(f"{x:,.1f}" for x in published)
+        residual = " / ".join(f"{speed['own'] / x - 1:+.0%}".replace("-0%", "0%").replace("+0%", "0%")
+                              for x in published)
+        rows.append(f"| {run.source} | {run.gpus:,} {run.gpu.name.split()[0]} | {run.tflops:g} | {theirs} | "
+                    f"`{own.layout}` | {speed['own']:,.1f} | {residual} | {gb(data_parallel_bytes(own))} | "
+                    f"`{top.layout}` | {speed['top']:,.1f} | {gb(data_parallel_bytes(top))}{flag} |")
+        print(f"  planned {run.source}", file=sys.stderr, flush=True)
+    print("| run | GPUs | TFLOP/s a GPU, printed | tokens/s a GPU, their convention | the planner on their layout | "
+          "tokens/s a GPU | residual | data-parallel GB a step | the planner's top pick | tokens/s a GPU | "
+          "data-parallel GB a step |")
+    print("| --- " * 11 + "|")
+    print("\n".join(rows))
+    for name, why in presets.NOT_PLANNED.items():
+        print(f"\nNot planned: {name}: {why}.")
 
 
 def main(argv: list[str]) -> None:
     args = parser().parse_args(argv)
+    if args.published:
+        others = [name for name, value in vars(args).items()
+                  if name not in ("published", "impl") and value != parser().get_default(name)]
+        if others:
+            sys.exit(f"error: --published takes no other option (got --{others[0].replace('_', '-')}): it plans the "
+                     "published runs as their papers describe them")
+        os.environ["COURSE_IMPL"] = args.impl
+        from course.impl import load
+        from course.launch import failures_explained
+
+        with failures_explained("18", args.impl):
+            print_published(load("m18_presets"), load("m18_search"), load("m18_layout"), load("m18_step_time"),
+                            load("m18_costs"))
+        return
     try:
         model, gpu, batch, fixed = check(args)
     except ValueError as error:

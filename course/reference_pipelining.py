@@ -3,7 +3,7 @@ autograd (`accumulating_monolith`), which every schedule must reproduce bit for 
 own pipeline schedules (torch.distributed.pipelining) on module 11's stages, an independent
 implementation of every schedule of module 11 but ZB-H2 (which torch does not ship), to compare losses,
 gradients and step times with.
-Run `run_torch_schedule` on every rank of a gloo group.
+Run `run_torch_schedule` (or a `TorchSchedule`, one step at a time) on every rank of a gloo group.
 
 Torch runs its stages with autograd, so each stage is wrapped as an nn.Module (`TorchStage`) that
 shares the SplitStage's layers. With an emulated device the three costs land where torch pays
@@ -88,37 +88,54 @@ class TorchStage(nn.Module):
         return x
 
 
-def run_torch_schedule(name: str, world_size: int, n_microbatches: int, steps: int, ms_per_layer: float = 0.0,
-                       stages_per_rank: int = 2) -> dict:
-    """On this rank: train module 11's stages for `steps` steps with torch's schedule for `name`.
-    Returns {"steps": [(start, end)], "losses": [batch loss or None], "first_grads": {stage: [grads]}},
-    the gradients of the first step, before the optimizer, in the order of the stage's parameters()."""
-    from torch.distributed.pipelining import PipelineStage, schedules
+class TorchSchedule:
+    """On this rank: module 11's stages for schedule `name`, trained with torch's schedule for it, one
+    step per call of `step()` (a barrier first, so that every rank starts the timed step together).
+    `steps` holds each step's (start, end), `losses` the batch loss (None off the last stage),
+    `first_grads` the gradients of the first step, before the optimizer, by stage, in the order of each
+    stage's parameters(). Its constructor raises what torch raises for a configuration it refuses."""
 
-    rank = dist.get_rank()
-    m00, m11 = reference("m00_monolith"), reference("m11_executor")
-    cfg = m00.MLPConfig(steps=steps)
-    plan = reference("m11_generators").make_schedule(name, world_size, n_microbatches, stages_per_rank)
-    split = m11.build_stages(cfg, plan, world_group())
-    pipe_stages = [PipelineStage(TorchStage(split[s], ms_per_layer), s, plan.n_stages, torch.device("cpu"))
-                   for s in sorted(split)]
-    kind = getattr(schedules, TORCH_SCHEDULES[name])
-    one_stage = name in ("gpipe", "1f1b")
-    pipe = kind(pipe_stages[0] if one_stage else pipe_stages, n_microbatches, loss_fn=F.cross_entropy)
-    optimizer = torch.optim.Adam([p for s in split.values() for p in s.parameters()], lr=cfg.lr)
-    x, y = m00.make_batch(cfg)
-    first, last = 0 in split, plan.n_stages - 1 in split
-    steps_at, losses, first_grads = [], [], None
-    for step in range(steps):
-        optimizer.zero_grad()
+    def __init__(self, name: str, world_size: int, n_microbatches: int, ms_per_layer: float = 0.0,
+                 stages_per_rank: int = 2):
+        from torch.distributed.pipelining import PipelineStage, schedules
+
+        m00, m11 = reference("m00_monolith"), reference("m11_executor")
+        cfg = m00.MLPConfig()
+        plan = reference("m11_generators").make_schedule(name, world_size, n_microbatches, stages_per_rank)
+        self.split = m11.build_stages(cfg, plan, world_group())
+        pipe_stages = [PipelineStage(TorchStage(self.split[s], ms_per_layer), s, plan.n_stages, torch.device("cpu"))
+                       for s in sorted(self.split)]
+        kind = getattr(schedules, TORCH_SCHEDULES[name])
+        one_stage = name in ("gpipe", "1f1b")
+        self.pipe = kind(pipe_stages[0] if one_stage else pipe_stages, n_microbatches, loss_fn=F.cross_entropy)
+        self.optimizer = torch.optim.Adam([p for s in self.split.values() for p in s.parameters()], lr=cfg.lr)
+        self.x, self.y = m00.make_batch(cfg)
+        self.first, self.last = 0 in self.split, plan.n_stages - 1 in self.split
+        self.steps, self.losses, self.first_grads = [], [], None
+
+    def step(self):
+        self.optimizer.zero_grad()
         dist.barrier()
         start, shares = time.perf_counter(), []
-        args = (x,) if first else ()
-        kwargs = {"target": y, "losses": shares} if last else {}
-        pipe.step(*args, **kwargs)
-        steps_at.append((start, time.perf_counter()))
-        losses.append(torch.stack(shares).mean().item() if last else None)
-        if step == 0:
-            first_grads = {s: [p.grad.clone() for p in stage.parameters()] for s, stage in split.items()}
-        optimizer.step()
-    return {"steps": steps_at, "losses": losses, "first_grads": first_grads}
+        args = (self.x,) if self.first else ()
+        kwargs = {"target": self.y, "losses": shares} if self.last else {}
+        self.pipe.step(*args, **kwargs)
+        self.steps.append((start, time.perf_counter()))
+        self.losses.append(torch.stack(shares).mean().item() if self.last else None)
+        if self.first_grads is None:
+            self.first_grads = {s: [p.grad.clone() for p in stage.parameters()] for s, stage in self.split.items()}
+        self.optimizer.step()
+
+    def result(self) -> dict:
+        return {"steps": self.steps, "losses": self.losses, "first_grads": self.first_grads}
+
+
+def run_torch_schedule(name: str, world_size: int, n_microbatches: int, steps: int, ms_per_layer: float = 0.0,
+                       stages_per_rank: int = 2) -> dict:
+    """On this rank: train module 11's stages for `steps` steps with torch's schedule for `name` (a
+    TorchSchedule). Returns {"steps": [(start, end)], "losses": [batch loss or None], "first_grads":
+    {stage: [grads]}}."""
+    run = TorchSchedule(name, world_size, n_microbatches, ms_per_layer, stages_per_rank)
+    for _ in range(steps):
+        run.step()
+    return run.result()

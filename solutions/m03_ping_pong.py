@@ -26,28 +26,28 @@ def ping_pong(comms: PipelineComms, x: torch.Tensor, round_trips: int) -> torch.
     # >>> TODO(m03): bounce the ball for the given number of round trips, each receiver adding 1
     # Contract: runs on both ranks at once, with the same x and round_trips; comms is the first or
     # the last stage's PipelineComms (comms.pp.index 0 or 1; "rank 0" and "rank 1" below). One
-    # round trip is one message each way, so each rank sends exactly round_trips messages. The ball
-    # keeps x's shape and dtype. Returns the last ball this rank held: on rank 0 the one it
-    # received last (x + 2 round_trips), on rank 1 the one it sent back last (x + 2 round_trips - 1).
+    # round trip is one message each way, so each rank sends exactly round_trips messages, with
+    # the pipeline's verbs. The ball keeps x's shape and dtype. Returns the last ball this rank
+    # held: on rank 0 the one it received last, x + 2 round_trips; on rank 1 the one it sent back
+    # last, x + 2 round_trips - 1.
     # The invariant: every hop adds exactly 1, so the value counts the messages delivered; a
     # message lost, repeated or taken out of order shows in the count.
-    # Pitfalls: both ranks starting with a receive (or both with a send that waits for its
-    # receiver) wait for each other: the grader stops them at its timeout and names the line each
-    # rank is stuck on. A receive buffer of the comms' default dtype instead of the ball's: the
-    # grader bounces a float64 ball, and a buffer of another byte size makes gloo abort the
-    # receiving rank ("died without a result", SIGABRT). Adding 1 before sending, or returning
-    # on rank 1 what it received rather than what it sent back, is off by one: the grader prints
-    # what each rank holds. An extra message: the grader counts every rank's sends.
-    # Hint 1: Rank 0 serves: each round it sends the ball and waits for it to come back. Rank 1
-    #         mirrors it: each round it waits for the ball and sends it back. Whoever receives
-    #         adds 1 at once, so the ball a rank holds is always the latest count.
-    # Hint 2: the pipeline verbs: first stage send_forward then recv_backward, last stage
-    #         recv_forward then send_backward; receives are sized with x.shape and x.dtype;
-    #         comms.pp.index says which side this is (0: the first stage).
+    # The question: which verbs does each rank call, in which order, so that every call has its
+    # partner on the other rank at the same moment of the game?
+    # Pitfalls: what happens when both ranks start by waiting for the other (the grader stops
+    # them at its timeout and names the line each is stuck on)? Which shape and dtype does a
+    # receive of the ball need (the grader bounces a float64 ball of 2 x 3)? On which side of a
+    # send must the + 1 be for rank 1 to end one below rank 0?
+    # Hint 1: Which of module 02's verbs carry a message from the first stage to the last, and
+    #         which carry it back? (docs/03-ping-pong.md, "The game"; docs/02-comms.md, "Why the
+    #         order of calls matters")
+    # Hint 2: rank 0 serves: per round, a send forward, then a receive backward (+1 on arrival);
+    #         rank 1 mirrors it: a receive forward (+1), then a send backward. Receives take the
+    #         ball's shape and dtype.
     # Hint 3: ball <- x
     #         repeat round_trips times:
-    #             first stage: send ball forward; ball <- (receive backward, x's shape and dtype) + 1
-    #             last stage: ball <- (receive forward, x's shape and dtype) + 1; send ball backward
+    #             if comms.pp.index == 0: comms.send_forward(ball); ball <- comms.recv_backward(x.shape, x.dtype) + 1
+    #             else: ball <- comms.recv_forward(x.shape, x.dtype) + 1; comms.send_backward(ball)
     #         return ball
     ball = x
     for _ in range(round_trips):
@@ -70,24 +70,25 @@ def time_round_trip(comms: PipelineComms, numel: int, repeats: int = 20, warmup:
     # >>> TODO(m03): time single round trips of a numel-element ball and return their median
     # Contract: runs on both ranks at once, with the same arguments. Plays warmup + repeats round
     # trips of a float32 ball of numel elements on comms.device; the first `warmup` are not
-    # timed; each of the next `repeats` is timed on its own; returns the median of those
-    # durations, in seconds (a float). Each rank therefore sends warmup + repeats messages.
-    # Why the median: a round trip takes 2 * (latency + bytes / bandwidth) plus noise that only
-    # ever adds time (the scheduler, another process); the median of single round trips ignores
-    # the odd slow one, where a mean (or the total divided by repeats) absorbs it.
-    # Pitfalls: both ranks must play the same number of round trips, or one waits forever for the
-    # other. The grader counts the messages (warmup + repeats) and replaces the module's clock
-    # (the `time` module imported above: read the clock through it) with a scripted one whose
-    # round trips take known durations: it expects exactly the median of the timed ones, not
-    # their mean, their sum, or a median over rounds that include warm-ups.
-    # Hint 1: Play the warm-up rounds untimed; then, one round trip at a time, read the clock
-    #         before and after and keep the difference; return the middle value of those.
-    # Hint 2: ping_pong with round_trips=1 is one round trip; time.perf_counter() reads the clock;
-    #         statistics.median(list); torch.zeros(numel, device=comms.device) is a ball.
-    # Hint 3: ball <- float32 zeros of numel elements on comms.device
-    #         warmup times: one round trip
-    #         repeats times: start <- clock; one round trip; append clock - start
-    #         return the median of what was appended
+    # timed, each of the next `repeats` is timed on its own, and the result is the median of
+    # those durations, in seconds (a float). Each rank therefore sends warmup + repeats messages.
+    # The grader replaces the module's clock (the `time` module imported above: read the clock
+    # through it) with a scripted one whose round trips take known durations.
+    # The question: why single round trips and their median, rather than one long timed loop?
+    # Pitfalls: what happens if the two ranks do not play the same number of round trips? With
+    # an even number of timed round trips, which value is the median? Does the first round trip
+    # of a fresh connection measure the link?
+    # Hint 1: What does noise on a shared machine do to a single timing: can it make one shorter,
+    #         or only longer? (docs/03-ping-pong.md, "Latency and bandwidth")
+    # Hint 2: a round trip takes 2(α + bytes/β) plus noise that only ever adds time; the median of
+    #         the timed durations t_1 .. t_repeats ignores a few slow ones, where the mean (or the
+    #         total over repeats) absorbs them. With an even count the median is the mean of the
+    #         two middle values.
+    # Hint 3: ball <- torch.zeros(numel, device=comms.device)
+    #         warmup times: ping_pong(comms, ball, 1)
+    #         repeats times: start <- time.perf_counter(); ping_pong(comms, ball, 1);
+    #                        times.append(time.perf_counter() - start)
+    #         return statistics.median(times)
     ball = torch.zeros(numel, device=comms.device)
     for _ in range(warmup):
         ping_pong(comms, ball, 1)

@@ -9,10 +9,9 @@ The pipeline's ranks are a group (course/mesh.py's `Group`): every rank of the j
 one axis of a bigger mesh. A stage's place in the pipeline is its index in that group.
 
 For the split to be an exact copy of the monolith, every rank must start from the monolith's
-weights for its layers. We get them by replaying the monolith's construction from the same seed:
-every rank creates every layer in order (one at a time, so at most two extra layers are alive) and
-keeps only its own. Approximating the random stream instead (say, seeding each rank differently)
-gives a different model, and the loss curves no longer agree.
+weights for its layers, which the monolith draws from one seeded random stream, layer after layer.
+Approximating the random stream instead (say, seeding each rank differently) gives a different
+model, and the loss curves no longer agree.
 """
 import torch
 import torch.nn as nn
@@ -35,20 +34,19 @@ def layer_range(cfg: MLPConfig, stage: int, n_stages: int) -> range:
     """The indices of the layers that stage `stage` of `n_stages` holds."""
     check_stages(cfg, n_stages)
     # >>> TODO(m04): return the block of consecutive layer indices a stage owns
-    # Contract: a range of layer indices. Over stages 0 .. n_stages - 1, in order, the ranges are
-    # consecutive blocks of equal length L/S (L = cfg.layers, S = n_stages; here one stage per
-    # pipeline rank, S = p) that together cover 0 .. L - 1 exactly once and in order: stage s's
-    # block starts where stage s - 1's ends. check_stages (given, above) has already refused an S
-    # that does not divide L.
-    # Pitfalls: a range's stop is excluded, so an off-by-one drops or repeats a layer at every
-    # boundary; dealing the layers out in turn (s, s + S, ...) covers every layer but not in
-    # blocks, and a pipeline needs each stage's layers to be consecutive. The grader lists the
-    # ranges it got for S = 1, 2, 4, 8 and 16.
-    # Hint 1: Every stage gets the same number of layers; stage s's block comes after s such blocks.
-    # Hint 2: per_stage = L // S (an int); stage s's first index is s * per_stage; range(start, stop)
-    #         stops before stop.
-    # Hint 3: per_stage <- layers divided by n_stages (integer division)
-    #         return the range from the stage's first index up to the next stage's first index
+    # Contract: a range of layer indices. Over stages 0 .. n_stages - 1 (S stages), in order, the
+    # ranges are consecutive blocks of equal length that together cover 0 .. L - 1 (L =
+    # cfg.layers) exactly once and in order: each stage's block starts where the previous
+    # stage's ends. check_stages (given, above) has already refused an S that does not divide L.
+    # The grader lists the ranges it got for S = 1, 2, 4, 8, 16 (16 layers) and S = 3, 6 (12).
+    # The question: where does stage s's block start, and where does it stop?
+    # Pitfalls: is a range's stop included? Do layers dealt out in turn (s, s + S, ...) form
+    # consecutive blocks?
+    # Hint 1: How many layers does each stage hold, and how many lie before stage s's block?
+    #         (docs/04-sharded.md, "Who holds what")
+    # Hint 2: each stage holds L/S layers, so stage s's block is [s L/S, (s + 1) L/S).
+    # Hint 3: per_stage = cfg.layers // n_stages
+    #         return range(stage * per_stage, (stage + 1) * per_stage)
     per_stage = cfg.layers // n_stages
     return range(stage * per_stage, (stage + 1) * per_stage)
     # <<<
@@ -67,32 +65,29 @@ class ShardedMLP(nn.Module):
         mine = layer_range(cfg, pp.index, pp.size)
         # >>> TODO(m04): build this rank's layers, and the head on the last rank, with the monolith's initial weights
         # Contract: self.layers is an nn.ModuleList of this rank's layers (the indices in `mine`, in
-        # order), each hidden to hidden, with exactly the initial weights of the monolith's layers of
-        # the same indices; self.head is the monolith's head (hidden to classes) on the last stage
-        # and None on every other. What the process drew from the random stream before this
-        # constructor must not matter.
-        # The invariant: the monolith's weights come from one stream seeded with cfg.seed, drawn
-        # layer by layer in index order and the head last; a layer's weights depend on every draw
-        # before it, and there is no cheap way to skip ahead (docs/04-sharded.md). Memory: keep only
-        # this rank's layers, and let every other layer go once the next one exists: never hold
-        # the whole model.
-        # Pitfalls: not seeding here makes the shard depend on what the caller drew (the grader
-        # draws with another seed before building each shard). Creating only this rank's layers
-        # after seeding gives rank 0 the right weights and every other rank wrong ones: the grader
-        # names the world size, rank and layer. The head before the layers, or on every stage:
-        # the grader compares the head and demands None elsewhere. Layers in a plain Python list
-        # are not parameters: the grader counts the parameters the shards hold together.
-        # Hint 1: Replay the monolith's construction from its seed on every rank, keeping only this
-        #         rank's layers and letting the others go as soon as they are made; then, on the
-        #         last stage only, the head (the last draws).
-        # Hint 2: torch.manual_seed(the config's seed); nn.Linear(cfg.hidden, cfg.hidden) for
-        #         every index in range(cfg.layers), kept when the index is in `mine`;
-        #         nn.ModuleList(kept layers); nn.Linear(cfg.hidden, cfg.classes); self.is_last.
-        # Hint 3: seed with cfg.seed
-        #         for each layer index, in order: make a hidden-to-hidden Linear; keep it if the
-        #             index is this rank's
-        #         self.layers <- ModuleList of the kept ones
-        #         self.head <- a hidden-to-classes Linear on the last stage, else None
+        # order), each hidden to hidden, with exactly the initial weights of the monolith's layers
+        # of the same indices; self.head is the monolith's head (hidden to classes) on the last
+        # stage and None on every other. What the process drew from the random stream before this
+        # constructor must not matter: the grader draws with another seed before each shard, on
+        # pipelines of 1 to 16 ranks. Memory: never hold the whole model, only this rank's layers
+        # and at most a layer or two more at any moment.
+        # The question: the monolith's layer i is initialised by draws that come after every draw
+        # of layers 0 .. i - 1. How does rank r end up with the weights of the layers it owns,
+        # and with no others kept?
+        # Pitfalls: does rank 0 holding the right weights say anything about rank 1? Where in the
+        # stream are the head's draws, and which ranks hold a head? Are layers kept in a plain
+        # list parameters?
+        # Hint 1: Can a random stream be moved forward to the draws of layer 8 without making the
+        #         draws before them? (docs/04-sharded.md, "Getting the monolith's weights on every
+        #         rank"; docs/01-manual-split.md, "Starting from the monolith's weights")
+        # Hint 2: from cfg.seed, the draws of layer i come after those of layers 0 .. i - 1 and the
+        #         head's after all L layers: every rank makes all of them, in that order, and keeps
+        #         only its own, letting each other layer go as soon as the next one is made.
+        # Hint 3: torch.manual_seed(cfg.seed)
+        #         for index in range(cfg.layers): layer <- nn.Linear(cfg.hidden, cfg.hidden); keep it
+        #             if index in mine
+        #         self.layers <- nn.ModuleList(kept)
+        #         self.head <- nn.Linear(cfg.hidden, cfg.classes) if self.is_last else None
         torch.manual_seed(cfg.seed)
         kept = []
         for index in range(cfg.layers):
@@ -123,25 +118,24 @@ def sharded_forward(model: ShardedMLP, comms: PipelineComms, x: torch.Tensor) ->
     their receive buffer, (rows, hidden)), so they may be handed just those rows.
     """
     # >>> TODO(m04): pass the batch through this rank's stage of the relay and return its output
-    # Contract: runs on every rank at once, with the same batch x (batch, features). The first
-    # rank computes from x; every other rank computes from the activation the previous rank sends
-    # (batch rows, model.hidden columns, float32), and x only tells it the batch size. Every rank
-    # but the last hands its output on to the next rank. Returns this rank's output: activations
-    # (batch, hidden), or the logits (batch, classes) on the last rank.
-    # The invariant: a message copies bytes and does no arithmetic, so the last rank's logits are
-    # the monolith's bit for bit (the grader compares with torch.equal on 2 and 4 ranks).
-    # Pitfalls: receiving on the first rank or sending from the last: the comms raise their clear
-    # "rank r is the first/last stage" error. A rank that never sends leaves the next one
-    # waiting in its receive: the grader stops the ranks at its timeout and names the line each
-    # is stuck on. The buffer's width is the model's, not x's: the grader hands the other ranks
-    # only the batch's rows (x[:, :1]), so a buffer sized from x.shape fails.
-    # Hint 1: Three steps, two of them depending on where this stage sits: where its input comes
-    #         from, computing, where its output goes.
-    # Hint 2: model.is_first and model.is_last; comms.recv_forward(shape) with shape
-    #         (x.shape[0], model.hidden); model(input); comms.send_forward(output).
-    # Hint 3: if not the first stage: x <- receive forward, (batch rows, hidden columns)
-    #         out <- this rank's model of x
-    #         if not the last stage: send out forward
+    # Contract: runs on every rank at once, with the same batch x (batch, features); every rank
+    # but the first may be handed only x's rows (x[:, :1]), to read the batch size from. Returns
+    # this rank's output, its stage applied to its input: activations (batch, model.hidden), or
+    # logits (batch, classes) on the last rank, equal to the monolith's bit for bit (torch.equal
+    # on 1, 2 and 4 ranks, and a 12-layer model 8 wide on 3). Messages go through comms (module
+    # 02's verbs); activations travel in float32, the comms' default.
+    # The question: where does each rank's input come from, and where must its output go, so that
+    # every receive has a matching send?
+    # Pitfalls: which ranks have no one to receive from, or to send to? How wide is the activation
+    # a rank receives? What does the next rank do if this one never sends?
+    # Hint 1: Which rank has the batch, and which rank's output does the loss need? (docs/04-sharded.md,
+    #         "The forward pass as a relay")
+    # Hint 2: input = x on the first stage, else the activation received from the previous stage,
+    #         (rows of x) x hidden; output = the stage applied to its input; every stage but the last
+    #         sends its output forward.
+    # Hint 3: if not model.is_first: x <- comms.recv_forward((x.shape[0], model.hidden))
+    #         out <- model(x)
+    #         if not model.is_last: comms.send_forward(out)
     #         return out
     if not model.is_first:
         x = comms.recv_forward((x.shape[0], model.hidden))

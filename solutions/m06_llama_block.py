@@ -146,27 +146,26 @@ class LlamaBlock:
         B, T, _ = x.shape
         cos, sin = self.rope(T, x.dtype, x.device)
         # >>> TODO(m06): the attention half's forward, saving exactly what its backward reads
-        # x is (B, T, dim); w holds the block's weights; cos and sin (above) are the RoPE tables for this length.
-        # Return o, attention's output (B, T, n_heads * head_dim), before the o projection. The ops, in order:
-        # RMSNorm with ln1, the q, k and v projections, RoPE on q and k, causal attention.
-        # Afterwards the store holds 'x', 'n1', 'r1', 'q' and 'k' (after RoPE), 'v', 'o' and 'lse', and nothing
-        # else of this half: the test compares the store's names with the list the backward reads.
-        # The matmul seam: the norm's output goes through the policy's prepare once, under the name 'n1' (prepare
-        # saves it); q, k and v all multiply what prepare returned (module 09's FP8 policy quantizes it there).
-        # Shapes: a projection gives (B, T, heads * head_dim); RoPE and attention want a head axis: (B, T, n_heads,
-        # head_dim) for q, n_kv_heads for k and v.
-        # Pitfalls: RoPE rotates q and k, never v. Attention goes through self.attention (chunked, or the fused
-        # kernel), not attention_forward directly. Every linear goes through linear_forward with self.matmul: the
-        # grader counts the policy's calls (7 forward, 7 backward per block) and compares with an nn.Module block.
-        # Hint 1: the norm, one prepare, three projections of the prepared input, a view to give each a head axis,
-        #         RoPE on two of them, attention; then save the eight names.
-        # Hint 2: rmsnorm_forward, mm.prepare(tensor, store, name), linear_forward(input, weight, mm), .view(B, T,
-        #         heads, head_dim), rope_forward(t, cos, sin), self.attention.forward (it returns (o, lse)),
-        #         store.save(name, tensor).
-        # Hint 3: n1, r1 = norm of x with ln1;  n1 = prepared n1 under 'n1'
-        #         q = RoPE(view of (n1 projected by wq) with n_heads);  k = the same with wk and n_kv_heads
-        #         v = view of (n1 projected by wv) with n_kv_heads  (no RoPE)
-        #         o, lse = attention of q, k, v;  save x, r1, q, k, v, o, lse under their names;  return o
+        # Contract: x is (B, T, dim), w the block's weights, cos and sin (above) RoPE's tables for this length. Return
+        #   o, attention's output (B, T, n_heads * head_dim) before the o projection, as the module docstring's chain
+        #   defines it. Afterwards the store holds 'x', 'n1', 'r1', 'q', 'k', 'v', 'o' and 'lse' (q, k and v as
+        #   attention read them) and nothing else of this half. Every linear goes through linear_forward with
+        #   self.matmul and attention through self.attention (chunked, or the fused kernel): the tests count the
+        #   calls and compare o with an nn.Module Llama block's.
+        # The matmul seam: q, k and v read one input. The policy's prepare sees it once, under the name 'n1' (prepare
+        #   saves it there), and the three projections multiply what prepare returned (module 09 quantizes it there).
+        # Question: which tensors will this half's backward read, in which shapes, and which op makes each?
+        # Pitfalls: which of q, k and v does RoPE turn? A projection gives (B, T, heads * head_dim): how many heads
+        #   do q, k and v each have? Which saved names does prepare save, and which are yours to save?
+        # Hint 1: the chapter's "The block: a chain and its reverse": for each op of this half, what will its backward
+        #         read? rmsnorm_backward, rope_backward and self.attention.backward tell you by their arguments.
+        # Hint 2: (n1, r1) = RMSNorm(x; ln1); q = RoPE(n1 W_qᵀ) with n_heads heads, k = RoPE(n1 W_kᵀ) and v = n1 W_vᵀ
+        #         with n_kv_heads; (o, lse) = attention(q, k, v); the store: x, n1 (by prepare), r1, q, k, v, o, lse.
+        # Hint 3: n1, r1 = rmsnorm_forward(x, w.ln1, cfg.norm_eps);  n1 = mm.prepare(n1, store, "n1")
+        #         q = rope_forward(linear_forward(n1, w.wq, mm).view(B, T, cfg.n_heads, cfg.head_dim), cos, sin)
+        #         k = the same with w.wk and cfg.n_kv_heads;  v = linear_forward(n1, w.wv, mm).view(...), no RoPE
+        #         o, lse = self.attention.forward(q, k, v)
+        #         store.save each of x, r1, q, k, v, o, lse under its name;  return o
         n1, r1 = rmsnorm_forward(x, w.ln1, cfg.norm_eps)
         n1 = mm.prepare(n1, store, "n1")
         q = rope_forward(linear_forward(n1, w.wq, mm).view(B, T, cfg.n_heads, cfg.head_dim), cos, sin)
@@ -184,19 +183,25 @@ class LlamaBlock:
         needs it as it is, so the o projection takes o itself (an FP8 policy converts it when it multiplies)."""
         cfg, mm = self.cfg, self.matmul
         # >>> TODO(m06): the FFN half's forward up to SwiGLU, saving what its backward reads
-        # x is the block input and o attention's output (B, T, n_heads * head_dim). Return (h, s): h = x plus the o
-        # projection of o (the residual stream after attention), and s, SwiGLU of the gate and up projections of
-        # RMSNorm(h) with ln2, as the policy's prepare returned it (the down projection multiplies it).
-        # Afterwards the store holds 'h', 'n2', 'r2', 'g', 'u' and 's'; 'n2' and 's' get there through prepare.
-        # Pitfall: o is not prepared (attention's backward needs it as it is): the o projection multiplies o itself.
-        # Pitfall: gate and up read one prepared n2; preparing it twice would quantize twice in module 09.
-        # Hint 1: the residual add and the norm are one fused op here; then two projections of the prepared norm
-        #         output, SwiGLU, and a prepare of its result.
-        # Hint 2: residual_rmsnorm_forward(x, a, weight, eps) returns (h, n, r); linear_forward; mm.prepare;
-        #         swiglu_forward; store.save.
-        # Hint 3: h, n2, r2 = residual add of (o projected by wo) to x, then norm with ln2
-        #         n2 = prepared n2 under 'n2';  g, u = n2 projected by w_gate and by w_up
-        #         s = prepared SwiGLU(g, u) under 's';  save h, r2, g, u;  return (h, s)
+        # Contract: x is the block input and o attention's output (B, T, n_heads * head_dim). Return (h, s): h, the
+        #   residual stream after attention (B, T, dim), and s, SwiGLU's output (B, T, ffn_dim) as the policy's prepare
+        #   returned it (the down projection, given in forward, multiplies it), as the module docstring's chain defines
+        #   them. Afterwards the store holds 'h', 'n2', 'r2', 'g', 'u' and 's' and nothing else of this half; 'n2' and
+        #   's' get there through mm.prepare (gate and up read one n2). Every linear goes through linear_forward with
+        #   self.matmul (the tests count the calls, and which of them multiply a prepared input).
+        # Question: which tensors will this half's backward read, and which of them are linear inputs the policy
+        #   must see once?
+        # Pitfalls: o is kept as it is for attention's backward: is it prepared? How many times is n2 prepared when
+        #   two linears read it (module 09 would quantize it each time)?
+        # Hint 1: the chapter's "The block: a chain and its reverse"; the residual add and the second norm are one
+        #         op here (residual_rmsnorm_forward). What does each op's backward read?
+        # Hint 2: h = x + o W_oᵀ and (n2, r2) = RMSNorm(h; ln2); g = n2 W_gateᵀ, u = n2 W_upᵀ; s = SwiGLU(g, u); the
+        #         store: h, n2 (by prepare), r2, g, u, s (by prepare).
+        # Hint 3: h, n2, r2 = residual_rmsnorm_forward(x, linear_forward(o, w.wo, mm), w.ln2, cfg.norm_eps)
+        #         n2 = mm.prepare(n2, store, "n2")
+        #         g, u = linear_forward(n2, w.w_gate, mm), linear_forward(n2, w.w_up, mm)
+        #         s = mm.prepare(swiglu_forward(g, u), store, "s")
+        #         store.save each of h, r2, g, u under its name;  return h, s
         h, n2, r2 = residual_rmsnorm_forward(x, linear_forward(o, w.wo, mm), w.ln2, cfg.norm_eps)
         n2 = mm.prepare(n2, store, "n2")
         g, u = linear_forward(n2, w.w_gate, mm), linear_forward(n2, w.w_up, mm)
@@ -210,7 +215,7 @@ class LlamaBlock:
         """y = block(x) for x of shape (B, T, dim); fills `store` for the backward."""
         o = self.attention_half(w, x, store)
         h, s = self.ffn_half(w, x, o, store)
-        # The last residual add saves nothing: its backward passes dy through to both sides.
+        # The last residual add keeps nothing for the backward, and the down projection's input s is kept above.
         return h + linear_forward(s, w.w_down, self.matmul)
 
     def backward(self, w: BlockWeights, dy: torch.Tensor, store: ActivationStore):
@@ -219,22 +224,22 @@ class LlamaBlock:
         B, T, _ = dy.shape
         cos, sin = self.rope(T, dy.dtype, dy.device)
         # >>> TODO(m06): the FFN half's backward, from dy back to the residual stream's gradient dh
-        # The forward was y = h + down(s), s = SwiGLU(g, u), g and u the gate and up projections of n2 = norm(h).
-        # Produce dh (the gradient of h, (B, T, dim)) and the weight gradients d_down, d_gate, d_up and d_ln2, by
-        # these names: the attention half's TODO below uses them. Read the saved tensors from the store.
-        # Maths: dy reaches h twice, along the residual and through the FFN; gate and up both read n2, so the two
-        # gradients of n2 add up before the norm's backward.
-        # Pitfalls: undo the ops in reverse order, each backward with the inputs its forward saw (the prepared 's'
-        # and 'n2', not recomputed ones). Every linear backward goes through linear_backward with self.matmul (the
-        # grader counts the policy's calls). The residual's dy must reach dh exactly once.
-        # Hint 1: down's backward, SwiGLU's backward, gate's and up's backwards, then the fused residual + norm
-        #         backward, which adds dy (the residual path) to what comes back through the norm.
-        # Hint 2: linear_backward(dy, x, w, mm) -> (dx, dw); swiglu_backward -> (dg, du); residual_rmsnorm_backward
-        #         (dh, dn, h, r, weight) -> (dh, dweight); store["name"] reads a saved tensor.
-        # Hint 3: ds, d_down = down's backward of dy (saved s, w_down)
-        #         dg, du = SwiGLU's backward of ds (saved g, u)
-        #         (dn2 from gate, d_gate), (dn2 from up, d_up) = the two projections' backwards (saved n2)
-        #         dh, d_ln2 = residual + norm backward with dy and the sum of the two dn2 (saved h, r2, ln2)
+        # Contract: dy = dL/dy is (B, T, dim) for the forward y = h + s W_downᵀ and ffn_half's chain. Produce, by these
+        #   names (the attention half's TODO below reads them): dh = dL/dh (B, T, dim), the whole gradient of h, and
+        #   the weight gradients d_down, d_gate, d_up and d_ln2. Read saved tensors from the store (store["s"]), the
+        #   ones the forward used; every linear's backward goes through linear_backward with self.matmul (the tests
+        #   count the policy's calls, and compare these gradients and dh with an nn.Module block's).
+        # Question: along which paths does dy reach h, and where do two gradients of one tensor meet?
+        # Pitfalls: which ops read n2, and what does that make its gradient? Does dy reach dh along the residual
+        #   once, twice, or not at all? Is a recomputed input the same as the prepared one the forward multiplied?
+        # Hint 1: the chapter's "One tensor, several readers", applied to the FFN's chain read from its end: which
+        #         tensors does more than one op read? residual_rmsnorm_backward takes both gradients of h.
+        # Hint 2: ds = dy W_down, d_down = dyᵀ s; (dg, du) = SwiGLU's backward; dn2 = dg W_gate + du W_up;
+        #         (dh, d_ln2) = residual + norm backward of (dy, dn2).
+        # Hint 3: ds, d_down = linear_backward(dy, store["s"], w.w_down, mm)
+        #         dg, du = swiglu_backward(ds, store["g"], store["u"])
+        #         dn2_gate, d_gate = linear_backward(dg, store["n2"], w.w_gate, mm);  dn2_up, d_up = the same with du, w_up
+        #         dh, d_ln2 = residual_rmsnorm_backward(dy, dn2_gate + dn2_up, store["h"], store["r2"], w.ln2)
         ds, d_down = linear_backward(dy, store["s"], w.w_down, mm)
         dg, du = swiglu_backward(ds, store["g"], store["u"])
         dn2_gate, d_gate = linear_backward(dg, store["n2"], w.w_gate, mm)
@@ -242,25 +247,28 @@ class LlamaBlock:
         dh, d_ln2 = residual_rmsnorm_backward(dy, dn2_gate + dn2_up, store["h"], store["r2"], w.ln2)
         # <<<
         # >>> TODO(m06): the attention half's backward, and the block's gradients
-        # dh (from the FFN half) reaches x directly (the residual) and through the attention half: o projection,
-        # attention, RoPE, the q, k and v projections, the ln1 norm. Return (dx, grads): dx = dL/dx (B, T, dim) with
-        # both paths summed, grads a BlockWeights of all nine weight gradients (d_ln2, d_gate, d_up, d_down above).
-        # Maths: q, k and v all read n1, so their three gradients of n1 add up before the norm's backward; RoPE's
-        # backward undoes the rotation of q and k (v was not rotated).
-        # Shapes: attention's backward returns dq (B, T, n_heads, head_dim) and dk, dv with n_kv_heads, maybe not
-        # contiguous; the projections' backward wants (B, T, heads * head_dim): flatten the head axis with reshape
-        # (view fails on a non-contiguous tensor).
-        # Pitfalls: attention's backward goes through self.attention with the saved q, k, v, o and lse; the grader
-        # compares all nine gradients and dx with an nn.Module Llama block (grouped, multi-head and one kv head).
-        # Hint 1: the forward's ops in reverse: the o projection's backward, attention's backward, RoPE's backward
-        #         on dq and dk, three projection backwards, then the norm's backward; add the residual's dh at the end.
-        # Hint 2: linear_backward, self.attention.backward(do, q, k, v, o, lse), rope_backward(t, cos, sin),
-        #         .reshape(B, T, -1), rmsnorm_backward(dn, x, r, weight), BlockWeights(ln1=..., ...).
-        # Hint 3: do, d_wo = o projection's backward of dh (saved o)
-        #         dq, dk, dv = attention's backward of do (saved q, k, v, o, lse);  un-rotate dq and dk
-        #         (dn1_q, d_wq), (dn1_k, d_wk), (dn1_v, d_wv) = the three projections' backwards of the flattened
-        #         dq, dk, dv (saved n1);  dx_norm, d_ln1 = norm backward of their sum (saved x, r1, ln1)
-        #         return (dh + dx_norm, a BlockWeights of the nine gradients by field name)
+        # Contract: dh (from the FFN half above) is dL/dh for h = x + o W_oᵀ and attention_half's chain. Return
+        #   (dx, grads): dx = dL/dx (B, T, dim), and grads, a BlockWeights of all nine weight gradients (d_ln2, d_gate,
+        #   d_up and d_down from above). Attention's backward goes through self.attention with the saved q, k, v, o and
+        #   lse; every linear's backward through linear_backward with self.matmul. The tests compare dx and every
+        #   gradient with an nn.Module Llama block's (grouped, multi-head and one kv head).
+        # Shapes: attention's backward returns dq (B, T, n_heads, head_dim) and dk, dv with n_kv_heads, possibly not
+        #   contiguous; a projection's backward wants (B, T, heads * head_dim).
+        # Question: which op's backward undoes each step of the attention half, and where do gradients of one tensor
+        #   meet on the way back to x?
+        # Pitfalls: which of dq, dk and dv went through RoPE? Which ops read n1? Along how many paths does x reach the
+        #   loss? Will .view do on a tensor that is not contiguous?
+        # Hint 1: the chapter's "One tensor, several readers" again: which tensors of this half have several readers,
+        #         counting the residual?
+        # Hint 2: do = dh W_o, d_wo = dhᵀ o; (dq, dk, dv) = attention's backward; RoPE's backward on dq and dk;
+        #         dn1 = dq W_q + dk W_k + dv W_v (flattened heads); (dx_norm, d_ln1) = the ln1 norm's backward of dn1;
+        #         dx is dh plus the norm's gradient of x.
+        # Hint 3: do, d_wo = linear_backward(dh, store["o"], w.wo, mm)
+        #         dq, dk, dv = self.attention.backward(do, store["q"], store["k"], store["v"], store["o"], store["lse"])
+        #         dq, dk = rope_backward(dq, cos, sin), rope_backward(dk, cos, sin)
+        #         dn1_q, d_wq = linear_backward(dq.reshape(B, T, -1), store["n1"], w.wq, mm);  the same for k and v
+        #         dx_norm, d_ln1 = rmsnorm_backward(dn1_q + dn1_k + dn1_v, store["x"], store["r1"], w.ln1)
+        #         return dh + dx_norm, BlockWeights(ln1=d_ln1, wq=d_wq, ..., w_down=d_down)
         do, d_wo = linear_backward(dh, store["o"], w.wo, mm)
         dq, dk, dv = self.attention.backward(do, store["q"], store["k"], store["v"], store["o"], store["lse"])
         dq, dk = rope_backward(dq, cos, sin), rope_backward(dk, cos, sin)

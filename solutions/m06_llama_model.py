@@ -80,9 +80,8 @@ def chunked_cross_entropy(x: torch.Tensor, w_head: torch.Tensor, targets: torch.
     A target equal to IGNORE_INDEX (-100, torch's convention) is no token: it adds nothing to the
     loss and gets no gradient. n_tokens (default: the real targets given, real_tokens(targets)) is
     what the sum is divided by: the whole step's count when these tokens are only part of it.
-    Returns (loss, dx, dw_head). Tokens are processed `chunk` at a time: for each chunk, the logits,
-    their log-sum-exp, the loss and dlogits = (softmax - onehot) / n_tokens exist only while that
-    chunk is processed.
+    Returns (loss, dx, dw_head). Tokens are processed `chunk` at a time: a chunk's logits, their
+    statistics and their gradient exist only while that chunk is processed.
     """
     xs, ts = x.reshape(-1, x.shape[-1]), targets.reshape(-1)
     n_rows = xs.shape[0]
@@ -93,34 +92,29 @@ def chunked_cross_entropy(x: torch.Tensor, w_head: torch.Tensor, targets: torch.
     dw = torch.zeros(w_head.shape, dtype=compute_dtype(w_head.dtype), device=w_head.device)
     for start in range(0, n_rows, chunk):
         # >>> TODO(m06): the cross-entropy loss of one chunk of tokens, and its gradients
-        # The chunk is the rows start .. start + chunk of xs (rows, dim) and ts (rows,), fewer in the last one.
-        # Add the chunk's summed loss to `loss` (the division by n_tokens is done once, after the loop), write the
-        # chunk's rows of dx, and add the chunk's contribution to dw (the head's gradient, (vocab, dim), summed over
-        # chunks).
-        # Maths, per real token (target != IGNORE_INDEX): logits = the head applied to x (a linear layer, w_head is
-        # (vocab, dim)); its loss is lse(logits) minus the target's logit; dlogits = (softmax(logits) -
-        # onehot(target)) / n_tokens: the gradient of the sum divided by the step's count, not the chunk's size.
-        # An ignored row adds no loss and its dlogits row is zero (so its dx row is zero and it adds nothing to dw).
-        # From dlogits the head's linear backward gives dx's rows and dw's contribution.
-        # Precision: logits, lse and the loss in compute_dtype (loss's dtype); dlogits cast to x's dtype before it
-        # multiplies (a bf16 model multiplies in bf16; the bf16 test checks dx's and dw's dtypes).
-        # Pitfalls: dividing by the chunk's size (wrong unless one chunk covers everything: the tests use chunks of
-        # 1, 7 and 1000 tokens against F.cross_entropy); an ignored target of -100 used as an index (it picks the
-        # last column, or raises); softmax by exp without subtracting lse overflows.
-        # Hint 1: per chunk: logits, their log-sum-exp, the loss from both; the softmax from the same lse, minus one
-        #         at each token's target; zero the ignored rows; scale; then the two products of a linear layer's
-        #         backward.
-        # Hint 2: torch.logsumexp(dim=-1); logits.gather(1, targets as a column) picks each target's logit (give the
-        #         ignored rows any valid index, e.g. torch.where(real, targets, 0), then mask them out);
-        #         torch.exp(logits - lse[:, None]) is the softmax; index [rows, targets] to subtract the one-hot;
-        #         dx rows = dlogits @ w_head; dw += dlogits^T @ x_chunk.
-        # Hint 3: stop = start + chunk, at most the number of rows;  x_c, t_c = rows start:stop of xs and ts
-        #         real = t_c != IGNORE_INDEX;  safe = t_c where real, 0 elsewhere
-        #         logits = x_c @ w_head^T in loss's dtype;  lse = log-sum-exp of each row
-        #         loss += sum over the real rows of (lse - the safe target's logit)
-        #         dlogits = softmax from lse, minus 1 at (row i, safe[i]), zero where not real, divided by n_tokens,
-        #         cast to x's dtype
-        #         the chunk's rows of dx = dlogits times w_head;  dw += dlogits^T times x_c
+        # Contract: the chunk is the rows start .. start + chunk of xs (rows, dim) and ts (rows,), fewer in the last
+        #   one. Add the chunk's summed loss to `loss` (the given code divides by n_tokens once, after the loop), write
+        #   the chunk's rows of dx, and add the chunk's contribution to dw (vocab, dim). Afterwards, for any chunk size,
+        #   (loss, dx, dw) are F.cross_entropy(x @ w_head.T, targets, ignore_index=-100, reduction="sum") / n_tokens and
+        #   its gradients; an ignored row (target IGNORE_INDEX) adds no loss and gets a zero row of dx.
+        # Precision: the logits, their statistics and the loss in loss's dtype (compute_dtype); the logits' gradient
+        #   in x's dtype before it multiplies (the bf16 tests check the dtypes and bound the errors).
+        # Maths: a token's loss is lse(z) - z_y, with z = its logits (a linear layer: w_head is (vocab, dim)), y its
+        #   target and lse(z) = log Σ_j exp(z_j).
+        # Question: what is dL/dz for one token's row, and what is every chunk's row divided by?
+        # Pitfalls: divided by the chunk's size, by these rows' real tokens, or by n_tokens? What does an index of
+        #   -100 pick from a row of logits? What does exp(z) give for logits near 100?
+        # Hint 1: the chapter's "The loss and its gradient in one pass" works out the logistic loss: what is
+        #         ∂ lse(z) / ∂z_j? From the logits' gradient, the head is a linear layer (your Matmul.backward).
+        # Hint 2: dz = (softmax(z) - onehot(y)) / n_tokens per real row, 0 for an ignored one, with softmax(z) =
+        #         exp(z - lse(z)); dx rows = dz W_head; dW_head += dzᵀ x.
+        # Hint 3: stop = min(start + chunk, n_rows);  x_chunk, t_chunk = xs[start:stop], ts[start:stop]
+        #         real = t_chunk != IGNORE_INDEX;  safe = torch.where(real, t_chunk, 0)
+        #         logits = (x_chunk @ w_head.T).to(loss.dtype);  lse = torch.logsumexp(logits, dim=-1)
+        #         loss += torch.where(real, lse - logits.gather(1, safe.unsqueeze(1)).squeeze(1), 0).sum()
+        #         dlogits = torch.exp(logits - lse.unsqueeze(1));  dlogits[torch.arange(stop - start), safe] -= 1
+        #         dlogits = (dlogits.masked_fill(~real[:, None], 0) / n_tokens).to(x.dtype)
+        #         dx[start:stop] = dlogits @ w_head;  dw += dlogits.t() @ x_chunk
         stop = min(start + chunk, n_rows)
         x_chunk, t_chunk = xs[start:stop], ts[start:stop]
         real = t_chunk != IGNORE_INDEX
@@ -179,19 +173,25 @@ class LlamaModel:
         """Run every block in order, each with its weights from the weight source and its own store."""
         n_layers = self.cfg.n_layers
         # >>> TODO(m06): the forward loop over the layers, weights from the weight source
-        # Run the blocks in order, each with its weights from self.weights and its own store (stores[l]); return the
-        # last block's output. The WeightSource protocol (above): gather(l) starts making layer l available, get(l)
-        # returns it, release(l) says the loop is done with it.
-        # Invariant: one layer ahead. Layer l + 1 (if there is one) is gathered before layer l is fetched, so its
-        # transfer overlaps layer l's compute; layer 0 is gathered before the loop. Each layer is released once run.
-        # Pitfall: releasing a layer before its block has run: after release(l) a source may overwrite l's
-        # buffer (07, 08). The test records the calls, the block's included, and checks this exact order;
-        # modules 07 and 08 depend on it (two buffers: a gather two layers ahead, or a missing release, fails).
-        # Hint 1: gather the first layer before the loop; inside, gather the next, get this one, run it, release it.
-        # Hint 2: self.weights.gather / get / release; self.block.forward(w, x, store).
-        # Hint 3: gather 0
-        #         for each layer l: if l + 1 exists, gather it;  w = get(l);  x = block forward of (w, x, stores[l]);
-        #         release l
+        # Contract: run the blocks in order, block l with the BlockWeights self.weights.get(l) returns and its own store
+        #   stores[l]; return the last block's output. The WeightSource protocol (above) is the only way to the weights,
+        #   and a source may have only two buffers (modules 07 and 08), so afterwards the calls satisfy:
+        #   - get(l) comes after gather(l), and gather(l + 1) (if that layer exists) before get(l): the fetch of the
+        #     next layer runs while this one computes;
+        #   - release(l) comes after block l has run (then its buffer may be overwritten);
+        #   - at no time are more than two layers gathered and not yet released.
+        #   The test records every call, the block's included: exactly one order meets all three.
+        # Question: in what order must gather, get, run and release come so that every gather is as early as two
+        #   buffers allow?
+        # Pitfalls: a layer released before its block ran, or never released? A gather issued while two layers are
+        #   still held?
+        # Hint 1: the chapter's "The weight source, drawn" runs the loop with a source of three buffers: what changes
+        #         when there are only two?
+        # Hint 2: gather(0) before the loop; at layer l: gather(l + 1) if it exists, get(l), block l, release(l).
+        # Hint 3: self.weights.gather(0)
+        #         for layer in range(n_layers):
+        #             if layer + 1 < n_layers: self.weights.gather(layer + 1)
+        #             w = self.weights.get(layer);  x = self.block.forward(w, x, stores[layer]);  self.weights.release(layer)
         #         return x
         self.weights.gather(0)
         for layer in range(n_layers):
@@ -213,24 +213,26 @@ class LlamaModel:
         n_layers = self.cfg.n_layers
         grads = [None] * n_layers
         # >>> TODO(m06): the backward loop, last layer first, weights from the weight source
-        # dx is the gradient of the last block's output. Run the blocks' backwards from the last layer to the first,
-        # each with its weights and its store; return (dx, grads): the gradient of the first block's input and
-        # `grads`, one BlockWeights per layer, in layer order (grads[l] is layer l's).
-        # Invariant: the forward's gather-one-ahead pattern, mirrored: the last layer is gathered first, and layer
-        # l - 1 before layer l is fetched. Each layer's store is cleared after its backward (those activations are
-        # not needed again; the test checks every store is empty afterwards), and each layer released. Once a layer
-        # is released its gradients are final: hand them to self.on_block_grads(layer, grads) right then, so a
-        # model that sends gradients (module 14) can start while the earlier layers' backwards still run.
-        # Pitfall: as in the forward, the test checks the exact order of the calls, and that no layer is
-        # released before its backward has run.
-        # Hint 1: the forward loop run in reverse, with the block's backward instead of its forward and a clear of
-        #         the layer's store after it.
-        # Hint 2: reversed(range(n_layers)); self.block.backward(w, dx, store) returns (dx, grads); store.clear().
-        # Hint 3: gather the last layer
-        #         for l from last to first: if l > 0, gather l - 1;  w = get(l)
-        #             dx, grads[l] = block backward of (w, dx, stores[l]);  clear stores[l];  release l
-        #             on_block_grads(l, grads[l])
-        #         return dx and grads
+        # Contract: dx is the gradient of the last block's output. Run the blocks' backwards from the last layer to the
+        #   first, each with its weights and its store; return (dx, grads): the gradient of the first block's input and
+        #   `grads`, one BlockWeights per layer in layer order (grads[l] is layer l's). Afterwards:
+        #   - the weight source's calls obey forward_blocks' three rules with the layers in reverse order (the test
+        #     records them and checks the one order they leave);
+        #   - every store is empty: a layer's activations are not needed once its backward has run;
+        #   - self.on_block_grads(l, grads[l]) was called for every layer, right after release(l) (module 14 starts
+        #     sending a layer's gradients then, while the earlier layers' backwards still run).
+        # Question: which calls mirror the forward loop, and at which point are a layer's gradients final?
+        # Pitfalls: a gradient handed on after the loop, when every backward is done? A store kept until the next step?
+        # Hint 1: your forward_blocks, read from the other end: what takes the place of the block's forward, and what
+        #         does the backward leave behind that the forward did not?
+        # Hint 2: gather(L - 1) before the loop; at layer l = L - 1 .. 0: gather(l - 1) if l > 0, get(l), block l's
+        #         backward, clear its store, release(l), on_block_grads(l, grads[l]).
+        # Hint 3: self.weights.gather(n_layers - 1)
+        #         for layer in reversed(range(n_layers)):
+        #             if layer > 0: self.weights.gather(layer - 1)
+        #             w = self.weights.get(layer);  dx, grads[layer] = self.block.backward(w, dx, stores[layer])
+        #             stores[layer].clear();  self.weights.release(layer);  self.on_block_grads(layer, grads[layer])
+        #         return dx, grads
         self.weights.gather(n_layers - 1)
         for layer in reversed(range(n_layers)):
             if layer > 0:

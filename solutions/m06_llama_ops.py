@@ -40,33 +40,22 @@ class Matmul:
         return x
 
     def forward(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        # >>> TODO(m06): the linear layer's forward product
-        # x is (tokens, in_features) and w is (out_features, in_features), stored like nn.Linear's weight.
-        # Return y of shape (tokens, out_features) with y[t, o] = sum over i of x[t, i] * w[o, i]: each output
-        # feature is the dot product of a token's row with one *row* of w.
-        # Pitfall: multiplying by w as it is stored pairs the wrong axes: a shape error when in != out, silently
-        # wrong numbers when they are equal. The tests use unequal sizes and compare with F.linear in float64.
-        # Hint 1: a matrix product pairs rows of its left operand with *columns* of its right one; make w's rows
-        #         the columns.
-        # Hint 2: the @ operator, and the transpose of a 2-D tensor (.t() or .T), which is a free view.
-        # Hint 3: return x times (w transposed): one line, nothing to save (prepare has already saved x).
-        return x @ w.t()
-        # <<<
+        return x @ w.t()  # w is stored (out, in): its transpose pairs each token's row with each row of w
 
     def backward(self, dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor):
         """Gradients (dx, dw) of y = x @ w.T, given dy = dL/dy of shape (tokens, out_features)."""
         # >>> TODO(m06): the linear layer's backward: the gradients of its input and of its weight
-        # dy = dL/dy is (tokens, out_features); x is the saved input (tokens, in_features); w is (out, in).
-        # Return (dx, dw): dx has x's shape, dw has w's shape. From y[t, o] = sum_i x[t, i] w[o, i]:
-        #     dL/dx[t, i] = sum over o of dy[t, o] w[o, i]        dL/dw[o, i] = sum over t of dy[t, o] x[t, i]
-        # dw adds up the contributions of every token: a sum, not a mean (the loss has already averaged).
-        # Pitfall: the shapes pin down which operand is transposed in each product: check them before the values.
-        # The tests compare both gradients with autograd in float64 and run gradcheck through your backward.
-        # Hint 1: both sums are matrix products of dy with one of the forward's operands; the summed index (o, then
-        #         t) is the inner dimension of the product.
-        # Hint 2: in matrix form dx = dy W and dW = dy^T x (the chapter's table); @ and .t() are all you need.
-        # Hint 3: dx is (tokens, out) @ (out, in); dw is (out, tokens) @ (tokens, in); return them as a pair, dx
-        #         first.
+        # Contract: dy = dL/dy is (tokens, out_features), x the saved input (tokens, in_features), w the weight
+        #   (out_features, in_features), and the forward was y = x @ w.T. Return (dx, dw): dx = dL/dx in x's shape and
+        #   dw = dL/dw in w's shape, every token's contribution counted in dw (the loss has already divided by the
+        #   token count). The tests use in != out, compare with autograd in float64 and run gradcheck through it.
+        # Question: each gradient is a product of dy with one of the forward's operands: which, and in which order?
+        # Pitfalls: with in == out, would a product that pairs the wrong axes still run without a shape error?
+        # Hint 1: the chapter's "Backward by index" works y = x A out one element at a time: which entries of y does
+        #         x[t, i] reach here, and which does w[o, i]? Which index does each gradient sum over?
+        # Hint 2: dx[t, i] = Σ_o dy[t, o] w[o, i] and dw[o, i] = Σ_t dy[t, o] x[t, i]; in matrices, dx = dy W and
+        #         dW = dyᵀ x.
+        # Hint 3: return dy @ w, dy.t() @ x
         return dy @ w, dy.t() @ x
         # <<<
 
@@ -95,19 +84,21 @@ def rmsnorm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float):
     reduction over dim.
     """
     # >>> TODO(m06): RMSNorm forward: the normalized, weighted x and each token's reciprocal RMS
-    # Contract: the docstring's maths, over the last dimension of x (..., dim), with weight (dim,). Return
-    # (n, r): n has x's shape and dtype; r holds one value per token, shape x.shape[:-1], in compute_dtype(x.dtype).
-    # Precision: a bf16 x is squared, averaged and scaled in float32 (compute_dtype), else the mean of squares
-    # loses digits; only n goes back to x's dtype. The bf16 test checks the dtype of everything you return.
-    # Pitfall: r has one axis fewer than x, so it does not broadcast against a row as it stands: a shape error,
-    # or a silent broadcast along the wrong axis when two sizes happen to match.
-    # Hint 1: promote x, reduce each row to one statistic, then scale: every row by its own r, every feature
-    #         by its own weight; cast the result back.
-    # Hint 2: .to(compute_dtype(...)), .pow(2).mean(dim=-1), torch.rsqrt (1 / sqrt), .unsqueeze(-1) so r
-    #         broadcasts over the row, and the weight cast to the compute dtype too.
-    # Hint 3: xf = x in the compute dtype
-    #         r  = rsqrt(row mean of xf squared + eps)                      shape x.shape[:-1]
-    #         n  = (xf * r with a trailing axis * weight in xf's dtype), cast to x's dtype; return both
+    # Contract: x is (..., dim), weight (dim,). Return (n, r) as the docstring defines them, over the last dimension:
+    #   n has x's shape and dtype; r holds one value per token, shape x.shape[:-1], in compute_dtype(x.dtype). For a
+    #   bf16 x, every value of n is within one bf16 rounding of the float64 result (the bf16 test measures it).
+    # Question: in which dtype must the squares be averaged and the row scaled so that a bf16 x loses nothing but
+    #   one last rounding, and how does a per-token r reach every feature of its row?
+    # Pitfalls: r has one axis fewer than x: what does x * r broadcast against when two sizes happen to be equal?
+    #   How many times is n rounded to x's dtype on its way out?
+    # Hint 1: which of the values here are statistics, and where does the chapter's "Precision" section say a
+    #         statistic is computed? What shape must r have to multiply a whole row?
+    # Hint 2: with x_f = x converted to compute_dtype(x.dtype): r = (mean_j x_f[..., j]² + eps)^(-1/2) per token, and
+    #         n = x_f r weight (weight converted too), rounded once to x's dtype; r gets a trailing axis of size 1.
+    # Hint 3: xf = x.to(compute_dtype(x.dtype))
+    #         r = torch.rsqrt(xf.pow(2).mean(-1) + eps)
+    #         n = (xf * r.unsqueeze(-1) * weight.to(xf.dtype)).to(x.dtype)
+    #         return n, r
     xf = x.to(compute_dtype(x.dtype))
     r = torch.rsqrt(xf.pow(2).mean(dim=-1) + eps)
     n = (xf * r.unsqueeze(-1) * weight.to(xf.dtype)).to(x.dtype)
@@ -118,21 +109,23 @@ def rmsnorm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float):
 def rmsnorm_backward(dn: torch.Tensor, x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor):
     """(dx, dweight) for rmsnorm_forward, from the saved x and r."""
     # >>> TODO(m06): RMSNorm backward: the gradients of x and of the norm's weight
-    # dn = dL/dn has x's shape; x and r are what the forward saved; weight is (dim,). Return (dx, dweight): dx in
-    # x's shape and dtype, dweight in weight's shape and dtype. Compute in r's dtype (float32 at least).
-    # Maths, per row: with xhat = x r (the normalized row) and g = dn * weight (the gradient reaching xhat),
-    # dweight collects dn * xhat over every token, and dx is r times g minus a correction along xhat: r depends
-    # on the whole row, and scaling a row barely changes its normalized values (the chapter's table has it).
-    # Pitfall: dropping the correction would be right only if r were a constant; autograd and gradcheck catch it.
-    # Pitfall: dweight sums over all leading axes (batch and time alike), not over one of them.
-    # Hint 1: differentiate n = xhat * weight, then xhat = x * r(x); r's dependence on the row adds a correction
-    #         shared by the row, proportional to xhat.
-    # Hint 2: dx = r (g - xhat * mean(g * xhat)), the mean over the last axis with keepdim=True so it broadcasts;
-    #         dweight: flatten (dn * xhat) to (tokens, dim) with reshape(-1, dim) and sum over axis 0.
-    # Hint 3: promote x and dn to r's dtype; xhat = x * r (trailing axis); g = dn * weight (promoted)
-    #         dx = r (trailing axis) * (g - xhat * row mean of g * xhat)
-    #         dweight = (dn * xhat) as (tokens, dim), summed over tokens
-    #         return dx cast to x's dtype, dweight cast to weight's dtype
+    # Contract: dn = dL/dn has x's shape; x and r are what the forward saved; weight is (dim,). Return (dx, dweight):
+    #   dx in x's shape and dtype, dweight in weight's shape and dtype, computed in r's dtype (float32 at least) and
+    #   rounded once at the end. The tests compare with autograd in float64, run gradcheck through your backward
+    #   and bound the bf16 error.
+    # Maths: n = x̂ ⊙ weight with x̂ = x r, and r = (mean_j x_j² + eps)^(-1/2) is a function of the whole row.
+    # Question: r changes when any x_j of its row changes: what does that add to dx, beyond r times the gradient
+    #   that reaches x̂?
+    # Pitfalls: would your dx still be right if r depended on x? Does dweight sum over every leading axis, or
+    #   over one of them?
+    # Hint 1: the chapter's "A normalisation's backward" differentiates x / ||x||: what do the mean, eps and the
+    #         weight change in that derivation? Start from the gradient that reaches x̂, g = dn ⊙ weight.
+    # Hint 2: ∂r/∂x_j = -r³ x_j / dim, so per row dx = r (g - x̂ mean(g ⊙ x̂)), the mean over the row; and
+    #         dweight = Σ over every token of dn ⊙ x̂.
+    # Hint 3: xf = x.to(r.dtype);  xhat = xf * r.unsqueeze(-1);  dnf = dn.to(r.dtype);  g = dnf * weight.to(r.dtype)
+    #         dx = r[..., None] * (g - xhat * (g * xhat).mean(-1, keepdim=True))
+    #         dweight = (dnf * xhat).reshape(-1, x.shape[-1]).sum(dim=0)
+    #         return dx.to(x.dtype), dweight.to(weight.dtype)
     xf = x.to(r.dtype)
     xhat = xf * r.unsqueeze(-1)
     dnf = dn.to(r.dtype)
@@ -152,18 +145,20 @@ def residual_rmsnorm_forward(x: torch.Tensor, a: torch.Tensor, weight: torch.Ten
 
 def residual_rmsnorm_backward(dh: torch.Tensor, dn: torch.Tensor, h: torch.Tensor, r: torch.Tensor,
                               weight: torch.Tensor):
-    """(d_residual, dweight): h feeds both the rest of the residual stream (gradient dh) and the
-    norm (gradient dn), so its gradient is their sum; x and a both receive it unchanged."""
+    """(d_residual, dweight) for residual_rmsnorm_forward: d_residual is the gradient of x (and of a),
+    given dh, the gradient of h from the rest of the residual stream, and dn, that of the norm's output."""
     # >>> TODO(m06): the backward of the residual add followed by RMSNorm
-    # h = x + a feeds two consumers: the rest of the residual stream (its gradient dh arrives here) and the norm
-    # (its gradient dn). Return (d_residual, dweight): d_residual = dL/dh, which is also dL/dx and dL/da (an add
-    # hands its gradient unchanged to both inputs), and dweight, the norm weight's gradient.
-    # Pitfall: forgetting one of h's two consumers; the test checks the gradients of x, of a and of the weight
-    # against autograd, with a dh and a dn that are both nonzero.
-    # Hint 1: a tensor that feeds two ops receives the sum of the gradients coming back from both.
-    # Hint 2: your rmsnorm_backward gives h's gradient through the norm (the norm's input was h, with the saved r).
-    # Hint 3: (h's gradient through the norm, dweight) = the norm's backward of dn at h, r and weight;
-    #         return dh plus that gradient, and dweight
+    # Contract: the forward was h = x + a, then (n, r) = RMSNorm(h); dh = dL/dh is the gradient that arrives from
+    #   the rest of the residual stream, dn = dL/dn the one that arrives through the norm's output. Return
+    #   (d_residual, dweight): d_residual = dL/dx, which the test also compares with dL/da, and dweight = dL/dweight,
+    #   against autograd with a dh and a dn that are both nonzero.
+    # Question: along how many paths does h reach the loss, and what does the add do to the gradient of its sum?
+    # Pitfalls: is dh the whole gradient of h?
+    # Hint 1: the chapter's "One tensor, several readers" works out a tensor that two ops read: which two read h?
+    # Hint 2: dL/dh (whole) = dh + (the norm's backward of dn at h), and an add passes its output's gradient to each
+    #         input unchanged: dL/dx = dL/da = dL/dh.
+    # Hint 3: dh_norm, dweight = rmsnorm_backward(dn, h, r, weight)
+    #         return dh + dh_norm, dweight
     dh_norm, dweight = rmsnorm_backward(dn, h, r, weight)
     return dh + dh_norm, dweight
     # <<<
@@ -192,41 +187,25 @@ def rope_tables_at(positions: torch.Tensor, head_dim: int, theta: float, dtype=t
 
 def rope_forward(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate each pair (x1, x2) = (first half, second half) of the head dimension by its angle."""
-    # >>> TODO(m06): RoPE forward: rotate each pair of head dimensions by its position's angle
-    # x is (B, T, heads, head_dim); cos and sin are (T, 1, head_dim // 2) from rope_tables: they broadcast over
-    # the batch and the heads. Return a tensor of x's shape and dtype.
-    # The pairs are (x1[i], x2[i]) with x1 the first half of the head dimension and x2 the second half. Each pair
-    # is a point in the plane, turned by its angle t: multiplied by the rotation matrix [[cos t, -sin t],
-    # [sin t, cos t]].
-    # Pitfall: pairing neighbours (0, 1), (2, 3) is the other RoPE convention: still a rotation, so your forward
-    # and backward agree with each other, but the test against the reference rope (a complex rotation) fails.
-    # Hint 1: cut the head dimension into its two halves, rotate each (first-half, second-half) pair, and join
-    #         the two rotated halves again in the same order.
-    # Hint 2: x.chunk(2, dim=-1) gives the halves (views); torch.cat(..., dim=-1) joins them; cos and sin
-    #         broadcast as they are.
-    # Hint 3: x1, x2 = the halves of x
-    #         first  = x1 cos - x2 sin
-    #         second = x1 sin + x2 cos
-    #         return first and second concatenated on the last axis
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
-    # <<<
 
 
 def rope_backward(dy: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """A rotation is orthogonal, so its backward is the inverse rotation (angle -t): no saved input."""
+    """dL/dx for rope_forward, given dy = dL/d(output): the tables are all it needs, no saved input."""
     # >>> TODO(m06): RoPE backward: the gradient through a rotation
-    # dy = dL/d(output) has x's shape; cos and sin as in the forward. Return dL/dx, of the same shape.
-    # Maths: the forward multiplies each pair by a rotation matrix R(t); the gradient goes back through its
-    # transpose, and for a rotation R(t)^T = R(-t), the rotation by the opposite angle. No saved input needed.
-    # Check: the backward undoes the forward exactly, backward(forward(x)) == x; the test checks that too.
-    # Pitfall: cos(-t) = cos t but sin(-t) = -sin t: only the sine terms change sign.
-    # Hint 1: the same halves and the same pairing as the forward, with the angle negated.
-    # Hint 2: your forward's formula with sin replaced by -sin (cos unchanged).
-    # Hint 3: dy1, dy2 = the halves of dy
-    #         first  = dy1 cos + dy2 sin
-    #         second = dy2 cos - dy1 sin
-    #         return them concatenated on the last axis
+    # Contract: dy = dL/d(output) of rope_forward, shape (B, T, heads, head_dim); cos and sin as rope_forward takes
+    #   them. Return dL/dx, of dy's shape and dtype, from dy, cos and sin alone (nothing was saved). The tests compare
+    #   with autograd through a complex rotation and check rope_backward(rope_forward(x)) == x.
+    # Question: rope_forward is, for each pair (x1[i], x2[i]), a fixed 2 x 2 matrix times the pair: which matrix
+    #   carries the gradient back, and what is it for a rotation?
+    # Pitfalls: of cos and sin, which is even in the angle and which odd?
+    # Hint 1: the chapter's "Linear maps go back through their transpose" works it for a shear: what is the
+    #         transpose of the rotation rope_forward applies?
+    # Hint 2: for y = R(θ) x, dx = R(θ)ᵀ dy and R(θ)ᵀ = R(-θ): dx1 = dy1 cos θ + dy2 sin θ, dx2 = -dy1 sin θ +
+    #         dy2 cos θ.
+    # Hint 3: dy1, dy2 = dy.chunk(2, dim=-1)
+    #         return torch.cat((dy1 * cos + dy2 * sin, dy2 * cos - dy1 * sin), dim=-1)
     dy1, dy2 = dy.chunk(2, dim=-1)
     return torch.cat((dy1 * cos + dy2 * sin, -dy1 * sin + dy2 * cos), dim=-1)
     # <<<
@@ -284,8 +263,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: 
     q is (B, T, heads, D), k and v are (B, T, kv_heads, D). Returns (o, lse): o is
     (B, T, heads * D) in q's dtype, ready for the output projection, and lse, shaped
     (B, kv_heads, group, T) in compute_dtype (float32 at least), is the log-sum-exp of each
-    query's scores. Saving lse (one number per query and head) instead of the (T, T)
-    probabilities lets the backward rebuild them exactly: p = exp(s - lse).
+    query's scores, log of the sum of exp(score) over the keys it sees. Saving lse (one number per
+    query and head) instead of the (T, T) probabilities lets the backward rebuild them exactly.
     Queries are processed `chunk` at a time, so only a (chunk, T) block of scores ever exists.
 
     Positions: query i sits at position q_offset + i and key j at k_offset + j; a query sees the keys
@@ -300,27 +279,28 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: 
     outputs, lses = [], []
     for start in range(0, T, chunk):
         # >>> TODO(m06): causal attention for one chunk of queries: its output and its log-sum-exp
-        # qg, kg, vg are (B, kv_heads, group, T, D), time on axis -2 (k and v have a group axis of 1, which broadcasts
-        # over the query heads that share them). This iteration handles the queries start .. start + chunk (the last
-        # chunk may be shorter). Append to `outputs` the chunk's output (B, kv_heads, group, rows, D), in v's dtype,
-        # and to `lses` its log-sum-exp (B, kv_heads, group, rows), in the scores' dtype (float32 at least).
-        # Maths: s = q k^T / sqrt(D) against the keys the query may see (query i: keys 0..i); lse = log of the sum of
-        # exp(s) over those keys; the softmax is p = exp(s - lse); the output weights the values of those keys by p.
-        # Given: _causal_scores returns the chunk's scores, multiplied by the scale you pass, future keys at -inf; it
-        # takes positions: the chunk's first query is at q_offset + start, k's first key at k_offset (module 15).
-        # Pitfall: the scores cover the keys up to the chunk's last query, not all of k: p multiplies the same rows
-        # of v (as many as the scores have columns; with zero offsets, keys 0 .. the chunk's last query).
-        # Pitfall: a max-and-divide softmax is right too, but the backward needs lse itself, not just p.
-        # The tests use chunks that do not divide T, and grouped heads, against F.scaled_dot_product_attention.
-        # Hint 1: score the chunk once, reduce each query's row of scores to its log-sum-exp, turn the scores into
-        #         probabilities with it, and use them to weight the values.
-        # Hint 2: torch.logsumexp over the key axis (-1); torch.exp; lse.unsqueeze(-1) to broadcast over the keys;
-        #         @ with vg cut to the keys scored (vg[..., :s.shape[-1], :]); p cast to v's dtype before it multiplies.
-        # Hint 3: stop = start + chunk, at most T
-        #         s    = the causal scores of qg's rows start:stop against kg, positions q_offset + start and
-        #                k_offset, scale 1/sqrt(D)
-        #         lse  = log-sum-exp of s over the keys;  p = exp(s - lse with a trailing axis), in v's dtype
-        #         append p @ (vg's first s.shape[-1] time steps) to outputs, and lse to lses
+        # Contract: qg, kg, vg are (B, kv_heads, group, T, D), time on axis -2 (k's and v's group axis has size 1 and
+        #   broadcasts over the query heads that share them). This iteration covers the queries start .. start + chunk
+        #   (fewer in the last chunk): append to `outputs` their output (B, kv_heads, group, rows, D) in v's dtype, and
+        #   to `lses` their log-sum-exp (B, kv_heads, group, rows) in the scores' dtype (float32 at least), both as the
+        #   docstring defines them. Nothing of size T x T is ever made.
+        # Given: _causal_scores (above) scores a chunk of queries against the keys that may precede them, multiplied
+        #   by the factor you pass, future keys at -inf; it takes the chunk's first query position (q_offset + start)
+        #   and k's first key position (k_offset), and its last axis says how many keys it scored.
+        # Question: with a row's log-sum-exp in hand, how do you turn its scores into its softmax in one pass, and
+        #   which rows of v do those probabilities weigh?
+        # Pitfalls: does a chunk's block of scores cover all of k, or only the keys up to its last query? Would a
+        #   max-and-divide softmax leave the backward what it needs? The tests use chunks that do not divide T, and
+        #   grouped heads, against F.scaled_dot_product_attention.
+        # Hint 1: the chapter's "Attention without the T x T matrix": what is exp of a score minus its row's
+        #         log-sum-exp? And how many keys does this chunk's block of scores hold?
+        # Hint 2: s = q kᵀ / √D over the keys the query may see; lse = log Σ_j exp(s_j) per query; p = exp(s - lse) is
+        #         the softmax (it sums to 1 over those keys); the output is p v, with v cut to those same keys.
+        # Hint 3: stop = min(start + chunk, T)
+        #         scores = _causal_scores(qg[..., start:stop, :], kg, q_offset + start, 1 / math.sqrt(D), k_offset)
+        #         lse = torch.logsumexp(scores, dim=-1)
+        #         probs = torch.exp(scores - lse.unsqueeze(-1)).to(v.dtype)
+        #         outputs.append(probs @ vg[..., :scores.shape[-1], :]);  lses.append(lse)
         stop = min(start + chunk, T)
         scores = _causal_scores(qg[..., start:stop, :], kg, q_offset + start, 1.0 / math.sqrt(D), k_offset)
         lse = torch.logsumexp(scores, dim=-1)
@@ -334,15 +314,14 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: 
 
 def attention_backward(do: torch.Tensor, q, k, v, o, lse, chunk: int = ATTENTION_CHUNK, q_offset: int = 0,
                        k_offset: int = 0, delta: torch.Tensor | None = None):
-    """(dq, dk, dv) for attention_forward, recomputing each chunk's probabilities from lse.
-
-    With p = softmax(s) and dp = do v^T, the softmax backward is ds = p * (dp - delta), where
-    delta = rowsum(do * o) (= rowsum(p * dp)) for each query. Key/value heads shared by a group of
-    query heads receive the sum of the group's gradients.
+    """(dq, dk, dv) for attention_forward, given do = dL/do, recomputing each chunk's probabilities
+    from the scores and lse instead of keeping them. Key/value heads shared by a group of query heads
+    receive the sum of the group's gradients.
 
     For one block of keys of a longer sequence (module 15), pass the positions as in the forward,
     and the *merged* lse and delta of all the blocks (delta from attention_delta of the merged
-    output; o is then not read): p = exp(s - lse) is then this block's share of the full softmax.
+    output; o is then not read): the probabilities rebuilt from the merged lse are then this block's
+    share of the full softmax.
     """
     B, T, heads, D = q.shape
     kv_heads = k.shape[2]
@@ -358,30 +337,30 @@ def attention_backward(do: torch.Tensor, q, k, v, o, lse, chunk: int = ATTENTION
     dv = torch.zeros_like(dk)
     for start in range(0, T, chunk):
         # >>> TODO(m06): attention backward for one chunk of queries: its dq, its share of dk and dv
-        # For the queries start .. start + chunk (the last chunk may be shorter): append the chunk's dq,
-        # (B, kv_heads, group, rows, D) in q's dtype, to `dqs`, and add the chunk's contributions into the float32
-        # accumulators dk and dv, (B, kv_heads, group, keys, D), at the rows of the keys this chunk sees.
-        # Maths: the docstring's equations (the chapter derives them), restricted to this chunk's rows of q, do, lse
-        # and delta and to the keys the forward scored (positions as in the forward: q_offset + start, k_offset;
-        # with zero offsets, keys 0 .. the chunk's last query). lse and delta hold one number per query (time on
-        # their last axis), so they broadcast over the keys once given a trailing axis.
-        # Invariants: p is rebuilt exactly as the forward made it (same scores, scale and mask); a chunk's dq is
-        # complete when the chunk is done, while dk and dv sum over every chunk whose queries see those keys.
-        # Pitfalls: the scale 1/sqrt(D) is inside s, so it comes back in the chain to q and to k (not to v):
-        # without it dq and dk are off by exactly sqrt(D). Assigning dk or dv instead of adding keeps only the last
-        # chunk's share (the tests use chunks smaller than T). Masked scores are -inf, so p is 0 there: no new mask.
-        # Hint 1: walk the forward's chunk backwards: rebuild its probabilities, then push do back through
-        #         "p times v" (giving dv and dp) and through the softmax (giving ds), and ds back through q k^T.
-        # Hint 2: p = exp(_causal_scores(...) - lse); dv += p^T @ do; dp = do @ v^T; ds = p * (dp - delta) * scale;
-        #         dq = ds @ k; dk += ds^T @ q. p, dp and ds stay in lse's dtype; cast p and ds to q's dtype before
-        #         they multiply q, k, v or do.
-        # Hint 3: stop = start + chunk, at most T;  q_c, do_c = the chunk's rows of qg and dog
-        #         p  = exp(causal scores of q_c (with scale, positions) - the chunk's lse with a trailing axis)
-        #         seen = p.shape[-1], the keys scored
-        #         dv's first seen rows += (p in v's dtype, transposed) @ do_c
-        #         dp = do_c @ (vg's first seen rows, transposed), in p's dtype
-        #         ds = p * (dp - the chunk's delta with a trailing axis) * scale, in q's dtype
-        #         append ds @ (kg's first seen rows) to dqs;  dk's first seen rows += ds transposed @ q_c
+        # Contract: for the queries start .. start + chunk (fewer in the last chunk): append the chunk's dq,
+        #   (B, kv_heads, group, rows, D) in q's dtype, to `dqs`, and add the chunk's contributions into the float32
+        #   accumulators dk and dv, (B, kv_heads, group, keys, D), at the rows of the keys this chunk scored (after the
+        #   loop the given code sums them over each group of query heads). Positions as in the forward: q_offset +
+        #   start for the chunk's first query, k_offset for k's first key.
+        # Maths: the forward's s = q kᵀ / √D (masked as _causal_scores masks it), p = softmax(s) per query, o = p v.
+        #   lse (the forward's) and delta = rowsum(do ⊙ o) (attention_delta's) hold one number per query, time on
+        #   their last axis; delta also equals rowsum(p ⊙ dp) with dp = dL/dp.
+        # Question: how does the chunk's do travel back through o = p v, through the softmax and through the scaled
+        #   product q kᵀ, and which of the results are complete after one chunk?
+        # Pitfalls: where does the factor 1/√D come back in the chain, and where not? Does a chunk's share of dk
+        #   replace the earlier chunks' or add to it? Where the forward masked a score, what is p, and does the
+        #   backward need a mask of its own? The tests use chunks smaller than T and grouped heads.
+        # Hint 1: the chapter's "The softmax's backward" contracts the Jacobian of a softmax with a gradient: which
+        #         terms give ds here, and which sums does delta already hold? The rest are linear layers' backwards.
+        # Hint 2: p = exp(s - lse); dv += pᵀ do; dp = do vᵀ; ds = p ⊙ (dp - delta); dq = ds k / √D; dk += dsᵀ q / √D.
+        #         p, dp and ds stay in lse's dtype; p and ds are cast to q's dtype before they multiply q, k, v or do.
+        # Hint 3: stop = min(start + chunk, T);  q_chunk, do_chunk = qg[..., start:stop, :], dog[..., start:stop, :]
+        #         probs = torch.exp(_causal_scores(q_chunk, kg, q_offset + start, scale, k_offset)
+        #                           - lse[..., start:stop].unsqueeze(-1));  seen = probs.shape[-1]
+        #         dv[..., :seen, :] += probs.to(v.dtype).transpose(-1, -2) @ do_chunk
+        #         dprobs = (do_chunk @ vg[..., :seen, :].transpose(-1, -2)).to(probs.dtype)
+        #         dscores = (probs * (dprobs - delta[..., start:stop, None]) * scale).to(q.dtype)
+        #         dqs.append(dscores @ kg[..., :seen, :]);  dk[..., :seen, :] += dscores.transpose(-1, -2) @ q_chunk
         stop = min(start + chunk, T)
         q_chunk, do_chunk = qg[..., start:stop, :], dog[..., start:stop, :]
         probs = torch.exp(_causal_scores(q_chunk, kg, q_offset + start, scale, k_offset)
@@ -422,31 +401,22 @@ class ChunkedAttention:
 # ---------------------------------------------------------------------------------------------
 def swiglu_forward(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """s = silu(g) * u, with silu(g) = g * sigmoid(g); the backward needs g and u."""
-    # >>> TODO(m06): SwiGLU forward: the FFN's gated activation
-    # g and u are the gate and up projections, of the same shape (..., ffn_dim). Return s of that shape: the
-    # docstring's maths, elementwise. The backward will need only g and u, so nothing else is saved.
-    # Pitfall: silu is the gate times its own sigmoid, not the sigmoid alone; the test compares with PyTorch's
-    # silu in float64.
-    # Hint 1: an elementwise product of three factors, two of which come from g.
-    # Hint 2: torch.sigmoid. (F.silu would do, but writing silu out shows what the backward differentiates.)
-    # Hint 3: return g times sigmoid(g) times u
     return g * torch.sigmoid(g) * u
-    # <<<
 
 
 def swiglu_backward(ds: torch.Tensor, g: torch.Tensor, u: torch.Tensor):
     """(dg, du) for swiglu_forward."""
     # >>> TODO(m06): SwiGLU backward: the gradients of the gate and of the up projection
-    # ds = dL/ds; g and u are the saved inputs. Return (dg, du), each of g's shape.
-    # Maths: s is a product of silu(g) and u, so du is ds times the other factor, and dg is ds times u times
-    # silu's derivative, which you get from silu(g) = g sigmoid(g) and sigmoid' = sigmoid (1 - sigmoid).
-    # Pitfall: the product rule gives silu' two terms; keeping only sigmoid(g) is wrong for every g != 0
-    # (autograd and gradcheck both compare).
-    # Hint 1: the product rule twice: once for silu(g) * u, once inside silu for g * sigmoid(g).
-    # Hint 2: silu'(g) = sigmoid(g) (1 + g (1 - sigmoid(g))); compute the sigmoid once and reuse it.
-    # Hint 3: sig = sigmoid of g
-    #         dg  = ds * u * silu'(g), written with sig
-    #         du  = ds * silu(g), written with sig; return (dg, du)
+    # Contract: ds = dL/ds; g and u are the saved inputs of swiglu_forward (above: s = silu(g) u, silu(g) = g σ(g)).
+    #   Return (dg, du), each of g's shape. The tests compare with autograd in float64 and run gradcheck.
+    # Maths: σ(g) = 1 / (1 + e^(-g)) and σ'(g) = σ(g) (1 - σ(g)).
+    # Question: what is silu's derivative, written with σ(g) so that the sigmoid is computed once?
+    # Pitfalls: silu is itself a product of two functions of g: how many terms does its derivative have?
+    # Hint 1: the chapter's "A gate's backward" works out the sigmoid gate σ(g) u: which factor is different here,
+    #         and what does the product rule give for it?
+    # Hint 2: du = ds silu(g) = ds g σ(g); dg = ds u silu'(g) with silu'(g) = σ(g) (1 + g (1 - σ(g))).
+    # Hint 3: sig = torch.sigmoid(g)
+    #         dg = ds * u * sig * (1 + g * (1 - sig));  du = ds * g * sig;  return dg, du
     sig = torch.sigmoid(g)
     return ds * u * sig * (1 + g * (1 - sig)), ds * g * sig
     # <<<

@@ -1,22 +1,17 @@
 """Module 08 - weights streamed from host memory on a side stream, overlapping compute.
 
 The same gather/get/release protocol as module 07, but a "gather" is a copy of the block from
-page-locked (pinned) host memory into one of two device buffers, on a *side stream*, so it runs
+page-locked (pinned) host memory into one of two device buffers, on a *side stream*, so it can run
 while the compute stream works on the previous block (the "gather from CPU" path of llm.q, a
 CUDA/C++ LLM trainer). One GPU is enough to see communication overlap compute.
 
-Streams run their work in order; work on different streams may run at the same time. Events say
-what must wait for what:
-
-    gather(l)   the copy stream waits for buffer l % 2's *released* event (the compute that read
-                its old contents is done), copies block l in without blocking the host, and
-                records the buffer's *ready* event after the copy
-    get(l)      the compute stream waits for the ready event: block l's kernels start after the copy
-    release(l)  record the released event on the compute stream, after the kernels that read it
-
-The host never waits in gather/get/release: it only queues work and dependencies. (PyTorch's
-`record_stream` would instead tie the buffer's memory to the compute stream through the caching
-allocator; an explicit event says exactly when the buffer may be overwritten.)
+Streams run their work in order; work on different streams may run at the same time. Each device
+buffer has two events: `ready` completes when the copy into the buffer has finished, `released`
+when the compute that read the buffer has finished. Who records each, on which stream, and who
+waits for it, is what gather, get and release decide. The host never waits in them: it only queues
+work and dependencies. (PyTorch's `record_stream` would instead tie the buffer's memory to the
+compute stream through the caching allocator; an explicit event says exactly when the buffer may
+be overwritten.)
 
 The stream calls go through a runtime (course/streams.py): torch.cuda on a GPU, or a recorder on
 CPU whose event graph the tests check for read-before-copy and overwrite-before-release hazards.
@@ -49,22 +44,24 @@ class HostWeights:
         dtype = blocks[0].wq.dtype
         self.copies = 0  # block copies issued (the benchmark's transfer count)
         # >>> TODO(m08): pinned host blocks, a side stream, two device buffers with their events
-        # Set three attributes, by these names (the tests and the given code read them):
+        # Contract: set three attributes, by these names (the tests and the given code read them):
         #   self.host         every block, flattened by self.layout, in pinned (page-locked) host memory
-        #   self.copy_stream  a new side stream for the copies
-        #   self.buffers      two DeviceBuffers, each with room for one padded block on the device (in dtype) and
-        #                     its own two events, ready and released
-        # Everything comes from the runtime (course/streams.py lists its calls), never from torch.cuda directly: on
-        # CPU the tests hand you a recorder, and its event graph is what the hazard checker reads.
-        # Why pinned: only from page-locked memory does a host-to-device copy run without the host waiting for it.
-        # Pitfall: events shared between the buffers make a copy wait for more than
-        # the buffer it overwrites: the prefetch test then finds the step longer than compute plus the first copy.
-        # Hint 1: one pinned flat copy per block; one new stream; two buffers, four events in all.
-        # Hint 2: runtime.pin(t), runtime.new_stream(), runtime.empty(n, dtype), runtime.new_event();
-        #         self.layout.flatten(block) and self.layout.padded_numel; DeviceBuffer(flat, ready, released).
-        # Hint 3: host = for each block: the pinned copy of the flattened block
-        #         copy_stream = a new stream from the runtime
-        #         buffers = two times: a DeviceBuffer of an empty padded block in dtype, a new event, a new event
+        #   self.copy_stream  a side stream of its own for the copies
+        #   self.buffers      two DeviceBuffers, each with room for one padded block on the device, in the blocks'
+        #                     dtype, and its own ready and released events
+        #   Everything comes from the runtime (course/streams.py lists its calls), never from torch.cuda directly: on
+        #   CPU the tests hand you a recorder, and its event graph is what they check. The first test checks each
+        #   attribute: pinned, on the device, in the dtype, four distinct events.
+        # Question: what must exist before the first gather, and what must each buffer own alone?
+        # Pitfalls: from which memory can a host-to-device copy run without the host waiting for it? If two buffers
+        #   shared an event, what would a copy into one of them end up waiting for?
+        # Hint 1: the chapter's "Streams and events": which of the three tools need objects made once, here?
+        # Hint 2: L pinned flat blocks (the layout's flatten, then the runtime's pin); one new stream; two buffers of
+        #         layout.padded_numel values, each with two events of its own: four events in all.
+        # Hint 3: self.host = [runtime.pin(self.layout.flatten(b)) for b in blocks]
+        #         self.copy_stream = runtime.new_stream()
+        #         self.buffers = [DeviceBuffer(runtime.empty(self.layout.padded_numel, dtype), runtime.new_event(),
+        #                                      runtime.new_event()) for each of the two]
         self.host = [runtime.pin(self.layout.flatten(b)) for b in blocks]
         self.copy_stream = runtime.new_stream()
         self.buffers = [DeviceBuffer(runtime.empty(self.layout.padded_numel, dtype), runtime.new_event(),
@@ -76,22 +73,21 @@ class HostWeights:
         check_gather(buf, layer)
         if buf.layer != layer or buf.version != self.version:  # else: still there, nothing to copy
             # >>> TODO(m08): on the side stream, once the buffer is released: copy the block in, mark it ready
-            # Reached when buffer layer % 2 does not hold this layer, current. Queue on the copy stream, in this order:
-            # a wait for the buffer's released event (compute may still be reading the block it holds), the copy of
-            # self.host[layer] into buf.flat, and a record of buf.ready after the copy, for get() to wait on.
-            # The host waits for none of it: gather only queues work and dependencies (a host wait inside a step fails
-            # the tests).
-            # Invariants the event-graph hazard checker enforces: no copy overwrites a buffer that compute still reads,
-            # and the copies run on the side stream, never on the compute stream.
-            # Pitfalls: the copy must be *issued on* the copy stream, not only ordered after a wait there: a copy
-            # queued on the current (compute) stream serializes with compute and fails the side-stream test. ready is
-            # recorded on the stream the copy went to, after the copy: recorded before it, it says nothing about it.
-            # Hint 1: three things, all on the copy stream: a wait, the copy, a record.
-            # Hint 2: stream.wait_event(event); `with self.rt.stream(s):` sends the work issued inside it to s;
-            #         self.rt.copy(dst, src); event.record(stream).
-            # Hint 3: the copy stream waits for buf.released
-            #         with the copy stream current: copy this layer's host block into buf.flat
-            #         record buf.ready on the copy stream
+            # Contract: reached when buffer layer % 2 does not hold this layer at the current version. Queue the copy of
+            #   self.host[layer] into buf.flat (self.rt.copy), issued on the copy stream, such that afterwards, in the
+            #   event graph: the copy is ordered after every compute that read the buffer's old block (up to its
+            #   release), and buf.ready completes only once the copy has. The host waits for none of it.
+            # Question: which event must the copy stream wait for, and where must ready be recorded to mean "copied"?
+            # Pitfalls: is a copy queued while the compute stream is current on the side stream, whatever it waited
+            #   for? Does an event recorded before the copy say anything about the copy?
+            # Hint 1: the chapter's "Streams and events" and its offload example, with the roles of the streams
+            #         swapped: which work must finish before the copy writes, and who needs to know when it is done?
+            # Hint 2: on the copy stream, in order: wait for buf.released; the copy (issued with the copy stream
+            #         current); record buf.ready.
+            # Hint 3: self.copy_stream.wait_event(buf.released)
+            #         with self.rt.stream(self.copy_stream):
+            #             self.rt.copy(buf.flat, self.host[layer])
+            #         buf.ready.record(self.copy_stream)
             self.copy_stream.wait_event(buf.released)
             with self.rt.stream(self.copy_stream):
                 self.rt.copy(buf.flat, self.host[layer])
@@ -105,16 +101,20 @@ class HostWeights:
         buf = self.buffers[layer % 2]
         check_get(buf, layer)
         # >>> TODO(m08): make compute wait for the block's copy, and hand the block out
-        # After check_get, buffer layer % 2 is GATHERING this layer. Make the compute stream's later work (this
-        # block's kernels) wait for the copy into the buffer, without the host waiting. Then mark the buffer
-        # IN_USE and return the block as views into buf.flat (your FlatLayout's views).
-        # Pitfalls: a host-side wait (synchronize) gives the right numbers but no overlap, and a host wait inside a
-        # step fails the tests. A missing wait is the hazard "compute may read a buffer before the copy into it
-        # has finished" (on a GPU: old weights, or the NaN the GPU test poisons buffers with).
-        # A hit (gather copied nothing) may wait anyway: the event then refers to the last copy, long done.
-        # Hint 1: one dependency from the compute stream on the buffer's ready event, then module 07's bookkeeping.
-        # Hint 2: self.compute_stream.wait_event(event); buf.ready; self.layout.views(flat).
-        # Hint 3: the compute stream waits for buf.ready;  state IN_USE;  return the layout's views of buf.flat
+        # Contract: after check_get, buffer layer % 2 is GATHERING this layer. Afterwards the compute stream's later
+        #   work (this block's kernels) is ordered after the copy into the buffer, the host has not waited, the buffer
+        #   is IN_USE, and the block is returned as views into buf.flat (the layout's, as in module 07).
+        # Question: which event carries "the copy has finished" to the compute stream?
+        # Pitfalls: a host-side wait gives the right numbers: what does it do to the overlap? What may a kernel read
+        #   if nothing orders it after the copy (on a GPU: old weights, or the NaN the GPU test fills buffers with)?
+        #   When gather found the block still there and copied nothing, what does waiting cost?
+        # Hint 1: the chapter's "Streams and events": which of the three tools orders one stream after work on
+        #         another without stopping the host?
+        # Hint 2: the compute stream waits for buf.ready; then module 07's bookkeeping: IN_USE, the layout's views of
+        #         buf.flat.
+        # Hint 3: self.compute_stream.wait_event(buf.ready)
+        #         buf.state = IN_USE
+        #         return self.layout.views(buf.flat)
         self.compute_stream.wait_event(buf.ready)
         buf.state = IN_USE
         return self.layout.views(buf.flat)
@@ -124,16 +124,16 @@ class HostWeights:
         buf = self.buffers[layer % 2]
         check_release(buf, layer)
         # >>> TODO(m08): mark the point after which the buffer may be overwritten, and free it
-        # After check_release the buffer is IN_USE with this layer, and the compute that reads it has been queued
-        # (not necessarily run: the host runs ahead of the GPU). Record the event a later gather into this buffer
-        # will wait for, at this point of the compute stream; then mark the buffer FREE (keeping its layer and
-        # version, for a later hit).
-        # Pitfall: recording it on the copy stream, or not at all, lets the next copy overwrite the buffer while
-        # compute still reads it: the hazard checker names the pair ("a copy may overwrite a buffer that compute
-        # still reads").
-        # Hint 1: an event recorded on a stream completes once everything queued on that stream so far is done.
-        # Hint 2: event.record(stream) with buf.released and self.compute_stream.
-        # Hint 3: record buf.released on the compute stream;  state FREE
+        # Contract: after check_release the buffer is IN_USE with this layer, and the compute that reads it has been
+        #   queued (not necessarily run: the host runs ahead of the GPU). Afterwards buf.released completes exactly
+        #   when every compute queued so far that may read the buffer has finished, and the buffer is FREE, still
+        #   knowing its layer and version (a later gather of the same layer is a hit).
+        # Question: on which stream, and at which point of it, does the event that a later copy waits for belong?
+        # Pitfalls: recorded on the copy stream, or not at all, what would the next copy into this buffer wait for?
+        # Hint 1: the chapter's "Streams and events": when does an event recorded on a stream complete?
+        # Hint 2: record buf.released on the compute stream, now (after the kernels the loop has queued); state FREE.
+        # Hint 3: buf.released.record(self.compute_stream)
+        #         buf.state = FREE
         buf.released.record(self.compute_stream)
         buf.state = FREE
         # <<<
@@ -141,15 +141,19 @@ class HostWeights:
     def invalidate(self) -> None:
         """The host weights are about to change (or have): no copy may still be reading them."""
         # >>> TODO(m08): make host weights safe to write, and forget every copy on the device
-        # The optimizer changes the host weights around this call, and copies still in flight read them: the host
-        # must wait until the copy stream's work is done (the one host wait, between steps). Then every block in a
-        # device buffer is stale: bump the version, so the next gather of any layer copies it again.
-        # Pitfalls: without the wait, the hazard checker reports that "the host may write weights that a copy is
-        # still reading"; without the bump, the next step reuses old blocks (the test counts the copies of two
-        # steps).
-        # Hint 1: one host-side wait for one stream, then the version counter.
-        # Hint 2: stream.synchronize() blocks the host until the stream's queued work is done; self.version.
-        # Hint 3: synchronize the copy stream;  version += 1
+        # Contract: the optimizer writes the host weights right after this call. Afterwards no copy may still be
+        #   reading them (the hazard checker orders the host's writes after every copy issued), and no buffer counts
+        #   as holding a current block: the next gather of any layer copies it again (the test counts the copies of
+        #   two steps). This is the one place the host may wait, between steps.
+        # Question: what must the host wait for before a write, and how does the next gather learn that every buffer
+        #   is stale?
+        # Pitfalls: which stream's work reads the host weights? What does gather compare to decide that a buffer
+        #   still holds the current block?
+        # Hint 1: the chapter's "Streams and events": which tool makes the host itself wait? And gather's test for a
+        #         hit (above): which of its fields can change here?
+        # Hint 2: the host waits for the copy stream; the version goes up by one.
+        # Hint 3: self.copy_stream.synchronize()
+        #         self.version += 1
         self.copy_stream.synchronize()
         self.version += 1
         # <<<

@@ -10,10 +10,9 @@ in backward two more matmuls of the same size:
 Each runs through `scaled_mm` (given, below): on CUDA torch._scaled_mm(a, b, scale_a=..., scale_b=...,
 out_dtype=...), which multiplies FP8 matrices, applies both scales in its fp32 accumulator and
 writes out_dtype (bf16 or fp32); on CPU the same product computed from the dequantized operands.
-On an H100 it has layout rules (the CPU path has none, so we check them ourselves):
-  - a is row-major and b is column-major,
-  - K and N are multiples of 16 (we also require M: the forward's tokens are K in dW = dy^T x),
-  - at most one operand is e5m2 (there is no e5m2 x e5m2 kernel).
+On an H100 it has layout rules (the CPU path has none, so we check them ourselves): a @ b wants a
+row-major, b column-major, every dimension a multiple of 16, and not both operands e5m2 (the
+chapter's "CUDA's layout rules").
 
 The Llama block of module 06 sends every linear through a `Matmul` policy: `prepare(x, store,
 name)` once per linear input (saving what backward needs), then `forward(x, w)` and
@@ -50,26 +49,24 @@ def column_major(q: Quantized) -> Quantized:
 def check_scaled_mm_operands(a: torch.Tensor, b: torch.Tensor) -> None:
     """Raise ValueError, saying what is wrong, unless a @ b meets CUDA's rules for torch._scaled_mm."""
     # >>> TODO(m09): refuse operands CUDA's _scaled_mm would reject, naming the rule
-    # a @ b must meet the H100 kernel's rules (the module docstring; the chapter's "CUDA's layout rules"),
-    # checked on every device because the CPU path has no such rules. Raise ValueError at the first rule broken, in
-    # this order: both 2-D; a's columns match b's rows (the inner dimension); both dtypes FP8; not both e5m2;
-    # every dimension (M, K and N) a multiple of 16; a row-major; b column-major. Return None if all hold.
-    # Each message names its rule in words the tests look for ("2-D", "inner", "float8" or "FP8", "e5m2", "16",
-    # "row-major", "column-major") and says what it found (shapes, dtype, strides).
-    # Layout in strides: row-major means a row's consecutive elements are adjacent in memory (step 1 along the
-    # columns), column-major the same for a column. A transpose is a view that swaps the strides, so the
-    # transpose of a row-major matrix is column-major without a copy.
-    # Pitfall: requiring is_contiguous() instead of the one stride that matters rejects the transposed views the
-    # forward uses; the tests pass the three linears' real operands and expect them accepted.
-    # Hint 1: unpack the two shapes after the 2-D check; each rule is one test and one raise; each layout rule
-    #         reads one stride of one operand.
-    # Hint 2: t.dim(), t.shape, t.dtype (FP8_MAX's keys are the FP8 dtypes, E5M2 the e5m2 one), t.stride(d):
-    #         the step in memory along dimension d.
-    # Hint 3: not both 2-D -> raise ("2-D", the shapes)
-    #         (m, k), (k2, n) = the shapes;  k differs from k2 -> raise ("inner dimensions")
-    #         a dtype not among FP8_MAX's keys -> raise;  both E5M2 -> raise
-    #         m, k or n not divisible by 16 -> raise
-    #         a's stride along dimension 1 is not 1 -> raise (row-major);  b's along dimension 0 -> raise
+    # Contract: a @ b must meet the H100 kernel's rules (the chapter's "CUDA's layout rules"), checked on every device
+    #   because the CPU path has none. Raise ValueError at the first rule broken, in this order: both 2-D; a's columns
+    #   match b's rows (the inner dimension); both dtypes FP8; not both e5m2; every dimension (M, K and N) a multiple
+    #   of 16; a row-major; b column-major. Return None if all hold. Each message names its rule in words the tests
+    #   look for ("2-D", "inner", "float8" or "FP8", "e5m2", "16", "row-major", "column-major") and says what it
+    #   found (shapes, dtype, strides). The three linears' real operands (transposed views among them) pass.
+    # Question: which property of a tensor's strides tells row-major from column-major, whatever else it is?
+    # Pitfalls: is the transpose of a row-major matrix contiguous? Is it column-major? Would requiring
+    #   is_contiguous() accept the forward's W^T?
+    # Hint 1: the chapter's "Strides" reads a (2, 3) tensor and its transpose: for each layout, which dimension
+    #         has step 1 in memory?
+    # Hint 2: t.dim(), t.shape, t.dtype (FP8_MAX's keys are the FP8 dtypes, E5M2 the e5m2 one); row-major: stride
+    #         1 along dimension 1; column-major: stride 1 along dimension 0.
+    # Hint 3: if a.dim() != 2 or b.dim() != 2: raise ValueError("... 2-D ...")
+    #         (m, k), (k2, n) = a.shape, b.shape;  k != k2: raise ("inner dimensions ...")
+    #         a dtype not in FP8_MAX: raise;  a.dtype == E5M2 and b.dtype == E5M2: raise
+    #         m % 16 or k % 16 or n % 16: raise
+    #         a.stride(1) != 1: raise ("row-major");  b.stride(0) != 1: raise ("column-major")
     if a.dim() != 2 or b.dim() != 2:
         raise ValueError(f"_scaled_mm multiplies 2-D matrices, got shapes {tuple(a.shape)} and {tuple(b.shape)}")
     (m, k), (k2, n) = a.shape, b.shape
@@ -111,8 +108,8 @@ def scaled_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype, fast_accum: bo
 @dataclass
 class CachedWeight:
     version: int               # the weight's version counter when it was quantized
-    row_major: Quantized       # W itself: forward multiplies by its transpose, W^T (column-major)
-    column_major: Quantized | None = None  # a transposed copy for dx = dy W, made on first use
+    row_major: Quantized       # W in e4m3, stored as W is: (out, in), row by row
+    column_major: Quantized | None = None  # the same values stored column by column, made on first use
     dropper: weakref.ref | None = None     # removes this entry when the weight is freed
 
 
@@ -147,21 +144,8 @@ class FP8WeightCache:
 
     def lookup(self, w: torch.Tensor) -> CachedWeight:
         entry = self.entries.get(id(w))
-        # >>> TODO(m09): serve the cached FP8 copy only while the weight is unchanged
-        # entry is w's cache entry, or None. Return it if it is still valid; otherwise fall through to the code
-        # below, which quantizes w again and replaces the entry.
-        # Valid means: w has not been written in place since the entry was made. PyTorch counts the in-place writes
-        # to a tensor (an optimizer step, mul_, copy_) in its version counter (the class docstring, the chapter);
-        # the entry recorded the counter's value when it quantized w.
-        # Pitfalls the tests catch: serving a stale copy after an in-place update (the test multiplies W in place,
-        # as an optimizer step would), and quantizing at every call (it counts one quantization for two
-        # microbatches).
-        # Hint 1: compare the weight's counter now with the one the entry recorded.
-        # Hint 2: w._version is the counter; entry.version is what was recorded.
-        # Hint 3: if there is an entry and its version equals w's current version: return the entry
-        if entry is not None and entry.version == w._version:
+        if entry is not None and entry.version == w._version:  # unchanged since it was quantized
             return entry
-        # <<<
         entry = CachedWeight(w._version, self.quantize(w, E4M3))
         # A weak reference does not keep w alive; its callback runs when w is freed, before its
         # id can be reused by another tensor.
@@ -202,23 +186,24 @@ class FP8Matmul(Matmul):
 
     def prepare(self, x: torch.Tensor, store, name: str):
         # >>> TODO(m09): quantize a linear input once, and keep it and its abs-max in the store
-        # x is a linear input (any leading shape, features last); name is where the store keeps it ('n1', 'n2',
-        # 's'). An input too small for FP8 (uses_fp8 of its token and feature counts; the tokens are all leading
-        # dimensions together) goes to module 06's prepare unchanged. Otherwise the store keeps, under `name`, x
-        # quantized to e4m3 (a Quantized: 1 byte a value, for the weight gradient), and x's abs-max under
-        # abs_max_name(name); return that same Quantized: every linear that reads x multiplies it.
-        # Invariant (module 10): if the store already holds the abs-max (a recompute drops x and prepares it
-        # again), quantize with that one instead of computing it, so the recomputed FP8 bits equal the forward's.
-        # Pitfalls the tests catch: keeping x itself (they count the store's bytes: data, scale, abs-max); returning
-        # something other than what is kept; computing a new abs-max when one is kept (a test plants a different
-        # one); quantizing without self.quantize (which may be the compiled one).
-        # Hint 1: decide high or low precision first; then find or compute the abs-max, save it, quantize with it,
-        #         save the result and return it.
-        # Hint 2: self.uses_fp8(tokens, features) with tokens = x.numel() // x.shape[-1]; super().prepare(x, store,
-        #         name); `key in store`, store[key], store.save(key, value); abs_max(x); self.quantize(x, E4M3, amax).
-        # Hint 3: too small for FP8 -> return module 06's prepare of x
-        #         amax = the store's abs-max for this name if it has one, else the abs-max of x;  save it under its name
-        #         x_fp8 = x quantized to E4M3 with amax (self.quantize);  save it under name;  return it
+        # Contract: x is a linear input (any leading shape, features last); name is where the store keeps it ('n1',
+        #   'n2', 's'). An input uses_fp8 rejects (its tokens are all its leading dimensions together) goes to module
+        #   06's prepare unchanged. Otherwise, afterwards: the store keeps, under `name`, x in e4m3 (a Quantized: 1 byte
+        #   a value, what the weight gradient multiplies) and, under abs_max_name(name), the abs-max it was quantized
+        #   with; the same Quantized is returned (every linear that reads x multiplies it); and x went through
+        #   self.quantize (which may be the compiled one) exactly once. If the store already holds that abs-max (module
+        #   10 drops x and prepares its recomputation again), the quantization uses it, so the FP8 bits are the
+        #   forward's.
+        # Question: what must prepare find or compute before it quantizes, and what does it keep?
+        # Pitfalls: what does the store count if it keeps x itself (the test counts data, scale and abs-max bytes)?
+        #   A kept abs-max computed again: would a recompute still give the forward's bits if it differed?
+        # Hint 1: the chapter's "Abs-maxes computed earlier": where can an abs-max come from, and which one wins?
+        # Hint 2: tokens = numel / features; below the threshold, module 06's prepare. amax = the store's, if it has
+        #         one, else max |x|; keep it; x_fp8 = quantize(x, e4m3, amax); keep x_fp8 under name; return it.
+        # Hint 3: if not self.uses_fp8(x.numel() // x.shape[-1], x.shape[-1]): return super().prepare(x, store, name)
+        #         key = abs_max_name(name);  amax = store[key] if key in store else abs_max(x)
+        #         store.save(key, amax);  x_fp8 = self.quantize(x, E4M3, amax)
+        #         store.save(name, x_fp8);  return x_fp8
         if not self.uses_fp8(x.numel() // x.shape[-1], x.shape[-1]):
             return super().prepare(x, store, name)
         amax_name = abs_max_name(name)
@@ -241,19 +226,19 @@ class FP8Matmul(Matmul):
         if x_fp8 is None:
             return super().forward(x, w)
         # >>> TODO(m09): the forward product from FP8 operands, in the weight's dtype
-        # x_fp8 is the input in e4m3 (tokens, in), w the weight (out, in) in high precision. Return the forward
-        # output (tokens, out) in w's dtype, computed by scaled_mm from e4m3 operands that meet the layout rules:
-        # the first row-major, the second column-major.
-        # W's e4m3 copy comes from self.weights (the weight cache: once per optimizer step), never from quantizing w
-        # here (a test counts the quantizations). It is stored (out, in) row by row, and its transpose is a view.
-        # The forward output tolerates the H100's fast accumulation (scaled_mm's fast_accum; the CPU ignores it).
-        # Pitfalls: the test bounds the error against float64 from the e4m3 format, and a result equal to the fp32
-        # one means FP8 was not used; a transposed *copy* of W for the forward is wasted work.
-        # Hint 1: x as the row-major left operand, W transposed as the column-major right operand.
-        # Hint 2: row_major(q); self.weights.row_major(w) is W in e4m3, (out, in) and row-major; Quantized.t()
-        #         transposes without copying; scaled_mm(a, b, out_dtype=..., fast_accum=...).
-        # Hint 3: return scaled_mm of (x_fp8 made row-major, the cached W's transpose), out in w's dtype, with fast
-        #         accumulation
+        # Contract: x_fp8 is the input in e4m3 (tokens, in), w the weight (out, in) in high precision. Return y = x W^T
+        #   (tokens, out) in w's dtype, computed by scaled_mm from e4m3 operands that meet CUDA's layout rules. W's e4m3
+        #   copy comes from self.weights (the weight cache, row_major(w): W as stored, (out, in), quantized once per
+        #   optimizer step), never from quantizing w here (a test counts the quantizations and checks which bytes
+        #   scaled_mm multiplies). The forward output may use the H100's fast accumulation (scaled_mm's fast_accum).
+        # Question: which layout does each operand already have, and which of them needs a copy, if any?
+        # Pitfalls: is a transposed view of a row-major matrix row-major or column-major? Would a result equal to the
+        #   fp32 one mean FP8 was used (the test bounds the error against float64 from e4m3's rounding)?
+        # Hint 1: the chapter's "Strides" and its worked s = q k^T: where is W^T, as a view of the cached copy?
+        # Hint 2: y = x W^T with x row-major and W^T = (the cached row-major W)^T, column-major as a view: no copy;
+        #         fast accumulation on, out in w's dtype.
+        # Hint 3: return scaled_mm(row_major(x_fp8), self.weights.row_major(w).t(), out_dtype=w.dtype,
+        #                          fast_accum=True)
         return scaled_mm(row_major(x_fp8), self.weights.row_major(w).t(), out_dtype=w.dtype, fast_accum=True)
         # <<<
 
@@ -262,23 +247,23 @@ class FP8Matmul(Matmul):
         if x_fp8 is None:
             return super().backward(dy, x, w)
         # >>> TODO(m09): the input and weight gradients from FP8 operands: dy e5m2, W and x e4m3
-        # dy is (tokens, out) in high precision, x_fp8 the kept e4m3 input (tokens, in), w the weight (out, in).
-        # Return (dx, dw): dx (tokens, in) in dy's dtype and dw (out, in) in w's dtype, the two products of module
-        # 06's Matmul.backward, each by scaled_mm.
-        # Formats: dy goes to e5m2 (gradients span more orders of magnitude: a test plants an outlier 2^20 times the
-        # rest, and e4m3 would flush the small ones to zero); W and x stay e4m3 (never two e5m2 operands).
-        # Layouts: each product's first operand row-major, its second column-major. dx needs W column-major: the
-        # weight cache makes that copy once per optimizer step. dw sums over the tokens, which neither dy nor x
-        # stores contiguously in the direction it needs: both take a copy (of FP8 data, one byte a value).
-        # Pitfalls: both gradients' errors are bounded against float64 for e5m2 x e4m3; no fast accumulation for
-        # gradients; bf16 in must give bf16 out (the bf16 test).
-        # Hint 1: quantize dy once and use it in both products: as it is for dx, transposed for dw.
-        # Hint 2: self.quantize(dy, E5M2); self.weights.column_major(w); row_major(q) and column_major(q) copy
-        #         only when needed; q.t() is a view; scaled_mm(a, b, out_dtype=...).
-        # Hint 3: dy_fp8 = dy quantized to E5M2
-        #         dx = scaled_mm(dy_fp8 row-major, the cached column-major W), out in dy's dtype
-        #         dw = scaled_mm(dy_fp8 transposed then made row-major, x_fp8 made column-major), out in w's dtype
-        #         return (dx, dw)
+        # Contract: dy is (tokens, out) in high precision, x_fp8 the kept e4m3 input (tokens, in), w the weight (out,
+        #   in). Return (dx, dw): dx (tokens, in) in dy's dtype and dw (out, in) in w's dtype, module 06's two gradient
+        #   products, each by scaled_mm from operands that meet CUDA's layout rules, in the formats of the module
+        #   docstring's table (never two e5m2 operands). dy goes through self.quantize once for both products; W's
+        #   copies come from self.weights (a test checks which bytes scaled_mm multiplies); gradients accumulate
+        #   without fast accumulation. The tests bound both errors against float64 for e5m2 x e4m3, plant an outlier
+        #   2^20 times the rest in dy, and check bf16 in gives bf16 out.
+        # Question: for each product, which operand is already in the layout its side needs, and which needs a copy?
+        # Pitfalls: in e4m3, what becomes of gradient entries 2^20 times smaller than the largest? Which dimension
+        #   does dw sum over, and does either operand store it contiguously where the rules want it?
+        # Hint 1: the chapter's "Strides" and its worked p v: for dx = dy W and dW = dy^T x, which operand is a or b,
+        #         and where is each one's step 1?
+        # Hint 2: dy_e5m2 = quantize(dy, e5m2) once; dx = dy_e5m2 (row-major) · W (the cache's column-major copy);
+        #         dW = dy_e5m2^T (a row-major copy) · x_fp8 (a column-major copy); out dtypes dy's and w's.
+        # Hint 3: dy_fp8 = self.quantize(dy, E5M2)
+        #         dx = scaled_mm(row_major(dy_fp8), self.weights.column_major(w), out_dtype=dy.dtype)
+        #         dw = scaled_mm(row_major(dy_fp8.t()), column_major(x_fp8), out_dtype=w.dtype);  return dx, dw
         dy_fp8 = self.quantize(dy, E5M2)
         dx = scaled_mm(row_major(dy_fp8), self.weights.column_major(w), out_dtype=dy.dtype)
         dw = scaled_mm(row_major(dy_fp8.t()), column_major(x_fp8), out_dtype=w.dtype)

@@ -11,9 +11,9 @@ Weights and activations use e4m3 (more precision). Gradients use e5m2: they span
 of magnitude (a few large entries, many tiny ones), and a value below the smallest FP8 number
 becomes zero, so range matters more than the last mantissa bit.
 
-Eight bits cover a tiny range, so a tensor is first multiplied by a scale that maps its largest
-absolute value (its abs-max) onto the format's largest number, then cast. The matmul gets the
-inverse scale and undoes it in its fp32 accumulator. One scale per tensor is "tensorwise" scaling.
+Eight bits cover a tiny range, so a tensor is first multiplied by a factor chosen from its largest
+absolute value (its abs-max), then cast; the matmul is given the scale that undoes the factor and
+applies it in its fp32 accumulator. One scale per tensor is "tensorwise" scaling.
 """
 from typing import NamedTuple
 
@@ -22,18 +22,15 @@ import torch
 E4M3 = torch.float8_e4m3fn  # weights and activations
 E5M2 = torch.float8_e5m2    # gradients
 FP8_MAX = {E4M3: torch.finfo(E4M3).max, E5M2: torch.finfo(E5M2).max}  # 448.0, 57344.0
-# An abs-max below this is treated as this. It keeps the scale FP8_MAX / amax finite in float32
-# for an all-zero tensor (amax 0 would give an infinite scale, and 0 * inf = NaN). Values this
-# small are far below anything a training run cares about.
+# An abs-max below this is treated as this: an all-zero tensor (abs-max 0) would otherwise get an
+# infinite factor, and 0 * inf = NaN. Values this small are far below anything a training run cares
+# about.
 AMAX_FLOOR = 1e-12
 
 
 class Quantized(NamedTuple):
-    """An FP8 tensor and its float32 scale: the values it stands for are `data * scale`.
-
-    `scale` is the inverse of the factor applied before the cast; it is what torch._scaled_mm
-    takes as scale_a / scale_b.
-    """
+    """An FP8 tensor and its float32 scale: the values it stands for are `data * scale`, what
+    torch._scaled_mm takes as scale_a / scale_b."""
     data: torch.Tensor
     scale: torch.Tensor
 
@@ -69,26 +66,29 @@ def quantize(t: torch.Tensor, dtype: torch.dtype, amax: torch.Tensor | None = No
     overflow: values beyond the format's range saturate at +-FP8_MAX[dtype].
     """
     # >>> TODO(m09): per-tensor abs-max scaling and a saturating cast to FP8
-    # Contract: t (any shape and float dtype), an FP8 dtype (E4M3 or E5M2) and maybe a known abs-max (a float32
-    # scalar tensor). Return Quantized(data, scale): data in `dtype` with t's shape, scale a float32 scalar
-    # tensor such that data * scale gives t back (up to rounding). No host sync: amax stays a tensor.
-    # Maths: the factor FP8_MAX[dtype] / amax maps the largest |value| onto the format's largest number; scale is
-    # its inverse. amax is floored at AMAX_FLOOR first (an all-zero tensor would get an infinite factor, and
-    # 0 * inf = NaN). Values beyond the range (a given amax that is too small, a stale one) saturate at
-    # +-FP8_MAX[dtype] instead of overflowing (e5m2 turns overflow into inf).
-    # Pitfalls the tests catch: the abs-max must land exactly on +-FP8_MAX; the factor must be *one* correctly
-    # rounded float32 division: a Python float divided by a tensor computes 1 / amax and then multiplies (two
-    # roundings, 1 ulp off for about a quarter of abs-maxes), and the test compares the FP8 bytes with a
-    # single division. Scale in float32 (a bf16 t times the factor would round in bf16 before the cast).
-    # Hint 1: floor the abs-max, divide the format's max by it, multiply, clamp, cast; return the data and the
-    #         factor's inverse.
-    # Hint 2: abs_max(t) when no amax is given; .float() and .clamp(min=...); amax.new_tensor(number) makes a
-    #         float32 tensor on amax's device, so the division is tensor by tensor; .clamp(-m, m); .to(dtype);
-    #         .reciprocal().
-    # Hint 3: amax = the given abs-max, or abs_max(t); in float32, floored at AMAX_FLOOR
-    #         to_fp8 = FP8_MAX[dtype] as a float32 tensor, divided by amax
-    #         data = (t in float32 times to_fp8), clamped to +-FP8_MAX[dtype], cast to dtype
-    #         return Quantized(data, the reciprocal of to_fp8)
+    # Contract: t (any shape and float dtype), an FP8 dtype (E4M3 or E5M2) and maybe t's abs-max, already known (a
+    #   float32 scalar tensor). Return Quantized(data, scale): data in `dtype` with t's shape, scale a float32 scalar
+    #   tensor, and afterwards:
+    #   - data * scale gives t back within the format's rounding (the round-trip test bounds it, subnormals too);
+    #   - the element of largest |t| lands exactly on +-FP8_MAX[dtype]: the whole range is used;
+    #   - a value beyond the range the given abs-max implies saturates at +-FP8_MAX[dtype] (never inf or NaN);
+    #   - an all-zero t gives zeros and a finite scale (AMAX_FLOOR is the smallest abs-max to use);
+    #   - the factor t is multiplied by is one correctly rounded float32 division, and t is multiplied in float32
+    #     (a test compares the FP8 bytes with torchao's tensorwise recipe, bf16 inputs too);
+    #   - no value is read back to the host (amax stays a tensor).
+    # Question: which factor puts the abs-max on the format's largest number, and what must happen to values
+    #   beyond it before the cast?
+    # Pitfalls: in PyTorch, is a Python number divided by a tensor one rounding or two? What does casting 500.0 to
+    #   e4m3fn give, and 70000.0 to e5m2? And a bf16 t times a float32 scalar tensor: which dtype is the product?
+    # Hint 1: the chapter's "Abs-max scaling" works int8 out: what changes with FP8's largest number, and with
+    #         a cast that rounds to the nearest FP8 value instead of an integer?
+    # Hint 2: amax = max(amax, AMAX_FLOOR); factor = FP8_MAX / amax, one float32 division of two tensors;
+    #         data = clamp(t · factor, -FP8_MAX, FP8_MAX) cast to the format; scale = 1 / factor.
+    # Hint 3: if amax is None: amax = abs_max(t)
+    #         amax = amax.float().clamp(min=AMAX_FLOOR)
+    #         to_fp8 = amax.new_tensor(FP8_MAX[dtype]) / amax   (tensor / tensor: one rounding)
+    #         data = (t.float() * to_fp8).clamp(-FP8_MAX[dtype], FP8_MAX[dtype]).to(dtype)
+    #         return Quantized(data, to_fp8.reciprocal())
     if amax is None:
         amax = abs_max(t)
     amax = amax.float().clamp(min=AMAX_FLOOR)

@@ -7,14 +7,14 @@ largest item in GPU memory. A recompute option names the activations a store doe
 again, then runs the unchanged backward of module 06. The ops are the same and run in the same
 order, so the gradients are the same bit for bit; the price is the extra forward work.
 
-The options follow those of llm.q, a CUDA/C++ LLM trainer:
+The options follow those of llm.q, a CUDA/C++ LLM trainer (DROPPED below):
 
     none       keep everything
-    swiglu     drop s = silu(g) u                         recompute: one elementwise op
-    norms      drop the RMSNorm outputs n1, n2, r1, r2    recompute: two norms
-    ffn        drop n2, r2, g, u, s                       recompute: norm, gate and up matmuls, SwiGLU
-    attention  drop n1, r1, q, k, v, o, lse               recompute: norm, q/k/v matmuls, RoPE, attention
-    block      keep only the block input x                recompute: the whole block but the down matmul
+    swiglu     drop s = silu(g) u
+    norms      drop the RMSNorm outputs n1, n2, r1, r2
+    ffn        drop n2, r2, g, u, s
+    attention  drop n1, r1, q, k, v, o, lse
+    block      keep only the block input x
 
 With module 09's FP8Matmul the linear inputs n1, n2 and s are kept as e4m3 with their abs-maxes.
 The abs-maxes (4 bytes each) are kept whatever the option, so the recompute quantizes with the
@@ -55,21 +55,22 @@ def activation_bytes(cfg: LlamaConfig, batch: int, seq_len: int, dtype: torch.dt
     stat = torch.tensor([], dtype=compute_dtype(dtype)).element_size()
     tokens = batch * seq_len
     # >>> TODO(m10): the bytes of every activation one block saves, by name
-    # Return a dict with one entry per name in ACTIVATIONS: the bytes that activation takes for `tokens` tokens
-    # (batch * seq_len), with activations `act` bytes a value and the per-token statistics (r1, r2 and lse)
-    # `stat` bytes a value (compute_dtype: float32 for bf16 activations).
-    # Derive each entry from the shape the block saves that tensor in (module 06's attention_half and ffn_half;
-    # the chapter's first table): per token, the number of values along its other axes, times its element size.
-    # Pitfalls the tests catch (they compare every entry with the bytes module 06's block really saves, in
-    # float32 and in bf16, where act != stat): k and v have the kv heads' width, not the query heads'; o is
-    # attention's output before the o projection; lse holds one statistic per query head, r1 and r2 one per
-    # token. A swap of two sizes (q and k, say) leaves the totals unchanged but fails the by-name check.
-    # Hint 1: six widths cover all fourteen names: the residual width, the query width, the key/value width, the
-    #         FFN width, one statistic per token, one per query head.
-    # Hint 2: cfg.dim, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.ffn_dim, 1 and
-    #         cfg.n_heads; act for the activations, stat for r1, r2 and lse.
-    # Hint 3: per_token = {each name: its width times act (or stat, for r1, r2, lse)}
-    #         return {each name: tokens times its per-token bytes}
+    # Contract: return a dict with one entry per name in ACTIVATIONS: the bytes that activation takes for `tokens`
+    #   tokens (batch * seq_len), `act` bytes a value for the activations and `stat` bytes a value for the per-token
+    #   statistics (compute_dtype: float32 for bf16 activations). The tests compare every entry, name by name, with
+    #   the bytes module 06's block really saves, in float32 and in bf16 (where act != stat).
+    # Question: for each saved tensor, how many values does one token have, and of which kind?
+    # Pitfalls: which widths are the query heads', which the key/value heads', which the residual stream's? Is
+    #   attention's output saved before or after the o projection? How many log-sum-exps does one token have?
+    #   (A swap of two sizes leaves every total right and fails the by-name check.)
+    # Hint 1: the chapter's "Counting what a block keeps" counts a GELU MLP block's: read module 06's attention_half
+    #         and ffn_half the same way, shape by shape.
+    # Hint 2: per token: x, n1, h, n2: M values; q, o: H D; k, v: K D; g, u, s: F; r1, r2: one statistic; lse: H
+    #         statistics. Bytes = tokens · values · (act, or stat for r1, r2, lse).
+    # Hint 3: dim, q, kv, ffn = cfg.dim, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.ffn_dim
+    #         per_token = dict(x=dim * act, n1=dim * act, r1=stat, q=q * act, k=kv * act, ..., lse=cfg.n_heads * stat,
+    #                          ..., g=ffn * act, u=ffn * act, s=ffn * act)
+    #         return {name: tokens * size for name, size in per_token.items()}
     dim, q, kv, ffn = cfg.dim, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.ffn_dim
     per_token = {"x": dim * act, "n1": dim * act, "r1": stat, "q": q * act, "k": kv * act, "v": kv * act,
                  "o": q * act, "lse": cfg.n_heads * stat, "h": dim * act, "n2": dim * act, "r2": stat,
@@ -104,17 +105,9 @@ class RecomputeBlock(LlamaBlock):
         self.option = option
 
     def new_store(self) -> ActivationStore:
-        # >>> TODO(m10): a store that keeps what this option does not drop, and the FP8 abs-maxes
-        # Return an ActivationStore whose keep set (module 06's store saves only the names in it) is every name in
-        # ACTIVATIONS that the option does not drop (its entry in DROPPED), plus ABS_MAXES: module 09's abs-maxes
-        # (4 bytes each) are kept whatever the option, so a recompute quantizes with the forward's own.
-        # Pitfalls the tests catch: the store's names and real bytes must equal kept_bytes for every option, FP8 or
-        # not (the FP8 formula counts the abs-maxes); keep=None would keep everything.
-        # Hint 1: set algebra on frozensets.
-        # Hint 2: ActivationStore(keep=...); frozenset difference (-) and union (|).
-        # Hint 3: return a store keeping (ACTIVATIONS without the option's dropped names) together with ABS_MAXES
+        # What the option does not drop, and module 09's abs-maxes whatever the option (4 bytes each), so that a
+        # recompute with FP8 linears quantizes with the forward's own.
         return ActivationStore(keep=(ACTIVATIONS - DROPPED[self.option]) | ABS_MAXES)
-        # <<<
 
     def recompute(self, w: BlockWeights, store: ActivationStore):
         """Put back into `store` every activation the forward dropped, computed from what it kept
@@ -128,30 +121,31 @@ class RecomputeBlock(LlamaBlock):
         fresh = ActivationStore()
         fresh.tensors.update(store.tensors)
         # >>> TODO(m10): rebuild the dropped activations into `fresh`, earliest first, rerunning the least
-        # missing (not empty) names what the forward dropped; fresh starts with everything the store kept, abs-maxes
-        # included. Put every missing activation into fresh, computed by the forward's own ops, in the forward's
-        # order, from what was kept or already recomputed, so the values are the forward's bit for bit (the given
-        # lines after this block copy them into the store).
-        # Which ops: only the attention half makes q, k, v, o and lse (it refills n1 and r1 too), and only the FFN
-        # half makes h (and everything after it). Any other missing activation is one op away from what is kept or
-        # recomputed: the ln1 norm of x (n1, r1), the ln2 norm of h (n2, r2), the gate and up linears (g, u),
-        # SwiGLU (s). Linear inputs enter fresh as in the forward: n1, n2 and s go through the policy's prepare
-        # under their names (with FP8 it finds the kept abs-max in fresh and quantizes with it).
-        # Pitfalls the tests catch: rerunning more than needed (they count the rerun linears: ffn 2, attention 3,
-        # block 6); other ops, inputs or order (restored tensors and gradients are compared with torch.equal, with
-        # and without FP8 linears); reading a dropped input from `store` instead of from fresh.
-        # Hint 1: two stages, each a choice: the attention stage (the whole half if any of its outputs is missing,
-        #         else maybe just the norm), then the FFN stage (the whole half if h is missing, else the missing
-        #         pieces one by one, in forward order).
-        # Hint 2: self.attention_half(w, x, store) and self.ffn_half(w, x, o, store) save into the store you pass;
-        #         rmsnorm_forward; linear_forward(input, weight, mm); swiglu_forward; mm.prepare(t, fresh, name);
-        #         fresh.save(name, t); fresh[name]; set intersection (&) tests whether any of a group is missing.
-        # Hint 3: x = the kept block input
-        #         if any of q, k, v, o, lse is missing: the attention half into fresh
-        #         elif n1 or r1 is missing: norm x with ln1; prepare n1 into fresh; save r1
-        #         if h is missing: the FFN half into fresh (from x and fresh's o)
-        #         else, each only if missing: n2, r2 (norm of fresh's h, prepare n2); g, u (fresh's n2 through gate
-        #         and up); s (SwiGLU of fresh's g and u, prepared)
+        # Contract: `missing` (not empty) names what the forward dropped; `fresh` starts with everything the store
+        #   kept, abs-maxes included. Afterwards every missing activation is in fresh, equal to the forward's bit for
+        #   bit (the given lines after this block copy them into the store; the tests compare with torch.equal, with
+        #   and without FP8 linears, and the gradients of every option with no recompute's), made by the forward's
+        #   own ops (module 06's block and ops, linear inputs through the policy's prepare into fresh, as the forward
+        #   hands them) from what was kept or already rebuilt. And no more forward work than that: the tests count the
+        #   linears each option reruns (none, swiglu, norms 0; ffn 2; attention 3; block 6) and the norms (none,
+        #   swiglu 0; ffn, attention 1; norms, block 2).
+        # Question: for each missing name, what is the least forward work that rebuilds it from what is there, and in
+        #   which order must the pieces run?
+        # Pitfalls: which missing names can only one of the block's halves make, and which are one op away from what
+        #   was kept? If a half has already rebuilt a name, is it rebuilt again? Is a dropped input read from `store`,
+        #   which no longer has it, or from `fresh`?
+        # Hint 1: the chapter's "Rebuilding the fewest" works the choice out on a GELU MLP block: which tensors of
+        #         module 06's block does only attention_half make, and which only ffn_half?
+        # Hint 2: only attention_half makes q, k, v, o and lse (and n1, r1 with them); only ffn_half makes h (and n2,
+        #         r2, g, u, s with it). Otherwise: n1, r1 = RMSNorm(x; ln1); n2, r2 = RMSNorm(h; ln2); g, u = n2's two
+        #         linears; s = SwiGLU(g, u); each only if missing, in the forward's order.
+        # Hint 3: x = store["x"]
+        #         if missing & {"q", "k", "v", "o", "lse"}: self.attention_half(w, x, fresh)
+        #         elif missing & {"n1", "r1"}: n1, r1 = rmsnorm_forward(x, w.ln1, eps); mm.prepare(n1, fresh, "n1");
+        #                                      fresh.save("r1", r1)
+        #         if "h" in missing: self.ffn_half(w, x, fresh["o"], fresh)
+        #         else: n2, r2 from fresh["h"] if missing (prepare n2 into fresh); g, u from fresh["n2"] if missing;
+        #               s = swiglu of fresh's g and u, prepared into fresh, if missing
         x = store["x"]
         if missing & {"q", "k", "v", "o", "lse"}:
             self.attention_half(w, x, fresh)

@@ -88,6 +88,11 @@ class DataParallel:
         """What this rank's optimizer updates: every parameter (each replica updates all of them)."""
         return self.params
 
+    def gradients(self) -> list[torch.Tensor]:
+        """The step's summed gradients as this rank keeps them, what `step` reads: every bucket's buffer
+        (each parameter's .grad is a view into one)."""
+        return [bucket.grads for bucket in self.buckets]
+
     def zero_grad(self):
         """Zero the gradients in place (they stay views into their buckets)."""
         for bucket in self.buckets:
@@ -153,10 +158,10 @@ class DataParallel:
         #   "bucket <index>", and keep what the collective returns in bucket.work: finish() waits on it. The test
         #   delivers an asynchronous collective's result only at wait(), so a collective that is never waited for
         #   leaves the gradients unsummed.
-        # Maths: the sum, not the mean: each rank's loss was already divided by the step's global token count, so
-        #   the gradients of the ranks' losses add up to the gradient of the global mean loss.
+        # Maths: the sum over ranks, not the mean: turning the buckets' sums into the gradient of the step's mean
+        #   loss is train_step's business, once they have arrived (m14_train_step).
         # Pitfalls: async_op=False blocks the backward until the bucket has crossed the network (no overlap, and the
-        #   test checks async_op); dividing by the group size here averages twice.
+        #   test checks async_op); dividing by the group size here (then the step's gradient is d times too small).
         # Hint 1: one call of the group's collectives.
         # Hint 2: self.group.collectives.all_reduce(tensor, label=..., async_op=True) returns the work.
         # Hint 3: bucket.work = all-reduce of bucket.grads, labelled f"bucket {bucket.index}", async_op=True

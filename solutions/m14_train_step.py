@@ -1,20 +1,21 @@
 """Module 14, part 3 - one optimizer step of a data-parallel model: its rows of the global batch,
-m micro-steps of gradient accumulation that send nothing until the last, and a loss normalised by
-the step's global count of real tokens.
+m micro-steps of gradient accumulation that send nothing until the last, and the step's loss, the
+mean over the global batch's real tokens, with no collective waited for that DDP's loop does not
+wait for.
 
 Every rank draws the whole global batch of B rows from the seed (as module 06's loop does) and
 keeps its B/d rows: member i of the data group keeps rows i B/d .. (i + 1) B/d - 1. It cuts them
 into m microbatches. The loss of the step is the mean over every *real* token of the global batch;
 a target of IGNORE_INDEX (-100, PyTorch's convention) marks padding, which is neither a term nor
-counted. So each microbatch contributes
-
-    loss_i = (sum of its tokens' cross-entropies) / (real tokens in the whole global batch)
-
-and the sum over ranks and micro-steps of the loss_i is the step's loss, whatever the number of
-real tokens in each microbatch; the sum of their gradients is its gradient. That is what the
-buckets add up. The denominator is known before the first backward: one all-reduce of each
-rank's count. (A mean per microbatch, divided by m d, weighs a token of a half-padded microbatch
-twice as much as one of a full one: a different loss.)
+counted. Its denominator, the global count of real tokens, is a sum over the ranks: one all-reduce
+of each rank's count, which has to travel like every other collective. A step that waited for it
+before its first backward would pay that collective's whole latency, every step, with nothing to
+hide it behind; PyTorch's DDP loop (a mean per rank, averaged by DDP) has no such collective, and
+gets the loss wrong as soon as ranks hold different numbers of real tokens. So the count is started
+at the step's start and waited for only where it is needed, while the micro-steps compute; the
+logged loss's sum over ranks travels while the optimizer steps. Which gradients the backwards can
+compute before the count has arrived, and what is left to do once it has, is train_step's question
+(docs/14-data-parallel.md works it on another loss).
 
 Gradient accumulation: micro-steps 0 .. m - 2 run under `no_sync()` (gradients accumulate in the
 buckets, nothing is sent), the last one sends. ZeRO-2 keeps only a shard of the gradients, so it
@@ -23,9 +24,8 @@ sends on every micro-step (`syncs_every_microstep`, m14_zero).
 Two models: `train_step` drives an autograd model whose forward returns logits (module 00's MLP,
 course/reference_llama.py's ModularLlama); `DataParallelLlama` is module 06's Llama, whose
 hand-written backward hands each block's gradients to `ready` through `on_block_grads`. Module 06's
-`forward_backward(tokens, targets, n_tokens)` already divides a piece's summed token losses by the
-count it is given (its `train_step` gives every microbatch the step's): given the global count,
-its gradients are this rank's share of the step's, ready for the buckets as they are.
+`forward_backward(tokens, targets, n_tokens)` divides a piece's summed token losses by the
+`n_tokens` it is given, and its gradients are those of that quotient.
 """
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from course.mesh import Group
 from .m06_llama_block import BlockWeights, LlamaConfig
 from .m06_llama_model import IGNORE_INDEX, LOSS_CHUNK, LlamaModel  # IGNORE_INDEX = -100: padding, not counted
+from .m12_tp_linear import InFlight  # a collective started without waiting, and the tensor it fills
 from .m14_data_parallel import DataParallel
 
 
@@ -50,29 +51,32 @@ def my_rows(batch: int, group: Group) -> slice:
     return slice(group.index * rows, (group.index + 1) * rows)
 
 
-def global_token_count(targets: torch.Tensor, group: Group) -> torch.Tensor:
-    """The real (not IGNORE_INDEX) targets over every member's `targets`: a 0-d int64 tensor."""
+def global_token_count(targets: torch.Tensor, group: Group) -> InFlight:
+    """Start counting the real (not IGNORE_INDEX) targets of every member's `targets`, without waiting:
+    the InFlight's wait() gives the count, a 0-d int64 tensor, the same on every member."""
     # >>> TODO(m14): count the real tokens of the whole global batch, from each rank's own rows
-    # Contract: targets are this rank's rows of the step (all its microbatches); return the number of targets that
-    #   are not IGNORE_INDEX summed over the members of the group, as a 0-d int64 tensor (one collective). The tests
-    #   pad microbatches with different numbers of IGNORE_INDEX targets, different on every rank.
-    # Maths: each rank counts its own; the sum over ranks is the global count, the same on every rank.
-    # Pitfalls: the rank's own count (then each rank divides by a different number, and d times too little on
-    #   average); counting the padding; a float count (an int64 sum is exact at any size).
-    # Hint 1: count locally, then one sum over the group.
-    # Hint 2: (targets != IGNORE_INDEX).sum() is an int64 0-d tensor; group.collectives.all_reduce sums it in place.
-    # Hint 3: count = number of targets != IGNORE_INDEX;  all-reduce count over the group, labelled;  return count
+    # Contract: targets are this rank's rows of the step (all its microbatches). Return an InFlight whose wait()
+    #   gives the number of targets that are not IGNORE_INDEX over every member of the group, as a 0-d int64
+    #   tensor: one collective, labelled "token count", started here and not waited for (train_step waits where
+    #   it needs the count). The tests pad microbatches with different numbers of IGNORE_INDEX targets, different
+    #   on every rank, and deliver an asynchronous collective's result only at its wait().
+    # Pitfalls: the rank's own count (each rank's step then has another scale, d times off on average); counting
+    #   the padding; a float count (an int64 sum is exact at any size); a blocking collective
+    #   (correct, but every step then waits for it before its first backward).
+    # Hint 1: which part of the count can a rank compute alone, and which collective turns the parts into it?
+    # Hint 2: count = Σ over members of (this member's targets != IGNORE_INDEX).sum(), an int64 0-d tensor; an
+    #         all-reduce sums in place; with async_op=True it returns the work that InFlight(result, work) keeps.
+    # Hint 3: count = (targets != IGNORE_INDEX).sum()
+    #         return InFlight(count, group.collectives.all_reduce(count, label="token count", async_op=True))
     count = (targets != IGNORE_INDEX).sum()
-    group.collectives.all_reduce(count, label="token count")
-    return count
+    return InFlight(count, group.collectives.all_reduce(count, label="token count", async_op=True))
     # <<<
 
 
-def global_mean_loss(loss_sum: torch.Tensor, count: torch.Tensor, group: Group) -> float:
-    """The step's loss for the log: every rank's summed token losses, summed over the group, over the count."""
+def global_loss_sum(loss_sum: torch.Tensor, group: Group) -> InFlight:
+    """Start summing every rank's summed token losses over the group (float64), for the log, without waiting."""
     total = loss_sum.detach().to(torch.float64).reshape(1)
-    group.collectives.all_reduce(total, label="loss")
-    return total.item() / count.item()
+    return InFlight(total, group.collectives.all_reduce(total, label="loss", async_op=True))
 
 
 def train_step(ddp: DataParallel, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
@@ -84,44 +88,59 @@ def train_step(ddp: DataParallel, model: nn.Module, inputs: torch.Tensor, target
     inputs, targets = inputs[mine], targets[mine]
     if inputs.shape[0] % n_microbatches:
         raise ValueError(f"{inputs.shape[0]} rows a rank do not split into {n_microbatches} equal microbatches")
-    count = global_token_count(targets, ddp.group)
+    count = global_token_count(targets, ddp.group)  # in flight while the micro-steps compute
     loss_sum = torch.zeros((), dtype=torch.float64)
     # >>> TODO(m14): the micro-steps: a loss normalised by the global count, sent on the last micro-step only
     # Contract: for each of the n_microbatches equal chunks of this rank's rows, in order: the forward (the model
-    #   maps a chunk of inputs to its logits), the summed cross-entropy of its real tokens, the backward of that sum
-    #   divided by `count`; add the sum (detached) to loss_sum. Every micro-step but the last runs entirely inside
-    #   ddp.no_sync(); the last sends (unless ddp.syncs_every_microstep: then every micro-step sends), and each
-    #   backward that sent is followed by DataParallel.finish. The tests compare with one process on the whole batch for (d, m) = (1, 4), (2, 2), (4, 1)
-    #   with microbatches of different numbers of real tokens, and check from the log that buckets go out during
-    #   the last micro-step only.
-    # Maths: the module docstring: loss_i = (sum of the microbatch's token losses) / count.
+    #   maps a chunk of inputs to its logits), the summed cross-entropy of its real tokens (added, detached, to
+    #   loss_sum), a backward. Every micro-step but the last runs entirely inside ddp.no_sync(); the last sends
+    #   (unless ddp.syncs_every_microstep: then every micro-step sends), and each backward that sent is followed
+    #   by DataParallel.finish. When the block ends, n_tokens is the step's count of real tokens (an int) and the
+    #   gradients ddp keeps (ddp.gradients(), what ddp.step reads) are those of the step's loss, the mean over
+    #   every real token of the global batch, on every rank; and the count has been waited for only after the
+    #   last bucket left: nothing but the buckets is waited for meanwhile. The tests compare with one process on
+    #   the whole batch for (d, m) = (1, 4), (2, 2), (4, 1), microbatches holding different numbers of real
+    #   tokens, collectives that deliver only at wait(); and check from the log that buckets go out during the
+    #   last micro-step only and when the count was waited for.
+    # Question: while the backwards run, the count has not arrived. What can each backward differentiate so that
+    #   the buckets' sums are the step's gradient up to a factor, and what does that leave to do, and when?
     # Pitfalls: the per-microbatch mean (F.cross_entropy's default reduction) divided by m d: wrong as soon as the
-    #   microbatches hold different numbers of real tokens; sending on the first micro-step instead of the last
-    #   (the later micro-steps' gradients are then never summed over ranks); calling finish() after a backward
-    #   that sent nothing. Logits are (..., V): flatten them to (tokens, V) and the targets to (tokens,).
-    # Hint 1: enumerate the chunks; sync = last, or ddp.syncs_every_microstep; the context is no_sync() unless sync.
-    # Hint 2: inputs.chunk(n_microbatches); contextlib.nullcontext(); F.cross_entropy(logits.reshape(-1, V),
-    #         y.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum").
+    #   microbatches hold different numbers of real tokens; the count read before its wait() (the tests deliver
+    #   it only then); gradients scaled before finish() has landed the buckets' sums; the count waited for before
+    #   the backwards (right numbers, but a blocking collective every step); sending on the first micro-step
+    #   instead of the last (the later micro-steps' gradients are then never summed over ranks); calling
+    #   finish() after a backward that sent nothing. Logits are (..., V): flatten them to (tokens, V).
+    # Hint 1: which of the step's quantities are sums over ranks and micro-steps, which one is a quotient, and
+    #         does the gradient care where a constant factor is applied?
+    # Hint 2: L = S / N, S = Σ over ranks r and micro-steps i of S_ri (the summed token losses), N the count: ∇L =
+    #         (Σ_ri ∇S_ri) / N. The backwards give ∇S_ri, the buckets the sum; the division waits for N.
+    #         F.cross_entropy(logits.reshape(-1, V), y.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum");
+    #         contextlib.nullcontext(); count.wait(); g.div_(n) for g in ddp.gradients().
     # Hint 3: for i, (x, y) in the pairs of chunks:
     #             sync = i == n_microbatches - 1 or ddp.syncs_every_microstep
     #             with (nullcontext if sync else ddp.no_sync()):
-    #                 loss = summed cross-entropy of model(x) against y;  (loss / count).backward()
+    #                 loss = summed cross-entropy of model(x) against y;  loss.backward()
     #             if sync: ddp.finish()
     #             loss_sum += loss detached
+    #         n_tokens = int(count.wait());  divide every tensor of ddp.gradients() by n_tokens, in place
     for i, (x, y) in enumerate(zip(inputs.chunk(n_microbatches), targets.chunk(n_microbatches), strict=True)):
         sync = i == n_microbatches - 1 or ddp.syncs_every_microstep
         with contextlib.nullcontext() if sync else ddp.no_sync():
             logits = model(x)
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=IGNORE_INDEX,
                                    reduction="sum")
-            (loss / count).backward()
+            loss.backward()
         if sync:
             ddp.finish()
         loss_sum += loss.detach()
+    n_tokens = int(count.wait())  # the sums over ranks have arrived: now the step's mean
+    for gradient in ddp.gradients():
+        gradient.div_(n_tokens)
     # <<<
+    loss = global_loss_sum(loss_sum, ddp.group)  # travels while the optimizer steps
     ddp.step(optimizer, max_norm)
     ddp.zero_grad()
-    return global_mean_loss(loss_sum, count, ddp.group)
+    return loss.wait().item() / n_tokens
 
 
 class DataParallelLlama(LlamaModel):
@@ -146,8 +165,7 @@ class DataParallelLlama(LlamaModel):
 
     def on_block_grads(self, layer: int, grads: BlockWeights):
         """Module 06's backward calls this once block `layer`'s gradients are final: each goes to its bucket
-        at once, while the earlier blocks' backwards still run. They are already gradients of this rank's
-        share of the step's loss (train_step passes the step's count to forward_backward)."""
+        at once, while the earlier blocks' backwards still run."""
         for weight, grad in zip(self.blocks[layer].tensors(), grads.tensors(), strict=True):
             self.ddp.ready(weight, grad)
 
@@ -158,47 +176,53 @@ class DataParallelLlama(LlamaModel):
         group = self.ddp.group
         mine = my_rows(tokens.shape[0], group)
         tokens, targets = tokens[mine], targets[mine]
+        count = global_token_count(targets, group)  # in flight while the micro-steps compute
+        loss_sum = torch.zeros((), dtype=torch.float64)
         # >>> TODO(m14): module 06's micro-steps: each microbatch's loss over the step's count, its gradients to the buckets
-        # Contract: tokens, targets are this rank's rows. Set `count` to the step's count of real tokens (as train_step
-        #   above) and loss_sum to this rank's summed token losses (float64, 0-d): global_mean_loss (below) divides
-        #   their sum over the group by count. For each of the n_microbatches equal chunks, in order: module 06's
-        #   forward_backward(tok, tgt, n_tokens), whose loss and gradients are the chunk's summed token losses divided
-        #   by n_tokens; during it, the blocks' gradients reach the buckets through on_block_grads (above); hand the
-        #   three it returns at the end (embedding, final_norm, lm_head) to self.ddp.ready. Every micro-step but the
-        #   last inside the buckets' no_sync(); their finish() after the last. The tests train on 2 ranks x 2
-        #   micro-steps and on the d axis of a d x t mesh against module 06's single-process train(), at 1e-12.
-        # Maths: which n_tokens makes the sum, over the ranks and the micro-steps, of the pieces' losses and
-        #   gradients those of the step's mean? Module 06's own train_step answers it for one process.
-        # Pitfalls: forward_backward's default n_tokens (the chunk's own count: a mean per microbatch, about m d
-        #   times the step's gradient, which AdamW hides but 1e-12 does not); this rank's count (d times too big);
-        #   the three gradients forward_backward returns left out (their bucket is never sent: finish names them);
-        #   forward_backward's loss is already divided by n_tokens.
-        # Hint 1: the micro-steps of train_step above, with forward_backward in place of the forward, the loss and
-        #         the backward, and the count passed to it.
-        # Hint 2: global_token_count(targets, group); int(count); grads.embedding, grads.final_norm, grads.lm_head;
-        #         loss * n_tokens is the chunk's summed token losses.
-        # Hint 3: count = global count of targets;  n_tokens = int(count);  loss_sum = float64 zero
-        #         for i, (tok, tgt) in the pairs of chunks:
+        # Contract: tokens, targets are this rank's rows. For each of the n_microbatches equal chunks, in order:
+        #   module 06's forward_backward(tok, tgt, divisor), whose loss and gradients are the chunk's summed token
+        #   losses divided by that divisor (its argument n_tokens); during it, the blocks' gradients reach the buckets through on_block_grads
+        #   (above); hand the three it returns at the end (embedding, final_norm, lm_head) to self.ddp.ready. Every
+        #   micro-step but the last inside the buckets' no_sync(); their finish() after the last. When the block
+        #   ends: loss_sum holds this rank's summed token losses (float64, 0-d), n_tokens the step's count (an int),
+        #   and the buckets' gradients (self.ddp.gradients()) are those of the step's mean loss; the count was waited
+        #   for only after the last bucket left. The tests train on 2 ranks x 2 micro-steps and on the d axis of a
+        #   d x t mesh against module 06's single-process train(), at 1e-12, with collectives that deliver only at
+        #   wait().
+        # Question: forward_backward wants its divisor before it runs, and the count is still in flight then.
+        #   Which divisor makes the pieces add up to something you can still turn into the step's gradient?
+        # Pitfalls: forward_backward's default n_tokens (the chunk's own count: a mean per microbatch); waiting for
+        #   the count before the first forward_backward (right numbers, but a blocking collective every step); the
+        #   three gradients forward_backward returns left out (their bucket is never sent: finish names them);
+        #   forward_backward's loss is already divided by what you passed.
+        # Hint 1: train_step above answers the same question for autograd's backward: what changes when the
+        #         backward is forward_backward?
+        # Hint 2: with n_tokens = 1 forward_backward returns the summed token losses and their gradients; the step's
+        #         are those over the count, once it has arrived: count.wait(), then ddp.gradients() divided in place.
+        #         grads.embedding, grads.final_norm, grads.lm_head.
+        # Hint 3: for i, (tok, tgt) in the pairs of chunks:
         #             with (nullcontext if i is the last else self.ddp.no_sync()):
-        #                 loss, grads = self.forward_backward(tok, tgt, n_tokens)
+        #                 loss, grads = self.forward_backward(tok, tgt, 1)
         #                 self.ddp.ready(weight, gradient) for the embedding, the final norm and the LM head
         #             if i is the last: self.ddp.finish()
-        #             loss_sum += loss (float64) * n_tokens
-        count = global_token_count(targets, group)
-        n_tokens = int(count)  # every piece, on every rank, divides by the whole step's count
-        loss_sum = torch.zeros((), dtype=torch.float64)
+        #             loss_sum += loss (float64)
+        #         n_tokens = int(count.wait());  divide every tensor of self.ddp.gradients() by n_tokens, in place
         for i, (tok, tgt) in enumerate(zip(tokens.chunk(n_microbatches), targets.chunk(n_microbatches), strict=True)):
             sync = i == n_microbatches - 1
             with contextlib.nullcontext() if sync else self.ddp.no_sync():
-                loss, grads = self.forward_backward(tok, tgt, n_tokens)  # the blocks' gradients went to on_block_grads
+                loss, grads = self.forward_backward(tok, tgt, 1)  # summed; the blocks' gradients went to on_block_grads
                 for weight, grad in ((self.embedding, grads.embedding), (self.final_norm, grads.final_norm),
                                      (self.lm_head, grads.lm_head)):
                     self.ddp.ready(weight, grad)
             if sync:
                 self.ddp.finish()
-            loss_sum += loss.detach().to(torch.float64) * n_tokens
+            loss_sum += loss.detach().to(torch.float64)
+        n_tokens = int(count.wait())  # the sums over ranks have arrived: now the step's mean
+        for gradient in self.ddp.gradients():
+            gradient.div_(n_tokens)
         # <<<
+        loss = global_loss_sum(loss_sum, group)  # travels while the optimizer steps
         self.ddp.step(optimizer)
         self.weights.invalidate()  # the weights changed: a weight source must not serve old copies
         self.ddp.zero_grad()
-        return global_mean_loss(loss_sum, count, group)
+        return loss.wait().item() / n_tokens

@@ -91,6 +91,10 @@ class ZeroDataParallel(DataParallel):
         """What this rank's optimizer updates: its shard of every bucket's weights."""
         return self.shards
 
+    def gradients(self) -> list[torch.Tensor]:
+        """ZeRO-1: the whole summed buckets, as DDP's. ZeRO-2: this rank's summed shards (it keeps no more)."""
+        return super().gradients() if self.stage == 1 else self.grad_shards
+
     def zero_grad(self):
         super().zero_grad()
         for g in self.grad_shards:

@@ -10,9 +10,12 @@ is KV = 2 N K D b bytes (k and v of this rank's tokens). Per block and microbatc
   all-gather  forward: one all-gather of KV; backward: another, and a reduce-scatter of the
               accumulated gradients (this rank's shard: 2 N K D s); each sends (c - 1) shards
   Ulysses     forward: all-to-alls of q (N H D b), k and v (N K' D b each, K' = K copies: K, or c
-              when c is a multiple of K), o (N H D b) and lse (N H s); backward: lse and delta
-              (2 N H s), q, k, v, do, and dq, dk, dv back: 5 forward, 8 backward; each sends the
-              (c - 1)/c of its input that goes to other ranks
+              when c is a multiple of K), o (N H D b) and lse (N H s); backward, the course's
+              (module 15's UlyssesAttention): lse and delta (2 N H s), q, k, v, do, and dq, dk, dv
+              back: 5 forward, 8 backward; each sends the (c - 1)/c of its input that goes to other
+              ranks. DeepSpeed-Ulysses (`adjoint=True`) keeps the head-sharded q, k, v, o and lse of
+              its forward, sends no lse, and leaves its backward to autograd, through all-to-alls
+              whose backward is the reverse all-to-all (chapter 15)
 
 and once a step, over the d c ranks ("dc"): one all-reduce of every gradient (Ψ values, accumulated
 in s bytes) and one of the loss (s bytes), each sending 2 (dc - 1)/(dc) of its payload.
@@ -23,8 +26,9 @@ behind block attention; the all-gather spends one latency and does not overlap h
 (c - 1)/c of N (2H + 2K') D b (and the lse), and N shrinks as 1/c: in the forward the ratio
 Ulysses / ring is about (H + K') / (K c). With many key/value heads (K = H: 2/c) Ulysses sends less
 for any c > 2; with grouped-query attention the ring's blocks are small and it sends less until c
-exceeds (H + K') / K (Llama 3 8B: H = 32, K = 8: c > 5; counting the backward, whose accumulators
-are s bytes a value, c >= 4), and c cannot exceed H for Ulysses at all.
+exceeds (H + K') / K (Llama 3 8B: H = 32, K = 8: c > 5), and c cannot exceed H for Ulysses at all.
+Over a whole step the backward decides, and the two Ulysses backwards differ (chapter 15 works it
+out for Llama 3 8B at 128K tokens).
 
 Activations. The block keeps module 06's fourteen tensors for this rank's N tokens: exactly one
 process's store for a sequence c times shorter. The attention's transient buffers (not kept) are
@@ -49,11 +53,12 @@ def parameter_count(cfg: LlamaConfig) -> int:
 
 
 def cp_traffic(cfg: LlamaConfig, batch: int, seq_len: int, dtype: torch.dtype, c: int, variant: str, d: int = 1,
-               n_microbatches: int = 1) -> StepCost:
+               n_microbatches: int = 1, adjoint: bool = False) -> StepCost:
     """What one rank of a d x c mesh sends in one optimizer step of module 15's model (variant "ring",
     "zigzag", "allgather" or "ulysses"), on a global batch of (batch, seq_len) tokens in `dtype`, split
     into n_microbatches: StepCost.sent and .calls by (axis, collective), as course/costs.py reads them
-    off the log ("c" for attention, "dc" for the gradients and the loss)."""
+    off the log ("c" for attention, "dc" for the gradients and the loss). adjoint: Ulysses as
+    DeepSpeed runs it (the module docstring), not as module 15's UlyssesAttention does."""
     b, s = dtype.itemsize, compute_dtype(dtype).itemsize
     tokens = batch // (d * n_microbatches) * (seq_len // c)  # N, one rank's tokens in one microbatch
     H, K, D, L, m = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.n_layers, n_microbatches
@@ -64,15 +69,20 @@ def cp_traffic(cfg: LlamaConfig, batch: int, seq_len: int, dtype: torch.dtype, c
     # Contract: return a StepCost of two dicts, sent[(axis, op)] the bytes one rank sends per step and
     #   calls[(axis, op)] the collectives it issues per step (receives are not counted), for the ops of the
     #   module docstring: ("c", "send") for the ring, ("c", "all_gather") and ("c", "reduce_scatter") for the
-    #   all-gather, ("c", "all_to_all") for Ulysses, and always ("dc", "all_reduce"): 2 calls (gradients, loss),
-    #   dc_sent bytes (given above). Per microbatch and block, times m L.
+    #   all-gather, ("c", "all_to_all") for Ulysses (the course's, or with adjoint DeepSpeed's), and always ("dc",
+    #   "all_reduce"): 2 calls (gradients, loss), dc_sent bytes (given above). Per microbatch and block, times m L.
+    # Question: autograd's backward of an all-to-all is an all-to-all of the gradient the other way, the same size;
+    #   what then does DeepSpeed's backward send, knowing which of its forward's all-to-alls it runs backwards?
     # Pitfalls: a group of one still logs its collectives (0 bytes), but the ring sends nothing with c = 1. The
     #   ring's accumulators are in the statistics' dtype (s bytes), not the values'. An all-gather or reduce-scatter
-    #   sends c - 1 times its shard; an all-to-all (c - 1)/c of its input. "zigzag" is the ring's traffic.
+    #   sends c - 1 times its shard; an all-to-all (c - 1)/c of its input. "zigzag" is the ring's traffic. The
+    #   adjoint re-sends none of its forward's inputs.
     # Hint 1: per block and microbatch: ring (c-1) KV + (c-1) KV + c dKV in 2(c-1) + c sends (none if c = 1);
-    #         all-gather 2 all-gathers of (c-1) KV and one reduce-scatter of (c-1) dKV; Ulysses 13 all-to-alls.
+    #         all-gather 2 all-gathers of (c-1) KV and one reduce-scatter of (c-1) dKV; Ulysses 13 all-to-alls, 8
+    #         with the adjoint.
     # Hint 2: Ulysses' inputs, per block: forward q N H D b, k and v N K' D b each (K' = K kv_copies(K, c)), o like
-    #         q, lse N H s; backward 2 N H s (lse and delta), q, k, v, do (like q), dq (like q), dk, dv (like k).
+    #         q, lse N H s (not with adjoint); backward 2 N H s (lse and delta), q, k, v, do (like q), dq (like q),
+    #         dk, dv (like k); with adjoint: do, dq, dk, dv: the forward's q, k, v and o again.
     # Hint 3: per block: a dict of (op: (calls, bytes)) by variant; then sent = {("c", op): m L bytes}, calls
     #         likewise, plus ("dc", "all_reduce"): (2, dc_sent); return StepCost(sent, calls)
     if variant in ("ring", "zigzag"):
@@ -82,9 +92,12 @@ def cp_traffic(cfg: LlamaConfig, batch: int, seq_len: int, dtype: torch.dtype, c
     else:
         q = tokens * H * D * b
         k = tokens * K * kv_copies(K, c) * D * b
-        forward = q + 2 * k + q + tokens * H * s
-        backward = 2 * tokens * H * s + q + 2 * k + q + q + 2 * k
-        per_block = {"all_to_all": (13, (c - 1) * (forward + backward) / c)}
+        if adjoint:   # DeepSpeed: q, k, v and o, then the adjoint of each (do, dq, dk, dv)
+            per_block = {"all_to_all": (8, (c - 1) * 2 * (2 * q + 2 * k) / c)}
+        else:
+            forward = q + 2 * k + q + tokens * H * s
+            backward = 2 * tokens * H * s + q + 2 * k + q + q + 2 * k
+            per_block = {"all_to_all": (13, (c - 1) * (forward + backward) / c)}
     sent = {("c", op): m * L * size for op, (_, size) in per_block.items()}
     calls = {("c", op): m * L * count for op, (count, _) in per_block.items()}
     sent[("dc", "all_reduce")], calls[("dc", "all_reduce")] = dc_sent, 2

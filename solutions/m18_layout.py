@@ -6,10 +6,19 @@ A `Layout` names everything the planner chooses:
     p, d, c, t    the mesh (course/mesh.py's order: rank = ((i_p d + i_d) c + i_c) t + i_t)
     e             the expert axis, carved out of the d c ranks (module 16); 1 for a dense model
     zero          what the d c ranks that hold the same weights shard: 0 nothing (DDP), 1 AdamW's
-                  state, 2 and the gradients (module 14), 3 everything: FSDP (modules 07 and 13)
+                  state, 2 and the gradients (module 14), 3 everything: FSDP (modules 07 and 17)
+    reduce_once   ZeRO 2 only: module 14 reduce-scatters each micro-step's gradients (False); with
+                  True the micro-steps accumulate whole gradients and reduce-scatter them once a
+                  step (Llama 3's FSDP, Megatron's distributed optimizer). With p > 1 only the
+                  second is planned: DeepSpeed refuses ZeRO-2 with a pipeline, whose every
+                  microbatch's backward would otherwise reduce-scatter the stage's gradients
     schedule, m   the pipeline schedule of modules 05 and 11 (p > 1) and the microbatches of one
                   step, which are also the gradient-accumulation steps when p = 1
-    recompute     module 10's option: which activations the forward does not keep
+    v             the stages a rank holds in a looped schedule (interleaved, interleaved_zb):
+                  module 11's stages_per_rank, at least 2; the other schedules fix it
+    attention     the attention kernel: "flash" (module 06's) or "materialized" (below)
+    recompute     module 10's option: which activations the forward does not keep (or "full",
+                  below)
     fp8           module 09's FP8 linears (n1, n2, s kept as e4m3 by module 10's rule)
     cp            module 15's variant, when c > 1: ring or zigzag (the same bytes), allgather, ulysses
 
@@ -43,14 +52,25 @@ import torch
 
 from course.splits import check_splits
 from .m06_llama_block import BlockWeights, LlamaConfig
-from .m10_recompute import OPTIONS as RECOMPUTE_OPTIONS
-from .m11_generators import SCHEDULES, check_arguments, stages_per_rank_of
+from .m10_recompute import DROPPED as MODULE_10_DROPPED
+from .m11_generators import LOOPED, SCHEDULES, check_arguments, stages_per_rank_of
 from .m14_buckets import assign_buckets
 from .m15_cp_model import VARIANTS as CP_VARIANTS, check_cp
 from .m18_presets import Model
 
 BUCKET_CAP = 25 * 2**20   # C: DDP's default bucket_cap_mb = 25, which module 14's buckets follow
 ZERO_STAGES = (0, 1, 2, 3)
+# The recompute options: module 10's, and "full", Megatron-LM's activation checkpointing of 2021: it keeps what
+# "block" keeps (the block's input) and runs the whole forward again, the down matmul too (module 10's "block"
+# skips it: its output is not needed). Never faster than "block", so only planned when asked for. An option
+# that recomputes the attention also drops a materialized kernel's scores (below).
+DROPPED = {option: names | ({"scores"} if "lse" in names else set())
+           for option, names in {**MODULE_10_DROPPED, "full": MODULE_10_DROPPED["block"]}.items()}
+RECOMPUTE_OPTIONS = tuple(DROPPED)
+# The attention kernel: "flash" (module 06's chunked attention, FlashAttention: the T x T scores never kept) or
+# "materialized" (attention before 2022, Megatron-LM's: every head's scores written, and kept for the backward).
+# Never better than flash, so only planned when asked for (the published runs of 2021 below).
+ATTENTION_KERNELS = ("flash", "materialized")
 # Module 15's variants the search tries: the ring sends what zigzag sends, and zigzag balances the causal work
 CONTEXT_VARIANTS = tuple(variant for variant in CP_VARIANTS if variant != "ring")
 
@@ -78,6 +98,9 @@ class Layout:
     recompute: str = "none"
     fp8: bool = False
     cp: str = "allgather"
+    reduce_once: bool = False
+    v: int = 2
+    attention: str = "flash"
 
     @property
     def gpus(self) -> int:
@@ -87,7 +110,8 @@ class Layout:
     def family(self) -> tuple:
         """Every choice but the recompute option: layouts of one family train alike, and differ only
         in the memory they keep and the time they spend recomputing."""
-        return (self.p, self.d, self.c, self.t, self.e, self.zero, self.schedule, self.m, self.fp8, self.cp)
+        return (self.p, self.d, self.c, self.t, self.e, self.zero, self.schedule, self.m, self.fp8, self.cp,
+                self.reduce_once, self.v, self.attention)
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -97,8 +121,11 @@ class Layout:
     def __str__(self) -> str:
         mesh = " ".join(f"{a}={s}" for a, s in self.sizes.items() if s > 1) or "one GPU"
         pipe = f" {self.schedule}" if self.p > 1 else ""
-        return f"{mesh} zero{self.zero}{pipe} m={self.m} rc={self.recompute}{' fp8' if self.fp8 else ''}" + \
-            (f" cp={self.cp}" if self.c > 1 else "")
+        if self.p > 1 and self.schedule in LOOPED:
+            pipe += f" v={self.v}"
+        zero = f"zero{self.zero}" + ("once" if self.reduce_once else "")
+        return f"{mesh} {zero}{pipe} m={self.m} rc={self.recompute}{' fp8' if self.fp8 else ''}" + \
+            (f" cp={self.cp}" if self.c > 1 else "") + (f" {self.attention}" if self.attention != "flash" else "")
 
 
 def data_axis(layout: Layout) -> str:
@@ -107,8 +134,9 @@ def data_axis(layout: Layout) -> str:
 
 
 def stages_per_rank(layout: Layout) -> int:
-    """v: the pipeline stages one rank holds (module 11: 2 for interleaved, zbv and dualpipev)."""
-    return stages_per_rank_of(layout.schedule) if layout.p > 1 else 1
+    """v: the pipeline stages one rank holds (module 11: layout.v for the looped schedules, 2 for zbv and
+    dualpipev, 1 for the others)."""
+    return stages_per_rank_of(layout.schedule, layout.v) if layout.p > 1 else 1
 
 
 def stage_config(cfg: LlamaConfig, layout: Layout) -> LlamaConfig:
@@ -146,6 +174,8 @@ def _rank_parameters(model: Model, n_layers: int, t: int, e: int) -> tuple[list[
     shapes = {"ln1": M, "wq": cfg.n_heads * cfg.head_dim * M, "wk": cfg.n_kv_heads * cfg.head_dim * M,
               "wv": cfg.n_kv_heads * cfg.head_dim * M, "wo": cfg.n_heads * cfg.head_dim * M, "ln2": M,
               "w_gate": cfg.ffn_dim * M, "w_up": cfg.ffn_dim * M, "w_down": cfg.ffn_dim * M}
+    if model.mlp == "gelu":     # GPT's feed-forward: no gate
+        shapes.update(w_gate=0)
     if model.moe is not None:   # module 16's block: no dense FFN, a router (E M), and the experts
         shapes.update(w_gate=0, w_up=0, w_down=0, router=model.moe.n_experts * M)
     fields = [f.name for f in dataclasses.fields(BlockWeights)] + (["router"] if model.moe else [])
@@ -179,6 +209,18 @@ def check_layout(model: Model, layout: Layout, batch: int):
         raise ValueError(f"p={layout.p} pipeline stages for L={cfg.n_layers} blocks: a stage needs a block")
     if layout.zero not in ZERO_STAGES:
         raise ValueError(f"unknown ZeRO stage {layout.zero}: 0 (DDP), 1, 2 or 3 (FSDP)")
+    if layout.reduce_once and layout.zero != 2:
+        raise ValueError(f"reduce_once with ZeRO {layout.zero}: only ZeRO-2 chooses when to reduce-scatter its "
+                         "gradients (ZeRO 0 and 1 accumulate them whole, ZeRO 3 reduce-scatters once a step)")
+    if layout.zero == 2 and not layout.reduce_once and layout.p > 1:
+        raise ValueError(f"ZeRO-2 reduce-scattering every micro-step with p={layout.p}: each microbatch's backward "
+                         "would reduce-scatter the stage's whole gradients (DeepSpeed refuses ZeRO-2 with a "
+                         "pipeline); accumulate them and reduce-scatter once a step (reduce_once), or use ZeRO 1")
+    if layout.attention not in ATTENTION_KERNELS:
+        raise ValueError(f"unknown attention kernel {layout.attention!r}: one of {', '.join(ATTENTION_KERNELS)}")
+    if layout.attention == "materialized" and layout.c > 1:
+        raise ValueError("the materialized attention kernel with c > 1: it is Megatron-LM's of 2021, which had no "
+                         "context parallelism; plan flash attention")
     if layout.recompute not in RECOMPUTE_OPTIONS:
         raise ValueError(f"unknown recompute option {layout.recompute!r}; one of {', '.join(RECOMPUTE_OPTIONS)}")
     if moe is None and layout.e > 1:
@@ -198,6 +240,9 @@ def check_layout(model: Model, layout: Layout, batch: int):
     if layout.p > 1:
         if layout.schedule not in SCHEDULES:
             raise ValueError(f"p={layout.p} needs a pipeline schedule: one of {', '.join(SCHEDULES)}")
-        check_arguments(layout.schedule, layout.p, layout.m)
+        check_arguments(layout.schedule, layout.p, layout.m, layout.v)
+        if layout.p * stages_per_rank(layout) > cfg.n_layers:
+            raise ValueError(f"{layout.schedule} with p={layout.p} and v={stages_per_rank(layout)}: "
+                             f"{layout.p * stages_per_rank(layout)} stages for L={cfg.n_layers} blocks: a stage needs a block")
     elif layout.schedule != "none":
         raise ValueError(f"schedule {layout.schedule!r} with p=1: there is no pipeline to schedule")

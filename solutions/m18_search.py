@@ -2,9 +2,10 @@
 
 `candidates` (given) lists the layouts a model can run on R GPUs: every mesh p x d x c x t with
 p d c t = R that the model's dimensions allow (t divides H and K and stays within a node, c cuts
-T, d divides B, p leaves each stage a block), every expert split e, ZeRO stage, microbatch count m,
-schedule, context variant, recompute option and fp8 choice; `fixed` pins any of them (the
-command's --mesh, --zero, ...). `search` costs each one (m18_costs.rank_cost), keeps those whose
+T, d divides B, p leaves each stage a block), every expert split e, ZeRO stage (ZeRO-2 both ways,
+but only once a step with a pipeline), microbatch count m, schedule (and for a looped one its
+stages a rank v: 2, 4, 8, ...), context variant, recompute option and fp8 choice; `fixed` pins any
+of them (the command's --mesh, --zero, ...). `search` costs each one (m18_costs.rank_cost), keeps those whose
 memory fits the GPU (minus a reserve for what no formula counts: CUDA's context, the allocator's
 fragmentation, NCCL's buffers, the logits of the loss), predicts their step time (m18_step_time)
 and ranks them. If nothing fits, it says which candidate came closest.
@@ -19,8 +20,8 @@ import math
 from dataclasses import dataclass, field
 
 from course.costs import StepCost
-from .m10_recompute import OPTIONS as RECOMPUTE_OPTIONS
-from .m11_generators import SCHEDULES
+from .m10_recompute import OPTIONS as RECOMPUTE_OPTIONS   # module 10's: "full" only when fixed
+from .m11_generators import LOOPED, SCHEDULES
 from .m18_costs import rank_cost
 from .m18_layout import CONTEXT_VARIANTS, MIXED, ZERO_STAGES, Layout, Precision, check_layout
 from .m18_presets import GPU, Model
@@ -59,8 +60,10 @@ def candidates(model: Model, gpus: int, batch: int, gpu: GPU, fixed: dict | None
     value allowed (e.g. {"t": 8, "zero": 1})."""
     fixed, cfg, moe = fixed or {}, model.cfg, model.moe
     choices = {
-        "zero": ZERO_STAGES if moe is None else (0, 1, 2),
-        "recompute": RECOMPUTE_OPTIONS,
+        # (zero, reduce_once): ZeRO-2 both ways
+        "zero": [(z, once) for z in (ZERO_STAGES if moe is None else (0, 1, 2)) for once in ((False, True) if z == 2
+                                                                                          else (False,))],
+        "recompute": (fixed["recompute"],) if "recompute" in fixed else RECOMPUTE_OPTIONS,
         "fp8": (False, True) if gpu.fp8 else (False,),
     }
     found = []
@@ -78,23 +81,33 @@ def candidates(model: Model, gpus: int, batch: int, gpu: GPU, fixed: dict | None
                     for m in (k for k in divisors(batch // d) if p == 1 or k >= p):
                         pipelines = (fixed["schedule"],) if fixed.get("schedule") in SCHEDULES else PIPELINES
                         for schedule in (pipelines if p > 1 else ("none",)):
-                            for cp in (CONTEXT_VARIANTS if c > 1 else ("allgather",)):
-                                base = Layout(p, d, c, t, e, schedule=schedule, m=m, cp=cp)
-                                if any(getattr(base, k) != v for k, v in fixed.items() if k not in choices):
-                                    continue
-                                # module 11's closed forms need the warm-up's microbatches: m >= p for
-                                # ZB-H1 and interleaved zero bubble, m >= 2p - 1 for ZB-H2
-                                if m < {"zbh1": p, "interleaved_zb": p, "zbh2": 2 * p - 1}.get(schedule, 0):
-                                    continue
-                                try:
-                                    check_layout(model, base, batch)
-                                except ValueError:
-                                    continue
-                                found += [Layout(p, d, c, t, e, zero, schedule, m, recompute, fp8, cp)
-                                          for zero in choices["zero"] if fixed.get("zero", zero) == zero
-                                          for fp8 in choices["fp8"] if fixed.get("fp8", fp8) == fp8
-                                          for recompute in choices["recompute"]
-                                          if fixed.get("recompute", recompute) == recompute]
+                            # a looped schedule's stages a rank: 2, 4, 8, ... while each stage keeps a block
+                            vs = [2 ** k for k in range(1, 16) if p * 2 ** k <= cfg.n_layers] if schedule in LOOPED \
+                                else [2]
+                            for v in vs:
+                                for cp in (CONTEXT_VARIANTS if c > 1 else ("allgather",)):
+                                    base = Layout(p, d, c, t, e, schedule=schedule, m=m, cp=cp, v=v,
+                                                  attention=fixed.get("attention", "flash"))
+                                    if any(getattr(base, k) != val for k, val in fixed.items() if k not in choices
+                                           and k != "reduce_once"):
+                                        continue
+                                    # module 11's closed forms need the warm-up's microbatches: m >= p for
+                                    # ZB-H1 and interleaved zero bubble, m >= 2p - 1 for ZB-H2
+                                    if m < {"zbh1": p, "interleaved_zb": p, "zbh2": 2 * p - 1}.get(schedule, 0):
+                                        continue
+                                    try:
+                                        check_layout(model, base, batch)
+                                    except ValueError:
+                                        continue
+                                    found += [Layout(p, d, c, t, e, zero, schedule, m, recompute, fp8, cp, once, v,
+                                                     base.attention)
+                                              for zero, once in choices["zero"] if fixed.get("zero", zero) == zero
+                                              and fixed.get("reduce_once", once) == once
+                                              and not (zero == 2 and not once and p > 1)
+                                              and not (once and m == 1)   # one micro-step: the same ZeRO-2
+                                              for fp8 in choices["fp8"] if fixed.get("fp8", fp8) == fp8
+                                              for recompute in choices["recompute"]
+                                              if fixed.get("recompute", recompute) == recompute]
     return found
 
 

@@ -2,32 +2,49 @@
 
 Bytes and memory (m18_costs) are what the modules measured equal to their formulas; time is not,
 because it depends on the kernels and the network of a real cluster. So the planner predicts it
-from a model whose every assumption is written here, and the chapter compares it with published
-runs.
+from a model whose every assumption is written here, and the chapter sets it beside published
+runs (`python main.py plan --published`).
 
-Compute. A rank computes, per step, for each of its B T / (d c) tokens (all its microbatches):
+Compute. A rank runs, for each of its m microbatches of N = B T / (d c m) tokens, the kernels of
+its ⌈L/p⌉ blocks and of the LM head, forward once, backward (twice the forward's products), and
+forward again what the recompute option rebuilds (module 10's docstring):
 
-    a block's linears    2 P / t FLOPs forward (P: its matrices; an MoE block: attention, router
-                         and k experts), twice that backward
-    causal attention     2 T D H / t FLOPs forward (Q Kᵀ and P V, 2 T D each per head, over half
-                         the keys on average: what a causal kernel computes), twice that backward
-    the LM head          2 V M / t forward, twice that backward (on every stage, the slowest's)
-    recompute            the forward FLOPs of what the option rebuilds (module 10's docstring)
+    a block's GEMMs    q, k, v and o; the feed-forward's (SwiGLU: gate, up, down; GELU: up, down;
+                       an MoE block: the router and its E/e experts, k N e / E rows each): N rows
+                       (sequence parallelism gathers the t ranks' positions first), H/t, K/t, F/t wide
+    attention          per query, 4 T D H / t products' worth over half the keys (causal): a flash
+                       kernel (module 06's chunked attention, FlashAttention) reads q, k, v and writes o,
+                       its backward recomputes the scores (5 products against the forward's 2, Dao et
+                       al. 2022); a "materialized" kernel (attention before 2022: Megatron-LM's) writes
+                       the T x T scores of every head, computes all of them (the mask after), and its
+                       softmax and GPT's attention dropout read and write them (`Layout.attention`)
+    the LM head        (N, M) x (M, V/t), on the last rank, which holds as many blocks fewer as the
+                       p v stages have to spare (the slowest rank sets a pipeline's pace)
 
-at a fraction η of the peak Φ (`TimeModel.efficiency`): the linears at the FP8 peak with fp8,
-the rest in bf16.
+Each kernel takes what the roofline gives it (`gemm_time`): its FLOPs at η Φ (η =
+`TimeModel.efficiency`: the fraction of the peak a compute-bound kernel reaches; the fp8 peak for
+the linears with fp8) or the bytes it moves at the memory's bandwidth β_mem, whichever is longer.
+So a GEMM's shape decides its speed: wide ones are compute-bound, thin ones (few rows, or a small
+t-slice) wait on memory.
 
 Communication. Over each axis x a rank sends Y_x bytes in ν_x collectives (the plan's StepCost):
 τ_x = ν_x α + Y_x / (link_efficiency · bandwidth), on NVLink if the axis's groups lie within a
 node (a group of axis x spans its own size times the sizes of the axes inside it: t, c t, e t,
 d c t, p d c t consecutive ranks), on the node's network otherwise.
 
-Overlap. The weights' traffic (over d, dc, ed) runs behind the compute (module 07's prefetch,
-module 14's buckets); the model's axes (t, c, e, p) wait on the compute and the compute on them;
-the pipeline idles a fraction of the step (module 11's closed form for the schedule, `bubble_formula`,
-with τ_B = 2 τ_F):
+Overlap. The model's axes (t, c, e, p) wait on the compute and the compute on them; the pipeline
+idles a fraction of the step (module 11's closed form for the schedule, `bubble_formula`, with
+τ_B = 2 τ_F). The weights' traffic (over d, dc, ed) runs beside the compute that is under way while
+it is in flight, and no more than a fraction `TimeModel.hidden` of it hides (module 14's benchmark
+measured about 80 % hidden behind a long backward: the last bucket leaves when the backward ends):
 
-    step = max((τ_compute + τ_t + τ_c + τ_e + τ_p) / (1 - bubble), τ_d + τ_dc + τ_ed)
+    a gradient's reduction     behind the backward of the micro-step that made it: every
+                               micro-step's for module 14's ZeRO-2, the last one's otherwise
+                               (gradients accumulated over the micro-steps are whole only then)
+    a weight's gather          FSDP (ZeRO 3) behind the first micro-step's forward (prefetched);
+                               module 14's ZeRO 1 and 2 gather after the optimizer step: exposed
+
+    step = (τ_compute + τ_t + τ_c + τ_e + τ_p) / (1 - bubble) + exposed weights' traffic
 """
 from __future__ import annotations
 
@@ -35,20 +52,27 @@ import functools
 from dataclasses import dataclass
 
 from . import m11_generators
+import torch
+
 from .m07_payload import block_matrix_params
-from .m18_layout import Layout, stages_per_rank
+from .m18_costs import layer_activations
+from .m18_layout import DROPPED, Layout, stages_per_rank
 from .m18_presets import GPU, Model
 
 # Module 11's closed forms, remembered: a search asks for the same few (schedule, p, m) thousands of times
 bubble_formula = functools.lru_cache(maxsize=None)(m11_generators.bubble_formula)
 
 EXPOSED_AXES = ("t", "c", "e", "p")    # on the critical path
-HIDDEN_AXES = ("d", "dc", "ed")        # behind the compute
+HIDDEN_AXES = ("d", "dc", "ed")        # beside the compute, as far as it hides
 
 
 @dataclass(frozen=True)
 class TimeModel:
-    efficiency: float = 0.5        # η: the fraction of Φ a step's FLOPs reach (kernels, launches, imbalance)
+    # η: the fraction of Φ a compute-bound kernel reaches (its launches, its tails, what the roofline leaves out:
+    # the optimizer, the loss, the gaps between kernels). One calibration point (docs/18-planning.md): the value
+    # at which Narayanan et al. 2021's 1T row (Table 1, 163 TFLOP/s a GPU) is predicted on its own layout.
+    efficiency: float = 0.65
+    hidden: float = 0.8            # the most of the weights' traffic that hides (module 14's bench: about 80 %)
     link_efficiency: float = 0.8   # of a link's bandwidth, what a collective reaches
     latency_intra: float = 10e-6   # α, seconds per collective within a node
     latency_inter: float = 25e-6   # α, seconds per collective between nodes
@@ -57,9 +81,10 @@ class TimeModel:
 @dataclass(frozen=True)
 class StepTime:
     step: float                # seconds, one optimizer step
-    compute: float             # τ_compute
+    compute: float             # τ_compute: forward, backward and recompute of the m microbatches
     comm: dict                 # axis -> τ_x
     bubble: float              # the pipeline's idle fraction
+    exposed: float = 0.0       # seconds of the weights' traffic that do not hide behind the compute
 
 
 def group_span(axis: str, layout: Layout) -> int:
@@ -79,81 +104,195 @@ def link(axis: str, layout: Layout, gpu: GPU, time_model: TimeModel) -> tuple[fl
     return gpu.inter * time_model.link_efficiency, time_model.latency_inter
 
 
-def flops_per_token(model: Model, layout: Layout, recomputed: bool = True) -> tuple[float, float]:
-    """(linear FLOPs, other FLOPs) for one token of one block on one rank, forward and backward,
-    and the recompute's forward FLOPs if `recomputed` (see the module docstring)."""
-    cfg, t, moe = model.cfg, layout.t, model.moe
-    attention_weights = 2 * cfg.n_heads * cfg.head_dim * cfg.dim + 2 * cfg.n_kv_heads * cfg.head_dim * cfg.dim
+def roofline(flops: float, moved: float, peak: float, gpu: GPU, time_model: TimeModel) -> float:
+    """Seconds of a kernel of `flops` FLOPs that reads and writes `moved` bytes (given): compute-bound at
+    η of `peak`, or memory-bound at the memory's bandwidth, whichever takes longer."""
+    return max(flops / (time_model.efficiency * peak), moved / gpu.bandwidth)
+
+
+def gemm_time(rows: int, inner: int, cols: int, gpu: GPU, time_model: TimeModel, fp8: bool = False) -> float:
+    """Seconds of one matrix product (rows x inner) @ (inner x cols) on `gpu`, by the roofline: bf16
+    operands and result (2 bytes a value), or with fp8 its operands in e4m3 (1 byte) at the fp8 peak."""
+    # >>> TODO(m18): one GEMM's time from its shape: its FLOPs or the bytes it moves, whichever takes longer
+    # Contract: a float, seconds: roofline(flops, moved, peak, gpu, time_model) for the GEMM's FLOPs, the bytes it
+    #   reads (both operands) and writes (the result), and the peak of its dtype (gpu.bf16, or gpu.fp8 with fp8).
+    #   The tests compare with a hand count on a GEMM that is compute-bound and one that is memory-bound, in bf16
+    #   and fp8.
+    # Question: a GEMM multiplies and adds once per (row, inner, column); how many values does it touch? Which of
+    #   its three sizes can shrink until the memory, not the tensor cores, sets the pace?
+    # Pitfalls: one FLOP per multiply-add (there are two); the result's bytes forgotten (it is written: rows x
+    #   cols); fp8's operands at 2 bytes, or its result at 1 (the product is written in bf16).
+    # Hint 1: count the FLOPs, count the bytes of the three matrices, hand both to roofline.
+    # Hint 2: FLOPs 2 rows inner cols; bytes a (rows inner + inner cols) + 2 rows cols, a = 1 with fp8 else 2;
+    #         peak gpu.fp8 if fp8 else gpu.bf16.
+    # Hint 3: operand = one byte with fp8, else two
+    #         return roofline(2 rows inner cols, operand (rows inner + inner cols) + 2 rows cols, the dtype's peak,
+    #                         gpu, time_model)
+    operand = 1 if fp8 else 2
+    return roofline(2 * rows * inner * cols, operand * (rows * inner + inner * cols) + 2 * rows * cols,
+                    gpu.fp8 if fp8 else gpu.bf16, gpu, time_model)
+    # <<<
+
+
+def block_gemms(model: Model, t: int, e: int, rows: int) -> dict[str, list[tuple[int, int, int]]]:
+    """One block's forward GEMMs on one rank, (rows, inner, cols) each, by part: "qkv", "o", and the
+    feed-forward's "in" (gate and up, or up) and "out" (down) products; an MoE block's router and its E/e
+    experts (k N e / E rows each, evenly routed) (given)."""
+    cfg, moe = model.cfg, model.moe
+    M, D = cfg.dim, cfg.head_dim
+    gemms = {"qkv": [(rows, M, (cfg.n_heads + 2 * cfg.n_kv_heads) * D // t)], "o": [(rows, cfg.n_heads * D // t, M)]}
     if moe is None:
-        ffn = 3 * cfg.ffn_dim * cfg.dim
-    else:
-        ffn = moe.top_k * 3 * moe.expert_dim * cfg.dim + moe.n_experts * cfg.dim
-    core = 2 * cfg.max_seq_len * cfg.head_dim * cfg.n_heads   # causal: half the keys
-    linear, other = 3 * 2 * (attention_weights + ffn) / t, 3 * core / t
-    if recomputed:
-        qkv = 2 * (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim * cfg.dim
-        gate_up = 2 * (2 / 3) * ffn if moe is None else 2 * moe.top_k * 2 * moe.expert_dim * cfg.dim
-        down = 2 * ffn / 3 if moe is None else 2 * moe.top_k * moe.expert_dim * cfg.dim
-        extra_linear, extra_other = {"ffn": (gate_up, 0), "attention": (qkv, core),
-                                     "block": (2 * (attention_weights + ffn) - down, core)}.get(layout.recompute, (0, 0))
-        linear, other = linear + extra_linear / t, other + extra_other / t
-    return linear, other
+        ins = 1 if model.mlp == "gelu" else 2
+        gemms.update({"in": [(rows, M, cfg.ffn_dim // t)] * ins, "out": [(rows, cfg.ffn_dim // t, M)]})
+        return gemms
+    routed = moe.top_k * rows * e // moe.n_experts                 # rows an expert receives from its e sources
+    if moe.capacity(rows) is not None:
+        routed = min(routed, moe.capacity(rows) * e)
+    local, F = moe.n_experts // e, moe.expert_dim
+    gemms.update({"router": [(rows, M, moe.n_experts)], "in": [(routed, M, F)] * (2 * local),
+                  "out": [(routed, F, M)] * local})
+    return gemms
+
+
+# What each recompute option rebuilds before the backward, forward (module 10): the GEMMs of these parts,
+# and the attention's forward where "attention" is listed
+REBUILT = {"none": (), "swiglu": (), "norms": (), "ffn": ("router", "in"), "attention": ("qkv", "attention"),
+           "block": ("qkv", "attention", "o", "router", "in"), "full": ("qkv", "attention", "o", "router", "in", "out")}
+
+
+def attention_times(model: Model, layout: Layout, rows: int, gpu: GPU, time_model: TimeModel) -> tuple[float, float]:
+    """(forward, backward) seconds of one block's attention on one rank for a microbatch of `rows` tokens
+    (given; the module docstring's two kernels). With c > 1 each query still sees its whole sequence."""
+    cfg = model.cfg
+    H, K, D, T, c = cfg.n_heads // layout.t, max(cfg.n_kv_heads // layout.t, 1), cfg.head_dim, cfg.max_seq_len, layout.c
+    if layout.attention == "flash":
+        flops = 2 * rows * T * D * H                     # 2 products of 2 T D a query's head, over half the keys
+        moved = 2 * rows * (2 * H + 2 * K) * D            # q, k, v read, o written (bf16)
+        return (roofline(flops, moved, gpu.bf16, gpu, time_model),
+                roofline(2.5 * flops, 2 * moved, gpu.bf16, gpu, time_model))
+    sequences, queries = rows // (T // c), T // c       # every head's scores: queries x T, all computed
+    scores = queries * T / gpu.bandwidth                 # seconds per byte a score moves, one head
+    qk, pv = gemm_time(queries, D, T, gpu, time_model), gemm_time(queries, T, D, gpu, time_model)
+    # forward: the softmax reads the scores and writes the probabilities (2 + 2 bytes a score), the dropout
+    # (GPT's, 0.1) reads them and writes them with a 1-byte mask (2 + 2 + 1); backward: the dropout's gradient
+    # (1 + 2 + 2), the softmax's (reads the probabilities and their gradient, writes the scores': 2 + 2 + 2)
+    return sequences * H * (qk + pv + 9 * scores), sequences * H * (2 * qk + 2 * pv + 11 * scores)
+
+
+def compute_times(model: Model, layout: Layout, batch: int, gpu: GPU, time_model: TimeModel) -> tuple[float, float]:
+    """(forward, backward) seconds of one rank's compute in a step (given): the module docstring's kernels
+    for its m microbatches, the recompute's forward counted in the backward (it runs there). Remembered for
+    the layouts that compute alike (a search asks for the same ones many times)."""
+    L = layout
+    return _compute_times(model, Layout(L.p, L.d, L.c, L.t, L.e, m=L.m, recompute=L.recompute, fp8=L.fp8,
+                                        attention=L.attention), batch, gpu, time_model)
+
+
+@functools.lru_cache(maxsize=4096)
+def _compute_times(model: Model, layout: Layout, batch: int, gpu: GPU, time_model: TimeModel) -> tuple[float, float]:
+    cfg = model.cfg
+    rows = batch // (layout.d * layout.m) * (cfg.max_seq_len // layout.c)
+    gemms = block_gemms(model, layout.t, layout.e, rows)
+    time = {part: sum(gemm_time(*shape, gpu, time_model, layout.fp8 and part != "router") for shape in shapes)
+            for part, shapes in gemms.items()}
+    time["attention"], attention_backward = attention_times(model, layout, rows, gpu, time_model)
+    # the element-wise kernels between them (norms, activation, residual adds, RoPE): each activation module 10
+    # counts written once and read once forward, twice that backward; the recompute rewrites what it dropped
+    by_name = layer_activations(model, batch // (layout.d * layout.m), cfg.max_seq_len // layout.c, torch.bfloat16)
+    written = 2 * sum(by_name.values()) / layout.t / gpu.bandwidth
+    rewritten = 2 * sum(by_name.get(name, 0) for name in DROPPED[layout.recompute]) / layout.t / gpu.bandwidth
+    head = gemm_time(rows, cfg.dim, cfg.vocab_size // layout.t, gpu, time_model)
+    forward = sum(time.values()) + written
+    backward = 2 * (forward - time["attention"]) + attention_backward + \
+        sum(time.get(part, 0.0) for part in REBUILT[layout.recompute]) + rewritten
+    # The busiest rank: v stages of ⌈L/(p v)⌉ blocks, or the last one, which also runs the LM head, but holds
+    # as many blocks fewer as the p v stages have to spare (Llama 3's 126 blocks on 16 ranks: 7 on the last)
+    blocks = stages_per_rank(layout) * -(-cfg.n_layers // (layout.p * stages_per_rank(layout)))
+    spare = min(layout.p * blocks - cfg.n_layers, blocks)
+    return tuple(layout.m * max(blocks * block, (blocks - spare) * block + k * head)
+                 for block, k in ((forward, 1), (backward, 2)))
 
 
 def compute_time(model: Model, layout: Layout, batch: int, gpu: GPU, time_model: TimeModel) -> float:
-    """τ_compute: one rank's FLOPs of a step at η of the peak (given)."""
-    cfg = model.cfg
-    tokens = batch * cfg.max_seq_len / (layout.d * layout.c)
-    linear, other = flops_per_token(model, layout)
-    blocks = -(-cfg.n_layers // layout.p)
-    head = 3 * 2 * cfg.vocab_size * cfg.dim / layout.t
-    fast = gpu.fp8 if layout.fp8 else gpu.bf16
-    return tokens * (blocks * linear / fast + (blocks * other + head) / gpu.bf16) / time_model.efficiency
+    """τ_compute: one rank's forward, backward and recompute in a step (given)."""
+    return sum(compute_times(model, layout, batch, gpu, time_model))
 
 
-def model_flops(model: Model, batch: int) -> float:
-    """The FLOPs one step of the whole model needs, without recompute (for MFU): every block's
-    linears and causal attention and the LM head, forward and backward, for all B T tokens."""
-    linear, other = flops_per_token(model, Layout(), recomputed=False)
-    head = 3 * 2 * model.cfg.vocab_size * model.cfg.dim
-    return batch * model.cfg.max_seq_len * (model.cfg.n_layers * (linear + other) + head)
+def model_flops(model: Model, batch: int, full_attention: bool = False, recomputed_forward: bool = False) -> float:
+    """The FLOPs one step of the whole model needs (for MFU): every block's linears and its attention and the
+    LM head, forward and backward (twice the forward), for all B T tokens. Conventions differ, so both
+    switches: attention over all T keys (full_attention, torchtitan's count: "we do not account for sparsity
+    in causal attention") or over half of them (causal, what a causal kernel computes); and
+    recomputed_forward, one more forward of every block (Narayanan et al. 2021's Eq. 3 counts it)."""
+    cfg, tokens = model.cfg, model.moe.n_experts if model.moe else 1   # tokens enough for whole routed rows
+    linear = sum(2 * r * i * c for shapes in block_gemms(model, 1, 1, tokens).values() for r, i, c in shapes) / tokens
+    attention = (2 if full_attention else 1) * 2 * cfg.max_seq_len * cfg.head_dim * cfg.n_heads
+    block = (4 if recomputed_forward else 3) * (linear + attention)
+    return batch * cfg.max_seq_len * (cfg.n_layers * block + 3 * 2 * cfg.vocab_size * cfg.dim)
 
 
 def dense_parameters(model: Model) -> int:
-    """Ψ of a dense model (module 07's P per block, the norms, the embedding, the LM head)."""
+    """Ψ of a dense model (module 07's P per block, less a GELU's missing gate; the norms, the embedding,
+    the LM head)."""
     cfg = model.cfg
-    return cfg.n_layers * (block_matrix_params(cfg) + 2 * cfg.dim) + 2 * cfg.vocab_size * cfg.dim + cfg.dim
+    gate = cfg.ffn_dim * cfg.dim if model.mlp == "gelu" else 0
+    return cfg.n_layers * (block_matrix_params(cfg) - gate + 2 * cfg.dim) + 2 * cfg.vocab_size * cfg.dim + cfg.dim
+
+
+def hiding_window(op: str, layout: Layout, forward: float, backward: float) -> float:
+    """Seconds of compute that the weights' collectives of kind `op` run beside (given; the module
+    docstring's overlap table)."""
+    if op == "all_gather":
+        return forward / layout.m if layout.zero == 3 else 0.0
+    if op == "reduce_scatter" and layout.zero == 2 and not layout.reduce_once:
+        return backward
+    return backward / layout.m
 
 
 def step_time(model: Model, layout: Layout, batch: int, gpu: GPU, cost, time_model: TimeModel = TimeModel()
               ) -> StepTime:
     """The predicted time of one step of `layout`, from the rank's StepCost `cost` (m18_costs.rank_cost)
     and the stated model of the module docstring."""
-    compute = compute_time(model, layout, batch, gpu, time_model)
+    forward, backward = compute_times(model, layout, batch, gpu, time_model)
+    compute = forward + backward
     # >>> TODO(m18): the step time: compute, each axis's links, the bubble, and what overlaps
-    # Contract: a StepTime(step, compute, comm, bubble): comm maps every axis with traffic in `cost` to τ_x = ν_x α +
-    #   Y_x / bandwidth, with (bandwidth, α) = link(axis, layout, gpu, time_model), Y_x = cost.sent_bytes(axis) and
-    #   ν_x = cost.n_calls(axis); bubble = module 11's bubble_formula for layout.schedule on p ranks and m
-    #   microbatches, with v = stages_per_rank(layout) (0.0 without a pipeline); step = the module docstring's max.
-    # Maths: the exposed axes' times add to the compute, the pipeline stretches their sum by 1 / (1 - bubble), and
-    #   the weights' traffic hides behind all of it unless it takes longer.
+    # Contract: a StepTime(step, compute, comm, bubble, exposed): comm maps every axis with traffic in `cost` to τ_x
+    #   = ν_x α + Y_x / bandwidth, with (bandwidth, α) = link(axis, layout, gpu, time_model), Y_x =
+    #   cost.sent_bytes(axis) and ν_x = cost.n_calls(axis); bubble = module 11's bubble_formula for layout.schedule
+    #   on p ranks and m microbatches, with v = stages_per_rank(layout) (0.0 without a pipeline); exposed = the
+    #   seconds of the weights' traffic (HIDDEN_AXES) that do not hide, kind of collective by kind; step = the
+    #   module docstring's sum.
+    # Question: the weights' traffic runs beside the compute, but which compute? A collective can only hide
+    #   behind what runs while it is in flight (hiding_window(op, ...)), and never all of it (time_model.hidden).
+    # Maths: the exposed axes' times add to the compute, the pipeline stretches their sum by 1 / (1 - bubble); the
+    #   weights' collectives of one kind take τ seconds beside a window of w seconds of compute, of which no more
+    #   than the fraction `hidden` can hide: what is left adds to the step.
     # Pitfalls: the bubble of another schedule than the layout's (interleaved divides 1F1B's by v, the zero-bubble
     #   ones do better still: the tests compare with course/simulate.py's timelines); an axis's bytes at another
-    #   axis's bandwidth; the weights' traffic added to the step instead of overlapped.
-    # Hint 1: a dict comprehension over the axes in cost.sent and cost.calls; float(bubble_formula(...)); one max.
-    # Hint 2: axes = {axis for axis, _ in (*cost.sent, *cost.calls)}; bandwidth, alpha = link(axis, layout, gpu,
-    #         time_model); bubble_formula(layout.schedule, layout.p, layout.m, stages_per_rank=v).
+    #   axis's bandwidth; the weights' traffic hidden behind the whole step (a step's reduction can only start
+    #   when its last micro-step's gradients exist) or added to it whole.
+    # Hint 1: a dict comprehension over the axes in cost.sent and cost.calls; float(bubble_formula(...)); then, for
+    #   each kind of collective over the weights' axes, its seconds (the same formula, kind by kind) and its window.
+    # Hint 2: bandwidth, alpha = link(axis, ...); bubble_formula(layout.schedule, layout.p, layout.m,
+    #         stages_per_rank=v); τ_op = Σ over HIDDEN_AXES of cost.calls[(axis, op)] α + cost.sent[(axis, op)] /
+    #         bandwidth; exposed += τ_op - min(time_model.hidden τ_op, hiding_window(op, layout, forward, backward)).
     # Hint 3: comm = {axis: n alpha + bytes / bandwidth for each axis};  bubble = 0.0 if p == 1 else float(...)
-    #         busy = compute + sum(comm.get(a, 0) for a in EXPOSED_AXES)
-    #         step = max(busy / (1 - bubble), sum(comm.get(a, 0) for a in HIDDEN_AXES))
-    comm = {}
+    #         by_op = {};  for (axis, op) in cost.sent | cost.calls with axis in HIDDEN_AXES: by_op[op] += its seconds
+    #         exposed = sum(τ - min(hidden τ, hiding_window(op, ...)) for op, τ in by_op.items())
+    #         step = (compute + sum(comm.get(a, 0) for a in EXPOSED_AXES)) / (1 - bubble) + exposed
+    comm, by_op = {}, {}
     for axis in {axis for axis, _ in (*cost.sent, *cost.calls)}:
         bandwidth, alpha = link(axis, layout, gpu, time_model)
         comm[axis] = cost.n_calls(axis) * alpha + cost.sent_bytes(axis) / bandwidth
+        if axis in HIDDEN_AXES:
+            for op in {op for a, op in (*cost.sent, *cost.calls) if a == axis}:
+                seconds = cost.calls.get((axis, op), 0) * alpha + cost.sent.get((axis, op), 0) / bandwidth
+                by_op[op] = by_op.get(op, 0.0) + seconds
     bubble = 0.0
     if layout.p > 1:
         bubble = float(bubble_formula(layout.schedule, layout.p, layout.m, stages_per_rank=stages_per_rank(layout)))
+    exposed = sum(seconds - min(time_model.hidden * seconds, hiding_window(op, layout, forward, backward))
+                  for op, seconds in by_op.items())
     busy = compute + sum(comm.get(axis, 0.0) for axis in EXPOSED_AXES)
-    step = max(busy / (1 - bubble), sum(comm.get(axis, 0.0) for axis in HIDDEN_AXES))
-    return StepTime(step, compute, comm, bubble)
+    return StepTime(busy / (1 - bubble) + exposed, compute, comm, bubble, exposed)
     # <<<

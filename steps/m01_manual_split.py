@@ -1,5 +1,5 @@
 # Generated from solutions/m01_manual_split.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 01`. (skeleton 2362d7f229e6)
+# Grade your work with `python main.py grade 01`. (skeleton e4fa1afd8828)
 """Module 01 - a manual split.
 
 The monolith cut in two: part one holds layers 0-7, part two holds layers 8-15 and the head. Both
@@ -20,17 +20,16 @@ class PartOne(nn.Module):
     def __init__(self, cfg: MLPConfig):
         super().__init__()
         # TODO(m01): give part one the first half of the monolith's hidden layers
-        # Contract: self.layers holds the monolith's layers 0 .. k-1, where k is half of cfg.layers
-        # rounded down (part two takes the rest), each mapping cfg.hidden features to cfg.hidden, in
-        # index order; forward (given) applies them with a ReLU after each.
-        # Invariant: build_parts seeds once, then builds part one, then part two. Every layer draws
-        # its initial weights from that one random stream as it is created, so the halves start from
-        # the monolith's weights only if they create the same layers, with the same shapes, in the
-        # same order as MonolithMLP.__init__ (solutions/m00_monolith.py) and draw nothing else.
-        # Pitfalls: a layer too many or too few, or any other random draw here, shifts every later
-        # weight: the grader compares each layer with the monolith's and names the first that
-        # differs. Layers kept in a plain Python list are invisible to .parameters(): the optimizer
-        # never updates them and the loss curve leaves the monolith's from step 1.
+        # Contract: self.layers holds the monolith's layers 0 .. k-1, k = cfg.layers // 2 (part two
+        # takes the rest), each cfg.hidden to cfg.hidden, in index order, registered as parameters of
+        # this module; forward (given) applies them. After build_parts (given: one seed, then
+        # PartOne, then PartTwo) each equals the monolith's layer of the same index, weight and bias,
+        # bit for bit, although nothing is copied from a monolith.
+        # The question: what must this constructor create, and in what order, for its layers to get
+        # the very random draws that MonolithMLP.__init__ (steps/m00_monolith.py) makes for its
+        # first k layers?
+        # Pitfalls: would one more draw here (an extra layer, a random tensor) change what every
+        # later layer gets? Does the optimizer see a layer kept where .parameters() does not look?
         raise NotImplementedError("TODO(m01): give part one the first half of the monolith's hidden layers")
 
     def forward(self, x):
@@ -44,18 +43,17 @@ class PartTwo(nn.Module):
 
     def __init__(self, cfg: MLPConfig):
         super().__init__()
-        # TODO(m01): give part two the remaining hidden layers, then the classification head
-        # Contract: self.layers holds the monolith's layers k .. cfg.layers-1 (k as in PartOne: all
-        # the layers part one did not take), hidden to hidden, in index order; self.head maps
-        # cfg.hidden features to cfg.classes logits. Together the parts hold exactly the monolith's
-        # parameters.
-        # Invariant: part two continues the random stream where part one stopped, so it must create
-        # what the monolith creates after its first k layers, in the same order: the monolith
-        # creates its head last.
-        # Pitfalls: creating the head before the layers shifts every draw: the grader reports the
-        # first layer whose weight differs (layer 8). Counting "half" again instead of "the rest"
-        # goes wrong for an odd number of layers (the course's 16 would hide it).
-        raise NotImplementedError('TODO(m01): give part two the remaining hidden layers, then the classification head')
+        # TODO(m01): give part two the remaining hidden layers and the classification head
+        # Contract: self.layers holds the monolith's layers k .. cfg.layers-1 (every layer part one
+        # did not take, k as in PartOne), hidden to hidden, in index order; self.head maps
+        # cfg.hidden features to cfg.classes logits. Together the parts register exactly the
+        # monolith's parameters, and after build_parts each equals the monolith's of the same name
+        # (layer i, head), bit for bit. The grader also builds a 5-layer model.
+        # The question: build_parts creates part two right after part one, from the same stream;
+        # what does the monolith draw after its first k layers, and in what order?
+        # Pitfalls: is "the rest" of an odd number of layers the same count as half of it? Which
+        # of part two's tensors would get which draws if they were created in another order?
+        raise NotImplementedError('TODO(m01): give part two the remaining hidden layers and the classification head')
 
     def forward(self, x):
         for layer in self.layers:
@@ -74,21 +72,17 @@ def train_step(part_one: PartOne, part_two: PartTwo, optimizer, x, y) -> float:
     """One training step across the boundary between the parts; returns the loss."""
     optimizer.zero_grad()
     # TODO(m01): forward and backward through both parts, handing the gradient back across the cut
-    # Contract: x is the batch (batch, hidden), y its class labels (batch,). Leave in every
-    # parameter's .grad, in both parts, exactly what one backward pass through the monolith would
-    # leave there, and bind `loss` to the scalar loss tensor: the cross-entropy of part two's
-    # logits against y (the given lines below step the optimizer and return its value).
-    # The cut: part two must receive the activation as another device would, a tensor with the
-    # same values but no autograd history (a leaf) that still collects the gradient reaching it.
-    # The backward then runs in two pieces. Part two's stops at that leaf, whose gradient is
-    # dloss/dhidden; part one's must be started by hand from it. The chain rule says that is
-    # enough: dloss/dtheta = dloss/dhidden . dhidden/dtheta for every parameter theta of part one.
-    # Pitfalls: handing part two the activation itself builds one big graph: the grader checks
-    # what part two receives and says it must be a leaf that requires grad. A leaf that does not
-    # require grad never gets a .grad (it stays None), so there is nothing to start part one's
-    # backward from. Not starting it leaves part one without gradients: the grader names the
-    # first parameter that "got no gradient". Gradients equal to the monolith's only bit for bit
-    # if the arithmetic is the same: no extra scaling or reordering.
+    # Contract: x (batch, hidden) is the batch, y (batch,) its class labels. Afterwards every
+    # parameter of both parts holds in .grad exactly what one backward pass through the monolith
+    # leaves there (bit for bit), and `loss` is the scalar loss tensor: the cross-entropy, averaged
+    # over the batch, of part two's logits against y (the given lines below step the optimizer and
+    # return its value). Part two receives its input as from another device: a tensor with part
+    # one's output's values, no autograd history, that requires grad (the grader checks it).
+    # The question: a backward from the loss stops at that tensor. What has to cross the cut back
+    # to part one, and how does part one's backward start from it?
+    # Pitfalls: what does .grad hold, after a backward, on a tensor that does not require grad?
+    # What do part one's parameters hold if nothing starts a backward on part one's side? Does
+    # anything you add (a scale, a sum over the batch) change the monolith's arithmetic?
     raise NotImplementedError('TODO(m01): forward and backward through both parts, handing the gradient back across the cut')
     optimizer.step()
     return loss.item()

@@ -1,5 +1,5 @@
 # Generated from solutions/m03_ping_pong.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 03`. (skeleton e091f43cf3c3)
+# Grade your work with `python main.py grade 03`. (skeleton 6012d070d206)
 """Module 03 - ping-pong.
 
 Two ranks bounce one tensor back and forth. Rank 0 serves; whoever receives the ball adds 1 and
@@ -28,18 +28,18 @@ def ping_pong(comms: PipelineComms, x: torch.Tensor, round_trips: int) -> torch.
     # TODO(m03): bounce the ball for the given number of round trips, each receiver adding 1
     # Contract: runs on both ranks at once, with the same x and round_trips; comms is the first or
     # the last stage's PipelineComms (comms.pp.index 0 or 1; "rank 0" and "rank 1" below). One
-    # round trip is one message each way, so each rank sends exactly round_trips messages. The ball
-    # keeps x's shape and dtype. Returns the last ball this rank held: on rank 0 the one it
-    # received last (x + 2 round_trips), on rank 1 the one it sent back last (x + 2 round_trips - 1).
+    # round trip is one message each way, so each rank sends exactly round_trips messages, with
+    # the pipeline's verbs. The ball keeps x's shape and dtype. Returns the last ball this rank
+    # held: on rank 0 the one it received last, x + 2 round_trips; on rank 1 the one it sent back
+    # last, x + 2 round_trips - 1.
     # The invariant: every hop adds exactly 1, so the value counts the messages delivered; a
     # message lost, repeated or taken out of order shows in the count.
-    # Pitfalls: both ranks starting with a receive (or both with a send that waits for its
-    # receiver) wait for each other: the grader stops them at its timeout and names the line each
-    # rank is stuck on. A receive buffer of the comms' default dtype instead of the ball's: the
-    # grader bounces a float64 ball, and a buffer of another byte size makes gloo abort the
-    # receiving rank ("died without a result", SIGABRT). Adding 1 before sending, or returning
-    # on rank 1 what it received rather than what it sent back, is off by one: the grader prints
-    # what each rank holds. An extra message: the grader counts every rank's sends.
+    # The question: which verbs does each rank call, in which order, so that every call has its
+    # partner on the other rank at the same moment of the game?
+    # Pitfalls: what happens when both ranks start by waiting for the other (the grader stops
+    # them at its timeout and names the line each is stuck on)? Which shape and dtype does a
+    # receive of the ball need (the grader bounces a float64 ball of 2 x 3)? On which side of a
+    # send must the + 1 be for rank 1 to end one below rank 0?
     raise NotImplementedError('TODO(m03): bounce the ball for the given number of round trips, each receiver adding 1')
 
 
@@ -52,15 +52,13 @@ def time_round_trip(comms: PipelineComms, numel: int, repeats: int = 20, warmup:
     # TODO(m03): time single round trips of a numel-element ball and return their median
     # Contract: runs on both ranks at once, with the same arguments. Plays warmup + repeats round
     # trips of a float32 ball of numel elements on comms.device; the first `warmup` are not
-    # timed; each of the next `repeats` is timed on its own; returns the median of those
-    # durations, in seconds (a float). Each rank therefore sends warmup + repeats messages.
-    # Why the median: a round trip takes 2 * (latency + bytes / bandwidth) plus noise that only
-    # ever adds time (the scheduler, another process); the median of single round trips ignores
-    # the odd slow one, where a mean (or the total divided by repeats) absorbs it.
-    # Pitfalls: both ranks must play the same number of round trips, or one waits forever for the
-    # other. The grader counts the messages (warmup + repeats) and replaces the module's clock
-    # (the `time` module imported above: read the clock through it) with a scripted one whose
-    # round trips take known durations: it expects exactly the median of the timed ones, not
-    # their mean, their sum, or a median over rounds that include warm-ups.
+    # timed, each of the next `repeats` is timed on its own, and the result is the median of
+    # those durations, in seconds (a float). Each rank therefore sends warmup + repeats messages.
+    # The grader replaces the module's clock (the `time` module imported above: read the clock
+    # through it) with a scripted one whose round trips take known durations.
+    # The question: why single round trips and their median, rather than one long timed loop?
+    # Pitfalls: what happens if the two ranks do not play the same number of round trips? With
+    # an even number of timed round trips, which value is the median? Does the first round trip
+    # of a fresh connection measure the link?
     raise NotImplementedError('TODO(m03): time single round trips of a numel-element ball and return their median')
 

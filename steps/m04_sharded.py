@@ -1,5 +1,5 @@
 # Generated from solutions/m04_sharded.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 04`. (skeleton 1e76429bad73)
+# Grade your work with `python main.py grade 04`. (skeleton cce5c0bbf85a)
 """Module 04 - the sharded model.
 
 The model is cut into stages of consecutive layers, one per rank of the pipeline (the last stage
@@ -11,10 +11,9 @@ The pipeline's ranks are a group (course/mesh.py's `Group`): every rank of the j
 one axis of a bigger mesh. A stage's place in the pipeline is its index in that group.
 
 For the split to be an exact copy of the monolith, every rank must start from the monolith's
-weights for its layers. We get them by replaying the monolith's construction from the same seed:
-every rank creates every layer in order (one at a time, so at most two extra layers are alive) and
-keeps only its own. Approximating the random stream instead (say, seeding each rank differently)
-gives a different model, and the loss curves no longer agree.
+weights for its layers, which the monolith draws from one seeded random stream, layer after layer.
+Approximating the random stream instead (say, seeding each rank differently) gives a different
+model, and the loss curves no longer agree.
 """
 import torch
 import torch.nn as nn
@@ -37,15 +36,14 @@ def layer_range(cfg: MLPConfig, stage: int, n_stages: int) -> range:
     """The indices of the layers that stage `stage` of `n_stages` holds."""
     check_stages(cfg, n_stages)
     # TODO(m04): return the block of consecutive layer indices a stage owns
-    # Contract: a range of layer indices. Over stages 0 .. n_stages - 1, in order, the ranges are
-    # consecutive blocks of equal length L/S (L = cfg.layers, S = n_stages; here one stage per
-    # pipeline rank, S = p) that together cover 0 .. L - 1 exactly once and in order: stage s's
-    # block starts where stage s - 1's ends. check_stages (given, above) has already refused an S
-    # that does not divide L.
-    # Pitfalls: a range's stop is excluded, so an off-by-one drops or repeats a layer at every
-    # boundary; dealing the layers out in turn (s, s + S, ...) covers every layer but not in
-    # blocks, and a pipeline needs each stage's layers to be consecutive. The grader lists the
-    # ranges it got for S = 1, 2, 4, 8 and 16.
+    # Contract: a range of layer indices. Over stages 0 .. n_stages - 1 (S stages), in order, the
+    # ranges are consecutive blocks of equal length that together cover 0 .. L - 1 (L =
+    # cfg.layers) exactly once and in order: each stage's block starts where the previous
+    # stage's ends. check_stages (given, above) has already refused an S that does not divide L.
+    # The grader lists the ranges it got for S = 1, 2, 4, 8, 16 (16 layers) and S = 3, 6 (12).
+    # The question: where does stage s's block start, and where does it stop?
+    # Pitfalls: is a range's stop included? Do layers dealt out in turn (s, s + S, ...) form
+    # consecutive blocks?
     raise NotImplementedError('TODO(m04): return the block of consecutive layer indices a stage owns')
 
 
@@ -62,21 +60,18 @@ class ShardedMLP(nn.Module):
         mine = layer_range(cfg, pp.index, pp.size)
         # TODO(m04): build this rank's layers, and the head on the last rank, with the monolith's initial weights
         # Contract: self.layers is an nn.ModuleList of this rank's layers (the indices in `mine`, in
-        # order), each hidden to hidden, with exactly the initial weights of the monolith's layers of
-        # the same indices; self.head is the monolith's head (hidden to classes) on the last stage
-        # and None on every other. What the process drew from the random stream before this
-        # constructor must not matter.
-        # The invariant: the monolith's weights come from one stream seeded with cfg.seed, drawn
-        # layer by layer in index order and the head last; a layer's weights depend on every draw
-        # before it, and there is no cheap way to skip ahead (docs/04-sharded.md). Memory: keep only
-        # this rank's layers, and let every other layer go once the next one exists: never hold
-        # the whole model.
-        # Pitfalls: not seeding here makes the shard depend on what the caller drew (the grader
-        # draws with another seed before building each shard). Creating only this rank's layers
-        # after seeding gives rank 0 the right weights and every other rank wrong ones: the grader
-        # names the world size, rank and layer. The head before the layers, or on every stage:
-        # the grader compares the head and demands None elsewhere. Layers in a plain Python list
-        # are not parameters: the grader counts the parameters the shards hold together.
+        # order), each hidden to hidden, with exactly the initial weights of the monolith's layers
+        # of the same indices; self.head is the monolith's head (hidden to classes) on the last
+        # stage and None on every other. What the process drew from the random stream before this
+        # constructor must not matter: the grader draws with another seed before each shard, on
+        # pipelines of 1 to 16 ranks. Memory: never hold the whole model, only this rank's layers
+        # and at most a layer or two more at any moment.
+        # The question: the monolith's layer i is initialised by draws that come after every draw
+        # of layers 0 .. i - 1. How does rank r end up with the weights of the layers it owns,
+        # and with no others kept?
+        # Pitfalls: does rank 0 holding the right weights say anything about rank 1? Where in the
+        # stream are the head's draws, and which ranks hold a head? Are layers kept in a plain
+        # list parameters?
         raise NotImplementedError("TODO(m04): build this rank's layers, and the head on the last rank, with the monolith's initial weights")
 
     def forward(self, x):
@@ -99,17 +94,15 @@ def sharded_forward(model: ShardedMLP, comms: PipelineComms, x: torch.Tensor) ->
     their receive buffer, (rows, hidden)), so they may be handed just those rows.
     """
     # TODO(m04): pass the batch through this rank's stage of the relay and return its output
-    # Contract: runs on every rank at once, with the same batch x (batch, features). The first
-    # rank computes from x; every other rank computes from the activation the previous rank sends
-    # (batch rows, model.hidden columns, float32), and x only tells it the batch size. Every rank
-    # but the last hands its output on to the next rank. Returns this rank's output: activations
-    # (batch, hidden), or the logits (batch, classes) on the last rank.
-    # The invariant: a message copies bytes and does no arithmetic, so the last rank's logits are
-    # the monolith's bit for bit (the grader compares with torch.equal on 2 and 4 ranks).
-    # Pitfalls: receiving on the first rank or sending from the last: the comms raise their clear
-    # "rank r is the first/last stage" error. A rank that never sends leaves the next one
-    # waiting in its receive: the grader stops the ranks at its timeout and names the line each
-    # is stuck on. The buffer's width is the model's, not x's: the grader hands the other ranks
-    # only the batch's rows (x[:, :1]), so a buffer sized from x.shape fails.
+    # Contract: runs on every rank at once, with the same batch x (batch, features); every rank
+    # but the first may be handed only x's rows (x[:, :1]), to read the batch size from. Returns
+    # this rank's output, its stage applied to its input: activations (batch, model.hidden), or
+    # logits (batch, classes) on the last rank, equal to the monolith's bit for bit (torch.equal
+    # on 1, 2 and 4 ranks, and a 12-layer model 8 wide on 3). Messages go through comms (module
+    # 02's verbs); activations travel in float32, the comms' default.
+    # The question: where does each rank's input come from, and where must its output go, so that
+    # every receive has a matching send?
+    # Pitfalls: which ranks have no one to receive from, or to send to? How wide is the activation
+    # a rank receives? What does the next rank do if this one never sends?
     raise NotImplementedError("TODO(m04): pass the batch through this rank's stage of the relay and return its output")
 

@@ -1,5 +1,5 @@
 # Generated from solutions/m05_schedules.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 05`. (skeleton fbaa24a75b83)
+# Grade your work with `python main.py grade 05`. (skeleton 64d0b59d66dd)
 """Module 05 - pipeline schedules.
 
 Module 04 relayed the whole batch through the ranks; while one rank computes, all the others wait.
@@ -20,7 +20,7 @@ ranks (course/mesh.py's `Group`), every rank of the job or one axis of a bigger 
 
 Every schedule is a function (stage, comms, x, y, n_microbatches) -> loss (on the last stage,
 else None) that leaves this rank's gradients in its parameters, exactly those of the full-batch
-loss: each microbatch's loss is divided by m, so their gradients add up to the gradient of the mean.
+loss: the microbatches' gradients, added up by autograd, are the gradient of the batch's mean loss.
 `fit` (given) is the pipeline track's one training loop: module 05's `train` runs a schedule in it,
 and module 11's executor plugs into it too.
 """
@@ -45,30 +45,25 @@ def forward_step(stage, comms, x_mb, y_mb, n_microbatches, sends):
 
     The input comes from x_mb on the first rank, from the previous rank elsewhere; the output goes
     to the next rank with a non-blocking send (its handle is appended to `sends`). On the last
-    rank the output is this microbatch's share of the loss: its cross-entropy divided by `n_microbatches`.
+    rank the output is this microbatch's share of the batch loss.
     """
     # TODO(m05): forward one microbatch through this stage and hand its result on
     # Contract: x_mb (rows, features) and y_mb (rows,) are this microbatch's inputs and labels, the
     # same on every rank; only the first stage reads x_mb, only the last y_mb. Returns (inp, out),
     # which backward_step gets back for this microbatch: inp is what this stage consumed, out
-    # what it produced. On a later stage inp arrives from the previous rank (rows, stage.hidden)
-    # and must collect its gradient during the backward, like module 01's leaf at the cut. On
-    # the last stage out is this microbatch's share of the batch loss: its cross-entropy (the
-    # stage's own `loss` method, ShardedMLP.loss) divided by n_microbatches, because the batch
-    # loss is the mean of the m microbatch means. On every other stage out is the activation, sent
-    # to the next rank without blocking: its handle goes into `sends`, and nobody waits for it
-    # here (the schedule waits for all of them at the end of the step).
-    # Pitfalls:
-    # - a received input that does not require grad: its .grad stays None, and backward_step
-    #   later sends None. The comms refuse it ("isend_backward got NoneType, not a tensor");
-    #   comms without that check fail inside the send with "'NoneType' object has no attribute
-    #   'contiguous'". Both mean exactly this.
-    # - a share without the 1/m: every gradient m times too large; the grader reports
-    #   |got|/|autograd| = m and asks whether each microbatch loss is divided by m.
-    # - a blocking send here and in backward_step: in 1F1B's steady state two neighbours each
-    #   wait in their send for the other's receive. The grader stops the ranks after its timeout
-    #   and names the lines they were stuck on (send_forward on one, send_backward on the other).
-    # - the receive buffer has the microbatch's rows and the stage's width, not x_mb's shape.
+    # what it produced. On a later stage inp arrives from the previous rank, (rows, stage.hidden),
+    # and collects its gradient during the backward. On the last stage out is this microbatch's
+    # share of the batch loss, a scalar from the stage's own `loss` method (ShardedMLP.loss): the
+    # m shares of a step, added up, are the full batch's loss, the mean over all its rows (the
+    # microbatches are equal), and their gradients add up to its gradient. On every other stage
+    # out is the activation, sent to the next rank without blocking: its handle goes into
+    # `sends`, and nobody waits for it here (the schedule waits for all of them at the step's end).
+    # The question: what must one microbatch's share be for the m shares to add up to the batch's
+    # mean, and what makes a received input collect its gradient?
+    # Pitfalls: what can backward_step send back if the received input never gets a .grad? Can
+    # two neighbours that each wait in a send for the other's receive happen in 1F1B's steady
+    # state? How wide is what arrives, when the first stage's input is wider than the
+    # activations (the grader's float64 model)?
     raise NotImplementedError('TODO(m05): forward one microbatch through this stage and hand its result on')
 
 
@@ -80,19 +75,12 @@ def backward_step(stage, comms, inp, out, sends):
     # microbatch's gradient has been added into every parameter's .grad (autograd accumulates,
     # which is how the m microbatches' gradients sum to the batch's), and, on every stage but the
     # first, dloss/dinp has been sent to the previous rank without blocking, its handle in
-    # `sends`. Returns nothing.
-    # The maths: on the last stage out is a scalar loss share, so the backward starts from it.
-    # Elsewhere the next rank sends dloss/dout (out's shape); backpropagating out with it is
-    # module 01's vector-Jacobian product, and it leaves dloss/dinp in inp's .grad.
-    # Pitfalls:
-    # - "isend_backward got NoneType, not a tensor" (or, from comms without that check,
-    #   "'NoneType' object has no attribute 'contiguous'" inside the send): the gradient sent is
-    #   None, because forward_step's received input does not require grad.
-    # - a receive on the last stage or a send from the first: the comms' clear error ("rank r is
-    #   the last stage: it has no next rank to recv_backward with").
-    # - a blocking send here and in forward_step deadlocks 1F1B (see forward_step): the grader's
-    #   timeout names the line each rank is stuck on.
-    # - a wrong (inp, out) pair is the schedule's mistake, not this one's: see one_f_one_b.
+    # `sends`. On every stage but the last, dloss/dout arrives from the next rank (with the
+    # comms' receive). Returns nothing.
+    # The question: where does this stage's backward start, on the last stage and on the others?
+    # Pitfalls: which stages have nothing to receive, which nothing to send? When the first
+    # stage's input is wider than its output, which shape has the gradient that arrives? What is
+    # in inp.grad if forward_step's received input does not require grad?
     raise NotImplementedError('TODO(m05): backpropagate one microbatch and hand its input gradient back')
 
 
@@ -106,21 +94,10 @@ def wait_all(sends):
 
 
 def naive(stage, comms, x, y, n_microbatches=1):
-    """The whole batch forward, then backward: one microbatch, whatever `n_microbatches` says."""
-    # TODO(m05): run the whole batch as a single microbatch, forward then backward
-    # Contract: the whole batch (x, y) is one microbatch, whatever n_microbatches says, so its
-    # loss share is the whole loss. Afterwards this rank's parameters hold the full-batch
-    # gradients and every send of the step has completed. Returns the batch loss, a detached
-    # scalar tensor, on the last stage (the caller calls .item()), and None on every other.
-    # The result must be the monolith's bit for bit (the grader compares with ==).
-    # Pitfalls:
-    # - handing n_microbatches on: the demo passes the command line's count to every schedule,
-    #   and a loss divided by m is no longer the monolith's; the grader runs naive with m = 8.
-    # - not waiting for the sends: on gloo a send whose handle is dropped is usually lost, and
-    #   the peer then hangs in its recv_forward / recv_backward. The grader's timeout report shows
-    #   only those receives, and says nothing about the dropped handles: that is the sign.
-    # - a loss on a rank that is not the last: the grader says only the last rank has a loss.
-    raise NotImplementedError('TODO(m05): run the whole batch as a single microbatch, forward then backward')
+    """The whole batch forward, then backward: one microbatch, whatever `n_microbatches` says (the
+    demo hands every schedule the command line's count). It is GPipe with a single microbatch: its
+    share of the loss is the whole loss, so the result is the monolith's bit for bit."""
+    return gpipe(stage, comms, x, y, 1)
 
 
 def gpipe(stage, comms, x, y, n_microbatches):
@@ -128,22 +105,19 @@ def gpipe(stage, comms, x, y, n_microbatches):
     # TODO(m05): run GPipe: all m forwards, then all m backwards, and return the batch loss
     # Contract: split x and y into n_microbatches (m) equal microbatches with split_microbatches
     # (given: it raises the ValueError the grader expects, before any message, when m does not
-    # divide the batch). Forward microbatches 0 .. m-1 in that order, keeping each one's
-    # (inp, out) until its backward; then run every microbatch's backward; wait for every send
-    # before returning. Returns the batch loss on the last stage (the sum of the m shares,
-    # each already divided by m, detached), None elsewhere.
-    # The maths: the gradients of the shares add up to the full batch's gradient, in any backward
-    # order (each depends only on the fixed weights and its own activations), equal to it within
-    # float32 rounding (the grader allows a relative 1e-5). Memory: every microbatch's activations
-    # live from its forward to its backward, so each rank holds all m at the peak; the grader
-    # counts them from autograd's saved tensors and checks the order F0 .. F(m-1), then the Bs.
-    # Pitfalls:
-    # - the same order of microbatches on every rank: a neighbour receives the messages in the
-    #   order they were sent.
-    # - the mean of the shares instead of their sum: the returned loss is m times too small (the
-    #   grader prints it beside the full-batch loss).
-    # - forgetting the final wait: on gloo the dropped sends are usually lost and a peer hangs
-    #   in recv; the timeout report shows only the receive, nothing about the handles.
+    # divide the batch). Every rank forwards microbatches 0 .. m-1 in that order, then runs every
+    # microbatch's backward; every send of the step has completed when it returns. Returns the
+    # batch loss on the last stage, a scalar tensor with no autograd history, None elsewhere.
+    # Gradients: the full batch's, within float32 rounding (relative 1e-5; 1e-10 in float64).
+    # naive (given) is gpipe with m = 1 and must equal the monolith bit for bit. Memory: each
+    # rank holds all m microbatches' activations at its peak (the grader counts them from
+    # autograd's saved tensors), and none once the step is over.
+    # The question: what must be kept from each forward until its backward, and what does the
+    # batch loss add up from?
+    # Pitfalls: does the order of the backwards change the gradients? What keeps a loss that
+    # still has its autograd history alive after the step? Where are the send handles waited
+    # for, and what does gloo do with a send never waited for (the timeout then shows only the
+    # peer's receive)?
     raise NotImplementedError('TODO(m05): run GPipe: all m forwards, then all m backwards, and return the batch loss')
 
 
@@ -151,26 +125,18 @@ def one_f_one_b(stage, comms, x, y, n_microbatches):
     """Warm-up forwards, then one forward / one backward in turn, then the remaining backwards."""
     # TODO(m05): run 1F1B: warm up with forwards, alternate one forward and one backward, then cool down
     # Contract: the same inputs, gradients (within rounding), return value and waited sends as
-    # gpipe, in another order. On pipeline rank r of p (comms.pp.index, comms.pp.size): a warm-up of
-    # forwards only; a steady state in which each forward of the next microbatch is followed by
-    # the backward of the oldest microbatch in flight; a cool-down of the backwards left.
-    # The invariant to derive the warm-up from: in the steady state every stage after this one
-    # is busy with a microbatch this rank has forwarded and not yet backwarded, one each, so the
-    # warm-up must fill the pipeline behind this rank exactly (the last stage needs none) and no
-    # more. Then rank r holds at most p - r microbatches' activations (all m if m is smaller), as
-    # against m for GPipe. Backwards go oldest first: the next gradient to arrive is the oldest's.
-    # What the grader checks: the exact F/B order on every rank (it prints the one expected), the
-    # peak of live microbatches counted from autograd's saved tensors, the gradients, 50 steps.
-    # Pitfalls:
-    # - m smaller than the warm-up you derived: forwards of microbatches that do not exist (an
-    #   IndexError); the grader runs m = 1 and 2 on 4 ranks.
-    # - a warm-up one too long or too short: that rank's order and peak differ from the expected.
-    # - the newest microbatch backwarded instead of the oldest: the gradient received is applied
-    #   to another microbatch's graph. The losses leave the monolith's, and the gradient check
-    #   asks whether each backward uses its own microbatch's saved input and output.
-    # - blocking sends in both helpers: the steady state deadlocks (see forward_step).
-    # - forgetting the final wait: on gloo the dropped sends are usually lost and a peer hangs
-    #   in recv; the timeout report shows only the receive, nothing about the handles.
+    # gpipe, in another order. On pipeline rank r of p (comms.pp.index of comms.pp.size, the
+    # place in the pipeline, not the global rank): a warm-up of forwards only; a steady state in
+    # which each forward of the next microbatch is followed by the backward of the oldest
+    # microbatch in flight; a cool-down of the backwards left. At its peak rank r holds the
+    # activations of min(p - r, m) microbatches, against m for GPipe: the grader counts them
+    # from autograd's saved tensors, and checks the exact F/B order on every rank (it prints the
+    # one expected), the gradients and 50 steps, on p = 2 and 4 with m from 1 to 32.
+    # The question: how many forwards must rank r run before its first backward?
+    # Pitfalls: what if m is smaller than that warm-up (the grader runs m = 1 and 2 on 4 ranks)?
+    # On the last stage of a pipeline along one axis of a mesh (global ranks 2 and 3 of 4), is
+    # the rank's place its global rank? Where are the sends waited for? Where is each share of
+    # the loss added up, when the list of microbatches in flight is empty by the step's end?
     raise NotImplementedError('TODO(m05): run 1F1B: warm up with forwards, alternate one forward and one backward, then cool down')
 
 

@@ -1,5 +1,5 @@
 # Generated from solutions/m06_llama_block.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 06`. (skeleton b4f8fc24a68a)
+# Grade your work with `python main.py grade 06`. (skeleton 90b3beea4ea9)
 """Module 06, part 2 - the transformer block: a forward sequence and its backward in reverse.
 
     x -> RMSNorm(ln1) -> q, k, v projections -> RoPE(q, k) -> causal GQA attention -> o projection
@@ -148,18 +148,17 @@ class LlamaBlock:
         B, T, _ = x.shape
         cos, sin = self.rope(T, x.dtype, x.device)
         # TODO(m06): the attention half's forward, saving exactly what its backward reads
-        # x is (B, T, dim); w holds the block's weights; cos and sin (above) are the RoPE tables for this length.
-        # Return o, attention's output (B, T, n_heads * head_dim), before the o projection. The ops, in order:
-        # RMSNorm with ln1, the q, k and v projections, RoPE on q and k, causal attention.
-        # Afterwards the store holds 'x', 'n1', 'r1', 'q' and 'k' (after RoPE), 'v', 'o' and 'lse', and nothing
-        # else of this half: the test compares the store's names with the list the backward reads.
-        # The matmul seam: the norm's output goes through the policy's prepare once, under the name 'n1' (prepare
-        # saves it); q, k and v all multiply what prepare returned (module 09's FP8 policy quantizes it there).
-        # Shapes: a projection gives (B, T, heads * head_dim); RoPE and attention want a head axis: (B, T, n_heads,
-        # head_dim) for q, n_kv_heads for k and v.
-        # Pitfalls: RoPE rotates q and k, never v. Attention goes through self.attention (chunked, or the fused
-        # kernel), not attention_forward directly. Every linear goes through linear_forward with self.matmul: the
-        # grader counts the policy's calls (7 forward, 7 backward per block) and compares with an nn.Module block.
+        # Contract: x is (B, T, dim), w the block's weights, cos and sin (above) RoPE's tables for this length. Return
+        #   o, attention's output (B, T, n_heads * head_dim) before the o projection, as the module docstring's chain
+        #   defines it. Afterwards the store holds 'x', 'n1', 'r1', 'q', 'k', 'v', 'o' and 'lse' (q, k and v as
+        #   attention read them) and nothing else of this half. Every linear goes through linear_forward with
+        #   self.matmul and attention through self.attention (chunked, or the fused kernel): the tests count the
+        #   calls and compare o with an nn.Module Llama block's.
+        # The matmul seam: q, k and v read one input. The policy's prepare sees it once, under the name 'n1' (prepare
+        #   saves it there), and the three projections multiply what prepare returned (module 09 quantizes it there).
+        # Question: which tensors will this half's backward read, in which shapes, and which op makes each?
+        # Pitfalls: which of q, k and v does RoPE turn? A projection gives (B, T, heads * head_dim): how many heads
+        #   do q, k and v each have? Which saved names does prepare save, and which are yours to save?
         raise NotImplementedError("TODO(m06): the attention half's forward, saving exactly what its backward reads")
 
     def ffn_half(self, w: BlockWeights, x: torch.Tensor, o: torch.Tensor, store: ActivationStore):
@@ -168,19 +167,23 @@ class LlamaBlock:
         needs it as it is, so the o projection takes o itself (an FP8 policy converts it when it multiplies)."""
         cfg, mm = self.cfg, self.matmul
         # TODO(m06): the FFN half's forward up to SwiGLU, saving what its backward reads
-        # x is the block input and o attention's output (B, T, n_heads * head_dim). Return (h, s): h = x plus the o
-        # projection of o (the residual stream after attention), and s, SwiGLU of the gate and up projections of
-        # RMSNorm(h) with ln2, as the policy's prepare returned it (the down projection multiplies it).
-        # Afterwards the store holds 'h', 'n2', 'r2', 'g', 'u' and 's'; 'n2' and 's' get there through prepare.
-        # Pitfall: o is not prepared (attention's backward needs it as it is): the o projection multiplies o itself.
-        # Pitfall: gate and up read one prepared n2; preparing it twice would quantize twice in module 09.
+        # Contract: x is the block input and o attention's output (B, T, n_heads * head_dim). Return (h, s): h, the
+        #   residual stream after attention (B, T, dim), and s, SwiGLU's output (B, T, ffn_dim) as the policy's prepare
+        #   returned it (the down projection, given in forward, multiplies it), as the module docstring's chain defines
+        #   them. Afterwards the store holds 'h', 'n2', 'r2', 'g', 'u' and 's' and nothing else of this half; 'n2' and
+        #   's' get there through mm.prepare (gate and up read one n2). Every linear goes through linear_forward with
+        #   self.matmul (the tests count the calls, and which of them multiply a prepared input).
+        # Question: which tensors will this half's backward read, and which of them are linear inputs the policy
+        #   must see once?
+        # Pitfalls: o is kept as it is for attention's backward: is it prepared? How many times is n2 prepared when
+        #   two linears read it (module 09 would quantize it each time)?
         raise NotImplementedError("TODO(m06): the FFN half's forward up to SwiGLU, saving what its backward reads")
 
     def forward(self, w: BlockWeights, x: torch.Tensor, store: ActivationStore) -> torch.Tensor:
         """y = block(x) for x of shape (B, T, dim); fills `store` for the backward."""
         o = self.attention_half(w, x, store)
         h, s = self.ffn_half(w, x, o, store)
-        # The last residual add saves nothing: its backward passes dy through to both sides.
+        # The last residual add keeps nothing for the backward, and the down projection's input s is kept above.
         return h + linear_forward(s, w.w_down, self.matmul)
 
     def backward(self, w: BlockWeights, dy: torch.Tensor, store: ActivationStore):
@@ -189,24 +192,25 @@ class LlamaBlock:
         B, T, _ = dy.shape
         cos, sin = self.rope(T, dy.dtype, dy.device)
         # TODO(m06): the FFN half's backward, from dy back to the residual stream's gradient dh
-        # The forward was y = h + down(s), s = SwiGLU(g, u), g and u the gate and up projections of n2 = norm(h).
-        # Produce dh (the gradient of h, (B, T, dim)) and the weight gradients d_down, d_gate, d_up and d_ln2, by
-        # these names: the attention half's TODO below uses them. Read the saved tensors from the store.
-        # Maths: dy reaches h twice, along the residual and through the FFN; gate and up both read n2, so the two
-        # gradients of n2 add up before the norm's backward.
-        # Pitfalls: undo the ops in reverse order, each backward with the inputs its forward saw (the prepared 's'
-        # and 'n2', not recomputed ones). Every linear backward goes through linear_backward with self.matmul (the
-        # grader counts the policy's calls). The residual's dy must reach dh exactly once.
+        # Contract: dy = dL/dy is (B, T, dim) for the forward y = h + s W_downᵀ and ffn_half's chain. Produce, by these
+        #   names (the attention half's TODO below reads them): dh = dL/dh (B, T, dim), the whole gradient of h, and
+        #   the weight gradients d_down, d_gate, d_up and d_ln2. Read saved tensors from the store (store["s"]), the
+        #   ones the forward used; every linear's backward goes through linear_backward with self.matmul (the tests
+        #   count the policy's calls, and compare these gradients and dh with an nn.Module block's).
+        # Question: along which paths does dy reach h, and where do two gradients of one tensor meet?
+        # Pitfalls: which ops read n2, and what does that make its gradient? Does dy reach dh along the residual
+        #   once, twice, or not at all? Is a recomputed input the same as the prepared one the forward multiplied?
         raise NotImplementedError("TODO(m06): the FFN half's backward, from dy back to the residual stream's gradient dh")
         # TODO(m06): the attention half's backward, and the block's gradients
-        # dh (from the FFN half) reaches x directly (the residual) and through the attention half: o projection,
-        # attention, RoPE, the q, k and v projections, the ln1 norm. Return (dx, grads): dx = dL/dx (B, T, dim) with
-        # both paths summed, grads a BlockWeights of all nine weight gradients (d_ln2, d_gate, d_up, d_down above).
-        # Maths: q, k and v all read n1, so their three gradients of n1 add up before the norm's backward; RoPE's
-        # backward undoes the rotation of q and k (v was not rotated).
-        # Shapes: attention's backward returns dq (B, T, n_heads, head_dim) and dk, dv with n_kv_heads, maybe not
-        # contiguous; the projections' backward wants (B, T, heads * head_dim): flatten the head axis with reshape
-        # (view fails on a non-contiguous tensor).
-        # Pitfalls: attention's backward goes through self.attention with the saved q, k, v, o and lse; the grader
-        # compares all nine gradients and dx with an nn.Module Llama block (grouped, multi-head and one kv head).
+        # Contract: dh (from the FFN half above) is dL/dh for h = x + o W_oᵀ and attention_half's chain. Return
+        #   (dx, grads): dx = dL/dx (B, T, dim), and grads, a BlockWeights of all nine weight gradients (d_ln2, d_gate,
+        #   d_up and d_down from above). Attention's backward goes through self.attention with the saved q, k, v, o and
+        #   lse; every linear's backward through linear_backward with self.matmul. The tests compare dx and every
+        #   gradient with an nn.Module Llama block's (grouped, multi-head and one kv head).
+        # Shapes: attention's backward returns dq (B, T, n_heads, head_dim) and dk, dv with n_kv_heads, possibly not
+        #   contiguous; a projection's backward wants (B, T, heads * head_dim).
+        # Question: which op's backward undoes each step of the attention half, and where do gradients of one tensor
+        #   meet on the way back to x?
+        # Pitfalls: which of dq, dk and dv went through RoPE? Which ops read n1? Along how many paths does x reach the
+        #   loss? Will .view do on a tensor that is not contiguous?
         raise NotImplementedError("TODO(m06): the attention half's backward, and the block's gradients")

@@ -1,5 +1,5 @@
 # Generated from solutions/m06_llama_model.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 06`. (skeleton 0c5b2b2959e7)
+# Grade your work with `python main.py grade 06`. (skeleton f31548dc93a8)
 """Module 06 - a tiny Llama trained with a hand-written backward.
 
 Embedding -> n_layers blocks (m06_llama_block) -> final RMSNorm -> LM head and cross-entropy.
@@ -82,9 +82,8 @@ def chunked_cross_entropy(x: torch.Tensor, w_head: torch.Tensor, targets: torch.
     A target equal to IGNORE_INDEX (-100, torch's convention) is no token: it adds nothing to the
     loss and gets no gradient. n_tokens (default: the real targets given, real_tokens(targets)) is
     what the sum is divided by: the whole step's count when these tokens are only part of it.
-    Returns (loss, dx, dw_head). Tokens are processed `chunk` at a time: for each chunk, the logits,
-    their log-sum-exp, the loss and dlogits = (softmax - onehot) / n_tokens exist only while that
-    chunk is processed.
+    Returns (loss, dx, dw_head). Tokens are processed `chunk` at a time: a chunk's logits, their
+    statistics and their gradient exist only while that chunk is processed.
     """
     xs, ts = x.reshape(-1, x.shape[-1]), targets.reshape(-1)
     n_rows = xs.shape[0]
@@ -95,20 +94,18 @@ def chunked_cross_entropy(x: torch.Tensor, w_head: torch.Tensor, targets: torch.
     dw = torch.zeros(w_head.shape, dtype=compute_dtype(w_head.dtype), device=w_head.device)
     for start in range(0, n_rows, chunk):
         # TODO(m06): the cross-entropy loss of one chunk of tokens, and its gradients
-        # The chunk is the rows start .. start + chunk of xs (rows, dim) and ts (rows,), fewer in the last one.
-        # Add the chunk's summed loss to `loss` (the division by n_tokens is done once, after the loop), write the
-        # chunk's rows of dx, and add the chunk's contribution to dw (the head's gradient, (vocab, dim), summed over
-        # chunks).
-        # Maths, per real token (target != IGNORE_INDEX): logits = the head applied to x (a linear layer, w_head is
-        # (vocab, dim)); its loss is lse(logits) minus the target's logit; dlogits = (softmax(logits) -
-        # onehot(target)) / n_tokens: the gradient of the sum divided by the step's count, not the chunk's size.
-        # An ignored row adds no loss and its dlogits row is zero (so its dx row is zero and it adds nothing to dw).
-        # From dlogits the head's linear backward gives dx's rows and dw's contribution.
-        # Precision: logits, lse and the loss in compute_dtype (loss's dtype); dlogits cast to x's dtype before it
-        # multiplies (a bf16 model multiplies in bf16; the bf16 test checks dx's and dw's dtypes).
-        # Pitfalls: dividing by the chunk's size (wrong unless one chunk covers everything: the tests use chunks of
-        # 1, 7 and 1000 tokens against F.cross_entropy); an ignored target of -100 used as an index (it picks the
-        # last column, or raises); softmax by exp without subtracting lse overflows.
+        # Contract: the chunk is the rows start .. start + chunk of xs (rows, dim) and ts (rows,), fewer in the last
+        #   one. Add the chunk's summed loss to `loss` (the given code divides by n_tokens once, after the loop), write
+        #   the chunk's rows of dx, and add the chunk's contribution to dw (vocab, dim). Afterwards, for any chunk size,
+        #   (loss, dx, dw) are F.cross_entropy(x @ w_head.T, targets, ignore_index=-100, reduction="sum") / n_tokens and
+        #   its gradients; an ignored row (target IGNORE_INDEX) adds no loss and gets a zero row of dx.
+        # Precision: the logits, their statistics and the loss in loss's dtype (compute_dtype); the logits' gradient
+        #   in x's dtype before it multiplies (the bf16 tests check the dtypes and bound the errors).
+        # Maths: a token's loss is lse(z) - z_y, with z = its logits (a linear layer: w_head is (vocab, dim)), y its
+        #   target and lse(z) = log Σ_j exp(z_j).
+        # Question: what is dL/dz for one token's row, and what is every chunk's row divided by?
+        # Pitfalls: divided by the chunk's size, by these rows' real tokens, or by n_tokens? What does an index of
+        #   -100 pick from a row of logits? What does exp(z) give for logits near 100?
         raise NotImplementedError('TODO(m06): the cross-entropy loss of one chunk of tokens, and its gradients')
     return loss / n_tokens, dx.reshape(x.shape), dw.to(w_head.dtype)
 
@@ -155,14 +152,18 @@ class LlamaModel:
         """Run every block in order, each with its weights from the weight source and its own store."""
         n_layers = self.cfg.n_layers
         # TODO(m06): the forward loop over the layers, weights from the weight source
-        # Run the blocks in order, each with its weights from self.weights and its own store (stores[l]); return the
-        # last block's output. The WeightSource protocol (above): gather(l) starts making layer l available, get(l)
-        # returns it, release(l) says the loop is done with it.
-        # Invariant: one layer ahead. Layer l + 1 (if there is one) is gathered before layer l is fetched, so its
-        # transfer overlaps layer l's compute; layer 0 is gathered before the loop. Each layer is released once run.
-        # Pitfall: releasing a layer before its block has run: after release(l) a source may overwrite l's
-        # buffer (07, 08). The test records the calls, the block's included, and checks this exact order;
-        # modules 07 and 08 depend on it (two buffers: a gather two layers ahead, or a missing release, fails).
+        # Contract: run the blocks in order, block l with the BlockWeights self.weights.get(l) returns and its own store
+        #   stores[l]; return the last block's output. The WeightSource protocol (above) is the only way to the weights,
+        #   and a source may have only two buffers (modules 07 and 08), so afterwards the calls satisfy:
+        #   - get(l) comes after gather(l), and gather(l + 1) (if that layer exists) before get(l): the fetch of the
+        #     next layer runs while this one computes;
+        #   - release(l) comes after block l has run (then its buffer may be overwritten);
+        #   - at no time are more than two layers gathered and not yet released.
+        #   The test records every call, the block's included: exactly one order meets all three.
+        # Question: in what order must gather, get, run and release come so that every gather is as early as two
+        #   buffers allow?
+        # Pitfalls: a layer released before its block ran, or never released? A gather issued while two layers are
+        #   still held?
         raise NotImplementedError('TODO(m06): the forward loop over the layers, weights from the weight source')
 
     def on_block_grads(self, layer: int, grads: BlockWeights) -> None:
@@ -175,16 +176,16 @@ class LlamaModel:
         n_layers = self.cfg.n_layers
         grads = [None] * n_layers
         # TODO(m06): the backward loop, last layer first, weights from the weight source
-        # dx is the gradient of the last block's output. Run the blocks' backwards from the last layer to the first,
-        # each with its weights and its store; return (dx, grads): the gradient of the first block's input and
-        # `grads`, one BlockWeights per layer, in layer order (grads[l] is layer l's).
-        # Invariant: the forward's gather-one-ahead pattern, mirrored: the last layer is gathered first, and layer
-        # l - 1 before layer l is fetched. Each layer's store is cleared after its backward (those activations are
-        # not needed again; the test checks every store is empty afterwards), and each layer released. Once a layer
-        # is released its gradients are final: hand them to self.on_block_grads(layer, grads) right then, so a
-        # model that sends gradients (module 14) can start while the earlier layers' backwards still run.
-        # Pitfall: as in the forward, the test checks the exact order of the calls, and that no layer is
-        # released before its backward has run.
+        # Contract: dx is the gradient of the last block's output. Run the blocks' backwards from the last layer to the
+        #   first, each with its weights and its store; return (dx, grads): the gradient of the first block's input and
+        #   `grads`, one BlockWeights per layer in layer order (grads[l] is layer l's). Afterwards:
+        #   - the weight source's calls obey forward_blocks' three rules with the layers in reverse order (the test
+        #     records them and checks the one order they leave);
+        #   - every store is empty: a layer's activations are not needed once its backward has run;
+        #   - self.on_block_grads(l, grads[l]) was called for every layer, right after release(l) (module 14 starts
+        #     sending a layer's gradients then, while the earlier layers' backwards still run).
+        # Question: which calls mirror the forward loop, and at which point are a layer's gradients final?
+        # Pitfalls: a gradient handed on after the loop, when every backward is done? A store kept until the next step?
         raise NotImplementedError('TODO(m06): the backward loop, last layer first, weights from the weight source')
 
     def forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor, n_tokens: int | None = None):

@@ -1,5 +1,5 @@
 # Generated from solutions/m06_llama_ops.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 06`. (skeleton d5f44c5e95b7)
+# Grade your work with `python main.py grade 06`. (skeleton ed35e60fb5f1)
 """Module 06, part 1 - the operations of a Llama block, each with an explicit backward.
 
 Every op is a pair of plain functions: `*_forward` returns its output and the few tensors its
@@ -42,23 +42,17 @@ class Matmul:
         return x
 
     def forward(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        # TODO(m06): the linear layer's forward product
-        # x is (tokens, in_features) and w is (out_features, in_features), stored like nn.Linear's weight.
-        # Return y of shape (tokens, out_features) with y[t, o] = sum over i of x[t, i] * w[o, i]: each output
-        # feature is the dot product of a token's row with one *row* of w.
-        # Pitfall: multiplying by w as it is stored pairs the wrong axes: a shape error when in != out, silently
-        # wrong numbers when they are equal. The tests use unequal sizes and compare with F.linear in float64.
-        raise NotImplementedError("TODO(m06): the linear layer's forward product")
+        return x @ w.t()  # w is stored (out, in): its transpose pairs each token's row with each row of w
 
     def backward(self, dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor):
         """Gradients (dx, dw) of y = x @ w.T, given dy = dL/dy of shape (tokens, out_features)."""
         # TODO(m06): the linear layer's backward: the gradients of its input and of its weight
-        # dy = dL/dy is (tokens, out_features); x is the saved input (tokens, in_features); w is (out, in).
-        # Return (dx, dw): dx has x's shape, dw has w's shape. From y[t, o] = sum_i x[t, i] w[o, i]:
-        #     dL/dx[t, i] = sum over o of dy[t, o] w[o, i]        dL/dw[o, i] = sum over t of dy[t, o] x[t, i]
-        # dw adds up the contributions of every token: a sum, not a mean (the loss has already averaged).
-        # Pitfall: the shapes pin down which operand is transposed in each product: check them before the values.
-        # The tests compare both gradients with autograd in float64 and run gradcheck through your backward.
+        # Contract: dy = dL/dy is (tokens, out_features), x the saved input (tokens, in_features), w the weight
+        #   (out_features, in_features), and the forward was y = x @ w.T. Return (dx, dw): dx = dL/dx in x's shape and
+        #   dw = dL/dw in w's shape, every token's contribution counted in dw (the loss has already divided by the
+        #   token count). The tests use in != out, compare with autograd in float64 and run gradcheck through it.
+        # Question: each gradient is a product of dy with one of the forward's operands: which, and in which order?
+        # Pitfalls: with in == out, would a product that pairs the wrong axes still run without a shape error?
         raise NotImplementedError("TODO(m06): the linear layer's backward: the gradients of its input and of its weight")
 
 
@@ -86,25 +80,28 @@ def rmsnorm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float):
     reduction over dim.
     """
     # TODO(m06): RMSNorm forward: the normalized, weighted x and each token's reciprocal RMS
-    # Contract: the docstring's maths, over the last dimension of x (..., dim), with weight (dim,). Return
-    # (n, r): n has x's shape and dtype; r holds one value per token, shape x.shape[:-1], in compute_dtype(x.dtype).
-    # Precision: a bf16 x is squared, averaged and scaled in float32 (compute_dtype), else the mean of squares
-    # loses digits; only n goes back to x's dtype. The bf16 test checks the dtype of everything you return.
-    # Pitfall: r has one axis fewer than x, so it does not broadcast against a row as it stands: a shape error,
-    # or a silent broadcast along the wrong axis when two sizes happen to match.
+    # Contract: x is (..., dim), weight (dim,). Return (n, r) as the docstring defines them, over the last dimension:
+    #   n has x's shape and dtype; r holds one value per token, shape x.shape[:-1], in compute_dtype(x.dtype). For a
+    #   bf16 x, every value of n is within one bf16 rounding of the float64 result (the bf16 test measures it).
+    # Question: in which dtype must the squares be averaged and the row scaled so that a bf16 x loses nothing but
+    #   one last rounding, and how does a per-token r reach every feature of its row?
+    # Pitfalls: r has one axis fewer than x: what does x * r broadcast against when two sizes happen to be equal?
+    #   How many times is n rounded to x's dtype on its way out?
     raise NotImplementedError("TODO(m06): RMSNorm forward: the normalized, weighted x and each token's reciprocal RMS")
 
 
 def rmsnorm_backward(dn: torch.Tensor, x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor):
     """(dx, dweight) for rmsnorm_forward, from the saved x and r."""
     # TODO(m06): RMSNorm backward: the gradients of x and of the norm's weight
-    # dn = dL/dn has x's shape; x and r are what the forward saved; weight is (dim,). Return (dx, dweight): dx in
-    # x's shape and dtype, dweight in weight's shape and dtype. Compute in r's dtype (float32 at least).
-    # Maths, per row: with xhat = x r (the normalized row) and g = dn * weight (the gradient reaching xhat),
-    # dweight collects dn * xhat over every token, and dx is r times g minus a correction along xhat: r depends
-    # on the whole row, and scaling a row barely changes its normalized values (the chapter's table has it).
-    # Pitfall: dropping the correction would be right only if r were a constant; autograd and gradcheck catch it.
-    # Pitfall: dweight sums over all leading axes (batch and time alike), not over one of them.
+    # Contract: dn = dL/dn has x's shape; x and r are what the forward saved; weight is (dim,). Return (dx, dweight):
+    #   dx in x's shape and dtype, dweight in weight's shape and dtype, computed in r's dtype (float32 at least) and
+    #   rounded once at the end. The tests compare with autograd in float64, run gradcheck through your backward
+    #   and bound the bf16 error.
+    # Maths: n = x̂ ⊙ weight with x̂ = x r, and r = (mean_j x_j² + eps)^(-1/2) is a function of the whole row.
+    # Question: r changes when any x_j of its row changes: what does that add to dx, beyond r times the gradient
+    #   that reaches x̂?
+    # Pitfalls: would your dx still be right if r depended on x? Does dweight sum over every leading axis, or
+    #   over one of them?
     raise NotImplementedError("TODO(m06): RMSNorm backward: the gradients of x and of the norm's weight")
 
 
@@ -117,14 +114,15 @@ def residual_rmsnorm_forward(x: torch.Tensor, a: torch.Tensor, weight: torch.Ten
 
 def residual_rmsnorm_backward(dh: torch.Tensor, dn: torch.Tensor, h: torch.Tensor, r: torch.Tensor,
                               weight: torch.Tensor):
-    """(d_residual, dweight): h feeds both the rest of the residual stream (gradient dh) and the
-    norm (gradient dn), so its gradient is their sum; x and a both receive it unchanged."""
+    """(d_residual, dweight) for residual_rmsnorm_forward: d_residual is the gradient of x (and of a),
+    given dh, the gradient of h from the rest of the residual stream, and dn, that of the norm's output."""
     # TODO(m06): the backward of the residual add followed by RMSNorm
-    # h = x + a feeds two consumers: the rest of the residual stream (its gradient dh arrives here) and the norm
-    # (its gradient dn). Return (d_residual, dweight): d_residual = dL/dh, which is also dL/dx and dL/da (an add
-    # hands its gradient unchanged to both inputs), and dweight, the norm weight's gradient.
-    # Pitfall: forgetting one of h's two consumers; the test checks the gradients of x, of a and of the weight
-    # against autograd, with a dh and a dn that are both nonzero.
+    # Contract: the forward was h = x + a, then (n, r) = RMSNorm(h); dh = dL/dh is the gradient that arrives from
+    #   the rest of the residual stream, dn = dL/dn the one that arrives through the norm's output. Return
+    #   (d_residual, dweight): d_residual = dL/dx, which the test also compares with dL/da, and dweight = dL/dweight,
+    #   against autograd with a dh and a dn that are both nonzero.
+    # Question: along how many paths does h reach the loss, and what does the add do to the gradient of its sum?
+    # Pitfalls: is dh the whole gradient of h?
     raise NotImplementedError('TODO(m06): the backward of the residual add followed by RMSNorm')
 
 
@@ -151,25 +149,19 @@ def rope_tables_at(positions: torch.Tensor, head_dim: int, theta: float, dtype=t
 
 def rope_forward(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate each pair (x1, x2) = (first half, second half) of the head dimension by its angle."""
-    # TODO(m06): RoPE forward: rotate each pair of head dimensions by its position's angle
-    # x is (B, T, heads, head_dim); cos and sin are (T, 1, head_dim // 2) from rope_tables: they broadcast over
-    # the batch and the heads. Return a tensor of x's shape and dtype.
-    # The pairs are (x1[i], x2[i]) with x1 the first half of the head dimension and x2 the second half. Each pair
-    # is a point in the plane, turned by its angle t: multiplied by the rotation matrix [[cos t, -sin t],
-    # [sin t, cos t]].
-    # Pitfall: pairing neighbours (0, 1), (2, 3) is the other RoPE convention: still a rotation, so your forward
-    # and backward agree with each other, but the test against the reference rope (a complex rotation) fails.
-    raise NotImplementedError("TODO(m06): RoPE forward: rotate each pair of head dimensions by its position's angle")
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
 
 
 def rope_backward(dy: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """A rotation is orthogonal, so its backward is the inverse rotation (angle -t): no saved input."""
+    """dL/dx for rope_forward, given dy = dL/d(output): the tables are all it needs, no saved input."""
     # TODO(m06): RoPE backward: the gradient through a rotation
-    # dy = dL/d(output) has x's shape; cos and sin as in the forward. Return dL/dx, of the same shape.
-    # Maths: the forward multiplies each pair by a rotation matrix R(t); the gradient goes back through its
-    # transpose, and for a rotation R(t)^T = R(-t), the rotation by the opposite angle. No saved input needed.
-    # Check: the backward undoes the forward exactly, backward(forward(x)) == x; the test checks that too.
-    # Pitfall: cos(-t) = cos t but sin(-t) = -sin t: only the sine terms change sign.
+    # Contract: dy = dL/d(output) of rope_forward, shape (B, T, heads, head_dim); cos and sin as rope_forward takes
+    #   them. Return dL/dx, of dy's shape and dtype, from dy, cos and sin alone (nothing was saved). The tests compare
+    #   with autograd through a complex rotation and check rope_backward(rope_forward(x)) == x.
+    # Question: rope_forward is, for each pair (x1[i], x2[i]), a fixed 2 x 2 matrix times the pair: which matrix
+    #   carries the gradient back, and what is it for a rotation?
+    # Pitfalls: of cos and sin, which is even in the angle and which odd?
     raise NotImplementedError('TODO(m06): RoPE backward: the gradient through a rotation')
 
 
@@ -225,8 +217,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: 
     q is (B, T, heads, D), k and v are (B, T, kv_heads, D). Returns (o, lse): o is
     (B, T, heads * D) in q's dtype, ready for the output projection, and lse, shaped
     (B, kv_heads, group, T) in compute_dtype (float32 at least), is the log-sum-exp of each
-    query's scores. Saving lse (one number per query and head) instead of the (T, T)
-    probabilities lets the backward rebuild them exactly: p = exp(s - lse).
+    query's scores, log of the sum of exp(score) over the keys it sees. Saving lse (one number per
+    query and head) instead of the (T, T) probabilities lets the backward rebuild them exactly.
     Queries are processed `chunk` at a time, so only a (chunk, T) block of scores ever exists.
 
     Positions: query i sits at position q_offset + i and key j at k_offset + j; a query sees the keys
@@ -241,18 +233,19 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: 
     outputs, lses = [], []
     for start in range(0, T, chunk):
         # TODO(m06): causal attention for one chunk of queries: its output and its log-sum-exp
-        # qg, kg, vg are (B, kv_heads, group, T, D), time on axis -2 (k and v have a group axis of 1, which broadcasts
-        # over the query heads that share them). This iteration handles the queries start .. start + chunk (the last
-        # chunk may be shorter). Append to `outputs` the chunk's output (B, kv_heads, group, rows, D), in v's dtype,
-        # and to `lses` its log-sum-exp (B, kv_heads, group, rows), in the scores' dtype (float32 at least).
-        # Maths: s = q k^T / sqrt(D) against the keys the query may see (query i: keys 0..i); lse = log of the sum of
-        # exp(s) over those keys; the softmax is p = exp(s - lse); the output weights the values of those keys by p.
-        # Given: _causal_scores returns the chunk's scores, multiplied by the scale you pass, future keys at -inf; it
-        # takes positions: the chunk's first query is at q_offset + start, k's first key at k_offset (module 15).
-        # Pitfall: the scores cover the keys up to the chunk's last query, not all of k: p multiplies the same rows
-        # of v (as many as the scores have columns; with zero offsets, keys 0 .. the chunk's last query).
-        # Pitfall: a max-and-divide softmax is right too, but the backward needs lse itself, not just p.
-        # The tests use chunks that do not divide T, and grouped heads, against F.scaled_dot_product_attention.
+        # Contract: qg, kg, vg are (B, kv_heads, group, T, D), time on axis -2 (k's and v's group axis has size 1 and
+        #   broadcasts over the query heads that share them). This iteration covers the queries start .. start + chunk
+        #   (fewer in the last chunk): append to `outputs` their output (B, kv_heads, group, rows, D) in v's dtype, and
+        #   to `lses` their log-sum-exp (B, kv_heads, group, rows) in the scores' dtype (float32 at least), both as the
+        #   docstring defines them. Nothing of size T x T is ever made.
+        # Given: _causal_scores (above) scores a chunk of queries against the keys that may precede them, multiplied
+        #   by the factor you pass, future keys at -inf; it takes the chunk's first query position (q_offset + start)
+        #   and k's first key position (k_offset), and its last axis says how many keys it scored.
+        # Question: with a row's log-sum-exp in hand, how do you turn its scores into its softmax in one pass, and
+        #   which rows of v do those probabilities weigh?
+        # Pitfalls: does a chunk's block of scores cover all of k, or only the keys up to its last query? Would a
+        #   max-and-divide softmax leave the backward what it needs? The tests use chunks that do not divide T, and
+        #   grouped heads, against F.scaled_dot_product_attention.
         raise NotImplementedError('TODO(m06): causal attention for one chunk of queries: its output and its log-sum-exp')
     o = torch.cat(outputs, dim=-2)  # (B, kv_heads, group, T, D)
     return o.flatten(1, 2).transpose(1, 2).reshape(B, T, heads * D), torch.cat(lses, dim=-1)
@@ -260,15 +253,14 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: 
 
 def attention_backward(do: torch.Tensor, q, k, v, o, lse, chunk: int = ATTENTION_CHUNK, q_offset: int = 0,
                        k_offset: int = 0, delta: torch.Tensor | None = None):
-    """(dq, dk, dv) for attention_forward, recomputing each chunk's probabilities from lse.
-
-    With p = softmax(s) and dp = do v^T, the softmax backward is ds = p * (dp - delta), where
-    delta = rowsum(do * o) (= rowsum(p * dp)) for each query. Key/value heads shared by a group of
-    query heads receive the sum of the group's gradients.
+    """(dq, dk, dv) for attention_forward, given do = dL/do, recomputing each chunk's probabilities
+    from the scores and lse instead of keeping them. Key/value heads shared by a group of query heads
+    receive the sum of the group's gradients.
 
     For one block of keys of a longer sequence (module 15), pass the positions as in the forward,
     and the *merged* lse and delta of all the blocks (delta from attention_delta of the merged
-    output; o is then not read): p = exp(s - lse) is then this block's share of the full softmax.
+    output; o is then not read): the probabilities rebuilt from the merged lse are then this block's
+    share of the full softmax.
     """
     B, T, heads, D = q.shape
     kv_heads = k.shape[2]
@@ -284,18 +276,19 @@ def attention_backward(do: torch.Tensor, q, k, v, o, lse, chunk: int = ATTENTION
     dv = torch.zeros_like(dk)
     for start in range(0, T, chunk):
         # TODO(m06): attention backward for one chunk of queries: its dq, its share of dk and dv
-        # For the queries start .. start + chunk (the last chunk may be shorter): append the chunk's dq,
-        # (B, kv_heads, group, rows, D) in q's dtype, to `dqs`, and add the chunk's contributions into the float32
-        # accumulators dk and dv, (B, kv_heads, group, keys, D), at the rows of the keys this chunk sees.
-        # Maths: the docstring's equations (the chapter derives them), restricted to this chunk's rows of q, do, lse
-        # and delta and to the keys the forward scored (positions as in the forward: q_offset + start, k_offset;
-        # with zero offsets, keys 0 .. the chunk's last query). lse and delta hold one number per query (time on
-        # their last axis), so they broadcast over the keys once given a trailing axis.
-        # Invariants: p is rebuilt exactly as the forward made it (same scores, scale and mask); a chunk's dq is
-        # complete when the chunk is done, while dk and dv sum over every chunk whose queries see those keys.
-        # Pitfalls: the scale 1/sqrt(D) is inside s, so it comes back in the chain to q and to k (not to v):
-        # without it dq and dk are off by exactly sqrt(D). Assigning dk or dv instead of adding keeps only the last
-        # chunk's share (the tests use chunks smaller than T). Masked scores are -inf, so p is 0 there: no new mask.
+        # Contract: for the queries start .. start + chunk (fewer in the last chunk): append the chunk's dq,
+        #   (B, kv_heads, group, rows, D) in q's dtype, to `dqs`, and add the chunk's contributions into the float32
+        #   accumulators dk and dv, (B, kv_heads, group, keys, D), at the rows of the keys this chunk scored (after the
+        #   loop the given code sums them over each group of query heads). Positions as in the forward: q_offset +
+        #   start for the chunk's first query, k_offset for k's first key.
+        # Maths: the forward's s = q kᵀ / √D (masked as _causal_scores masks it), p = softmax(s) per query, o = p v.
+        #   lse (the forward's) and delta = rowsum(do ⊙ o) (attention_delta's) hold one number per query, time on
+        #   their last axis; delta also equals rowsum(p ⊙ dp) with dp = dL/dp.
+        # Question: how does the chunk's do travel back through o = p v, through the softmax and through the scaled
+        #   product q kᵀ, and which of the results are complete after one chunk?
+        # Pitfalls: where does the factor 1/√D come back in the chain, and where not? Does a chunk's share of dk
+        #   replace the earlier chunks' or add to it? Where the forward masked a score, what is p, and does the
+        #   backward need a mask of its own? The tests use chunks smaller than T and grouped heads.
         raise NotImplementedError('TODO(m06): attention backward for one chunk of queries: its dq, its share of dk and dv')
     dq = torch.cat(dqs, dim=-2).flatten(1, 2).transpose(1, 2)
     # Sum over the group of query heads that shared each key/value head.
@@ -326,20 +319,15 @@ class ChunkedAttention:
 # ---------------------------------------------------------------------------------------------
 def swiglu_forward(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """s = silu(g) * u, with silu(g) = g * sigmoid(g); the backward needs g and u."""
-    # TODO(m06): SwiGLU forward: the FFN's gated activation
-    # g and u are the gate and up projections, of the same shape (..., ffn_dim). Return s of that shape: the
-    # docstring's maths, elementwise. The backward will need only g and u, so nothing else is saved.
-    # Pitfall: silu is the gate times its own sigmoid, not the sigmoid alone; the test compares with PyTorch's
-    # silu in float64.
-    raise NotImplementedError("TODO(m06): SwiGLU forward: the FFN's gated activation")
+    return g * torch.sigmoid(g) * u
 
 
 def swiglu_backward(ds: torch.Tensor, g: torch.Tensor, u: torch.Tensor):
     """(dg, du) for swiglu_forward."""
     # TODO(m06): SwiGLU backward: the gradients of the gate and of the up projection
-    # ds = dL/ds; g and u are the saved inputs. Return (dg, du), each of g's shape.
-    # Maths: s is a product of silu(g) and u, so du is ds times the other factor, and dg is ds times u times
-    # silu's derivative, which you get from silu(g) = g sigmoid(g) and sigmoid' = sigmoid (1 - sigmoid).
-    # Pitfall: the product rule gives silu' two terms; keeping only sigmoid(g) is wrong for every g != 0
-    # (autograd and gradcheck both compare).
+    # Contract: ds = dL/ds; g and u are the saved inputs of swiglu_forward (above: s = silu(g) u, silu(g) = g σ(g)).
+    #   Return (dg, du), each of g's shape. The tests compare with autograd in float64 and run gradcheck.
+    # Maths: σ(g) = 1 / (1 + e^(-g)) and σ'(g) = σ(g) (1 - σ(g)).
+    # Question: what is silu's derivative, written with σ(g) so that the sigmoid is computed once?
+    # Pitfalls: silu is itself a product of two functions of g: how many terms does its derivative have?
     raise NotImplementedError('TODO(m06): SwiGLU backward: the gradients of the gate and of the up projection')

@@ -1,24 +1,19 @@
 # Generated from solutions/m08_host_weights.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 08`. (skeleton 63e23109c884)
+# Grade your work with `python main.py grade 08`. (skeleton 832ca9bd9418)
 """Module 08 - weights streamed from host memory on a side stream, overlapping compute.
 
 The same gather/get/release protocol as module 07, but a "gather" is a copy of the block from
-page-locked (pinned) host memory into one of two device buffers, on a *side stream*, so it runs
+page-locked (pinned) host memory into one of two device buffers, on a *side stream*, so it can run
 while the compute stream works on the previous block (the "gather from CPU" path of llm.q, a
 CUDA/C++ LLM trainer). One GPU is enough to see communication overlap compute.
 
-Streams run their work in order; work on different streams may run at the same time. Events say
-what must wait for what:
-
-    gather(l)   the copy stream waits for buffer l % 2's *released* event (the compute that read
-                its old contents is done), copies block l in without blocking the host, and
-                records the buffer's *ready* event after the copy
-    get(l)      the compute stream waits for the ready event: block l's kernels start after the copy
-    release(l)  record the released event on the compute stream, after the kernels that read it
-
-The host never waits in gather/get/release: it only queues work and dependencies. (PyTorch's
-`record_stream` would instead tie the buffer's memory to the compute stream through the caching
-allocator; an explicit event says exactly when the buffer may be overwritten.)
+Streams run their work in order; work on different streams may run at the same time. Each device
+buffer has two events: `ready` completes when the copy into the buffer has finished, `released`
+when the compute that read the buffer has finished. Who records each, on which stream, and who
+waits for it, is what gather, get and release decide. The host never waits in them: it only queues
+work and dependencies. (PyTorch's `record_stream` would instead tie the buffer's memory to the
+compute stream through the caching allocator; an explicit event says exactly when the buffer may
+be overwritten.)
 
 The stream calls go through a runtime (course/streams.py): torch.cuda on a GPU, or a recorder on
 CPU whose event graph the tests check for read-before-copy and overwrite-before-release hazards.
@@ -51,16 +46,17 @@ class HostWeights:
         dtype = blocks[0].wq.dtype
         self.copies = 0  # block copies issued (the benchmark's transfer count)
         # TODO(m08): pinned host blocks, a side stream, two device buffers with their events
-        # Set three attributes, by these names (the tests and the given code read them):
+        # Contract: set three attributes, by these names (the tests and the given code read them):
         #   self.host         every block, flattened by self.layout, in pinned (page-locked) host memory
-        #   self.copy_stream  a new side stream for the copies
-        #   self.buffers      two DeviceBuffers, each with room for one padded block on the device (in dtype) and
-        #                     its own two events, ready and released
-        # Everything comes from the runtime (course/streams.py lists its calls), never from torch.cuda directly: on
-        # CPU the tests hand you a recorder, and its event graph is what the hazard checker reads.
-        # Why pinned: only from page-locked memory does a host-to-device copy run without the host waiting for it.
-        # Pitfall: events shared between the buffers make a copy wait for more than
-        # the buffer it overwrites: the prefetch test then finds the step longer than compute plus the first copy.
+        #   self.copy_stream  a side stream of its own for the copies
+        #   self.buffers      two DeviceBuffers, each with room for one padded block on the device, in the blocks'
+        #                     dtype, and its own ready and released events
+        #   Everything comes from the runtime (course/streams.py lists its calls), never from torch.cuda directly: on
+        #   CPU the tests hand you a recorder, and its event graph is what they check. The first test checks each
+        #   attribute: pinned, on the device, in the dtype, four distinct events.
+        # Question: what must exist before the first gather, and what must each buffer own alone?
+        # Pitfalls: from which memory can a host-to-device copy run without the host waiting for it? If two buffers
+        #   shared an event, what would a copy into one of them end up waiting for?
         raise NotImplementedError('TODO(m08): pinned host blocks, a side stream, two device buffers with their events')
 
     def gather(self, layer: int) -> None:
@@ -68,16 +64,13 @@ class HostWeights:
         check_gather(buf, layer)
         if buf.layer != layer or buf.version != self.version:  # else: still there, nothing to copy
             # TODO(m08): on the side stream, once the buffer is released: copy the block in, mark it ready
-            # Reached when buffer layer % 2 does not hold this layer, current. Queue on the copy stream, in this order:
-            # a wait for the buffer's released event (compute may still be reading the block it holds), the copy of
-            # self.host[layer] into buf.flat, and a record of buf.ready after the copy, for get() to wait on.
-            # The host waits for none of it: gather only queues work and dependencies (a host wait inside a step fails
-            # the tests).
-            # Invariants the event-graph hazard checker enforces: no copy overwrites a buffer that compute still reads,
-            # and the copies run on the side stream, never on the compute stream.
-            # Pitfalls: the copy must be *issued on* the copy stream, not only ordered after a wait there: a copy
-            # queued on the current (compute) stream serializes with compute and fails the side-stream test. ready is
-            # recorded on the stream the copy went to, after the copy: recorded before it, it says nothing about it.
+            # Contract: reached when buffer layer % 2 does not hold this layer at the current version. Queue the copy of
+            #   self.host[layer] into buf.flat (self.rt.copy), issued on the copy stream, such that afterwards, in the
+            #   event graph: the copy is ordered after every compute that read the buffer's old block (up to its
+            #   release), and buf.ready completes only once the copy has. The host waits for none of it.
+            # Question: which event must the copy stream wait for, and where must ready be recorded to mean "copied"?
+            # Pitfalls: is a copy queued while the compute stream is current on the side stream, whatever it waited
+            #   for? Does an event recorded before the copy say anything about the copy?
             raise NotImplementedError('TODO(m08): on the side stream, once the buffer is released: copy the block in, mark it ready')
             buf.layer, buf.version = layer, self.version
             self.copies += 1
@@ -87,37 +80,38 @@ class HostWeights:
         buf = self.buffers[layer % 2]
         check_get(buf, layer)
         # TODO(m08): make compute wait for the block's copy, and hand the block out
-        # After check_get, buffer layer % 2 is GATHERING this layer. Make the compute stream's later work (this
-        # block's kernels) wait for the copy into the buffer, without the host waiting. Then mark the buffer
-        # IN_USE and return the block as views into buf.flat (your FlatLayout's views).
-        # Pitfalls: a host-side wait (synchronize) gives the right numbers but no overlap, and a host wait inside a
-        # step fails the tests. A missing wait is the hazard "compute may read a buffer before the copy into it
-        # has finished" (on a GPU: old weights, or the NaN the GPU test poisons buffers with).
-        # A hit (gather copied nothing) may wait anyway: the event then refers to the last copy, long done.
+        # Contract: after check_get, buffer layer % 2 is GATHERING this layer. Afterwards the compute stream's later
+        #   work (this block's kernels) is ordered after the copy into the buffer, the host has not waited, the buffer
+        #   is IN_USE, and the block is returned as views into buf.flat (the layout's, as in module 07).
+        # Question: which event carries "the copy has finished" to the compute stream?
+        # Pitfalls: a host-side wait gives the right numbers: what does it do to the overlap? What may a kernel read
+        #   if nothing orders it after the copy (on a GPU: old weights, or the NaN the GPU test fills buffers with)?
+        #   When gather found the block still there and copied nothing, what does waiting cost?
         raise NotImplementedError("TODO(m08): make compute wait for the block's copy, and hand the block out")
 
     def release(self, layer: int) -> None:
         buf = self.buffers[layer % 2]
         check_release(buf, layer)
         # TODO(m08): mark the point after which the buffer may be overwritten, and free it
-        # After check_release the buffer is IN_USE with this layer, and the compute that reads it has been queued
-        # (not necessarily run: the host runs ahead of the GPU). Record the event a later gather into this buffer
-        # will wait for, at this point of the compute stream; then mark the buffer FREE (keeping its layer and
-        # version, for a later hit).
-        # Pitfall: recording it on the copy stream, or not at all, lets the next copy overwrite the buffer while
-        # compute still reads it: the hazard checker names the pair ("a copy may overwrite a buffer that compute
-        # still reads").
+        # Contract: after check_release the buffer is IN_USE with this layer, and the compute that reads it has been
+        #   queued (not necessarily run: the host runs ahead of the GPU). Afterwards buf.released completes exactly
+        #   when every compute queued so far that may read the buffer has finished, and the buffer is FREE, still
+        #   knowing its layer and version (a later gather of the same layer is a hit).
+        # Question: on which stream, and at which point of it, does the event that a later copy waits for belong?
+        # Pitfalls: recorded on the copy stream, or not at all, what would the next copy into this buffer wait for?
         raise NotImplementedError('TODO(m08): mark the point after which the buffer may be overwritten, and free it')
 
     def invalidate(self) -> None:
         """The host weights are about to change (or have): no copy may still be reading them."""
         # TODO(m08): make host weights safe to write, and forget every copy on the device
-        # The optimizer changes the host weights around this call, and copies still in flight read them: the host
-        # must wait until the copy stream's work is done (the one host wait, between steps). Then every block in a
-        # device buffer is stale: bump the version, so the next gather of any layer copies it again.
-        # Pitfalls: without the wait, the hazard checker reports that "the host may write weights that a copy is
-        # still reading"; without the bump, the next step reuses old blocks (the test counts the copies of two
-        # steps).
+        # Contract: the optimizer writes the host weights right after this call. Afterwards no copy may still be
+        #   reading them (the hazard checker orders the host's writes after every copy issued), and no buffer counts
+        #   as holding a current block: the next gather of any layer copies it again (the test counts the copies of
+        #   two steps). This is the one place the host may wait, between steps.
+        # Question: what must the host wait for before a write, and how does the next gather learn that every buffer
+        #   is stale?
+        # Pitfalls: which stream's work reads the host weights? What does gather compare to decide that a buffer
+        #   still holds the current block?
         raise NotImplementedError('TODO(m08): make host weights safe to write, and forget every copy on the device')
 
 

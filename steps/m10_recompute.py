@@ -1,5 +1,5 @@
 # Generated from solutions/m10_recompute.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 10`. (skeleton bbfde6d780db)
+# Grade your work with `python main.py grade 10`. (skeleton b89d804e032b)
 """Module 10 - recompute: keep fewer activations in the forward, recompute them in the backward.
 
 The activation store of module 06 keeps, for every layer, everything the block's backward reads:
@@ -9,14 +9,14 @@ largest item in GPU memory. A recompute option names the activations a store doe
 again, then runs the unchanged backward of module 06. The ops are the same and run in the same
 order, so the gradients are the same bit for bit; the price is the extra forward work.
 
-The options follow those of llm.q, a CUDA/C++ LLM trainer:
+The options follow those of llm.q, a CUDA/C++ LLM trainer (DROPPED below):
 
     none       keep everything
-    swiglu     drop s = silu(g) u                         recompute: one elementwise op
-    norms      drop the RMSNorm outputs n1, n2, r1, r2    recompute: two norms
-    ffn        drop n2, r2, g, u, s                       recompute: norm, gate and up matmuls, SwiGLU
-    attention  drop n1, r1, q, k, v, o, lse               recompute: norm, q/k/v matmuls, RoPE, attention
-    block      keep only the block input x                recompute: the whole block but the down matmul
+    swiglu     drop s = silu(g) u
+    norms      drop the RMSNorm outputs n1, n2, r1, r2
+    ffn        drop n2, r2, g, u, s
+    attention  drop n1, r1, q, k, v, o, lse
+    block      keep only the block input x
 
 With module 09's FP8Matmul the linear inputs n1, n2 and s are kept as e4m3 with their abs-maxes.
 The abs-maxes (4 bytes each) are kept whatever the option, so the recompute quantizes with the
@@ -57,15 +57,14 @@ def activation_bytes(cfg: LlamaConfig, batch: int, seq_len: int, dtype: torch.dt
     stat = torch.tensor([], dtype=compute_dtype(dtype)).element_size()
     tokens = batch * seq_len
     # TODO(m10): the bytes of every activation one block saves, by name
-    # Return a dict with one entry per name in ACTIVATIONS: the bytes that activation takes for `tokens` tokens
-    # (batch * seq_len), with activations `act` bytes a value and the per-token statistics (r1, r2 and lse)
-    # `stat` bytes a value (compute_dtype: float32 for bf16 activations).
-    # Derive each entry from the shape the block saves that tensor in (module 06's attention_half and ffn_half;
-    # the chapter's first table): per token, the number of values along its other axes, times its element size.
-    # Pitfalls the tests catch (they compare every entry with the bytes module 06's block really saves, in
-    # float32 and in bf16, where act != stat): k and v have the kv heads' width, not the query heads'; o is
-    # attention's output before the o projection; lse holds one statistic per query head, r1 and r2 one per
-    # token. A swap of two sizes (q and k, say) leaves the totals unchanged but fails the by-name check.
+    # Contract: return a dict with one entry per name in ACTIVATIONS: the bytes that activation takes for `tokens`
+    #   tokens (batch * seq_len), `act` bytes a value for the activations and `stat` bytes a value for the per-token
+    #   statistics (compute_dtype: float32 for bf16 activations). The tests compare every entry, name by name, with
+    #   the bytes module 06's block really saves, in float32 and in bf16 (where act != stat).
+    # Question: for each saved tensor, how many values does one token have, and of which kind?
+    # Pitfalls: which widths are the query heads', which the key/value heads', which the residual stream's? Is
+    #   attention's output saved before or after the o projection? How many log-sum-exps does one token have?
+    #   (A swap of two sizes leaves every total right and fails the by-name check.)
     raise NotImplementedError('TODO(m10): the bytes of every activation one block saves, by name')
 
 
@@ -95,13 +94,9 @@ class RecomputeBlock(LlamaBlock):
         self.option = option
 
     def new_store(self) -> ActivationStore:
-        # TODO(m10): a store that keeps what this option does not drop, and the FP8 abs-maxes
-        # Return an ActivationStore whose keep set (module 06's store saves only the names in it) is every name in
-        # ACTIVATIONS that the option does not drop (its entry in DROPPED), plus ABS_MAXES: module 09's abs-maxes
-        # (4 bytes each) are kept whatever the option, so a recompute quantizes with the forward's own.
-        # Pitfalls the tests catch: the store's names and real bytes must equal kept_bytes for every option, FP8 or
-        # not (the FP8 formula counts the abs-maxes); keep=None would keep everything.
-        raise NotImplementedError('TODO(m10): a store that keeps what this option does not drop, and the FP8 abs-maxes')
+        # What the option does not drop, and module 09's abs-maxes whatever the option (4 bytes each), so that a
+        # recompute with FP8 linears quantizes with the forward's own.
+        return ActivationStore(keep=(ACTIVATIONS - DROPPED[self.option]) | ABS_MAXES)
 
     def recompute(self, w: BlockWeights, store: ActivationStore):
         """Put back into `store` every activation the forward dropped, computed from what it kept
@@ -115,18 +110,19 @@ class RecomputeBlock(LlamaBlock):
         fresh = ActivationStore()
         fresh.tensors.update(store.tensors)
         # TODO(m10): rebuild the dropped activations into `fresh`, earliest first, rerunning the least
-        # missing (not empty) names what the forward dropped; fresh starts with everything the store kept, abs-maxes
-        # included. Put every missing activation into fresh, computed by the forward's own ops, in the forward's
-        # order, from what was kept or already recomputed, so the values are the forward's bit for bit (the given
-        # lines after this block copy them into the store).
-        # Which ops: only the attention half makes q, k, v, o and lse (it refills n1 and r1 too), and only the FFN
-        # half makes h (and everything after it). Any other missing activation is one op away from what is kept or
-        # recomputed: the ln1 norm of x (n1, r1), the ln2 norm of h (n2, r2), the gate and up linears (g, u),
-        # SwiGLU (s). Linear inputs enter fresh as in the forward: n1, n2 and s go through the policy's prepare
-        # under their names (with FP8 it finds the kept abs-max in fresh and quantizes with it).
-        # Pitfalls the tests catch: rerunning more than needed (they count the rerun linears: ffn 2, attention 3,
-        # block 6); other ops, inputs or order (restored tensors and gradients are compared with torch.equal, with
-        # and without FP8 linears); reading a dropped input from `store` instead of from fresh.
+        # Contract: `missing` (not empty) names what the forward dropped; `fresh` starts with everything the store
+        #   kept, abs-maxes included. Afterwards every missing activation is in fresh, equal to the forward's bit for
+        #   bit (the given lines after this block copy them into the store; the tests compare with torch.equal, with
+        #   and without FP8 linears, and the gradients of every option with no recompute's), made by the forward's
+        #   own ops (module 06's block and ops, linear inputs through the policy's prepare into fresh, as the forward
+        #   hands them) from what was kept or already rebuilt. And no more forward work than that: the tests count the
+        #   linears each option reruns (none, swiglu, norms 0; ffn 2; attention 3; block 6) and the norms (none,
+        #   swiglu 0; ffn, attention 1; norms, block 2).
+        # Question: for each missing name, what is the least forward work that rebuilds it from what is there, and in
+        #   which order must the pieces run?
+        # Pitfalls: which missing names can only one of the block's halves make, and which are one op away from what
+        #   was kept? If a half has already rebuilt a name, is it rebuilt again? Is a dropped input read from `store`,
+        #   which no longer has it, or from `fresh`?
         raise NotImplementedError('TODO(m10): rebuild the dropped activations into `fresh`, earliest first, rerunning the least')
         for name in missing:
             store.restore(name, fresh[name])

@@ -1,5 +1,5 @@
 # Generated from solutions/m14_data_parallel.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 14`. (skeleton 155bde55aa94)
+# Grade your work with `python main.py grade 14`. (skeleton 2abf6791fa30)
 """Module 14, part 2 - replicas: every rank holds the whole model, and the gradients are summed
 bucket by bucket while the backward is still running (PyTorch's DDP, written out).
 
@@ -82,6 +82,11 @@ class DataParallel:
         """What this rank's optimizer updates: every parameter (each replica updates all of them)."""
         return self.params
 
+    def gradients(self) -> list[torch.Tensor]:
+        """The step's summed gradients as this rank keeps them, what `step` reads: every bucket's buffer
+        (each parameter's .grad is a view into one)."""
+        return [bucket.grads for bucket in self.buckets]
+
     def zero_grad(self):
         """Zero the gradients in place (they stay views into their buckets)."""
         for bucket in self.buckets:
@@ -133,10 +138,10 @@ class DataParallel:
         #   "bucket <index>", and keep what the collective returns in bucket.work: finish() waits on it. The test
         #   delivers an asynchronous collective's result only at wait(), so a collective that is never waited for
         #   leaves the gradients unsummed.
-        # Maths: the sum, not the mean: each rank's loss was already divided by the step's global token count, so
-        #   the gradients of the ranks' losses add up to the gradient of the global mean loss.
+        # Maths: the sum over ranks, not the mean: turning the buckets' sums into the gradient of the step's mean
+        #   loss is train_step's business, once they have arrived (m14_train_step).
         # Pitfalls: async_op=False blocks the backward until the bucket has crossed the network (no overlap, and the
-        #   test checks async_op); dividing by the group size here averages twice.
+        #   test checks async_op); dividing by the group size here (then the step's gradient is d times too small).
         raise NotImplementedError("TODO(m14): start the bucket's all-reduce without waiting, and keep its work")
 
     def complete(self, bucket: Bucket):

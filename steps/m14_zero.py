@@ -1,5 +1,5 @@
 # Generated from solutions/m14_zero.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 14`. (skeleton 688c2511747f)
+# Grade your work with `python main.py grade 14`. (skeleton c17f79eaf5af)
 """Module 14, part 4 - ZeRO-1 and ZeRO-2: replicas that split the optimizer's work and state.
 
 Plain data parallelism keeps, on every one of the d ranks, the parameters, the gradients and
@@ -87,6 +87,10 @@ class ZeroDataParallel(DataParallel):
     def parameters(self) -> list[torch.Tensor]:
         """What this rank's optimizer updates: its shard of every bucket's weights."""
         return self.shards
+
+    def gradients(self) -> list[torch.Tensor]:
+        """ZeRO-1: the whole summed buckets, as DDP's. ZeRO-2: this rank's summed shards (it keeps no more)."""
+        return super().gradients() if self.stage == 1 else self.grad_shards
 
     def zero_grad(self):
         super().zero_grad()

@@ -1,5 +1,5 @@
 # Generated from solutions/m15_costs.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 15`. (skeleton 243f1de0f15f)
+# Grade your work with `python main.py grade 15`. (skeleton 2c9bb2a68c89)
 """Module 15, part 6 - what context parallelism costs one rank: bytes sent, activations kept.
 
 One microbatch on one rank: B / (d m) sequences of T/c tokens, N = B T / (d c m) tokens. Values are
@@ -12,9 +12,12 @@ is KV = 2 N K D b bytes (k and v of this rank's tokens). Per block and microbatc
   all-gather  forward: one all-gather of KV; backward: another, and a reduce-scatter of the
               accumulated gradients (this rank's shard: 2 N K D s); each sends (c - 1) shards
   Ulysses     forward: all-to-alls of q (N H D b), k and v (N K' D b each, K' = K copies: K, or c
-              when c is a multiple of K), o (N H D b) and lse (N H s); backward: lse and delta
-              (2 N H s), q, k, v, do, and dq, dk, dv back: 5 forward, 8 backward; each sends the
-              (c - 1)/c of its input that goes to other ranks
+              when c is a multiple of K), o (N H D b) and lse (N H s); backward, the course's
+              (module 15's UlyssesAttention): lse and delta (2 N H s), q, k, v, do, and dq, dk, dv
+              back: 5 forward, 8 backward; each sends the (c - 1)/c of its input that goes to other
+              ranks. DeepSpeed-Ulysses (`adjoint=True`) keeps the head-sharded q, k, v, o and lse of
+              its forward, sends no lse, and leaves its backward to autograd, through all-to-alls
+              whose backward is the reverse all-to-all (chapter 15)
 
 and once a step, over the d c ranks ("dc"): one all-reduce of every gradient (Ψ values, accumulated
 in s bytes) and one of the loss (s bytes), each sending 2 (dc - 1)/(dc) of its payload.
@@ -25,8 +28,9 @@ behind block attention; the all-gather spends one latency and does not overlap h
 (c - 1)/c of N (2H + 2K') D b (and the lse), and N shrinks as 1/c: in the forward the ratio
 Ulysses / ring is about (H + K') / (K c). With many key/value heads (K = H: 2/c) Ulysses sends less
 for any c > 2; with grouped-query attention the ring's blocks are small and it sends less until c
-exceeds (H + K') / K (Llama 3 8B: H = 32, K = 8: c > 5; counting the backward, whose accumulators
-are s bytes a value, c >= 4), and c cannot exceed H for Ulysses at all.
+exceeds (H + K') / K (Llama 3 8B: H = 32, K = 8: c > 5), and c cannot exceed H for Ulysses at all.
+Over a whole step the backward decides, and the two Ulysses backwards differ (chapter 15 works it
+out for Llama 3 8B at 128K tokens).
 
 Activations. The block keeps module 06's fourteen tensors for this rank's N tokens: exactly one
 process's store for a sequence c times shorter. The attention's transient buffers (not kept) are
@@ -51,11 +55,12 @@ def parameter_count(cfg: LlamaConfig) -> int:
 
 
 def cp_traffic(cfg: LlamaConfig, batch: int, seq_len: int, dtype: torch.dtype, c: int, variant: str, d: int = 1,
-               n_microbatches: int = 1) -> StepCost:
+               n_microbatches: int = 1, adjoint: bool = False) -> StepCost:
     """What one rank of a d x c mesh sends in one optimizer step of module 15's model (variant "ring",
     "zigzag", "allgather" or "ulysses"), on a global batch of (batch, seq_len) tokens in `dtype`, split
     into n_microbatches: StepCost.sent and .calls by (axis, collective), as course/costs.py reads them
-    off the log ("c" for attention, "dc" for the gradients and the loss)."""
+    off the log ("c" for attention, "dc" for the gradients and the loss). adjoint: Ulysses as
+    DeepSpeed runs it (the module docstring), not as module 15's UlyssesAttention does."""
     b, s = dtype.itemsize, compute_dtype(dtype).itemsize
     tokens = batch // (d * n_microbatches) * (seq_len // c)  # N, one rank's tokens in one microbatch
     H, K, D, L, m = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.n_layers, n_microbatches
@@ -66,11 +71,14 @@ def cp_traffic(cfg: LlamaConfig, batch: int, seq_len: int, dtype: torch.dtype, c
     # Contract: return a StepCost of two dicts, sent[(axis, op)] the bytes one rank sends per step and
     #   calls[(axis, op)] the collectives it issues per step (receives are not counted), for the ops of the
     #   module docstring: ("c", "send") for the ring, ("c", "all_gather") and ("c", "reduce_scatter") for the
-    #   all-gather, ("c", "all_to_all") for Ulysses, and always ("dc", "all_reduce"): 2 calls (gradients, loss),
-    #   dc_sent bytes (given above). Per microbatch and block, times m L.
+    #   all-gather, ("c", "all_to_all") for Ulysses (the course's, or with adjoint DeepSpeed's), and always ("dc",
+    #   "all_reduce"): 2 calls (gradients, loss), dc_sent bytes (given above). Per microbatch and block, times m L.
+    # Question: autograd's backward of an all-to-all is an all-to-all of the gradient the other way, the same size;
+    #   what then does DeepSpeed's backward send, knowing which of its forward's all-to-alls it runs backwards?
     # Pitfalls: a group of one still logs its collectives (0 bytes), but the ring sends nothing with c = 1. The
     #   ring's accumulators are in the statistics' dtype (s bytes), not the values'. An all-gather or reduce-scatter
-    #   sends c - 1 times its shard; an all-to-all (c - 1)/c of its input. "zigzag" is the ring's traffic.
+    #   sends c - 1 times its shard; an all-to-all (c - 1)/c of its input. "zigzag" is the ring's traffic. The
+    #   adjoint re-sends none of its forward's inputs.
     raise NotImplementedError('TODO(m15): the bytes and calls of one step, per variant')
 
 

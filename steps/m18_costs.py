@@ -1,5 +1,5 @@
 # Generated from solutions/m18_costs.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 18`. (skeleton 70133b08b48c)
+# Grade your work with `python main.py grade 18`. (skeleton 6b8b6871b119)
 """Module 18, part 3 - what one rank keeps and sends in one step of a layout: the modules' own
 formulas, each evaluated on the share of the model and of the batch that the other axes leave it,
 and summed over the axes with `+` (course/costs.py's StepCost).
@@ -10,14 +10,17 @@ experts over e, and the weights over the d c ranks that hold the same copy:
 
     weights over d c   ZeRO 3: module 17's FSDP (m17_costs: each block's slice gathered once a step and
                        its gradient reduce-scattered once; the stage's whole slices and gradients held
-                       during the step) and the embedding, LM head and final norm sharded the same way
-                       (module 17's outer group, as FSDP2 shards them). ZeRO 0, 1, 2: module 14's traffic
-                       and state on the buckets of the weights one (p, t, e) rank holds. Experts:
-                       module 14 over the d c / e ranks of "ed". With MIXED precision AdamW keeps 12
-                       bytes a value it updates (a float32 master copy and two float32 moments).
+                       during the step), and the embedding, LM head and final norm sharded the same way
+                       (module 17's outer group, as FSDP2 and torchtitan shard them). ZeRO 0, 1, 2:
+                       module 14's traffic and state on the buckets of the weights one (p, t, e) rank
+                       holds; ZeRO 2 with reduce_once accumulates whole gradients and reduce-scatters
+                       them once a step. Experts: module 14 over the d c / e ranks of "ed". With MIXED
+                       precision AdamW keeps 12 bytes a value it updates (a float32 master copy and two
+                       float32 moments).
     t                  module 12's tp_traffic with sequence parallelism, on the stage's ⌈L/p⌉ blocks,
                        B/d sequences of T/c positions
-    c                  module 15's "c" entries, for the attention of a tensor rank (H/t and K/t heads)
+    c                  module 15's "c" entries, for the attention of a tensor rank (H/t and K/t heads);
+                       Ulysses as DeepSpeed runs it (its backward the adjoint of its forward's all-to-alls)
     e                  module 16's "e" entries, on records of a router that spreads each source's
                        k N slots evenly over the E experts (at most κ with a capacity): module 16's
                        formula reads a real run's routing; the planner has none, so it gives it the
@@ -48,14 +51,16 @@ import torch
 
 from course.costs import StepCost
 from course.simulate import peak_live
-from .m10_recompute import ABS_MAXES, DROPPED, LINEAR_INPUTS, activation_bytes as layer_activation_bytes
+from .m06_llama_block import LlamaConfig
+from .m10_recompute import ABS_MAXES, LINEAR_INPUTS, activation_bytes as layer_activation_bytes
 from .m11_generators import make_schedule
 from .m12_tp_costs import tp_traffic
+from .m12_tp_linear import grad_dtype
 from .m14_costs import state as zero_state, traffic as zero_traffic
 from .m15_costs import attention_buffer_bytes, cp_traffic
 from .m16_costs import state_bytes as moe_state, step_cost as moe_step_cost
 from .m17_costs import fsdp_memory, fsdp_traffic, replicated_cost
-from .m18_layout import (Layout, Precision, attention_view, bucket_numels, data_axis, rank_parameters,
+from .m18_layout import (DROPPED, Layout, Precision, attention_view, bucket_numels, data_axis, rank_parameters,
                          sequence_config, stage_config, stages_per_rank)
 from .m18_presets import Model
 
@@ -109,37 +114,45 @@ def pipeline_sends(model: Model, layout: Layout, batch: int, precision: Precisio
     B/(d m) sequences of T/c positions of M/t values (module 13's stream x[B/d T M/t]), b bytes each."""
     if layout.p == 1:
         return StepCost()
-    cfg, n = model.cfg, layout.m * _busiest_sends(layout.schedule, layout.p, min(layout.m, 2 * layout.p))
+    v = stages_per_rank(layout)
+    cfg, n = model.cfg, layout.m * _busiest_sends(layout.schedule, layout.p, min(layout.m, 2 * layout.p), v)
     activation = batch // (layout.d * layout.m) * (cfg.max_seq_len // layout.c) * (cfg.dim // layout.t)
     return StepCost({("p", "send"): n * activation * precision.dtype.itemsize}, {("p", "send"): n})
 
 
-@functools.lru_cache(maxsize=64)
-def _busiest_sends(schedule: str, p: int, m: int) -> int:
+@functools.lru_cache(maxsize=None)
+def _busiest_sends(schedule: str, p: int, m: int, v: int) -> int:
     """The most messages one rank sends per microbatch: its stages' neighbours on other ranks (2 v on a
     middle rank of a loop, 2 v - 1 on the first and last, 2 on a V's ends, 1 each on 2 ranks of one stage)."""
-    placement = make_schedule(schedule, p, m).placement
+    placement = make_schedule(schedule, p, m, v).placement
     last = len(placement) - 1
     return max(sum((s < last and placement[s + 1] != rank) + (s > 0 and placement[s - 1] != rank)
                    for s, place in enumerate(placement) if place == rank) for rank in range(p))
 
 
 @functools.lru_cache(maxsize=1024)
-def _layer_activations(model: Model, rows: int, seq_len: int, dtype: torch.dtype) -> dict[str, int]:
+def _layer_activations(model: Model, rows: int, seq_len: int, dtype: torch.dtype, attention: str) -> dict[str, int]:
     cfg = model.cfg if model.moe is None else replace(model.cfg, ffn_dim=model.moe.expert_dim)
     by_name = layer_activation_bytes(cfg, rows, seq_len, dtype)
+    if model.mlp == "gelu":   # GPT's feed-forward keeps u and s = gelu(u): no gate
+        by_name["g"] = 0
+    if attention == "materialized":   # every head's softmax output, the dropout's 1-byte mask and output
+        by_name["scores"] = rows * cfg.n_heads * seq_len * seq_len * (2 * dtype.itemsize + 1)
     if model.moe is not None:
         k = model.moe.top_k
         by_name.update({name: k * by_name[name] for name in ("g", "u", "s")}, n2=(1 + k) * by_name["n2"])
     return by_name
 
 
-def layer_activations(model: Model, rows: int, seq_len: int, dtype: torch.dtype) -> dict[str, int]:
+def layer_activations(model: Model, rows: int, seq_len: int, dtype: torch.dtype, attention: str = "flash"
+                      ) -> dict[str, int]:
     """Bytes of each activation one block keeps for `rows` sequences of `seq_len` positions, whole
-    (before t splits anything): module 10's activation_bytes. An MoE block (module 16) keeps the FFN's
-    g, u and s for each of the k N rows its experts compute (k times N at the experts' width F) and
-    n2 once for the router and k times as the rows sent to the experts: an estimate, not measured."""
-    return dict(_layer_activations(model, rows, seq_len, dtype))   # a copy: the caller may change it
+    (before t splits anything): module 10's activation_bytes (a GELU feed-forward has no gate g). An MoE
+    block (module 16) keeps the FFN's g, u and s for each of the k N rows its experts compute (k times N at
+    the experts' width F) and n2 once for the router and k times as the rows sent to the experts: an
+    estimate, not measured. A materialized attention kernel also keeps its "scores": every head's T x T
+    softmax output, the attention dropout's mask and its output (Korthikanti et al. 2022's 5 a s / h)."""
+    return dict(_layer_activations(model, rows, seq_len, dtype, attention))   # a copy: the caller may change it
 
 
 def live_stages(layout: Layout) -> int:
@@ -151,12 +164,12 @@ def live_stages(layout: Layout) -> int:
     if layout.p == 1:
         return 1
     m = layout.m if layout.schedule == "gpipe" else min(layout.m, 2 * layout.p)
-    return _live_stages(layout.schedule, layout.p, m)
+    return _live_stages(layout.schedule, layout.p, m, stages_per_rank(layout))
 
 
-@functools.lru_cache(maxsize=512)
-def _live_stages(schedule: str, p: int, m: int) -> int:
-    return max(peak_live(order) for order in make_schedule(schedule, p, m).orders)
+@functools.lru_cache(maxsize=None)
+def _live_stages(schedule: str, p: int, m: int, v: int) -> int:
+    return max(peak_live(order) for order in make_schedule(schedule, p, m, v).orders)
 
 
 def layers_per_stage(model: Model, layout: Layout) -> int:
@@ -188,19 +201,23 @@ def data_cost(model: Model, layout: Layout, batch: int, precision: Precision) ->
     # Contract: a StepCost with sent/calls over the data axis (`axis`: "d", or "dc" when c > 1; "ed" for the experts)
     #   and memory "parameters", "gradients", "optimizer" (and with ZeRO 3 "buffers") of this rank. ZeRO 3: module
     #   17's fsdp_traffic (its "dc" entries, renamed `axis`) and fsdp_memory for the rank's cfg.n_layers blocks on
-    #   the mesh {"d": d, "c": c, "t": t}, plus module 17's replicated_cost (the embedding, the LM head and the final
-    #   norm, sharded over "dc" as FSDP2 shards them: its "dc" entries renamed `axis` too, and its memory). ZeRO 0-2: module 14's traffic
-    #   (zero_traffic, given the m microbatches: ZeRO 2 reduce-scatters each microbatch's gradients) and state
-    #   (zero_state) on bucket_numels of the dense weights of rank_parameters over the n = d c ranks, and of the
-    #   experts (if any) over the n / e ranks of "ed". Optimizer: AdamW's two moments of every value the rank
+    #   the mesh {"d": d, "c": c, "t": t}, plus module 17's replicated_cost (the embedding, LM head and final norm,
+    #   sharded over "dc" like one more block, as FSDP2 shards them). ZeRO 0-2: module 14's traffic (zero_traffic) and state (zero_state) on bucket_numels
+    #   of the dense weights of rank_parameters over the n = d c ranks, and of the experts (if any) over the n / e
+    #   ranks of "ed", for the m micro-steps of the step; ZeRO 2 comes in two ways: module 14's (each micro-step's
+    #   gradients reduce-scattered as they are made), and with layout.reduce_once (the micro-steps' gradients
+    #   accumulated whole, reduce-scattered once a step). Optimizer: AdamW's two moments of every value the rank
     #   updates; with precision.master (AdamW in float32 with a float32 master copy) 12 bytes a value updated.
+    # Question: ZeRO 2 once a step is not in module 14, but it is made of module 14's pieces: which of its formulas
+    #   sends what it sends, and which keeps what it keeps, between and during the micro-steps?
     # Maths: every weight's gradient is summed over the ranks that hold that weight: with context parallelism the c
     #   ranks of a sequence hold the same weights as the d ranks (module 15 and 17 sum over "dc"). The tests compare
-    #   with real steps of modules 17 and 14 (bytes, calls, tensors held) and with the Ultra-Scale Playbook's
-    #   2Ψ + 2Ψ + 12Ψ/d for ZeRO-1.
+    #   with real steps of modules 17 and 14 (bytes, calls, tensors held), with the Ultra-Scale Playbook's
+    #   2Ψ + 2Ψ + 12Ψ/d for ZeRO-1 and with the ZeRO paper's Figure 1.
     # Pitfalls: summing over d alone when c > 1; the optimizer state of the whole model instead of this rank's shard
     #   (ZeRO 1-3 divide it by n); a group of one sends nothing (only(...) drops it); an MoE model's experts are
-    #   summed over "ed", not over all the d c ranks.
+    #   summed over "ed", not over all the d c ranks; the two ZeRO-2s swapped (one sends m times the other's
+    #   reduce-scatters, the other keeps d times its gradients).
     raise NotImplementedError("TODO(m18): the weights' collectives and state by ZeRO stage: module 17's FSDP or module 14's buckets")
 
 
@@ -214,7 +231,8 @@ def axes_cost(model: Model, layout: Layout, batch: int, precision: Precision) ->
     #   t: module 12's tp_traffic with sequence parallelism for the sequence_config (⌈L/p⌉ blocks, T/c positions),
     #      the mesh {"t": t} and the B/d sequences that one t group shares;
     #   c: module 15's cp_traffic's "c" entries for attention_view(stage, t) (H/t and K/t heads), the global batch B
-    #      of T-token sequences, c, layout.cp, d and m;
+    #      of T-token sequences, c, layout.cp, d and m, Ulysses as DeepSpeed runs it (adjoint: its backward sends
+    #      what its forward sent, where module 15's re-sends q, k, v);
     #   e (an MoE model only): module 16's step_cost's "e" entries for a step of balanced routing (exchange_cost);
     #   p: pipeline_sends(model, layout, batch, precision) (what the busiest rank sends, message by message, as
     #      module 11's StageComms logs it).
@@ -230,11 +248,12 @@ def axes_cost(model: Model, layout: Layout, batch: int, precision: Precision) ->
 def activation_bytes(model: Model, layout: Layout, batch: int, precision: Precision) -> int:
     """Bytes one rank keeps for the backward at the peak of a step (see the module docstring)."""
     dtype = precision.dtype
-    by_name = layer_activations(model, batch // (layout.d * layout.m), model.cfg.max_seq_len // layout.c, dtype)
+    by_name = layer_activations(model, batch // (layout.d * layout.m), model.cfg.max_seq_len // layout.c, dtype,
+                                layout.attention)
     # TODO(m18): the activations one rank keeps at the peak, by the recompute option, t, fp8 and the schedule
     # Contract: an int, bytes: (the bytes one block keeps on this rank) x layers_per_stage(model, layout) x
     #   live_stages(layout). One block keeps, of `by_name` (module 10's fourteen tensors for this rank's rows and
-    #   positions, whole), the names its recompute option does not drop (module 10's DROPPED), each divided by t
+    #   positions, whole), the names its recompute option does not drop (module 10's DROPPED, as m18_layout lists it), each divided by t
     #   (with sequence parallelism the stream's names are kept for T/t positions, the others for H/t heads or F/t
     #   units); with fp8, n1, n2 and s (module 10's LINEAR_INPUTS) as e4m3: one byte a value of the rank's share plus
     #   a 4-byte scale that every rank keeps for its own share (the scale is per rank: not divided by t), and the
@@ -250,21 +269,32 @@ def activation_bytes(model: Model, layout: Layout, batch: int, precision: Precis
 
 def rank_cost(model: Model, layout: Layout, batch: int, precision: Precision) -> StepCost:
     """Everything one rank keeps and sends in one step of `layout`: the sum over the axes (given).
-    Each part depends on a few of the layout's choices only (the weights' part not on the recompute
-    option, say), so it is computed once for all the layouts that share them: a search evaluates
-    hundreds of thousands."""
+    Each part depends on a few of the layout's choices only (the weights' part not on the schedule,
+    the axes' not on the ZeRO stage, neither on the recompute option), so it is computed once for all
+    the layouts that share them: a search evaluates hundreds of thousands."""
     L = layout
     shared = (model, batch, precision, L.p, L.d, L.c, L.t, L.e, L.m)
-    key = (*shared, L.zero, L.schedule, L.cp)
+    weights, axes = (*shared, L.zero, L.reduce_once), (*shared, L.schedule, L.v, L.cp)
+    if weights not in _WEIGHTS:
+        _WEIGHTS[weights] = data_cost(model, layout, batch, precision)
+    if axes not in _AXES:
+        _AXES[axes] = axes_cost(model, layout, batch, precision), buffer_bytes(model, layout, batch, precision)
+    key = (weights, axes)
     if key not in _TRAFFIC:
-        _TRAFFIC[key] = data_cost(model, layout, batch, precision) + axes_cost(model, layout, batch, precision)
-        _BUFFERS[key] = buffer_bytes(model, layout, batch, precision)
-    kept = (*shared, L.schedule, L.recompute, L.fp8)
+        _TRAFFIC[key] = _WEIGHTS[weights] + _AXES[axes][0]
+    kept = (*shared, L.schedule, L.v, L.recompute, L.fp8, L.attention)
     if kept not in _ACTIVATIONS:
         _ACTIVATIONS[kept] = activation_bytes(model, layout, batch, precision)
     traffic = _TRAFFIC[key]
     return StepCost(traffic.sent, traffic.calls, {**traffic.memory, "activations": _ACTIVATIONS[kept],
-                                                  "buffers": traffic.memory.get("buffers", 0) + _BUFFERS[key]})
+                                                  "buffers": traffic.memory.get("buffers", 0) + _AXES[axes][1]})
 
 
-_TRAFFIC, _BUFFERS, _ACTIVATIONS = {}, {}, {}   # computed once per key (see the docstring)
+_WEIGHTS, _AXES, _TRAFFIC, _ACTIVATIONS = {}, {}, {}, {}   # computed once per key (see the docstring)
+
+
+def forget():
+    """Empty rank_cost's memory of the parts it computed (given): a command that plans one model after
+    another keeps only what the next can use."""
+    for table in (_WEIGHTS, _AXES, _TRAFFIC, _ACTIVATIONS):
+        table.clear()

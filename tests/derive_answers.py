@@ -41,9 +41,126 @@ def code(*wordings: str) -> Code:
 # checks of its hint levels are expected to fail (pytest's strict xfail): when a module passes them,
 # take it out of the set (its tests fail while it is still listed, to say so).
 HINT_LEAKS_UNTIL_REWRITE = {"07", "13"}  # hint 1 states an answer, or hint 2 code
-ANSWERS_NOT_IN_HINTS_UNTIL_REWRITE = {"07", "13", "17"}  # no hint level gives an answer at its level
+ANSWERS_NOT_IN_HINTS_UNTIL_REWRITE = {"07", "13", "14", "15", "17", "18"}  # no hint level gives an answer at its level
 
 FORBIDDEN = {
+    "01": {
+        # Chapter 01 works the cut on a toy function (u = 2w, loss = u^2) and the random stream on two tensors.
+        "PartTwo.__init__": [
+            ("its layers, then its head", "layers first and its head last", "head created last", "the head last"),
+            code("cfg.layers - cfg.layers // 2"),
+        ],
+        "train_step": [
+            ("seeded with the received leaf's .grad", "seeded with received", "received tensor's .grad",
+             "backward from hidden"),
+            code("hidden.backward(received.grad)", ".backward(received.grad)"),
+            code("hidden.detach().requires_grad_()", "detach().requires_grad_()"),
+        ],
+    },
+    "02": {
+        # Chapter 02 works the neighbours on the pipeline of ranks (1, 3, 5), the bytes on a (2, 3) view.
+        "PipelineComms.__init__": [
+            code("self.pp.ranks[index - 1]", "ranks[index - 1]", "ranks[pp.index - 1]", "ranks[self.pp.index - 1]"),
+            code("self.pp.ranks[index + 1]", "ranks[index + 1]", "ranks[pp.index + 1]", "ranks[self.pp.index + 1]"),
+            code("index < size - 1", "index < self.pp.size - 1"),
+        ],
+        "init_distributed": [
+            code('dist.get_backend() == "nccl"', "get_backend() =="),
+            code('os.environ.get("LOCAL_RANK", "0")'),
+        ],
+        "start_send": [code("dist.isend(tensor.contiguous()", "isend(tensor.contiguous()"), code("tensor.contiguous()")],
+        "receive": [code("dtype=dtype or self.dtype", "dtype or self.dtype"),
+                    code("torch.empty(shape, dtype=dtype or self.dtype, device=self.device)")],
+    },
+    "03": {
+        # Chapter 03 states the game's rules and works the bookkeeping on a ring of three ranks.
+        "ping_pong": [
+            ("a send forward, then a receive backward", "send_forward then recv_backward", "send forward, then receive backward"),
+            ("a receive forward (+1), then a send backward", "recv_forward then send_backward"),
+            code("comms.recv_backward(x.shape, x.dtype) + 1", "recv_backward(x.shape, x.dtype)"),
+            code("comms.recv_forward(x.shape, x.dtype) + 1", "recv_forward(x.shape, x.dtype)"),
+        ],
+        "time_round_trip": [code("statistics.median(times)"), code("ping_pong(comms, ball, 1)")],
+    },
+    "04": {
+        # Chapter 04 draws 6 layers on 3 stages and a relay of 9 layers on 3 ranks; chapter 01 teaches the stream.
+        "layer_range": [("[s L/S, (s + 1) L/S)", "r·L/p to (r+1)·L/p", "r L/p to"),
+                        code("range(stage * per_stage, (stage + 1) * per_stage)", "stage * per_stage")],
+        "ShardedMLP.__init__": [
+            ("keeps only its own", "keep only its own", "keeping only this rank's", "replays the monolith's construction",
+             "replay the monolith's construction", "create all 16 layers in order"),
+            code("for index in range(cfg.layers)"),
+        ],
+        "sharded_forward": [
+            code("comms.recv_forward((x.shape[0], model.hidden))", "(x.shape[0], model.hidden)"),
+        ],
+    },
+    "05": {
+        # Chapter 05 works the share on 4 rows in 2 microbatches and 1F1B's warm-up on p = 3, m = 5.
+        "forward_step": [
+            ("loss_i / m", "divided by m", "divided by n_microbatches", "(1/m) Σ_i loss_i", "Σ_i loss_i / m"),
+            code("stage.loss(out, y_mb) / n_microbatches", "/ n_microbatches"),
+            code(".requires_grad_()"),
+        ],
+        "backward_step": [code("out.backward(comms.recv_backward(out.shape))", "recv_backward(out.shape)"),
+                          code("comms.isend_backward(inp.grad)", "isend_backward(inp.grad)")],
+        "gpipe": [code("sum(out.detach() for _, out in saved)")],
+        "one_f_one_b": [
+            ("p - r - 1", "p − r − 1", "min(p - r - 1, m)"),
+            code("comms.pp.size - comms.pp.index - 1", "pp.size - comms.pp.index - 1", "size - index - 1"),
+            code("in_flight.pop(0)", ".pop(0)"),
+        ],
+    },
+    "06": {
+        # The backwards, derived: chapter 06 works each idea on a case that is no TODO's (y = x A by index, a shear's
+        # transpose, the l2 normalisation, the sigmoid gate, the softmax's Jacobian, the logistic loss, a weight
+        # source with three buffers); the forwards that are definitions (linear, RoPE, SwiGLU) are given.
+        "Matmul.backward": [
+            ("dx = dy W", "dx = dy w"), ("dW = dyᵀ x", "dW = dy^T x", "dw = dy.T x"), code("dy @ w"), code("dy.t() @ x"),
+        ],
+        "rmsnorm_forward": [
+            code("r.unsqueeze(-1)", "r[..., None]"), code("xf.pow(2).mean"),
+        ],
+        "rmsnorm_backward": [
+            ("g - x̂ mean(g ⊙ x̂)", "g - xhat * mean(g * xhat)", "g - x̂ mean(g x̂)"), code("(g * xhat).mean("),
+        ],
+        "residual_rmsnorm_backward": [
+            code("return dh + dh_norm", "dh + rmsnorm_backward("),
+        ],
+        "rope_backward": [
+            ("R(θ)ᵀ = R(-θ)", "R(-θ)", "the opposite angle", "the inverse rotation", "rotation by -"),
+            ("dx1 = dy1 cos θ + dy2 sin θ", "dy1 cos + dy2 sin"), code("dy1 * cos + dy2 * sin"),
+        ],
+        "attention_forward": [
+            ("p = exp(s - lse)", "exp(s - lse)", "exp(scores - lse"), code("torch.logsumexp(scores, dim=-1)"),
+            code("vg[..., :scores.shape[-1], :]"),
+        ],
+        "attention_backward": [
+            ("ds = p ⊙ (dp - delta)", "p * (dp - delta)", "p ⊙ (dp - δ)", "p (dp - delta)"),
+            ("dq = ds k / √D", "dq = ds k / sqrt(D)"), code("dk[..., :seen, :] +="), code("dprobs - delta["),
+        ],
+        "swiglu_backward": [
+            ("σ(g) (1 + g (1 - σ(g)))", "sig * (1 + g * (1 - sig))", "1 + g (1 - σ(g))"), code("ds * g * sig"),
+        ],
+        "LlamaBlock.ffn_half": [
+            code('mm.prepare(swiglu_forward(g, u), store, "s")'),
+        ],
+        "LlamaBlock.backward": [
+            ("dn2 = dg W_gate + du W_up",), ("dx is dh plus the norm's gradient of x",), code("dn2_gate + dn2_up"),
+            code("dn1_q + dn1_k + dn1_v"), code("dh + dx_norm"),
+        ],
+        "chunked_cross_entropy": [
+            ("softmax(z) - onehot(y)", "softmax - onehot", "softmax(logits) - onehot"), code("dlogits @ w_head"),
+            code("dlogits.t() @ x_chunk"),
+        ],
+        "LlamaModel.forward_blocks": [
+            ("gather(0) before the loop", "gather 0 before the loop"), code("self.weights.gather(layer + 1)"),
+        ],
+        "LlamaModel.backward_blocks": [
+            ("gather(L - 1) before the loop", "gather the last layer before the loop"),
+            code("self.weights.gather(layer - 1)"), code("self.on_block_grads(layer, grads[layer])"),
+        ],
+    },
     "07": {
         # The shards of 10 values on 4 ranks are the learner's case; chapter 07 cuts 12 values on 3.
         "FlatLayout.shard": [
@@ -81,6 +198,65 @@ FORBIDDEN = {
         "ShardedWeights.release": [
             "only the state changes", "keep the layer and version it remembers",
             "state becomes FREE, and nothing else changes", "resetting layer or version here",
+        ],
+    },
+    "08": {
+        # Who records each event on which stream, and who waits for it: chapter 08 works the two events of the
+        # other transfer (an activation offloaded to the host), where compute writes and the copy reads.
+        "HostWeights.__init__": [
+            code("runtime.pin(self.layout.flatten(b))"), code("self.copy_stream = runtime.new_stream()"),
+        ],
+        "HostWeights.gather": [
+            ("wait for buf.released", "waits for buf.released", "wait for `released`"),
+            ("record buf.ready", "records buf.ready", "record `ready`"),
+            code("self.copy_stream.wait_event(buf.released)"), code("buf.ready.record(self.copy_stream)"),
+        ],
+        "HostWeights.get": [
+            ("the compute stream waits for buf.ready", "wait for `ready`", "compute stream wait for buf.ready"),
+            code("self.compute_stream.wait_event(buf.ready)"),
+        ],
+        "HostWeights.release": [
+            ("record buf.released on the compute stream", "records `released` on the compute stream"),
+            code("buf.released.record(self.compute_stream)"),
+        ],
+        "HostWeights.invalidate": [
+            ("the host waits for the copy stream", "synchronize the copy stream"), code("self.copy_stream.synchronize()"),
+            code("self.version += 1"),
+        ],
+    },
+    "09": {
+        # The scale, the strides and the operands: chapter 09 works symmetric int8's scale (127 / amax) and the
+        # layouts of attention's two products (q k^T, p v); the weight cache's version check is given.
+        "quantize": [
+            ("FP8_MAX / amax", "FP8_MAX[dtype] / amax"), ("scale = 1 / factor", "the factor's inverse"),
+            code("amax.new_tensor(FP8_MAX[dtype]) / amax"), code(".clamp(-FP8_MAX[dtype], FP8_MAX[dtype]).to(dtype)"),
+        ],
+        "check_scaled_mm_operands": [
+            ("row-major: stride 1 along dimension 1",), code("a.stride(1) != 1"), code("b.stride(0) != 1"),
+        ],
+        "FP8Matmul.prepare": [
+            code("store[key] if key in store else abs_max(x)", "store[amax_name] if amax_name in store else abs_max(x)"),
+            code("x.numel() // x.shape[-1]"),
+        ],
+        "FP8Matmul.forward": [
+            code("self.weights.row_major(w).t()"),
+        ],
+        "FP8Matmul.backward": [
+            code("self.quantize(dy, E5M2)"), code("self.weights.column_major(w)"), code("row_major(dy_fp8.t())"),
+            code("column_major(x_fp8)"),
+        ],
+    },
+    "10": {
+        # The widths and the reruns: chapter 10 counts a GPT-2 style MLP block's saved bytes and works out which of
+        # its ops a dropped tensor needs again; new_store (a set expression its contract stated) is given.
+        "activation_bytes": [
+            ("k, v: K D", "k and v: K D"), ("lse: H statistics", "lse: H s"), ("r1, r2: one statistic",),
+            code('"lse": cfg.n_heads * stat', "lse=cfg.n_heads * stat"), code('"k": kv * act', "k=kv * act"),
+        ],
+        "RecomputeBlock.recompute": [
+            ("only attention_half makes q, k, v, o and lse",), ("only ffn_half makes h",),
+            code('if missing & {"q", "k", "v", "o", "lse"}', 'missing & {"q", "k", "v", "o", "lse"}'),
+            code('self.ffn_half(w, x, fresh["o"], fresh)'),
         ],
     },
     "11": {
@@ -269,6 +445,26 @@ FORBIDDEN = {
             "2 values b", code("2 * values * b"),
         ],
     },
+    "14": {
+        # Chapter 14 works the count in flight on a weighted regression (divide by W once it and the buckets'
+        # sums have arrived); the learner's token count is the case left to derive.
+        "train_step": [
+            "loss / count", "(loss / count).backward()", "gradient.div_(", "div_(n_tokens)", "div_(count",
+            "divide the gradients by the count", "divides the gradients by the count", "gradients by n_tokens",
+            "n_tokens = int(count.wait())", "divide every tensor of ddp.gradients()",
+        ],
+        "DataParallelLlama.train_step": [
+            "forward_backward(tok, tgt, 1)", "n_tokens = 1", "n_tokens=1", "n_tokens of 1", "self.forward_backward(tok, tgt, 1)",
+        ],
+    },
+    "15": {
+        # DeepSpeed-Ulysses' backward: chapter 15 states the principle (an all-to-all's adjoint is the reverse
+        # all-to-all, as large) and the totals for Llama 3 8B; which all-to-alls and their bytes are the TODO's.
+        "cp_traffic": [
+            "do, dq, dk, dv", "dO, dQ, dK, dV", "2 * (2 * q + 2 * k)", "2 (2q + 2k)", "2(2q+2k)", "8 all-to-alls",
+            "eight all-to-alls", "(8, (c - 1)", "what the forward sent, once more", "the forward's four all-to-alls",
+        ],
+    },
     "17": {
         # Which group each message runs over, the loss's divisor, which gradient is summed over which axis,
         # the checkpoint's placements, the FSDP bytes and the save's order: the chapter works out pp and tp on
@@ -302,6 +498,77 @@ FORBIDDEN = {
         ],
         "save": [
             code("every rank: dcp.save(state, storage_writer=... into partial); wait; rank 0 renames"),
+        ],
+    },
+    "19": {
+        # The statistics (chapter 19 shows a robust summary on nine timings of a matrix product), the data
+        # position (a playlist shuffled every time it ends), the staging wait (a renderer's copy of the world),
+        # Young's balance (the economic order quantity) and Daly's series (x + eps x^2 = 1).
+        "step_timeout": [
+            ("slack x the median", "slack * the median", "the median step time", "median of the steps",
+             "median of the measured"),
+            code("quantile(0.5)", "statistics.median(step_times)", "median(step_times)"),
+        ],
+        "stragglers": [
+            ("the median of per_rank", "median of per_rank", "median over the ranks", "median of the ranks",
+             "median of each rank", "median over its steps", "median of its steps"),
+            code("quantile(0.5, dim=1)", "median(dim=1)", "per_rank.quantile"),
+        ],
+        "ShuffledSequences.state": [
+            ("the epoch and the position in it", "the epoch and the position", "epoch and position in it",
+             "the epoch and its position"),
+            code('"epoch": torch.tensor(self.epoch)'),
+        ],
+        "ShuffledSequences.restore": [
+            ("draws the orders of epochs 0, 1, ..., e", "draws epoch + 1 orders", "draws epoch + 1", "epoch + 1 orders", "draw_order() once for every epoch"),
+            code("range(epoch + 1)"),
+        ],
+        "AsyncCheckpointer.save": [
+            ("a future can run a function of yours when it completes", "self.wait() first"),
+            code("add_done_callback(lambda", "written.add_done_callback"),
+        ],
+        "AsyncCheckpointer.before_update": [
+            ("the update may run once the copy is complete", "wait for the copy, not for the write",
+             "only the copy must be waited for"),
+            code("staged.result()"),
+        ],
+        "training_state": [
+            ("the sampler's state (a dict of tensors) under names of its own", "the sampler's state, under names of its own"),
+            code('f"data.{'),
+        ],
+        "train": [
+            code("[0.0] * start", "sampler.restore({"),
+        ],
+        "expected_goodput": [
+            ("τ_mtbf exp(τ_restart / τ_mtbf) (exp((τ_interval + τ_save) / τ_mtbf) - 1)", "exp(restart_cost / mtbf)",
+             "e^{R/M}", "exp(R/M)", "e^(R/M)", "exp(τ_restart/τ_mtbf)", "M e^{R/M}"),
+            code("math.expm1(segment / mtbf)"),
+        ],
+        "young_interval": [
+            ("sqrt(2 τ_save τ_mtbf)", "√(2δM)", "sqrt(2δM)", "√(2 δ M)", "sqrt(2 δ M)", "√(2 τ_save τ_mtbf)",
+             "√(2 T_s T_f)", "sqrt(2 T_s T_f)", "√(2 T_s/λ)", "τ / (2 τ_mtbf)", "half an interval on average"),
+            code("sqrt(2 * save_cost * mtbf)"),
+        ],
+        "daly_interval": [
+            ("sqrt(ξ)/3 + ξ/9", "√ξ/3", "ξ/9", "1 + (1/3)", "(1/9)", "sqrt(ξ)/3", "√(δ/2M)", "sqrt(δ/(2M))", "δ/(2M)",
+             "it cannot move the maximum"),
+            code("sqrt(xi) / 3", "xi / 9"),
+        ],
+    },
+    "18": {
+        # ZeRO-2 once a step from module 14's pieces; the roofline of one GEMM from its shape (chapter 18 works out
+        # a matrix-vector product); what of the weights' traffic hides (the docstring's table gives the windows).
+        "data_cost": [
+            "ZeRO-1's state", "ZeRO-1's gradients", "zero_state(buckets, b, size, 1)", "zero_traffic(buckets, b, size, 2, 1",
+            "micro_steps, kept = (1, 1)", "the traffic of one micro-step", "module 14's ZeRO-2 with m = 1",
+        ],
+        "gemm_time": [
+            "2 rows inner cols", "2 * rows * inner * cols", "rows inner + inner cols", "rows * inner + inner * cols",
+            "2 m n k", "2mnk", "(mk + kn + mn)", "m k + k n + m n", "(rows + cols) inner + rows cols",
+        ],
+        "step_time": [
+            "τ - min(hidden τ, w)", "min(hidden * seconds", "min(time_model.hidden", "tau - min(0.8 tau",
+            "seconds - min(", "- min(hidden",
         ],
     },
 }

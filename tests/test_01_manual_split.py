@@ -17,40 +17,50 @@ CONFIG_IDS = ["16 layers", "5 layers, width 8, 3 classes"]
 @pytest.mark.exercises("PartOne.__init__", "PartTwo.__init__")
 @pytest.mark.parametrize("cfg", CONFIGS, ids=CONFIG_IDS)
 def test_parts_start_from_the_monolith_weights(cfg):
+    # Each part is checked on its own, part one first (part two's draws come after part one's): the
+    # message names the constructor whose layers, registration or order is off.
     part_one, part_two = m01.build_parts(cfg)
     monolith = m00.build_model(cfg)
     half = cfg.layers // 2
-    assert len(part_one.layers) == half and len(part_two.layers) == cfg.layers - half, \
-        (f"cfg.layers = {cfg.layers}: PartOne holds {len(part_one.layers)} layers and PartTwo {len(part_two.layers)}, "
-         f"expected {half} (cfg.layers // 2) and {cfg.layers - half} (the rest)")
-    for name, part, expected in [("PartOne", part_one, 2 * half), ("PartTwo", part_two, 2 * (cfg.layers - half) + 2)]:
+    for name, part, count in [("PartOne", part_one, half), ("PartTwo", part_two, cfg.layers - half)]:
+        what = "cfg.layers // 2" if name == "PartOne" else "the rest: cfg.layers minus what PartOne took"
+        assert len(part.layers) == count, \
+            (f"cfg.layers = {cfg.layers}: your {name}.__init__ made {len(part.layers)} hidden layers, expected "
+             f"{count} ({what})")
+        expected = 2 * count + 2 * (name == "PartTwo")
         registered = len(list(part.parameters()))
         assert registered == expected, \
-            (f"{name} registers {registered} parameter tensors, expected {expected} (a weight and a bias per Linear): "
-             "layers kept in a plain Python list are invisible to .parameters(); use nn.ModuleList")
+            (f"your {name}.__init__ registers {registered} parameter tensors, expected {expected} (a weight and a "
+             "bias per Linear): are its layers kept where .parameters() looks (a plain Python list is not)?")
     for i, layer in enumerate([*part_one.layers, *part_two.layers]):
-        assert torch.equal(layer.weight, monolith.layers[i].weight), \
-            (f"layer {i} weight differs from the monolith's (shape {tuple(layer.weight.shape)}, expected "
-             f"{tuple(monolith.layers[i].weight.shape)}): same layers, same order, nothing else drawn?")
-        assert torch.equal(layer.bias, monolith.layers[i].bias), f"layer {i} bias differs from the monolith's"
+        owner = "PartOne.__init__" if i < half else "PartTwo.__init__"
+        for name in ("weight", "bias"):
+            got, expected = getattr(layer, name), getattr(monolith.layers[i], name)
+            assert got.shape == expected.shape and torch.equal(got, expected), \
+                (f"layer {i} {name} differs from the monolith's (shape {tuple(got.shape)}, expected "
+                 f"{tuple(expected.shape)}){f'; layers 0-{i - 1} are equal' if i else ''}: your {owner} makes other "
+                 "random draws, or in another order, than the monolith's constructor up to this layer")
     for name in ("weight", "bias"):
         got, expected = getattr(part_two.head, name), getattr(monolith.head, name)
-        assert torch.equal(got, expected), \
-            (f"head {name} differs from the monolith's (shape {tuple(got.shape)}, expected {tuple(expected.shape)}): "
-             "the head maps cfg.hidden to cfg.classes and is created after part two's layers")
+        assert got.shape == expected.shape and torch.equal(got, expected), \
+            (f"head {name} differs from the monolith's (shape {tuple(got.shape)}, expected {tuple(expected.shape)}) "
+             "while every layer is equal: your PartTwo.__init__ makes the head's draws in another place of the "
+             "stream than the monolith, or another shape")
 
 
-@pytest.mark.exercises("PartOne.__init__", "PartTwo.__init__", "train_step")
+@pytest.mark.exercises("train_step", "PartOne.__init__", "PartTwo.__init__")
 @pytest.mark.parametrize("cfg", CONFIGS, ids=CONFIG_IDS)
 def test_gradients_cross_the_boundary_exactly(cfg):
     part_one, part_two = m01.build_parts(cfg)
     assert len(part_one.layers) == cfg.layers // 2, \
-        f"cfg.layers = {cfg.layers}: PartOne holds {len(part_one.layers)} layers, expected {cfg.layers // 2}"
+        (f"cfg.layers = {cfg.layers}: your PartOne.__init__ made {len(part_one.layers)} layers, expected "
+         f"{cfg.layers // 2} (test_parts_start_from_the_monolith_weights says more)")
     received = []
 
     def check_boundary(module, args):  # before part two runs, so the message comes before any crash
         assert args[0].grad_fn is None and args[0].requires_grad, \
-            "part two must receive a leaf (no autograd history) that requires grad, as a tensor arriving from another device would be"
+            ("your train_step hands part two a tensor with autograd history or one that does not require grad: part "
+             "two must receive a leaf (no history) that requires grad, as a tensor arriving from another device would be")
         received.append(args[0])
     part_two.register_forward_pre_hook(check_boundary)
     frozen = torch.optim.SGD([*part_one.parameters(), *part_two.parameters()], lr=0.0)
@@ -69,13 +79,17 @@ def test_gradients_cross_the_boundary_exactly(cfg):
     F.cross_entropy(monolith.head(out), y).backward()
 
     (boundary,) = received
-    assert boundary.grad is not None, "the tensor part two received has no .grad after train_step: was the loss backpropagated?"
+    assert boundary.grad is not None, \
+        "the tensor part two received has no .grad after your train_step: was the loss backpropagated?"
     same_weights = all(torch.equal(p, q) for p, q in zip([*part_one.parameters(), *part_two.parameters()],
                                                           monolith.parameters()))
+    ratio = (boundary.grad.norm() / hidden.grad.norm()).item()
+    factor = (f"; {ratio:.4g} is the batch size, {cfg.batch}: the loss summed over the batch, not averaged?"
+              if abs(ratio - cfg.batch) < 1e-3 * cfg.batch else "")
     assert torch.equal(boundary.grad, hidden.grad), \
-        (f"gradient at the boundary differs from the monolith's: |got| / |expected| = "
-         f"{(boundary.grad.norm() / hidden.grad.norm()).item():.4g} (expected 1): " +
-         ("the loss must be F.cross_entropy's mean over the batch, backpropagated once, with no extra scaling"
+        (f"the gradient your train_step leaves at the boundary differs from the monolith's: |got| / |expected| = "
+         f"{ratio:.4g} (expected 1){factor}: " +
+         ("the loss is F.cross_entropy's mean over the batch, backpropagated once, with no extra scaling"
           if same_weights else "the parts do not start from the monolith's weights (see "
                                "test_parts_start_from_the_monolith_weights)"))
     mine = [*(("part_one." + n, p) for n, p in part_one.named_parameters()),
@@ -84,17 +98,18 @@ def test_gradients_cross_the_boundary_exactly(cfg):
         (f"the parts register {len(mine)} parameter tensors, the monolith {len(list(monolith.parameters()))}: "
          "layers kept in a plain Python list are invisible to .parameters(); use nn.ModuleList")
     for (name, p), q in zip(mine, monolith.parameters(), strict=True):
-        assert p.grad is not None, f"{name} got no gradient: did part one's backward run?"
+        assert p.grad is not None, f"{name} got no gradient from your train_step: did a backward run on part one's side?"
         assert torch.equal(p.grad, q.grad), \
-            (f"the gradient of {name} differs from the monolith's (max |difference| "
-             f"{(p.grad - q.grad).abs().max().item():.3e}): is part one's backward seeded with the received tensor's .grad?")
+            (f"the gradient your train_step leaves in {name} differs from the monolith's (max |difference| "
+             f"{(p.grad - q.grad).abs().max().item():.3e}), while the boundary's is right: what is part one's "
+             "backward started from?")
 
 
-@pytest.mark.exercises("PartOne.__init__", "PartTwo.__init__", "train_step")
+@pytest.mark.exercises("train_step", "PartOne.__init__", "PartTwo.__init__")
 def test_loss_curve_equals_the_monolith_bit_for_bit():
     (model, ours), (monolith_model, monolith) = m01.train(cfg), m00.train(cfg)
     first_bad = next((i for i, (a, b) in enumerate(zip(ours, monolith)) if a != b), None)
     assert first_bad is None, \
-        f"step {first_bad}: expected loss {monolith[first_bad]!r}, got {ours[first_bad]!r}"
+        f"step {first_bad}: expected loss {monolith[first_bad]!r}, got {ours[first_bad]!r} (your train_step, in train)"
     x, y = m00.make_batch(cfg)
     assert torch.equal(model(x), monolith_model(x)), "the trained parts, in a row, are the trained monolith"

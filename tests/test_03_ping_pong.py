@@ -1,4 +1,6 @@
 """Module 03: the ball must come back incremented once per hop, and the timer must really time."""
+import statistics
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -53,14 +55,14 @@ def test_each_hop_adds_one(round_trips, members):
     for stage, ball, hops in [(0, ball0, 2 * round_trips), (1, ball1, 2 * round_trips - 1)]:
         expected = start + hops
         assert isinstance(ball, torch.Tensor) and ball.shape == expected.shape and ball.dtype == expected.dtype, \
-            (f"{names[stage]} returned {ball!r}, expected a {tuple(expected.shape)} {expected.dtype} ball like the one "
+            (f"your ping_pong on {names[stage]} returned {ball!r}, expected a {tuple(expected.shape)} {expected.dtype} ball like the one "
              "served: size the receives with the ball's own shape and dtype")
         assert torch.equal(ball, expected), \
-            (f"{names[stage]} holds {ball.tolist()} after {round_trips} round trips, expected {expected.tolist()} "
+            (f"your ping_pong: {names[stage]} holds {ball.tolist()} after {round_trips} round trips, expected {expected.tolist()} "
              f"(x + {hops}: every hop adds 1, and the {'first' if stage == 0 else 'last'} stage returns the last ball "
              f"it {'received' if stage == 0 else 'sent back'}; the first stage, comms.pp.index 0, serves)")
     assert sent0 == sent1 == round_trips, \
-        f"messages sent: {names[0]} {sent0}, {names[1]} {sent1}, expected {round_trips} each"
+        f"your ping_pong sent messages: {names[0]} {sent0}, {names[1]} {sent1}, expected {round_trips} each"
 
 
 def _time(numel, repeats, warmup):
@@ -69,12 +71,14 @@ def _time(numel, repeats, warmup):
     return seconds, comms.sent
 
 
-@pytest.mark.exercises("ping_pong", "time_round_trip")
+@pytest.mark.exercises("time_round_trip", "ping_pong")
 def test_timer_runs_warmup_plus_timed_round_trips():
     results = run_ranks(_time, 2, 1000, 7, 2, timeout=20)
     for rank, (seconds, sent) in enumerate(results):
-        assert sent == 2 + 7, f"rank {rank} sent {sent} messages, expected warmup + repeats = 9"
-        assert 0 < seconds < 1, f"rank {rank}: {seconds} s per round trip is not a plausible median"
+        assert sent == 2 + 7, \
+            (f"rank {rank}: your time_round_trip(comms, 1000, repeats=7, warmup=2) sent {sent} messages, expected "
+             "warmup + repeats = 9 (one per round trip)")
+        assert 0 < seconds < 1, f"rank {rank}: {seconds} s per round trip from your time_round_trip is not a plausible median"
 
 
 class ScriptedClock:
@@ -134,7 +138,7 @@ TIMER_CASES = [([64.0, 32.0], [0.5, 8.0, 0.25, 1.0, 16.0, 0.125, 2.0], 1.0),
                ([64.0], [0.5, 8.0, 0.25, 1.0, 16.0, 2.0], 1.5)]
 
 
-@pytest.mark.exercises("ping_pong", "time_round_trip")
+@pytest.mark.exercises("time_round_trip", "ping_pong")
 @pytest.mark.parametrize("warmups, timed, median", TIMER_CASES, ids=["7 timed", "6 timed"])
 @pytest.mark.parametrize("rank", [0, 1])
 def test_timer_returns_the_median_of_the_timed_round_trips(rank, warmups, timed, median, monkeypatch):
@@ -145,11 +149,24 @@ def test_timer_returns_the_median_of_the_timed_round_trips(rank, warmups, timed,
     comms = ClockedComms(rank, clock, "meta")
     seconds = m03.time_round_trip(comms, 10, repeats=len(timed), warmup=len(warmups))
     total = len(warmups) + len(timed)
-    assert not clock.durations, f"{len(clock.durations)} of the {total} round trips were not played"
+    assert not clock.durations, \
+        f"your time_round_trip left {len(clock.durations)} of the {total} round trips (warmup + repeats) unplayed"
     balls = set(comms.sent) | {(shape, dtype, "meta") for shape, dtype in comms.received}
     assert balls == {((10,), torch.float32, "meta")}, \
-        (f"rank {rank}: time_round_trip(comms, numel=10) bounced balls of (shape, dtype, device) {sorted(balls, key=str)}, "
+        (f"rank {rank}: your time_round_trip(comms, numel=10) bounced balls of (shape, dtype, device) {sorted(balls, key=str)}, "
          "expected a float32 ball of 10 elements on comms.device, ((10,), torch.float32, 'meta')")
     assert seconds == median, \
-        (f"rank {rank}: got {seconds}; the median of the timed round trips {sorted(timed)} is {median} (warm-ups "
-         "excluded; with an even count, the mean of the two middle values: statistics.median)")
+        (f"rank {rank}: your time_round_trip returned {seconds}; the median of the timed round trips "
+         f"{sorted(timed)} is {median} (warm-ups excluded; with an even count, the mean of the two middle values)" +
+         _what_it_looks_like(seconds, warmups, timed))
+
+
+def _what_it_looks_like(seconds, warmups, timed):
+    """What a wrong result equals, if it equals a likely mistake's."""
+    guesses = {"their mean": statistics.mean(timed), "their sum": sum(timed), "half the median": statistics.median(timed) / 2,
+               "the lower of the two middle values": statistics.median_low(timed),
+               "the upper of the two middle values": statistics.median_high(timed),
+               "the median with the warm-ups timed too": statistics.median(warmups + timed),
+               "the median of the first rounds, warm-ups included": statistics.median((warmups + timed)[:len(timed)])}
+    named = [name for name, value in guesses.items() if value == seconds]
+    return f"; {seconds} is {' and '.join(named)}" if named else ""

@@ -30,6 +30,12 @@ ReferenceComms = reference("m02_comms").PipelineComms
 LOSS_ATOL = 1e-6  # losses are ~0.2-0.7: a few float32 ulps
 GRAD_RTOL = 1e-5
 WEIGHT_ATOL = {3: 1e-6, 50: 1e-5}  # after that many Adam steps (see above)
+SCHEDULES = ["naive", "gpipe", "1f1b"]  # naive (given) is gpipe with one microbatch
+
+
+def schedule_ids(value):
+    """Test ids name the schedule's function (1F1B's is one_f_one_b), so a failure's help points at it."""
+    return "one_f_one_b" if value == "1f1b" else None
 
 
 def _train(schedule, world_size, n_microbatches, steps, profile=False):
@@ -212,15 +218,19 @@ class RecordingComms:
     shape asked for (after the check above), non-blocking sends return handles that note whether
     they were waited for, blocking sends are noted."""
 
-    def __init__(self, rank, world_size, rows, note):
-        self.pp = group_of("p", rank, range(world_size))
-        self.rank, self.world_size, self.rows, self.note = rank, world_size, rows, note
+    def __init__(self, rank, world_size, rows, note, members=None):
+        # `rank` is the place in the pipeline; `members`, if given, the pipeline's global ranks (one
+        # axis of a mesh), whose member `rank` this comms is: then comms.rank is a global rank.
+        self.pp = group_of("p", rank, range(world_size) if members is None else members)
+        self.rank = rank if members is None else members[rank]
+        self.world_size, self.rows, self.note = world_size, rows, note
         self.prev = rank - 1 if rank > 0 else None
         self.next = rank + 1 if rank < world_size - 1 else None
         self.device, self.dtype = torch.device("cpu"), torch.float64
         self.generator = torch.Generator().manual_seed(rank)
         self.calls = {"recv_forward": 0, "recv_backward": 0, "isend_forward": 0, "isend_backward": 0}
         self.handles, self.blocking = [], []
+        self.received, self.sent = [], []  # the tensors handed to the schedule, and those it sent (verb, tensor)
 
     def _peer(self, verb, side):
         assert getattr(self, side) is not None, \
@@ -231,7 +241,8 @@ class RecordingComms:
         self._peer(verb, "prev" if verb == "recv_forward" else "next")
         _check_receive(self, verb, shape, dtype, self.rows, self.note)
         self.calls[verb] += 1
-        return torch.randn(shape, dtype=self.dtype, generator=self.generator)
+        self.received.append(torch.randn(shape, dtype=self.dtype, generator=self.generator))
+        return self.received[-1]
 
     def recv_forward(self, shape, dtype=None):
         return self._recv("recv_forward", shape, dtype)
@@ -243,6 +254,7 @@ class RecordingComms:
         self._peer(verb, "next" if verb == "isend_forward" else "prev")
         assert isinstance(tensor, torch.Tensor), f"{verb} got {tensor!r}, not a tensor"
         self.calls[verb] += 1
+        self.sent.append((verb, tensor))
         self.handles.append(_RecordedHandle())
         return self.handles[-1]
 
@@ -259,8 +271,114 @@ class RecordingComms:
         self.blocking.append("send_backward")
 
 
-@pytest.mark.exercises("forward_step", "backward_step", "naive", "gpipe", "one_f_one_b")
-@pytest.mark.parametrize("schedule", ["naive", "gpipe", "1f1b"])
+POSITIONS = pytest.mark.parametrize("rank, world_size", [(0, 2), (1, 3), (1, 2), (0, 1)],
+                                    ids=["first", "middle", "last", "only"])
+M_ALONE = 3  # microbatches of the step the helpers are checked in (ROWS = 12: 4 rows each)
+
+
+def _microbatch_zero():
+    x, y = _wide_batch()
+    rows = ROWS // M_ALONE
+    return x[:rows], y[:rows], rows
+
+
+def _stage_output(stage, inp, y_mb):
+    """This stage's output, computed from its modules (the test's own, given): logits' loss or the activation."""
+    hidden = torch.tanh(stage.block(inp))
+    return F.cross_entropy(stage.head(hidden), y_mb) if stage.is_last else hidden
+
+
+@pytest.mark.exercises("forward_step")
+@POSITIONS
+def test_forward_step_alone(rank, world_size):
+    # One microbatch (0 of 3) on one rank, comms that record: what it receives, returns and sends.
+    x_mb, y_mb, rows = _microbatch_zero()
+    comms = RecordingComms(rank, world_size, rows, f"{ROWS} rows in {M_ALONE} microbatches")
+    stage, sends = WideStage(rank, world_size), []
+    where = f"your forward_step on the {['first', 'middle', 'last'][(rank > 0) + (rank == world_size - 1)] if world_size > 1 else 'only'} stage (rank {rank} of {world_size}, m={M_ALONE})"
+    result = m05.forward_step(stage, comms, x_mb, y_mb, M_ALONE, sends)
+    assert not comms.blocking, f"{where} used the blocking {comms.blocking}: it must send without blocking"
+    expected = {"recv_forward": int(rank > 0), "recv_backward": 0, "isend_forward": int(rank < world_size - 1),
+                "isend_backward": 0}
+    assert comms.calls == expected, f"{where} made the calls {comms.calls}, expected {expected}"
+    assert isinstance(result, tuple) and len(result) == 2, f"{where} returned {_describe(result)}, expected (inp, out)"
+    inp, out = result
+    if rank == 0:
+        assert isinstance(inp, torch.Tensor) and torch.equal(inp, x_mb), f"{where}: inp must be x_mb, got {_describe(inp)}"
+    else:
+        [arrived] = comms.received
+        assert isinstance(inp, torch.Tensor) and torch.equal(inp, arrived), \
+            f"{where}: inp must be the activation received from the previous rank, got {_describe(inp)}"
+        assert inp.requires_grad and inp.grad_fn is None, \
+            (f"{where}: the received input {'has autograd history' if inp.grad_fn is not None else 'does not require grad'}"
+             ": it must be a leaf that collects its gradient in the backward, or backward_step has nothing to send back")
+    want = _stage_output(stage, inp.detach().requires_grad_(rank > 0), y_mb)
+    if rank < world_size - 1:
+        assert isinstance(out, torch.Tensor) and out.shape == want.shape and torch.equal(out, want), \
+            f"{where}: out must be the stage's activation {tuple(want.shape)}, got {_describe(out)}"
+        assert out.grad_fn is not None, f"{where}: out has no autograd history, so no backward can run through it"
+        assert [verb for verb, _ in comms.sent] == ["isend_forward"] and comms.sent[0][1] is out, \
+            f"{where}: the tensor sent forward must be out, the stage's activation"
+        assert sends == comms.handles, \
+            (f"{where}: `sends` holds {len(sends)} handles, expected the {len(comms.handles)} of the sends it started "
+             "(the schedule waits for them at the end of the step)")
+    else:
+        assert isinstance(out, torch.Tensor) and out.numel() == 1 and out.grad_fn is not None, \
+            f"{where}: out must be this microbatch's share of the loss, a scalar with autograd history, got {_describe(out)}"
+        share, full = want.item() / M_ALONE, want.item()
+        factor = (f" = {out.item() / share:.4g} times the share: the microbatch's own loss, not its share of the batch's "
+                  f"mean over {M_ALONE} microbatches?" if abs(out.item() - full) <= 1e-12 * abs(full) else "")
+        assert abs(out.item() - share) <= 1e-12 * abs(share), \
+            (f"{where}: out = {out.item():.15g}, expected this microbatch's share of the batch loss, "
+             f"{share:.15g}{factor}")
+
+
+@pytest.mark.exercises("backward_step")
+@POSITIONS
+def test_backward_step_alone(rank, world_size):
+    # The forward is done here, by the test; backward_step must leave the reference's gradients and
+    # send back the input's gradient. Reference: autograd through the same float64 modules.
+    x_mb, y_mb, rows = _microbatch_zero()
+    comms = RecordingComms(rank, world_size, rows, f"{ROWS} rows in {M_ALONE} microbatches")
+    stage, sends = WideStage(rank, world_size), []
+    where = f"your backward_step on the {['first', 'middle', 'last'][(rank > 0) + (rank == world_size - 1)] if world_size > 1 else 'only'} stage (rank {rank} of {world_size})"
+    inp = x_mb if rank == 0 else torch.randn(rows, HIDDEN, dtype=torch.float64,
+                                            generator=torch.Generator().manual_seed(7)).requires_grad_()
+    out = _stage_output(stage, inp, y_mb)
+    out = out / M_ALONE if stage.is_last else out
+    m05.backward_step(stage, comms, inp, out, sends)
+    assert not comms.blocking, f"{where} used the blocking {comms.blocking}: it must send without blocking"
+    expected = {"recv_forward": 0, "recv_backward": int(rank < world_size - 1), "isend_forward": 0,
+                "isend_backward": int(rank > 0)}
+    assert comms.calls == expected, f"{where} made the calls {comms.calls}, expected {expected}"
+    reference = WideStage(rank, world_size)
+    ref_inp = inp.detach().clone().requires_grad_(rank > 0)
+    ref_out = _stage_output(reference, ref_inp, y_mb)
+    if stage.is_last:
+        (ref_out / M_ALONE).backward()
+    else:
+        [g] = comms.received
+        ref_out.backward(g)
+    for (name, got), ref in zip(stage.named_parameters(), reference.parameters(), strict=True):
+        assert got.grad is not None, f"{where}: {name} got no gradient"
+        ratio = (got.grad.norm() / ref.grad.norm()).item()
+        assert torch.allclose(got.grad, ref.grad, rtol=1e-12, atol=0), \
+            (f"{where}: the gradient of {name} differs from autograd's, |got|/|expected| = {ratio:.4g}: "
+             f"{'what does the backward start from?' if not stage.is_last else 'the share is already divided by m'}")
+    if rank > 0:
+        assert [verb for verb, _ in comms.sent] == ["isend_backward"], f"{where} sent {[v for v, _ in comms.sent]}"
+        sent = comms.sent[0][1]
+        assert isinstance(sent, torch.Tensor) and sent.shape == ref_inp.shape and torch.allclose(sent, ref_inp.grad,
+                                                                                                  rtol=1e-12, atol=0), \
+            f"{where}: the tensor sent back must be dloss/dinp, {tuple(ref_inp.shape)}, got {_describe(sent)}"
+        assert sends == comms.handles, \
+            f"{where}: `sends` holds {len(sends)} handles, expected the {len(comms.handles)} of the sends it started"
+    else:
+        assert not sends, f"{where}: the first stage sends nothing back, but `sends` holds {sends}"
+
+
+@pytest.mark.exercises("gpipe", "one_f_one_b", "forward_step", "backward_step")
+@pytest.mark.parametrize("schedule", SCHEDULES, ids=schedule_ids)
 @pytest.mark.parametrize("rank, world_size", [(0, 2), (1, 3), (1, 2)], ids=["first", "middle", "last"])
 def test_every_send_is_non_blocking_and_waited_for_before_the_step_ends(schedule, rank, world_size):
     # One rank alone, with comms that record: a forgotten wait_all or a handle not kept in `sends`
@@ -288,8 +406,8 @@ def test_every_send_is_non_blocking_and_waited_for_before_the_step_ends(schedule
          "and the peer hangs in its receive)")
 
 
-@pytest.mark.exercises("forward_step", "backward_step", "naive", "gpipe", "one_f_one_b")
-@pytest.mark.parametrize("schedule", ["naive", "gpipe", "1f1b"])
+@pytest.mark.exercises("gpipe", "one_f_one_b", "forward_step", "backward_step")
+@pytest.mark.parametrize("schedule", SCHEDULES, ids=schedule_ids)
 def test_a_single_stage_is_first_and_last_and_sends_nothing(schedule):
     # `python main.py run 05 --nproc 1`: one stage, both the first (it reads x) and the last (it
     # computes the loss), with nobody to talk to. Reference: autograd of the same model in float64
@@ -311,8 +429,8 @@ def test_a_single_stage_is_first_and_last_and_sends_nothing(schedule):
         f"{schedule} on a single stage returned {_describe(loss)}, expected the loss {expected_loss.item():.15f}"
 
 
-@pytest.mark.exercises("forward_step", "backward_step", "naive", "gpipe", "one_f_one_b")
-@pytest.mark.parametrize("schedule", ["naive", "gpipe", "1f1b"])
+@pytest.mark.exercises("gpipe", "one_f_one_b", "forward_step", "backward_step")
+@pytest.mark.parametrize("schedule", SCHEDULES, ids=schedule_ids)
 def test_a_stage_whose_input_is_wider_than_its_activations_in_float64(schedule):
     # p = 3 (an odd number of stages; 1F1B's middle rank warms up with one forward), m = 4, and the
     # first stage's input 6 wide where the activations are 4 wide. Reference: autograd of the
@@ -342,17 +460,17 @@ def test_a_stage_whose_input_is_wider_than_its_activations_in_float64(schedule):
         f"{schedule}: the last rank returned the loss {got_loss}, expected the full-batch loss {loss.item():.15f}"
 
 
-@pytest.mark.exercises("forward_step", "backward_step", "naive", "gpipe", "one_f_one_b")
+@pytest.mark.exercises("gpipe", "one_f_one_b", "forward_step", "backward_step")
 @pytest.mark.parametrize("schedule,world_size,n_microbatches", [
-    ("naive", 4, 1), ("gpipe", 4, 4), ("1f1b", 4, 4)])
+    ("naive", 4, 1), ("gpipe", 4, 4), ("1f1b", 4, 4)], ids=schedule_ids)
 def test_fifty_steps_reproduce_the_monolith(schedule, world_size, n_microbatches):
     _check_against_monolith(schedule, world_size, n_microbatches, steps=50)
 
 
-@pytest.mark.exercises("forward_step", "backward_step", "naive", "gpipe", "one_f_one_b")
+@pytest.mark.exercises("gpipe", "one_f_one_b", "forward_step", "backward_step")
 @pytest.mark.parametrize("schedule,world_size,n_microbatches", [
     ("naive", 2, 1), ("naive", 4, 8), ("gpipe", 2, 1), ("gpipe", 2, 2), ("gpipe", 2, 8), ("gpipe", 4, 1), ("gpipe", 4, 16),
-    ("1f1b", 2, 1), ("1f1b", 2, 8), ("1f1b", 4, 2), ("1f1b", 4, 8), ("1f1b", 4, 32)])
+    ("1f1b", 2, 1), ("1f1b", 2, 8), ("1f1b", 4, 2), ("1f1b", 4, 8), ("1f1b", 4, 32)], ids=schedule_ids)
 def test_three_steps_reproduce_the_monolith(schedule, world_size, n_microbatches):
     # With one microbatch (m = 1) nothing is summed in another order: the results must be the
     # monolith's bit for bit, whatever the schedule. The demo hands every schedule the command
@@ -360,9 +478,9 @@ def test_three_steps_reproduce_the_monolith(schedule, world_size, n_microbatches
     _check_against_monolith(schedule, world_size, n_microbatches, steps=3)
 
 
-@pytest.mark.exercises("forward_step", "backward_step", "naive", "gpipe", "one_f_one_b")
+@pytest.mark.exercises("gpipe", "one_f_one_b", "forward_step", "backward_step")
 @pytest.mark.parametrize("schedule,world_size,n_microbatches", [
-    ("naive", 4, 1), ("gpipe", 2, 4), ("gpipe", 4, 8), ("1f1b", 2, 4), ("1f1b", 4, 8)])
+    ("naive", 4, 1), ("gpipe", 2, 4), ("gpipe", 4, 8), ("1f1b", 2, 4), ("1f1b", 4, 8)], ids=schedule_ids)
 def test_gradients_equal_autograd_of_the_full_batch(schedule, world_size, n_microbatches):
     results = run_ranks(_train, world_size, schedule, world_size, n_microbatches, 1, timeout=20)
     cfg = m00.MLPConfig()
@@ -396,12 +514,32 @@ def _train_along_one_axis(schedule, n_microbatches, steps):
     return pp.ranks, mesh.index["d"], losses, profiler.ops()
 
 
-@pytest.mark.exercises("forward_step", "backward_step", "one_f_one_b")
+def _order_alone(members, index, n_microbatches):
+    """1F1B's F/B order on member `index` of the pipeline `members` (global ranks), run in this
+    process with comms that record (no peer, no process group)."""
+    profiler = Profiler(members[index])
+    comms = RecordingComms(index, len(members), ROWS // n_microbatches, f"{ROWS} rows in {n_microbatches} microbatches",
+                           members)
+    stage, (x, y) = profiler.wrap_stage(WideStage(index, len(members))), _wide_batch()
+    with profiler.step():
+        m05.one_f_one_b(stage, comms, x, y, n_microbatches)
+    return profiler.ops()
+
+
+@pytest.mark.exercises("one_f_one_b", "forward_step", "backward_step")
 def test_a_pipeline_along_one_axis_of_a_mesh_trains_like_the_monolith():
     # The schedule's place in the pipeline is comms.pp.index, not the global rank: on ranks 2 and 3
     # (the last stage of each pipeline) a warm-up read off the global rank asks for stages that do not
     # exist. m = 4 microbatches: module 05's 1e-6 on losses against the monolith.
     schedule, n_microbatches, steps = "1f1b", 4, 3
+    # First each member of the pipeline (1, 3) alone, in this process: a wrong place shows as a wrong
+    # order here, where on real ranks the pipeline would hang until its timeout.
+    for index in (0, 1):
+        ops, want = _order_alone((1, 3), index, n_microbatches), _canonical_1f1b(2, index, n_microbatches)
+        assert ops == want, \
+            (f"your one_f_one_b at place {index} of the pipeline of global ranks (1, 3) (comms.rank {(1, 3)[index]}, "
+             f"comms.pp.index {index}), m={n_microbatches}, ran {ops}, expected 1F1B's {want}: the warm-up counts the "
+             "stages after this one in the pipeline group (comms.pp), not in the whole job")
     results = run_ranks(_train_along_one_axis, 4, schedule, n_microbatches, steps, timeout=30)
     for rank, (members, replica, losses, ops) in enumerate(results):
         assert members == (replica, replica + 2), (rank, members, replica)
@@ -428,7 +566,7 @@ def _canonical_1f1b(world_size, rank, n_microbatches):
     return order + [("B", m) for m in range(n_microbatches - warmup, n_microbatches)]
 
 
-@pytest.mark.exercises("forward_step", "backward_step", "one_f_one_b")
+@pytest.mark.exercises("one_f_one_b", "forward_step", "backward_step")
 @pytest.mark.parametrize("world_size,n_microbatches", [(2, 4), (4, 8), (4, 2), (4, 1)])
 def test_1f1b_runs_the_canonical_order_and_holds_at_most_p_minus_rank_microbatches(world_size, n_microbatches):
     results = run_ranks(_train, world_size, "1f1b", world_size, n_microbatches, 1, True, timeout=20)
@@ -439,7 +577,7 @@ def test_1f1b_runs_the_canonical_order_and_holds_at_most_p_minus_rank_microbatch
             f"rank {rank}: at most {peak[0]} microbatches' activations alive, expected {min(world_size - rank, n_microbatches)}"
 
 
-@pytest.mark.exercises("forward_step", "backward_step", "gpipe")
+@pytest.mark.exercises("gpipe", "forward_step", "backward_step")
 @pytest.mark.parametrize("world_size,n_microbatches", [(2, 4), (4, 8)])
 def test_gpipe_runs_all_forwards_then_all_backwards_holding_m_microbatches(world_size, n_microbatches):
     results = run_ranks(_train, world_size, "gpipe", world_size, n_microbatches, 1, True, timeout=20)
@@ -450,7 +588,7 @@ def test_gpipe_runs_all_forwards_then_all_backwards_holding_m_microbatches(world
 
 
 @pytest.mark.exercises("gpipe", "one_f_one_b")
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"], ids=schedule_ids)
 def test_microbatch_counts_that_do_not_divide_the_batch_are_a_clear_error(schedule):
     pp = group_of("p", 0, (0, 1))
     stage = ShardedMLP(m00.MLPConfig(), pp)

@@ -25,9 +25,21 @@ def test_chunked_cross_entropy_matches_full_cross_entropy(chunk):
     x_ref, w_ref = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
     expected = F.cross_entropy((x_ref @ w_ref.t()).reshape(-1, 50), targets.reshape(-1))
     expected.backward()
-    torch.testing.assert_close(loss, expected.detach(), rtol=1e-12, atol=1e-12, msg=lambda m: f"loss: {m}")
-    torch.testing.assert_close(dx, x_ref.grad, rtol=1e-10, atol=1e-12, msg=lambda m: f"dx: {m}")
-    torch.testing.assert_close(dw, w_ref.grad, rtol=1e-10, atol=1e-12, msg=lambda m: f"dw_head: {m}")
+    check_loss_and_gradients((loss, dx, dw), (expected.detach(), x_ref.grad, w_ref.grad), f"chunks of {chunk}")
+
+
+def check_loss_and_gradients(got, want, case):
+    """(loss, dx, dw_head) against F.cross_entropy's, in float64; a gradient off by a constant factor says so."""
+    loss, dx, dw = got
+    torch.testing.assert_close(loss, want[0], rtol=1e-12, atol=1e-12,
+                               msg=lambda m: f"your chunked_cross_entropy's loss ({case}): {m}")
+    for name, g, w in (("dx", dx, want[1]), ("dw_head", dw, want[2])):
+        ratio = (g * w).sum() / (w * w).sum()
+        if not torch.allclose(g, w, rtol=1e-10, atol=1e-12) and torch.allclose(g, ratio * w, rtol=1e-8, atol=1e-12):
+            raise AssertionError(f"your chunked_cross_entropy's {name} ({case}) is {ratio.item():.4g} times "
+                                 f"autograd's, while the loss is right: what is each row's gradient divided by?")
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12,
+                                   msg=lambda m: f"your chunked_cross_entropy's {name} ({case}): {m}")
 
 
 @pytest.mark.exercises("chunked_cross_entropy")
@@ -47,10 +59,10 @@ def test_ignored_targets_add_no_loss_and_get_no_gradient(chunk):
     expected = F.cross_entropy((x_ref @ w_ref.t()).reshape(-1, 50), targets.reshape(-1), ignore_index=-100,
                                reduction="sum") / count
     expected.backward()
-    torch.testing.assert_close(loss, expected.detach(), rtol=1e-12, atol=1e-12, msg=lambda m: f"loss: {m}")
-    torch.testing.assert_close(dx, x_ref.grad, rtol=1e-10, atol=1e-12, msg=lambda m: f"dx: {m}")
-    torch.testing.assert_close(dw, w_ref.grad, rtol=1e-10, atol=1e-12, msg=lambda m: f"dw_head: {m}")
-    assert not dx[2, :6].any(), "the rows of ignored targets must get no gradient (dx rows of zeros)"
+    assert not dx[2, :6].any(), \
+        "your chunked_cross_entropy: the rows of ignored targets must get no gradient (dx rows of zeros)"
+    check_loss_and_gradients((loss, dx, dw), (expected.detach(), x_ref.grad, w_ref.grad),
+                             f"7 of 30 targets ignored, chunks of {chunk}")
 
 
 @pytest.mark.exercises("chunked_cross_entropy")
@@ -66,11 +78,12 @@ def test_pieces_divided_by_the_whole_count_add_up_to_the_whole():
     pieces = [model_module.chunked_cross_entropy(x[rows], w, targets[rows], 5, n_tokens)
               for rows in (slice(0, 2), slice(2, 4))]
     torch.testing.assert_close(pieces[0][0] + pieces[1][0], whole[0], rtol=1e-12, atol=1e-12,
-                               msg=lambda m: f"the pieces' losses (each divided by n_tokens) do not add up: {m}")
+                               msg=lambda m: f"your chunked_cross_entropy: the pieces' losses (each divided by "
+                                             f"n_tokens) do not add up: {m}")
     torch.testing.assert_close(torch.cat([pieces[0][1], pieces[1][1]]), whole[1], rtol=1e-12, atol=1e-14,
-                               msg=lambda m: f"dx: {m}")
+                               msg=lambda m: f"your chunked_cross_entropy's dx, in pieces: {m}")
     torch.testing.assert_close(pieces[0][2] + pieces[1][2], whole[2], rtol=1e-12, atol=1e-14,
-                               msg=lambda m: f"dw_head, summed over the pieces: {m}")
+                               msg=lambda m: f"your chunked_cross_entropy's dw_head, summed over the pieces: {m}")
 
 
 @pytest.mark.exercises("chunked_cross_entropy")
@@ -82,7 +95,8 @@ def test_chunked_cross_entropy_keeps_bf16_inputs_in_bf16():
     targets = torch.randint(0, 50, (2, 8), generator=g)
     loss, dx, dw = model_module.chunked_cross_entropy(x, w, targets, 5)
     assert (loss.dtype, dx.dtype, dw.dtype) == (torch.float32, torch.bfloat16, torch.bfloat16), \
-        f"loss, dx, dw dtypes: {loss.dtype}, {dx.dtype}, {dw.dtype}; expected float32, bfloat16, bfloat16"
+        (f"your chunked_cross_entropy's loss, dx, dw dtypes: {loss.dtype}, {dx.dtype}, {dw.dtype}; expected float32, "
+         f"bfloat16, bfloat16")
     x_ref, w_ref = x.double().requires_grad_(True), w.double().requires_grad_(True)
     expected = F.cross_entropy((x_ref @ w_ref.t()).reshape(-1, 50), targets.reshape(-1))
     expected.backward()
@@ -94,10 +108,12 @@ def test_chunked_cross_entropy_keeps_bf16_inputs_in_bf16():
     # in bf16 instead of float32 gives about 3u). The loss, a mean over 16 tokens whose rounding
     # errors have random signs, is much closer: we allow u/4 (measured: below u/100).
     u = 2.0 ** -8
-    assert abs(loss.item() - expected.item()) <= u / 4 * expected.item(), f"bf16 loss {loss.item()} vs {expected.item()}"
+    assert abs(loss.item() - expected.item()) <= u / 4 * expected.item(), \
+        f"your chunked_cross_entropy's bf16 loss {loss.item()} vs {expected.item()}"
     for name, got, want in (("dx", dx, x_ref.grad), ("dw_head", dw, w_ref.grad)):
         error = ((got.double() - want).norm() / want.norm()).item()
-        assert error <= 2 * u, f"{name}: relative error {error:.2e} against autograd in float64, allowed 2u = {2 * u:.2e}"
+        assert error <= 2 * u, (f"your chunked_cross_entropy's {name}: relative error {error:.2e} against autograd in "
+                                f"float64, allowed 2u = {2 * u:.2e}")
 
 
 @pytest.mark.exercises("chunked_cross_entropy")
@@ -118,12 +134,12 @@ def test_chunked_cross_entropy_of_bf16_logits_near_100_keeps_its_statistics_in_f
     expected = F.cross_entropy(x.double() @ w_ref.t(), targets)
     expected.backward()
     error = abs(loss.item() - expected.item()) / expected.item()
-    assert error <= 1e-5, (f"bf16 logits near 100: loss {loss.item():.6f}, float64 gives {expected.item():.6f} (relative "
+    assert error <= 1e-5, (f"your chunked_cross_entropy, bf16 logits near 100: loss {loss.item():.6f}, float64 gives {expected.item():.6f} (relative "
                            f"error {error:.1e}, allowed 1e-5): the log-sum-exp and the loss are statistics, computed "
                            f"in float32 (loss's dtype) even for bf16 inputs")
     u = 2.0 ** -8
     error = ((dw.double() - w_ref.grad).norm() / w_ref.grad.norm()).item()
-    assert error <= 2 * u, (f"bf16 logits near 100: dw_head relative error {error:.1e} against float64, allowed 2u = "
+    assert error <= 2 * u, (f"your chunked_cross_entropy, bf16 logits near 100: dw_head relative error {error:.1e} against float64, allowed 2u = "
                             f"{2 * u:.1e}: the softmax must come from the float32 log-sum-exp")
 
 
@@ -138,8 +154,10 @@ def reference_for(model):
     return reference
 
 
-@pytest.mark.exercises("chunked_cross_entropy", "LlamaModel.forward_blocks", "LlamaModel.backward_blocks")
+@pytest.mark.exercises("LlamaModel.forward_blocks", "LlamaModel.backward_blocks", "chunked_cross_entropy")
 def test_model_loss_and_every_gradient_match_an_nn_module_llama():
+    # The chunked loss and the block have passed their own checks above: a wrong loss here points at the
+    # forward loop, a wrong gradient with the right loss at the backward loop.
     model = model_module.LlamaModel(CFG, seed=3, dtype=f64, loss_chunk=7)
     g = torch.Generator().manual_seed(1)
     tokens, targets = torch.randint(0, 50, (2, 12), generator=g), torch.randint(0, 50, (2, 12), generator=g)
@@ -147,14 +165,18 @@ def test_model_loss_and_every_gradient_match_an_nn_module_llama():
     reference = reference_for(model)
     expected = reference.loss(tokens, targets)
     expected.backward()
-    torch.testing.assert_close(loss, expected.detach(), rtol=1e-10, atol=1e-12, msg=lambda m: f"loss: {m}")
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-10, atol=1e-12,
+                               msg=lambda m: f"your LlamaModel.forward_blocks: the model's loss: {m}")
     in_backward_order = [("d lm_head", grads.lm_head, reference.lm_head.grad),
                          ("d final_norm", grads.final_norm, reference.final_norm.grad)]
     for layer in reversed(range(CFG.n_layers)):
         in_backward_order += [(f"layer {layer} d{name}", getattr(grads.blocks[layer], name), want)
                               for name, want in reference.blocks[layer].grads().items()]
     in_backward_order.append(("d embedding", grads.embedding, reference.embedding.grad))
-    assert_all_close(in_backward_order, rtol=1e-9, atol=1e-11)
+    try:
+        assert_all_close(in_backward_order, rtol=1e-9, atol=1e-11)
+    except AssertionError as error:
+        raise AssertionError(f"your LlamaModel.backward_blocks, with the loss right: {error}") from None
 
 
 class RecordingWeights:
@@ -165,6 +187,14 @@ class RecordingWeights:
 
     def __init__(self, blocks):
         self.blocks, self.calls, self.pending = blocks, [], set()
+        self.loop = "LlamaModel.forward_blocks"  # the loop making the calls, for the messages
+
+    def record_loops(self, model):
+        for name in ("forward_blocks", "backward_blocks"):
+            def looping(*args, run=getattr(model, name), name=name):
+                self.loop = f"LlamaModel.{name}"
+                return run(*args)
+            setattr(model, name, looping)
 
     def record_compute(self, block):
         for name in ("forward", "backward"):
@@ -177,32 +207,36 @@ class RecordingWeights:
     def gather(self, layer):
         self.calls.append(("gather", layer))
         self.pending.add(layer)
-        assert len(self.pending) <= 2, f"gather({layer}) with layers {sorted(self.pending)} not yet released"
+        assert len(self.pending) <= 2, \
+            f"your {self.loop}: gather({layer}) with layers {sorted(self.pending - {layer})} not yet released (two buffers)"
 
     def get(self, layer):
         self.calls.append(("get", layer))
-        assert layer in self.pending, f"get({layer}) before gather({layer})"
+        assert layer in self.pending, f"your {self.loop}: get({layer}) before gather({layer})"
         return self.blocks[layer]
 
     def release(self, layer):
         self.calls.append(("release", layer))
-        assert ("get", layer) in self.calls, f"release({layer}) before get({layer})"
+        assert ("get", layer) in self.calls, f"your {self.loop}: release({layer}) before get({layer})"
         self.pending.discard(layer)
 
     def invalidate(self):
         self.calls.append(("invalidate", None))
 
 
-@pytest.mark.exercises("chunked_cross_entropy", "LlamaModel.forward_blocks", "LlamaModel.backward_blocks")
+@pytest.mark.exercises("LlamaModel.forward_blocks", "LlamaModel.backward_blocks")
 def test_the_model_loop_follows_the_weight_source_protocol():
     model = model_module.LlamaModel(CFG, seed=0)
     model.weights = source = RecordingWeights(model.blocks)
     source.record_compute(model.block)
+    source.record_loops(model)
     tokens = torch.randint(0, 50, (1, 12))
     model.forward_backward(tokens, tokens)
     gets = [layer for call, layer in source.calls if call == "get"]
-    assert gets == [0, 1, 2, 2, 1, 0], f"layers were fetched in the order {gets}; expected forward then reverse"
-    assert not source.pending, f"layers {sorted(source.pending)} were gathered and never released"
+    loop = "forward_blocks" if gets[:3] != [0, 1, 2] else "backward_blocks"
+    assert gets == [0, 1, 2, 2, 1, 0], \
+        f"your LlamaModel.{loop}: layers were fetched in the order {gets}; expected forward then reverse"
+    assert not source.pending, f"your {source.loop}: layers {sorted(source.pending)} were gathered and never released"
     # Prefetch: the next layer's gather is issued before this layer's get, so the fetch of l + 1
     # (l - 1 in backward) can run while layer l computes. A layer is released only after the block
     # has computed with it: after release(l) its buffer may be overwritten (modules 07 and 08).
@@ -216,15 +250,17 @@ def test_the_model_loop_follows_the_weight_source_protocol():
         return max(j for j, call in enumerate(source.calls[:before]) if call == ("get", layer))
     released_early = [(call, layer) for i, (call, layer) in enumerate(source.calls) if call in ("forward", "backward")
                       and ("release", layer) in source.calls[last_get(layer, i):i]]
-    assert not released_early, (f"layer {released_early[0][1]} was released before its {released_early[0][0]} ran: "
-                                "after release(l) a weight source may overwrite l's buffer (07, 08), so release "
-                                "a layer only once the block has computed with it")
+    assert not released_early, (f"your LlamaModel.{released_early[0][0]}_blocks: layer {released_early[0][1]} was "
+                                f"released before its {released_early[0][0]} ran: after release(l) a weight source "
+                                "may overwrite l's buffer (07, 08), so release a layer only once the block has "
+                                "computed with it")
+    loop = "forward_blocks" if first < len(forward) else "backward_blocks"
     assert source.calls == expected, \
-        (f"call #{first}: expected {expected[first] if first < len(expected) else 'no more calls'}, got "
-         f"{source.calls[first] if first < len(source.calls) else 'no more calls'} (expected in all: {expected})")
+        (f"your LlamaModel.{loop}, call #{first}: expected {expected[first] if first < len(expected) else 'no more calls'}, "
+         f"got {source.calls[first] if first < len(source.calls) else 'no more calls'} (expected in all: {expected})")
 
 
-@pytest.mark.exercises("chunked_cross_entropy", "LlamaModel.forward_blocks", "LlamaModel.backward_blocks")
+@pytest.mark.exercises("LlamaModel.backward_blocks")
 def test_activation_stores_are_emptied_by_the_backward():
     model = model_module.LlamaModel(CFG, seed=0)
     stores = []
@@ -233,10 +269,11 @@ def test_activation_stores_are_emptied_by_the_backward():
     tokens = torch.randint(0, 50, (1, 12))
     model.forward_backward(tokens, tokens)
     assert len(stores) == CFG.n_layers and all(not s.tensors for s in stores), \
-        "each layer's store must be cleared after its backward, so its activations are freed"
+        (f"your LlamaModel.backward_blocks left layers {[i for i, s in enumerate(stores) if s.tensors]}'s stores "
+         f"full: each layer's store must be cleared after its backward, so its activations are freed")
 
 
-@pytest.mark.exercises("chunked_cross_entropy", "LlamaModel.forward_blocks", "LlamaModel.backward_blocks")
+@pytest.mark.exercises("LlamaModel.backward_blocks", "LlamaModel.forward_blocks", "chunked_cross_entropy")
 def test_a_step_in_two_microbatches_is_a_step_on_the_whole_batch():
     # fit's contract (given code, on the learner's model): train_step divides every microbatch by the step's
     # real tokens, so two microbatches give the whole batch's step. float64: the gradients are summed in
@@ -248,7 +285,7 @@ def test_a_step_in_two_microbatches_is_a_step_on_the_whole_batch():
     assert worst <= 1e-12, f"losses of whole steps {whole}, of steps in 2 microbatches {halves}: off by {worst:.1e}"
 
 
-@pytest.mark.exercises("chunked_cross_entropy", "LlamaModel.forward_blocks", "LlamaModel.backward_blocks")
+@pytest.mark.exercises("LlamaModel.forward_blocks", "LlamaModel.backward_blocks", "chunked_cross_entropy")
 def test_training_on_the_text_lowers_the_loss():
     torch.manual_seed(0)
     _, losses = model_module.train(LlamaConfig(n_layers=1, max_seq_len=32), steps=40, batch=8)
@@ -283,7 +320,9 @@ def test_each_blocks_gradients_are_handed_on_as_soon_as_its_backward_is_done():
     _, grads = model.forward_backward(tokens, tokens)
     backward = [c for c in source.calls if c[0] in ("backward", "release", "grads")][-9:]
     expected = [(kind, layer) for layer in (2, 1, 0) for kind in ("backward", "release", "grads")]
-    assert backward == expected, (f"backward, release and on_block_grads calls: {backward}; expected {expected} "
-                                  "(each layer's gradients handed on right after its release)")
+    assert backward == expected, (f"your LlamaModel.backward_blocks: backward, release and on_block_grads calls: "
+                                  f"{backward}; expected {expected} (each layer's gradients handed on right after "
+                                  f"its release)")
     assert all(h is g for h, g in zip(handed, reversed(grads.blocks))), \
-        "on_block_grads(layer, grads) must receive that layer's gradients (the BlockWeights backward returned)"
+        ("your LlamaModel.backward_blocks: on_block_grads(layer, grads) must receive that layer's gradients (the "
+         "BlockWeights backward returned)")

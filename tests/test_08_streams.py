@@ -66,18 +66,155 @@ def describe(hazards):
     found = (f"{len(hazards)} hazards; first: '{a.label}' on {a.stream} (op {a.index}) and '{b.label}' on "
              f"{b.stream} (op {b.index}) touch the same memory in no fixed order")
     if a.label.startswith("block") and b.label == "copy":
-        why = ("a copy may overwrite a buffer that compute still reads: in gather(), the copy stream must wait "
-               "for buf.released, which release() records on the compute stream")
+        why = ("a copy may overwrite a buffer that compute still reads: your HostWeights.gather must order the copy "
+               "after the buffer's released event, which release() records after the compute")
     elif a.label == "copy" and b.label.startswith("block"):
-        why = ("compute may read a buffer before the copy into it has finished: get() must make the compute "
-               "stream wait for buf.ready, which gather() records on the copy stream after the copy")
+        why = ("compute may read a buffer before the copy into it has finished: your HostWeights.get must order the "
+               "compute stream after the buffer's ready event, which gather() records after the copy")
     elif a.label == "copy":
-        why = ("the host may write weights that a copy is still reading: invalidate() must wait for the "
-               "copies (synchronize) before the optimizer writes")
+        why = ("the host may write weights that a copy is still reading: your HostWeights.invalidate must wait for "
+               "the copies before the optimizer writes")
     else:
         why = "two operations on the same memory need an event between them"
     return f"{found}: {why}"
 
+
+# --- each method on its own first: the recorder's event graph after a few calls -------------------------------
+
+def fresh_source(dtype=torch.float32):
+    runtime = AllocatingRuntime()
+    return m08.HostWeights(m06.LlamaModel(CFG, 0, dtype).blocks, runtime), runtime
+
+
+def ordered(before, after) -> bool:
+    """Whether the event graph makes node `after` wait for node `before` (directly or not)."""
+    return bool((after.before >> before.index) & 1)
+
+
+@pytest.mark.exercises("HostWeights.__init__")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_init_pins_every_block_and_makes_a_side_stream_and_two_buffers(dtype):
+    model = m06.LlamaModel(CFG, 0, dtype)
+    runtime = AllocatingRuntime()
+    source = m08.HostWeights(model.blocks, runtime)
+    layout = source.layout
+    assert len(source.host) == CFG.n_layers and all(address(h) in runtime.pinned for h in source.host), \
+        ("your HostWeights.__init__: self.host must hold every block in pinned memory (runtime.pin of each flattened "
+         "block): only from page-locked memory does a copy run without the host waiting for it")
+    for layer, (host, block) in enumerate(zip(source.host, model.blocks)):
+        assert torch.equal(host, layout.flatten(block)), \
+            f"your HostWeights.__init__: self.host[{layer}] is not block {layer} flattened by self.layout"
+    assert source.copy_stream is not runtime.compute and getattr(source.copy_stream, "name", "").startswith("side"), \
+        "your HostWeights.__init__: self.copy_stream must be a new stream of the runtime (runtime.new_stream())"
+    buffers = source.buffers
+    assert len(buffers) == 2, f"your HostWeights.__init__ made {len(buffers)} device buffers, expected 2"
+    for i, buf in enumerate(buffers):
+        assert address(buf.flat) in runtime.device_memory and buf.flat.numel() == layout.padded_numel, \
+            (f"your HostWeights.__init__: buffer {i} must be device memory from the runtime (runtime.empty) with room "
+             f"for one padded block ({layout.padded_numel} values), got {buf.flat.numel()}")
+        assert buf.flat.dtype == dtype, \
+            (f"your HostWeights.__init__: a {dtype} model got a buffer of {buf.flat.dtype}: allocate it in the "
+             f"blocks' dtype (the copy would convert every weight)")
+    events = [buf.ready for buf in buffers] + [buf.released for buf in buffers]
+    assert len({id(e) for e in events}) == 4, \
+        ("your HostWeights.__init__: the two buffers need four distinct events (a ready and a released each); with "
+         "an event shared, a copy into one buffer waits for work on the other")
+
+
+@pytest.mark.exercises("HostWeights.gather")
+def test_gather_queues_the_copy_on_the_side_stream_and_marks_it_ready():
+    source, runtime = fresh_source()
+    source.gather(0)
+    copies = [n for n in runtime.nodes if n.label == "copy"]
+    assert len(copies) == 1, f"your HostWeights.gather: gather(0) queued {len(copies)} copies, expected 1"
+    copy = copies[0]
+    assert copy.stream == source.copy_stream.name, \
+        (f"your HostWeights.gather: the copy ran on the {copy.stream} stream; it must be issued on the copy stream "
+         f"(with self.rt.stream(self.copy_stream): ...), so it can run beside compute")
+    ready = source.buffers[0].ready.node
+    assert ready is not None and ready.stream == copy.stream and ordered(copy, ready), \
+        ("your HostWeights.gather: buf.ready must be recorded on the copy stream after the copy, so that it completes "
+         "only once the copy has")
+    assert not runtime.host.waits, "your HostWeights.gather made the host wait: it must only queue work"
+
+
+def compute_with(source, runtime, layer):
+    """get(layer), a compute node reading the block, release(layer), as the model loop does; the compute node."""
+    w = source.get(layer)
+    runtime.compute_reads(w.wq, f"block {layer}")
+    node = runtime.nodes[-1]
+    source.release(layer)
+    return node
+
+
+@pytest.mark.exercises("HostWeights.get")
+def test_get_orders_compute_after_the_copy_and_hands_out_views_of_the_buffer():
+    source, runtime = fresh_source()
+    source.gather(0)
+    copy = next(n for n in runtime.nodes if n.label == "copy")
+    w = source.get(0)
+    runtime.compute_reads(w.wq, "block 0")
+    assert not runtime.host.waits, \
+        "your HostWeights.get made the host wait for the copy: the compute stream waits, the host only queues work"
+    assert ordered(copy, runtime.nodes[-1]), \
+        ("your HostWeights.get: the compute after get(0) is not ordered after the copy into the buffer: the compute "
+         "stream must wait for buf.ready (a wait on the stream, not on the host)")
+    buf = source.buffers[0]
+    assert buf.state == m08.IN_USE, f"your HostWeights.get left the buffer {buf.state!r}, expected IN_USE"
+    assert address(w.wq) == address(buf.flat), "your HostWeights.get must return views into buf.flat (the layout's views)"
+
+
+@pytest.mark.exercises("HostWeights.release")
+def test_release_records_released_after_the_compute_that_read_the_buffer():
+    source, runtime = fresh_source()
+    source.gather(0)
+    compute = compute_with(source, runtime, 0)
+    buf = source.buffers[0]
+    released = buf.released.node
+    assert released is not None and released.stream == "compute" and ordered(compute, released), \
+        ("your HostWeights.release: buf.released must be recorded on the compute stream after the compute that read "
+         f"the buffer (recorded on {released.stream if released else 'no stream'})")
+    assert buf.state == m08.FREE and (buf.layer, buf.version) == (0, source.version), \
+        (f"your HostWeights.release left the buffer {buf.state!r} with layer {buf.layer}, version {buf.version}: "
+         f"expected FREE, still holding layer 0 at version {source.version} (a later gather(0) is then a hit)")
+
+
+@pytest.mark.exercises("HostWeights.gather", "HostWeights.release")
+def test_a_copy_into_a_reused_buffer_waits_for_the_compute_that_read_it():
+    # Layers 0 and 2 share buffer 0: the copy of layer 2 must come after layer 0's compute (release is right:
+    # the check above passed).
+    source, runtime = fresh_source()
+    source.gather(0), source.gather(1)
+    first = compute_with(source, runtime, 0)
+    source.gather(2)
+    copy = [n for n in runtime.nodes if n.label == "copy"][-1]
+    assert ordered(first, copy), \
+        ("your HostWeights.gather: the copy of layer 2 into buffer 0 is not ordered after layer 0's compute, which "
+         "read that buffer: the copy stream must wait for the buffer's released event before the copy")
+
+
+@pytest.mark.exercises("HostWeights.invalidate")
+def test_invalidate_waits_for_the_copies_and_makes_every_buffer_stale():
+    source, runtime = fresh_source()
+    source.gather(0), source.gather(1)
+    copies = [n for n in runtime.nodes if n.label == "copy"]
+    for layer in (0, 1):
+        compute_with(source, runtime, layer)
+    source.invalidate()
+    runtime.host_writes(source.host, "optimizer step")
+    write = runtime.nodes[-1]
+    waited = [copy.index for copy in copies if not ordered(copy, write)]
+    assert not waited, \
+        (f"your HostWeights.invalidate: the host may write the weights while copies {waited} still read them: the "
+         f"host must wait for the copy stream's work first")
+    before = sum(n.label == "copy" for n in runtime.nodes)
+    source.gather(0)
+    assert sum(n.label == "copy" for n in runtime.nodes) == before + 1, \
+        ("your HostWeights.invalidate: gather(0) after it copied nothing, so buffer 0 still counted as holding the "
+         "current layer 0: after invalidate() no buffer may (the version)")
+
+
+# --- the whole step ------------------------------------------------------------------------------------------
 
 @pytest.mark.exercises(
     "HostWeights.__init__", "HostWeights.gather", "HostWeights.get", "HostWeights.release")
@@ -124,25 +261,27 @@ def test_copies_run_on_a_side_stream_and_the_host_never_waits_inside_a_step():
     model.forward_backward(*batch())
     copies = [n for n in runtime.nodes if n.label == "copy"]
     assert copies and all(n.stream != "compute" for n in copies), \
-        f"copies ran on {sorted({n.stream for n in copies})}; they belong on a side stream"
+        f"your HostWeights.gather: copies ran on {sorted({n.stream for n in copies})}; they belong on a side stream"
     assert len(copies) == 2 * CFG.n_layers - 2, \
-        f"{len(copies)} copies in a step; expected {2 * CFG.n_layers - 2} (the last two blocks stay for the backward)"
-    assert not runtime.host.waits, "the host waited for a stream during the step: gather/get/release must only queue work"
+        (f"{len(copies)} copies in a step; expected {2 * CFG.n_layers - 2} (the last two blocks stay for the "
+         f"backward: your HostWeights.release keeps the buffer's layer and version, so gather finds them)")
+    assert not runtime.host.waits, \
+        "the host waited for a stream during the step: your HostWeights.get and gather must only queue work"
 
 
-@pytest.mark.exercises("HostWeights.__init__",
+@pytest.mark.exercises("HostWeights.invalidate",
+                        "HostWeights.__init__",
                         "HostWeights.gather",
                         "HostWeights.get",
-                        "HostWeights.release",
-                        "HostWeights.invalidate")
+                        "HostWeights.release")
 def test_after_invalidate_every_block_is_copied_again():
     # The optimizer changed the host weights: a block still in a buffer is stale and must not be reused.
     model, runtime = streamed_model()
     run_steps(model, runtime, steps=2)
     copies = sum(n.label == "copy" for n in runtime.nodes)
     assert copies == 2 * (2 * CFG.n_layers - 2), \
-        (f"{copies} copies in 2 steps; expected {2 * (2 * CFG.n_layers - 2)}: after invalidate() no buffer may "
-         f"count as holding a current block (bump the version)")
+        (f"{copies} copies in 2 steps; expected {2 * (2 * CFG.n_layers - 2)}: after your HostWeights.invalidate no "
+         f"buffer may count as holding a current block")
 
 
 def step_time(source_wrapper=None) -> float:
@@ -167,13 +306,13 @@ def test_prefetch_hides_the_copies_under_compute():
     prefetch, serial = step_time(), step_time(m08.NoPrefetch)
     assert serial >= compute + copies, \
         (f"without prefetch (every copy after the compute before it) the step takes {serial} units, less than "
-         f"compute + copies = {compute + copies}: so compute did not wait for the copies it reads. get() must make "
-         f"the compute stream wait for buf.ready (test_the_event_graph_has_no_hazards names the first such read)")
+         f"compute + copies = {compute + copies}: so compute did not wait for the copies it reads. Your "
+         f"HostWeights.get must order the compute stream after buf.ready")
     assert serial == compute + copies, f"without prefetch the step takes {serial}, expected {compute + copies}"
     assert prefetch <= compute + 1, \
         (f"with prefetch the step takes {prefetch} units, expected at most {compute + 1} (compute {compute} + the "
-         f"first copy): a copy waits for more than the buffer it overwrites (one `ready` and one `released` event "
-         f"per buffer, each recorded where its work is queued)")
+         f"first copy): a copy waits for more than the buffer it overwrites (your HostWeights.__init__ gives each "
+         f"buffer its own `ready` and `released` event; each is recorded where its work is queued)")
 
 
 @pytest.mark.exercises("HostWeights.__init__")

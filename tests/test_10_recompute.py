@@ -45,8 +45,11 @@ def hand_counted_bytes(cfg, tokens, act, stat):
 @pytest.mark.parametrize("dtype, act, stat", [(torch.float32, 4, 4), (torch.bfloat16, 2, 4), (torch.float64, 8, 8)])
 def test_keeping_everything_costs_the_hand_counted_bytes(dtype, act, stat):
     got = m10.kept_bytes(CFG, 3, 10, dtype, "none")
-    assert got == hand_counted_bytes(CFG, 30, act, stat), f"{dtype}: formula gives {got} bytes"
-    assert m10.kept_bytes(CFG, 3, 10, dtype, "block") == 30 * CFG.dim * act, "'block' keeps only the block input x"
+    want = hand_counted_bytes(CFG, 30, act, stat)
+    assert got == want, (f"{dtype}: your activation_bytes sum to {got} bytes for 30 tokens, the block keeps {want}"
+                         + (f" ({got / want:.3g} times as many)" if want and got else ""))
+    assert m10.kept_bytes(CFG, 3, 10, dtype, "block") == 30 * CFG.dim * act, \
+        "your activation_bytes: 'block' keeps only the block input x, 30 tokens of dim values"
 
 
 @pytest.mark.exercises("activation_bytes")
@@ -59,12 +62,13 @@ def test_each_activation_has_the_bytes_the_block_saves_for_it(dtype):
     reference_block.LlamaBlock(CFG).forward(weights, torch.randn(2, 9, CFG.dim).to(dtype), store)
     saved = {name: t.untyped_storage().nbytes() for name, t in store.tensors.items()}
     got = m10.activation_bytes(CFG, 2, 9, dtype)
-    assert set(got) == set(saved), f"names: the formula gives {sorted(got)}, the block saves {sorted(saved)}"
-    wrong = {name: f"formula {got[name]}, saved {saved[name]}" for name in saved if got[name] != saved[name]}
-    assert not wrong, f"{dtype}: bytes by name that differ from what the block saves: {wrong}"
+    assert set(got) == set(saved), f"names: your activation_bytes gives {sorted(got)}, the block saves {sorted(saved)}"
+    wrong = {name: f"formula {got[name]}, saved {saved[name]} ({got[name] / saved[name]:.3g} times)"
+             for name in saved if got[name] != saved[name]}
+    assert not wrong, f"{dtype}: your activation_bytes differ from what the block saves, by name: {wrong}"
 
 
-@pytest.mark.exercises("activation_bytes", "RecomputeBlock.new_store")
+@pytest.mark.exercises("activation_bytes")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("option", ["none", "swiglu", "norms", "ffn", "attention", "block"])
 def test_the_store_holds_exactly_the_bytes_of_the_formula(option, dtype):
@@ -75,10 +79,11 @@ def test_the_store_holds_exactly_the_bytes_of_the_formula(option, dtype):
     expected = m10.kept_bytes(CFG, 2, 9, dtype, option)
     expected_names = m10.ACTIVATIONS - m10.DROPPED[option]
     assert set(store.tensors) == expected_names, f"{option}: " + kept_names_message(store.tensors, expected_names)
-    assert store.nbytes() == expected, f"{option}: the store holds {store.nbytes()} bytes, the formula says {expected}"
+    assert store.nbytes() == expected, \
+        f"{option}: the store holds {store.nbytes()} bytes, kept_bytes (from your activation_bytes) says {expected}"
 
 
-@pytest.mark.exercises("activation_bytes", "RecomputeBlock.new_store")
+@pytest.mark.exercises("activation_bytes")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("option", ["none", "ffn", "block"])
 def test_with_fp8_linears_the_store_holds_the_bytes_of_the_formula(option, dtype):
@@ -90,10 +95,11 @@ def test_with_fp8_linears_the_store_holds_the_bytes_of_the_formula(option, dtype
     expected = m10.kept_bytes(CFG, 2, 8, dtype, option, fp8=True)
     expected_names = (m10.ACTIVATIONS - m10.DROPPED[option]) | m10.ABS_MAXES
     assert set(store.tensors) == expected_names, f"{option}: " + kept_names_message(store.tensors, expected_names)
-    assert store.nbytes() == expected, f"{option}: the store holds {store.nbytes()} bytes, the formula says {expected}"
+    assert store.nbytes() == expected, \
+        f"{option}: the store holds {store.nbytes()} bytes, kept_bytes (from your activation_bytes) says {expected}"
 
 
-@pytest.mark.exercises("RecomputeBlock.new_store", "RecomputeBlock.recompute")
+@pytest.mark.exercises("RecomputeBlock.recompute")
 @pytest.mark.parametrize("fp8", [False, True], ids=["fp32", "fp8"])
 @pytest.mark.parametrize("option", ["swiglu", "norms", "ffn", "attention", "block"])
 def test_gradients_equal_the_no_recompute_gradients_bit_for_bit(option, fp8):
@@ -114,7 +120,8 @@ def test_gradients_equal_the_no_recompute_gradients_bit_for_bit(option, fp8):
              "final_norm", "lm_head"]  # the order of LlamaGrads.tensors()
     wrong = [f"{name} (max |diff| {(a - b).abs().max().item():.3e})"
              for name, a, b in zip(names, grads.tensors(), grads_r.tensors(), strict=True) if not torch.equal(a, b)]
-    assert not wrong, f"{option}: gradients that differ from no recompute's: {', '.join(wrong)}"
+    assert not wrong, \
+        f"{option}: your RecomputeBlock.recompute gives gradients that differ from no recompute's: {', '.join(wrong)}"
 
 
 def same(a, b) -> bool:
@@ -123,7 +130,7 @@ def same(a, b) -> bool:
     return torch.equal(a, b)
 
 
-@pytest.mark.exercises("RecomputeBlock.new_store", "RecomputeBlock.recompute")
+@pytest.mark.exercises("RecomputeBlock.recompute")
 @pytest.mark.parametrize("fp8", [False, True], ids=["fp32", "fp8"])
 @pytest.mark.parametrize("option", ["swiglu", "norms", "ffn", "attention", "block"])
 def test_recompute_restores_exactly_what_the_forward_kept(option, fp8):
@@ -137,12 +144,13 @@ def test_recompute_restores_exactly_what_the_forward_kept(option, fp8):
     block.recompute(weights, store)
     wrong = sorted(name for name in m10.ACTIVATIONS if name not in store.tensors
                    or not same(store[name], everything[name]))
-    assert not wrong, (f"{option}: after recompute {wrong} differ from the forward's values (or are missing); "
+    assert not wrong, (f"{option}: after your RecomputeBlock.recompute {wrong} differ from the forward's values (or are "
+                       f"missing); "
                        f"rebuild each from what was kept, with the forward's own ops, inputs and norm weights, and "
                        f"hand linear inputs to matmul.prepare as the forward does (FP8 keeps them quantized)")
 
 
-@pytest.mark.exercises("RecomputeBlock.new_store", "RecomputeBlock.recompute")
+@pytest.mark.exercises("RecomputeBlock.recompute")
 @pytest.mark.parametrize("option", ["swiglu", "norms", "ffn", "attention", "block"])
 def test_fp8_recompute_quantizes_with_the_kept_abs_maxes(option):
     # The store keeps each FP8 linear input's abs-max so the recompute quantizes with it, skipping
@@ -161,7 +169,7 @@ def test_fp8_recompute_quantizes_with_the_kept_abs_maxes(option):
     for name in recomputed:
         want = fp8_matmul.quantize(torch.zeros(1), fp8_matmul.E4M3, planted[name]).scale  # depends on amax only
         assert torch.equal(store[name].scale, want), \
-            (f"{option}: recomputed {name} has scale {store[name].scale.item()!r}, expected {want.item()!r} from the "
+            (f"{option}: your RecomputeBlock.recompute's {name} has scale {store[name].scale.item()!r}, expected {want.item()!r} from the "
              f"abs-max kept in the store: prepare the recomputed input into `fresh`, which starts with the kept "
              f"abs-maxes, not into a new store (that computes the abs-max again)")
 
@@ -175,9 +183,8 @@ class CountingMatmul(m06_ops.Matmul):
         return super().forward(x, w)
 
 
-@pytest.mark.exercises("RecomputeBlock.new_store", "RecomputeBlock.recompute")
-@pytest.mark.parametrize("option, matmuls", [("none", 0), ("swiglu", 0), ("norms", 0), ("ffn", 2), ("attention", 3),
-                                             ("block", 6)])
+@pytest.mark.exercises("RecomputeBlock.recompute")
+@pytest.mark.parametrize("option, matmuls", [("swiglu", 0), ("norms", 0), ("ffn", 2), ("attention", 3), ("block", 6)])
 def test_recompute_reruns_only_the_matmuls_it_needs(option, matmuls):
     # ffn: gate and up; attention: q, k, v; block: all but down (its input s is recomputed, its
     # output is not needed by the backward).
@@ -188,12 +195,11 @@ def test_recompute_reruns_only_the_matmuls_it_needs(option, matmuls):
     counting.forwards = 0
     block.recompute(weights, store)
     assert counting.forwards == matmuls, \
-        f"{option}: the recompute ran {counting.forwards} linear layers, it needs {matmuls}"
+        f"{option}: your RecomputeBlock.recompute ran {counting.forwards} linear layers, it needs {matmuls}"
 
 
-@pytest.mark.exercises("RecomputeBlock.new_store", "RecomputeBlock.recompute")
-@pytest.mark.parametrize("option, norms", [("none", 0), ("swiglu", 0), ("norms", 2), ("ffn", 1), ("attention", 1),
-                                           ("block", 2)])
+@pytest.mark.exercises("RecomputeBlock.recompute")
+@pytest.mark.parametrize("option, norms", [("swiglu", 0), ("norms", 2), ("ffn", 1), ("attention", 1), ("block", 2)])
 def test_recompute_reruns_each_norm_it_needs_once(option, norms, monkeypatch):
     # ffn needs n2 again; attention n1 (the attention half rebuilds it: running the norm a second time
     # after it is forward work done twice); block both; norms both, and nothing else.
@@ -210,10 +216,11 @@ def test_recompute_reruns_each_norm_it_needs_once(option, norms, monkeypatch):
         if hasattr(module, "rmsnorm_forward"):
             monkeypatch.setattr(module, "rmsnorm_forward", counting)
     block.recompute(weights, store)
-    assert len(calls) == norms, f"{option}: the recompute ran RMSNorm {len(calls)} times, it needs {norms}"
+    assert len(calls) == norms, \
+        f"{option}: your RecomputeBlock.recompute ran RMSNorm {len(calls)} times, it needs {norms}"
 
 
-@pytest.mark.exercises("RecomputeBlock.new_store")
+@pytest.mark.given  # new_store is given: no projection output of the forward may outlive it
 def test_dropped_activations_are_really_freed():
     class WatchingMatmul(m06_ops.Matmul):
         outputs = []
@@ -233,7 +240,7 @@ def test_dropped_activations_are_really_freed():
         f"with whole-block recompute no projection output may outlive the forward; {alive} of 7 still alive"
 
 
-@pytest.mark.exercises("RecomputeBlock.new_store", "RecomputeBlock.recompute")
+@pytest.mark.exercises("RecomputeBlock.recompute")
 def test_whole_block_recompute_matches_torch_utils_checkpoint():
     f64 = torch.float64
     weights = m06_block.init_block_weights(CFG, torch.Generator().manual_seed(3), f64)
@@ -246,10 +253,11 @@ def test_whole_block_recompute_matches_torch_utils_checkpoint():
     store = block.new_store()
     block.forward(weights, x, store)
     dx, grads = block.backward(weights, dy, store)
-    torch.testing.assert_close(dx, x_ref.grad, rtol=1e-9, atol=1e-10, msg=lambda m: f"dx: {m}")
+    torch.testing.assert_close(dx, x_ref.grad, rtol=1e-9, atol=1e-10,
+                               msg=lambda m: f"dx after your RecomputeBlock.recompute: {m}")
     for name, expected in reference.grads().items():
         torch.testing.assert_close(getattr(grads, name), expected, rtol=1e-9, atol=1e-10,
-                                   msg=lambda m: f"gradient of {name}: {m}")
+                                   msg=lambda m: f"gradient of {name} after your RecomputeBlock.recompute: {m}")
 
 
 @pytest.mark.given

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from course.dataset import load_text, random_batch
 from course.impl import load, reference
-from course.late_collectives import check_waited, late_group
+from course.late_collectives import check_count_in_flight, check_waited, late_group, token_counts
 from course.launch import run_ranks
 
 dp = load("m14_data_parallel")
@@ -62,6 +62,25 @@ def one_process(model, steps=STEPS, dtype=f64, batch=mlp_batch):
     return after
 
 
+def first_gradients(model, dtype=f64, batch=mlp_batch) -> list[torch.Tensor]:
+    """The gradients of the first step's mean loss on the whole batch, in one process (autograd)."""
+    x, y = batch(0, dtype)
+    F.cross_entropy(model(x), y).backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def keep_first_gradients(ddp, params) -> list[torch.Tensor]:
+    """A list that gets each of `params`' .grad as the first optimizer step (ddp.step) reads them."""
+    first, step_of = [], ddp.step
+
+    def step(optimizer, max_norm=None):
+        if not first:
+            first.extend(p.grad.clone() for p in params)
+        return step_of(optimizer, max_norm)
+    ddp.step = step
+    return first
+
+
 def _replicas(dtype, mesh=None):
     group = late_group(mesh)
     model = m00.build_model(MLP).to(dtype)
@@ -71,26 +90,53 @@ def _replicas(dtype, mesh=None):
     ddp = dp.replicate(model, group, CAP)
     start = [p.detach().clone() for p in model.parameters()]
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=LR)
-    after, losses = [], []
+    grads = keep_first_gradients(ddp, list(model.parameters()))
+    after, losses, sent = [], [], []  # sent: the buckets' labels each step
     for step in range(STEPS):
+        del group.collectives.log[:]
         losses.append(ts.train_step(ddp, model, *mlp_batch(step, dtype), 1, optimizer))
         check_waited(group)
         after.append([p.detach().clone() for p in model.parameters()])
+        sent.append([r.label for r in group.collectives.log if r.label.startswith("bucket")])
     buffers = {b.grads.untyped_storage().data_ptr(): b for b in ddp.buckets}
     views = [name for name, p in model.named_parameters()
              if p.grad is None or p.grad.untyped_storage().data_ptr() not in buffers]
-    return group.ranks, start, after, losses, views
+    return group.ranks, start, after, losses, views, grads, sent, len(ddp.buckets)
 
 
 def worst(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
     return max((a - b).abs().max().item() for a, b in zip(got, want, strict=True))
 
 
-COUNTED = ("is the loss divided by the step's count of real tokens over every rank? your global_token_count counts "
-           "them, your train_step divides each micro-step's summed loss by them; or an average taken twice: your "
-           "launch sums, it does not divide by d")
+COUNTED = ("are the gradients your train_step leaves to the optimizer those of the step's mean over the real tokens "
+           "of every rank (your global_token_count counts them)? or an average taken twice: your launch sums, it "
+           "does not divide by d")
 TWICE = ("the loss is right, so the count is: an average taken twice? your launch sums, it does not divide by d; "
-         "or your train_step does not divide each micro-step's summed loss by that count")
+         "or are the gradients your train_step leaves to the optimizer not those of the step's mean?")
+
+
+def factor_of(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
+    """The factor c that makes c * want closest to got (least squares over every value)."""
+    return (sum((g * w).sum() for g, w in zip(got, want)) / sum((w * w).sum() for w in want)).item()
+
+
+def gradient_message(where: str, got, want, n_tokens: int, d: int, who: str) -> str:
+    """Why the gradients the optimizer reads are not the step's, from the factor between them; `who` is the
+    step's code (your train_step, your DataParallelLlama.train_step)."""
+    c, gap = factor_of(got, want), worst(got, want)
+    said = f"{where}: the gradients the first optimizer step reads differ by {gap:.2e} from one process's"
+    if abs(c) < 1e-6:
+        return (f"{said}, about {c:.1e} times them: {who} scaled them by a count read before its wait() (a "
+                f"collective here delivers only at wait(); a count not yet arrived reads as a huge negative number)")
+    for factor, why in ((n_tokens, f"scaled before finish() landed the buckets' sums (they overwrite what {who} did "
+                                   f"to the buffers), or not scaled at all"),
+                        (1 / n_tokens, f"scaled by the count twice ({who})"),
+                        (1 / d, "an average taken twice: your launch sums, it does not divide by d"),
+                        (d, f"each rank's own count, not the step's (your global_token_count sums over the group)")):
+        if d > 1 or factor not in (d, 1 / d):
+            if math.isclose(c, factor, rel_tol=1e-6):
+                return f"{said}: {c:g} times them, {why}"
+    return f"{said} (about {c:.4g} times them): your ready, launch or finish, or {who}"
 
 
 def beyond(what: str, gap: float, tolerance: float = TOLERANCE, factor: str = COUNTED) -> str:
@@ -114,16 +160,24 @@ def test_replicas_equal_one_process_on_the_whole_batch(mesh, world_size):
     initial = list(m00.build_model(MLP).to(f64).parameters())
     with torch.no_grad():
         first_loss = F.cross_entropy(m00.build_model(MLP).to(f64)(mlp_batch(0)[0]), mlp_batch(0)[1]).item()
-    for rank, (ranks, start, after, losses, views) in enumerate(run_ranks(_replicas, world_size, f64, mesh, timeout=60)):
+    grads = first_gradients(m00.build_model(MLP).to(f64))
+    for rank, (ranks, start, after, losses, views, got, sent, n_buckets) in enumerate(
+            run_ranks(_replicas, world_size, f64, mesh, timeout=60)):
         where = f"rank {rank}" + (f" (its d group is ranks {ranks}, first member rank {ranks[0]})" if mesh else "")
         assert all(torch.equal(a, b) for a, b in zip(start, initial)), \
             (f"{where}: the replicas must start from the group's first member's weights, not their own, nor those "
              f"of the job's rank 0 (your broadcast_from_first)")
         assert not views, f"{where}: {views[0]}.grad is not a view into its bucket's buffer"
         assert math.isclose(losses[0], first_loss, rel_tol=1e-12), \
-            (f"{where}: the first step's loss is {losses[0]}, one process's {first_loss}: the summed token losses "
-             f"of every rank over the count of real tokens of every rank (your global_token_count counts them, your "
-             f"train_step adds up each micro-step's summed token losses in loss_sum)")
+            (f"{where}: your global_token_count or your train_step: the first step's loss is {losses[0]}, one "
+             f"process's {first_loss}: the summed token losses of every rank (train_step's loss_sum) over the count "
+             f"of real tokens of every rank (global_token_count's)")
+        assert worst(got, grads) <= TOLERANCE, gradient_message(where, got, grads, MLP.batch,
+                                                                world_size // (2 if mesh else 1), "your train_step")
+        for step, labels in enumerate(sent):
+            assert labels == [f"bucket {k}" for k in range(n_buckets)], (
+                f"{where}: step {step} sent {labels}: every bucket once a step, in order (your ready sends them; "
+                f"your finish leaves every bucket armed and the next one to send at 0 for the next step)")
         for step, (got, want) in enumerate(zip(after, expected)):
             gap = worst(got, want)
             assert gap <= TOLERANCE, beyond(f"{where}: the weights after step {step}", gap, factor=TWICE)
@@ -132,7 +186,7 @@ def test_replicas_equal_one_process_on_the_whole_batch(mesh, world_size):
 @pytest.mark.exercises(*REPLICAS)
 def test_float32_replicas_agree_to_float32_rounding():
     expected = one_process(m00.build_model(MLP).to(f32), dtype=f32)
-    for rank, (_, _, after, _, _) in enumerate(run_ranks(_replicas, 2, f32, timeout=60)):
+    for rank, (_, _, after, *_) in enumerate(run_ranks(_replicas, 2, f32, timeout=60)):
         gap = worst(after[-1], expected[-1])
         assert gap <= 1e-6, beyond(f"rank {rank}: float32 weights after {STEPS} steps", gap, 1e-6)
 
@@ -298,9 +352,9 @@ def test_tied_and_frozen_weights_train_as_one_process_and_an_unused_one_is_named
 CFG = LlamaConfig(dim=32, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=48, n_layers=4, max_seq_len=16)
 BATCH = 8
 BLOCK_CAP = 60_000  # a block is 7,744 float64 values (61,952 bytes): about one bucket per block
-LLAMA_COUNTED = ("your DataParallelLlama.train_step hands the step's count of real tokens to module 06's "
-                 "forward_backward as n_tokens, your global_token_count counts them over every rank; or an average "
-                 "taken twice: your launch sums, it does not divide by d")
+LLAMA_COUNTED = ("are the gradients your DataParallelLlama.train_step leaves to the optimizer those of the step's "
+                 "mean (what does module 06's forward_backward divide by)? or an average taken twice: your launch "
+                 "sums, it does not divide by d")
 
 
 def _llama(mesh_sizes, n_microbatches):
@@ -315,15 +369,18 @@ def _llama(mesh_sizes, n_microbatches):
         original(layer, grads)
     model.on_block_grads = recorded
     optimizer = torch.optim.AdamW(model.ddp.parameters(), lr=3e-3, weight_decay=0.0)
+    grads = keep_first_gradients(model.ddp, model.parameters())
     losses, data, generator = [], load_text(), torch.Generator().manual_seed(0)
-    del group.collectives.log[:]
+    del group.collectives.log[:], group.collectives.waited_at[:]
     for _ in range(STEPS):
         tokens, targets = random_batch(data, BATCH, CFG.max_seq_len, generator)
         losses.append(model.train_step(tokens, targets, n_microbatches, optimizer))
         check_waited(group)
-    first_bucket = next(i for i, r in enumerate(group.collectives.log) if r.label == "bucket 0")
+    log = group.collectives.log
+    first_bucket = next(i for i, r in enumerate(log) if r.label == "bucket 0")
+    buckets = [i for i, record in enumerate(log) if record.label.startswith("bucket")]
     return (group.ranks, losses, [t.clone() for t in model.parameters()], handed_over, first_bucket,
-            len(model.ddp.buckets))
+            len(model.ddp.buckets), buckets, token_counts(group), grads)
 
 
 @pytest.mark.exercises("DataParallelLlama.train_step",
@@ -338,21 +395,28 @@ def _llama(mesh_sizes, n_microbatches):
 def test_module_06_llama_hands_each_block_to_the_buckets(mesh, world_size, n_microbatches):
     reference_model, reference_losses = m06.train(CFG, STEPS, BATCH, lr=3e-3, dtype=f64)
     expected = reference_model.parameters()
-    for rank, (ranks, losses, weights, handed_over, first_bucket, n_buckets) in enumerate(
+    tokens, targets = random_batch(load_text(), BATCH, CFG.max_seq_len, torch.Generator().manual_seed(0))
+    _, first = m06.LlamaModel(CFG, 0, f64).forward_backward(tokens, targets)  # the first step's gradients
+    first = first.tensors()
+    for rank, (ranks, losses, weights, handed_over, first_bucket, n_buckets, buckets, counts, grads) in enumerate(
             run_ranks(_llama, world_size, mesh, n_microbatches, timeout=90)):
         if mesh:
             assert ranks == (rank % 2, rank % 2 + 2), f"rank {rank}: its d group is {ranks}"
         assert n_buckets > CFG.n_layers, f"expected a bucket per block at least, got {n_buckets}"
+        gap = max(abs(a - b) for a, b in zip(losses, reference_losses))
+        assert gap <= TOLERANCE, (f"rank {rank}: your DataParallelLlama.train_step's losses {losses} differ by "
+                                  f"{gap:.2e} from module 06's in one process {reference_losses}: its loss_sum holds "
+                                  f"this rank's summed token losses, n_tokens the step's count (what did you pass "
+                                  f"forward_backward as its divisor, and what does its loss hold then?)")
+        assert worst(grads, first) <= TOLERANCE, gradient_message(
+            f"rank {rank}", grads, first, int((targets != m06.IGNORE_INDEX).sum()), 2,
+            "your DataParallelLlama.train_step")
         gap = worst(weights, expected)
         assert gap <= TOLERANCE, beyond(f"rank {rank}: the weights after {STEPS} steps", gap, factor=LLAMA_COUNTED)
-        gap = max(abs(a - b) for a, b in zip(losses, reference_losses))
-        assert gap <= TOLERANCE, (f"rank {rank}: the losses {losses} differ by {gap:.2e} from module 06's in one "
-                                  f"process {reference_losses}, the weights do not: your DataParallelLlama.train_step "
-                                  f"keeps in loss_sum this rank's summed token losses (forward_backward's loss was "
-                                  f"divided by n_tokens)")
         assert first_bucket < handed_over[0], (
             f"rank {rank}: bucket 0 was sent as collective {first_bucket}, after block 0's gradients were handed over "
             f"(collective {handed_over[0]}): block 3's bucket should leave while blocks 2 .. 0 compute (your ready)")
+        check_count_in_flight(f"rank {rank}", counts, buckets, n_buckets, "your DataParallelLlama.train_step")
 
 
 # --- bad input: one line, before any process starts (given code) ----------------------------------

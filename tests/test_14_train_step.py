@@ -9,18 +9,22 @@ sequences; microbatch j has 0, 5, 11 and 15 of its 16 targets padded (one sequen
 so a loss averaged per microbatch weighs their tokens 1, 16/11, 16/5 and 16 times over: a
 different loss, and different weights after a step.
 
+Collectives arrive late (course/late_collectives.py): an asynchronous one delivers only at its
+wait(), so a count read before its wait is wrong on every run, and the log says when the count was
+waited for: only after the step's last bucket has left, so that nothing but the buckets is waited
+for while the micro-steps compute (DDP's loop waits for no count at all).
+
 Tolerance. The ranks and micro-steps sum each gradient in another order than one process: in
 float64 (measured, torch 2.13 CPU, 3 AdamW steps) the weights stay within 2.4e-16 of one process
 and the losses within 4.5e-16. We allow 1e-12. The per-microbatch mean misses by about 1e-3.
 """
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from course.impl import load, reference
+from course.late_collectives import check_count_in_flight, check_waited, late_group, token_counts
 from course.launch import run_ranks
-from course.mesh import world_group
 from course.reference_llama import ModularLlama
 
 dp = load("m14_data_parallel")
@@ -68,17 +72,22 @@ def one_process():
 
 
 def _accumulate(n_microbatches):
-    group = world_group()
-    count = ts.global_token_count(global_batch(0)[1][ts.my_rows(BATCH, group)], group)
+    group = late_group()
+    in_flight = ts.global_token_count(global_batch(0)[1][ts.my_rows(BATCH, group)], group)
+    count = in_flight.wait() if hasattr(in_flight, "wait") else in_flight  # an InFlight is asked for: the test says
     model = build()
     ddp = dp.replicate(model, group, CAP)
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=LR)
     forwards = []  # collectives issued before each micro-step's forward
     model.register_forward_pre_hook(lambda module, args: forwards.append(len(group.collectives.log)))
-    del group.collectives.log[:]
-    losses = [ts.train_step(ddp, model, *global_batch(step), n_microbatches, optimizer) for step in range(STEPS)]
+    del group.collectives.log[:], group.collectives.waited_at[:]
+    losses = []
+    for step in range(STEPS):
+        losses.append(ts.train_step(ddp, model, *global_batch(step), n_microbatches, optimizer))
+        check_waited(group)
     buckets = [i for i, record in enumerate(group.collectives.log) if record.label.startswith("bucket")]
-    return [p.detach().clone() for p in model.parameters()], losses, forwards, buckets, len(ddp.buckets), count
+    return ([p.detach().clone() for p in model.parameters()], losses, forwards, buckets, len(ddp.buckets), count,
+            token_counts(group))
 
 
 @pytest.mark.exercises("train_step",
@@ -92,23 +101,30 @@ def _accumulate(n_microbatches):
 def test_accumulation_over_uneven_microbatches_equals_one_process(world_size, n_microbatches):
     expected, expected_losses = one_process()
     real = int((global_batch(0)[1] != -100).sum())
-    for rank, (weights, losses, forwards, buckets, n_buckets, count) in enumerate(
+    for rank, (weights, losses, forwards, buckets, n_buckets, count, counts) in enumerate(
             run_ranks(_accumulate, world_size, n_microbatches, timeout=60)):
         where = f"rank {rank} of d={world_size}, m={n_microbatches}"
         assert isinstance(count, torch.Tensor) and count.dtype == torch.int64 and count.dim() == 0, (
-            f"{where}: your global_token_count returned {count!r}: a 0-d int64 tensor is asked for (an int64 sum "
-            f"is exact at any size, and the count is 8 bytes on the wire as the formulas say)")
+            f"{where}: your global_token_count's wait() gave {count!r}: an InFlight (m12_tp_linear) whose wait() "
+            f"gives a 0-d int64 tensor is asked for (an int64 sum is exact at any size, and the count is 8 bytes on "
+            f"the wire as the formulas say)")
         assert count.item() == real, \
-            (f"{where}: your global_token_count returned {count.item()}, the global batch holds {real} real tokens "
+            (f"{where}: your global_token_count gave {count.item()}, the global batch holds {real} real tokens "
              f"(every rank's targets that are not IGNORE_INDEX, summed over the group)")
+        assert all(loss > 0 for loss in losses), (
+            f"{where}: losses {losses}: a loss below zero comes from a count read before its wait() (here a "
+            f"collective delivers only then, and an unfinished count reads as a huge negative number): your "
+            f"train_step")
         gap = max(abs(a - b) for a, b in zip(losses, expected_losses, strict=True))
-        assert gap <= TOLERANCE, (f"{where}: losses {losses}, one process {expected_losses}: the step's loss is the "
-                                  f"mean over every real token of the global batch")
+        assert gap <= TOLERANCE, (f"{where}: your train_step's losses {losses}, one process's {expected_losses}: the "
+                                  f"step's loss is the mean over every real token of the global batch (train_step's "
+                                  f"loss_sum holds this rank's summed token losses, n_tokens the step's count)")
         gap = max((a - b).abs().max().item() for a, b in zip(weights, expected, strict=True))
         assert gap <= TOLERANCE, (
             f"{where}: the weights after {STEPS} steps differ by {gap:.2e} from one process on the whole batch "
-            f"(tolerance {TOLERANCE:g}); microbatches hold 16, 11, 5 and 1 real tokens: your train_step divides each "
-            f"microbatch's summed loss by the step's global count, it does not average it on its own")
+            f"(tolerance {TOLERANCE:g}), the losses do not; microbatches hold 16, 11, 5 and 1 real tokens: what do "
+            f"your train_step's backwards differentiate, and are the gradients ddp keeps those of the step's mean "
+            f"once the buckets' sums and the count have both arrived?")
         assert len(forwards) == STEPS * n_microbatches and len(buckets) == STEPS * n_buckets, \
             (f"{where}: {len(buckets)} buckets sent in {STEPS} steps of {n_buckets} buckets: each once a step (your "
              f"train_step)")
@@ -117,3 +133,5 @@ def test_accumulation_over_uneven_microbatches_equals_one_process(world_size, n_
             assert micro_step % n_microbatches == n_microbatches - 1, (
                 f"{where}: a bucket was sent during micro-step {micro_step % n_microbatches}; gradient accumulation "
                 f"sends only during the last one, {n_microbatches - 1} (your train_step: no_sync() around the others)")
+        check_count_in_flight(where, counts, buckets, n_buckets, "your train_step")
+

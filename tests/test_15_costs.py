@@ -1,10 +1,14 @@
 """Module 15 costs: the traffic formula against a hand count, and against the collectives one real
-training step of the reference model issues (course/collectives.py's log, read by course/costs.py)."""
+training step of the reference model issues (course/collectives.py's log, read by course/costs.py);
+Ulysses as DeepSpeed runs it (the adjoint backward) against DeepSpeed's scheme built here by autograd
+(an all-to-all whose backward is the same exchange the other way, deepspeed/sequence/layer.py), whose
+gradients the test checks against whole attention first (float64, within 1e-12)."""
 import functools
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from course.costs import StepCost, measured_cost
 from course.impl import load, reference
@@ -13,6 +17,7 @@ from course.mesh import init_mesh
 
 costs = load("m15_costs")
 ref_model = reference("m15_cp_model")
+ulysses = reference("m15_ulysses")   # trusted re-shardings for the DeepSpeed-Ulysses built below
 LlamaConfig = reference("m06_llama_block").LlamaConfig
 
 CFG = LlamaConfig(dim=16, n_heads=4, n_kv_heads=2, head_dim=4, ffn_dim=32, n_layers=2, max_seq_len=16)
@@ -101,3 +106,76 @@ def test_the_traffic_formula_equals_the_collectives_of_a_real_step(variant):
         measured = measured_cost(logs[variant])
         assert measured == formula, (f"rank {rank}, {variant}, c=2: logged sent {measured.sent}, calls "
                                      f"{measured.calls}; formula {formula.sent}, {formula.calls}")
+
+
+# --- DeepSpeed-Ulysses: the backward is the adjoint of the forward's all-to-alls -----------------------
+
+@pytest.mark.exercises("cp_traffic")
+def test_deepspeeds_ulysses_backward_sends_what_its_forward_sent():
+    # As the Ulysses hand count above (L = 2, m = 2, c = 4, K = 2 copied twice, float32): q, k, v and o forward,
+    # 4 * 1,024 bytes, no lse; backward their adjoints do, dq, dk, dv, the same 4 * 1,024. 3/4 of 8,192 leaves
+    # the rank: 6,144 per block, 8 all-to-alls.
+    expected = StepCost({("c", "all_to_all"): 4 * 6_144, ("dc", "all_reduce"): DC_SENT[4]},
+                        {("c", "all_to_all"): 4 * 8, ("dc", "all_reduce"): 2})
+    got = costs.cp_traffic(CFG, 8, 16, torch.float32, 4, "ulysses", d=1, n_microbatches=2, adjoint=True)
+    assert got == expected, (f"DeepSpeed's Ulysses, c=4: formula sent {got.sent}, calls {got.calls}; hand count "
+                             f"{expected.sent}, {expected.calls} (its backward is its forward's four all-to-alls run "
+                             f"backwards: do, dq, dk, dv; no lse, nothing re-sent)")
+
+
+class _SeqAllToAll(torch.autograd.Function):
+    """DeepSpeed's _SeqAllToAll (deepspeed/sequence/layer.py): an all-to-all whose backward is the same exchange
+    with the scattered and gathered axes swapped. Built here on module 15's two re-shardings."""
+
+    @staticmethod
+    def forward(ctx, x, group, to_heads, label):
+        ctx.group, ctx.to_heads, ctx.label = group, to_heads, label
+        return (ulysses.sequence_to_heads if to_heads else ulysses.heads_to_sequence)(x, group, label)
+
+    @staticmethod
+    def backward(ctx, grad):
+        back = ulysses.heads_to_sequence if ctx.to_heads else ulysses.sequence_to_heads
+        return back(grad.contiguous(), ctx.group, "d" + ctx.label), None, None, None
+
+
+def _deepspeed_ulysses(heads, kv_heads):
+    """One block's attention of DeepSpeed-Ulysses by autograd on c ranks (B = 2, T = 16, D = 4, float64): what its
+    all-to-alls logged, and whether its gradients are whole attention's."""
+    group = init_mesh({"c": dist.get_world_size()}).group("c")
+    c, (B, T, D) = group.size, (2, 16, 4)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, T, h, D, generator=g, dtype=torch.float64, requires_grad=True)
+               for h in (heads, kv_heads, kv_heads))
+    do = torch.randn(B, T, heads, D, generator=g, dtype=torch.float64)
+    rows = slice(group.index * T // c, (group.index + 1) * T // c)   # this rank's positions, contiguous
+    copies = ulysses.kv_copies(kv_heads, c)
+    mine = [x[:, rows].detach().requires_grad_(True) for x in (q, k, v)]
+    start = len(group.collectives.log)
+    qh, kh, vh = (_SeqAllToAll.apply(x, group, True, name) for x, name in
+                  zip((mine[0], mine[1].repeat_interleave(copies, 2), mine[2].repeat_interleave(copies, 2)), "qkv"))
+    oh = F.scaled_dot_product_attention(qh.transpose(1, 2), kh.transpose(1, 2), vh.transpose(1, 2), is_causal=True,
+                                        enable_gqa=True).transpose(1, 2)
+    o = _SeqAllToAll.apply(oh.contiguous(), group, False, "o")
+    o.backward(do[:, rows])
+    logged = [(r.op, r.label, r.sent_bytes) for r in group.collectives.log[start:]]
+    whole = F.scaled_dot_product_attention(q.transpose(1, 2), k.repeat_interleave(heads // kv_heads, 2).transpose(1, 2),
+                                           v.repeat_interleave(heads // kv_heads, 2).transpose(1, 2), is_causal=True)
+    whole.transpose(1, 2).backward(do)
+    exact = all(torch.allclose(x.grad, full.grad[:, rows], atol=1e-12) for x, full in zip(mine, (q, k, v)))
+    return logged, exact
+
+
+@pytest.mark.exercises("cp_traffic")
+def test_the_adjoint_formula_equals_deepspeeds_ulysses_run_by_autograd():
+    # H = 4 query heads, K = 2 key/value heads copied twice on c = 4 ranks: one block, one microbatch of B = 2
+    # sequences of 16 positions, float64; the formula asked for that step on one block (L = 1), float64
+    cfg = LlamaConfig(dim=16, n_heads=4, n_kv_heads=2, head_dim=4, ffn_dim=32, n_layers=1, max_seq_len=16)
+    formula = costs.cp_traffic(cfg, 2, 16, torch.float64, 4, "ulysses", n_microbatches=1, adjoint=True)
+    for rank, (logged, exact) in enumerate(run_ranks(_deepspeed_ulysses, 4, 4, 2, timeout=60)):
+        assert exact, f"rank {rank}: the test's DeepSpeed-Ulysses does not give whole attention's gradients"
+        sent = sum(b for op, _, b in logged if op == "all_to_all")
+        calls = sum(op == "all_to_all" for op, _, _ in logged)
+        assert (sent, calls) == (formula.sent_bytes("c", "all_to_all"), formula.n_calls("c", "all_to_all")), (
+            f"rank {rank}: DeepSpeed's Ulysses by autograd sent {sent} bytes in {calls} all-to-alls "
+            f"({[label for _, label, _ in logged]}); the adjoint formula says "
+            f"{formula.sent_bytes('c', 'all_to_all')} in {formula.n_calls('c', 'all_to_all')}")

@@ -10,16 +10,15 @@ Tolerance, float64: measured up to 1.3e-15 absolute (torch 2.13 CPU) against the
 all-to-all cut along the wrong axis mixes heads and positions: off by O(1).
 """
 import functools
-import math
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from course.impl import load
 from course.launch import run_ranks
 from course.mesh import init_mesh
+from course.reference_attention import whole_attention  # float64 SDPA, logsumexp and autograd
 
 ulysses = load("m15_ulysses")
 layout = load("m15_layout")
@@ -35,19 +34,6 @@ def inputs(H, K, seed=2):
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(B, T, heads, D, generator=g, dtype=f64) for heads in (H, K, K))
     return q, k, v, torch.randn(B, T, H * D, generator=g, dtype=f64)
-
-
-def whole_attention(q, k, v, do):
-    """float64 reference on the whole sequence: o, lse (B, H, T), dq, dk, dv (SDPA, logsumexp, autograd)."""
-    q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
-    group = q.shape[2] // k.shape[2]
-    kr, vr = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
-    o = F.scaled_dot_product_attention(q.transpose(1, 2), kr.transpose(1, 2), vr.transpose(1, 2), is_causal=True)
-    o = o.transpose(1, 2).flatten(2)
-    o.backward(do)
-    scores = torch.einsum("bqhd,bkhd->bhqk", q, kr) / math.sqrt(D)
-    lse = torch.logsumexp(scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf")), dim=-1)
-    return o.detach(), lse.detach(), q.grad, k.grad, v.grad
 
 
 def labelled(n, heads, rank, c):

@@ -41,6 +41,7 @@ m10 = reference("m10_recompute")
 m12 = reference("m12_tp_costs")
 m14 = reference("m14_costs")
 m15 = reference("m15_costs")
+m17_costs = reference("m17_costs")
 
 CFG = m17_given.CONFIG                # dim 32, 8 / 4 heads of 4, FFN 64, 4 blocks, T = 16, V = 256
 TINY = presets.Model("tiny", CFG, batch=8)
@@ -214,6 +215,39 @@ def test_zero2_reduce_scatters_the_gradients_of_every_microbatch():
 
 
 @pytest.mark.exercises("data_cost")
+def test_zero2_once_a_step_reduce_scatters_once_and_keeps_whole_gradients():
+    # Module 14's pieces, counted here: the micro-steps accumulate whole gradients (Ψ' values, as ZeRO-1 keeps
+    # them), one reduce-scatter a step sends (d - 1)/d of them, one all-gather the updated weights
+    layout = Layout(d=4, zero=2, m=M, reduce_once=True)
+    dense, _ = layouts.rank_parameters(TINY, layout)
+    psi = sum(layouts.bucket_numels(tuple(dense), torch.float32))
+    buckets = len(layouts.bucket_numels(tuple(dense), torch.float32))
+    assert psi % 4 == 0   # no padding on d = 4
+    statistics = 2 * 2 * 3 / 4 * 8   # the token count's and the loss's 8-byte all-reduces
+    want_sent = {("d", "reduce_scatter"): 3 / 4 * psi * 4, ("d", "all_gather"): 3 / 4 * psi * 4,
+                 ("d", "all_reduce"): statistics}
+    want_calls = {("d", "reduce_scatter"): buckets, ("d", "all_gather"): buckets, ("d", "all_reduce"): 2}
+    got = costs.data_cost(TINY, layout, BATCH, layouts.COURSE)
+    assert (got.sent, got.calls) == (want_sent, want_calls), (
+        f"ZeRO-2 once a step on d = 4, m = {M}: one reduce-scatter a step of the accumulated gradients "
+        f"({want_calls}, {want_sent} bytes), got {got.calls}, {got.sent}")
+    want = {"parameters": 4 * psi, "gradients": 4 * psi, "optimizer": 2 * 4 * psi // 4}
+    kept = {kind: got.memory.get(kind) for kind in want}
+    assert kept == want, (f"ZeRO-2 once a step keeps the whole accumulated gradients until the reduce-scatter (ZeRO-1's "
+                          f"state: {want}), got {kept}")
+
+
+@pytest.mark.given
+def test_zero2_every_micro_step_with_a_pipeline_is_refused_in_one_line():
+    with pytest.raises(ValueError, match="DeepSpeed refuses ZeRO-2 with a pipeline") as refused:
+        layouts.check_layout(TINY, Layout(p=2, d=2, zero=2, schedule="1f1b", m=4), BATCH)
+    assert "\n" not in str(refused.value)
+    layouts.check_layout(TINY, Layout(p=2, d=2, zero=2, reduce_once=True, schedule="1f1b", m=4), BATCH)
+    with pytest.raises(ValueError, match="only ZeRO-2"):
+        layouts.check_layout(TINY, Layout(d=2, zero=1, reduce_once=True), BATCH)
+
+
+@pytest.mark.exercises("data_cost")
 @pytest.mark.parametrize("zero", [0, 1])
 def test_an_moe_models_experts_are_summed_over_the_d_c_over_e_ranks_of_ed(zero):
     moe = reference("m16_router").MoEConfig(n_experts=4, top_k=2, expert_dim=16)
@@ -312,3 +346,16 @@ def test_context_attention_is_costed_on_a_tensor_ranks_heads():
            if key[0] == "c"}
     assert got == want, (f"c = 2 on t = 2: module 15's formula for the {heads.n_heads} query and {heads.n_kv_heads} "
                          f"key/value heads of a tensor rank sends {want}, the plan says {got}")
+
+
+@pytest.mark.exercises("axes_cost")
+def test_ulysses_is_planned_as_deepspeed_runs_it():
+    # DeepSpeed's backward runs its forward's all-to-alls backwards (module 15's adjoint count); module 15's own
+    # UlyssesAttention re-sends q, k, v and the statistics, 13 all-to-alls where DeepSpeed's needs 8
+    layout = Layout(d=2, c=2, m=M, cp="ulysses")
+    formula = m15.cp_traffic(CFG, BATCH, CFG.max_seq_len, torch.float32, 2, "ulysses", 2, M, adjoint=True)
+    want = {key: value for key, value in formula.sent.items() if key[0] == "c"}
+    got = {key: value for key, value in costs.axes_cost(TINY, layout, BATCH, layouts.COURSE).sent.items()
+           if key[0] == "c"}
+    assert got == want, (f"c = 2, Ulysses: DeepSpeed's all-to-alls send {want}, the plan says {got} (module 15's "
+                         "cp_traffic with adjoint=True)")

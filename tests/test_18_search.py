@@ -119,6 +119,8 @@ def refused(argv, capsys) -> str:
     (["--model", "mixtral-8x7b", "--gpus", "8", "--mesh", "t=2"], "no tensor-parallel expert layer"),
     (["--model", "llama3-8b", "--gpus", "8", "--mesh", "t=3"], "does not divide --gpus 8"),
     (["--model", "dim=64,layers=2", "--gpus", "8"], "missing"),
+    (["--gpus", "8"], "--model and --gpus are needed"),
+    (["--published", "--gpus", "8"], "--published takes no other option"),
 ])
 def test_bad_input_is_one_line_before_the_search(argv, words, capsys):
     message = refused(argv, capsys)

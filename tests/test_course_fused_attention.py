@@ -1,22 +1,11 @@
-"""course/fused_attention.py keeps module 06's attention contract: checked against autograd."""
-import math
-
+"""course/fused_attention.py keeps module 06's attention contract: checked against autograd on
+course/reference_attention.py's float64 attention."""
 import pytest
 import torch
 
 from course.fused_attention import FusedAttention
 from course.gpu_check import needs_gpu, run_cuda_check
-
-
-def reference_attention(q, k, v):
-    """Plain causal grouped-query attention with autograd: o (B, T, heads * D) and lse."""
-    B, T, heads, D = q.shape
-    group = heads // k.shape[2]
-    k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
-    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(D)
-    scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
-    o = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(scores, dim=-1), v)
-    return o.reshape(B, T, heads * D), torch.logsumexp(scores, dim=-1)
+from course.reference_attention import whole_attention
 
 
 def inputs(dtype, device="cpu", B=2, T=19, heads=4, kv_heads=2, D=8):
@@ -30,14 +19,12 @@ def compare(dtype, device, atol):
     o, lse = FusedAttention().forward(q.detach(), k.detach(), v.detach())
     do = torch.randn_like(o)
     dq, dk, dv = FusedAttention().backward(do, q.detach(), k.detach(), v.detach(), o, lse)
-    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    o_ref, lse_ref = reference_attention(q64, k64, v64)
-    o_ref.backward(do.double())
+    o_ref, lse_ref, *grads = whole_attention(q, k, v, do)
     B, T, heads, _ = q.shape
-    torch.testing.assert_close(o.double(), o_ref.detach(), atol=atol, rtol=0)
-    torch.testing.assert_close(lse.double().reshape(B, heads, T), lse_ref.detach(), atol=atol, rtol=0)
-    for name, got, ref in (("dq", dq, q64), ("dk", dk, k64), ("dv", dv, v64)):
-        torch.testing.assert_close(got.double(), ref.grad, atol=atol, rtol=0, msg=lambda m: f"{name}: {m}")
+    torch.testing.assert_close(o.double(), o_ref, atol=atol, rtol=0)
+    torch.testing.assert_close(lse.double().reshape(B, heads, T), lse_ref, atol=atol, rtol=0)
+    for name, got, ref in zip(("dq", "dk", "dv"), (dq, dk, dv), grads):
+        torch.testing.assert_close(got.double(), ref, atol=atol, rtol=0, msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("dtype, atol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])

@@ -75,9 +75,9 @@ def test_a_failed_check_names_the_hint_for_its_todo(tmp_path):
 
 def test_a_check_that_exercises_several_todos_points_at_the_first_it_lists():
     # The test's author lists the functions it grades most directly first (module 05: TODO 1 is
-    # forward_step, TODO 5 one_f_one_b).
+    # forward_step, TODO 4 one_f_one_b).
     from course.hints import hint_command_for
-    assert hint_command_for("05", "one_f_one_b, forward_step") == "python main.py hint 05 5"
+    assert hint_command_for("05", "one_f_one_b, forward_step") == "python main.py hint 05 4"
     assert hint_command_for("05", "forward_step, one_f_one_b") == "python main.py hint 05 1"
 
 

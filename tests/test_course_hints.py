@@ -28,11 +28,11 @@ def record(tmp_path, monkeypatch):
 
 
 def test_the_todos_are_counted_by_the_highest_level_seen(record):
-    record(0, 1, 2, 3, 0)
+    record(0, 1, 2, 3)
     seen = hints_seen(MODULES["05"])
-    assert seen == HintsSeen(without=2, up_to_2=2, with_3=1)
-    assert str(seen) == "2 of 5 TODOs without a hint, 2 with hints up to level 2, 1 with level 3"
-    assert seen.compact() == "2/2/1"
+    assert seen == HintsSeen(without=1, up_to_2=2, with_3=1)
+    assert str(seen) == "1 of 4 TODOs without a hint, 2 with hints up to level 2, 1 with level 3"
+    assert seen.compact() == "1/2/1"
     assert str(HintsSeen(14, 0, 0)) == "14 of 14 TODOs without a hint"
     assert str(HintsSeen(11, 0, 3)) == "11 of 14 TODOs without a hint, 3 with level 3"
 
@@ -40,20 +40,20 @@ def test_the_todos_are_counted_by_the_highest_level_seen(record):
 def test_a_renamed_title_keeps_what_was_seen_under_the_old_one(record):
     import course.hints
     old = "TODO(m05): a title it had before"
-    titles = record(0, 1, 0, 0, 0)
+    titles = record(0, 1, 0, 0)
     course.hints.RENAMED_TITLES[old] = titles[1]  # the record holds both: the higher level counts
     course.hints.HINTS_SHOWN.write_text(json.dumps({old: 3, titles[1]: 1}))
-    assert hints_seen(MODULES["05"]) == HintsSeen(without=4, up_to_2=0, with_3=1)
+    assert hints_seen(MODULES["05"]) == HintsSeen(without=3, up_to_2=0, with_3=1)
     assert course.hints.load_shown() == {titles[1]: 3}
 
 
 def test_grade_says_how_many_todos_were_written_without_a_hint_when_the_module_passes(record, capsys):
     from course.grade import _scorecard
-    record(0, 2, 3, 0, 0)
+    record(0, 2, 3, 0)
     passed = [{"test": f"t.py::test_{k}", "outcome": "passed", "reason": ""} for k in range(4)]
     assert _scorecard(MODULES["05"], "steps", ["t.py"], passed, 0) == 0
     assert capsys.readouterr().out.splitlines()[-1] == \
-        "4/4 checks pass; 3 of 5 TODOs without a hint, 1 with hints up to level 2, 1 with level 3"
+        "4/4 checks pass; 2 of 4 TODOs without a hint, 1 with hints up to level 2, 1 with level 3"
     failed = passed[:3] + [{"test": "t.py::test_3", "outcome": "failed", "reason": "off", "hint": None}]
     assert _scorecard(MODULES["05"], "steps", ["t.py"], failed, 1) == 1
     assert "3/4 checks pass\n" in capsys.readouterr().out  # nothing to say until it passes
@@ -71,11 +71,11 @@ def test_grade_passes_even_when_the_record_cannot_be_read(record, capsys):
 
 
 def test_list_shows_the_same_counts_per_module(record, capsys):
-    record(1, 3, 0, 0, 0)
+    record(1, 3, 0, 0)
     main.main(["list"])
     lines = capsys.readouterr().out.splitlines()
     rows = {row.split()[0]: row for row in lines[1:]}
     assert "hints: none/≤2/3" in lines[0]
-    assert " 3/1/1  Pipeline schedules" in rows["05"], rows["05"]
+    assert " 2/1/1  Pipeline schedules" in rows["05"], rows["05"]
     assert f" {len(module_todos(MODULES['01']))}/0/0  Manual split" in rows["01"], rows["01"]
     assert re.search(r"given +Monolith", rows["00"]), rows["00"]  # a given module: no count

@@ -1,13 +1,16 @@
 """The course's website (course/site/) builds, loads nothing from outside, and every link in it resolves.
 
-The site is built once, into a temporary folder, with the explorer's small grid and without executing a
-notebook (those the suite has executed are shown with their outputs, the others without): about 10 s on two
-cores. Its pages in a real browser, the notebooks' outputs among them, are the browser check's
-(`python main.py site --check`, the second step of .ci/run).
+The site is built once, into a temporary folder, with the explorer's small grid, one case of the layout
+calculator and without executing a notebook (those the suite has executed are shown with their outputs, the
+others without): about 20 s on two cores, half of it the chapters' figures. Its pages in a real browser, the
+notebooks' outputs and the chapters' figures among them, are the browser check's (`python main.py site
+--check`, the second step of .ci/run).
 """
 from __future__ import annotations
 
+import ast
 import json
+import re
 from fractions import Fraction
 
 import pytest
@@ -22,14 +25,15 @@ from course.simulate import Costs, simulate_schedule
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::PendingDeprecationWarning")
 pytest.importorskip("myst_nb", reason="the site's packages are not installed (pip install -r requirements.txt)")
 
-from course.site import explorer, notebooks, pages  # noqa: E402
+from course.site import calculator, explorer, figures, notebooks, pages  # noqa: E402
 from course.site.build import build  # noqa: E402
 from course.site.html_check import check_site  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory):
-    index, warnings = build(tmp_path_factory.mktemp("site") / "site", execute="none", grid=explorer.SMALL)
+    index, warnings = build(tmp_path_factory.mktemp("site") / "site", execute="none", grid=explorer.SMALL,
+                            cases=calculator.SMALL)
     return index.parent, warnings
 
 
@@ -41,7 +45,8 @@ def script_data(path) -> dict:
 def test_the_site_builds_without_a_warning(site):
     folder, warnings = site
     assert not warnings, "Sphinx warned (a link to a page that is not there is one):\n" + "\n".join(warnings)
-    expected = ["index.html", "explorer.html", "memory.html", "timelines.html", "docs/glossary.html"]
+    expected = ["index.html", "explorer.html", "calculator.html", "hardware.html", "timelines.html",
+                "docs/glossary.html"]
     expected += [f"docs/{p.stem}.html" for p in (REPO / "docs").glob("[0-9][0-9]-*.md")]
     expected += [f"notebooks/{p.stem}.html" for p in (REPO / "notebooks").glob("*.ipynb")]
     assert not [page for page in expected if not (folder / page).is_file()], "pages missing from the site"
@@ -58,9 +63,11 @@ def test_no_asset_from_outside_and_every_link_resolves(site):
 
 def test_the_navigation_follows_the_tracks(site):
     tracks = pages.tracks((REPO / "README.md").read_text())
-    assert [name for name, _, _ in tracks] == ["Pipeline", "Llama"], f"README.md's tracks read as {tracks}"
+    assert [name for name, _, _ in tracks] == ["Pipeline", "Llama", "Composition"], f"README's tracks: {tracks}"
     placed = [n for _, numbers, _ in tracks for n in numbers]
     assert len(set(placed)) == len(placed) and set(placed) <= set(MODULES), f"README.md's tracks: {placed}"
+    chapters = {p.name[:2] for p in (REPO / "docs").glob("[0-9][0-9]-*.md")}
+    assert not chapters - set(placed), f"chapters in no track of README.md: {sorted(chapters - set(placed))}"
     home = (site[0] / "index.html").read_text()
     for name, numbers, _ in tracks:
         assert f"{name} track" in home
@@ -83,36 +90,72 @@ def test_the_explorer_has_every_schedule_of_module_11_as_the_simulator_times_it(
     assert Fraction(run["closed"]["bubble"]) == generators.bubble_formula("zbv", 4, 8)
 
 
-def test_the_memory_explorer_has_module_13s_bytes(site):
-    import torch
+def test_the_calculator_prints_what_main_py_plan_prints(site, monkeypatch, capsys):
+    from course import plan
 
-    costs, cfg = reference("m13_costs"), reference("m06_llama_block").LlamaConfig()
-    data = json.loads((site[0] / "_static" / "memory" / "data.js").read_text().partition(" = ")[2].rstrip().rstrip(";"))
-    table = data["models"][0]["table"]["float32,4,2"]  # 4 ranks, 2 sequences per data rank
-    sizes = {"d": 2, "t": 2}
-    state = costs.state_bytes(cfg, sizes, torch.float32).memory
-    mesh = table["2x2"]
-    assert (mesh["parameters"], mesh["gradients"], mesh["optimizer"]) == (state["parameters"], state["gradients"],
-                                                                          state["optimizer"])
-    assert mesh["activations"] == costs.block_activation_bytes(cfg, sizes, 4, torch.float32).memory["activations"]
-    sent = costs.step_traffic(cfg, sizes, 4, torch.float32).sent
-    assert mesh["sent"]["t all_gather"] == sent[("t", "all_gather")] > 0
-    assert sum(mesh["sent"].values()) == sum(sent.values())
-    assert table["1x4"]["refused"].startswith("t=4 does not divide n_kv_heads"), "t = 4 does not divide 2 key/value heads"
+    case = calculator.SMALL[0]
+    data = site[0] / "_static" / "calculator"
+    index = json.loads((data / "index.js").read_text().splitlines()[-1].partition(" = ")[2].rstrip(";"))
+    summary = next(c for c in index if c["key"] == case.key)
+    first = summary["fastest"][0]
+    layouts = script_data(data / case.key / f"{first['mesh']}.js")
+    choices, name, memory, sent, calls, time, rest, miss = next(l for l in layouts if l[1] == first["name"])
+    layout = next(q.layout for q in calculator.costed(case) if str(q.layout) == name)
+    assert choices == [getattr(layout, c) for c in calculator.CHOICES] and miss is None and rest is not None
+    monkeypatch.setenv("COURSE_IMPL", "solutions")   # plan.main sets it: restored after the test
+    plan.main(calculator.plan_command(case, layout))
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("1  ")]
+    assert len(printed) == 1 and printed[0].split()[1:] == (name + rest).split(), (printed, name + rest)
+    costs, presets, layouts_module = reference("m18_costs"), reference("m18_presets"), reference("m18_layout")
+    model = presets.MODELS[case.model]
+    cost = costs.rank_cost(model, layout, model.batch, layouts_module.MIXED)
+    assert memory == cost.memory and sum(sent.values()) == sum(cost.sent.values())
+    refused = next(l for m in summary["meshes"] for l in script_data(data / case.key / f"{m['key']}.js") if l[7])
+    assert refused[7].startswith("error: nothing fits: the closest layout, {layout}, keeps"), refused[7]
+
+
+def test_every_chapter_03_to_18_shows_its_figures_of_the_manifest(site):
+    import inspect
+
+    from course.site import drawings
+
+    drawn = {p.stem for p in (site[0] / "_images").glob("*.png")}
+    for number in (f"{n:02d}" for n in range(3, 19)):
+        chapter = next((REPO / "docs").glob(f"{number}-*.md"))
+        manifest = [f.name for f in figures.of_chapter(number)]
+        assert manifest, f"no figure in the manifest for chapter {number}"
+        named = figures.named_figures(chapter.read_text())
+        assert named == manifest, f"{chapter.name} names the figures {named}, the manifest {manifest}"
+        html = (site[0] / "docs" / f"{chapter.stem}.html").read_text()
+        for name in manifest:
+            assert f'id="fig-{name}"' in html and name in drawn, f"figure {name} not on {chapter.stem}.html"
+    assert all(inspect.isfunction(getattr(drawings, f.draw, None)) for f in figures.FIGURES)
+
+
+def test_every_chapter_title_has_the_same_style():
+    titles = [p.read_text().splitlines()[0] for p in sorted((REPO / "docs").glob("[0-9][0-9]-*.md"))]
+    odd = [t for t in titles if not re.fullmatch(r"# \d\d · \S.*", t)]
+    assert not odd, f"chapter titles not written '# NN · Title': {odd}"
+
+
+def test_chapter_05s_maths_is_typeset(site):
+    html = (site[0] / "docs" / f"{next((REPO / 'docs').glob('05-*.md')).stem}.html").read_text()
+    assert 'class="math' in html and "_static/katex/katex.min.js" in html, "chapter 05's $$ formula is not maths"
 
 
 def test_the_explorer_formulas_are_the_closed_forms_of_module_11():
     generators = reference("m11_generators")
-    grid = explorer.Grid(p=(2, 3, 4), m=(4, 6, 8), v=(2, 3), costs=(1, 2))
-    for name in set(explorer.IDLE_FORMS) & set(generators.SCHEDULES):
-        assert explorer.verified_form(name, explorer.schedule_data(generators, name, grid)), name
-    wrong = explorer.schedule_data(generators, "zbh1", grid)
-    explorer.IDLE_FORMS["zbh1-wrong"] = "(p-1)*(F+I)"
-    try:
-        assert explorer.verified_form("zbh1-wrong", wrong) is None, "a wrong formula was not caught"
-    finally:
-        del explorer.IDLE_FORMS["zbh1-wrong"]
-    assert explorer.tex("(p-1)*max(F+I-W, F, I)") == r"(p-1)\max(\tau_F+\tau_I-\tau_W, \tau_F, \tau_I)"
+    grid = explorer.Grid(p=(2, 3, 4), m=(1, 2, 4, 6, 8), v=(2, 3), costs=(1, 2))
+    forms = {name: explorer.verified_form(generators, name, explorer.schedule_data(generators, name, grid))
+             for name in generators.SCHEDULES}
+    assert all(forms.values()), f"schedules without a closed form read from idle_per_rank: {forms}"
+    assert forms["interleaved"] == r"(p-1+(v-1)\max(0, p-m))(\tau_F+\tau_B)", forms["interleaved"]
+    data = explorer.schedule_data(generators, "zbh1", grid)
+    run = next(r for c in data["configs"].values() for r in c["runs"].values() if "idle" in r["closed"])
+    run["closed"]["idle"] = str(Fraction(run["closed"]["idle"]) + 1)   # a function that disagrees with its branch
+    assert explorer.verified_form(generators, "zbh1", data) is None, "a branch that disagrees was not caught"
+    expression = ast.parse("(p - 1) * max(costs.F + costs.I - 2 * costs.W, costs.F)", mode="eval").body
+    assert explorer.tex(expression) == r"(p-1)\max(\tau_F+\tau_I-2\tau_W, \tau_F)"
 
 
 def test_the_html_check_finds_what_is_wrong(tmp_path):

@@ -5,9 +5,15 @@ and torch version, and writes the same rows to results/bench-NN.{json,csv} for t
 A benchmark measures the implementation `--impl` selects: it loads the learner's code when it
 runs (`load(stem)` in a function, or `SelectedModule(stem)` for a module-level name), never when
 it is imported, which happens before main.py knows which one is asked for.
+
+Every benchmark opens the same way (`bench_parser`, then `start`): its options parsed and checked,
+a bad one refused in one line before any rank starts; one thread per process (the ranks share the
+cores); torch's optimizers imported once in the parent, not once in every forked rank. A benchmark
+of several tables picks them with --only (`chosen_parts`).
 """
 from __future__ import annotations
 
+import argparse
 import csv
 import json
 import platform
@@ -28,6 +34,31 @@ class SelectedModule:
 
     def __getattr__(self, name):
         return getattr(load(self.stem), name)
+
+
+def bench_parser(module: str, doc: str, parts: tuple[str, ...] = ()) -> argparse.ArgumentParser:
+    """`python main.py bench NN`'s parser, described by the first paragraph of the benchmark's docstring
+    `doc`; with `parts`, the option --only that runs one of its tables."""
+    parser = argparse.ArgumentParser(prog=f"main.py bench {module}", description=doc.split("\n\n")[0])
+    if parts:
+        parser.add_argument("--only", choices=parts, default=None, help=f"one table (default: all {len(parts)})")
+    return parser
+
+
+def start(parser: argparse.ArgumentParser, argv: list[str], check=None) -> argparse.Namespace:
+    """The options of `argv`, checked by `check(parser, args)` (which calls parser.error: one line, exit 2)
+    before anything is measured; then one thread per process, and the optimizers imported here."""
+    args = parser.parse_args(argv)
+    if check is not None:
+        check(parser, args)
+    torch.set_num_threads(1)
+    torch.optim.Adam([torch.zeros(1, requires_grad=True)])  # imports torch._dynamo once, not once per forked rank
+    return args
+
+
+def chosen_parts(args: argparse.Namespace, parts: tuple[str, ...]) -> list[str]:
+    """The tables to run: the one --only names, or all of them."""
+    return [args.only] if args.only else list(parts)
 
 
 def check_results_writable():

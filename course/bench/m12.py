@@ -28,7 +28,6 @@ formulas, the DTensor model and the reference weights come from the reference.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import statistics
 import time
@@ -36,7 +35,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from course.bench import report, require_positive
+from course.bench import bench_parser, chosen_parts, report, require_positive, start
 from course.collectives import Collectives
 from course.costs import measured_activations, measured_cost
 from course.dataset import load_text, random_batch
@@ -254,8 +253,7 @@ def cuda_timing_rows(args) -> list[dict]:
 
 
 def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="main.py bench 12", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", choices=PARTS, default=None, help="one table (default: all three)")
+    parser = bench_parser("12", __doc__, PARTS)
     parser.add_argument("--nproc", type=int, nargs="+", default=[1, 2, 4], help="values of t (default 1 2 4)")
     parser.add_argument("--steps", type=int, default=3, help="timed training steps per row (default 3)")
     parser.add_argument("--batch", type=int, default=8, help="training batch (default 8)")
@@ -265,13 +263,9 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--gflops", type=float, default=50.0, help="overlap: the emulated device's GFLOP/s (default 50)")
     parser.add_argument("--repeats", type=int, default=5, help="overlap and CUDA timing: repeats (median; default 5)")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda for the accumulation timing")
-    args = parser.parse_args(argv)
-    args.acc_tokens, args.acc_out, args.acc_in = 1024, 256, 256
-    args.gpu_tokens, args.gpu_out, args.gpu_in = 8192, 4096, 4096
-    check(parser, args)
-    torch.set_num_threads(1)
-    torch.optim.Adam([torch.zeros(1, requires_grad=True)])  # import torch._dynamo once, not per rank
-    parts = [args.only] if args.only else list(PARTS)
+    parser.set_defaults(acc_tokens=1024, acc_out=256, acc_in=256, gpu_tokens=8192, gpu_out=4096, gpu_in=4096)
+    args = start(parser, argv, check)
+    parts = chosen_parts(args, PARTS)
     cfg = reference("m12_tp_model").CONFIG
     if "traffic" in parts:
         report("bench-12-traffic",

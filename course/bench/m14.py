@@ -38,7 +38,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from course.bench import llama_config, report, require_positive
+from course.bench import bench_parser, chosen_parts, llama_config, report, require_positive, start
 from course.costs import measured_cost
 from course.dataset import load_text, random_batch
 from course.emulated import SleepInBackward
@@ -265,8 +265,7 @@ def speed_rows(args) -> list[dict]:
 
 
 def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="main.py bench 14", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", choices=PARTS, default=None, help="one table (default: all three)")
+    parser = bench_parser("14", __doc__, PARTS)
     parser.add_argument("--nproc", type=int, nargs="+", default=None,
                         help="values of d (default: 2 4 for the bytes, 2 for overlap and speed)")
     parser.add_argument("--batch", type=int, default=8, help="bytes: global batch of sequences (default 8)")
@@ -281,11 +280,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--speed-caps-kib", type=int, nargs="+", default=[1024, 25600],
                         help="speed: bucket caps in KiB (default 1024 and DDP's default, 25600)")
     parser.add_argument("--steps", type=int, default=20, help="overlap and speed: timed steps (median; default 20)")
-    args = parser.parse_args(argv)
-    check(parser, args)
-    torch.set_num_threads(1)
-    torch.optim.Adam([torch.zeros(1, requires_grad=True)])  # import torch._dynamo once, not per rank
-    parts = [args.only] if args.only else list(PARTS)
+    args = start(parser, argv, check)
+    parts = chosen_parts(args, PARTS)
     if "bytes" in parts:
         report("bench-14-bytes", f"Module 14: bytes sent per step and kept per rank, measured vs formula; "
                                  f"ModularLlama (2 blocks of dim 64, float32), batch {args.batch} x 64, "
@@ -311,8 +307,9 @@ def main(argv: list[str]) -> None:
                notes="median step time over the timed steps (from the last rank's start to the last rank's end); the "
                      "four run on the same ranks, their steps interleaved, and each ratio is the median of step-by-"
                      "step ratios. ours and DDP: SGD; ours ZeRO-1 and ZeRO-R (DDP with torch.distributed.optim."
-                     "ZeroRedundancyOptimizer): AdamW. Both loops all-reduce the step's loss; ours also the global "
-                     "count of real tokens (one 8-byte all-reduce a step), which the DDP loop does without.")
+                     "ZeroRedundancyOptimizer): AdamW. Both loops all-reduce the step's loss for the log (ours while "
+                     "the optimizer steps, the DDP loop after it); ours also the global count of real tokens, which "
+                     "the DDP loop does without: started at the step's start, waited for after the last bucket.")
 
 
 def check(parser, args):

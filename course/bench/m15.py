@@ -31,20 +31,19 @@ formulas come from the reference.
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from course.bench import report, require_positive
+from course.bench import bench_parser, chosen_parts, report, require_positive, start
 from course.costs import measured_activations, measured_cost
 from course.cp_timeline import emulated_attention
 from course.impl import load, reference
 from course.launch import run_ranks
 from course.mesh import init_mesh
+from course.reference_attention import whole_attention
 
 PARTS = ("traffic", "overlap", "error")
 VARIANT_NAMES = ("ring", "zigzag", "allgather", "ulysses")
@@ -151,17 +150,6 @@ def overlap_rows(args) -> list[dict]:
 
 # --- 3. error against ring size --------------------------------------------------------------------
 
-def whole_attention(q, k, v, do):
-    """float64 SDPA and autograd on the whole sequence: o, dq, dk, dv."""
-    q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
-    group = q.shape[2] // k.shape[2]
-    kr, vr = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
-    o = F.scaled_dot_product_attention(q.transpose(1, 2), kr.transpose(1, 2), vr.transpose(1, 2), is_causal=True)
-    o = o.transpose(1, 2).flatten(2)
-    o.backward(do)
-    return o.detach(), q.grad, k.grad, v.grad
-
-
 # The ring (zig-zag layout) as written, the same with its merge and its gradient accumulators in the
 # values' dtype (the module's compute_dtype made the identity), and the all-gather (zig-zag).
 ERROR_VARIANTS = ("ring", "ring, accumulating in the dtype", "allgather")
@@ -195,8 +183,10 @@ def error_rows(args) -> list[dict]:
                for heads in (args.heads, args.kv_heads, args.kv_heads))
     do = torch.randn(1, T, args.heads * args.head_dim, generator=g, dtype=torch.float64)
     # The reference attends to the same rounded inputs in float64, so that the error is the arithmetic's.
-    expected = {dtype: whole_attention(*(t.to(dtype).double() for t in (q, k, v, do)))
-                for dtype in (torch.float32, torch.bfloat16)}
+    expected = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        o, _, *grads = whole_attention(*(t.to(dtype) for t in (q, k, v, do)))  # the lse is not compared
+        expected[dtype] = (o, *grads)
     rows = []
     for c in (1, 2, 4, 8):
         per_rank = run_ranks(_errors, c, q, k, v, do, timeout=600)
@@ -213,8 +203,7 @@ def error_rows(args) -> list[dict]:
 
 
 def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="main.py bench 15", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", choices=PARTS, default=None, help="one table (default: all three)")
+    parser = bench_parser("15", __doc__, PARTS)
     parser.add_argument("--batch", type=int, default=4, help="traffic: global batch (default 4)")
     parser.add_argument("--tokens", type=int, default=1024, help="overlap: sequence length (default 1024)")
     parser.add_argument("--heads", type=int, default=8, help="overlap and error: query heads (default 8)")
@@ -224,11 +213,8 @@ def main(argv: list[str]) -> None:
                         help="overlap: the emulated device's GFLOP/s (default 2)")
     parser.add_argument("--repeats", type=int, default=5, help="overlap: repeats, median (default 5)")
     parser.add_argument("--error-tokens", type=int, default=256, help="error: sequence length (default 256)")
-    args = parser.parse_args(argv)
-    check(parser, args)
-    torch.set_num_threads(1)
-    torch.optim.Adam([torch.zeros(1, requires_grad=True)])  # import torch._dynamo once, not per rank
-    parts = [args.only] if args.only else list(PARTS)
+    args = start(parser, argv, check)
+    parts = chosen_parts(args, PARTS)
     cfg = reference("m15_cp_model").CONFIG
     if "traffic" in parts:
         report("bench-15-traffic",

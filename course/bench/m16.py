@@ -24,7 +24,6 @@ formulas come from the reference.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import statistics
 import time
@@ -32,7 +31,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from course.bench import report, require_positive
+from course.bench import bench_parser, chosen_parts, report, require_positive, start
 from course.emulated import EmulatedGemms
 from course.costs import measured_cost
 from course.impl import load, reference
@@ -169,8 +168,7 @@ def imbalance_rows(args) -> list[dict]:
 
 
 def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="main.py bench 16", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", choices=PARTS, default=None, help="one table (default: all four)")
+    parser = bench_parser("16", __doc__, PARTS)
     parser.add_argument("--batch", type=int, default=8, help="bytes, memory, balance: global batch (default 8)")
     parser.add_argument("--steps", type=int, default=100, help="balance: training steps (default 100)")
     parser.add_argument("--tokens", type=int, default=256, help="imbalance: tokens per rank (default 256)")
@@ -179,15 +177,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--gflops", type=float, default=0.25,
                         help="imbalance: the emulated device's GFLOP/s (default 0.25)")
     parser.add_argument("--repeats", type=int, default=3, help="imbalance: timed repeats (median; default 3)")
-    args = parser.parse_args(argv)
-    require_positive(parser, args, "batch", "steps", "tokens", "dim", "ffn", "repeats")
-    if not args.gflops > 0:
-        parser.error(f"--gflops must be positive, got {args.gflops}")
-    if args.batch % 4:
-        parser.error(f"--batch {args.batch} must be divisible by the 4 ranks")
-    torch.set_num_threads(1)
-    torch.optim.Adam([torch.zeros(1, requires_grad=True)])  # import torch._dynamo once, not per rank
-    parts = [args.only] if args.only else list(PARTS)
+    args = start(parser, argv, check)
+    parts = chosen_parts(args, PARTS)
     cfg, moe = reference("m16_moe_model").CONFIG, reference("m16_moe_model").MOE
     if "bytes" in parts or "memory" in parts:
         bytes_rows, memory_rows = step_rows(args)
@@ -216,3 +207,12 @@ def main(argv: list[str]) -> None:
                imbalance_rows(args),
                notes="rows per rank: the rows each rank's experts computed; layer ms: the slowest rank's median "
                      "time; GEMMs ms: the emulated GEMM time of the slowest and of the average rank.")
+
+
+def check(parser, args):
+    """Refuse bad arguments before any rank starts."""
+    require_positive(parser, args, "batch", "steps", "tokens", "dim", "ffn", "repeats")
+    if not args.gflops > 0:
+        parser.error(f"--gflops must be positive, got {args.gflops}")
+    if args.batch % 4:
+        parser.error(f"--batch {args.batch} must be divisible by the 4 ranks")

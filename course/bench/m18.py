@@ -23,7 +23,9 @@ Columns:
                    neither counts the pipeline's sends (point to point, outside both logs)
   plan B/step      module 18's plan of ours (solutions/m18_costs.py, without p): rank 0 is the
                    first stage, so with p > 1 the plan (every stage with the embedding and the
-                   head) bounds it from above
+                   head) bounds it from above. The plan shards the embedding, head and final norm
+                   as FSDP2 does (a gather and a reduce-scatter) where ours all-reduces them: in
+                   float64, whose gradients are as wide as the weights, the same bytes
 """
 from __future__ import annotations
 

@@ -26,4 +26,11 @@ PLANTS = [
     Plant(F, "    loss = F.cross_entropy(part_two(received), y)\n",
           "    loss = F.cross_entropy(part_two(received), y, reduction=\"sum\")\n",
           "the loss summed over the batch, not averaged: every gradient is batch-size times the monolith's"),
+    Plant(F, "        self.layers = nn.ModuleList(\n            nn.Linear(cfg.hidden, cfg.hidden) for _ in range(cfg.layers - cfg.layers // 2))",
+          "        torch.manual_seed(cfg.seed)\n        self.layers = nn.ModuleList(\n"
+          "            nn.Linear(cfg.hidden, cfg.hidden) for _ in range(cfg.layers - cfg.layers // 2))",
+          "part two seeds again: its layers take the stream's first draws, part one's, not the monolith's layers k ..",
+          new=True),
+    Plant(F, "    received = hidden.detach().requires_grad_()\n", "    received = hidden.detach()\n",
+          "the leaf part two receives does not require grad: no .grad to start part one's backward from", new=True),
 ]

@@ -2,6 +2,8 @@
 from course.mutants import Plant
 
 F = "m02_comms.py"
+SEND = 'return dist.isend(tensor.contiguous(), self._peer("next" if direction == "forward" else "prev", verb))'
+RECEIVE = '\n        dist.recv(buffer, self._peer("prev" if direction == "forward" else "next", verb))'
 PLANTS = [
     Plant(F, "self.next = self.pp.ranks[index + 1] if index < size - 1 else None",
           "self.next = self.pp.ranks[index + 1] if index < size else None",
@@ -11,32 +13,35 @@ PLANTS = [
     Plant(F, "self.prev = self.pp.ranks[index - 1] if index > 0 else None",
           "self.prev = self.rank - 1 if index > 0 else None",
           "a place is not a rank: the neighbour is the group's previous member, not the global rank below"),
-    Plant(F, """        buffer = torch.empty(shape, dtype=dtype or self.dtype, device=self.device)
-        dist.recv(buffer, self._peer("prev", "recv_forward"))""",
-          """        buffer = torch.empty(shape, dtype=self.dtype, device=self.device)
-        dist.recv(buffer, self._peer("prev", "recv_forward"))""",
-          "recv_forward ignores the dtype asked for: a bf16 message lands in a float32 buffer of the wrong byte size"),
-    Plant(F, """        buffer = torch.empty(shape, dtype=dtype or self.dtype, device=self.device)
-        dist.recv(buffer, self._peer("next", "recv_backward"))""",
-          """        buffer = torch.empty(shape, dtype=dtype or self.dtype)
-        dist.recv(buffer, self._peer("next", "recv_backward"))""",
-          "recv_backward's buffer on the default device, not the comms' device: on a GPU rank nccl cannot receive into it"),
-    Plant(F, 'dist.send(tensor.contiguous(), self._peer("prev", "send_backward"))',
-          'dist.send(tensor.contiguous(), self._peer("next", "send_backward"))',
-          "a gradient sent to the next stage instead of back to the previous one: the wrong neighbour"),
-    Plant(F, 'dist.recv(buffer, self._peer("next", "recv_backward"))',
-          'dist.recv(buffer, self._peer("prev", "recv_backward"))',
-          "a gradient received from the previous stage: gradients flow backwards, from the next one"),
-    Plant(F, 'return dist.isend(tensor.contiguous(), self._peer("next", "isend_forward"))',
-          'return dist.send(tensor.contiguous(), self._peer("next", "isend_forward"))',
-          "isend_forward blocks (dist.send) and returns no handle: the schedules cannot overlap or wait on it"),
-    Plant(F, "timeout=timedelta(seconds=timeout_s))", ")",
+    Plant(F, "buffer = torch.empty(shape, dtype=dtype or self.dtype, device=self.device)",
+          "buffer = torch.empty(shape, dtype=self.dtype, device=self.device)",
+          "receive ignores the dtype asked for: a float64 message lands in a buffer of the wrong byte size"),
+    Plant(F, "buffer = torch.empty(shape, dtype=dtype or self.dtype, device=self.device)",
+          "buffer = torch.empty(shape, dtype=dtype or self.dtype)",
+          "receive's buffer on the default device, not the comms' device: on a GPU rank nccl cannot receive into it"),
+    Plant(F, SEND, SEND.replace('"next" if direction == "forward" else "prev"', '"next"'),
+          "every send goes to the next stage: a gradient must go back to the previous one"),
+    Plant(F, RECEIVE, RECEIVE.replace('"prev" if direction == "forward" else "next"', '"next" if direction == "forward" else "prev"'),
+          "receives from the wrong side: activations come from the previous stage, gradients from the next"),
+    Plant(F, SEND, SEND.replace("dist.isend(", "dist.send("),
+          "a blocking send (dist.send) returns no handle: the schedules cannot overlap or wait on it"),
+    Plant(F, "\n                                timeout=timedelta(seconds=timeout_s))", ")",
           "the timeout argument dropped: a stuck rank waits torch's default 30 minutes, not timeout_s"),
     Plant(F, 'backend = backend or ("nccl" if gpus_for_everyone else "gloo")',
           'backend = "nccl" if gpus_for_everyone else "gloo"',
           "the backend asked for is ignored: a module that keeps its tensors in CPU memory gets nccl on a GPU machine"),
-    Plant(F, '    if not dist.is_initialized():\n', '    if True:  # always join\n',
+    Plant(F, '\n    if not dist.is_initialized():\n', '\n    if True:  # always join\n',
           "joins the process group even when one exists: init_process_group twice is an error under course.launch"),
     Plant(F, 'local_rank = int(os.environ.get("LOCAL_RANK", "0"))', 'local_rank = rank',
           "the GPU chosen by global rank, not LOCAL_RANK: on a second machine the rank asks for a GPU that is not there"),
+    Plant(F, SEND, SEND.replace("tensor.contiguous()", "tensor"),
+          "the tensor handed over as it is: a transposed view's memory is not its values in order (gloo refuses it)",
+          new=True),
+    Plant(F, SEND, SEND.replace("return dist.isend(", "work = dist.isend(") + "\n        work.wait()\n        return work",
+          "the send waited for inside start_send: every non-blocking verb blocks, and 1F1B's neighbours can deadlock",
+          new=True),
+    Plant(F, "\n        return buffer\n", "\n        return buffer.float()\n",
+          "the buffer converted to float32 on return: the dtype asked for (float64, float16) is lost", new=True),
+    Plant(F, 'local_rank = int(os.environ.get("LOCAL_RANK", "0"))', 'local_rank = int(os.environ["LOCAL_RANK"])',
+          "LOCAL_RANK read as if always set: a job started without it (one process, a plain launcher) fails", new=True),
 ]

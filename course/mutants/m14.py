@@ -84,8 +84,8 @@ PLANTS = [
           "a blocking all-reduce in the backward: no overlap, the backward waits for every bucket"),
     Plant(DP, "        bucket.work = self.group.collectives.all_reduce(bucket.grads",
           "        bucket.grads.div_(self.group.size)\n        bucket.work = self.group.collectives.all_reduce(bucket.grads",
-          "the average taken twice: the loss is already divided by the global token count, so the sum over ranks "
-          "is the gradient; dividing by d again makes it d times too small"),
+          "the average taken twice: the buckets sum, and train_step turns the sum into the step's mean; dividing "
+          "by d here makes the gradient d times too small"),
     Plant(DP, "        for bucket in self.buckets:\n            self.complete(bucket)\n            bucket.arm()\n",
           "        for bucket in self.buckets:\n            bucket.arm()\n",
           "buckets never waited for: the optimizer reads gradients whose sums may not have arrived"),
@@ -101,18 +101,69 @@ PLANTS = [
 """, "",
           "an unused parameter passed over in silence: its bucket (and every one after it) is never summed"),
     # --- the step: token count, micro-steps, module 06's hand-over -------------------------------------------
-    Plant(STEP, "    group.collectives.all_reduce(count, label=\"token count\")\n", "",
+    Plant(STEP, "sum()\n    return InFlight(count, group.collectives.all_reduce(count, label=\"token count\", async_op=True))\n",
+          "sum()\n    return InFlight(count)\n",
           "each rank divides by its own token count: the gradients are d times too big (the average not taken at "
           "all), and wrong when ranks hold different numbers of real tokens"),
     Plant(STEP, "    count = (targets != IGNORE_INDEX).sum()\n", "    count = torch.tensor(targets.numel())\n",
           "padding counted as tokens: the loss is divided by too many"),
+    Plant(STEP, "sum()\n    return InFlight(count, group.collectives.all_reduce(count, label=\"token count\", async_op=True))\n",
+          "sum()\n    group.collectives.all_reduce(count, label=\"token count\")\n    return InFlight(count)\n",
+          "a blocking count: right numbers, but every step waits for one more collective before its first backward, "
+          "with nothing to hide it behind (DDP's loop has none)"),
     Plant(STEP, """            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=IGNORE_INDEX,
                                    reduction="sum")
-            (loss / count).backward()""", """            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=IGNORE_INDEX)
+            loss.backward()
+        if sync:
+            ddp.finish()
+        loss_sum += loss.detach()
+    n_tokens = int(count.wait())  # the sums over ranks have arrived: now the step's mean
+    for gradient in ddp.gradients():
+        gradient.div_(n_tokens)
+""", """            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=IGNORE_INDEX)
             (loss / (n_microbatches * ddp.group.size)).backward()
-            loss = loss * (y != IGNORE_INDEX).sum()""",
+            loss = loss * (y != IGNORE_INDEX).sum()
+        if sync:
+            ddp.finish()
+        loss_sum += loss.detach()
+    n_tokens = int(count.wait())
+""",
           "the per-microbatch mean over m d: a token of a half-padded microbatch then weighs twice a token of a "
           "full one"),
+    Plant(STEP, "            loss.backward()\n", "            (loss / int(count.wait())).backward()\n",
+          "the loss divided twice: by the count in the backward, and the gradients again once it has arrived (N "
+          "times too small; the count is also waited for before the backward)"),
+    Plant(STEP, """    n_tokens = int(count.wait())  # the sums over ranks have arrived: now the step's mean
+    for gradient in ddp.gradients():
+        gradient.div_(n_tokens)
+""", """    for gradient in ddp.gradients():
+        gradient.div_(count.result)
+    n_tokens = int(count.wait())
+""",
+          "the gradients divided before the count arrived: what the count's tensor holds before its wait() is "
+          "whatever the network has delivered so far"),
+    Plant(STEP, """\n    n_tokens = int(count.wait())  # the sums over ranks have arrived: now the step's mean
+    for gradient in ddp.gradients():""", """\n    n_tokens = int(count.result)
+    for gradient in ddp.gradients():""",
+          "the count's collective never waited for: its tensor is read before the sum has arrived"),
+    Plant(STEP, "    for i, (x, y) in enumerate(zip(inputs.chunk(n_microbatches)",
+          "    n_tokens = int(count.wait())\n    for i, (x, y) in enumerate(zip(inputs.chunk(n_microbatches)",
+          "the count waited for before the first forward: right numbers, but the step blocks on it with nothing "
+          "to hide it behind"),
+    Plant(STEP, """        if sync:
+            ddp.finish()
+        loss_sum += loss.detach()
+    n_tokens = int(count.wait())  # the sums over ranks have arrived: now the step's mean
+    for gradient in ddp.gradients():
+        gradient.div_(n_tokens)
+""", """        loss_sum += loss.detach()
+        if sync:
+            for gradient in ddp.gradients():
+                gradient.div_(int(count.wait()))
+            ddp.finish()
+    n_tokens = int(count.wait())
+""",
+          "the gradients divided before finish(): the buckets' sums land afterwards and overwrite the division"),
     Plant(STEP, "strict=True)):\n        sync = i == n_microbatches - 1 or ddp.syncs_every_microstep\n",
           "strict=True)):\n        sync = i == 0 or ddp.syncs_every_microstep\n",
           "the sync on the first micro-step: the later micro-steps' gradients are never summed over ranks"),
@@ -128,23 +179,30 @@ PLANTS = [
           "a float32 count: not exact beyond 2^24 tokens, and 4 bytes on the wire where the formulas say 8"),
     Plant(STEP, "    count = (targets != IGNORE_INDEX).sum()\n", "    count = (targets != IGNORE_INDEX).sum().int()\n",
           "an int32 count: it overflows past 2^31 tokens, and it is 4 bytes on the wire where the formulas say 8"),
-    # --- module 06's Llama: the count handed to forward_backward ---------------------------------------------
-    Plant(STEP, "loss, grads = self.forward_backward(tok, tgt, n_tokens)  # the blocks'",
-          "loss, grads = self.forward_backward(tok, tgt)  # the blocks'",
-          "module 06's default n_tokens, the microbatch's own count: a mean per microbatch, about d m times the "
-          "step's gradient"),
-    Plant(STEP, "        n_tokens = int(count)", "        n_tokens = int((targets != IGNORE_INDEX).sum())",
+    # --- module 06's Llama: what forward_backward divides by, and the count ----------------------------------
+    Plant(STEP, "loss, grads = self.forward_backward(tok, tgt, 1)  # summed;",
+          "loss, grads = self.forward_backward(tok, tgt)  # summed;",
+          "module 06's default n_tokens, the microbatch's own count: a mean per microbatch, then divided by the "
+          "step's count again"),
+    Plant(STEP, "loss, grads = self.forward_backward(tok, tgt, 1)  # summed;",
+          "loss, grads = self.forward_backward(tok, tgt, int(count.wait()))  # summed;",
+          "the loss divided twice: forward_backward already divides by the count it is given, and the gradients are "
+          "divided again once it has arrived (the count is also waited for before the backward)"),
+    Plant(STEP, "        n_tokens = int(count.wait())  # the sums over ranks have arrived: now the step's mean\n"
+                "        for gradient in self.ddp.gradients():",
+          "        count.wait()\n        n_tokens = int((targets != IGNORE_INDEX).sum())\n"
+          "        for gradient in self.ddp.gradients():",
           "this rank's count instead of the step's: every rank's gradient d times too big"),
+    Plant(STEP, "        n_tokens = int(count.wait())  # the sums over ranks have arrived: now the step's mean\n"
+                "        for gradient in self.ddp.gradients():",
+          "        n_tokens = int(count.result)\n        for gradient in self.ddp.gradients():",
+          "module 06's Llama reading the count's tensor without waiting: the sum has not arrived"),
     Plant(STEP, """                for weight, grad in ((self.embedding, grads.embedding), (self.final_norm, grads.final_norm),
                                      (self.lm_head, grads.lm_head)):
                     self.ddp.ready(weight, grad)
 """, "",
           "the gradients forward_backward returns at the end (embedding, final norm, LM head) never handed to the "
           "buckets: their bucket is never sent"),
-    Plant(STEP, "            loss_sum += loss.detach().to(torch.float64) * n_tokens\n",
-          "            loss_sum += loss.detach().to(torch.float64)\n",
-          "forward_backward's loss taken for the summed token losses: it is already divided by n_tokens, so the "
-          "logged loss is divided twice"),
     Plant(STEP, "            sync = i == n_microbatches - 1\n", "            sync = True\n",
           "module 06's Llama sending on every micro-step: the buckets already summed are summed again with the next "
           "micro-step's"),

@@ -221,6 +221,15 @@ PLANTS = [
      find= "\"reduce_scatter\": (1, (c - 1) * dkv)}",
      replace= "\"reduce_scatter\": (1, (c - 1) * kv)}",
      teaches= "the all-gather's gradients are reduce-scattered in the statistics' dtype, s bytes a value"),
+    # --- DeepSpeed-Ulysses' adjoint backward (issue 35) ----------------------------------------------
+    Plant(file="m15_costs.py",
+     find= "            per_block = {\"all_to_all\": (8, (c - 1) * 2 * (2 * q + 2 * k) / c)}",
+     replace= "            per_block = {\"all_to_all\": (11, (c - 1) * (2 * (2 * q + 2 * k) + q + 2 * k) / c)}",
+     teaches= "DeepSpeed's backward runs the forward's all-to-alls backwards: it re-sends none of q, k, v"),
+    Plant(file="m15_costs.py",
+     find= "            per_block = {\"all_to_all\": (8, (c - 1) * 2 * (2 * q + 2 * k) / c)}",
+     replace= "            per_block = {\"all_to_all\": (10, (c - 1) * (2 * (2 * q + 2 * k) + 3 * tokens * H * s) / c)}",
+     teaches= "DeepSpeed's attention keeps its head-sharded lse for its backward: no statistics travel"),
     # --- learner run: the loss of padded batches -------------------------------------------------------
     Plant(file="m15_cp_model.py",
      find= "            part, grads = self.forward_backward(tok_m, tgt_m, n_tokens)",

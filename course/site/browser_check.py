@@ -5,10 +5,13 @@ opening results/site/index.html would, and is driven through its DevTools protoc
 (--remote-debugging-pipe: JSON messages on its file descriptors 3 and 4), so no Python package is needed.
 On every page: no console error, no uncaught exception, no failed request and no request out of the site;
 every image drawn; every link into the site reaching a file that exists; the maths typeset by KaTeX (no
-TeX left unrendered, no KaTeX error). A notebook page shows its outputs (a plot). The explorer, opened at
-a few (schedule, p, m) through its address, shows the bubble the course's simulator gives; the memory
-explorer shows the bytes module 13's cost functions give. Screenshots of
-a chapter, a notebook and the explorer go to results/site-screenshots/.
+TeX left unrendered, no KaTeX error). A notebook page shows its outputs (a plot); a chapter page shows every
+figure the manifest (course/site/figures.py) gives it, and chapter 05 its typeset maths. The explorer, opened
+at a few (schedule, p, m) through its address, shows the bubble the course's simulator gives. The layout
+calculator, opened at a sample of layouts of each case, prints the row (or the refusal) that `python main.py
+plan` prints for the same layout pinned, and the command that does it; the hardware page shows every GPU
+preset and its roofline. Screenshots of a chapter, a notebook, the explorer, the calculator and the hardware
+page go to results/site-screenshots/.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import queue
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -26,9 +30,10 @@ from fractions import Fraction
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-from course import RESULTS
+from course import REPO, RESULTS
 
 SCREENSHOTS = RESULTS / "site-screenshots"
+MATHS_CHAPTERS = ("05",)  # chapters whose pages must show typeset maths (MyST's $$ through KaTeX)
 BROWSERS = ("chromium", "chromium-browser", "google-chrome")
 INSTALL = ("the browser check needs Chromium, which was not found: install it with `sudo apt-get install chromium` "
            "(Debian/Ubuntu; `chromium-browser` elsewhere), then run `python main.py site --check` again")
@@ -50,12 +55,19 @@ INSPECT = """(() => {
     katex_errors: all(".katex-error").map((e) => e.textContent.slice(0, 80)),
     plots: all(".cell_output img").length,
     outputs: all(".cell_output").length,
+    figures: all("figure[id] img").filter((img) => img.complete && img.naturalWidth > 0)
+      .map((img) => img.closest("figure").id),
   };
 })()"""
 EXPLORER_READY = "document.getElementById('explorer-status')?.dataset.ready"
-MEMORY_READY = "document.getElementById('memory-status')?.dataset.ready"
-MEMORY_READ = "Object.fromEntries(Array.from(document.querySelectorAll('#memory-table tr[data-mesh]'))" \
-              ".map((row) => [row.dataset.mesh, row.dataset.kept]))"
+CALCULATOR_READY = "document.getElementById('calculator-status')?.dataset.ready"
+CALCULATOR_READ = """(() => ({
+  layout: document.getElementById('calculator-output')?.dataset.layout,
+  row: document.getElementById('calculator-plan')?.dataset.row,
+  miss: document.getElementById('calculator-plan')?.dataset.miss,
+  command: document.getElementById('calculator-command')?.textContent,
+  memory: document.getElementById('calculator-memory')?.dataset.total,
+}))()"""
 EXPLORER_READ = """(() => ({
   config: document.getElementById('explorer-output').dataset.config,
   bubble: document.getElementById('bubble-simulated')?.dataset.value,
@@ -158,10 +170,10 @@ class Browser:
         self.send("Runtime.evaluate", session=True, expression="0")  # collects the events sent meanwhile
         return problems_in(self.events)
 
-    def screenshot(self, path: Path, height: int = 1800):
-        """The top `height` pixels of the page, 1280 wide."""
+    def screenshot(self, path: Path, height: int = 1800, top: float = 0):
+        """`height` pixels of the page from `top` down, 1280 wide."""
         data = self.send("Page.captureScreenshot", session=True, format="png", captureBeyondViewport=True,
-                         clip={"x": 0, "y": 0, "width": 1280, "height": height, "scale": 1})["data"]
+                         clip={"x": 0, "y": top, "width": 1280, "height": height, "scale": 1})["data"]
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(base64.b64decode(data))
 
@@ -253,39 +265,100 @@ def check_explorer(browser: Browser, site: Path) -> tuple[int, list[str]]:
     return checked, problems
 
 
-def check_memory(browser: Browser, site: Path) -> tuple[int, list[str]]:
-    """The memory explorer, opened at 4 ranks of the course's Llama in float32, one sequence per data rank,
-    shows for each mesh the bytes kept that module 13's cost functions give (no mesh refused)."""
-    import torch
+def calculator_samples(case) -> list:
+    """Layouts of a case to open on the calculator: the fastest that fits, the fastest of two other meshes
+    (pipelined where there is one), one with FP8 and one that does not fit, as module 18's functions cost
+    them when the site was built."""
+    from course.site import calculator
 
+    costed = calculator.costed(case)
+    fits = calculator.fastest(case, len(costed))
+    picks = calculator.fastest(case, 3, one_per_mesh=True)
+    picks += [q for q in fits if q.layout.p > 1][:1] + [q for q in fits if q.layout.fp8][:1]
+    picks += [q for q in costed if q.time is None][:1]
+    unique = {}
+    for q in picks:
+        unique.setdefault(str(q.layout), q)
+    return list(unique.values())
+
+
+def normalised(text: str | None) -> str:
+    return " ".join((text or "").split())
+
+
+def plan_prints(arguments: list[str]) -> str:
+    """What `python main.py plan` prints for one pinned layout: its row (the rank left out) or its error."""
+    done = subprocess.run([sys.executable, "main.py", "plan", *arguments], cwd=REPO, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "COURSE_IMPL": "solutions"})
+    if done.returncode:
+        return done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"
+    rows = [line for line in done.stdout.splitlines() if line.strip().startswith("1  ")]
+    return rows[0].strip()[1:].strip() if len(rows) == 1 else done.stdout
+
+
+def check_calculator(browser: Browser, site: Path) -> tuple[int, list[str]]:
+    """For a sample of layouts of every case: the page, opened at the layout through its address, shows the
+    row (or the refusal) that `python main.py plan` prints for the layout pinned, and that command."""
+    from course.site import calculator
+
+    problems, checked = [], 0
+    for case in calculator.CASES:
+        for q in calculator_samples(case):
+            layout = q.layout
+            query = {"case": case.key, "mesh": calculator.mesh_key(layout),
+                     **{name: ("on" if getattr(layout, name) else "off") if name == "fp8" else getattr(layout, name)
+                        for name in calculator.CHOICES}}
+            address = "&".join(f"{k}={v}" for k, v in query.items())
+            where = f"calculator.html?{address}"
+            found = [f"{where}: {p}" for p in browser.open(f"{(site / 'calculator.html').as_uri()}?{address}",
+                                                           CALCULATOR_READY)]
+            shown = browser.evaluate(CALCULATOR_READ)
+            arguments = calculator.plan_command(case, layout)
+            printed = plan_prints(arguments)
+            if shown.get("layout") != str(layout):
+                found.append(f"{where}: the page shows the layout {shown.get('layout')!r}, not {str(layout)!r}")
+            elif normalised(shown.get("command")) != normalised("python main.py plan " + " ".join(arguments)):
+                found.append(f"{where}: the page's command is {shown.get('command')!r}, expected "
+                             f"python main.py plan {' '.join(arguments)}")
+            elif normalised(shown.get("row") or shown.get("miss")) != normalised(printed):
+                found.append(f"{where}: the page shows\n    {shown.get('row') or shown.get('miss')}\n  python main.py "
+                             f"plan {' '.join(arguments)} prints\n    {printed}")
+            elif int(shown.get("memory") or -1) != q.memory:
+                found.append(f"{where}: the memory bars add up to {shown.get('memory')} bytes, the plan's layout "
+                             f"keeps {q.memory}")
+            problems += found
+            checked += 1
+            print(f"  {'ok  ' if not found else 'FAIL'} {where}: {normalised(printed)[:110]}", flush=True)
+    browser.open(f"{(site / 'calculator.html').as_uri()}?case={calculator.CASES[-1].key}", CALCULATOR_READY)
+    browser.screenshot(SCREENSHOTS / "calculator.png", height=2200)
+    return checked, problems
+
+
+def check_hardware(browser: Browser, site: Path) -> tuple[int, list[str]]:
+    """The hardware page names every GPU preset and draws the roofline."""
     from course.impl import reference
 
-    costs, cfg = reference("m13_costs"), reference("m06_llama_block").LlamaConfig()
-    where = "memory.html?model=0&dtype=float32&ranks=4&sequences=1"
-    problems = [f"{where}: {p}" for p in browser.open(f"{(site / 'memory.html').as_uri()}?{where.split('?')[1]}",
-                                                       MEMORY_READY)]
-    shown = browser.evaluate(MEMORY_READ)
-    for d, t in ((4, 1), (2, 2), (1, 4)):
-        try:
-            sizes = {"d": d, "t": t}
-            reference("m13_llama_2d").check_mesh_fits(cfg, sizes, d)
-            kept = str(sum((costs.state_bytes(cfg, sizes, torch.float32)
-                            + costs.block_activation_bytes(cfg, sizes, d, torch.float32)).memory.values()))
-        except ValueError:
-            kept = ""  # refused: the row says why
-        if shown.get(f"{d}x{t}") != kept:
-            problems.append(f"{where}: mesh {d}x{t} keeps {shown.get(f'{d}x{t}')!r} bytes on the page, "
-                            f"module 13's formulas give {kept!r} ('': the mesh does not fit)")
-    print(f"  {'ok  ' if not problems else 'FAIL'} {where}: bytes kept {shown}", flush=True)
+    page = site / "hardware.html"
+    problems = [f"hardware.html: {p}" for p in browser.open(page.as_uri())]
+    text = browser.evaluate("document.body.innerText")
+    drawn = browser.evaluate("Array.from(document.images).filter((i) => i.naturalWidth > 0).map((i) => i.src)")
+    problems += [f"hardware.html: no row for the {gpu.name}" for gpu in reference("m18_presets").GPUS.values()
+                 if gpu.name not in text]
+    if not any("roofline" in src for src in drawn):
+        problems.append("hardware.html: the roofline is not drawn")
+    browser.screenshot(SCREENSHOTS / "hardware.png", height=2000)
+    print(f"  {'ok  ' if not problems else 'FAIL'} hardware.html: every preset, the roofline", flush=True)
     return 1, problems
 
 
 def check_pages(browser: Browser, site: Path) -> tuple[int, list[str]]:
+    from course.site import figures
+
     pages = sorted(p for p in site.rglob("*.html") if not p.relative_to(site).parts[0].startswith("_"))
     problems, plots = [], 0
     for page in pages:
         where = str(page.relative_to(site))
-        ready = {"explorer.html": EXPLORER_READY, "memory.html": MEMORY_READY}.get(page.name)
+        ready = {"explorer.html": EXPLORER_READY, "calculator.html": CALCULATOR_READY}.get(page.name)
         found = browser.open(page.as_uri(), ready)
         seen = browser.evaluate(INSPECT)
         found += [f"image not drawn: {src}" for src in seen["broken_images"]]
@@ -297,6 +370,11 @@ def check_pages(browser: Browser, site: Path) -> tuple[int, list[str]]:
             plots += seen["plots"]
             if not seen["outputs"]:
                 found.append("a notebook page with no outputs (were the notebooks executed?)")
+        if page.parent.name == "docs" and page.name[:2].isdigit():
+            expected = [f"fig-{f.name}" for f in figures.of_chapter(page.name[:2])]
+            found += [f"figure {name} of the manifest not drawn" for name in expected if name not in seen["figures"]]
+            if page.name[:2] in MATHS_CHAPTERS and not seen["typeset"]:
+                found.append("no maths typeset (the chapter's $$ formula)")
         problems += [f"{where}: {p}" for p in found]
         print(f"  {'ok  ' if not found else 'FAIL'} {where}: {seen['katex']} formulas typeset, "
               f"{len(seen['links'])} links" + (f", {seen['outputs']} outputs, {seen['plots']} plots"
@@ -305,7 +383,9 @@ def check_pages(browser: Browser, site: Path) -> tuple[int, list[str]]:
         problems.append("no notebook page shows a plot")
     chapter = next((p for p in pages if p.parent.name == "docs" and p.name.startswith("05")), pages[0])
     browser.open(chapter.as_uri())
-    browser.screenshot(SCREENSHOTS / "chapter.png")
+    top = browser.evaluate("Math.max(0, (document.getElementById('fig-05-bubble')?.getBoundingClientRect().top "
+                           "?? 0) + window.scrollY - 900)")
+    browser.screenshot(SCREENSHOTS / "chapter.png", top=top)
     notebook = next((p for p in pages if p.parent.name == "notebooks" and p.name.startswith("11")), None)
     if notebook:
         browser.open(notebook.as_uri())
@@ -329,13 +409,15 @@ def check(site: Path) -> int:
         print(f"browser check: {executable}, pages of {site}")
         n_pages, found = check_pages(browser, site)
         n_cases, more = check_explorer(browser, site)
-        n_memory, on_memory = check_memory(browser, site)
+        n_layouts, on_calculator = check_calculator(browser, site)
+        n_hardware, on_hardware = check_hardware(browser, site)
     finally:
         browser.close()
-    problems += found + more + on_memory
-    n_cases += n_memory
+    problems += found + more + on_calculator + on_hardware
+    n_cases += n_layouts + n_hardware
     print("\n".join(["", *problems]) if problems else "",
-          f"browser check: {n_pages} pages and {n_cases} explorers' configurations in "
+          f"browser check: {n_pages} pages and {n_cases} configurations of the explorer, the calculator and the "
+          f"hardware page in "
           f"{time.perf_counter() - started:.0f} s; screenshots in {SCREENSHOTS}", sep="\n")
     failed = len({p.split(":")[0] for p in problems})
     print(f"browser-check: {n_pages + n_cases - failed} passed, {failed} failed")

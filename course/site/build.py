@@ -2,9 +2,10 @@
 
 Sphinx (with MyST-NB and the book theme, configured in conf.py beside this file) renders a staged copy of
 the course: the chapters of docs/ and the glossary, the notebooks with their outputs (notebooks.py: the
-copies the test suite executed, or executed here), the home page with the two tracks (pages.py), the
-schedule explorer and its data (explorer.py), the memory explorer's (memory.py) and the timelines of
-module 11's schedules (timelines.py).
+copies the test suite executed, or executed here), the home page with the tracks (pages.py), the
+chapters' figures (figures.py, drawn by drawings.py), the schedule explorer and its data (explorer.py),
+the layout calculator's (calculator.py), the hardware page (hardware.py) and the timelines of module 11's
+schedules (timelines.py).
 Nothing on a page comes from the network: open results/site/index.html, or serve the folder with
 `python -m http.server -d results/site`.
 """
@@ -23,7 +24,7 @@ from pathlib import Path
 
 from course import REPO, RESULTS
 from course.arguments import cannot_write_in
-from course.site import explorer, memory, notebooks, pages, timelines
+from course.site import calculator, explorer, figures, hardware, notebooks, pages, timelines
 
 SITE = RESULTS / "site"
 HERE = Path(__file__).resolve().parent
@@ -51,9 +52,10 @@ def executed_notebooks(execute: str) -> dict[Path, Path | None]:
     return found
 
 
-def stage(source: Path, execute: str, grid: explorer.Grid) -> Path:
-    """Lay out Sphinx's source folder: docs/, notebooks/, the home page, the explorers and the timelines;
-    return the folder of generated static files (the explorers' data)."""
+def stage(source: Path, execute: str, grid: explorer.Grid, cases=calculator.CASES) -> Path:
+    """Lay out Sphinx's source folder: docs/, notebooks/, the home page, the chapters' figures, the explorer, the
+    calculator, the hardware page and the timelines; return the folder of generated static files (the explorer's
+    and the calculator's data)."""
     import nbformat
 
     chapters, nbs = module_files(REPO / "docs", ".md"), module_files(notebooks.NOTEBOOKS, ".ipynb")
@@ -72,24 +74,27 @@ def stage(source: Path, execute: str, grid: explorer.Grid) -> Path:
                 cell.source = pages.link_pages(cell.source, "notebooks", staged)
         nbformat.write(nb, source / "notebooks" / notebook.name)
     (source / "index.md").write_text(pages.home_page(chapters, nbs))
-    for page in ("explorer.md", "memory.md"):
+    for page in ("explorer.md", "calculator.md"):
         shutil.copyfile(HERE / page, source / page)
+    figures.write_figures(source / "figures")
     (source / "timelines.md").write_text(timelines.write_timelines(source / "timelines"))
+    (source / "hardware.md").write_text(hardware.write_hardware(source / "hardware"))
     generated = source.parent / "generated"
     explorer.write_explorer_data(generated / "explorer", grid)
-    memory.write_memory_data(generated / "memory")
+    calculator.write_calculator_data(generated / "calculator", cases)
     return generated
 
 
 def build(out: Path = SITE, execute: str = "missing", grid: explorer.Grid = explorer.Grid(),
-          quiet: bool = True) -> tuple[Path, list[str]]:
+          quiet: bool = True, cases=calculator.CASES) -> tuple[Path, list[str]]:
     """Build the site into `out` (replacing what was there); return its index.html and Sphinx's warnings (a
-    link to a page that is not there is one), which are also printed. Its progress only if not `quiet`."""
+    link to a page that is not there is one), which are also printed. Its progress only if not `quiet`.
+    `grid` and `cases` are the explorer's and the calculator's (the test suite builds with smaller ones)."""
     from sphinx.application import Sphinx
 
     with tempfile.TemporaryDirectory(prefix="course-site-") as work:
         work = Path(work)
-        generated = stage(work / "source", execute, grid)
+        generated = stage(work / "source", execute, grid, cases)
         if out.exists():
             shutil.rmtree(out)
         warnings = io.StringIO()

@@ -8,13 +8,18 @@ opened from file:// may load a script but not fetch a file.
 
 For a run, the data hold each action's start (it ends τ later), every rank's idle time, the bubble
 (exact, as a fraction) and the closed forms of solutions/m11_generators.py (`idle_per_rank`,
-`bubble_formula`), or the reason they do not hold there.
+`bubble_formula`), or the reason they do not hold there. The formula the page typesets for a schedule is
+idle_per_rank's own expression for it, read from the function's source and written in TeX (`branches`,
+`tex`): the code is the only copy.
 """
 from __future__ import annotations
 
+import ast
+import inspect
 import itertools
 import json
 import re
+import textwrap
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -34,24 +39,54 @@ class Grid:
 SMALL = Grid(p=(2, 4), m=(1, 4, 8), v=(2,), costs=(1,))  # the in-suite build's: every page, little data
 DEFAULT = {"schedule": "zbv", "p": 4, "m": 8, "v": 2, "F": 1, "I": 1, "W": 1}
 
-# The closed forms of idle_per_rank as formulas, for the page to typeset: p ranks, costs F, I, W and B = I + W.
-# Each is checked against idle_per_rank on the whole grid when the data are made; a schedule without one
-# here (or whose form no longer agrees) shows only the closed form's value.
-IDLE_FORMS = {
-    "gpipe": "(p-1)*(F+B)",
-    "1f1b": "(p-1)*(F+B)",
-    "interleaved": "(p-1)*(F+B)",
-    "zbh1": "(p-1)*max(F+I-W, F, I)",
-    "zbh2": "(p-1)*max(F+I-2*W, F)",
-    "interleaved_zb": "(p-1)*max(F+I-W, F, I)",
-    "zbv": "(p-1)*F",
-    "dualpipev": "(p-1)*(F+I-W)",
-}
+def branches(generators) -> dict[str, ast.expr]:
+    """Each schedule's closed form, as idle_per_rank's source writes it: the expression its branch for that
+    schedule returns (`if name == ...` or `if name in (...)` at the top of the function; in a branch that
+    returns more than once, the one at its top level: the default case)."""
+    function = ast.parse(textwrap.dedent(inspect.getsource(generators.idle_per_rank))).body[0]
+    found = {}
+    for statement in function.body:
+        test = statement.test if isinstance(statement, ast.If) else None
+        if not (isinstance(test, ast.Compare) and isinstance(test.left, ast.Name) and test.left.id == "name"):
+            continue
+        names = ast.literal_eval(test.comparators[0])
+        returns = [s.value for s in statement.body if isinstance(s, ast.Return)]
+        for name in ([names] if isinstance(names, str) else names):
+            if returns:
+                found[name] = returns[-1]
+    return found
 
 
-def tex(form: str) -> str:
-    """An IDLE_FORMS formula in TeX: (p-1)*(F+B) -> (p-1)(\\tau_F+\\tau_B)."""
-    return re.sub(r"\b([FIWB])\b", r"\\tau_\1", form.replace("*", "").replace("max", r"\max"))
+TAU = {"F": r"\tau_F", "I": r"\tau_I", "W": r"\tau_W", "B": r"\tau_B", "pair": r"\tau_{F\&B}"}
+
+
+def tex(node: ast.expr) -> str:
+    """A closed form's expression in TeX: p, m, v as they are, costs.X as τ_X, products juxtaposed."""
+    def sum_in_parentheses(child):
+        text = tex(child)
+        is_sum = isinstance(child, ast.BinOp) and isinstance(child.op, (ast.Add, ast.Sub))
+        return f"({text})" if is_sum else text
+
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "costs":
+        return TAU[node.attr]
+    if isinstance(node, ast.Constant):
+        return str(node.value)
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        return "-" + sum_in_parentheses(node.operand)
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("max", "min"):
+        return rf"\{node.func.id}(" + ", ".join(tex(a) for a in node.args) + ")"
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        return f"{tex(node.left)}+{tex(node.right)}"
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Sub):
+        return f"{tex(node.left)}-{sum_in_parentheses(node.right)}"
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
+        left, right = sum_in_parentheses(node.left), sum_in_parentheses(node.right)
+        return f"{left} \\cdot {right}" if right[0].isdigit() else f"{left}{right}"
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
+        return rf"\frac{{{tex(node.left)}}}{{{tex(node.right)}}}"
+    raise ValueError(f"no TeX for {ast.unparse(node)!r}")
 
 
 def number(x: Fraction):
@@ -72,7 +107,7 @@ def configurations(generators, name: str, grid: Grid):
 
 def closed_form(generators, name: str, p: int, m: int, v: int, costs: Costs) -> dict:
     try:
-        return {"idle": str(generators.idle_per_rank(name, p, m, costs)),
+        return {"idle": str(generators.idle_per_rank(name, p, m, costs, stages_per_rank=v)),
                 "bubble": str(generators.bubble_formula(name, p, m, costs, stages_per_rank=v))}
     except ValueError as error:
         return {"error": str(error)}
@@ -102,21 +137,29 @@ def schedule_data(generators, name: str, grid: Grid) -> dict:
     return {"configs": configs, "refused": refused}
 
 
-def verified_form(name: str, data: dict) -> str | None:
-    """IDLE_FORMS[name] in TeX if it gives idle_per_rank's value wherever that holds on the grid, else None."""
-    form = IDLE_FORMS.get(name)
-    if form is None:
+def verified_form(generators, name: str, data: dict) -> str | None:
+    """idle_per_rank's closed form for `name`, in TeX, if evaluating it gives idle_per_rank's value wherever
+    that holds on the grid (it is the code's own expression: this checks that the right branch was read),
+    else None (the page then shows the value only)."""
+    expression = branches(generators).get(name)
+    if expression is None:
         return None
+    code = compile(ast.Expression(expression), "idle_per_rank", "eval")
     for key, config in data["configs"].items():
         p, m, v = map(int, key.split(","))
         for costs, run in config["runs"].items():
-            F, I, W = map(Fraction, costs.split(","))
-            value = eval(form, {"max": max}, {"p": p, "m": m, "F": F, "I": I, "W": W, "B": I + W})
-            if "idle" in run["closed"] and Fraction(run["closed"]["idle"]) != value:
-                print(f"site: the explorer's formula for {name}, {form}, gives {value} at p={p}, m={m}, costs "
-                      f"{costs}, but idle_per_rank gives {run['closed']['idle']}: the page shows the value only")
-                return None
-    return tex(form)
+            costs = Costs(*map(Fraction, costs.split(",")))
+            if "idle" in run["closed"]:
+                value = eval(code, {"max": max, "min": min}, {"p": p, "m": m, "v": v, "costs": costs})
+                if Fraction(run["closed"]["idle"]) != value:
+                    print(f"site: idle_per_rank's branch for {name}, {ast.unparse(expression)}, gives {value} at "
+                          f"p={p}, m={m}, v={v}, costs {costs}, but the function gives {run['closed']['idle']}: "
+                          "the explorer shows the value only")
+                    return None
+    try:
+        return tex(expression)
+    except ValueError:
+        return None
 
 
 def write_explorer_data(folder: Path, grid: Grid = Grid()) -> list[str]:
@@ -126,7 +169,7 @@ def write_explorer_data(folder: Path, grid: Grid = Grid()) -> list[str]:
     schedules = []
     for name, generator in generators.SCHEDULES.items():
         data = schedule_data(generators, name, grid)
-        data["form"] = verified_form(name, data)
+        data["form"] = verified_form(generators, name, data)
         text = json.dumps(data, separators=(",", ":"))
         (folder / f"{name}.js").write_text(f"EXPLORER.schedules[{json.dumps(name)}] = {text};\n")
         summary = re.match(r"(.+?\.)(\s|$)", " ".join((generator.__doc__ or name).split()))

@@ -1,9 +1,9 @@
 """The site's Markdown, as build.py stages it (given): the home page and the chapters and notebooks as they are,
 with their backticked names of other pages made links to them.
 
-The navigation follows README.md's two tracks (its bullets "**Pipeline track (modules 00-05, 11).**") in
-the order of course/catalog.py; every chapter has its notebook under it. A module in no track is listed
-after them, under "More modules".
+The navigation follows README.md's tracks (its bullets "**Pipeline track (modules 00-05, 11).**") in the
+order of course/catalog.py; every chapter has its notebook under it. A module in no track is listed after
+them, under "More modules".
 """
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ TRACK = re.compile(r"^- \*\*(?P<name>[^*(]+?) track \(modules (?P<modules>[\d ,-
 FENCE = re.compile(r"^```.*?^```", re.M | re.S)
 PAGE_SPAN = re.compile(r"(?<!\[)`((?:docs|notebooks)/[\w.-]+\.(?:md|ipynb))`")
 EXPLORER_CHAPTERS = ("05", "11")  # the chapters whose schedules the explorer draws
-MEMORY_CHAPTERS = ("07", "12", "13")  # the chapters whose meshes the memory explorer draws
+CALCULATOR_CHAPTERS = ("07", "13", "14", "17", "18")  # the chapters whose choices the layout calculator costs
+HARDWARE_CHAPTERS = ("03", "09", "18")  # the chapters whose numbers the hardware page sources
 
 
 def tracks(readme: str) -> list[tuple[str, list[str], str]]:
@@ -70,9 +71,12 @@ def chapter_page(chapter: Path, notebook: Path | None, staged: set[str]) -> str:
     if chapter.name[:2] in EXPLORER_CHAPTERS:
         extra.append("- The [schedule explorer](../explorer.md): any schedule of module 11 at any p, m, v and "
                      "costs of its grid, and the [timelines](../timelines.md) of all of them at p = 4, m = 8.")
-    if chapter.name[:2] in MEMORY_CHAPTERS:
-        extra.append("- The [memory explorer](../memory.md): what one rank keeps and sends on every d x t mesh, "
-                     "from module 13's cost formulas (d x 1 is FSDP, 1 x t tensor parallelism).")
+    if chapter.name[:2] in CALCULATOR_CHAPTERS:
+        extra.append("- The [layout calculator](../calculator.md): module 18's plan of real models on real GPUs, "
+                     "for any mesh, ZeRO stage, recompute option, FP8 choice, m and schedule it costs.")
+    if chapter.name[:2] in HARDWARE_CHAPTERS:
+        extra.append("- The [hardware page](../hardware.md): the GPUs and links the costs assume, with their "
+                     "sources, and a roofline of each GPU.")
     if extra:
         text += "\n---\n\n**On this site:**\n\n" + "\n".join(extra) + "\n"
     if notebook is not None:
@@ -81,14 +85,15 @@ def chapter_page(chapter: Path, notebook: Path | None, staged: set[str]) -> str:
 
 
 def home_page(chapters: dict[str, Path], notebooks: dict[str, Path]) -> str:
-    """index.md: what the course is, its two tracks, the syllabus, and the navigation's table of contents."""
+    """index.md: what the course is, its tracks, the syllabus, and the navigation's table of contents."""
     readme = (REPO / "README.md").read_text()
     intro = readme.split("\n\n")[1].strip()
     lines = ["# Distributed LLM training, built by hand", "", intro, "",
              "The chapters are the course's `docs/`, the notebooks its `notebooks/` with the outputs of a run "
              "on CPU. The [schedule explorer](explorer.md) shows every schedule of module 11 as the course's "
-             "simulator times it, the [memory explorer](memory.md) what a rank of module 13's 2-D model keeps and "
-             "sends on every mesh; the [glossary](docs/glossary.md) names every quantity. To take the course, "
+             "simulator times it, the [layout calculator](calculator.md) what module 18's plan predicts for a "
+             "real model on real GPUs, the [hardware page](hardware.md) the GPUs and links it assumes; the "
+             "[glossary](docs/glossary.md) names every quantity. To take the course, "
              "clone it and run `pip install -r requirements.txt && python main.py`.", ""]
     toctrees, placed = [], set()
     for name, numbers, text in tracks(readme):
@@ -112,5 +117,6 @@ def home_page(chapters: dict[str, Path], notebooks: dict[str, Path]) -> str:
     for caption, numbers in toctrees:
         entries = "\n".join(f"docs/{chapters[n].stem}" for n in numbers)
         lines += ["```{toctree}", f":caption: {caption}", ":hidden:", "", entries, "```", ""]
-    lines += ["```{toctree}", ":caption: Explore", ":hidden:", "", "explorer", "timelines", "memory", "docs/glossary", "```", ""]
+    lines += ["```{toctree}", ":caption: Explore", ":hidden:", "", "explorer", "timelines", "calculator", "hardware",
+              "docs/glossary", "```", ""]
     return "\n".join(lines)
