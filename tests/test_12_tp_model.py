@@ -10,6 +10,8 @@ allow 1e-12. A gradient off by a constant factor (a missing 1 / n_microbatches, 
 gradients taken twice) barely moves AdamW's update m / sqrt(v), yet still moves the losses by
 ~1e-8 or more: 10^4 times the tolerance.
 """
+from unittest import mock
+
 import pytest
 import torch
 
@@ -65,7 +67,7 @@ def _forward_backward(sequence_parallel, tokens, targets):
 
 def joined(results, name, layer=None):
     """The ranks' pieces of one gradient, put back together by the layout the chapter gives."""
-    parts = [g.blocks[layer] if layer is not None else g for _, g in results]
+    parts = [r[1].blocks[layer] if layer is not None else r[1] for r in results]
     parts = [getattr(p, name) for p in parts]
     if name in ("ln1", "ln2", "final_norm"):
         return parts[0]
@@ -147,11 +149,14 @@ def _one_step(sequence_parallel, tokens, targets):
         mine.ln1.copy_(norms.ln1), mine.ln2.copy_(norms.ln2)
     model.final_norm.copy_(whole.final_norm)
     optimizer = _KeepGradients(model.parameters())
-    loss = model.train_step(tokens, targets, 2, optimizer)
+    calls = []  # how often the step sums the norms' gradients: once, after the last microbatch
+    summed = model12.sum_norm_grads
+    with mock.patch.object(model12, "sum_norm_grads", lambda *a, **k: calls.append(1) or summed(*a, **k)):
+        loss = model.train_step(tokens, targets, 2, optimizer)
     g = optimizer.grads
     per_block = len(g[1:-2]) // len(model.blocks)
     blocks = [BlockWeights(*g[1 + i * per_block:1 + (i + 1) * per_block]) for i in range(len(model.blocks))]
-    return loss, m06.LlamaGrads(g[0], blocks, g[-2], g[-1])
+    return loss, m06.LlamaGrads(g[0], blocks, g[-2], g[-1]), len(calls)
 
 
 @pytest.mark.exercises("TPLlama.train_step", "sum_norm_grads", "TPLlama.forward_backward", *PIECES)
@@ -177,10 +182,15 @@ def test_one_step_hands_the_optimizer_the_gradient_of_the_batchs_mean_loss(world
               ("d lm_head", joined(results, "lm_head"), expected.lm_head)]
     wrong = [(name, ((got[:want.shape[0]] * want).sum() / (want * want).sum()).item()) for name, got, want in pieces
              if not ((got[:want.shape[0]] - want).abs().max() / want.abs().max()).item() <= 1e-12]
-    norms = all(name.endswith(("dln1", "dln2", "d final_norm")) for name, _ in wrong)
+    # Norm gradients alone off by t (or 1/t), summed once a step: sum_norm_grads sums wrongly. Summed more or less
+    # often than once a step (the first microbatch's partial sums counted t times), or anything else: train_step.
+    calls = results[0][2]
+    norms = all(name.endswith(("dln1", "dln2", "d final_norm")) for name, _ in wrong) and calls == 1 and all(
+        min(abs(f - world_size), abs(f - 1 / world_size)) < 1e-9 for _, f in wrong)
     culprit = ("your sum_norm_grads (the norms' gradients summed over the group once per step, only with sequence "
                "parallelism)" if norms else "your TPLlama.train_step (each microbatch's gradient added into the "
-               "accumulators, divided by the whole batch's real tokens; each .grad its accumulator)")
+               "accumulators, divided by the whole batch's real tokens; the norms' gradients summed once, after the "
+               f"last microbatch: it called sum_norm_grads {calls} times; each .grad its accumulator)")
     assert not wrong, (f"{label}: {len(wrong)} of the {len(pieces)} gradients handed to the optimizer differ from "
                        "module 06's on the whole batch: " + ", ".join(f"{n} {f:.2f} times" for n, f in wrong[:4])
                        + (", ..." if len(wrong) > 4 else "") + f"; look at {culprit}")
