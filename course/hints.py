@@ -70,6 +70,32 @@ RENAMED_TITLES: dict[str, str] = {
         "TODO(m16): the way back: every row from the experts home to where it left",
     "TODO(m16): the MoE layer's backward: combine, the all-to-alls the other way, experts, router":
         "TODO(m16): the MoE layer's backward: every gradient of the layer, through every piece of its forward",
+    "TODO(m12): the attention half: norm, column-parallel q/k/v, RoPE, attention on this rank's heads":
+        "TODO(m12): the attention half on t ranks: what this rank computes and saves",
+    "TODO(m12): the FFN half: row-parallel o, residual + norm, column-parallel gate/up, SwiGLU, row-parallel down":
+        "TODO(m12): the FFN half on t ranks: from the attention's partial output to the block's output",
+    "TODO(m12): backward of the FFN half: down (row), SwiGLU, gate/up (column), residual + norm":
+        "TODO(m12): backward of the FFN half on t ranks",
+    "TODO(m12): backward of the attention half: o (row), attention, RoPE, q/k/v (column), norm":
+        "TODO(m12): backward of the attention half on t ranks",
+    "TODO(m12): the forward and the loss: embedding, blocks, final norm, LM head, vocabulary-parallel loss":
+        "TODO(m12): the forward and the loss, every piece tensor-parallel",
+    "TODO(m12): the backward: LM head, final norm, blocks in reverse, embedding, into self.grads":
+        "TODO(m12): the backward of the whole model, into self.grads",
+    "TODO(m12): zero the accumulators, accumulate the microbatches, sum the norm gradients, step":
+        "TODO(m12): one optimizer step over the microbatches",
+    "TODO(m12): row-parallel backward: leave's backward, then the two GEMMs":
+        "TODO(m12): row-parallel backward: the two GEMMs, and what they need of dy",
+    "TODO(m12): row-parallel forward: this rank's partial product, then leave the TP region":
+        "TODO(m12): row-parallel forward: y in the residual stream's layout",
+    "TODO(m12): column-parallel forward: enter the TP region once, then one GEMM per weight":
+        "TODO(m12): column-parallel forward: every weight's slice of y from one whole input",
+    "TODO(m12): vocabulary-parallel embedding: look up the tokens this rank owns, zeros elsewhere, leave":
+        "TODO(m12): vocabulary-parallel embedding: the lookup from this rank's rows",
+    "TODO(m12): vocabulary-parallel embedding backward: leave's backward, then add dx into the owned rows":
+        "TODO(m12): vocabulary-parallel embedding backward: the gradient of this rank's rows",
+    "TODO(m11): run every action of this rank's list in order; wait for every send; return the loss":
+        "TODO(m11): one step: this rank's whole list, every send completed, the loss",
 }
 
 

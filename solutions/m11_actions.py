@@ -42,16 +42,19 @@ class Action(NamedTuple):
         # Contract: "12W3" -> Action(stage=12, kind="W", microbatch=3), stage and microbatch as ints;
         # spaces around the text are allowed. Anything that is not stage, kind, microbatch run together
         # raises ValueError with the text quoted in its message.
+        # The question: how do you read the three fields off the text, and refuse anything else?
         # Pitfalls:
         # - stages and microbatches can have several digits ("12F10" is stage 12, microbatch 10);
         # - a kind outside F, B, I, W ("1X2") or a missing number ("F2", "2F") must be refused, not read
         #   as something else: the tests write schedules in this form, and a misread action makes a
         #   schedule that looks valid but is not the one written.
-        # Hint 1: TEXT, above the class, is the regular expression of the text form, one group per field.
-        # Hint 2: TEXT.fullmatch(s) returns a match (groups 1, 2, 3) or None; strip the text first.
-        # Hint 3: match <- full match of TEXT on the stripped text
-        #         no match: raise ValueError naming the text
-        #         return the class built from (int of group 1, group 2, int of group 3)
+        # Hint 1: which object defined above the class already describes the text form, one group per field,
+        #         and must it match the whole text or only a part of it?
+        # Hint 2: the whole stripped text must match stage, kind, microbatch (a full match, not a search); its
+        #         three groups are the fields, the numbers read as ints; no match is a ValueError.
+        # Hint 3: match = TEXT.fullmatch(text.strip())
+        #         if match is None: raise ValueError naming the text
+        #         return cls(int(match[1]), match[2], int(match[3]))
         match = TEXT.fullmatch(text.strip())
         if match is None:
             raise ValueError(f"{text!r} is not an action: write stage, kind (one of {', '.join(KINDS)}) and "

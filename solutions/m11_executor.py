@@ -172,16 +172,23 @@ def run_action(action: Action, stage: SplitStage, comms: StageComms, xs, ys, sen
     # which stages is there nothing to receive or to send?
     # Pitfalls:
     # - a message named after the wrong stage is refused by StageComms at once (e.g. "no stage sends 'act' to
-    #   stage 0: ..."), where the receiver would otherwise wait forever;
-    # - a handle not kept is a send gloo may drop: the peer then waits forever in its recv;
-    # - B is backward_input and backward_weight in one: no W follows it in the schedule.
-    # Hint 1: dispatch on action.kind; stage.is_first and stage.is_last say which messages exist.
-    # Hint 2: F: inp <- xs[m] or comms.recv("act", action.stage, m, shape); stage.forward(inp, m, ys[m],
-    #         n_microbatches); its output is the "act" of stage action.stage + 1. B/I: the "grad" of
-    #         action.stage (None on the last stage); the result is the "grad" of action.stage - 1.
-    # Hint 3: F: inp <- xs[m] or receive "act"; out <- forward; last stage: return out; else send out
-    #         B/I: grad <- None or receive "grad"; dx <- backward or backward_input; unless first: send dx
-    #         W: backward_weight
+    #   stage 0: ..."), where the receiver would otherwise wait forever: which stage names a message?
+    # - a handle not kept is a send gloo may drop: does the peer then wait forever in its recv?
+    # - B is backward_input and backward_weight in one: does a W follow it in the schedule?
+    # Hint 1: for each kind, which row of the chapter's table of actions (docs/11, "An action, a schedule") says
+    #         who waits for its result, and which stages have no stage before or after them?
+    # Hint 2: F: its input is the batch's microbatch on the first stage, else the "act" message of its own stage;
+    #         on the last stage it returns the loss share, else its output is the "act" message of stage
+    #         action.stage + 1. B and I: the gradient is nothing on the last stage (the loss), else the "grad"
+    #         message of their own stage; unless on the first stage, the input's gradient is the "grad" message of
+    #         stage action.stage - 1. W: receives and sends nothing.
+    # Hint 3: F: inp = xs[m] if stage.is_first else comms.recv("act", action.stage, m, shape)
+    #            out = stage.forward(inp, m, ys[m], n_microbatches); return out on the last stage,
+    #            else sends.append(comms.send(out, "act", action.stage + 1, m))
+    #         B/I: grad = None if stage.is_last else comms.recv("grad", action.stage, m, shape)
+    #            dx = (stage.backward if B else stage.backward_input)(m, grad)
+    #            unless stage.is_first: sends.append(comms.send(dx, "grad", action.stage - 1, m))
+    #         W: stage.backward_weight(m); return None
     if action.kind == "F":
         inp = xs[m] if stage.is_first else comms.recv("act", action.stage, m, shape)
         out = stage.forward(inp, m, ys[m], n_microbatches)
@@ -206,22 +213,24 @@ def run_schedule(schedule: Schedule, stages: dict[int, SplitStage], comms: Stage
     """One step: this rank's list of `schedule` on its `stages`. Returns the batch loss (the sum of
     the shares) on the rank holding the last stage, else None; every send has completed."""
     xs, ys = split_microbatches(x, schedule.n_microbatches), split_microbatches(y, schedule.n_microbatches)
-    # >>> TODO(m11): run every action of this rank's list in order; wait for every send; return the loss
+    # >>> TODO(m11): one step: this rank's whole list, every send completed, the loss
     # Contract: run_action for each action of schedule.orders[comms.pp.index] (this rank's list: its place in
-    # the pipeline group), on stages[action.stage], all in
-    # order. Returns the sum of the loss shares run_action returned, or None on a rank without the last
-    # stage. Before it returns, every handle of the step's sends has been waited for.
+    #   the pipeline group), on stages[action.stage], in order. Returns the sum of the loss shares run_action
+    #   returned, added in microbatch order (the tests compare it with the monolith's bit for bit), or None on a
+    #   rank without the last stage. Before it returns, every handle of the step's sends has been waited for.
+    # The question: what must still be done once the last action has run?
     # Pitfalls:
-    # - returning before the sends complete: on gloo a send whose handle is dropped is usually lost (the
-    #   peer then waits forever in its recv), and the next step may overwrite a tensor still in flight;
-    # - a rank without the last stage returns None, not 0 (train keeps only the real losses).
-    # Hint 1: one list of handles for the whole step, filled by run_action, waited for at the end.
-    # Hint 2: keep the shares that are not None; sum() adds them in microbatch order; module 05's
-    #         wait_all waits for a list of handles.
-    # Hint 3: sends, shares <- empty lists
-    #         for each action of this rank's order: share <- run_action(action, its stage, ...);
-    #             keep it when it is not None
-    #         wait for every handle; return the sum of the shares, or None when there are none
+    # - on gloo a send whose handle is dropped is usually lost: what happens to the peer's recv, and to a
+    #   tensor the next step overwrites while it is still in flight?
+    # - what does a rank without the last stage return: None, or 0 (train keeps only the real losses)?
+    # Hint 1: which handles must outlive run_action, and when is it safe to stop waiting for them (module 05's
+    #         rules, docs/05)?
+    # Hint 2: one list of send handles for the whole step, filled by every run_action and waited for once at
+    #         the end; the loss is the sum, in microbatch order, of the shares that are not None.
+    # Hint 3: sends, shares = [], []
+    #         for action in schedule.orders[comms.pp.index]:
+    #             share = run_action(action, stages[action.stage], comms, xs, ys, sends); keep it if not None
+    #         wait_all(sends); return sum(shares) if shares else None
     sends, shares = [], []
     for action in schedule.orders[comms.pp.index]:
         share = run_action(action, stages[action.stage], comms, xs, ys, sends)

@@ -65,41 +65,20 @@ def microbatches_per_round(world_size: int, n_microbatches: int) -> int:
 
 
 def gpipe(world_size: int, n_microbatches: int) -> Schedule:
-    """Module 05's GPipe as data: every rank forwards microbatches 0..m-1, then backwards them in
-    the same order. Bubble (p-1)/(m+p-1); every rank keeps all m microbatches' activations."""
+    """Module 05's GPipe as data (given): every rank forwards microbatches 0..m-1, then backwards them
+    in the same order. Bubble (p-1)/(m+p-1); every rank keeps all m microbatches' activations."""
     check_arguments("gpipe", world_size, n_microbatches)
-    # >>> TODO(m11): GPipe's order on every rank
-    # Contract: orders[r] is rank r's list of Actions, all on its stage r: the m forwards, then the m
-    # full backwards (kind "B"), each in microbatch order 0..m-1: what module 05's gpipe ran.
-    # Pitfalls:
-    # - rank r's stage is r (one_stage_per_rank), not 0 on every rank: the validator then says "rank 1
-    #   runs 0F0, but stage 0 is on rank 0".
-    # Hint 1: per rank, the list of its forwards followed by the list of its backwards.
-    # Hint 2: Action(stage, "F", microbatch) and Action(stage, "B", microbatch); two comprehensions joined.
-    # Hint 3: orders <- for each rank r: [F(r, i) for every i] + [B(r, i) for every i]
     orders = [[Action(r, "F", m) for m in range(n_microbatches)] + [Action(r, "B", m) for m in range(n_microbatches)]
               for r in range(world_size)]
-    # <<<
     return Schedule("gpipe", one_stage_per_rank(world_size), orders, n_microbatches)
 
 
 def one_f_one_b(world_size: int, n_microbatches: int) -> Schedule:
-    """Module 05's 1F1B as data: min(p-r-1, m) warm-up forwards on rank r, then F(i + warm-up), B(i)
-    pairs, then the backwards left. Bubble (p-1)/(m+p-1); rank r keeps at most min(p-r, m)."""
+    """Module 05's 1F1B as data (given; the chapter derives its warm-up from arrival times, the argument
+    your interleaved order carries to the loop): min(p-r-1, m) warm-up forwards on rank r, then
+    F(i + warm-up), B(i) pairs, then the backwards left. Bubble (p-1)/(m+p-1); rank r keeps at most
+    min(p-r, m)."""
     check_arguments("1f1b", world_size, n_microbatches)
-    # >>> TODO(m11): 1F1B's order on every rank
-    # Contract: module 05's one_f_one_b order exactly, as Actions on stage r: min(p-r-1, m) warm-up
-    # forwards; then pairs of one forward (the next microbatch) and one full backward (the oldest in
-    # flight); then the backwards left. Each microbatch gets one F and one B, each kind in microbatch order.
-    # Pitfalls:
-    # - a warm-up not capped at m asks for microbatches that do not exist (m < p-r-1);
-    # - one warm-up forward too few and rank r waits for a backward in every pair (the simulated bubble
-    #   grows); one too many and it keeps p-r+1 microbatches (the tests count both).
-    # Hint 1: module 05's three phases, appending Actions instead of running them.
-    # Hint 2: warm-up w = min(world_size - r - 1, n_microbatches); the steady state pairs F(k + w) with B(k).
-    # Hint 3: for each rank r: order <- F(r, 0..w-1)
-    #             for k in 0..m-w-1: add F(r, k + w), then B(r, k)
-    #             add B(r, m-w..m-1); append order to orders
     orders = []
     for r in range(world_size):
         warmup = min(world_size - r - 1, n_microbatches)
@@ -107,7 +86,6 @@ def one_f_one_b(world_size: int, n_microbatches: int) -> Schedule:
         for m in range(n_microbatches - warmup):
             order += [Action(r, "F", m + warmup), Action(r, "B", m)]
         orders.append(order + [Action(r, "B", m) for m in range(n_microbatches - warmup, n_microbatches)])
-    # <<<
     return Schedule("1f1b", one_stage_per_rank(world_size), orders, n_microbatches)
 
 
@@ -120,36 +98,37 @@ def interleaved(world_size: int, n_microbatches: int, stages_per_rank: int = 2) 
     check_arguments("interleaved", world_size, n_microbatches, stages_per_rank)
     placement = looped_placement(world_size, stages_per_rank)
     # >>> TODO(m11): interleaved 1F1B's order on every rank
-    # Contract: rank r runs v*m forwards and v*m full backwards (kind "B") on its local stages, local stage
-    # j being the looped placement's stage j*p + r, in Megatron-LM's order (torch's ScheduleInterleaved1F1B
-    # follows it; the tests compare the two for every m torch accepts):
-    # - forwards: the microbatches in rounds of g = microbatches_per_round(p, m) (given); a round's g
-    #   microbatches go through local stage 0, in microbatch order, then the same g through local stage 1,
-    #   and so on to the last local stage; then the next round;
-    # - backwards: the same rounds and groups, the local stages visited last to first;
-    # - 1F1B's three phases over those two sequences: warm-up forwards; pairs of the next forward and the
-    #   oldest backward; the backwards left;
-    # - the warm-up, capped at v*m: the chapter's 1F1B argument (docs/11, "1F1B's order, from arrival
-    #   times") carried to the loop, with Megatron-LM's slack of one pair per hop.
-    # The questions: which (stage, microbatch) is rank r's k-th forward, and its k-th backward? How many
-    # forwards come before the forward that the first backward needs on this rank, and how many does the
-    # slack add?
+    # Contract: rank r runs v*m forwards and v*m full backwards (kind "B") on its local stages (local stage j
+    #   is the looped placement's stage j*p + r), in Megatron-LM's order, which torch's ScheduleInterleaved1F1B
+    #   follows (the tests compare the two for every m torch accepts, and count the activations each rank keeps):
+    # - its forwards, in order: round after round of g = microbatches_per_round(p, m) microbatches (given); within
+    #   a round, the round's g microbatches through local stage 0 in microbatch order, then the same g through
+    #   local stage 1, and so on to the last local stage;
+    # - its backwards, in order: the same rounds and groups, the local stages visited from the last to the first;
+    # - the two sequences woven as one_f_one_b (above) weaves its forwards and backwards, with another warm-up.
+    # The questions: which (stage, microbatch) is rank r's k-th forward, and its k-th backward? How long must
+    #   rank r's warm-up be for Megatron-LM's order?
+    # Maths: docs/11, "1F1B's order, from arrival times" derives 1F1B's warm-up w_r from what waits for what;
+    #   "Interleaved 1F1B" says what changes on the loop: where the last rank's first backward is, and the slack.
     # Pitfalls:
-    # - local stage j of rank r is not stage r*v + j: the validator says the rank runs a stage not on it;
-    # - a group is g microbatches, not p: the same where p divides m, another order (torch's is the
-    #   reference) where it does not, e.g. p = 4, m = 6;
-    # - the backwards go through the local stages in reverse (the last stage's backward comes first);
-    # - 1F1B's warm-up, p-r-1, is too short here: a rank would run a backward before its own forward (the
-    #   validator refuses it); the warm-up without the slack passes the validator, but is not Megatron-LM's
-    #   order (the tests compare it with torch's, and count the activations it keeps).
-    # Hint 1: write forward(k) and backward(k), rank r's k-th of each, then 1F1B's three phases over k.
-    # Hint 2: g = microbatches_per_round(world_size, n_microbatches); forward k: microbatch
-    #         (k // (g * v)) * g + k % g on local stage (k // g) % v, i.e. stage ((k // g) % v) * world_size + r;
-    #         backward k: the same microbatch on local stage v-1 - (k // g) % v.
-    #         warm-up: (v-1)*g (the last rank's: every round-0 forward before its last stage's) + 2 per later rank.
-    # Hint 3: for each rank r: w <- min((v-1)g + 2(p-r-1), v*m)
-    #             order <- forward(0..w-1); for k in 0..vm-w-1: forward(k + w), backward(k)
-    #             then backward(vm-w..vm-1)
+    # - which stage is local stage j of rank r on the looped placement (the validator names a stage not on it)?
+    # - where p does not divide m (p = 4, m = 6), is a group p microbatches or g?
+    # - in which order do the backwards visit a rank's stages: which of them gets the first gradient?
+    # - 1F1B's own warm-up makes a rank wait for a backward before its forward has run (the validator refuses
+    #   it); a warm-up without the slack passes the validator but is not Megatron-LM's order: which is it?
+    # Hint 1: in the loop, which forward of the last rank does its first backward need, and how many of its
+    #         forwards come before that one? Then carry the chapter's neighbour-by-neighbour argument ("1F1B's
+    #         order, from arrival times") back to rank r, with the slack it says Megatron-LM gives every hop.
+    # Hint 2: with g microbatches a round, forward k runs microbatch ⌊k / (g v)⌋ g + (k mod g) on local stage
+    #         ⌊k / g⌋ mod v (stage (⌊k / g⌋ mod v) p + r); backward k the same microbatch on local stage
+    #         v - 1 - (⌊k / g⌋ mod v). Warm-up: w_(p-1) = (v-1)·g (every forward of round 0 on the earlier local
+    #         stages comes first), and w_r - w_(r+1) = 2 (one pair of slack per hop): w_r = min((v-1)·g + 2(p-r-1), v m).
+    # Hint 3: g = microbatches_per_round(world_size, n_microbatches); for each rank r:
+    #             microbatch(k) = (k // (g * v)) * g + k % g
+    #             forward(k) = Action(((k // g) % v) * world_size + r, "F", microbatch(k))
+    #             backward(k) = Action((v - 1 - (k // g) % v) * world_size + r, "B", microbatch(k))
+    #             w = min((v - 1) * g + 2 * (world_size - r - 1), v * m)
+    #             order = forward(0..w-1); for k in 0..vm-w-1: forward(k + w), backward(k); then backward(vm-w..vm-1)
     orders = []
     v, total = stages_per_rank, stages_per_rank * n_microbatches
     g = microbatches_per_round(world_size, n_microbatches)
@@ -174,29 +153,30 @@ def interleaved(world_size: int, n_microbatches: int, stages_per_rank: int = 2) 
 
 def zbh1(world_size: int, n_microbatches: int) -> Schedule:
     """ZB-H1 (Qi et al., Zero Bubble Pipeline Parallelism, 2024): 1F1B with each backward split into
-    I and W. I goes where 1F1B's B was (the rank before waits for it); rank r defers its first r W's
-    and runs them in the cool-down, where 1F1B's rank r sat idle. Same peak activations as 1F1B's
+    I and W. I goes where 1F1B's B was (the rank before waits for it); rank r defers some of its W's
+    to the cool-down, where 1F1B's rank r sat idle. Same peak activations as 1F1B's
     rank 0 (p microbatches) on every rank; idle (p-1)(τ_F+τ_I-τ_W) per rank instead of 1F1B's
     (p-1)(τ_F+τ_B) (in the zero-bubble paper's notation (p-1)(T_F+T_B-T_W), its B being our I)."""
     check_arguments("zbh1", world_size, n_microbatches)
     # >>> TODO(m11): ZB-H1's order on every rank
-    # Contract: 1F1B's order with every B(k) replaced by I(k). After the k-th I (k from 0), rank r runs
-    # the W of the oldest microbatch whose W is pending, except for its first r I's: rank r lets r W's
-    # wait, and runs them at the very end, oldest first. One F, one I, one W per microbatch.
-    # The maths: rank r has r forwards' worth of idle time in 1F1B's cool-down; the deferred W's fill it,
-    # so its last I comes earlier and the ranks before it finish earlier too: the idle time drops from
-    # (p-1)(τ_F+τ_B) to (p-1)(τ_F+τ_I-τ_W) while the W's fit in the gaps (τ_W <= τ_F, τ_I).
+    # Contract: rank r's list on stage r: one_f_one_b's order (above) with every B(k) replaced by I(k), and one
+    #   W per microbatch, in microbatch order: each I is followed by the oldest W still owed, except rank r's first
+    #   few I's, which are followed by none; the W's still owed after the last I end the list, where 1F1B's rank r
+    #   sits idle. The tests compare small cases with orders checked by hand and with torch's
+    #   (ScheduleInterleavedZeroBubble with one stage per rank), the simulated idle time with (p-1)(τ_F+τ_I-τ_W),
+    #   and each rank's peak with p microbatches.
+    # The question: how many of rank r's first I's go without a W?
+    # Maths: docs/11, "ZB-H1": the stage before waits for I, nobody for W; the gaps of 1F1B's cool-down on rank r.
     # Pitfalls:
-    # - deferring p-1-r W's (the mirror image): rank 0 keeps nearly 2p microbatches, and the bubble is
-    #   1F1B's, (p-1)(τ_F+τ_I+τ_W);
-    # - deferring none: the I's still go out early, but the cool-down's gaps stay empty: (p-1)(τ_F+τ_I);
-    # - deferring r+1: one more microbatch kept on every rank (the tests count it) for no smaller bubble
-    #   (at m = p, a bigger one);
-    # - a W before its own I is refused by the validator.
-    # Hint 1: 1F1B's phases with I for B; count the W's done; after the k-th I, add a W when k >= r.
-    # Hint 2: the W after the k-th I is W(k - r); at the end, W(i) for every i from the count to m-1.
-    # Hint 3: for each rank r: w <- min(p-r-1, m); order <- F(0..w-1); done <- 0
-    #             for k in 0..m-1: F(k + w) if it exists; I(k); if k >= r: W(done), done += 1
+    # - what does the mirror image (rank r holding back what rank p-1-r should) do to rank 0's memory and the bubble?
+    # - holding back none, or one more than needed: what happens to the cool-down's gaps, and to the peak?
+    # - can a W come before its own I (the validator refuses it)?
+    # Hint 1: in 1F1B's cool-down (chapter 05, and the simulator's drawing of one_f_one_b), how long does rank r
+    #         wait between its backwards, and how many W's of one unit each fill those waits?
+    # Hint 2: rank r holds back its first r W's: after the k-th I (k from 0) comes W(k - r) when k >= r; the r
+    #         W's left run at the end, oldest first.
+    # Hint 3: for each rank r: w = min(p - r - 1, m); order = F(0..w-1); done = 0
+    #             for k in 0..m-1: F(k + w) if k + w < m; I(k); if k >= r: W(done), done += 1
     #             then W(done..m-1)
     orders = []
     for r in range(world_size):
@@ -225,31 +205,31 @@ def zbh2(world_size: int, n_microbatches: int) -> Schedule:
     synchronisation bypassed), (p-1)·max(τ_F+τ_I-2τ_W, τ_F) per rank in the synchronous step."""
     check_arguments("zbh2", world_size, n_microbatches)
     # >>> TODO(m11): ZB-H2's order on every rank
-    # Contract: ZB-H1's shape on stage r: warm-up forwards; then for k = 0..m-1 the next forward (while
-    # one is left), I(k), and the W of the oldest microbatch whose W is pending, except while rank r still
-    # holds back its first W's; then the W's left, oldest first. One F, one I, one W per microbatch.
-    # Two numbers change from ZB-H1:
-    # - the warm-up: ZB-H2 fills the whole gap before rank r's first I with forwards (capped at m);
-    # - the W's held back: as many as rank r's cool-down has gaps to fill, so that it never idles between
-    #   its first and its last action.
-    # The maths: count time in unit actions (τ_F = τ_I = τ_W = 1, messages free). Rank r's first forward
-    # starts at r. Microbatch 0's I on the last rank starts at p and a gradient comes back one rank per
-    # unit: when can rank r's first I start, and how many forwards fit before it (the first round's
-    # forward included)? At the other end: with no idle time inside the spans, rank r ends r units after
-    # rank 0 (it started r units later), while the last gradient reaches it r units before rank 0. How
-    # many more W's than rank 0 must rank r keep for after its last I?
+    # Contract: ZB-H1's shape on stage r (warm-up forwards; for each I in turn the next forward while one is
+    #   left, the I, and the oldest W still owed, except after rank r's first few I's; then the W's still owed,
+    #   oldest first), one F, one I and one W per microbatch, with two of ZB-H1's numbers changed so that at
+    #   τ_F = τ_I = τ_W (messages free) no rank idles between its first and its last action: the warm-up (capped
+    #   at m) and how many of the first I's go without a W. The tests compare p = 3, m = 5 with an order checked
+    #   by hand, every rank's span with the closed forms, and each rank's peak with 2p-1 microbatches.
+    # The questions: how many forwards fit before rank r's first I, and how many more W's than rank 0 must
+    #   rank r keep for after its last I?
+    # Maths: count time in unit actions (τ_F = τ_I = τ_W = 1, messages free). Rank r's first forward starts at r;
+    #   the last rank runs microbatch 0's I right after its forward; an input gradient comes back one rank per
+    #   unit. With no idle time inside any rank's span, every rank's span is equally long.
     # Pitfalls:
-    # - ZB-H1's warm-up (p-r-1): rank r waits for its first gradient, and the idle time inside the ranks'
-    #   spans stays ZB-H1's (p-1)(τ_F+τ_I-τ_W) (the tests compare both conventions with the closed forms);
-    # - one forward too many: every rank keeps 2p microbatches (the tests count 2p-1);
-    # - ZB-H1's r W's held back: the cool-down keeps its gaps; one more than needed: one more microbatch
-    #   kept on every rank for nothing;
-    # - a warm-up not capped at m asks for microbatches that do not exist (m < 2p-1).
-    # Hint 1: ZB-H1's loop with two numbers changed: its warm-up and when its first W runs.
-    # Hint 2: warm-up w = min(2(p-r-1), m) (with the first round's F(w): 2(p-r)-1 forwards before I(0));
-    #         after the k-th I, a W when k >= 2r.
-    # Hint 3: for each rank r: w <- min(2(p-r-1), m); order <- F(0..w-1); done <- 0
-    #             for k in 0..m-1: F(k + w) if it exists; I(k); if k >= 2r: W(done), done += 1
+    # - with ZB-H1's warm-up, does rank r wait for its first gradient (the tests compare the idle time inside
+    #   the spans with the closed form)?
+    # - one forward too many: how many microbatches does each rank then keep?
+    # - with ZB-H1's W's held back, does the cool-down keep gaps? With one more, what does it cost?
+    # - with m < 2p-1, does the warm-up ask for microbatches that do not exist?
+    # Hint 1: on the unit clock, when can rank r's first I start, and when does its last I end compared with
+    #         rank 0's (docs/11, "ZB-H2")? The warm-up and the W's held back follow from those two times.
+    # Hint 2: rank r's first I starts at 2p-1-r, so 2(p-r)-1 forwards run before it: a warm-up of
+    #         w_r = min(2(p-r-1), m) and the first round's F. The last gradient reaches rank r r units before
+    #         rank 0 and its span ends r units after rank 0's: rank r holds back its first 2r W's (after the k-th I,
+    #         a W when k >= 2r).
+    # Hint 3: for each rank r: w = min(2 * (p - r - 1), m); order = F(0..w-1); done = 0
+    #             for k in 0..m-1: F(k + w) if k + w < m; I(k); if k >= 2 * r: W(done), done += 1
     #             then W(done..m-1)
     orders = []
     for r in range(world_size):
@@ -271,16 +251,19 @@ def zbh2(world_size: int, n_microbatches: int) -> Schedule:
 def interleaved_zero_bubble(world_size: int, n_microbatches: int, stages_per_rank: int = 2) -> Schedule:
     """Interleaved zero bubble (torch.distributed.pipelining's ScheduleInterleavedZeroBubble; the
     zero-bubble paper's ZB-H1 on interleaved 1F1B's loop). Given code, on top of your `interleaved`:
-    its forwards and its backwards in its order, every B split into I and W, woven by ZB-H1's rules:
-    rank r holds back its first r W's, and its warm-up drops the slack Megatron-LM gives a full
-    backward's trip back (an I travels faster), keeping 1F1B's count carried to the loop (torch's
-    rule). Idle per rank, in stage costs (m >= p): (p-1)·max(τ_F+τ_I-τ_W, τ_F, τ_I), ZB-H1's with
-    stages 1/v the size."""
+    its forwards and its backwards in its order, every B split into I and W, woven by ZB-H1's rules
+    (the W's each rank holds back read off your `zbh1`), and its warm-up drops the slack Megatron-LM
+    gives a full backward's trip back (an I travels faster), keeping 1F1B's count carried to the loop
+    (torch's rule). Idle per rank, in stage costs (m >= p): (p-1)·max(τ_F+τ_I-τ_W, τ_F, τ_I),
+    ZB-H1's with stages 1/v the size."""
     check_arguments("interleaved_zb", world_size, n_microbatches, stages_per_rank)
     p, total = world_size, stages_per_rank * n_microbatches
     looped = interleaved(p, n_microbatches, stages_per_rank)  # your order of forwards and of backwards
     orders = []
     for r, order in enumerate(looped.orders):
+        # ZB-H1's rule, read off your zbh1: how many of rank r's first I's go without a W.
+        kinds = [a.kind for a in zbh1(p, p).orders[r]]
+        held = kinds[:kinds.index("W")].count("I") - 1
         forwards = [a for a in order if a.kind == "F"]
         inputs = [a._replace(kind="I") for a in order if a.kind == "B"]
         # The forwards before the one the first backward needs here, and 1F1B's one per later rank.
@@ -290,7 +273,7 @@ def interleaved_zero_bubble(world_size: int, n_microbatches: int, stages_per_ran
             if k + warmup < total:
                 ours.append(forwards[k + warmup])
             ours.append(inputs[k])
-            if k >= r:  # ZB-H1's rule: rank r holds back its first r W's
+            if k >= held:
                 ours.append(inputs[weights_done]._replace(kind="W"))
                 weights_done += 1
         orders.append(ours + [a._replace(kind="W") for a in inputs[weights_done:]])
@@ -306,33 +289,37 @@ def zbv(world_size: int, n_microbatches: int) -> Schedule:
     placement = v_placement(world_size)
     # >>> TODO(m11): ZB-V's order on every rank
     # Contract: with down = r and up = 2p-1-r, rank r's list is ZB-V's as torch.distributed.pipelining's
-    # ScheduleZBVZeroBubble builds it (the tests compare the two action by action, and with orders checked
-    # by hand for p = 2), microbatches taken in order for each (stage, kind), in five phases:
+    #   ScheduleZBVZeroBubble builds it (the tests compare the two action by action, and with orders checked by
+    #   hand for p = 2), microbatches taken in order for each (stage, kind), in five phases:
     #   1. forwards of down only, until microbatch 0 can have come down the V to stage up;
     #   2. forwards of up and down by turns, until up's first input gradient can have arrived;
     #   3. rounds of F(up), I(up), W(up), until phase 4's first I(down) finds its gradient there;
-    #   4. the steady state, a round at a time: down's F (while it has had fewer than m), I and W, then
-    #      up's F, I and W, until both stages have had m forwards;
-    #   5. the cool-down: I's of both stages by turns, then down's last I's, each followed by the oldest W
-    #      down still owes (the turns left r W's owed, so on rank r > 0 not that I's own), then every W left
-    #      of up, then of down.
-    # The maths: docs/11's ZB-V section derives each phase's length as a function of p and r, counting time
-    # in unit actions (τ_F = τ_I = τ_W = 1, messages free): each phase lasts until what the next one needs
-    # can have arrived, and the cool-down runs the I's first (the stage before waits for them) and fills
-    # the gaps between down's last I's with its W's.
+    #   4. the steady state, a round at a time: down's F (while it has had fewer than m), I and W, then up's F,
+    #      I and W, until both stages have had m forwards;
+    #   5. the cool-down: the I's left, the stage before waiting for them, then the W's left, which nobody waits
+    #      for: I's of both stages by turns while up has some left, then down's last I's, each followed by the
+    #      oldest W down still owes; then every W left of up, then of down.
+    # The question: how many rounds does each phase have on rank r, as a function of p and r?
+    # Maths: count time in unit actions (τ_F = τ_I = τ_W = 1, messages free): a phase lasts until what the next
+    #   one needs can have arrived. docs/11, "ZB-V", times the phases of p = 3 this way; the tests take p = 2,
+    #   4 and 8.
     # Pitfalls:
-    # - the other half of the V (up = p+r) is not on rank r: the validator names the action;
-    # - the phases' lengths depend on r; one forward more or less in phase 1 and a rank waits (the
-    #   simulated bubble grows) or runs a forward twice (the validator counts them).
-    # Hint 1: phase 1 fills the slots from r to 2p-1-r; phase 2 alternates until the gradient of
-    #         microbatch 0, started on rank 0 at 2p, has come down to stage up (rank r): r rounds.
+    # - which stages does rank r hold on the V (the validator names an action on another rank)?
+    # - one forward more or less in phase 1: does a rank then wait (the simulated bubble grows), or run a
+    #   forward twice (the validator counts them)?
+    # - phase 3's rounds: the gradient of phase 4's first I(down) comes from rank r+1: how many rounds does rank
+    #   r need compared with rank r+1, and how many does rank p-1 need?
+    # Hint 1: on the unit clock, when does microbatch 0 reach stage up on rank r, and when can up's first gradient
+    #         be there (docs/11, "ZB-V", does it for p = 3)? Count phase 3 from rank p-1 back to rank 0.
     # Hint 2: the counts: 1. 2(p-r)-1 times F(down); 2. r times F(up), F(down); 3. p-r times F(up), I(up),
     #         W(up); 4. while up has had fewer forwards than down, or down fewer than m: F(down) (only while
     #         down has had fewer than m), I(down), W(down), F(up), I(up), W(up); 5. r times I(down), I(up);
     #         then p-r times I(down), W(down); then the W's left of up, then of down.
-    # Hint 3: count <- {}; add(stage, kind): m <- count of (stage, kind); append Action(stage, kind, m);
-    #             increment the count
-    #         then the five phases with Hint 2's counts, each a loop of add calls
+    # Hint 3: count = {}; add(stage, kind): i = count of (stage, kind); append Action(stage, kind, i); increment it
+    #         add (down, "F") 2(p-r)-1 times; (up, "F"), (down, "F") r times; (up, "F"), (up, "I"), (up, "W")
+    #         p-r times; while done(up, F) < done(down, F) or done(down, F) < m: (down, "F") if done(down, F) < m,
+    #         then (down, "I"), (down, "W"), (up, "F"), (up, "I"), (up, "W"); (down, "I"), (up, "I") r times;
+    #         (down, "I"), (down, "W") p-r times; (up, "W") for every W of up left, then (down, "W") likewise
     orders = []
     for r in range(world_size):
         down, up, order, count = r, 2 * world_size - 1 - r, [], {}
@@ -385,27 +372,35 @@ def dualpipev(world_size: int, n_microbatches: int) -> Schedule:
     #      (DualPipe's switch: from there on the W's are kept for the cool-down's gaps)
     #   7. a W, I(down)
     #   8. a W
-    # How many rounds each phase has is yours to derive, as the chapter derives ZB-V's: count time in unit
-    # actions (τ_F = τ_I = τ_W = 1, a B 2, messages free). Phase 1 ends so that phase 2's first F(up) starts
+    # The question: how many rounds does each phase have on rank r, as a function of p, m and r?
+    # Maths: count time in unit actions (τ_F = τ_I = τ_W = 1, a B 2, messages free), as docs/11 times ZB-V's
+    # phases for p = 3. Phase 1 ends so that phase 2's first F(up) starts
     # when microbatch 0 can have reached stage up; phase 2 so that up's first backward starts when its
     # gradient can have arrived; phase 3 lasts the fewest rounds after which phase 4's first B(down) finds its
     # gradient there (it comes back up the V's first leg: work it out from rank p-1 to rank 0); phase 4 ends
     # when down has had its m forwards, phase 5 when up has; phases 6 and 7 run the backwards left, phase 8
     # the W's left.
     # Pitfalls:
-    # - a B is the microbatch's I and W in one: it takes the next I number and queues no W;
-    # - popping the newest W instead of the oldest still gives a valid schedule, but not DualPipeV's
-    #   order (the tests compare the orders with torch's);
-    # - a phase one round too long or too short still passes the validator on some ranks: the tests compare
-    #   the order with torch's, and the simulated idle time with the closed form.
-    # Hint 1: a counter per (stage, "F") and (stage, "I"), and a collections.deque of the queued I's; the
-    #         rounds: 1. 2(p-r-1); 2. r+1; 3. p-r-1 (for rank r, the gradient of phase 4's first B(down)
-    #         arrives as phase 3 ends); 4. m-2p+r+1; 5. p-r-1; 6. r+1; 7. p-r-1; 8. r+1.
-    # Hint 2: a helper appending the next microbatch of a (stage, kind) that queues the action when the kind
-    #         is I; another that pops the oldest queued I and appends its W (Action._replace(kind="W")).
-    # Hint 3: the eight phases, each a loop of those two helpers; phase 6 has 2(r+1) backwards, the last r+1
-    #         of them I's: with rounds i = 0..r, the switch comes before X(up) when i == (r+1)//2 on an odd
-    #         rank, after it on an even one
+    # - a B is the microbatch's I and W in one: which I number does it take, and does it queue a W?
+    # - popping the newest queued W instead of the oldest still gives a valid schedule: is it DualPipeV's order
+    #   (the tests compare the orders with torch's)?
+    # - a phase one round too long or too short still passes the validator on some ranks: the tests compare the
+    #   order with torch's, and the simulated idle time with the closed form.
+    # Hint 1: on the unit clock, when does microbatch 0 reach stage up, and when can up's first gradient be there
+    #         (ZB-V's phases 1 and 2 in docs/11 do this with I's instead of B's)? For phase 3, follow the gradient
+    #         of phase 4's first B(down) from rank p-1 back to rank 0, a rank at a time; phases 4 to 8 follow from
+    #         the counts of what each stage has had.
+    # Hint 2: the rounds on rank r: 1. 2(p-r-1); 2. r+1; 3. p-r-1; 4. m-2p+r+1; 5. p-r-1; 6. r+1; 7. p-r-1;
+    #         8. r+1. Phase 6 runs 2(r+1) backwards, the last r+1 of them I's: the switch from B to I falls at
+    #         round ⌊(r+1)/2⌋, before X(up) on an odd rank and after it (before X(down)) on an even one.
+    # Hint 3: count = {} per (stage, "F") and (stage, "I"); queued = collections.deque()
+    #         add(stage, kind): key (stage, "F" if kind == "F" else "I"); Action(stage, kind, count[key]); count += 1;
+    #             when kind == "I": queued.append(the action)
+    #         weight(): if queued: append queued.popleft()._replace(kind="W")
+    #         phases: add (down,F) 2(p-r-1) times; (down,F),(up,F) r+1 times; p-r-1 times: add (up,I), weight(),
+    #             add (up,F); (down,F),(up,B),(up,F),(down,B) m-2p+r+1 times; (up,B),(up,F),(down,B) p-r-1 times;
+    #             for i in 0..r: switch if i == (r+1)//2 and r odd; X(up); switch if i == (r+1)//2 and r even;
+    #             X(down) (X = I once switched, else B); p-r-1 times: weight(), add (down,I); r+1 times: weight()
     orders = []
     for r in range(world_size):
         down, up, order, count, queued = r, 2 * world_size - 1 - r, [], {}, deque()

@@ -1,10 +1,10 @@
 """Module 11 - a pipeline stage whose backward comes in two halves: I and W.
 
-A layer y = relu(x W^T + b) has two gradients to compute in its backward, from dz, the gradient
-at its pre-activation:
+A layer y = relu(x W^T + b) has two gradients to compute in its backward, both from dz, the
+gradient at its pre-activation:
 
-    I  dx = dz W          what the stage before is waiting for: on the critical path
-    W  dW = dz^T x,  db = sum of dz over the rows      needed only by the optimizer step
+    I  the gradient of its input x     what the stage before is waiting for: on the critical path
+    W  the gradients of W and b        needed only by the optimizer step
 
 Autograd computes both at once (module 05's B). Written by hand, they can run at different times:
 I as soon as the gradient arrives, W later, in a gap where the rank would otherwise wait. Between
@@ -76,24 +76,29 @@ class SplitStage(nn.Module):
         loss). Keeps in saved.grads each layer's dz for backward_weight, and drops what only I needed."""
         saved = self.saved[microbatch]
         # >>> TODO(m11): I: backpropagate through the layers to the input, keeping each layer's dz
-        # Contract: returns dx, shape (rows, hidden), or None on the first stage; sets saved.grads to the dz
-        # of every linear, in self.linears() order (the head last on the last stage); then sets
-        # saved.output, saved.logits and saved.targets to None (W does not need them). Computes no weight
-        # gradient: every .grad is as it was.
-        # The maths: for y = relu(z), z = x W^T + b: dz = dy where y > 0, else 0, and dx = dz W. A layer's
-        # y is the next layer's input (saved.inputs[l + 1]); the last ReLU layer's is saved.output. On the
-        # last stage the head has no ReLU: its dz is loss_gradient(logits, targets, n_microbatches).
+        # Contract: returns dx, shape (rows, hidden), or None on the first stage; sets saved.grads to the dz of
+        #   every linear, in self.linears() order (the head last on the last stage); then sets saved.output,
+        #   saved.logits and saved.targets to None (W does not need them). Computes no weight gradient: every .grad
+        #   is as it was. The tests compare dx and, after W, every .grad with autograd's on the monolith, bit for
+        #   bit, and count the matmuls.
+        # The question: from what the forward kept, which gradients must I compute, in which order, and which
+        #   matmul is never needed?
+        # Maths: a layer is y = relu(z), z = x Wᵀ + b; dz is the gradient at z. A layer's y is the next layer's input
+        #   (saved.inputs[l + 1]); the last ReLU layer's is saved.output. On the last stage the head has no ReLU:
+        #   its dz is loss_gradient(logits, targets, n_microbatches).
         # Pitfalls:
-        # - the ReLU mask is the layer's *output* > 0, not its input > 0: gradients differ from autograd's;
-        # - dz W, not dz W^T: the weights are square (hidden x hidden), so the wrong one runs and is wrong;
-        # - the first stage's dx is never used: computing it is a matmul too many (a test counts them).
-        # Hint 1: walk the linears from the last to the first; the gradient arriving at each is dy
-        #         (grad_output, or on the last stage the head's dz times the head's weight).
-        # Hint 2: torch.where(y > 0, dy, 0.0) is autograd's ReLU backward; dz @ layer.weight its linear's.
-        # Hint 3: dy <- grad_output (last stage: dz_head <- loss gradient; dy <- dz_head @ head weight)
-        #         for each ReLU layer l from the last: dz <- where(y_l > 0, dy, 0); keep dz;
-        #             dy <- dz @ W_l, except for layer 0 of the first stage (dy <- None)
-        #         saved.grads <- the kept dz's in layer order; drop output, logits, targets; return dy
+        # - is ReLU's mask read off the layer's input or its output?
+        # - the weights are square (hidden x hidden): would the transposed product run, and would it be right?
+        # - the first stage's dx is never used: is it computed anyway (a test counts the matmuls)?
+        # Hint 1: walk the linears from the last to the first, as autograd would (docs/11, "The stage"): what
+        #         arrives at each layer, and what does it hand to the layer before?
+        # Hint 2: dz = dy where y > 0, else 0 (y the layer's output); dx = dz W, the dy of the layer before. On the
+        #         last stage the head's dz is the loss gradient and its dx = dz_head W_head is the last ReLU layer's
+        #         dy. Stage 0's layer 0 computes no dx.
+        # Hint 3: dy = grad_output (last stage: dz_head = loss_gradient(...); grads = [dz_head]; dy = dz_head @ head.weight)
+        #         for each ReLU layer l from the last: dz = torch.where(y_l > 0, dy, 0.0); keep dz;
+        #             dy = None if l == 0 and self.is_first else dz @ layer_l.weight
+        #         saved.grads = the kept dz's in layer order; output, logits, targets = None; return dy
         linears = self.linears()
         outputs = saved.inputs[1:] + ([] if self.is_last else [saved.output])  # each ReLU layer's output
         if self.is_last:
@@ -116,17 +121,23 @@ class SplitStage(nn.Module):
         """W: add this microbatch's weight and bias gradients to each parameter's .grad, from what I
         kept; then forget the microbatch."""
         # >>> TODO(m11): W: the weight gradients from saved inputs and I's dz's, accumulated into .grad
-        # Contract: for every linear (self.linears() order) with its saved input x and its dz from
-        # saved.grads: weight.grad += dz^T x and bias.grad += dz summed over the rows; a .grad that is None
-        # is set instead. Afterwards self.saved has no entry for the microbatch: its activations are freed.
+        # Contract: every linear's weight.grad and bias.grad (self.linears() order) grow by this microbatch's
+        #   gradients, computed from the input x it kept since the forward and the dz I kept in saved.grads; a .grad
+        #   that is None is set instead. Afterwards self.saved has no entry for the microbatch: its activations are
+        #   freed. The tests compare every .grad with autograd's on the monolith, bit for bit, and count the matmuls.
+        # The question: what are a linear's weight and bias gradients in terms of its x and dz, and how do m
+        #   microbatches' gradients end up in one .grad?
         # Pitfalls:
-        # - x^T dz is the transpose of the weight gradient (and has the same square shape);
-        # - the gradients are *added*: the M microbatches of a step sum into one gradient;
-        # - an entry left in self.saved keeps every microbatch alive: the measured peak memory then
-        #   exceeds the simulator's, and the tests say so.
-        # Hint 1: self.saved.pop(microbatch) hands over the inputs and grads and frees them in one go.
-        # Hint 2: zip(self.linears(), saved.inputs, saved.grads); dz.t() @ x and dz.sum(0) are autograd's.
-        # Hint 3: for each (layer, x, dz): for each (param, its gradient): set .grad if None, else add in place
+        # - the hidden layers are square: would the transposed product run, and would it be right?
+        # - does a later microbatch's W keep what an earlier one added?
+        # - an entry left in self.saved keeps every microbatch alive: the measured peak memory then exceeds the
+        #   simulator's, and the tests say so.
+        # Hint 1: for z = x Wᵀ + b, which sums over the microbatch's rows give dW and db (docs/11, "The stage")?
+        # Hint 2: dW = dzᵀ x (out x in, like W) and db = Σ_rows dz, added to the .grad (set if None).
+        # Hint 3: saved = self.saved.pop(microbatch)
+        #         for layer, x, dz in zip(self.linears(), saved.inputs, saved.grads):
+        #             for (param, grad) in (layer.weight, dz.t() @ x) and (layer.bias, dz.sum(0)):
+        #                 param.grad = grad if param.grad is None else param.grad + grad (in place)
         saved = self.saved.pop(microbatch)
         for layer, x, dz in zip(self.linears(), saved.inputs, saved.grads, strict=True):
             for param, grad in ((layer.weight, dz.t() @ x), (layer.bias, dz.sum(0))):

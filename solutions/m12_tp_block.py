@@ -44,12 +44,15 @@ def shard_block_weights(w: BlockWeights, cfg: LlamaConfig, tp: Group) -> BlockWe
     # Contract: rank i_t = tp.index holds query heads [i_t H/t, (i_t+1) H/t), key/value heads [i_t K/t,
     #   (i_t+1) K/t) and FFN units [i_t F/t, (i_t+1) F/t); a head is head_dim consecutive rows of wq/wk/wv (columns of wo). Shapes:
     #   wq (H/t D, dim), wk and wv (K/t D, dim), wo (dim, H/t D), w_gate and w_up (F/t, dim), w_down (dim, F/t).
-    # Pitfalls: the key/value slice is not the query slice: with grouped-query attention K < H, and the
-    #   key/value heads a rank needs are the ones its query heads read. A column slice is not contiguous.
-    # Hint 1: each weight is cut into t equal blocks along one axis; rank i_t takes block i_t.
-    # Hint 2: rows for the column-parallel weights (chunk(t, dim=0)), columns for the row-parallel ones (dim=1).
-    # Hint 3: BlockWeights(ln1=..., wq=rows of wq, ..., wo=columns of wo, ...), each .clone(memory_format=
-    #       torch.contiguous_format).
+    # The question: along which axis is each weight cut, and which block is this rank's?
+    # Pitfalls: with grouped-query attention K < H: is the key/value slice the query slice? Is a column slice
+    #   contiguous, and does a view free the whole weight?
+    # Hint 1: which weights are column-parallel and which row-parallel (docs/12, "Column and row"), and which
+    #       axis of W holds the output features?
+    # Hint 2: column-parallel (wq, wk, wv, w_gate, w_up): block i_t of t equal blocks of rows; row-parallel (wo,
+    #       w_down): block i_t of t equal blocks of columns; the norms whole; every piece a contiguous copy.
+    # Hint 3: block(weight, dim) = weight.chunk(tp.size, dim=dim)[tp.index].clone(memory_format=torch.contiguous_format)
+    #       BlockWeights(ln1=a copy of w.ln1, wq=block(w.wq, 0), ..., wo=block(w.wo, 1), ..., w_down=block(w.w_down, 1))
     def block(weight, dim):
         return weight.chunk(tp.size, dim=dim)[tp.index].clone(memory_format=torch.contiguous_format)
     return BlockWeights(ln1=w.ln1.clone(), wq=block(w.wq, 0), wk=block(w.wk, 0), wv=block(w.wv, 0),
@@ -69,14 +72,17 @@ def sum_norm_grads(norm_grads: list[torch.Tensor], tp: Group, sequence_parallel:
     it, every rank normed every position and its gradients are already whole: nothing to do."""
     # >>> TODO(m12): sum the norm weights' gradients over the group (sequence parallelism only)
     # Contract: afterwards every rank holds, in each tensor of norm_grads, the sum over the group of the ranks'
-    #   tensors; one collective for all of them (they are tiny: one latency, not one per tensor).
-    # Pitfalls: it is a sum over positions, not a mean: no 1/t. Without sequence parallelism a sum would make
-    #   them t times too big.
-    # Hint 1: pack them into one flat tensor (torch.cat of the flattened tensors), all-reduce it, copy back.
-    # Hint 2: tp.collectives.all_reduce sums a tensor in place (label it "norm grads"); splitting the flat sum by
-    #       the tensors' sizes gives their pieces back, to copy into them.
-    # Hint 3: return at once without sequence parallelism; else flat = cat of the flattened gradients; all-reduce;
-    #       for each gradient and its piece of flat: copy the piece (viewed in the gradient's shape) into it.
+    #   tensors (with sequence parallelism), and they are untouched without it; one collective for all of them
+    #   (they are tiny: one latency, not one per tensor), labelled "norm grads".
+    # The question: which collective gives every rank the sum, and how do several tensors travel in one call?
+    # Pitfalls: a sum over positions, or a mean? Without sequence parallelism, what would a sum do to gradients
+    #   that are whole already?
+    # Hint 1: docs/12, "Sequence parallelism", says why these gradients are partial: over what is the missing sum?
+    # Hint 2: one all-reduce (a sum) of all the tensors laid end to end in one flat buffer, then each tensor's
+    #       piece copied back into it; nothing without sequence parallelism.
+    # Hint 3: if not sequence_parallel: return
+    #       flat = torch.cat([g.reshape(-1) for g in norm_grads]); tp.collectives.all_reduce(flat, label="norm grads")
+    #       for g, piece in zip(norm_grads, flat.split([g.numel() for g in norm_grads])): g.copy_(piece.view_as(g))
     if not sequence_parallel or not norm_grads:
         return
     flat = torch.cat([g.reshape(-1) for g in norm_grads])
@@ -105,18 +111,22 @@ class TPBlock:
         """y = block(x), x and y in the residual stream's layout: (B, T, dim), or (B, T / t, dim) with
         sequence parallelism. Saves module 06's activations under module 06's names."""
         cfg, tp, sp, mm = self.cfg, self.tp, self.sequence_parallel, self.matmul
-        # >>> TODO(m12): the attention half: norm, column-parallel q/k/v, RoPE, attention on this rank's heads
+        # >>> TODO(m12): the attention half on t ranks: what this rank computes and saves
         # Contract: save in the store what the backward reads, under module 06's names: 'x', 'n1', 'r1', 'q', 'k',
         #   'v' (q and k after RoPE), 'o', 'lse'. q is (B, T, H/t, head_dim), k and v (B, T, K/t, head_dim), all
         #   T positions; x, n1 and r1 stay in the residual stream's layout (T/t positions with sequence parallelism).
-        # Pitfalls: 'n1' is the norm's output as this rank has it, not the gathered one: keeping the gathered
-        #   input would cost t times the memory (the backward gathers it again). The head count is H/t, not H.
-        #   Every linear, here and below, takes the block's policy mm as its last argument (module 09's seam).
-        # Hint 1: module 06's attention_half, with column_parallel_forward(n1, [wq, wk, wv], tp, sp, label, mm)
-        #       where it multiplied; the attention and RoPE ops are module 06's, the tables from self.local.rope(T, ...).
-        # Hint 2: view the projections as (B, T, -1, head_dim): the -1 is this rank's head count.
-        # Hint 3: n1, r1 = the norm of x; q, k, v = the column-parallel forward of n1; T = q's second size; RoPE on q
-        #       and k (tables for T); o, lse = self.local.attention.forward(q, k, v); save the eight names.
+        # The question: which of module 06's attention-half lines change on t ranks, and into what?
+        # Pitfalls: 'n1' is the norm's output as this rank has it, not the gathered one: what would keeping the
+        #   gathered input cost? How many heads does this rank have? Every linear, here and below, takes the block's
+        #   policy mm as its last argument (module 09's seam).
+        # Hint 1: module 06's attention half, line by line: which lines multiply by a weight (and so become
+        #       column-parallel), and which run on this rank's heads alone?
+        # Hint 2: n1, r1 = RMSNorm(x); q, k, v = the column-parallel linears of n1 (one call, they share n1); RoPE on
+        #       q and k with tables for the whole sequence; attention on this rank's H/t query and K/t key/value heads.
+        # Hint 3: n1, r1 = rmsnorm_forward(x, w.ln1, cfg.norm_eps)
+        #       q, k, v = column_parallel_forward(n1, [w.wq, w.wk, w.wv], tp, sp, "attention in", mm)
+        #       cos, sin = self.local.rope(T, x.dtype, x.device); q, k = rope_forward(view (B, T, -1, head_dim), cos, sin)
+        #       v viewed likewise; o, lse = self.local.attention.forward(q, k, v); save the eight names
         n1, r1 = rmsnorm_forward(x, w.ln1, cfg.norm_eps)
         q, k, v = column_parallel_forward(n1, [w.wq, w.wk, w.wv], tp, sp, "attention in", mm)
         batch, seq_len, _ = q.shape
@@ -128,17 +138,18 @@ class TPBlock:
         for name, tensor in (("x", x), ("n1", n1), ("r1", r1), ("q", q), ("k", k), ("v", v), ("o", o), ("lse", lse)):
             store.save(name, tensor)
         # <<<
-        # >>> TODO(m12): the FFN half: row-parallel o, residual + norm, column-parallel gate/up, SwiGLU, row-parallel down
+        # >>> TODO(m12): the FFN half on t ranks: from the attention's partial output to the block's output
         # Contract: return y = h + down(SwiGLU(...)) in x's layout; save 'h', 'n2', 'r2', 'g', 'u', 's' (g, u, s:
         #   (B, T, F/t); h, n2, r2 in the residual stream's layout).
-        # Pitfalls: the residual add needs the *summed* attention output in x's layout: that is what the row-
-        #   parallel linear's leave gives; adding a partial product gives a wrong h on every rank.
-        # Hint 1: module 06's ffn_half and forward, with row_parallel_forward for o and down and
-        #       column_parallel_forward(n2, [w_gate, w_up], ...) for gate and up.
-        # Hint 2: residual_rmsnorm_forward(x, the o projection's output, ln2, eps) gives h, n2, r2 in x's layout;
-        #       swiglu_forward(g, u) gives s.
-        # Hint 3: h, n2, r2 from the residual norm; g, u column-parallel from n2; s = SwiGLU; save the six names;
-        #       return h + the row-parallel down projection of s.
+        # The question: which of module 06's FFN-half lines change on t ranks, and into what?
+        # Pitfalls: the residual add needs the attention output summed over the ranks, in x's layout: which call
+        #   gives it? What would adding a partial product do to h?
+        # Hint 1: module 06's FFN half and the block's end: which linears are row-parallel, which column-parallel?
+        # Hint 2: h, n2, r2 = residual + RMSNorm of (x, o's row-parallel output); g, u = the column-parallel linears
+        #       of n2 (one call); s = SwiGLU(g, u); y = h + down's row-parallel output of s.
+        # Hint 3: h, n2, r2 = residual_rmsnorm_forward(x, row_parallel_forward(o, w.wo, tp, sp, "attention out", mm),
+        #       w.ln2, cfg.norm_eps); g, u = column_parallel_forward(n2, [w.w_gate, w.w_up], tp, sp, "ffn in", mm)
+        #       s = swiglu_forward(g, u); save the six names; return h + row_parallel_forward(s, w.w_down, ..., "ffn out", mm)
         h, n2, r2 = residual_rmsnorm_forward(x, row_parallel_forward(o, w.wo, tp, sp, "attention out", mm), w.ln2,
                                              cfg.norm_eps)
         g, u = column_parallel_forward(n2, [w.w_gate, w.w_up], tp, sp, "ffn in", mm)
@@ -153,17 +164,21 @@ class TPBlock:
         gradient is *added* into `grads` (main_grad accumulators, e.g. from zero_grads); with sequence
         parallelism the norm weights' are this rank's partial sums until sum_norm_grads."""
         tp, sp, fused, mm = self.tp, self.sequence_parallel, self.fused, self.matmul
-        # >>> TODO(m12): backward of the FFN half: down (row), SwiGLU, gate/up (column), residual + norm
+        # >>> TODO(m12): backward of the FFN half on t ranks
         # Contract: add the gradients of w_down, w_gate, w_up and ln2 into grads; name the residual stream's
         #   gradient after the norm dh (the attention half's TODO uses it).
+        # The question: module 06's FFN-half backward with each linear replaced by its parallel backward: which
+        #   one, on which saved input, into which accumulator?
         # Pitfalls: labels: give each linear's backward the label of its forward, so the collectives log names them.
-        #   ln2's gradient is added into grads.ln2, not assigned: microbatches accumulate.
-        # Hint 1: module 06's backward, with row_parallel_backward for down, column_parallel_backward for
-        #       [gate, up] (one call: they share n2), and residual_rmsnorm_backward as before.
-        # Hint 2: the linears' backwards take the main_grad accumulators (grads.w_down, ...), fused and mm last;
-        #       swiglu_backward(ds, g, u) gives dg, du.
-        # Hint 3: ds = row-parallel backward of dy through down (input s); dg, du; dn2 = column-parallel backward of
-        #       [dg, du] (input n2); dh, d_ln2 = residual_rmsnorm_backward(dy, dn2, h, r2, ln2); add d_ln2.
+        #   Is ln2's gradient added into grads.ln2 or assigned (microbatches accumulate)?
+        # Hint 1: the forward in reverse: which linear's backward comes first, and which two share one call?
+        # Hint 2: ds = down's row-parallel backward of dy (input s); dg, du = SwiGLU's backward; dn2 = gate and up's
+        #       column-parallel backward (input n2, one call); dh, d_ln2 = the residual norm's backward; grads.ln2 += d_ln2.
+        # Hint 3: ds = row_parallel_backward(dy, store["s"], w.w_down, grads.w_down, tp, sp, "ffn out", fused, mm)  (s saved)
+        #       dg, du = swiglu_backward(ds, store["g"], store["u"])
+        #       dn2 = column_parallel_backward([dg, du], store["n2"], [w.w_gate, w.w_up], [grads.w_gate, grads.w_up],
+        #             tp, sp, "ffn in", fused, mm)
+        #       dh, d_ln2 = residual_rmsnorm_backward(dy, dn2, store["h"], store["r2"], w.ln2); grads.ln2.add_(d_ln2)
         ds = row_parallel_backward(dy, store["s"], w.w_down, grads.w_down, tp, sp, "ffn out", fused, mm)
         dg, du = swiglu_backward(ds, store["g"], store["u"])
         dn2 = column_parallel_backward([dg, du], store["n2"], [w.w_gate, w.w_up], [grads.w_gate, grads.w_up], tp,
@@ -171,17 +186,23 @@ class TPBlock:
         dh, d_ln2 = residual_rmsnorm_backward(dy, dn2, store["h"], store["r2"], w.ln2)
         grads.ln2.add_(d_ln2)
         # <<<
-        # >>> TODO(m12): backward of the attention half: o (row), attention, RoPE, q/k/v (column), norm
+        # >>> TODO(m12): backward of the attention half on t ranks
         # Contract: add the gradients of wo, wq, wk, wv and ln1 into grads; return dx = dh + the norm's input gradient.
-        # Pitfalls: attention's gradients have a head axis and may not be contiguous: reshape (not view) them to
-        #   (B, T, -1) for the projections. q, k and v share n1: one column_parallel_backward for the three.
-        # Hint 1: module 06's backward again: row_parallel_backward for o, self.local.attention.backward, rope_backward
-        #       for dq and dk, column_parallel_backward([dq, dk, dv], n1, [wq, wk, wv], ...), rmsnorm_backward.
-        # Hint 2: attention's backward takes (do, q, k, v, o, lse) from the store; the rope tables are for the whole
-        #       sequence (dq's second size), as in the forward.
-        # Hint 3: do = row-parallel backward of dh through o; dq, dk, dv; un-rotate dq, dk; dn1 = column-parallel
-        #       backward of the three, reshaped to (B, T, -1); dx_norm, d_ln1 = rmsnorm_backward; add d_ln1;
-        #       return dh + dx_norm.
+        # The question: module 06's attention-half backward with each linear replaced by its parallel backward.
+        # Pitfalls: attention's gradients have a head axis and may not be contiguous: view or reshape to (B, T, -1)?
+        #   q, k and v share n1: how many column_parallel_backward calls?
+        # Hint 1: the attention half's forward in reverse: o's backward first, then attention's, RoPE's, q/k/v's,
+        #       the norm's; which of them communicate?
+        # Hint 2: do = o's row-parallel backward of dh (input o); dq, dk, dv = attention's backward; RoPE's backward on
+        #       dq and dk; dn1 = the column-parallel backward of the three (input n1, one call); dx_norm, d_ln1 = the
+        #       norm's backward; grads.ln1 += d_ln1; dx = dh + dx_norm.
+        # Hint 3: do = row_parallel_backward(dh, store["o"], w.wo, grads.wo, tp, sp, "attention out", fused, mm)
+        #       dq, dk, dv = self.local.attention.backward(do, store["q"], store["k"], store["v"], store["o"], store["lse"])
+        #       dq, dk = rope_backward(dq, cos, sin), rope_backward(dk, cos, sin)  (tables for dq.shape[1])
+        #       dn1 = column_parallel_backward([d.reshape(B, T, -1) for d in (dq, dk, dv)], store["n1"],
+        #             [w.wq, w.wk, w.wv], [grads.wq, grads.wk, grads.wv], tp, sp, "attention in", fused, mm)
+        #       dx_norm, d_ln1 = rmsnorm_backward(dn1, store["x"], store["r1"], w.ln1); grads.ln1.add_(d_ln1)
+        #       return dh + dx_norm
         do = row_parallel_backward(dh, store["o"], w.wo, grads.wo, tp, sp, "attention out", fused, mm)
         dq, dk, dv = self.local.attention.backward(do, store["q"], store["k"], store["v"], store["o"], store["lse"])
         batch, seq_len = dq.shape[:2]

@@ -56,17 +56,28 @@ def tp_traffic(cfg: LlamaConfig, sizes: dict[str, int], batch: int, dtype: torch
     #   them, counted as the module docstring says, times m where they are per microbatch. The tests compare it
     #   with a hand count and with the log of a real step (course/costs.py's measured_cost), to the byte and to
     #   the call.
-    # Pitfalls: the norm gradients' all-reduce is once per step, and only with sequence parallelism. An all-gather's
-    #   payload is its shard, but what a rank sends is (t - 1) shards: (t - 1)/t of the whole A. On t = 1 every
-    #   collective is still called (and logged), sending nothing. The loss's all-reduces are all-reduces too.
-    # Hint 1: without sequence parallelism: 4L + 2 all-reduces of A a microbatch; with it: 6L + 3 all-gathers and
-    #       4L + 2 reduce-scatters of A. Always 3 loss all-reduces of `statistics` bytes a microbatch.
-    # Hint 2: all-reduces a step = m (stream + 3) + norms; sent: 2 (t-1)/t of each all-reduce's payload, (t-1)/t A
-    #       for each all-gather or reduce-scatter.
-    # Hint 3: stream, gathers, scatters = the per-microbatch counts by the sequence_parallel case; norms = 1 or 0;
-    #       share = (t - 1) / t;  calls = {("t", "all_reduce"): m (stream + 3) + norms, ("t", "all_gather"): m gathers,
-    #       ("t", "reduce_scatter"): m scatters};  sent = {("t", "all_reduce"): m (stream 2 share A + 3 * 2 share
-    #       statistics) + norms 2 share norm_grads, ("t", "all_gather"): m gathers share A, ...};  StepCost(sent, calls)
+    # The question: for each collective the model's code issues in one microbatch (each f and g, forward and
+    #   backward, the loss's reductions) and once per step (the norms), which kind is it and how many bytes does
+    #   this rank send for it?
+    # Maths: the module docstring's counting rule and its worked term (the forward's all-reduces without sequence
+    #   parallelism); N, A, s as it defines them.
+    # Pitfalls: how often does the norm gradients' all-reduce run, and in which case? What does a rank send for an
+    #   all-gather: its shard, or (t - 1) shards? On t = 1, is a collective still called (and logged)? What kind
+    #   are the loss's reductions?
+    # Hint 1: walk one microbatch through the model: where is f called (forward and backward) and where g, and
+    #       what does each issue in each layout (your enter_tp_* and leave_tp_*)? Where does the backward call f's
+    #       forward again (docs/12, "Sequence parallelism")?
+    # Hint 2: per microbatch, without sequence parallelism: 4L + 2 all-reduces of A (2L + 1 in the forward, 2L + 1
+    #       in the backward); with it: 6L + 3 all-gathers and 4L + 2 reduce-scatters of A; always 3 loss all-reduces
+    #       of N s. Per step: m times those, plus with sequence parallelism 1 all-reduce of the norms. A rank sends
+    #       2 (t-1)/t of an all-reduce's payload and (t-1)/t A for an all-gather or a reduce-scatter.
+    # Hint 3: stream = 0 if sequence_parallel else 4 L + 2; gathers, scatters = (6 L + 3, 4 L + 2) or (0, 0)
+    #       norms = 1 if sequence_parallel else 0; share = (t - 1) / t
+    #       calls = {("t", "all_reduce"): m (stream + 3) + norms, ("t", "all_gather"): m gathers,
+    #                ("t", "reduce_scatter"): m scatters}
+    #       sent = {("t", "all_reduce"): m (stream 2 share A + 3 * 2 share statistics) + norms 2 share norm_grads,
+    #               ("t", "all_gather"): m gathers share A, ("t", "reduce_scatter"): m scatters share A}
+    #       return StepCost(sent, calls)
     stream = 0 if sequence_parallel else 4 * L + 2
     gathers, scatters = (6 * L + 3, 4 * L + 2) if sequence_parallel else (0, 0)
     norms = 1 if sequence_parallel else 0
@@ -90,13 +101,18 @@ def tp_activations_by_name(cfg: LlamaConfig, sizes: dict[str, int], batch: int, 
     # >>> TODO(m12): the bytes of each of the fourteen activations on one rank
     # Contract: a dict from each store name (x n1 r1 q k v o lse h n2 r2 g u s) to bytes; the tests compare it, name
     #   by name, with what TPBlock's store really holds.
-    # Pitfalls: q, o and lse scale with this rank's query heads H/t, k and v with its key/value heads K/t, g u s
-    #   with F/t; only the STREAM_NAMES shrink with sequence parallelism (T/t tokens). Head counts, not dim / t.
-    # Hint 1: per token: x, n1, h, n2 dim values; r1, r2 one statistic; q, o (H/t) head_dim; k, v (K/t) head_dim;
-    #       lse H/t statistics; g, u, s F/t values. Then times the tokens this rank keeps them for.
-    # Hint 2: values are act bytes, statistics stat bytes; STREAM_NAMES are kept for tokens / t positions with
-    #       sequence parallelism, the rest for all tokens.
-    # Hint 3: a dict of bytes per token by name; then {name: (tokens this name is kept for) * per_token[name]}.
+    # The question: per token, how many values (or statistics) does each name hold on this rank, and for how many
+    #   tokens is it kept?
+    # Pitfalls: which names scale with this rank's query heads, which with its key/value heads, which with its
+    #   FFN units? Which shrink with sequence parallelism? Head counts, or dim / t?
+    # Hint 1: the shapes TPBlock.forward saves (its contract lists them): which are in the stream's layout?
+    # Hint 2: per token: x, n1, h, n2 M values; r1, r2 one statistic; q, o (H/t) D values; k, v (K/t) D; lse H/t
+    #       statistics; g, u, s F/t values. Values are b bytes, statistics s; STREAM_NAMES kept for N/t tokens with
+    #       sequence parallelism, the rest for all N.
+    # Hint 3: heads, kv_heads, ffn = H // t, K // t, F // t
+    #       per_token = {"x": M act, "n1": M act, "r1": stat, "q": heads D act, "k": kv_heads D act, ..., "s": ffn act}
+    #       stream_tokens = tokens // t if sequence_parallel else tokens
+    #       return {name: (stream_tokens if name in STREAM_NAMES else tokens) per_token[name] for each name}
     heads, kv_heads, ffn = cfg.n_heads // t, cfg.n_kv_heads // t, cfg.ffn_dim // t
     per_token = {"x": cfg.dim * act, "n1": cfg.dim * act, "r1": stat, "q": heads * cfg.head_dim * act,
                  "k": kv_heads * cfg.head_dim * act, "v": kv_heads * cfg.head_dim * act,

@@ -77,13 +77,18 @@ def enter_tp_forward(x: torch.Tensor, tp: Group, sequence_parallel: bool, label:
     positions [i_t T/t, (i_t + 1) T/t)."""
     # >>> TODO(m12): f's forward: the column-parallel linears' whole input, from the residual stream
     # Contract: return an InFlight whose wait() gives the whole (B, T, dim) input, the same on every rank. With
-    #   async_op=True any collective is only started (the column-parallel backward runs it behind a GEMM).
-    # Pitfalls: the sequence is SEQUENCE_DIM, not the batch. Never write into x: a new tensor holds what others
-    #   send.
-    # Hint 1: without sequence parallelism there is nothing to send: wrap x itself.
-    # Hint 2: tp.collectives.all_gather(output, shard, label, async_op=..., dim=SEQUENCE_DIM) fills output
-    #       (B, T, dim); what it returns is the work to wait on (None when async_op is False).
-    # Hint 3: output = x.new_empty(B, t * (T / t), dim); return InFlight(output, work).
+    #   async_op=True any collective is only started (the column-parallel backward runs it behind a GEMM). Never
+    #   write into x: a new tensor holds what the others send. The tests compare a column-then-row pair with the
+    #   whole linears and count the collectives in the log.
+    # The question: in each layout of the residual stream, what is missing from x, and what brings it?
+    # Pitfalls: which dimension is the sequence? Does anything need to travel when the stream is whole already?
+    # Hint 1: what does the residual stream hold on each rank with and without sequence parallelism, and what do
+    #       the column-parallel linears need (docs/12, "The two conjugate operators" and "Sequence parallelism")?
+    # Hint 2: without sequence parallelism, nothing: x is whole on every rank. With it, the t ranks' (B, T/t, dim)
+    #       blocks side by side along the sequence, in group order: an all-gather along SEQUENCE_DIM.
+    # Hint 3: if not sequence_parallel: return InFlight(x)
+    #       full = x.new_empty(B, t * T_local, dim)
+    #       return InFlight(full, tp.collectives.all_gather(full, x, label, async_op=async_op, dim=SEQUENCE_DIM))
     if not sequence_parallel:
         return InFlight(x)
     batch, local_len, dim = x.shape
@@ -102,13 +107,16 @@ def enter_tp_backward(dx: torch.Tensor, tp: Group, sequence_parallel: bool, labe
     # Contract: an InFlight whose wait() gives the sum over the group of the ranks' dx, in the residual stream's
     #   layout. With async_op=True any collective is only started: the caller computes the weight gradients
     #   meanwhile.
-    # Pitfalls: the result's shape is the stream's, (B, T / t, dim) with sequence parallelism, cut along
-    #   SEQUENCE_DIM, not the batch. No 1/t: it is a sum.
-    # Hint 1: all-reduce sums in place; a reduce-scatter writes this rank's block into a new tensor.
-    # Hint 2: tp.collectives.all_reduce(tensor, label, async_op=...) and
-    #       tp.collectives.reduce_scatter(shard, full, label, async_op=..., dim=SEQUENCE_DIM).
-    # Hint 3: without sequence parallelism: InFlight(dx, the all-reduce's work); with it: a new (B, T / t, dim)
-    #       tensor for this rank's block, and InFlight(that tensor, the reduce-scatter's work).
+    # The question: which collective gives every rank the sum it needs, and only what it needs, in each layout?
+    # Pitfalls: what shape does the result have with sequence parallelism, cut along which dimension? Is it a
+    #   sum or a mean?
+    # Hint 1: docs/12 works out f's backward without sequence parallelism ("The two conjugate operators"): which
+    #       part of that sum does a rank keep when the stream is split along the sequence?
+    # Hint 2: without sequence parallelism, the whole sum on every rank: an all-reduce of dx; with it, only this
+    #       rank's T/t positions of the sum: a reduce-scatter along SEQUENCE_DIM into a new (B, T/t, dim) tensor.
+    # Hint 3: if not sequence_parallel: return InFlight(dx, tp.collectives.all_reduce(dx, label, async_op=async_op))
+    #       shard = dx.new_empty(B, T // t, dim)
+    #       return InFlight(shard, tp.collectives.reduce_scatter(shard, dx, label, async_op=async_op, dim=SEQUENCE_DIM))
     if not sequence_parallel:
         return InFlight(dx, tp.collectives.all_reduce(dx, label, async_op=async_op))
     batch, seq_len, dim = dx.shape
@@ -124,11 +132,13 @@ def leave_tp_forward(y: torch.Tensor, tp: Group, sequence_parallel: bool, label:
     # Contract: returns the sum over the group of the ranks' y, (B, T, dim) on every rank, or with sequence
     #   parallelism this rank's positions of it, (B, T / t, dim). Summing into y in place is fine: the callers
     #   pass a fresh product.
-    # Pitfall: nothing runs beside it here, so nothing is gained by leaving a collective in flight.
-    # Hint 1: the conjugate operators share their collectives: g's forward is f's backward, the same shapes and
-    #       the same sum.
-    # Hint 2: enter_tp_backward does exactly this sum (nothing runs beside it here, so no need to go async).
-    # Hint 3: call it with y and wait for its InFlight at once.
+    # The question: which collective turns t partial products into the stream's layout, and is it already
+    #   written in this file?
+    # Pitfall: nothing runs beside it here: is anything gained by leaving a collective in flight?
+    # Hint 1: the operators are each other's conjugates (docs/12): which one's backward does this same sum?
+    # Hint 2: g's forward is f's backward: an all-reduce of y, or with sequence parallelism a reduce-scatter along
+    #       the sequence, waited for at once.
+    # Hint 3: return enter_tp_backward(y, tp, sequence_parallel, label).wait()
     return enter_tp_backward(y, tp, sequence_parallel, label).wait()
     # <<<
 
@@ -140,13 +150,14 @@ def leave_tp_backward(dy: torch.Tensor, tp: Group, sequence_parallel: bool, labe
     # Contract: returns, on every rank, the gradient of the loss with respect to this rank's partial product y_r,
     #   (B, T, dim), all T positions; dy is the gradient of g's output, (B, T, dim) on every rank, or with sequence
     #   parallelism this rank's (B, T / t, dim) positions of it.
-    # Pitfalls: derive it from g's forward (what is y's derivative with respect to one partial?); a factor of t
-    #   is the classic mistake.
-    # Hint 1: y = the sum of the partials, so the derivative of y with respect to each partial is the identity:
-    #       every rank's partial receives dy itself, all of it (an all-reduce would add t identical copies). The
-    #       conjugate operators share their collectives: g's backward is f's forward.
-    # Hint 2: enter_tp_forward does exactly this (identity, or the all-gather along the sequence).
-    # Hint 3: call it with dy and wait for its InFlight at once.
+    # The question: what is the derivative of g's output with respect to one of its terms, and what must travel
+    #   so that each rank has it at all T positions?
+    # Pitfalls: a factor of t is the classic mistake: would a sum over the group count the same dy t times?
+    # Hint 1: derive it from g's forward by the chain rule, as docs/12 derives f's backward from f's forward.
+    # Hint 2: y = Σ_r y_r, so ∂y/∂y_r is the identity: every rank's partial receives dy itself, whole. Without
+    #       sequence parallelism dy is whole already (identity); with it, an all-gather along the sequence: f's
+    #       forward.
+    # Hint 3: return enter_tp_forward(dy, tp, sequence_parallel, label).wait()
     return enter_tp_forward(dy, tp, sequence_parallel, label).wait()
     # <<<
 
@@ -178,19 +189,26 @@ def accumulate_weight_grad(main_grad: torch.Tensor, dy: torch.Tensor, x: torch.T
     whole microbatch's gradient) and a second kernel adds it.
     """
     dy, x = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
+    # >>> TODO(m12): add the weight gradient into main_grad inside the GEMM
+    # Contract: main_grad (out, in) grows by the gradient of W for y = x W^T, summed over every token (dy and x
+    #   are (tokens, out) and (tokens, in) here), updated in place (same tensor, same storage). fused=True: one
+    #   GEMM writes main_grad, summing in main_grad's dtype even when dy and x are bf16, and nothing of the
+    #   gradient's size is allocated in the inputs' dtype; fused=False (kept to compare): the GEMM returns a new
+    #   tensor in the inputs' dtype, added to main_grad by a second kernel. The tests compare both with float64 over
+    #   several bf16 microbatches, and watch what is allocated.
+    # The question: which product of dy and x is the weight gradient, and which given kernel adds it into
+    #   main_grad without rounding it to the inputs' dtype first?
+    # Pitfalls: x^T dy has the transposed shape (and a square weight hides it); the unfused path rounds each
+    #   microbatch's gradient to bf16: after m microbatches, how far off is the sum?
+    # Hint 1: what does a GEMM that writes its own accumulator need (docs/12, "Weight gradients accumulated in
+    #       float32, inside the GEMM"), and which function above the TODO is that kernel?
+    # Hint 2: dW = dyᵀ x, (out, tokens) times (tokens, in): the sum over the tokens. Fused: main_grad += dyᵀ x in
+    #       one kernel that reads and writes main_grad (addmm_into); unfused: the product first, then an add.
+    # Hint 3: if not fused: main_grad.add_(dy.t() @ x); return
+    #       addmm_into(main_grad, dy.t(), x)
     if not fused:
         main_grad.add_(dy.t() @ x)
         return
-    # >>> TODO(m12): add the weight gradient into main_grad inside the GEMM
-    # Contract: main_grad (out, in) grows by the gradient of W for y = x W^T, summed over every token (dy and x
-    #   are (tokens, out) and (tokens, in) here), updated in place (same tensor, same storage), summed in
-    #   main_grad's dtype even when dy and x are bf16; nothing of the gradient's size is allocated in the inputs'
-    #   dtype. The unfused path above computes the same sum: yours does it in one GEMM that writes main_grad.
-    # Pitfalls: main_grad += dy.t() @ x rounds each microbatch's gradient to bf16 first (the unfused path
-    #   above); after m microbatches the sum is off by about m bf16 roundings instead of float32 ones.
-    # Hint 1: torch.addmm(acc, a, b, out=acc) computes acc + a @ b in one kernel, writing acc.
-    # Hint 2: addmm_into above does that and handles bf16 inputs with a float32 acc: which a and b?
-    # Hint 3: a is dy transposed, (out, tokens); b is x, (tokens, in): their product sums over the tokens.
     addmm_into(main_grad, dy.t(), x)
     # <<<
 
@@ -217,15 +235,16 @@ def column_parallel_forward(x: torch.Tensor, weights: list[torch.Tensor], tp: Gr
     """y_i = f(x) W_i^T for linears that read the same input (q, k, v; or gate, up), each weight
     W_i (out_i / t, dim) being this rank's rows. x is in the residual stream's layout; each y_i is
     (B, T, out_i / t), the whole sequence. Returns the list of y_i."""
-    # >>> TODO(m12): column-parallel forward: enter the TP region once, then one GEMM per weight
-    # Contract: returns [y_i], y_i = x_whole W_i^T of shape (B, T, out_i / t), x_whole the whole (B, T, dim) input.
-    # Pitfalls: gather once for all the weights that share x, not once per weight (the collectives are
-    #   counted). Wait for it before multiplying.
-    # Hint 1: the input is the same for every weight: make it whole once, then one product per weight.
-    # Hint 2: enter_tp_forward(x, tp, sequence_parallel, label) gives an InFlight; its wait() is the whole
-    #       (B, T, dim) input.
-    # Hint 3: whole = the waited result; return [product(whole, W, matmul) for each W in weights] (whole @ W^T,
-    #       or module 09's policy's product when matmul is one).
+    # >>> TODO(m12): column-parallel forward: every weight's slice of y from one whole input
+    # Contract: returns [y_i], y_i = x_whole W_i^T of shape (B, T, out_i / t), x_whole the whole (B, T, dim) input;
+    #   one collective for all the weights that share x (the tests count them), each product through product(...,
+    #   matmul) (module 09's seam).
+    # The question: what must every weight's product wait for, and how often must it be fetched?
+    # Hint 1: which operator hands the column-parallel linears their whole input (docs/12, "The two conjugate
+    #       operators")?
+    # Hint 2: x_whole = f(x), once, waited for before the first product; then y_i = x_whole W_iᵀ for each weight.
+    # Hint 3: x_whole = enter_tp_forward(x, tp, sequence_parallel, label).wait()
+    #       return [product(x_whole, w, matmul) for w in weights]
     x_whole = enter_tp_forward(x, tp, sequence_parallel, label).wait()
     return [product(x_whole, w, matmul) for w in weights]
     # <<<
@@ -246,22 +265,28 @@ def column_parallel_backward(dys: list[torch.Tensor], x: torch.Tensor, weights: 
     if matmul is not None:
         return policy_column_backward(dys, x, weights, main_grads, tp, sequence_parallel, label, matmul)
     # >>> TODO(m12): column-parallel backward: the input-gradient collective in flight behind the weight-gradient GEMMs
-    # Contract: every main_grads[i] (out_i / t, dim) grows by dy_i^T x_whole (summed over all B T tokens); the
-    #   returned dx is sum over ranks of sum_i dy_i W_i, whole (B, T, dim) or this rank's (B, T / t, dim).
-    # The order: each collective is started (async_op=True) as soon as what it sends exists, and waited for only
-    #   just before something needs its result; the GEMMs that need neither run in between. Which GEMMs need
-    #   which result, with and without sequence parallelism, is yours to work out: the tests read the order of
-    #   the calls (the collectives, their waits and every matrix product).
-    # Pitfalls: waiting for a collective right after starting it is correct and hides nothing. Keeping the
+    # Contract: every main_grads[i] (out_i / t, dim) grows by dy_i^T x_whole (summed over all B T tokens, through
+    #   accumulate_weight_grad with `fused`); the returned dx is the sum over ranks of Σ_i dy_i W_i, whole (B, T, dim)
+    #   or this rank's (B, T / t, dim). Each collective is started (async_op=True) as soon as what it sends exists
+    #   and waited for only just before something needs its result; the GEMMs that need neither run in between.
+    #   The tests read the order of the calls (the collectives, their waits and every matrix product).
+    # The question: with and without sequence parallelism, which GEMMs need which collective's result, and so
+    #   where does each collective start and where is it waited for?
+    # Pitfalls: waiting for a collective right after starting it is correct: does it hide anything? Keeping the
     #   gathered x from the forward instead of gathering again costs t times the memory (the store's size is
-    #   tested).
-    # Hint 1: start the gather of x (sequence parallelism) -> input-gradient GEMMs -> wait for x, start dx's
-    #       collective -> weight-gradient GEMMs -> wait for dx; each collective comes from enter_tp_forward /
-    #       enter_tp_backward with async_op=True, and its InFlight.wait() is the wait.
-    # Hint 2: the input gradient of y = x W^T is dy W; the weight gradient goes through accumulate_weight_grad.
-    # Hint 3: start the gather of x (async) -> sum the dy_i W_i -> wait for the gathered x -> start dx's
-    #       collective (async) -> accumulate_weight_grad(each main_grad, its dy, the gathered x, fused)
-    #       -> wait for dx's collective and return what it gives.
+    #   tested): what must be gathered again, and by whom?
+    # Hint 1: docs/12, "The backward that hides its collective", places dx's collective without sequence
+    #       parallelism: by the same rule, what can run while x's re-gather travels, and what must wait for it?
+    # Hint 2: the order: start the all-gather of x (f's forward, async) -> the input-gradient GEMMs Σ_i dy_i W_i
+    #       (they need no x) -> wait for x, start dx's collective (f's backward, async) -> the weight-gradient
+    #       GEMMs dy_iᵀ x_whole -> wait for dx and return it. Without sequence parallelism the first and the third
+    #       steps' gather is an InFlight that is ready at once.
+    # Hint 3: gathering = enter_tp_forward(x, tp, sequence_parallel, label, async_op=True)
+    #       dx = sum(dy @ w for dy, w in zip(dys, weights))
+    #       x_whole = gathering.wait()
+    #       reducing = enter_tp_backward(dx, tp, sequence_parallel, label, async_op=True)
+    #       for dy, main_grad in zip(dys, main_grads): accumulate_weight_grad(main_grad, dy, x_whole, fused)
+    #       return reducing.wait()
     gathering = enter_tp_forward(x, tp, sequence_parallel, label, async_op=True)
     dx = sum(dy @ w for dy, w in zip(dys, weights, strict=True))
     x_whole = gathering.wait()
@@ -287,12 +312,13 @@ def row_parallel_forward(x: torch.Tensor, w: torch.Tensor, tp: Group, sequence_p
                          label: str = "", matmul: Matmul | None = None) -> torch.Tensor:
     """y = g(x W^T): x (B, T, in / t) is this rank's slice of the input features (a column-parallel
     output), w (dim, in / t) its columns of the weight. Returns y in the residual stream's layout."""
-    # >>> TODO(m12): row-parallel forward: this rank's partial product, then leave the TP region
-    # Contract: y is the sum over ranks of x_r W_r^T, in the residual stream's layout.
-    # Pitfalls: the partial product alone is not y: every rank must leave through g.
-    # Hint 1: multiply, then sum over the ranks.
-    # Hint 2: product(x, w, matmul) is this rank's partial (x @ w.t(), or the policy's); leave_tp_forward sums it.
-    # Hint 3: return leave_tp_forward(the partial, tp, sequence_parallel, label).
+    # >>> TODO(m12): row-parallel forward: y in the residual stream's layout
+    # Contract: y is the row-parallel linear's output, the sum over ranks of x_r W_r^T, in the residual stream's
+    #   layout; the product through product(..., matmul) (module 09's seam).
+    # The question: what does this rank's product lack to be y, and which operator supplies it?
+    # Hint 1: which operator connects a row-parallel linear to the residual stream (docs/12)?
+    # Hint 2: y = g(x_r W_rᵀ): the partial product, then g's forward.
+    # Hint 3: return leave_tp_forward(product(x, w, matmul), tp, sequence_parallel, label)
     return leave_tp_forward(product(x, w, matmul), tp, sequence_parallel, label)
     # <<<
 
@@ -302,17 +328,20 @@ def row_parallel_backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, ma
                           matmul: Matmul | None = None) -> torch.Tensor:
     """Backward of row_parallel_forward: adds dy_whole^T x into main_grad (dim, in / t) and returns
     dx (B, T, in / t), this rank's slice of the input features: nothing to sum over ranks."""
-    # >>> TODO(m12): row-parallel backward: leave's backward, then the two GEMMs
-    # Contract: main_grad (dim, in / t) grows by dy_whole^T x, summed over all B T tokens; returns dx = dy_whole W,
-    #   (B, T, in / t): this rank's slice of the input features, final as it is (no sum over ranks).
-    # Pitfalls: both GEMMs need dy at all T positions, and with sequence parallelism a rank holds only its own:
-    #   g's backward is what gives each rank what it needs.
-    # Hint 1: g's backward first; then the two products of any linear's backward, on this rank's slices.
-    # Hint 2: leave_tp_backward gives dy as every rank needs it (whole); dx = dy W; the weight gradient through
-    #       accumulate_weight_grad (with fused), as in the column-parallel backward; with a policy (matmul not
-    #       None), policy_gradients(dy, x, w, main_grad, matmul) does both GEMMs and returns dx.
-    # Hint 3: dy_whole = g's backward of dy; with a policy return policy_gradients(dy_whole, ...); else accumulate
-    #       dy_whole^T x into main_grad and return dy_whole @ W.
+    # >>> TODO(m12): row-parallel backward: the two GEMMs, and what they need of dy
+    # Contract: main_grad (dim, in / t) grows by dy_whole^T x, summed over all B T tokens (accumulate_weight_grad with
+    #   `fused`); returns dx = dy_whole W, (B, T, in / t): this rank's slice of the input features, final as it is
+    #   (no sum over ranks). With a policy (matmul not None) both products go through policy_gradients.
+    # The question: what does each of the two GEMMs need from dy, and what gives it to this rank?
+    # Pitfalls: with sequence parallelism a rank holds only its own positions of dy: are they enough for either
+    #   GEMM?
+    # Hint 1: which operator's backward comes first in a row-parallel linear's backward, and what does it hand
+    #       this rank (g's backward, above)?
+    # Hint 2: dy_whole = g's backward of dy; then dW += dy_wholeᵀ x and dx = dy_whole W, on this rank's slices;
+    #       with a policy, policy_gradients does both and returns dx.
+    # Hint 3: dy_whole = leave_tp_backward(dy, tp, sequence_parallel, label)
+    #       if matmul is not None: return policy_gradients(dy_whole, x, w, main_grad, matmul)
+    #       accumulate_weight_grad(main_grad, dy_whole, x, fused); return dy_whole @ w
     dy_whole = leave_tp_backward(dy, tp, sequence_parallel, label)
     if matmul is not None:
         return policy_gradients(dy_whole, x, w, main_grad, matmul)

@@ -71,18 +71,23 @@ class TPLlama:
         cfg.check_seq_len(tokens.shape[1])
         check_splits(cfg, {"t": tp.size}, seq_len=tokens.shape[1], sequence_parallel=sp)
         stores = [self.block.new_store() for _ in self.blocks]
-        # >>> TODO(m12): the forward and the loss: embedding, blocks, final norm, LM head, vocabulary-parallel loss
+        # >>> TODO(m12): the forward and the loss, every piece tensor-parallel
         # Contract: name the last block's output x, the final norm's (n, r), the LM head's local logits
         #   (B, T, V'/t) `logits`, and keep the loss and dlogits (the gradient of the loss, divided by n_tokens) from
         #   vocab_parallel_cross_entropy; the backward TODO reads them. n_tokens goes to the loss as it is.
-        # Pitfalls: the LM head is column-parallel (vocabulary rows): its input must be the whole sequence, which
-        #   column_parallel_forward makes whole from the stream's layout; the loss takes (N, V'/t) and (N,).
-        #   The real vocabulary is cfg.vocab_size, not the padded one.
-        # Hint 1: module 06's forward_backward, with each piece replaced by its tensor-parallel one.
-        # Hint 2: embedding_forward, then self.block.forward for each block with its own store, rmsnorm_forward,
-        #       column_parallel_forward(n, [self.lm_head], tp, sp, "lm head"), vocab_parallel_cross_entropy.
-        # Hint 3: x = embedding; x = each block's forward; n, r = final norm; (logits,) = the LM head's column-
-        #       parallel forward; loss, dlogits = the loss of logits flattened to (N, V'/t) against targets flattened.
+        # The question: module 06's forward with each piece replaced by its tensor-parallel one: which, and with
+        #   what shapes in and out?
+        # Pitfalls: the LM head is column-parallel (vocabulary rows): is its input the stream's layout or the whole
+        #   sequence? What shapes does the loss take? Is the vocabulary the real one or the padded one?
+        # Hint 1: module 06's forward_backward, piece by piece: which module 12 function replaces each?
+        # Hint 2: the embedding (vocabulary rows), each block's forward with its own store, the final RMSNorm on the
+        #       stream's layout, the LM head as a column-parallel linear (whole sequence out), the loss on (N, V'/t)
+        #       logits and (N,) targets with the real vocabulary cfg.vocab_size.
+        # Hint 3: x = embedding_forward(tokens, self.embedding, tp, sp); x = self.block.forward(w, x, store) per block
+        #       n, r = rmsnorm_forward(x, self.final_norm, cfg.norm_eps)
+        #       (logits,) = column_parallel_forward(n, [self.lm_head], tp, sp, "lm head")
+        #       loss, dlogits = vocab_parallel_cross_entropy(logits.reshape(-1, V'/t), targets.reshape(-1),
+        #                                                    cfg.vocab_size, tp, n_tokens)
         x = embedding_forward(tokens, self.embedding, tp, sp)
         for w, store in zip(self.blocks, stores, strict=True):
             x = self.block.forward(w, x, store)
@@ -91,16 +96,22 @@ class TPLlama:
         loss, dlogits = vocab_parallel_cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
                                                      cfg.vocab_size, tp, n_tokens)
         # <<<
-        # >>> TODO(m12): the backward: LM head, final norm, blocks in reverse, embedding, into self.grads
+        # >>> TODO(m12): the backward of the whole model, into self.grads
         # Contract: every accumulator of self.grads grows by its gradient; each store is cleared after its block's
         #   backward; return the loss.
-        # Pitfalls: the final norm's gradient is added into self.grads.final_norm (partial with sequence
-        #   parallelism, summed once per step by train_step, not here).
-        # Hint 1: the forward in reverse, each backward adding into its accumulator in self.grads.
-        # Hint 2: column_parallel_backward for the LM head (dlogits back in (B, T, V'/t)), rmsnorm_backward, then
-        #       self.block.backward(w, dx, store, grads) from the last block, then embedding_backward.
-        # Hint 3: dn = the LM head's column-parallel backward (input n, accumulator self.grads.lm_head); dx, d_final;
-        #       add d_final; for each layer from the last: dx = its backward, clear its store; embedding backward.
+        # The question: the forward in reverse: which backward for each piece, and into which accumulator?
+        # Pitfalls: is the final norm's gradient added or assigned, and is it summed over the group here (it is
+        #   partial with sequence parallelism; train_step sums it once per step)?
+        # Hint 1: each forward call above has a backward in module 12 or module 06: in which order do they run?
+        # Hint 2: the LM head's column-parallel backward (dlogits back in (B, T, V'/t), input n, into
+        #       self.grads.lm_head), the final norm's backward (its gradient added), each block's backward from the
+        #       last (its store cleared after), the embedding's backward.
+        # Hint 3: dn = column_parallel_backward([dlogits.view_as(logits)], n, [self.lm_head], [self.grads.lm_head],
+        #             tp, sp, "lm head", self.block.fused)
+        #       dx, d_final = rmsnorm_backward(dn, x, r, self.final_norm); self.grads.final_norm.add_(d_final)
+        #       for layer from the last: dx = self.block.backward(self.blocks[layer], dx, stores[layer],
+        #             self.grads.blocks[layer]); stores[layer].clear()
+        #       embedding_backward(dx, tokens, self.grads.embedding, tp, sp); return loss
         fused = self.block.fused
         dn = column_parallel_backward([dlogits.view_as(logits)], n, [self.lm_head], [self.grads.lm_head], tp, sp,
                                       "lm head", fused)
@@ -116,22 +127,25 @@ class TPLlama:
     def train_step(self, tokens: torch.Tensor, targets: torch.Tensor, n_microbatches: int, optimizer) -> float:
         """One optimizer step on the global batch (the same on every rank: tensor parallelism splits the
         model, not the data), in n_microbatches; returns the step's mean loss."""
-        # >>> TODO(m12): zero the accumulators, accumulate the microbatches, sum the norm gradients, step
+        # >>> TODO(m12): one optimizer step over the microbatches
         # Contract: the step's gradient is that of the mean loss over the real tokens of the whole batch; the
         #   optimizer reads each parameter's .grad (self.grads.tensors() is in parameters()' order), which must
         #   have the parameter's dtype, while the accumulators are float32 at least (bf16 weights). Return the
         #   step's mean loss, a float.
-        # Pitfalls: the norm gradients are summed over the group once per step, after the last microbatch
-        #   (sum_norm_grads with self.norm_grads()). Every microbatch's loss is divided by the real tokens of the
-        #   whole batch (module 06's convention), not by its own: the microbatches' losses then add up to the
-        #   step's mean, and so do their gradients.
-        # Hint 1: module 06's LlamaModel.train_step, with this model's accumulators and the norms' sum.
-        # Hint 2: real_tokens(targets) once; zero every accumulator; for each of microbatches(tokens, targets, m):
-        #       forward_backward(tok, tgt, n_tokens); then sum_norm_grads(self.norm_grads(), tp, sequence_parallel),
-        #       .grad (cast to the parameter's dtype), the optimizer's step.
-        # Hint 3: n_tokens = real tokens of the whole batch; zero every accumulator;
-        #       loss = sum of forward_backward(microbatch, n_tokens).item() over the microbatches;
-        #       sum the norm gradients; p.grad = its accumulator, for each pair; step; return loss.
+        # The question: what does a step do to the accumulators before, between and after the microbatches, and
+        #   what does each microbatch's loss divide by?
+        # Pitfalls: how often are the norm gradients summed over the group (sum_norm_grads with self.norm_grads())?
+        #   Does a microbatch divide by its own real tokens or by the whole batch's? What dtype must .grad have?
+        # Hint 1: module 06's LlamaModel.train_step: which two things does tensor parallelism add to it?
+        # Hint 2: n_tokens = the real tokens of the whole batch, counted once; accumulators zeroed; each
+        #       microbatch's forward_backward with that n_tokens (their losses add up to the step's mean); the norm
+        #       gradients summed once after the last; each .grad its accumulator cast to the parameter's dtype; step.
+        # Hint 3: n_tokens = real_tokens(targets); for g in self.grads.tensors(): g.zero_()
+        #       loss = sum(self.forward_backward(tok, tgt, n_tokens).item() for tok, tgt in microbatches(tokens,
+        #              targets, n_microbatches))
+        #       sum_norm_grads(self.norm_grads(), self.tp, self.sequence_parallel)
+        #       for p, g in zip(self.parameters(), self.grads.tensors()): p.grad = g.to(p.dtype)
+        #       optimizer.step(); return loss
         n_tokens = real_tokens(targets)
         for g in self.grads.tensors():
             g.zero_()

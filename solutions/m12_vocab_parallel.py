@@ -32,16 +32,9 @@ from .m12_tp_linear import leave_tp_backward, leave_tp_forward
 
 
 def padded_vocab_size(vocab_size: int, t: int, divisible_by: int = 1) -> int:
-    """V': the vocabulary V rounded up to a multiple of divisible_by * t (Megatron pads to 128 t)."""
-    # >>> TODO(m12): round vocab_size up to a multiple of divisible_by * t
-    # Contract: the smallest multiple of divisible_by * t that is at least vocab_size (an int).
-    # Pitfalls: a vocabulary that is already a multiple stays as it is. Integers only: no floats.
-    # Hint 1: the multiple is divisible_by * t; round up to it.
-    # Hint 2: ceiling division in integers: -(-a // b) is a / b rounded up.
-    # Hint 3: multiple = divisible_by * t; return (vocab_size / multiple, rounded up) * multiple.
+    """V': the vocabulary V rounded up to a multiple of divisible_by * t (Megatron pads to 128 t) (given)."""
     multiple = divisible_by * t
     return -(-vocab_size // multiple) * multiple
-    # <<<
 
 
 def padded_rows(weight: torch.Tensor, padded_vocab: int) -> torch.Tensor:
@@ -59,15 +52,22 @@ def vocab_rows(weight: torch.Tensor, padded_vocab: int, tp: Group) -> torch.Tens
 def embedding_forward(tokens: torch.Tensor, rows: torch.Tensor, tp: Group, sequence_parallel: bool) -> torch.Tensor:
     """The embedding of tokens (B, T) from this rank's rows (V'/t, dim) of the table, in the residual
     stream's layout: (B, T, dim), or (B, T / t, dim) with sequence parallelism."""
-    # >>> TODO(m12): vocabulary-parallel embedding: look up the tokens this rank owns, zeros elsewhere, leave
-    # Contract: the sum over ranks of what each rank looks up is the whole table's lookup; leaving the TP
-    #   region (leave_tp_forward, label "embedding") does that sum in the residual stream's layout.
-    # Pitfalls: a token this rank does not own must give zeros, not row (token - start) clamped or wrapped
-    #   around; an index out of range raises (or, worse, reads another row).
-    # Hint 1: rank i_t owns tokens [i_t V'/t, (i_t + 1) V'/t): shift the tokens by i_t V'/t and mask those outside.
-    # Hint 2: look up with the masked indices set to 0 (any valid row), then zero the masked positions.
-    # Hint 3: local = tokens - start; mine = (local >= 0) & (local < rows); out = rows_table[local where mine,
-    #       0 elsewhere] * mine[..., None]; return leave_tp_forward(out, ...)
+    # >>> TODO(m12): vocabulary-parallel embedding: the lookup from this rank's rows
+    # Contract: returns the whole table's lookup of tokens in the residual stream's layout; rank i_t owns tokens
+    #   [i_t V'/t, (i_t + 1) V'/t) (rows' row j is token i_t V'/t + j); the sum over ranks of what each rank looks up
+    #   is the lookup, finished by leaving the TP region (leave_tp_forward, label "embedding"). The tests compare
+    #   it with a lookup of the whole table, with and without sequence parallelism.
+    # The question: what does this rank contribute for a token it does not own, and how does it avoid reading
+    #   out of its rows?
+    # Pitfalls: a token this rank does not own: zeros, or a row clamped or wrapped around? An index out of range
+    #   raises (or, worse, reads another row).
+    # Hint 1: docs/12, "The vocabulary split too": which of a token's embedding rows does this rank hold, and
+    #       what makes the sum over ranks come out as the lookup?
+    # Hint 2: local index = token - i_t V'/t; owned when 0 <= local < V'/t; the owned rows looked up, zeros for the
+    #       rest (a lookup at any valid row, then masked), then g's forward.
+    # Hint 3: local = tokens - tp.index * rows.shape[0]; mine = (local >= 0) & (local < rows.shape[0])
+    #       looked_up = rows[torch.where(mine, local, 0)] * mine.unsqueeze(-1)
+    #       return leave_tp_forward(looked_up, tp, sequence_parallel, "embedding")
     per_rank = rows.shape[0]
     local = tokens - tp.index * per_rank
     mine = (local >= 0) & (local < per_rank)
@@ -80,17 +80,18 @@ def embedding_backward(dx: torch.Tensor, tokens: torch.Tensor, grad_rows: torch.
                        sequence_parallel: bool):
     """Adds the embedding's gradient into grad_rows (V'/t, dim), this rank's rows: each token's dx goes
     to its row if this rank owns it. dx is in the residual stream's layout."""
-    # >>> TODO(m12): vocabulary-parallel embedding backward: leave's backward, then add dx into the owned rows
+    # >>> TODO(m12): vocabulary-parallel embedding backward: the gradient of this rank's rows
     # Contract: grad_rows[local row of token v] grows by the sum of dx over every position holding v, for the
     #   tokens v this rank owns; the other rows are untouched. Nothing is returned (the tokens need no gradient).
-    # Pitfalls: with sequence parallelism dx holds only this rank's positions, but its rows receive gradient
-    #   from tokens at every position: leave's backward gives every position's. A token seen twice adds twice
-    #   (index_add_, not indexing).
-    # Hint 1: leave_tp_backward(dx, tp, sequence_parallel, "embedding") is the whole (B, T, dim) gradient; then
-    #       the forward's mask.
-    # Hint 2: grad_rows.index_add_(0, owned local indices, their dx rows).
-    # Hint 3: dx = g's backward of dx; local = tokens - start; mine = the in-range mask; index_add_ the rows of dx
-    #       where mine, at local[mine], into grad_rows (in grad_rows' dtype).
+    # The question: which positions' gradients does this rank need for its rows, and how does a token seen
+    #   twice add up?
+    # Pitfalls: with sequence parallelism dx holds only this rank's positions: does a rank's row receive gradient
+    #   from other positions too? Does indexed assignment add a repeated token twice?
+    # Hint 1: the forward ended with g: what does g's backward hand every rank, and which rows then receive it?
+    # Hint 2: dx_whole = g's backward of dx; for every owned position, its row (token - i_t V'/t) grows by its
+    #       dx_whole row: an accumulating scatter (index_add), in grad_rows' dtype.
+    # Hint 3: dx = leave_tp_backward(dx, tp, sequence_parallel, "embedding"); local, mine as in the forward
+    #       grad_rows.index_add_(0, local[mine], dx[mine].to(grad_rows.dtype))
     dx = leave_tp_backward(dx, tp, sequence_parallel, "embedding")
     local = tokens - tp.index * grad_rows.shape[0]
     mine = (local >= 0) & (local < grad_rows.shape[0])
@@ -113,18 +114,27 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vo
     # Contract: three all-reduces of N values each, labelled "loss ..." ("loss max" for the largest logit): no
     #   rank ever holds another rank's logits. The loss equals F.cross_entropy(reduction="sum", ignore_index=-100) on
     #   the gathered, unpadded logits, divided by n_tokens; dlogits is the gradient of that loss (module 06's),
-    #   this rank's columns. Write the loss and the gradient in terms of the three reduced quantities.
-    # Pitfalls: padding columns must not count, whatever they hold. exp overflows in float32 for logits above
-    #   about 88 (the tests use logits of several hundred). A rank that does not own a token's target column
-    #   must still take part in every all-reduce, with a value that leaves the result right; an ignored target
-    #   (-100) is owned by no rank, and its row adds nothing (loss or gradient).
-    # Hint 1: z = logits in compute_dtype, padding masked; z_max = local max, all-reduced with op="max";
-    #       e = exp(z - z_max); Z = e summed over the columns, all-reduced; z_y = the target's logit where this
-    #       rank owns it, 0 elsewhere, all-reduced; loss per token = log Z + z_max - z_y, kept for real targets.
-    # Hint 2: tp.collectives.all_reduce(tensor, label, op="max") takes the elementwise max over ranks, in place;
-    #       real = targets != IGNORE_INDEX.
-    # Hint 3: loss = the sum over real tokens / n_tokens; dlogits = e / Z, minus 1 at the owned targets' columns,
-    #       rows of ignored targets zeroed, divided by n_tokens, cast to logits' dtype.
+    #   this rank's columns. The tests fill the padding with logits that would win, use float32 logits of several
+    #   hundred, and ignored targets.
+    # The question: which two reductions besides the largest logit does the loss need, and what are the loss and
+    #   this rank's gradient columns in terms of the three?
+    # Maths: z, z_max, Z, z_y as docs/glossary.md defines them; a sum or max over the vocabulary is the sum or max
+    #   over the ranks of each rank's own (docs/12, "Cross-entropy without the logits", works out z_max).
+    # Pitfalls: can a padding column, whatever it holds, take probability or win the max? What does exp do in
+    #   float32 above about 88? With what value does a rank that does not own a token's target column take part in
+    #   the reduction that fetches it? An ignored target (-100) is owned by no rank: does its row add anything?
+    # Hint 1: write one token's loss and its gradient with respect to one logit from the softmax's definition,
+    #       shifted by z_max: which of the pieces are sums over the vocabulary, and which a single entry?
+    # Hint 2: Z = Σ_v exp(z_v - z_max) (a sum over ranks of each rank's sum); z_y the target's logit, from its owner
+    #       (the others give 0, and the all-reduce sums); loss per real token = log Z + z_max - z_y; the gradient
+    #       of column v: (exp(z_v - z_max) / Z - [v = y]) / n_tokens, 0 in ignored rows; padding masked to -inf.
+    # Hint 3: z = logits in compute_dtype, padding columns masked to -inf; z_max = z.max(-1).values
+    #       tp.collectives.all_reduce(z_max, "loss max", op="max"); exps = torch.exp(z - z_max.unsqueeze(-1))
+    #       sum_exp = exps.sum(-1); tp.collectives.all_reduce(sum_exp, "loss sum exp")
+    #       z_y = z[row, local target] where this rank owns a real target, else 0; tp.collectives.all_reduce(z_y, "loss target")
+    #       loss = torch.where(real, torch.log(sum_exp) + z_max - z_y, 0).sum() / n_tokens
+    #       dlogits = exps / sum_exp.unsqueeze(-1), minus 1 at the owned targets, ignored rows zeroed, / n_tokens, in
+    #       logits' dtype
     if n_tokens is None:
         n_tokens = real_tokens(targets)
     rows, per_rank = logits.shape

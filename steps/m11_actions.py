@@ -1,5 +1,5 @@
 # Generated from solutions/m11_actions.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 11`. (skeleton 8738c98f1c62)
+# Grade your work with `python main.py grade 11`. (skeleton 29c965b4c6b0)
 """Module 11 - a pipeline schedule as data.
 
 Module 05 wrote each schedule as a loop that computes, sends and receives. Here a schedule is a
@@ -44,6 +44,7 @@ class Action(NamedTuple):
         # Contract: "12W3" -> Action(stage=12, kind="W", microbatch=3), stage and microbatch as ints;
         # spaces around the text are allowed. Anything that is not stage, kind, microbatch run together
         # raises ValueError with the text quoted in its message.
+        # The question: how do you read the three fields off the text, and refuse anything else?
         # Pitfalls:
         # - stages and microbatches can have several digits ("12F10" is stage 12, microbatch 10);
         # - a kind outside F, B, I, W ("1X2") or a missing number ("F2", "2F") must be refused, not read

@@ -1,5 +1,5 @@
 # Generated from solutions/m11_executor.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 11`. (skeleton 05219314c5fa)
+# Grade your work with `python main.py grade 11`. (skeleton 26d2b29d0507)
 """Module 11 - the executor: run any valid schedule on real ranks.
 
 Module 05 had one loop per schedule. Here there is one loop for all of them: each rank walks its
@@ -174,9 +174,9 @@ def run_action(action: Action, stage: SplitStage, comms: StageComms, xs, ys, sen
     # which stages is there nothing to receive or to send?
     # Pitfalls:
     # - a message named after the wrong stage is refused by StageComms at once (e.g. "no stage sends 'act' to
-    #   stage 0: ..."), where the receiver would otherwise wait forever;
-    # - a handle not kept is a send gloo may drop: the peer then waits forever in its recv;
-    # - B is backward_input and backward_weight in one: no W follows it in the schedule.
+    #   stage 0: ..."), where the receiver would otherwise wait forever: which stage names a message?
+    # - a handle not kept is a send gloo may drop: does the peer then wait forever in its recv?
+    # - B is backward_input and backward_weight in one: does a W follow it in the schedule?
     raise NotImplementedError('TODO(m11): one action: F, B, I or W, with its messages')
 
 
@@ -184,16 +184,17 @@ def run_schedule(schedule: Schedule, stages: dict[int, SplitStage], comms: Stage
     """One step: this rank's list of `schedule` on its `stages`. Returns the batch loss (the sum of
     the shares) on the rank holding the last stage, else None; every send has completed."""
     xs, ys = split_microbatches(x, schedule.n_microbatches), split_microbatches(y, schedule.n_microbatches)
-    # TODO(m11): run every action of this rank's list in order; wait for every send; return the loss
+    # TODO(m11): one step: this rank's whole list, every send completed, the loss
     # Contract: run_action for each action of schedule.orders[comms.pp.index] (this rank's list: its place in
-    # the pipeline group), on stages[action.stage], all in
-    # order. Returns the sum of the loss shares run_action returned, or None on a rank without the last
-    # stage. Before it returns, every handle of the step's sends has been waited for.
+    #   the pipeline group), on stages[action.stage], in order. Returns the sum of the loss shares run_action
+    #   returned, added in microbatch order (the tests compare it with the monolith's bit for bit), or None on a
+    #   rank without the last stage. Before it returns, every handle of the step's sends has been waited for.
+    # The question: what must still be done once the last action has run?
     # Pitfalls:
-    # - returning before the sends complete: on gloo a send whose handle is dropped is usually lost (the
-    #   peer then waits forever in its recv), and the next step may overwrite a tensor still in flight;
-    # - a rank without the last stage returns None, not 0 (train keeps only the real losses).
-    raise NotImplementedError("TODO(m11): run every action of this rank's list in order; wait for every send; return the loss")
+    # - on gloo a send whose handle is dropped is usually lost: what happens to the peer's recv, and to a
+    #   tensor the next step overwrites while it is still in flight?
+    # - what does a rank without the last stage return: None, or 0 (train keeps only the real losses)?
+    raise NotImplementedError("TODO(m11): one step: this rank's whole list, every send completed, the loss")
 
 
 def train(schedule: Schedule, stages: dict[int, SplitStage], comms: StageComms, cfg: MLPConfig = MLPConfig(),

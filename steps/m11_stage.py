@@ -1,12 +1,12 @@
 # Generated from solutions/m11_stage.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 11`. (skeleton ee07b115e7bf)
+# Grade your work with `python main.py grade 11`. (skeleton 7f333aaa651c)
 """Module 11 - a pipeline stage whose backward comes in two halves: I and W.
 
-A layer y = relu(x W^T + b) has two gradients to compute in its backward, from dz, the gradient
-at its pre-activation:
+A layer y = relu(x W^T + b) has two gradients to compute in its backward, both from dz, the
+gradient at its pre-activation:
 
-    I  dx = dz W          what the stage before is waiting for: on the critical path
-    W  dW = dz^T x,  db = sum of dz over the rows      needed only by the optimizer step
+    I  the gradient of its input x     what the stage before is waiting for: on the critical path
+    W  the gradients of W and b        needed only by the optimizer step
 
 Autograd computes both at once (module 05's B). Written by hand, they can run at different times:
 I as soon as the gradient arrives, W later, in a gap where the rank would otherwise wait. Between
@@ -78,17 +78,20 @@ class SplitStage(nn.Module):
         loss). Keeps in saved.grads each layer's dz for backward_weight, and drops what only I needed."""
         saved = self.saved[microbatch]
         # TODO(m11): I: backpropagate through the layers to the input, keeping each layer's dz
-        # Contract: returns dx, shape (rows, hidden), or None on the first stage; sets saved.grads to the dz
-        # of every linear, in self.linears() order (the head last on the last stage); then sets
-        # saved.output, saved.logits and saved.targets to None (W does not need them). Computes no weight
-        # gradient: every .grad is as it was.
-        # The maths: for y = relu(z), z = x W^T + b: dz = dy where y > 0, else 0, and dx = dz W. A layer's
-        # y is the next layer's input (saved.inputs[l + 1]); the last ReLU layer's is saved.output. On the
-        # last stage the head has no ReLU: its dz is loss_gradient(logits, targets, n_microbatches).
+        # Contract: returns dx, shape (rows, hidden), or None on the first stage; sets saved.grads to the dz of
+        #   every linear, in self.linears() order (the head last on the last stage); then sets saved.output,
+        #   saved.logits and saved.targets to None (W does not need them). Computes no weight gradient: every .grad
+        #   is as it was. The tests compare dx and, after W, every .grad with autograd's on the monolith, bit for
+        #   bit, and count the matmuls.
+        # The question: from what the forward kept, which gradients must I compute, in which order, and which
+        #   matmul is never needed?
+        # Maths: a layer is y = relu(z), z = x Wᵀ + b; dz is the gradient at z. A layer's y is the next layer's input
+        #   (saved.inputs[l + 1]); the last ReLU layer's is saved.output. On the last stage the head has no ReLU:
+        #   its dz is loss_gradient(logits, targets, n_microbatches).
         # Pitfalls:
-        # - the ReLU mask is the layer's *output* > 0, not its input > 0: gradients differ from autograd's;
-        # - dz W, not dz W^T: the weights are square (hidden x hidden), so the wrong one runs and is wrong;
-        # - the first stage's dx is never used: computing it is a matmul too many (a test counts them).
+        # - is ReLU's mask read off the layer's input or its output?
+        # - the weights are square (hidden x hidden): would the transposed product run, and would it be right?
+        # - the first stage's dx is never used: is it computed anyway (a test counts the matmuls)?
         raise NotImplementedError("TODO(m11): I: backpropagate through the layers to the input, keeping each layer's dz")
 
     @torch.no_grad()
@@ -96,14 +99,17 @@ class SplitStage(nn.Module):
         """W: add this microbatch's weight and bias gradients to each parameter's .grad, from what I
         kept; then forget the microbatch."""
         # TODO(m11): W: the weight gradients from saved inputs and I's dz's, accumulated into .grad
-        # Contract: for every linear (self.linears() order) with its saved input x and its dz from
-        # saved.grads: weight.grad += dz^T x and bias.grad += dz summed over the rows; a .grad that is None
-        # is set instead. Afterwards self.saved has no entry for the microbatch: its activations are freed.
+        # Contract: every linear's weight.grad and bias.grad (self.linears() order) grow by this microbatch's
+        #   gradients, computed from the input x it kept since the forward and the dz I kept in saved.grads; a .grad
+        #   that is None is set instead. Afterwards self.saved has no entry for the microbatch: its activations are
+        #   freed. The tests compare every .grad with autograd's on the monolith, bit for bit, and count the matmuls.
+        # The question: what are a linear's weight and bias gradients in terms of its x and dz, and how do m
+        #   microbatches' gradients end up in one .grad?
         # Pitfalls:
-        # - x^T dz is the transpose of the weight gradient (and has the same square shape);
-        # - the gradients are *added*: the M microbatches of a step sum into one gradient;
-        # - an entry left in self.saved keeps every microbatch alive: the measured peak memory then
-        #   exceeds the simulator's, and the tests say so.
+        # - the hidden layers are square: would the transposed product run, and would it be right?
+        # - does a later microbatch's W keep what an earlier one added?
+        # - an entry left in self.saved keeps every microbatch alive: the measured peak memory then exceeds the
+        #   simulator's, and the tests say so.
         raise NotImplementedError("TODO(m11): W: the weight gradients from saved inputs and I's dz's, accumulated into .grad")
 
     def backward(self, microbatch: int, grad_output=None):

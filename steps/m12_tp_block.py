@@ -1,5 +1,5 @@
 # Generated from solutions/m12_tp_block.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 12`. (skeleton e61331e1a9d7)
+# Grade your work with `python main.py grade 12`. (skeleton 6acb2dcf68f4)
 """Module 12, part 2 - module 06's block on t ranks: attention split by heads, the FFN by its width.
 
     residual x ─ RMSNorm ─ enter ─ q, k, v (column) ─ RoPE, attention ─ o (row) ─ leave ─ + ─ h
@@ -46,8 +46,9 @@ def shard_block_weights(w: BlockWeights, cfg: LlamaConfig, tp: Group) -> BlockWe
     # Contract: rank i_t = tp.index holds query heads [i_t H/t, (i_t+1) H/t), key/value heads [i_t K/t,
     #   (i_t+1) K/t) and FFN units [i_t F/t, (i_t+1) F/t); a head is head_dim consecutive rows of wq/wk/wv (columns of wo). Shapes:
     #   wq (H/t D, dim), wk and wv (K/t D, dim), wo (dim, H/t D), w_gate and w_up (F/t, dim), w_down (dim, F/t).
-    # Pitfalls: the key/value slice is not the query slice: with grouped-query attention K < H, and the
-    #   key/value heads a rank needs are the ones its query heads read. A column slice is not contiguous.
+    # The question: along which axis is each weight cut, and which block is this rank's?
+    # Pitfalls: with grouped-query attention K < H: is the key/value slice the query slice? Is a column slice
+    #   contiguous, and does a view free the whole weight?
     raise NotImplementedError("TODO(m12): slice a block's weights for rank tp.index of tp.size")
 
 
@@ -62,9 +63,11 @@ def sum_norm_grads(norm_grads: list[torch.Tensor], tp: Group, sequence_parallel:
     it, every rank normed every position and its gradients are already whole: nothing to do."""
     # TODO(m12): sum the norm weights' gradients over the group (sequence parallelism only)
     # Contract: afterwards every rank holds, in each tensor of norm_grads, the sum over the group of the ranks'
-    #   tensors; one collective for all of them (they are tiny: one latency, not one per tensor).
-    # Pitfalls: it is a sum over positions, not a mean: no 1/t. Without sequence parallelism a sum would make
-    #   them t times too big.
+    #   tensors (with sequence parallelism), and they are untouched without it; one collective for all of them
+    #   (they are tiny: one latency, not one per tensor), labelled "norm grads".
+    # The question: which collective gives every rank the sum, and how do several tensors travel in one call?
+    # Pitfalls: a sum over positions, or a mean? Without sequence parallelism, what would a sum do to gradients
+    #   that are whole already?
     raise NotImplementedError("TODO(m12): sum the norm weights' gradients over the group (sequence parallelism only)")
 
 
@@ -87,34 +90,39 @@ class TPBlock:
         """y = block(x), x and y in the residual stream's layout: (B, T, dim), or (B, T / t, dim) with
         sequence parallelism. Saves module 06's activations under module 06's names."""
         cfg, tp, sp, mm = self.cfg, self.tp, self.sequence_parallel, self.matmul
-        # TODO(m12): the attention half: norm, column-parallel q/k/v, RoPE, attention on this rank's heads
+        # TODO(m12): the attention half on t ranks: what this rank computes and saves
         # Contract: save in the store what the backward reads, under module 06's names: 'x', 'n1', 'r1', 'q', 'k',
         #   'v' (q and k after RoPE), 'o', 'lse'. q is (B, T, H/t, head_dim), k and v (B, T, K/t, head_dim), all
         #   T positions; x, n1 and r1 stay in the residual stream's layout (T/t positions with sequence parallelism).
-        # Pitfalls: 'n1' is the norm's output as this rank has it, not the gathered one: keeping the gathered
-        #   input would cost t times the memory (the backward gathers it again). The head count is H/t, not H.
-        #   Every linear, here and below, takes the block's policy mm as its last argument (module 09's seam).
-        raise NotImplementedError("TODO(m12): the attention half: norm, column-parallel q/k/v, RoPE, attention on this rank's heads")
-        # TODO(m12): the FFN half: row-parallel o, residual + norm, column-parallel gate/up, SwiGLU, row-parallel down
+        # The question: which of module 06's attention-half lines change on t ranks, and into what?
+        # Pitfalls: 'n1' is the norm's output as this rank has it, not the gathered one: what would keeping the
+        #   gathered input cost? How many heads does this rank have? Every linear, here and below, takes the block's
+        #   policy mm as its last argument (module 09's seam).
+        raise NotImplementedError('TODO(m12): the attention half on t ranks: what this rank computes and saves')
+        # TODO(m12): the FFN half on t ranks: from the attention's partial output to the block's output
         # Contract: return y = h + down(SwiGLU(...)) in x's layout; save 'h', 'n2', 'r2', 'g', 'u', 's' (g, u, s:
         #   (B, T, F/t); h, n2, r2 in the residual stream's layout).
-        # Pitfalls: the residual add needs the *summed* attention output in x's layout: that is what the row-
-        #   parallel linear's leave gives; adding a partial product gives a wrong h on every rank.
-        raise NotImplementedError('TODO(m12): the FFN half: row-parallel o, residual + norm, column-parallel gate/up, SwiGLU, row-parallel down')
+        # The question: which of module 06's FFN-half lines change on t ranks, and into what?
+        # Pitfalls: the residual add needs the attention output summed over the ranks, in x's layout: which call
+        #   gives it? What would adding a partial product do to h?
+        raise NotImplementedError("TODO(m12): the FFN half on t ranks: from the attention's partial output to the block's output")
 
     def backward(self, w: BlockWeights, dy: torch.Tensor, store: ActivationStore, grads: BlockWeights) -> torch.Tensor:
         """dx given dy (both in the residual stream's layout), from what the forward saved. Every weight's
         gradient is *added* into `grads` (main_grad accumulators, e.g. from zero_grads); with sequence
         parallelism the norm weights' are this rank's partial sums until sum_norm_grads."""
         tp, sp, fused, mm = self.tp, self.sequence_parallel, self.fused, self.matmul
-        # TODO(m12): backward of the FFN half: down (row), SwiGLU, gate/up (column), residual + norm
+        # TODO(m12): backward of the FFN half on t ranks
         # Contract: add the gradients of w_down, w_gate, w_up and ln2 into grads; name the residual stream's
         #   gradient after the norm dh (the attention half's TODO uses it).
+        # The question: module 06's FFN-half backward with each linear replaced by its parallel backward: which
+        #   one, on which saved input, into which accumulator?
         # Pitfalls: labels: give each linear's backward the label of its forward, so the collectives log names them.
-        #   ln2's gradient is added into grads.ln2, not assigned: microbatches accumulate.
-        raise NotImplementedError('TODO(m12): backward of the FFN half: down (row), SwiGLU, gate/up (column), residual + norm')
-        # TODO(m12): backward of the attention half: o (row), attention, RoPE, q/k/v (column), norm
+        #   Is ln2's gradient added into grads.ln2 or assigned (microbatches accumulate)?
+        raise NotImplementedError('TODO(m12): backward of the FFN half on t ranks')
+        # TODO(m12): backward of the attention half on t ranks
         # Contract: add the gradients of wo, wq, wk, wv and ln1 into grads; return dx = dh + the norm's input gradient.
-        # Pitfalls: attention's gradients have a head axis and may not be contiguous: reshape (not view) them to
-        #   (B, T, -1) for the projections. q, k and v share n1: one column_parallel_backward for the three.
-        raise NotImplementedError('TODO(m12): backward of the attention half: o (row), attention, RoPE, q/k/v (column), norm')
+        # The question: module 06's attention-half backward with each linear replaced by its parallel backward.
+        # Pitfalls: attention's gradients have a head axis and may not be contiguous: view or reshape to (B, T, -1)?
+        #   q, k and v share n1: how many column_parallel_backward calls?
+        raise NotImplementedError('TODO(m12): backward of the attention half on t ranks')

@@ -1,5 +1,5 @@
 # Generated from solutions/m12_tp_costs.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 12`. (skeleton fc2ba65de0c0)
+# Grade your work with `python main.py grade 12`. (skeleton ec1f102488ff)
 """Module 12, part 5 - what tensor and sequence parallelism cost: bytes sent and activations kept.
 
 Traffic. A global batch of B sequences of T tokens in m microbatches: one microbatch holds
@@ -58,9 +58,14 @@ def tp_traffic(cfg: LlamaConfig, sizes: dict[str, int], batch: int, dtype: torch
     #   them, counted as the module docstring says, times m where they are per microbatch. The tests compare it
     #   with a hand count and with the log of a real step (course/costs.py's measured_cost), to the byte and to
     #   the call.
-    # Pitfalls: the norm gradients' all-reduce is once per step, and only with sequence parallelism. An all-gather's
-    #   payload is its shard, but what a rank sends is (t - 1) shards: (t - 1)/t of the whole A. On t = 1 every
-    #   collective is still called (and logged), sending nothing. The loss's all-reduces are all-reduces too.
+    # The question: for each collective the model's code issues in one microbatch (each f and g, forward and
+    #   backward, the loss's reductions) and once per step (the norms), which kind is it and how many bytes does
+    #   this rank send for it?
+    # Maths: the module docstring's counting rule and its worked term (the forward's all-reduces without sequence
+    #   parallelism); N, A, s as it defines them.
+    # Pitfalls: how often does the norm gradients' all-reduce run, and in which case? What does a rank send for an
+    #   all-gather: its shard, or (t - 1) shards? On t = 1, is a collective still called (and logged)? What kind
+    #   are the loss's reductions?
     raise NotImplementedError('TODO(m12): count the collectives of one step and the bytes one rank sends for them')
 
 
@@ -74,8 +79,10 @@ def tp_activations_by_name(cfg: LlamaConfig, sizes: dict[str, int], batch: int, 
     # TODO(m12): the bytes of each of the fourteen activations on one rank
     # Contract: a dict from each store name (x n1 r1 q k v o lse h n2 r2 g u s) to bytes; the tests compare it, name
     #   by name, with what TPBlock's store really holds.
-    # Pitfalls: q, o and lse scale with this rank's query heads H/t, k and v with its key/value heads K/t, g u s
-    #   with F/t; only the STREAM_NAMES shrink with sequence parallelism (T/t tokens). Head counts, not dim / t.
+    # The question: per token, how many values (or statistics) does each name hold on this rank, and for how many
+    #   tokens is it kept?
+    # Pitfalls: which names scale with this rank's query heads, which with its key/value heads, which with its
+    #   FFN units? Which shrink with sequence parallelism? Head counts, or dim / t?
     raise NotImplementedError('TODO(m12): the bytes of each of the fourteen activations on one rank')
 
 

@@ -1,5 +1,5 @@
 # Generated from solutions/m12_tp_linear.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 12`. (skeleton dfad7ea93453)
+# Grade your work with `python main.py grade 12`. (skeleton 4fd34b5c31a8)
 """Module 12, part 1 - tensor-parallel linears: Megatron's column and row split, and the two
 conjugate operators that connect them to the residual stream.
 
@@ -79,9 +79,11 @@ def enter_tp_forward(x: torch.Tensor, tp: Group, sequence_parallel: bool, label:
     positions [i_t T/t, (i_t + 1) T/t)."""
     # TODO(m12): f's forward: the column-parallel linears' whole input, from the residual stream
     # Contract: return an InFlight whose wait() gives the whole (B, T, dim) input, the same on every rank. With
-    #   async_op=True any collective is only started (the column-parallel backward runs it behind a GEMM).
-    # Pitfalls: the sequence is SEQUENCE_DIM, not the batch. Never write into x: a new tensor holds what others
-    #   send.
+    #   async_op=True any collective is only started (the column-parallel backward runs it behind a GEMM). Never
+    #   write into x: a new tensor holds what the others send. The tests compare a column-then-row pair with the
+    #   whole linears and count the collectives in the log.
+    # The question: in each layout of the residual stream, what is missing from x, and what brings it?
+    # Pitfalls: which dimension is the sequence? Does anything need to travel when the stream is whole already?
     raise NotImplementedError("TODO(m12): f's forward: the column-parallel linears' whole input, from the residual stream")
 
 
@@ -95,8 +97,9 @@ def enter_tp_backward(dx: torch.Tensor, tp: Group, sequence_parallel: bool, labe
     # Contract: an InFlight whose wait() gives the sum over the group of the ranks' dx, in the residual stream's
     #   layout. With async_op=True any collective is only started: the caller computes the weight gradients
     #   meanwhile.
-    # Pitfalls: the result's shape is the stream's, (B, T / t, dim) with sequence parallelism, cut along
-    #   SEQUENCE_DIM, not the batch. No 1/t: it is a sum.
+    # The question: which collective gives every rank the sum it needs, and only what it needs, in each layout?
+    # Pitfalls: what shape does the result have with sequence parallelism, cut along which dimension? Is it a
+    #   sum or a mean?
     raise NotImplementedError("TODO(m12): f's backward: the residual stream's gradient, summed over the group")
 
 
@@ -107,7 +110,9 @@ def leave_tp_forward(y: torch.Tensor, tp: Group, sequence_parallel: bool, label:
     # Contract: returns the sum over the group of the ranks' y, (B, T, dim) on every rank, or with sequence
     #   parallelism this rank's positions of it, (B, T / t, dim). Summing into y in place is fine: the callers
     #   pass a fresh product.
-    # Pitfall: nothing runs beside it here, so nothing is gained by leaving a collective in flight.
+    # The question: which collective turns t partial products into the stream's layout, and is it already
+    #   written in this file?
+    # Pitfall: nothing runs beside it here: is anything gained by leaving a collective in flight?
     raise NotImplementedError("TODO(m12): g's forward: the row-parallel partial products, summed into the residual stream")
 
 
@@ -118,8 +123,9 @@ def leave_tp_backward(dy: torch.Tensor, tp: Group, sequence_parallel: bool, labe
     # Contract: returns, on every rank, the gradient of the loss with respect to this rank's partial product y_r,
     #   (B, T, dim), all T positions; dy is the gradient of g's output, (B, T, dim) on every rank, or with sequence
     #   parallelism this rank's (B, T / t, dim) positions of it.
-    # Pitfalls: derive it from g's forward (what is y's derivative with respect to one partial?); a factor of t
-    #   is the classic mistake.
+    # The question: what is the derivative of g's output with respect to one of its terms, and what must travel
+    #   so that each rank has it at all T positions?
+    # Pitfalls: a factor of t is the classic mistake: would a sum over the group count the same dy t times?
     raise NotImplementedError("TODO(m12): g's backward: the gradient every rank's partial product receives")
 
 
@@ -150,16 +156,17 @@ def accumulate_weight_grad(main_grad: torch.Tensor, dy: torch.Tensor, x: torch.T
     whole microbatch's gradient) and a second kernel adds it.
     """
     dy, x = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
-    if not fused:
-        main_grad.add_(dy.t() @ x)
-        return
     # TODO(m12): add the weight gradient into main_grad inside the GEMM
     # Contract: main_grad (out, in) grows by the gradient of W for y = x W^T, summed over every token (dy and x
-    #   are (tokens, out) and (tokens, in) here), updated in place (same tensor, same storage), summed in
-    #   main_grad's dtype even when dy and x are bf16; nothing of the gradient's size is allocated in the inputs'
-    #   dtype. The unfused path above computes the same sum: yours does it in one GEMM that writes main_grad.
-    # Pitfalls: main_grad += dy.t() @ x rounds each microbatch's gradient to bf16 first (the unfused path
-    #   above); after m microbatches the sum is off by about m bf16 roundings instead of float32 ones.
+    #   are (tokens, out) and (tokens, in) here), updated in place (same tensor, same storage). fused=True: one
+    #   GEMM writes main_grad, summing in main_grad's dtype even when dy and x are bf16, and nothing of the
+    #   gradient's size is allocated in the inputs' dtype; fused=False (kept to compare): the GEMM returns a new
+    #   tensor in the inputs' dtype, added to main_grad by a second kernel. The tests compare both with float64 over
+    #   several bf16 microbatches, and watch what is allocated.
+    # The question: which product of dy and x is the weight gradient, and which given kernel adds it into
+    #   main_grad without rounding it to the inputs' dtype first?
+    # Pitfalls: x^T dy has the transposed shape (and a square weight hides it); the unfused path rounds each
+    #   microbatch's gradient to bf16: after m microbatches, how far off is the sum?
     raise NotImplementedError('TODO(m12): add the weight gradient into main_grad inside the GEMM')
 
 
@@ -185,11 +192,12 @@ def column_parallel_forward(x: torch.Tensor, weights: list[torch.Tensor], tp: Gr
     """y_i = f(x) W_i^T for linears that read the same input (q, k, v; or gate, up), each weight
     W_i (out_i / t, dim) being this rank's rows. x is in the residual stream's layout; each y_i is
     (B, T, out_i / t), the whole sequence. Returns the list of y_i."""
-    # TODO(m12): column-parallel forward: enter the TP region once, then one GEMM per weight
-    # Contract: returns [y_i], y_i = x_whole W_i^T of shape (B, T, out_i / t), x_whole the whole (B, T, dim) input.
-    # Pitfalls: gather once for all the weights that share x, not once per weight (the collectives are
-    #   counted). Wait for it before multiplying.
-    raise NotImplementedError('TODO(m12): column-parallel forward: enter the TP region once, then one GEMM per weight')
+    # TODO(m12): column-parallel forward: every weight's slice of y from one whole input
+    # Contract: returns [y_i], y_i = x_whole W_i^T of shape (B, T, out_i / t), x_whole the whole (B, T, dim) input;
+    #   one collective for all the weights that share x (the tests count them), each product through product(...,
+    #   matmul) (module 09's seam).
+    # The question: what must every weight's product wait for, and how often must it be fetched?
+    raise NotImplementedError("TODO(m12): column-parallel forward: every weight's slice of y from one whole input")
 
 
 def column_parallel_backward(dys: list[torch.Tensor], x: torch.Tensor, weights: list[torch.Tensor],
@@ -207,15 +215,16 @@ def column_parallel_backward(dys: list[torch.Tensor], x: torch.Tensor, weights: 
     if matmul is not None:
         return policy_column_backward(dys, x, weights, main_grads, tp, sequence_parallel, label, matmul)
     # TODO(m12): column-parallel backward: the input-gradient collective in flight behind the weight-gradient GEMMs
-    # Contract: every main_grads[i] (out_i / t, dim) grows by dy_i^T x_whole (summed over all B T tokens); the
-    #   returned dx is sum over ranks of sum_i dy_i W_i, whole (B, T, dim) or this rank's (B, T / t, dim).
-    # The order: each collective is started (async_op=True) as soon as what it sends exists, and waited for only
-    #   just before something needs its result; the GEMMs that need neither run in between. Which GEMMs need
-    #   which result, with and without sequence parallelism, is yours to work out: the tests read the order of
-    #   the calls (the collectives, their waits and every matrix product).
-    # Pitfalls: waiting for a collective right after starting it is correct and hides nothing. Keeping the
+    # Contract: every main_grads[i] (out_i / t, dim) grows by dy_i^T x_whole (summed over all B T tokens, through
+    #   accumulate_weight_grad with `fused`); the returned dx is the sum over ranks of Σ_i dy_i W_i, whole (B, T, dim)
+    #   or this rank's (B, T / t, dim). Each collective is started (async_op=True) as soon as what it sends exists
+    #   and waited for only just before something needs its result; the GEMMs that need neither run in between.
+    #   The tests read the order of the calls (the collectives, their waits and every matrix product).
+    # The question: with and without sequence parallelism, which GEMMs need which collective's result, and so
+    #   where does each collective start and where is it waited for?
+    # Pitfalls: waiting for a collective right after starting it is correct: does it hide anything? Keeping the
     #   gathered x from the forward instead of gathering again costs t times the memory (the store's size is
-    #   tested).
+    #   tested): what must be gathered again, and by whom?
     raise NotImplementedError('TODO(m12): column-parallel backward: the input-gradient collective in flight behind the weight-gradient GEMMs')
 
 
@@ -234,10 +243,11 @@ def row_parallel_forward(x: torch.Tensor, w: torch.Tensor, tp: Group, sequence_p
                          label: str = "", matmul: Matmul | None = None) -> torch.Tensor:
     """y = g(x W^T): x (B, T, in / t) is this rank's slice of the input features (a column-parallel
     output), w (dim, in / t) its columns of the weight. Returns y in the residual stream's layout."""
-    # TODO(m12): row-parallel forward: this rank's partial product, then leave the TP region
-    # Contract: y is the sum over ranks of x_r W_r^T, in the residual stream's layout.
-    # Pitfalls: the partial product alone is not y: every rank must leave through g.
-    raise NotImplementedError("TODO(m12): row-parallel forward: this rank's partial product, then leave the TP region")
+    # TODO(m12): row-parallel forward: y in the residual stream's layout
+    # Contract: y is the row-parallel linear's output, the sum over ranks of x_r W_r^T, in the residual stream's
+    #   layout; the product through product(..., matmul) (module 09's seam).
+    # The question: what does this rank's product lack to be y, and which operator supplies it?
+    raise NotImplementedError("TODO(m12): row-parallel forward: y in the residual stream's layout")
 
 
 def row_parallel_backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, main_grad: torch.Tensor,
@@ -245,12 +255,14 @@ def row_parallel_backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, ma
                           matmul: Matmul | None = None) -> torch.Tensor:
     """Backward of row_parallel_forward: adds dy_whole^T x into main_grad (dim, in / t) and returns
     dx (B, T, in / t), this rank's slice of the input features: nothing to sum over ranks."""
-    # TODO(m12): row-parallel backward: leave's backward, then the two GEMMs
-    # Contract: main_grad (dim, in / t) grows by dy_whole^T x, summed over all B T tokens; returns dx = dy_whole W,
-    #   (B, T, in / t): this rank's slice of the input features, final as it is (no sum over ranks).
-    # Pitfalls: both GEMMs need dy at all T positions, and with sequence parallelism a rank holds only its own:
-    #   g's backward is what gives each rank what it needs.
-    raise NotImplementedError("TODO(m12): row-parallel backward: leave's backward, then the two GEMMs")
+    # TODO(m12): row-parallel backward: the two GEMMs, and what they need of dy
+    # Contract: main_grad (dim, in / t) grows by dy_whole^T x, summed over all B T tokens (accumulate_weight_grad with
+    #   `fused`); returns dx = dy_whole W, (B, T, in / t): this rank's slice of the input features, final as it is
+    #   (no sum over ranks). With a policy (matmul not None) both products go through policy_gradients.
+    # The question: what does each of the two GEMMs need from dy, and what gives it to this rank?
+    # Pitfalls: with sequence parallelism a rank holds only its own positions of dy: are they enough for either
+    #   GEMM?
+    raise NotImplementedError('TODO(m12): row-parallel backward: the two GEMMs, and what they need of dy')
 
 
 def grad_dtype(dtype: torch.dtype) -> torch.dtype:

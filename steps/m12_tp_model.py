@@ -1,5 +1,5 @@
 # Generated from solutions/m12_tp_model.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 12`. (skeleton d429e9fb757c)
+# Grade your work with `python main.py grade 12`. (skeleton 8077f2687069)
 """Module 12, part 4 - module 06's Llama trained by t ranks in tensor (and sequence) parallel.
 
     tokens ─ embedding (vocabulary rows) ─ blocks (heads, FFN width) ─ final norm ─ LM head (vocabulary
@@ -73,31 +73,33 @@ class TPLlama:
         cfg.check_seq_len(tokens.shape[1])
         check_splits(cfg, {"t": tp.size}, seq_len=tokens.shape[1], sequence_parallel=sp)
         stores = [self.block.new_store() for _ in self.blocks]
-        # TODO(m12): the forward and the loss: embedding, blocks, final norm, LM head, vocabulary-parallel loss
+        # TODO(m12): the forward and the loss, every piece tensor-parallel
         # Contract: name the last block's output x, the final norm's (n, r), the LM head's local logits
         #   (B, T, V'/t) `logits`, and keep the loss and dlogits (the gradient of the loss, divided by n_tokens) from
         #   vocab_parallel_cross_entropy; the backward TODO reads them. n_tokens goes to the loss as it is.
-        # Pitfalls: the LM head is column-parallel (vocabulary rows): its input must be the whole sequence, which
-        #   column_parallel_forward makes whole from the stream's layout; the loss takes (N, V'/t) and (N,).
-        #   The real vocabulary is cfg.vocab_size, not the padded one.
-        raise NotImplementedError('TODO(m12): the forward and the loss: embedding, blocks, final norm, LM head, vocabulary-parallel loss')
-        # TODO(m12): the backward: LM head, final norm, blocks in reverse, embedding, into self.grads
+        # The question: module 06's forward with each piece replaced by its tensor-parallel one: which, and with
+        #   what shapes in and out?
+        # Pitfalls: the LM head is column-parallel (vocabulary rows): is its input the stream's layout or the whole
+        #   sequence? What shapes does the loss take? Is the vocabulary the real one or the padded one?
+        raise NotImplementedError('TODO(m12): the forward and the loss, every piece tensor-parallel')
+        # TODO(m12): the backward of the whole model, into self.grads
         # Contract: every accumulator of self.grads grows by its gradient; each store is cleared after its block's
         #   backward; return the loss.
-        # Pitfalls: the final norm's gradient is added into self.grads.final_norm (partial with sequence
-        #   parallelism, summed once per step by train_step, not here).
-        raise NotImplementedError('TODO(m12): the backward: LM head, final norm, blocks in reverse, embedding, into self.grads')
+        # The question: the forward in reverse: which backward for each piece, and into which accumulator?
+        # Pitfalls: is the final norm's gradient added or assigned, and is it summed over the group here (it is
+        #   partial with sequence parallelism; train_step sums it once per step)?
+        raise NotImplementedError('TODO(m12): the backward of the whole model, into self.grads')
 
     def train_step(self, tokens: torch.Tensor, targets: torch.Tensor, n_microbatches: int, optimizer) -> float:
         """One optimizer step on the global batch (the same on every rank: tensor parallelism splits the
         model, not the data), in n_microbatches; returns the step's mean loss."""
-        # TODO(m12): zero the accumulators, accumulate the microbatches, sum the norm gradients, step
+        # TODO(m12): one optimizer step over the microbatches
         # Contract: the step's gradient is that of the mean loss over the real tokens of the whole batch; the
         #   optimizer reads each parameter's .grad (self.grads.tensors() is in parameters()' order), which must
         #   have the parameter's dtype, while the accumulators are float32 at least (bf16 weights). Return the
         #   step's mean loss, a float.
-        # Pitfalls: the norm gradients are summed over the group once per step, after the last microbatch
-        #   (sum_norm_grads with self.norm_grads()). Every microbatch's loss is divided by the real tokens of the
-        #   whole batch (module 06's convention), not by its own: the microbatches' losses then add up to the
-        #   step's mean, and so do their gradients.
-        raise NotImplementedError('TODO(m12): zero the accumulators, accumulate the microbatches, sum the norm gradients, step')
+        # The question: what does a step do to the accumulators before, between and after the microbatches, and
+        #   what does each microbatch's loss divide by?
+        # Pitfalls: how often are the norm gradients summed over the group (sum_norm_grads with self.norm_grads())?
+        #   Does a microbatch divide by its own real tokens or by the whole batch's? What dtype must .grad have?
+        raise NotImplementedError('TODO(m12): one optimizer step over the microbatches')

@@ -1,5 +1,5 @@
 # Generated from solutions/m12_vocab_parallel.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 12`. (skeleton c1f637c9010f)
+# Grade your work with `python main.py grade 12`. (skeleton 8739095d5385)
 """Module 12, part 3 - the vocabulary split over t ranks: embedding rows, LM-head rows, and a
 cross-entropy that never gathers the logits.
 
@@ -34,11 +34,9 @@ from .m12_tp_linear import leave_tp_backward, leave_tp_forward
 
 
 def padded_vocab_size(vocab_size: int, t: int, divisible_by: int = 1) -> int:
-    """V': the vocabulary V rounded up to a multiple of divisible_by * t (Megatron pads to 128 t)."""
-    # TODO(m12): round vocab_size up to a multiple of divisible_by * t
-    # Contract: the smallest multiple of divisible_by * t that is at least vocab_size (an int).
-    # Pitfalls: a vocabulary that is already a multiple stays as it is. Integers only: no floats.
-    raise NotImplementedError('TODO(m12): round vocab_size up to a multiple of divisible_by * t')
+    """V': the vocabulary V rounded up to a multiple of divisible_by * t (Megatron pads to 128 t) (given)."""
+    multiple = divisible_by * t
+    return -(-vocab_size // multiple) * multiple
 
 
 def padded_rows(weight: torch.Tensor, padded_vocab: int) -> torch.Tensor:
@@ -56,25 +54,30 @@ def vocab_rows(weight: torch.Tensor, padded_vocab: int, tp: Group) -> torch.Tens
 def embedding_forward(tokens: torch.Tensor, rows: torch.Tensor, tp: Group, sequence_parallel: bool) -> torch.Tensor:
     """The embedding of tokens (B, T) from this rank's rows (V'/t, dim) of the table, in the residual
     stream's layout: (B, T, dim), or (B, T / t, dim) with sequence parallelism."""
-    # TODO(m12): vocabulary-parallel embedding: look up the tokens this rank owns, zeros elsewhere, leave
-    # Contract: the sum over ranks of what each rank looks up is the whole table's lookup; leaving the TP
-    #   region (leave_tp_forward, label "embedding") does that sum in the residual stream's layout.
-    # Pitfalls: a token this rank does not own must give zeros, not row (token - start) clamped or wrapped
-    #   around; an index out of range raises (or, worse, reads another row).
-    raise NotImplementedError('TODO(m12): vocabulary-parallel embedding: look up the tokens this rank owns, zeros elsewhere, leave')
+    # TODO(m12): vocabulary-parallel embedding: the lookup from this rank's rows
+    # Contract: returns the whole table's lookup of tokens in the residual stream's layout; rank i_t owns tokens
+    #   [i_t V'/t, (i_t + 1) V'/t) (rows' row j is token i_t V'/t + j); the sum over ranks of what each rank looks up
+    #   is the lookup, finished by leaving the TP region (leave_tp_forward, label "embedding"). The tests compare
+    #   it with a lookup of the whole table, with and without sequence parallelism.
+    # The question: what does this rank contribute for a token it does not own, and how does it avoid reading
+    #   out of its rows?
+    # Pitfalls: a token this rank does not own: zeros, or a row clamped or wrapped around? An index out of range
+    #   raises (or, worse, reads another row).
+    raise NotImplementedError("TODO(m12): vocabulary-parallel embedding: the lookup from this rank's rows")
 
 
 def embedding_backward(dx: torch.Tensor, tokens: torch.Tensor, grad_rows: torch.Tensor, tp: Group,
                        sequence_parallel: bool):
     """Adds the embedding's gradient into grad_rows (V'/t, dim), this rank's rows: each token's dx goes
     to its row if this rank owns it. dx is in the residual stream's layout."""
-    # TODO(m12): vocabulary-parallel embedding backward: leave's backward, then add dx into the owned rows
+    # TODO(m12): vocabulary-parallel embedding backward: the gradient of this rank's rows
     # Contract: grad_rows[local row of token v] grows by the sum of dx over every position holding v, for the
     #   tokens v this rank owns; the other rows are untouched. Nothing is returned (the tokens need no gradient).
-    # Pitfalls: with sequence parallelism dx holds only this rank's positions, but its rows receive gradient
-    #   from tokens at every position: leave's backward gives every position's. A token seen twice adds twice
-    #   (index_add_, not indexing).
-    raise NotImplementedError("TODO(m12): vocabulary-parallel embedding backward: leave's backward, then add dx into the owned rows")
+    # The question: which positions' gradients does this rank need for its rows, and how does a token seen
+    #   twice add up?
+    # Pitfalls: with sequence parallelism dx holds only this rank's positions: does a rank's row receive gradient
+    #   from other positions too? Does indexed assignment add a repeated token twice?
+    raise NotImplementedError("TODO(m12): vocabulary-parallel embedding backward: the gradient of this rank's rows")
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, tp: Group,
@@ -92,9 +95,13 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vo
     # Contract: three all-reduces of N values each, labelled "loss ..." ("loss max" for the largest logit): no
     #   rank ever holds another rank's logits. The loss equals F.cross_entropy(reduction="sum", ignore_index=-100) on
     #   the gathered, unpadded logits, divided by n_tokens; dlogits is the gradient of that loss (module 06's),
-    #   this rank's columns. Write the loss and the gradient in terms of the three reduced quantities.
-    # Pitfalls: padding columns must not count, whatever they hold. exp overflows in float32 for logits above
-    #   about 88 (the tests use logits of several hundred). A rank that does not own a token's target column
-    #   must still take part in every all-reduce, with a value that leaves the result right; an ignored target
-    #   (-100) is owned by no rank, and its row adds nothing (loss or gradient).
+    #   this rank's columns. The tests fill the padding with logits that would win, use float32 logits of several
+    #   hundred, and ignored targets.
+    # The question: which two reductions besides the largest logit does the loss need, and what are the loss and
+    #   this rank's gradient columns in terms of the three?
+    # Maths: z, z_max, Z, z_y as docs/glossary.md defines them; a sum or max over the vocabulary is the sum or max
+    #   over the ranks of each rank's own (docs/12, "Cross-entropy without the logits", works out z_max).
+    # Pitfalls: can a padding column, whatever it holds, take probability or win the max? What does exp do in
+    #   float32 above about 88? With what value does a rank that does not own a token's target column take part in
+    #   the reduction that fetches it? An ignored target (-100) is owned by no rank: does its row add anything?
     raise NotImplementedError("TODO(m12): the cross-entropy from this rank's columns: three reductions over the group, no logits gathered")

@@ -20,10 +20,10 @@ whitespace, backticks, table bars and comment marks taken out, so "2Lm - kept (2
 or neighbouring case (chapter 13 works out the attention half's specs; chapter 07 the shards of 10
 values on 4 ranks).
 
-Module 11: the interleaved order's k-th forward and backward and its warm-up (chapter 11 derives
-1F1B's order from arrival times and asks for the loop), DualPipeV's rounds per phase (chapter 11
-derives ZB-V's phases, the neighbouring case), the executor's calls (the chapter's table of actions
-says what each kind needs and who waits for it).
+Module 11: the interleaved order's k-th forward and backward and its warm-up (chapter 11 derives 1F1B's
+order, given code, from arrival times and asks for the loop), ZB-H1's and ZB-H2's warm-ups and W's held back,
+ZB-V's and DualPipeV's rounds per phase (chapter 11 times ZB-V's phases for p = 3 only), the stage's halves and
+the executor's calls (the chapter's table of actions says what each kind needs and who waits for it).
 
 `python tests/test_course_derive.py` prints, per module, how many TODOs have answers listed here.
 """
@@ -40,8 +40,8 @@ def code(*wordings: str) -> Code:
 # Issue 36.2 rewrites every module's TODOs and hints to the rule. Until a module's rewrite lands, the
 # checks of its hint levels are expected to fail (pytest's strict xfail): when a module passes them,
 # take it out of the set (its tests fail while it is still listed, to say so).
-HINT_LEAKS_UNTIL_REWRITE = {"11", "12"}  # hint 1 states an answer, or hint 2 code
-ANSWERS_NOT_IN_HINTS_UNTIL_REWRITE = {"11", "12", "14", "18"}  # no hint level gives an answer at its level
+HINT_LEAKS_UNTIL_REWRITE: set[str] = set()  # hint 1 states an answer, or hint 2 code
+ANSWERS_NOT_IN_HINTS_UNTIL_REWRITE = {"14", "18"}  # no hint level gives an answer at its level
 
 FORBIDDEN = {
     "01": {
@@ -285,68 +285,133 @@ FORBIDDEN = {
         ],
     },
     "11": {
+        # The orders' index formulas and counts (chapter 11 derives 1F1B's warm-up, given code, from arrival times and
+        # times ZB-V's phases for p = 3 only), the executor's messages (the chapter's table says who waits for what).
+        "Action.parse": [
+            code("TEXT.fullmatch(text.strip())"),
+        ],
         "interleaved": [
-            code("(k // (g * v)) * g + k % g"), "(k // (g*v)) g", "k // (g v)", code("(k // g) % v"), code("(k // p) % v"),
-            code("v - 1 - (k // g) % v"), code("(k // (p * v)) * p + k % p"), "(v-1)g + 2(p-r-1)", "(v-1)·g + 2(p-r-1)",
-            code("(v - 1) * g + 2 * (p - r - 1)"), "(v-1)p + 2(p-r-1)", "(v-1)·p + 2(p-r-1)", code("(v - 1) * p + 2 * (p - r - 1)"),
-            code("(v - 1) * g + 2 * (world_size - r - 1)"), "(v-1)·p + 2(p-1) + 1", "(v-1)·g + (p-r-1)",
-            "(v-1)g + (p-r-1)", code("(v - 1) * g + (p - r - 1)"), "(v-1)·g + p stage activations",
-            "2(p-r-1) forwards", "each later rank counted twice", "2 per later rank",
+            code("(k // (g * v)) * g + k % g", "(k // (p * v)) * p + k % p"), code("(k // g) % v", "(k // p) % v"),
+            code("v - 1 - (k // g) % v"),
+            ("⌊k / (g v)⌋ g + (k mod g)", "(k // (g*v)) g", "k // (g v)"),
+            ("(v-1)·g + 2(p-r-1)", "(v-1)g + 2(p-r-1)", "(v-1)p + 2(p-r-1)", "(v-1)·p + 2(p-r-1)", "(v-1)·p + 2(p-1) + 1"),
+            code("(v - 1) * g + 2 * (world_size - r - 1)", "(v - 1) * g + 2 * (p - r - 1)", "(v - 1) * p + 2 * (p - r - 1)"),
+            ("w_r - w_(r+1) = 2", "2 per later rank", "each later rank counted twice", "2(p-r-1) forwards"),
+            ("w_(p-1) = (v-1)·g", "every round-0 forward before its last stage's"),
+        ],
+        "zbh1": [
+            ("holds back its first r W's", "defers its first r W's", "comes W(k - r) when k >= r", "lets r W's wait"),
+            code("if k >= r:"),
+        ],
+        "zbh2": [
+            ("2(p-r)-1 forwards run before it", "2(p-r)-1 of them", "first I can start at 2p-1-r", "first I starts at 2p-1-r"),
+            ("w_r = min(2(p-r-1), m)", "warm-up w = min(2(p-r-1), m)"),
+            code("min(2 * (p - r - 1), m)", "min(2 * (world_size - r - 1), n_microbatches)"),
+            ("holds back its first 2r W's", "it holds back 2r W's", "a W when k >= 2r", "2r more units of work"),
+            code("if k >= 2 * r"),
+        ],
+        "zbv": [
+            ("2(p-r)-1 times F(down)", "2(p-r)-1 of them"), ("r times F(up), F(down)", "r turns of F(up), F(down)"),
+            ("p-r times F(up), I(up), W(up)", "rank r runs p-r rounds"), ("r times I(down), I(up)",),
+            ("p-r times I(down), W(down)", "down's last p-r I's"),
         ],
         "dualpipev": [
-            "2(p-r-1) times F(down)", "r+1 times: F(down), F(up)", "p-r-1 times: I(up)", "m-2p+r+1",
-            "m - 2p + r + 1", "p-r-1 times: B(up), F(up), B(down)", "r+1 times (k = 0..r)", "(r+1)//2",
-            "p-r-1 times: the oldest queued W, I(down)", "r+1 times: the oldest queued W", "2(r+1) backwards",
+            ("1. 2(p-r-1); 2. r+1", "2(p-r-1) times F(down)", "r+1 times: F(down), F(up)"),
+            ("3. p-r-1", "p-r-1 times: I(up)"), ("m-2p+r+1", "m - 2p + r + 1"),
+            ("5. p-r-1", "p-r-1 times: B(up), F(up), B(down)"), ("6. r+1", "r+1 times (k = 0..r)"),
+            ("⌊(r+1)/2⌋", "(r+1)//2"), ("2(r+1) backwards",),
+            ("7. p-r-1; 8. r+1", "p-r-1 times: the oldest queued W, I(down)", "r+1 times: the oldest queued W"),
+        ],
+        "SplitStage.backward_input": [
+            ("dz = dy where y > 0, else 0 (y the layer's output)", "the ReLU mask is the layer's output > 0"),
+            code("torch.where(y_l > 0, dy, 0.0)", "torch.where(y > 0, dy, 0", "torch.where(outputs[index] > 0"),
+        ],
+        "SplitStage.backward_weight": [
+            ("dW = dzᵀ x", "dW = dz^T x"), code("dz.t() @ x"),
         ],
         "run_action": [
-            code('comms.recv("act", action.stage, m'), code('comms.recv("grad", action.stage, m'), code('"act", action.stage + 1'),
-            code('"grad", action.stage - 1'), '"act" message of stage action.stage + 1',
-            '"grad" message of stage action.stage - 1', code("stage.forward(input, m, ys[m], n_microbatches)"),
-            code("stage.forward(inp, m, ys[m], n_microbatches)"), "the output of stage s is \"act\" of s + 1",
-            "stage s's output is the \"act\" of stage s+1", "send the input's gradient to the stage before",
-            "send the output to the next stage",
+            code('comms.recv("act", action.stage, m'), code('comms.recv("grad", action.stage, m'),
+            code('"act", action.stage + 1'), code('"grad", action.stage - 1'),
+            ('"act" message of stage action.stage + 1', 'the output of stage s is "act" of s + 1',
+             "stage s's output is the \"act\" of stage s+1", "send the output to the next stage"),
+            ('"grad" message of stage action.stage - 1', "send the input's gradient to the stage before"),
+            code("stage.forward(inp, m, ys[m], n_microbatches)", "stage.forward(input, m, ys[m], n_microbatches)"),
+        ],
+        "run_schedule": [
+            code("wait_all(sends)"),
         ],
     },
     "12": {
-        # The conjugate operators: which collective each runs, forward and backward, with and without
-        # sequence parallelism (chapter 12 derives f's backward without it).
+        # The conjugate operators: which collective each runs, forward and backward, with and without sequence
+        # parallelism (chapter 12 derives f's backward without it); the overlap order with sequence parallelism
+        # (the chapter places dx's collective without it); the fused GEMM's operands; the loss's other two
+        # reductions and its formulas (the chapter works out z_max); the traffic counts (the chapter counts the
+        # forward's all-reduces without sequence parallelism).
         "enter_tp_forward": [
-            "identity, or an all-gather along the sequence", "forward all-gather along the sequence",
-            "f (enter), sequence-parallel | all-gather", "f (enter) | before the column-parallel linears | identity",
-            "forward identity, backward all-reduce",
+            ("an all-gather along SEQUENCE_DIM", "identity, or an all-gather along the sequence",
+             "forward all-gather along the sequence", "f (enter), sequence-parallel | all-gather",
+             "forward identity, backward all-reduce", "f (enter) | before the column-parallel linears | identity"),
+            code("tp.collectives.all_gather(full, x, label, async_op=async_op, dim=SEQUENCE_DIM)"),
         ],
         "enter_tp_backward": [
-            "all-reduce, or reduce-scatter along the sequence", "backward reduce-scatter along the sequence",
-            "all-gather along the sequence | reduce-scatter along the sequence",
+            ("a reduce-scatter along SEQUENCE_DIM", "all-reduce, or reduce-scatter along the sequence",
+             "backward reduce-scatter along the sequence", "all-gather along the sequence | reduce-scatter along the sequence"),
+            code("tp.collectives.reduce_scatter(shard, dx, label, async_op=async_op, dim=SEQUENCE_DIM)",
+                 "tp.collectives.all_reduce(dx, label, async_op=async_op)"),
         ],
         "leave_tp_forward": [
-            "g forward: all-reduce", "forward reduce-scatter along the sequence",
-            "g (leave), sequence-parallel | reduce-scatter", "| all-reduce: sum the partials | identity",
-            "forward all-reduce, backward identity",
+            ("g's forward is f's backward", "g forward: all-reduce", "forward reduce-scatter along the sequence",
+             "g (leave), sequence-parallel | reduce-scatter", "| all-reduce: sum the partials | identity",
+             "forward all-reduce, backward identity"),
+            code("enter_tp_backward(y, tp, sequence_parallel, label).wait()"),
         ],
         "leave_tp_backward": [
-            "identity, or an all-gather along the sequence", "backward all-gather along the sequence",
-            "reduce-scatter along the sequence | all-gather along the sequence", "every rank's partial gets dy",
-            "every rank's partial receives dy itself", "an all-reduce here would add the t identical copies",
-            "in g's backward (the gradient does)",
+            ("every rank's partial receives dy itself", "every rank's partial gets dy", "∂y/∂y_r is the identity",
+             "identity, or an all-gather along the sequence", "backward all-gather along the sequence",
+             "reduce-scatter along the sequence | all-gather along the sequence",
+             "an all-reduce here would add the t identical copies", "in g's backward (the gradient does)"),
+            code("enter_tp_forward(dy, tp, sequence_parallel, label).wait()"),
         ],
         "column_parallel_backward": [
-            "start gathering x (sequence parallelism)", "start the all-gather of x (sequence parallelism)",
-            "wait for x; start dx's", "wait for dx, return it", "x travels during the next line",
-            "re-gather of x, behind the input-gradient GEMMs", "x's re-gather behind the input-gradient GEMMs",
+            ("start the all-gather of x (f's forward, async) -> the input-gradient GEMMs",
+             "start gathering x (sequence parallelism)", "start the all-gather of x (sequence parallelism)",
+             "x's re-gather behind the input-gradient GEMMs", "re-gather of x, behind the input-gradient GEMMs",
+             "x travels during the next line"),
+            ("wait for x, start dx's collective (f's backward, async)", "wait for x; start dx's"),
+            ("wait for dx and return it", "wait for dx, return it"),
+            code("gathering = enter_tp_forward(x, tp, sequence_parallel, label, async_op=True)"),
         ],
         "accumulate_weight_grad": [
-            code("addmm(main_grad, dyᵀ, x, out=main_grad)"), code("addmm(main_grad, dy"), code("addmm_into(main_grad, dy"),
-            code("torch.addmm with out=main_grad"),
+            code("addmm_into(main_grad, dy.t(), x)", "addmm(main_grad, dyᵀ, x, out=main_grad)", "addmm(main_grad, dy",
+                 "addmm_into(main_grad, dy", "torch.addmm with out=main_grad"),
+            code("main_grad.add_(dy.t() @ x)"),
         ],
         "vocab_parallel_cross_entropy": [
-            "log Z + z_max - z_y", "exp(z - z_max) / Z", "exp(z_v - z_max) / Z", "sum exp(z - z_max)",
-            "Σ exp(z_v - z_max)", "the target's logit, from its owner", "the target's logit, from the rank owning it",
-            "(sum; the others give 0)", "contributes 0 here",
+            ("log Z + z_max - z_y",), ("exp(z_v - z_max) / Z", "exp(z - z_max) / Z"),
+            ("Z = Σ_v exp(z_v - z_max)", "sum exp(z - z_max)", "Σ exp(z_v - z_max)"),
+            ("from its owner (the others give 0", "the target's logit, from its owner",
+             "the target's logit, from the rank owning it", "(sum; the others give 0)", "contributes 0 here"),
+            code('all_reduce(sum_exp, "loss sum exp")', 'all_reduce(z_y, "loss target")'),
+        ],
+        "embedding_forward": [
+            ("owned when 0 <= local < V'/t",), code("rows[torch.where(mine, local, 0)]"),
+        ],
+        "embedding_backward": [
+            code("grad_rows.index_add_(0, local[mine]"),
+        ],
+        "sum_norm_grads": [
+            ("one all-reduce (a sum) of all the tensors laid end to end in one flat buffer",
+             "pack them into one flat tensor (torch.cat of the flattened tensors), all-reduce it, copy back"),
+            code("torch.cat([g.reshape(-1) for g in norm_grads])"),
         ],
         "tp_traffic": [
-            "4L + 2", "6L + 3", "8L + 4", "10L + 5", "2L + 1 all-reduces (blocks, LM head input)",
-            "2 per block backward", "4L + 2 all-gathers",
+            ("4L + 2 all-reduces of A",), ("6L + 3 all-gathers",), ("4L + 2 reduce-scatters",),
+            ("8L + 4", "10L + 5", "4L + 2", "6L + 3"),
+            ("2L + 1 in the backward", "2 per block backward", "2L + 1 all-reduces (blocks, LM head input)"),
+            ("3 loss all-reduces of N s",),
+        ],
+        "tp_activations_by_name": [
+            ("q, o (H/t) D values",), ("STREAM_NAMES kept for N/t tokens",),
         ],
     },
     "13": {

@@ -144,20 +144,23 @@ def test_every_schedule_trains_like_the_monolith_bit_for_bit(name, world_size, n
     model, want = accumulating_monolith(_config(steps, n_microbatches), n_microbatches)
     label = f"{name}, p={world_size}, m={n_microbatches}"
     losses = results[schedule.placement[-1]][0]
-    assert losses == want, (f"{label}: losses {losses} differ from the monolith's with gradient accumulation {want}: "
-                            + ("your run_schedule returns the sum of the last stage's shares, in microbatch order (sum())"
-                               if losses[:1] != want[:1] else "the first is right, so the first step's gradients are "
-                               "not: does your run_action run every action on its own stage and microbatch, each B "
-                               "or W once?"))
+    differing = [(rank, stage, i, (ours - theirs).abs().max().item())
+                 for rank, (_, params, *_) in enumerate(results) for stage, got in params.items()
+                 for i, (ours, theirs) in enumerate(zip(got, _stage_params(model, stage, schedule.n_stages), strict=True))
+                 if not torch.equal(ours, theirs)]
+    # The weights come from the gradients alone (run_action's), the losses from run_schedule's sum: which one is
+    # off says which TODO to look at.
+    assert losses == want or differing, \
+        (f"{label}: every weight equals the monolith's after {steps} steps, so every gradient was right, but your "
+         f"run_schedule's losses {losses} differ from the monolith's with gradient accumulation {want}: the loss is "
+         "the sum of the last stage's shares in microbatch order, as the monolith adds them")
+    if differing:
+        rank, stage, i, off = differing[0]
+        pytest.fail(f"{label}: after {steps} steps, stage {stage} (rank {rank}) parameter {i} differs from the "
+                    f"monolith's by up to {off:.2e}: does your run_action run every action on its own stage and "
+                    "microbatch, each B or W once?")
     _, plain = m00.train(_config(steps, n_microbatches))
     assert max(abs(a - b) for a, b in zip(losses, plain)) <= LOSS_ATOL, f"{label}: {losses} vs the monolith's {plain}"
-    for rank, (_, params, *_) in enumerate(results):
-        for stage, got in params.items():
-            for i, (ours, theirs) in enumerate(zip(got, _stage_params(model, stage, schedule.n_stages), strict=True)):
-                assert torch.equal(ours, theirs), \
-                    (f"{label}: after {steps} steps, stage {stage} (rank {rank}) parameter {i} differs from the "
-                     f"monolith's by up to {(ours - theirs).abs().max().item():.2e}: does your run_action run every "
-                     "action on its own stage and microbatch, each B or W once?")
 
 
 @pytest.mark.exercises("run_action", "run_schedule")

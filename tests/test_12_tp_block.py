@@ -11,7 +11,9 @@ in the wrong place is off by a factor t or 1/t, or by a whole term, far beyond e
 import pytest
 import torch
 
+from course.catalog import MODULES
 from course.collectives import Collectives
+from course.hints import module_todos
 from course.impl import load, reference
 from course.launch import run_ranks
 from course.mesh import Group, world_group
@@ -49,42 +51,62 @@ def _tp_block(sequence_parallel, weights, x, dy, more=()):
         store = m06.ActivationStore()
         y = block.forward(w, mine(x), store)
         saved = {name: (tuple(v.shape), v.untyped_storage().nbytes()) for name, v in store.tensors.items()}
+        o = store.tensors["o"].clone() if "o" in store.tensors else None
         dx = block.backward(w, mine(dy), store, grads)
     block12.sum_norm_grads([grads.ln1, grads.ln2], tp, sequence_parallel)
-    return y, dx, grads, saved, [(c.op, c.payload_bytes) for c in tp.collectives.log]
+    return y, dx, grads, saved, [(c.op, c.payload_bytes) for c in tp.collectives.log], o
 
 
 def single_process(weights, x, dy):
+    """Module 06's y, dx, gradients and attention output o (every head)."""
     block, store = m06.LlamaBlock(CFG, attention_chunk=5), m06.ActivationStore()
     y = block.forward(weights, x, store)
+    o = store["o"].clone()
     dx, grads = block.backward(weights, dy, store)
-    return y, dx, grads
+    return y, dx, grads, o
 
 
 def relative_errors(results, expected, sequence_parallel):
-    """(name, worst |difference| / worst |expected|) for y, dx and every weight gradient, the ranks' pieces joined."""
-    y_ref, dx_ref, grads_ref = expected
+    """(name, worst |difference| / worst |expected|) for the attention output o (this rank's heads, joined), y,
+    dx and every weight gradient, the ranks' pieces joined."""
+    y_ref, dx_ref, grads_ref, o_ref = expected
     joined = (lambda parts: torch.cat(parts, dim=1)) if sequence_parallel else (lambda parts: parts[0])
-    got = {"y": joined([r[0] for r in results]), "dx": joined([r[1] for r in results])}
+    got = {"o": torch.cat([r[5].reshape(*r[5].shape[:2], -1) for r in results], dim=-1)
+           if all(r[5] is not None for r in results) else torch.full_like(o_ref, float("nan")),
+           "y": joined([r[0] for r in results]), "dx": joined([r[1] for r in results])}
     for name in ROWS + COLUMNS + ("ln1", "ln2"):
         parts = [getattr(r[2], name) for r in results]
         got[f"d{name}"] = parts[0] if name.startswith("ln") else torch.cat(parts, dim=1 if name in COLUMNS else 0)
-    want = {"y": y_ref, "dx": dx_ref, **{f"d{name}": getattr(grads_ref, name) for name in ROWS + COLUMNS + ("ln1", "ln2")}}
-    return [(name, ((got[name].double() - want[name].double()).abs().max() / want[name].double().abs().max()).item())
-            for name in want]
+    want = {"o": o_ref.reshape(*o_ref.shape[:2], -1), "y": y_ref, "dx": dx_ref,
+            **{f"d{name}": getattr(grads_ref, name) for name in ROWS + COLUMNS + ("ln1", "ln2")}}
+    errors = []
+    for name in want:
+        a, b = got[name].double(), want[name].double()
+        factor = ((a * b).sum() / (b * b).sum()).item()  # how many times the reference it is, where it is a multiple
+        errors.append((name, ((a - b).abs().max() / b.abs().max()).item(), factor))
+    return errors
 
 
 @pytest.mark.exercises("shard_block_weights")
 @pytest.mark.parametrize("t", [2, 4])
-def test_each_shard_is_a_contiguous_copy_of_its_own_size(t):
-    # A slice of the whole weight has the right numbers but keeps the whole weight's storage alive (a
-    # row block is even contiguous): every rank would hold the whole block. The docstring asks for copies.
+def test_each_shard_is_a_contiguous_copy_of_this_ranks_block(t):
+    # Column-parallel weights keep block i_t of their rows, row-parallel ones block i_t of their columns, the
+    # norms all of it (the definition, docs/12). A slice of the whole weight has the right numbers but keeps the
+    # whole weight's storage alive (a row block is even contiguous): every rank would hold the whole block. The
+    # docstring asks for copies.
     weights = inputs(f64)[0]
     whole = {tensor.untyped_storage().data_ptr() for tensor in weights.tensors()}
+    names = ("ln1", "wq", "wk", "wv", "wo", "ln2", "w_gate", "w_up", "w_down")
     for rank in range(t):
         members = tuple(range(t))  # rank's place in a group of t, without processes: the shards are local
         w = block12.shard_block_weights(weights, CFG, Group("t", rank, members, Collectives(None, "t", members)))
-        for name, shard in zip(("ln1", "wq", "wk", "wv", "wo", "ln2", "w_gate", "w_up", "w_down"), w.tensors()):
+        for name, shard, full in zip(names, w.tensors(), weights.tensors()):
+            want = full if name.startswith("ln") else full.chunk(t, dim=1 if name in COLUMNS else 0)[rank]
+            cut = "whole" if name.startswith("ln") else "block of its columns" if name in COLUMNS else "block of its rows"
+            assert shard.shape == want.shape and torch.equal(shard, want), \
+                (f"your shard_block_weights: t={t}, rank {rank}: {name} is {tuple(shard.shape)}, expected "
+                 f"{tuple(want.shape)}, this rank's {cut} of the whole {tuple(full.shape)}"
+                 + ("" if shard.shape != want.shape else ": same shape, other values"))
             storage, size = shard.untyped_storage(), shard.numel() * shard.element_size()
             where = f"t={t}, rank {rank}: {name} {tuple(shard.shape)}"
             assert storage.data_ptr() not in whole, \
@@ -95,27 +117,40 @@ def test_each_shard_is_a_contiguous_copy_of_its_own_size(t):
                  f"{size}: keep a contiguous copy of exactly this rank's block")
 
 
-def hint(name: str, sequence_parallel: bool) -> str:
-    """Which of the learner's functions computes `name`: the first wrong one in the order computed."""
+def _title(function: str, word: str) -> str:
+    """The title of `function`'s TODO about `word` ("attention", "FFN"): TPBlock.forward and backward hold two each."""
+    return next(b.title for b in module_todos(MODULES["12"]) if b.function == function and word in b.title)
+
+
+# The half each tensor is computed in, as its TODO's title (a message quoting titles is sent to the first TODO it
+# quotes, in the module's order: a wrong forward half makes everything after it wrong too).
+HALVES = {"o": _title("TPBlock.forward", "attention"), "y": _title("TPBlock.forward", "FFN"),
+          **{f"d{name}": _title("TPBlock.backward", "FFN") for name in ("w_gate", "w_up", "w_down")},
+          **{f"d{name}": _title("TPBlock.backward", "attention") for name in ("wq", "wk", "wv", "wo", "x")}}
+
+
+def hint(name: str, sequence_parallel: bool, factor: float, t: int) -> str:
+    """Which of the learner's TODOs computes `name`: the first wrong one in the order computed. A norm's gradient
+    t (or 1/t) times the reference's is summed over the group once too often (or never): sum_norm_grads."""
     if name in ("dln1", "dln2"):
-        return (" (with sequence parallelism each rank's norm gradients cover its positions only: your "
-                "sum_norm_grads sums them over the group)" if sequence_parallel else
-                " (without sequence parallelism every rank's norm gradients are already whole: your sum_norm_grads "
-                "leaves them as they are, or your TPBlock.backward adds them)")
-    if name == "y":
-        return " (your TPBlock.forward, on the slices of your shard_block_weights)"
-    return " (your TPBlock.backward)"
+        if t > 1 and min(abs(factor - t), abs(factor - 1 / t)) < 1e-6:
+            return (f" ({factor:.2f} times: with sequence parallelism each rank's norm gradients cover its positions "
+                    "only, and your sum_norm_grads sums them over the group" if sequence_parallel else
+                    f" ({factor:.2f} times: without sequence parallelism every rank's norm gradients are already "
+                    "whole, and your sum_norm_grads leaves them as they are")
+        half = _title("TPBlock.backward", "attention" if name == "dln1" else "FFN")
+        return f" (your TPBlock.backward, {half}: its norm's gradient is added into grads)"
+    if name in ("o", "y"):
+        return f" (your TPBlock.forward, {HALVES[name]}, on the slices of your shard_block_weights)"
+    return f" (your TPBlock.backward, {HALVES[name]})"
 
 
-def described(wrong: list[tuple[str, float]], sequence_parallel: bool) -> str:
+def described(wrong: list[tuple[str, float, float]], sequence_parallel: bool, t: int) -> str:
     """'dln1: 1.0e+00; dln2: 1.0e+00 (hint)': each wrong tensor's error, and each different hint once,
     after the last tensor it is about."""
-    parts = []
-    for i, (name, error) in enumerate(wrong):
-        note = hint(name, sequence_parallel)
-        parts.append(f"{name}: {error:.1e}" + ("" if i + 1 < len(wrong) and hint(wrong[i + 1][0], sequence_parallel)
-                                                == note else note))
-    return "; ".join(parts)
+    notes = [hint(name, sequence_parallel, factor, t) for name, _, factor in wrong]
+    return "; ".join(f"{name}: {error:.1e}" + ("" if i + 1 < len(wrong) and notes[i + 1] == notes[i] else notes[i])
+                     for i, (name, error, _) in enumerate(wrong))
 
 
 # The block's checks grade its TODOs first; the linears of m12_tp_linear have checks of their own.
@@ -131,9 +166,9 @@ def test_the_block_equals_module_06s_block(world_size, sequence_parallel):
     weights, x, dy = inputs(f64)
     results = run_ranks(_tp_block, world_size, sequence_parallel, weights, x, dy, timeout=30)
     errors = relative_errors(results, single_process(weights, x, dy), sequence_parallel)
-    wrong = [(name, error) for name, error in errors if not error <= 1e-12]
+    wrong = [error for error in errors if not error[1] <= 1e-12]
     assert not wrong, (f"t={world_size}, sequence parallel {sequence_parallel}: relative error above 1e-12 "
-                       f"(first in the order computed): {described(wrong, sequence_parallel)}")
+                       f"(first in the order computed): {described(wrong, sequence_parallel, world_size)}")
 
 
 @pytest.mark.exercises("TPBlock.backward", "sum_norm_grads", "TPBlock.forward", "shard_block_weights", *LINEARS)
@@ -144,14 +179,14 @@ def test_two_microbatches_accumulate_into_the_same_gradients():
     weights, x, dy = inputs(f64)
     _, x2, dy2 = inputs(f64, seed=2)
     results = run_ranks(_tp_block, 2, True, weights, x, dy, [(x2, dy2)], timeout=30)
-    _, _, first = single_process(weights, x, dy)
-    y, dx, second = single_process(weights, x2, dy2)
+    _, _, first, _ = single_process(weights, x, dy)
+    y, dx, second, o = single_process(weights, x2, dy2)
     both = m06.BlockWeights(*(a + b for a, b in zip(first.tensors(), second.tensors())))
-    errors = relative_errors(results, (y, dx, both), True)
-    wrong = [f"{name}: {error:.1e}" for name, error in errors if not error <= 1e-12]
+    errors = relative_errors(results, (y, dx, both, o), True)
+    wrong = [error for error in errors if not error[1] <= 1e-12]
     assert not wrong, ("t=2 with sequence parallelism, two microbatches into the same gradients: relative error "
                        "above 1e-12 against the sum of module 06's two gradients (add into grads, never assign: "
-                       "microbatches accumulate): " + "; ".join(wrong))
+                       "microbatches accumulate): " + described(wrong, True, 2))
 
 
 @pytest.mark.exercises(*BLOCK)
@@ -159,8 +194,8 @@ def test_the_block_in_float32_is_within_rounding_of_module_06s():
     weights, x, dy = inputs(torch.float32)
     results = run_ranks(_tp_block, 4, True, weights, x, dy, timeout=30)
     errors = relative_errors(results, single_process(weights, x, dy), True)
-    wrong = [(name, error) for name, error in errors if not error <= 1e-5]
-    assert not wrong, f"t=4 with sequence parallelism, float32: relative error above 1e-5: {described(wrong, True)}"
+    wrong = [error for error in errors if not error[1] <= 1e-5]
+    assert not wrong, f"t=4 with sequence parallelism, float32: relative error above 1e-5: {described(wrong, True, 4)}"
 
 
 @pytest.mark.exercises("TPBlock.forward", "shard_block_weights", "TPBlock.backward", "sum_norm_grads", *LINEARS)
@@ -226,30 +261,61 @@ def test_a_t_that_does_not_divide_is_refused_in_one_line(t, seq_len, message):
 
 
 class CountingMatmul(m06_ops.Matmul):
-    """Module 06's plain policy, counting its products: what module 09's seam sees of the block."""
+    """Module 06's plain policy, counting its products: what module 09's seam sees of the block, by weight (each
+    product's w is one of this rank's shards, known by its storage)."""
 
-    def __init__(self):
-        self.calls = {"forward": 0, "backward": 0}
+    def __init__(self, shards: dict[int, str]):
+        self.shards, self.calls = shards, {"forward": 0, "backward": 0}
+        self.seen: set[tuple[str, str]] = set()
+
+    def _count(self, kind, w):
+        self.calls[kind] += 1
+        self.seen.add((self.shards.get(w.untyped_storage().data_ptr(), "another tensor"), kind))
 
     def forward(self, x, w):
-        self.calls["forward"] += 1
+        self._count("forward", w)
         return super().forward(x, w)
 
     def backward(self, dy, x, w):
-        self.calls["backward"] += 1
+        self._count("backward", w)
         return super().backward(dy, x, w)
 
 
 def _block_with_policy(sequence_parallel, weights, x, dy):
     tp = world_group("t")
     mine = (lambda a: a.chunk(tp.size, dim=1)[tp.index].contiguous()) if sequence_parallel else (lambda a: a)
-    w, policy = block12.shard_block_weights(weights, CFG, tp), CountingMatmul()
+    w = block12.shard_block_weights(weights, CFG, tp)
+    names = ("ln1", "wq", "wk", "wv", "wo", "ln2", "w_gate", "w_up", "w_down")
+    policy = CountingMatmul({t.untyped_storage().data_ptr(): name for name, t in zip(names, w.tensors())})
     block = block12.TPBlock(CFG, tp, sequence_parallel, attention_chunk=5, matmul=policy)
     grads, store = block12.zero_grads(w), m06.ActivationStore()
     y = block.forward(w, mine(x), store)
+    o = store.tensors["o"].clone() if "o" in store.tensors else None
     dx = block.backward(w, mine(dy), store, grads)
     block12.sum_norm_grads([grads.ln1, grads.ln2], tp, sequence_parallel)
-    return y, dx, grads, None, None, policy.calls
+    return y, dx, grads, None, None, o, policy.calls, policy.seen
+
+
+# Which TODO multiplies each weight, forward and backward (the FFN half's forward starts with o's projection).
+POLICY_TODOS = {**{(name, "forward"): ("TPBlock.forward", "attention") for name in ("wq", "wk", "wv")},
+                **{(name, "forward"): ("TPBlock.forward", "FFN") for name in ("wo", "w_gate", "w_up", "w_down")},
+                **{(name, "backward"): ("TPBlock.backward", "FFN") for name in ("w_gate", "w_up", "w_down")},
+                **{(name, "backward"): ("TPBlock.backward", "attention") for name in ("wq", "wk", "wv", "wo")}}
+LINEAR_OF = {("forward", True): "column_parallel_forward", ("forward", False): "row_parallel_forward",
+             ("backward", True): "column_parallel_backward", ("backward", False): "row_parallel_backward"}
+
+
+def policy_culprit(seen: set) -> str:
+    """The products the policy never saw, and who skips them: one of the linears' functions when it skips
+    every weight of its kind, else the TODO of the block's half that calls the linear without mm."""
+    missing = sorted(key for key in POLICY_TODOS if key not in seen)
+    for (kind, column), function in LINEAR_OF.items():
+        kind_missing = [name for name, k in missing if k == kind and (name not in COLUMNS) == column]
+        if len(kind_missing) == (5 if column else 2) and all(k == kind and (n not in COLUMNS) == column for n, k in missing):
+            return f"no {kind} product of {', '.join(kind_missing)} went through it: your {function} ignores its matmul"
+    todos = dict.fromkeys(_title(*POLICY_TODOS[key]) for key in missing)
+    return (f"no product of {', '.join(f'{name} ({kind})' for name, kind in missing)} went through it: every linear "
+            f"takes the block's policy mm ({'; '.join(todos)})")
 
 
 @pytest.mark.exercises("TPBlock.forward", "TPBlock.backward", *LINEARS)
@@ -261,9 +327,8 @@ def test_every_linear_goes_through_the_blocks_matmul_policy(sequence_parallel):
     weights, x, dy = inputs(f64)
     results = run_ranks(_block_with_policy, 2, sequence_parallel, weights, x, dy, timeout=30)
     for rank, result in enumerate(results):
-        assert result[5] == {"forward": 7, "backward": 7}, \
-            (f"rank {rank}: the policy saw {result[5]} products, module 06's block 7 and 7: every linear of your "
-             f"TPBlock.forward and TPBlock.backward passes self.matmul on (column_parallel_forward(..., mm), ...)")
+        assert result[6] == {"forward": 7, "backward": 7}, \
+            (f"rank {rank}: the policy saw {result[6]} products, module 06's block 7 and 7: {policy_culprit(result[7])}")
     errors = relative_errors(results, single_process(weights, x, dy), sequence_parallel)
-    wrong = [f"{name}: {error:.1e}" for name, error in errors if not error <= 1e-12]
-    assert not wrong, "with a matmul policy, relative error above 1e-12: " + "; ".join(wrong)
+    wrong = [error for error in errors if not error[1] <= 1e-12]
+    assert not wrong, "with a matmul policy, relative error above 1e-12: " + described(wrong, sequence_parallel, 2)

@@ -8,6 +8,8 @@ partial products are summed (torch 2.13 CPU: differences of a few units of 1e-16
 misplaced collective is off by a factor (t, or 1/t) or by a whole term.
 """
 import dataclasses
+import sys
+from unittest import mock
 
 import pytest
 import torch
@@ -34,10 +36,28 @@ def pair_inputs(seed=0):
     return x, dy, gate, up, down
 
 
+def _checked_accumulation(accumulate):
+    """The learner's accumulate_weight_grad (graded on its own below), after checking what its caller hands
+    it: a shape error inside it is the caller's, and says so."""
+    def checked(main_grad, dy, x, fused=True):
+        caller = sys._getframe(1).f_code.co_name
+        assert dy.shape[:-1] == x.shape[:-1] and tuple(main_grad.shape) == (dy.shape[-1], x.shape[-1]), \
+            (f"your {caller} hands accumulate_weight_grad dy {tuple(dy.shape)} and x {tuple(x.shape)} for main_grad "
+             f"{tuple(main_grad.shape)}: the weight gradient needs dy and x at the same tokens, every position of the "
+             "sequence, and main_grad is (dy's features, x's features)")
+        return accumulate(main_grad, dy, x, fused)
+    return checked
+
+
 def _pair_on_ranks(sequence_parallel, inputs):
     """z1, z2 = x gate^T, x up^T (column-parallel, one input); y = (z1 * z2) down^T (row-parallel). Also
     each operator alone: f and g on x and dy, and the sums (g's forward, f's backward) of partials
     (rank + 1) x."""
+    with mock.patch.object(linear, "accumulate_weight_grad", _checked_accumulation(linear.accumulate_weight_grad)):
+        return _pair(sequence_parallel, inputs)
+
+
+def _pair(sequence_parallel, inputs):
     x, dy, gate, up, down = inputs
     tp, sp = world_group("t"), sequence_parallel
     rank, t = tp.index, tp.size
@@ -48,9 +68,16 @@ def _pair_on_ranks(sequence_parallel, inputs):
                  "g backward": linear.leave_tp_backward(mine(dy).clone(), tp, sp, "g"),
                  "f backward": linear.enter_tp_backward(x * (rank + 1), tp, sp, "f").wait()}
     z1, z2 = linear.column_parallel_forward(mine(x), [gate_r, up_r], tp, sp, "in")
+    features = (B, T, F // t)  # this rank's output features, at every position of the sequence
+    assert z1.shape == z2.shape == features, \
+        (f"your column_parallel_forward returns {tuple(z1.shape)} and {tuple(z2.shape)} from x {tuple(mine(x).shape)}, "
+         f"expected {features}: this rank's features at every position of the sequence")
     y = linear.row_parallel_forward(z1 * z2, down_r, tp, sp, "out")
     grads = [torch.zeros_like(w) for w in (gate_r, up_r, down_r)]
     ds = linear.row_parallel_backward(mine(dy), z1 * z2, down_r, grads[2], tp, sp, "out")
+    assert ds.shape == features, \
+        (f"your row_parallel_backward returns dx {tuple(ds.shape)} from dy {tuple(mine(dy).shape)}, expected "
+         f"{features}: the gradient of this rank's input features, at every position")
     dx = linear.column_parallel_backward([ds * z2, ds * z1], mine(x), [gate_r, up_r], grads[:2], tp, sp, "in")
     return y, dx, grads, operators, (z1, z2, ds)
 
@@ -107,10 +134,15 @@ def test_a_column_then_row_pair_equals_the_whole_linears(world_size, sequence_pa
             assert_all_close([(name, got, want)], rtol=1e-12, atol=1e-13)
         except AssertionError as mismatch:
             wrong.append(str(mismatch).split(": ", 1)[1])
+    names = [w.split(" (")[0] for w in wrong]
+    # g's forward is f's backward's collective and g's backward f's forward's: when both of a pair are wrong, the
+    # operator they share is the likelier culprit.
+    first = ("f backward" if {"g forward", "f backward"} <= set(names) else
+             "f forward" if {"f forward", "g backward"} <= set(names) else names[0]) if wrong else None
     assert not wrong, (f"t={world_size}, sequence parallel {sequence_parallel} (y, dx, g's forward, f's backward: {layout}; "
                        f"z, ds: each rank's features, joined): {len(wrong)} of {len(pieces)} pieces differ, in the order "
-                       f"computed: {', '.join(w.split(' (')[0] for w in wrong)}. The first, {wrong[0]}, is computed by "
-                       f"{PIECES[wrong[0].split(' (')[0]]}")
+                       f"computed: {', '.join(names)}. {wrong[names.index(first)]} is computed by {PIECES[first]}"
+                       + (" (and g's, which does the same collective)" if first != names[0] else ""))
     if not sequence_parallel:  # replicated: every rank must hold the same whole tensors
         for rank, (y_r, dx_r, *_) in enumerate(results):
             assert torch.equal(y_r, results[0][0]) and torch.equal(dx_r, results[0][1]), \
@@ -259,7 +291,26 @@ def test_fused_accumulation_is_exact_in_float64_and_reads_token_axes():
     linear.accumulate_weight_grad(main_grad, dy, x)
     expected = 1 + torch.einsum("bto,bti->oi", dy, x)
     torch.testing.assert_close(main_grad, expected, rtol=1e-12, atol=1e-12,
-                               msg=lambda m: f"main_grad must grow by dy^T x summed over every token: {m}")
+                               msg=lambda m: f"your accumulate_weight_grad: main_grad must grow by dy^T x summed over "
+                                             f"every token: {m}")
+    unfused = torch.ones(6, 4, dtype=f64)
+    linear.accumulate_weight_grad(unfused, dy, x, fused=False)
+    torch.testing.assert_close(unfused, expected, rtol=1e-12, atol=1e-12,
+                               msg=lambda m: f"your accumulate_weight_grad with fused=False: main_grad must grow by "
+                                             f"the same dy^T x: {m}")
+
+
+@pytest.mark.exercises("accumulate_weight_grad")
+def test_the_unfused_path_rounds_the_gradient_to_the_inputs_dtype_first():
+    # fused=False is the path the fused GEMM replaces, kept to compare (bench 12): the product in the inputs'
+    # dtype (torch's bf16 GEMM), then added into the float32 main_grad.
+    [(dy, x)] = microbatches(1, torch.bfloat16, seed=2)
+    main_grad = torch.ones(24, 40)
+    linear.accumulate_weight_grad(main_grad, dy, x, fused=False)
+    expected = 1 + (dy.t() @ x).float()
+    assert main_grad.dtype == torch.float32 and torch.equal(main_grad, expected), \
+        ("your accumulate_weight_grad with fused=False must add torch's bf16 product dy^T x into the float32 main_grad "
+         f"(the path the fused GEMM replaces); it is off by up to {(main_grad - expected).abs().max().item():.2e}")
 
 
 @pytest.mark.given

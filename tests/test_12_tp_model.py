@@ -10,9 +10,13 @@ allow 1e-12. A gradient off by a constant factor (a missing 1 / n_microbatches, 
 gradients taken twice) barely moves AdamW's update m / sqrt(v), yet still moves the losses by
 ~1e-8 or more: 10^4 times the tolerance.
 """
+from unittest import mock
+
 import pytest
 import torch
 
+from course.catalog import MODULES
+from course.hints import module_todos
 from course.impl import load, reference
 from course.launch import run_ranks
 from course.mesh import world_group
@@ -22,7 +26,11 @@ model12 = load("m12_tp_model")
 block12 = load("m12_tp_block")
 m06 = reference("m06_llama_model")  # the single-process model: trusted code, not graded here
 LlamaConfig = reference("m06_llama_block").LlamaConfig
+BlockWeights = reference("m06_llama_block").BlockWeights
 
+# forward_backward holds two TODOs: a message that knows the backward's is at fault quotes its title.
+BACKWARD_TODO, FORWARD_TODO = (next(b.title for b in module_todos(MODULES["12"]) if b.function == "TPLlama.forward_backward"
+                                    and ("backward" in b.title.split(": ", 1)[1]) == backward) for backward in (True, False))
 f64 = torch.float64
 CFG = LlamaConfig(dim=32, n_heads=8, n_kv_heads=4, head_dim=4, ffn_dim=24, n_layers=2, max_seq_len=16)
 SMALL_VOCAB = LlamaConfig(**{**CFG.__dict__, "vocab_size": 50})  # 52 on 4 ranks: padding
@@ -30,7 +38,7 @@ ROWS, COLUMNS = ("wq", "wk", "wv", "w_gate", "w_up"), ("wo", "w_down")
 BATCH, STEPS, LR = 8, 3, 3e-3
 # The model's checks grade its own TODOs first: the block, the vocabulary and the linears have checks of their own.
 PIECES = ("TPBlock.forward", "TPBlock.backward", "sum_norm_grads", "embedding_forward", "embedding_backward",
-          "vocab_parallel_cross_entropy", "padded_vocab_size", "shard_block_weights")
+          "vocab_parallel_cross_entropy", "shard_block_weights")
 
 
 def with_uneven_norms(model):
@@ -49,14 +57,17 @@ def _forward_backward(sequence_parallel, tokens, targets):
     for mine, norms in zip(model.blocks, whole.blocks, strict=True):
         mine.ln1.copy_(norms.ln1), mine.ln2.copy_(norms.ln2)
     model.final_norm.copy_(whole.final_norm)
-    loss = model.forward_backward(tokens, targets)
+    # Two microbatches (one sequence each) into the same accumulators, each divided by the whole batch's tokens:
+    # their losses and gradients add up to the whole batch's.
+    n_tokens = tokens.numel()
+    loss = sum(model.forward_backward(tokens[i:i + 1], targets[i:i + 1], n_tokens) for i in range(tokens.shape[0]))
     block12.sum_norm_grads(model.norm_grads(), tp, sequence_parallel)  # what train_step does after the last microbatch
     return loss, model.grads
 
 
 def joined(results, name, layer=None):
     """The ranks' pieces of one gradient, put back together by the layout the chapter gives."""
-    parts = [g.blocks[layer] if layer is not None else g for _, g in results]
+    parts = [r[1].blocks[layer] if layer is not None else r[1] for r in results]
     parts = [getattr(p, name) for p in parts]
     if name in ("ln1", "ln2", "final_norm"):
         return parts[0]
@@ -74,26 +85,32 @@ def test_the_loss_and_every_gradient_equal_module_06s_model(world_size, sequence
     for rank, (loss, _) in enumerate(results):
         assert abs(loss.item() - expected_loss.item()) <= 1e-12, \
             (f"rank {rank}: loss {loss.item()} vs {expected_loss.item()} (the forward half of your "
-             f"TPLlama.forward_backward)")
+             f"TPLlama.forward_backward: {FORWARD_TODO})")
     pieces = [("d lm_head", joined(results, "lm_head"), expected.lm_head),
               ("d final_norm", joined(results, "final_norm"), expected.final_norm)]
     for layer in reversed(range(CFG.n_layers)):
         pieces += [(f"layer {layer} d{name}", joined(results, name, layer), getattr(expected.blocks[layer], name))
                    for name in ("w_down", "w_gate", "w_up", "ln2", "wo", "wq", "wk", "wv", "ln1")]
     pieces.append(("d embedding", joined(results, "embedding"), expected.embedding))
-    wrong = []
+    wrong, factors = [], []
     for name, got, want in pieces:  # the padding rows (embedding, LM head) must get exactly nothing
         if name in ("d lm_head", "d embedding") and got[want.shape[0]:].any():
             wrong.append(f"{name}: the padding rows got a gradient")
         error = ((got[:want.shape[0]] - want).abs().max() / want.abs().max()).item()
         if not error <= 1e-12:
-            wrong.append(f"{name}: relative error {error:.1e}")
-    norms_only = all(w.split(":")[0].endswith(("dln1", "dln2", "d final_norm")) for w in wrong)
-    where = ("only the norms' gradients: your sum_norm_grads" + ("" if sequence_parallel else
-                                                               " (nothing to sum without sequence parallelism)")
-             if norms_only else "the backward of your TPLlama.forward_backward")
-    assert not wrong, (f"t={world_size}, sequence parallel {sequence_parallel}: {len(wrong)} gradients differ from "
-                       f"module 06's, first to last in backward order ({where}): " + "; ".join(wrong))
+            factor = ((got[:want.shape[0]] * want).sum() / (want * want).sum()).item()
+            wrong.append(f"{name}: relative error {error:.1e}, {factor:.2f} times module 06's")
+            factors.append(factor)
+    # Norm gradients off by t (or 1/t) alone are summed once too often (or never): sum_norm_grads. Anything else
+    # is the backward's.
+    by_the_group = all(w.split(":")[0].endswith(("dln1", "dln2", "d final_norm")) for w in wrong) and all(
+        min(abs(f - world_size), abs(f - 1 / world_size)) < 1e-9 for f in factors)
+    where = (f"only the norms' gradients, {world_size} or 1/{world_size} times: your sum_norm_grads"
+             + ("" if sequence_parallel else " (nothing to sum without sequence parallelism)")
+             if by_the_group else f"the backward of your TPLlama.forward_backward: {BACKWARD_TODO}")
+    assert not wrong, (f"t={world_size}, sequence parallel {sequence_parallel}, two microbatches accumulated: "
+                       f"{len(wrong)} gradients differ from module 06's on the whole batch, first to last in backward "
+                       f"order ({where}; each adds into its accumulator): " + "; ".join(wrong))
 
 
 def _stores_left_full(tokens, targets):
@@ -109,8 +126,74 @@ def test_activation_stores_are_emptied_by_the_backward():
     tokens = torch.randint(0, 50, (2, 12), generator=torch.Generator().manual_seed(1))
     for rank, (n_stores, full) in enumerate(run_ranks(_stores_left_full, 2, tokens, tokens, timeout=30)):
         assert n_stores == CFG.n_layers and not full, \
-            (f"rank {rank}, your TPLlama.forward_backward: the stores of layers {full} still hold activations after the backward: clear each "
-             f"layer's store after its block's backward, so its activations are freed as the backward goes")
+            (f"rank {rank}, your TPLlama.forward_backward ({BACKWARD_TODO}): the stores of layers {full} still hold "
+             "activations after the backward: clear each layer's store after its block's backward, so its activations "
+             "are freed as the backward goes")
+
+
+class _KeepGradients:
+    """An optimizer that keeps the gradients it is handed (a copy of each .grad) and changes nothing."""
+
+    def __init__(self, parameters):
+        self.parameters, self.grads = parameters, None
+
+    def step(self):
+        self.grads = [p.grad.clone() for p in self.parameters]
+
+
+def _one_step(sequence_parallel, tokens, targets):
+    tp = world_group("t")
+    model = model12.TPLlama(SMALL_VOCAB, tp, seed=3, dtype=f64, sequence_parallel=sequence_parallel, attention_chunk=5)
+    whole = with_uneven_norms(m06.LlamaModel(SMALL_VOCAB, 3, f64))
+    for mine, norms in zip(model.blocks, whole.blocks, strict=True):
+        mine.ln1.copy_(norms.ln1), mine.ln2.copy_(norms.ln2)
+    model.final_norm.copy_(whole.final_norm)
+    optimizer = _KeepGradients(model.parameters())
+    calls = []  # how often the step sums the norms' gradients: once, after the last microbatch
+    summed = model12.sum_norm_grads
+    with mock.patch.object(model12, "sum_norm_grads", lambda *a, **k: calls.append(1) or summed(*a, **k)):
+        loss = model.train_step(tokens, targets, 2, optimizer)
+    g = optimizer.grads
+    per_block = len(g[1:-2]) // len(model.blocks)
+    blocks = [BlockWeights(*g[1 + i * per_block:1 + (i + 1) * per_block]) for i in range(len(model.blocks))]
+    return loss, m06.LlamaGrads(g[0], blocks, g[-2], g[-1]), len(calls)
+
+
+@pytest.mark.exercises("TPLlama.train_step", "sum_norm_grads", "TPLlama.forward_backward", *PIECES)
+@pytest.mark.parametrize("world_size, sequence_parallel", [(2, False), (2, True)])
+def test_one_step_hands_the_optimizer_the_gradient_of_the_batchs_mean_loss(world_size, sequence_parallel):
+    # Two microbatches with different numbers of real tokens (ignored targets in the first): every microbatch
+    # divides by the whole batch's real tokens, so the losses and gradients add up to module 06's on the whole batch.
+    g = torch.Generator().manual_seed(5)
+    tokens, targets = torch.randint(0, 50, (2, 12), generator=g), torch.randint(0, 50, (2, 12), generator=g)
+    targets[0, :5] = -100
+    results = run_ranks(_one_step, world_size, sequence_parallel, tokens, targets, timeout=30)
+    expected_loss, expected = with_uneven_norms(m06.LlamaModel(SMALL_VOCAB, 3, f64)).forward_backward(tokens, targets)
+    label = f"t={world_size}, sequence parallel {sequence_parallel}, 2 microbatches of 7 and 12 real tokens"
+    loss = results[0][0]
+    assert abs(loss - expected_loss.item()) <= 1e-12, \
+        (f"{label}: your TPLlama.train_step returns {loss!r}, module 06's mean loss over the batch is "
+         f"{expected_loss.item()!r} ({loss / expected_loss.item():.2f} times): every microbatch divides by the real "
+         "tokens of the whole batch")
+    names = [(f"layer {layer} d{name}", joined(results, name, layer), getattr(expected.blocks[layer], name))
+             for layer in range(CFG.n_layers) for name in ("ln1", "wq", "wk", "wv", "wo", "ln2", "w_gate", "w_up", "w_down")]
+    pieces = [("d embedding", joined(results, "embedding"), expected.embedding), *names,
+              ("d final_norm", joined(results, "final_norm"), expected.final_norm),
+              ("d lm_head", joined(results, "lm_head"), expected.lm_head)]
+    wrong = [(name, ((got[:want.shape[0]] * want).sum() / (want * want).sum()).item()) for name, got, want in pieces
+             if not ((got[:want.shape[0]] - want).abs().max() / want.abs().max()).item() <= 1e-12]
+    # Norm gradients alone off by t (or 1/t), summed once a step: sum_norm_grads sums wrongly. Summed more or less
+    # often than once a step (the first microbatch's partial sums counted t times), or anything else: train_step.
+    calls = results[0][2]
+    norms = all(name.endswith(("dln1", "dln2", "d final_norm")) for name, _ in wrong) and calls == 1 and all(
+        min(abs(f - world_size), abs(f - 1 / world_size)) < 1e-9 for _, f in wrong)
+    culprit = ("your sum_norm_grads (the norms' gradients summed over the group once per step, only with sequence "
+               "parallelism)" if norms else "your TPLlama.train_step (each microbatch's gradient added into the "
+               "accumulators, divided by the whole batch's real tokens; the norms' gradients summed once, after the "
+               f"last microbatch: it called sum_norm_grads {calls} times; each .grad its accumulator)")
+    assert not wrong, (f"{label}: {len(wrong)} of the {len(pieces)} gradients handed to the optimizer differ from "
+                       "module 06's on the whole batch: " + ", ".join(f"{n} {f:.2f} times" for n, f in wrong[:4])
+                       + (", ..." if len(wrong) > 4 else "") + f"; look at {culprit}")
 
 
 def _train(sequence_parallel, n_microbatches):

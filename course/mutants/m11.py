@@ -3,7 +3,7 @@ from course.mutants import Plant
 
 ACTIONS, EXEC, GEN, STAGE = "m11_actions.py", "m11_executor.py", "m11_generators.py", "m11_stage.py"
 PLANTS = [
-    Plant(ACTIONS, "match = TEXT.fullmatch(text.strip())", "match = TEXT.fullmatch(text.strip().upper())",
+    Plant(ACTIONS, "\n        match = TEXT.fullmatch(text.strip())", "\n        match = TEXT.fullmatch(text.strip().upper())",
           "lowercase text accepted ('2f0'): the text form is the inverse of __str__, which writes F, B, I, W"),
     Plant(GEN, """        warmup = min(world_size - r - 1, n_microbatches)
         order = [Action(r, "F", m) for m in range(warmup)]
@@ -14,12 +14,6 @@ PLANTS = [
     Plant(GEN, "            if k >= r:  # rank r keeps its first r W's for the cool-down",
           "            if k > r:  # rank r keeps its first r W's for the cool-down",
           "ZB-H1 holds back r + 1 W's, not r: a later W than the schedule's, so more held memory and another order"),
-    Plant(GEN, """        warmup = min(world_size - r - 1, n_microbatches)
-        order = [Action(r, "F", m) for m in range(warmup)]
-        for m in range(n_microbatches - warmup):""", """        warmup = min(world_size - r, n_microbatches)
-        order = [Action(r, "F", m) for m in range(warmup)]
-        for m in range(n_microbatches - warmup):""",
-          "1F1B's warm-up one forward too long: rank r holds P - r + 1 microbatches, and the order is not 1F1B's"),
     Plant(GEN, "warmup = min((v - 1) * g + 2 * (world_size - r - 1), total)",
           "warmup = min((v - 1) * g + (world_size - r - 1), total)",
           "interleaved warm-up of (v-1)P + P-r-1: a rank's first backward comes before its gradient can have arrived"),
@@ -33,9 +27,6 @@ PLANTS = [
           "DualPipeV runs the W of the newest I, not the oldest: its weight gradients come in another order"),
     Plant(GEN, "split = split or (i == (r + 1) // 2 and r % 2 == 1)", "split = split or (i == (r + 1) // 2 and r % 2 == 0)",
           "DualPipeV's cool-down splits B into I and W at the wrong point for odd ranks: the parity swapped"),
-    Plant(GEN, 'orders = [[Action(r, "F", m) for m in range(n_microbatches)] + [Action(r, "B", m) for m in range(n_microbatches)]',
-          'orders = [[Action(r, "F", m) for m in range(n_microbatches)] + [Action(r, "B", m) for m in reversed(range(n_microbatches))]',
-          "GPipe's backwards newest first: valid, but not GPipe's order (torch's runs them oldest first)"),
     Plant(EXEC, "    return sum(shares) if shares else None", "    return torch.stack(shares).sum() if shares else None",
           "the loss summed in another order (torch's pairwise sum, not the microbatches in order): not bit for bit"),
     Plant(EXEC, "        sends.append(comms.send(out, \"act\", action.stage + 1, m))", "        comms.send(out, \"act\", action.stage + 1, m)",
@@ -49,10 +40,10 @@ PLANTS = [
                 else:
                     param.grad += grad""", """                param.grad = grad""",
           "W overwrites .grad instead of accumulating: only the last microbatch's weight gradient survives"),
-    Plant(STAGE, "(layer.bias, dz.sum(0))", "(layer.bias, dz.mean(0))",
+    Plant(STAGE, "dz.t() @ x), (layer.bias, dz.sum(0))):\n", "dz.t() @ x), (layer.bias, dz.mean(0))):\n",
           "the bias gradient averaged over the microbatch's rows: the loss's 1/M scale is already in dz"),
-    Plant(EXEC, "for action in schedule.orders[comms.pp.index]:",
-          "for action in schedule.orders[comms.pp.ranks[comms.pp.index]]:",
+    Plant(EXEC, "\n    for action in schedule.orders[comms.pp.index]:",
+          "\n    for action in schedule.orders[comms.pp.ranks[comms.pp.index]]:",
           "a rank's list is at its place in the pipeline's group, not at its global rank: on a mesh they differ"),
     # issue 25: ZB-H2, and interleaved 1F1B for every m torch accepts
     Plant(GEN, "warmup = min(2 * (world_size - r - 1), n_microbatches)",
@@ -93,7 +84,8 @@ PLANTS = [
           'sends.append(comms.send(grad_input, "grad", action.stage, m))',
           "the input gradient named after the stage that sends it: a message is named by the stage that receives it"),
     # issue 26 (helper b): the scorecard's help names the planted function (stage: I or W; executor: which of the two)
-    Plant(STAGE, "(layer.weight, dz.t() @ x)", "(layer.weight, x.t() @ dz)",
+    Plant(STAGE, "((layer.weight, dz.t() @ x), (layer.bias, dz.sum(0))):\n",
+          "((layer.weight, x.t() @ dz), (layer.bias, dz.sum(0))):\n",
           "W's weight gradient transposed (x^T dz): square for the hidden layers, so it runs there; the head's is not"),
     Plant(EXEC, 'backward = stage.backward if action.kind == "B" else stage.backward_input',
           'backward = stage.backward if action.kind in ("B", "I") else stage.backward_input',
@@ -102,4 +94,32 @@ PLANTS = [
         stage.backward_weight(m)""", """    elif action.kind == "W":
         pass""",
           "W skipped: no weight gradient ever reaches .grad on a zero-bubble schedule's stages"),
+    # issue 37 (helper d1112): plausible mistakes of the rewritten TODOs, each to be caught and blamed on its own TODO
+    Plant(GEN, "            if k >= r:  # rank r keeps its first r W's for the cool-down",
+          "            if k >= world_size - 1 - r:  # rank r keeps its first r W's for the cool-down",
+          "ZB-H1's mirror image: rank r holds back p-1-r W's, so rank 0 keeps nearly 2p microbatches", new=True),
+    Plant(GEN, "warmup = min((v - 1) * g + 2 * (world_size - r - 1), total)",
+          "warmup = min((v - 1) * g + 2 * (world_size - r - 1) + 1, total)",
+          "interleaved's warm-up one forward too long: valid, but one more activation kept and not Megatron-LM's order",
+          new=True),
+    Plant(GEN, "            return (k // (g * v)) * g + k % g", "            return (k // v) % g + (k // (g * v)) * g",
+          "interleaved's k-th forward takes the microbatches round the local stages one by one, not a group at a time",
+          new=True),
+    Plant(GEN, 'add(*[(down, "F")] * (2 * (p - r - 1)))', 'add(*[(down, "F")] * (2 * (p - r) - 1))',
+          "DualPipeV's phase 1 with ZB-V's count: one forward of down too many before up's first", new=True),
+    Plant(GEN, """        for _ in range(r + 1):
+            weight()
+        orders.append(order)""", """        for _ in range(r):
+            weight()
+        orders.append(order)""",
+          "DualPipeV's last phase one W short: a W left in the queue never computes its weight gradient", new=True),
+    Plant(STAGE, "            dy = None if index == 0 and self.is_first else dz @ linears[index].weight",
+          "            dy = dz @ linears[index].weight",
+          "I computes the first stage's input gradient too: a matmul for a gradient nobody uses", new=True),
+    Plant(STAGE, "        saved = self.saved.pop(microbatch)\n", "        saved = self.saved[microbatch]\n",
+          "W reads the microbatch's activations without freeing them: every microbatch stays alive to the end", new=True),
+    Plant(EXEC, '        grad = None if stage.is_last else comms.recv("grad", action.stage, m, shape)',
+          '        grad = None if stage.is_last else comms.recv("grad", action.stage + 1, m, shape)',
+          "the gradient asked for under the name of the stage that sends it: a message is named by its receiver",
+          new=True),
 ]
