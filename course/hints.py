@@ -54,6 +54,16 @@ RENAMED_TITLES: dict[str, str] = {
         "TODO(m02): receive a tensor from the neighbour its direction comes from, into a new buffer",
     "TODO(m05): run the whole batch as a single microbatch, forward then backward":
         "TODO(m05): run GPipe: all m forwards, then all m backwards, and return the batch loss",
+    "TODO(m14): start the bucket's all-reduce without waiting, and keep its work":
+        "TODO(m14): start summing the bucket over the group, and keep what finish() waits on",
+    "TODO(m14): after the backward: refuse gradients that never came, wait for every bucket, re-arm":
+        "TODO(m14): after the backward: every bucket summed and ready for the next backward, or a clear error",
+    "TODO(m14): ZeRO-1 all-reduces the bucket; ZeRO-2 reduce-scatters it, one bucket in flight at a time":
+        "TODO(m14): ZeRO's launch: stage 1 as DDP's; stage 2 only this rank's shard of the sum, one bucket in flight",
+    "TODO(m14): the global norm from every rank's shards, then scale this rank's shards":
+        "TODO(m14): clip by the global norm when each rank holds only its shards",
+    "TODO(m14): the sharded step: gradients of the shards, clipping, AdamW on the shards, all-gather":
+        "TODO(m14): the sharded step: every rank ends with every updated weight",
 }
 
 
