@@ -120,7 +120,10 @@ def _stages(mesh, n_microbatches, max_norm, cap):
             "kept": {"parameters": bytes_of_storages(model.parameters()), "gradients": bytes_of_storages(grads),
                      "optimizer": sum(state[k].nbytes for state in optimizer.state.values()
                                       for k in ("exp_avg", "exp_avg_sq"))},
-            "numels": [b.numel for b in ddp.buckets], "d": group.size, "axis": group.axis}
+            "numels": [b.numel for b in ddp.buckets], "d": group.size, "axis": group.axis, "index": group.index,
+            # where this rank's optimizer shards (views into the buckets' weights) start, and how long they are
+            "shards": [] if stage == 0 else [(s.storage_offset() - w.storage_offset(), s.numel(), w.numel())
+                                             for s, w in zip(ddp.parameters(), ddp.weights)]}
     return results
 
 
@@ -171,6 +174,13 @@ def test_zero_1_and_2_train_as_one_process_with_one_bucket_in_flight(config):
                                           f"process (tolerance {TOLERANCE:g}): DDP's path, your ready, your finish "
                                           f"or your train_step (test_14_data_parallel.py says more)")
                 continue
+            for k, (start, numel, padded) in enumerate(r["shards"]):
+                n = padded // r["d"]
+                assert (start, numel) == (r["index"] * n, n), (
+                    f"{where}: this rank's optimizer updates values {start} .. {start + numel - 1} of bucket {k}'s "
+                    f"{padded} weights; the reduce-scatter delivers member {r['index']} of {r['d']} (its group index) "
+                    f"the gradient of values {r['index'] * n} .. {(r['index'] + 1) * n - 1}, and the all-gather puts "
+                    f"its shard back there: your shard_range")
             if stage == 1:
                 gap_grads = max((a - b).abs().max().item() for a, b in zip(r["whole grads"], results[0]["whole grads"]))
                 assert gap_grads <= TOLERANCE, (
