@@ -73,12 +73,27 @@ def one_process():
     return [p.detach().clone() for p in model.parameters()], losses
 
 
+def check_finish_follows_a_send(ddp, group):
+    """On the rank: each finish() ends a backward that sent buckets; one that ran under no_sync() sent none."""
+    finish, sent_before = ddp.finish, [0]
+
+    def checked_finish():
+        sent = sum(record.label.startswith("bucket") for record in group.collectives.log)
+        assert sent > sent_before[0], (
+            "your train_step called finish() after a micro-step whose backward sent no bucket (it ran under "
+            "no_sync()): finish() ends a backward that sent")
+        sent_before[0] = sent
+        return finish()
+    ddp.finish = checked_finish
+
+
 def _accumulate(n_microbatches):
     group = late_group()
     in_flight = ts.global_token_count(global_batch(0)[1][ts.my_rows(BATCH, group)], group)
     count = in_flight.wait() if hasattr(in_flight, "wait") else in_flight  # an InFlight is asked for: the test says
     model = build()
     ddp = dp.replicate(model, group, CAP)
+    check_finish_follows_a_send(ddp, group)
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=LR)
     forwards = []  # collectives issued before each micro-step's forward
     model.register_forward_pre_hook(lambda module, args: forwards.append(len(group.collectives.log)))
