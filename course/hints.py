@@ -96,6 +96,16 @@ RENAMED_TITLES: dict[str, str] = {
         "TODO(m12): vocabulary-parallel embedding backward: the gradient of this rank's rows",
     "TODO(m11): run every action of this rank's list in order; wait for every send; return the loss":
         "TODO(m11): one step: this rank's whole list, every send completed, the loss",
+    "TODO(m14): start the bucket's all-reduce without waiting, and keep its work":
+        "TODO(m14): start summing the bucket over the group, and keep what finish() waits on",
+    "TODO(m14): after the backward: refuse gradients that never came, wait for every bucket, re-arm":
+        "TODO(m14): after the backward: every bucket summed and ready for the next backward, or a clear error",
+    "TODO(m14): ZeRO-1 all-reduces the bucket; ZeRO-2 reduce-scatters it, one bucket in flight at a time":
+        "TODO(m14): ZeRO's launch: stage 1 as DDP's; stage 2 only this rank's shard of the sum, one bucket in flight",
+    "TODO(m14): the global norm from every rank's shards, then scale this rank's shards":
+        "TODO(m14): clip by the global norm when each rank holds only its shards",
+    "TODO(m14): the sharded step: gradients of the shards, clipping, AdamW on the shards, all-gather":
+        "TODO(m14): the sharded step: every rank ends with every updated weight",
 }
 
 

@@ -2,10 +2,10 @@
 bucket by bucket while the backward is still running (PyTorch's DDP, written out).
 
     start        the first member's parameters are copied to every member (broadcast_from_first)
-    backward     each time a gradient is final, `ready(param)`; once every gradient of bucket k has
-                 arrived and buckets 0 .. k-1 have been sent, bucket k's all-reduce starts,
-                 asynchronously, and the backward goes on computing earlier layers meanwhile
-    finish()     after the backward: wait for every bucket; now every rank holds the sum over ranks
+    backward     each time a gradient is final, `ready(param)`; a bucket whose gradients have all
+                 arrived is sent (`launch`) without waiting for the network, and the backward goes
+                 on computing earlier layers meanwhile
+    finish()     after the backward: every bucket's sum over the ranks has arrived on every rank
     step         every rank runs the same optimizer step on the same summed gradients: the
                  replicas stay equal without ever sending a weight again
 
@@ -35,17 +35,23 @@ from .m14_buckets import Bucket, assign_buckets, make_bucket
 def broadcast_from_first(tensors: list[torch.Tensor], group: Group):
     """Every member's `tensors` become those of the group's first member (group index 0), in place."""
     # >>> TODO(m14): copy the first member's tensors to every member of the group
-    # Contract: afterwards every member holds, in each tensor, the values the member with group.index == 0 held;
-    #   in place (the tensors may be a model's parameters). The test starts the ranks from different weights, on
-    #   2 and 4 ranks and on the d axis of a d x t mesh, where the first member is not global rank 0.
-    # Maths: group.collectives has no broadcast, but it has a sum: if every other member contributes zeros, the
-    #   sum over the members is the first member's values, exactly (x + 0 = x).
-    # Pitfalls: "rank 0" is the group's first member, not the job's rank 0 (on the mesh {"d": 2, "t": 2} the d
-    #   groups are ranks (0, 2) and (1, 3)); a parameter that requires grad cannot be changed in place while
-    #   autograd records.
-    # Hint 1: under torch.no_grad(): on members other than the first, zero each tensor; then sum each over the group.
-    # Hint 2: group.index; tensor.zero_(); group.collectives.all_reduce(tensor, label=...) sums in place.
-    # Hint 3: with torch.no_grad(): for each tensor t: if group.index != 0: t.zero_();  all-reduce t over the group
+    # Contract: afterwards every member holds, in each tensor, exactly the values the member with group.index == 0
+    #   held, in place (the tensors may be a model's parameters, which require grad). The group's collectives
+    #   (group.collectives: all_reduce, reduce_scatter, all_gather; the chapter's table) have no broadcast. The tests
+    #   start the ranks from different weights, on 2 and 4 ranks and on the d axis of a d x t mesh, where the first
+    #   member is not global rank 0.
+    # Question: with only these collectives, and no buffer beyond the tensors themselves, how does every member end
+    #   with one member's values, exactly?
+    # Pitfalls: which rank is the first member of the d group (1, 3)? Can a parameter that requires grad be changed in
+    #   place while autograd records?
+    # Hint 1: the chapter's "Replicas: start equal, stay equal": what must each member put into a collective for its
+    #         result to be the first member's values, bit for bit?
+    # Hint 2: x_0 + Σ_{i>0} 0 = x_0, exactly: the members other than the first contribute zeros to a sum over the
+    #         group.
+    # Hint 3: with torch.no_grad():
+    #             for t in tensors:
+    #                 if group.index != 0: t.zero_()
+    #                 group.collectives.all_reduce(t, label="broadcast")
     with torch.no_grad():
         for t in tensors:
             if group.index != 0:
@@ -121,28 +127,27 @@ class DataParallel:
         if not self.sync:
             return
         # >>> TODO(m14): mark this gradient ready; send every complete bucket, strictly in bucket order
-        # Contract: bucket.pending holds the positions (in bucket.params) whose gradient has not arrived in this
-        #   backward; self.next_bucket is the first bucket not sent yet. Take position i out of its bucket's
-        #   pending set, then send (self.launch) every bucket that can go now: buckets leave in order 0, 1, 2, ...,
-        #   each once all its gradients are in, and as soon as that is so. The test records, for every gradient,
-        #   how many collectives had been issued before it was ready, and checks that each bucket is sent after its
-        #   last gradient and no later than the first moment it may go (buckets of 1, 2 and 3 in the MLP; ready
-        #   calls in different orders on different ranks).
-        # Maths: bucket k may go once its pending set is empty and buckets 0 .. k-1 have gone: when the last gradient
-        #   of bucket k arrives, k and every complete bucket after it leave in a row; a complete bucket waits for
-        #   the incomplete one before it.
-        # Pitfalls: sending the bucket this gradient belongs to, whatever the others (ranks whose gradients arrive in
-        #   another order then issue the buckets in another order: gloo adds up the wrong buffers or hangs); sending
-        #   before a bucket's last gradient (its sum misses the rest); a gradient marked twice in one backward is a
-        #   bug of the caller: say so (RuntimeError naming bucket.names[i]).
-        # Hint 1: remove i from the pending set; then, while the next bucket exists and has nothing pending, launch it
-        #         and move on to the one after.
-        # Hint 2: set.remove raises KeyError for an absent element: check `i in bucket.pending` first for a clear
-        #         error; self.buckets[self.next_bucket].pending is empty when complete.
-        # Hint 3: if i not in bucket.pending: raise RuntimeError naming the parameter
-        #         remove i from bucket.pending
-        #         while next_bucket < number of buckets and that bucket's pending set is empty:
-        #             launch it;  next_bucket += 1
+        # Contract: bucket.pending holds the positions (in bucket.params) whose gradient has not arrived in this backward;
+        #   self.next_bucket is the first bucket not sent yet; self.launch(bucket) sends one. Over a backward that sends,
+        #   whatever order the gradients arrive in on each rank, every bucket is launched exactly once, in the order
+        #   0, 1, 2, ..., never before its last gradient has arrived, and in the first call after which it may go (its
+        #   gradients all in, every earlier bucket launched). A gradient marked twice in one backward is the caller's
+        #   bug: raise a RuntimeError naming bucket.names[i]. The tests record, for every gradient, how many collectives
+        #   had been issued before it was ready (the MLP in 1, 2 and 3 buckets), and hand gradients over by hand in
+        #   opposite orders on two ranks.
+        # Question: when one gradient arrives, which buckets may leave now, and can there be more than one?
+        # Pitfalls: if rank 0 completes bucket 2 first and rank 1 completes bucket 0 first, what do the two ranks' first
+        #   collectives add up? What does a bucket sent before its last gradient sum? If bucket 1 is complete while
+        #   bucket 0 still waits for a gradient, when does bucket 1 leave?
+        # Hint 1: the chapter's "Strictly in order": collectives are matched by the order in which ranks issue them. Which
+        #         bucket is the only one that may go next, and what may follow it within the same call?
+        # Hint 2: take i out of its bucket's pending set; then, from k = next_bucket on, bucket k leaves while k < G and
+        #         its pending set is empty, k advancing by one each time: one arrival may release a run of complete
+        #         buckets (or none).
+        # Hint 3: if i not in bucket.pending: raise RuntimeError(f"{bucket.names[i]}'s gradient was marked ready twice ...")
+        #         bucket.pending.remove(i)
+        #         while self.next_bucket < len(self.buckets) and not self.buckets[self.next_bucket].pending:
+        #             self.launch(self.buckets[self.next_bucket]);  self.next_bucket += 1
         if i not in bucket.pending:
             raise RuntimeError(f"{bucket.names[i]}'s gradient was marked ready twice in one backward")
         bucket.pending.remove(i)
@@ -153,18 +158,23 @@ class DataParallel:
 
     def launch(self, bucket: Bucket):
         """Start summing the bucket's gradients over the group, without waiting."""
-        # >>> TODO(m14): start the bucket's all-reduce without waiting, and keep its work
-        # Contract: start summing bucket.grads (the flat buffer, in place) over the group asynchronously, labelled
-        #   "bucket <index>", and keep what the collective returns in bucket.work: finish() waits on it. The test
-        #   delivers an asynchronous collective's result only at wait(), so a collective that is never waited for
-        #   leaves the gradients unsummed.
-        # Maths: the sum over ranks, not the mean: turning the buckets' sums into the gradient of the step's mean
-        #   loss is train_step's business, once they have arrived (m14_train_step).
-        # Pitfalls: async_op=False blocks the backward until the bucket has crossed the network (no overlap, and the
-        #   test checks async_op); dividing by the group size here (then the step's gradient is d times too small).
-        # Hint 1: one call of the group's collectives.
-        # Hint 2: self.group.collectives.all_reduce(tensor, label=..., async_op=True) returns the work.
-        # Hint 3: bucket.work = all-reduce of bucket.grads, labelled f"bucket {bucket.index}", async_op=True
+        # >>> TODO(m14): start summing the bucket over the group, and keep what finish() waits on
+        # Contract: start, without waiting for it, the collective after whose wait() bucket.grads (the flat buffer, in
+        #   place) holds on every member the sum over the group of every member's buffer. Label it "bucket <index>" (the
+        #   log and the tests read labels) and keep what the call returns in bucket.work (complete() waits on it). The
+        #   tests deliver an asynchronous collective's result only at its wait(), and fail a bucket's collective that
+        #   blocks.
+        # Question: which of the group's collectives leaves that sum on every member, and how is it started without the
+        #   backward waiting for the network?
+        # Maths: the sum over ranks, not the mean: turning the buckets' sums into the gradient of the step's mean loss is
+        #   train_step's business, once they have arrived (m14_train_step).
+        # Pitfalls: what does the backward do while a blocking collective crosses the network? If this divided by d as
+        #   well, how many times would the step's gradient be averaged?
+        # Hint 1: the chapter's "The collectives you call": which call sums over the group, and what does it return when
+        #         asked not to wait?
+        # Hint 2: an all-reduce (sum) of bucket.grads over the group, asynchronous: it returns the work complete() waits on.
+        # Hint 3: bucket.work = self.group.collectives.all_reduce(bucket.grads, label=f"bucket {bucket.index}",
+        #                                                         async_op=True)
         bucket.work = self.group.collectives.all_reduce(bucket.grads, label=f"bucket {bucket.index}", async_op=True)
         # <<<
 
@@ -180,23 +190,29 @@ class DataParallel:
 
     def finish(self):
         """After a backward that sends: wait until every bucket's sum has arrived, and get ready for the next."""
-        # >>> TODO(m14): after the backward: refuse gradients that never came, wait for every bucket, re-arm
-        # Contract: when this returns, every bucket has been sent and completed (self.complete, in bucket order),
-        #   every bucket is armed again for the next backward (Bucket.arm) and self.next_bucket is 0. If a
-        #   parameter's gradient never arrived in this backward (a parameter the forward did not use: its bucket,
-        #   and every bucket after it, was never sent), raise a RuntimeError, on one line, that names every such
-        #   parameter and the fix: freeze it (requires_grad_(False)) or leave it out of the model (PyTorch's DDP
-        #   offers find_unused_parameters=True instead). The test checks the names and "requires_grad" are in the
-        #   message; all ranks raise it, none waits forever for a bucket that will never be sent.
-        # Pitfalls: waiting for a bucket that was never launched (its work is None: it would not hang here, but the
-        #   gradients would be unsummed); re-arming before checking what is missing; forgetting next_bucket; a bucket
-        #   not re-armed makes the next backward's `ready` report the gradient as marked twice.
-        # Hint 1: collect the names of the pending positions of every bucket; raise if there are any; otherwise
-        #         complete each bucket, then arm each and reset the counter.
-        # Hint 2: bucket.names[i] for i in sorted(bucket.pending); ", ".join(...).
-        # Hint 3: missing = names of pending positions over all buckets;  if missing: raise RuntimeError(one line)
-        #         for each bucket: self.complete(bucket);  bucket.arm()
-        #         next_bucket = 0
+        # >>> TODO(m14): after the backward: every bucket summed and ready for the next backward, or a clear error
+        # Contract: called after a backward that sends. When it returns, every bucket's buffer holds its sum over the group
+        #   (a collective delivers only at its wait(): self.complete(bucket) waits for a bucket's and lands it), and the
+        #   buckets and self.next_bucket are in the state the next backward's ready() expects, the state a new DataParallel
+        #   starts in (make_bucket, Bucket's methods, __init__). If a parameter's gradient never arrived in this backward
+        #   (one the forward did not use: its bucket, and every bucket after it, was never sent), raise instead, before
+        #   waiting for anything, a RuntimeError on one line that names every such parameter and the fix: freeze it
+        #   (requires_grad_(False)) or leave it out of the model (PyTorch's DDP offers find_unused_parameters=True
+        #   instead); every rank raises it, none waits for a bucket that was never sent. The tests train 3 steps (every
+        #   bucket sent once a step, in order), and check the names and "requires_grad" in the message.
+        # Question: what did this backward change that the next one must find as new, and how do you tell which gradients
+        #   never came?
+        # Pitfalls: what does complete() do with a bucket that was never launched (its work is None): are its gradients
+        #   summed? What would the next backward's first ready() say of a bucket whose pending set is still empty? From
+        #   which bucket would it start sending? Looked for after the buckets are reset, what would "never arrived" see?
+        # Hint 1: the chapter's "Frozen and unused parameters": which state of ready() does a backward use up, and what
+        #         does a bucket's pending set hold once the backward is over?
+        # Hint 2: missing = the names of the positions still pending in any bucket; if there are any, raise; otherwise
+        #         every bucket is completed (waited for, landed), then armed again, and the next bucket to send is 0.
+        # Hint 3: missing = [bucket.names[i] for bucket in self.buckets for i in sorted(bucket.pending)]
+        #         if missing: raise RuntimeError(f"no gradient arrived for {', '.join(missing)} ...: freeze it (requires_grad_(False)) ...")
+        #         for bucket in self.buckets: self.complete(bucket);  bucket.arm()
+        #         self.next_bucket = 0
         missing = [bucket.names[i] for bucket in self.buckets for i in sorted(bucket.pending)]
         if missing:
             raise RuntimeError(f"no gradient arrived for {', '.join(missing)} in this backward (unused by the forward?): "

@@ -1,5 +1,5 @@
 # Generated from solutions/m14_buckets.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 14`. (skeleton d0f543096f54)
+# Grade your work with `python main.py grade 14`. (skeleton 0d968ce54452)
 """Module 14, part 1 - gradient buckets: which gradients travel together, and where they live.
 
 Data parallelism sums every gradient over the d ranks of the data axis. One all-reduce per
@@ -8,18 +8,13 @@ of everything can only start once the whole backward is over. PyTorch's DDP grou
 into buckets of about C bytes (`bucket_cap_mb`) and all-reduces each bucket as soon as all of its
 gradients exist, while the backward computes the next ones.
 
-Which parameters share a bucket is decided once, before training, from the parameters alone
-(PyTorch's `_compute_bucket_assignment_by_size`, reversed by DDP):
-
-    walk the parameters in registration order; every dtype has one open bucket;
-    put the parameter in its dtype's open bucket; once that bucket holds C bytes or more, close it
-    (so its last tensor may overshoot C; a bucket never mixes dtypes: it is one flat buffer);
-    at the end close the buckets still open;
-    order the buckets by their first parameter, then reverse the list.
-
-A model registers its layers in forward order, so the backward produces their gradients roughly
-in reverse: reversed, bucket 0 holds the last layers and fills first. All ranks compute the same
-assignment from the same model, so they agree on what bucket k is.
+Which parameters share a bucket is decided once, before training, from the parameters alone, the
+way DDP's constructor decides it (with PyTorch's `_compute_bucket_assignment_by_size`). A bucket is
+one flat buffer, so it never mixes dtypes; it is filled with parameters in registration order
+until it holds C bytes or more (its last tensor may overshoot C). All ranks compute the same
+assignment from the same model, so they agree on what bucket k is. The order of the list is the
+order in which the buckets will be sent, and a bucket can only be sent once the backward has
+produced all of its gradients.
 
 A bucket owns one flat gradient buffer; each parameter's gradient is a view into it, so autograd
 accumulates straight into the buffer the collective sends and nothing is copied (DDP's
@@ -39,18 +34,22 @@ def assign_buckets(params: list[torch.Tensor], cap_bytes: int) -> list[list[int]
     if cap_bytes <= 0:
         raise ValueError(f"the bucket cap must be a positive number of bytes, got {cap_bytes}")
     # TODO(m14): group the parameters into buckets of about cap_bytes, as DDP does, in the order they are sent
-    # Contract: return a list of buckets, each a list of indices into params (ascending within a bucket), in the
-    #   order the buckets will be sent. The tests compare with PyTorch's own assignment
-    #   (torch.distributed._compute_bucket_assignment_by_size(params, [cap_bytes]), reversed) for caps that give
-    #   1, 2 and 3 buckets, a cap met exactly, and parameters of two dtypes.
-    # Maths: a parameter's bytes are numel * element_size. The rule is the module docstring's: one open bucket per
-    #   dtype, closed once it holds cap_bytes or more, leftovers closed at the end, then ordered and reversed.
-    # Pitfalls: closing *before* adding the tensor that would overshoot (PyTorch closes after: its last tensor may
-    #   overshoot); "more than" instead of "at least" (a bucket that reaches the cap exactly is closed); one
-    #   bucket for all dtypes; forgetting the buckets still open at the end; not reversing (then the first bucket
-    #   sent is the one the backward fills last, and nothing overlaps).
+    # Contract: params are in registration order (a model registers its layers in forward order). Return a list of
+    #   buckets, each a list of indices into params, ascending, every index in exactly one bucket. Afterwards:
+    #   - a bucket holds one dtype;
+    #   - taken one dtype at a time, in registration order, that dtype's parameters fall into consecutive runs, one
+    #     a bucket; every run but the dtype's last holds cap_bytes or more, and would hold less without its last
+    #     parameter;
+    #   - the buckets are ordered by the index of their first parameter, in the direction that puts first the bucket
+    #     the backward completes first (bucket 0 is sent first).
+    #   The tests compare with PyTorch's own assignment, as DDP's constructor orders it, for caps that give 1, 2, 3,
+    #   7 and 14 buckets of module 00's MLP, a cap met exactly, and parameters of two dtypes written out by hand.
+    # Question: which parameters' gradients does a backward produce first, and so which bucket can leave first?
+    # Maths: a parameter's bytes are numel * element_size.
+    # Pitfalls: does the parameter that brings a run to cap_bytes or more belong to that run or to the next? And
+    #   one that brings it exactly to cap_bytes? What becomes of the runs still open when the walk ends? With two
+    #   dtypes interleaved, can a bucket that opened earlier close later?
     raise NotImplementedError('TODO(m14): group the parameters into buckets of about cap_bytes, as DDP does, in the order they are sent')
-
 
 @dataclass
 class Bucket:

@@ -1,5 +1,5 @@
 # Generated from solutions/m14_train_step.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 14`. (skeleton 9ade76d3ede3)
+# Grade your work with `python main.py grade 14`. (skeleton 48cbdc614b88)
 """Module 14, part 3 - one optimizer step of a data-parallel model: its rows of the global batch,
 m micro-steps of gradient accumulation that send nothing until the last, and the step's loss, the
 mean over the global batch's real tokens, with no collective waited for that DDP's loop does not
@@ -9,10 +9,9 @@ Every rank draws the whole global batch of B rows from the seed (as module 06's 
 keeps its B/d rows: member i of the data group keeps rows i B/d .. (i + 1) B/d - 1. It cuts them
 into m microbatches. The loss of the step is the mean over every *real* token of the global batch;
 a target of IGNORE_INDEX (-100, PyTorch's convention) marks padding, which is neither a term nor
-counted. Its denominator, the global count of real tokens, is a sum over the ranks: one all-reduce
-of each rank's count, which has to travel like every other collective. A step that waited for it
-before its first backward would pay that collective's whole latency, every step, with nothing to
-hide it behind; PyTorch's DDP loop (a mean per rank, averaged by DDP) has no such collective, and
+counted. Its denominator, the global count of real tokens, is a sum over the ranks, which has to
+travel like every other collective. A step that waited for it before its first backward would pay
+that collective's whole latency, every step, with nothing to hide it behind; PyTorch's DDP loop (a mean per rank, averaged by DDP) has no such collective, and
 gets the loss wrong as soon as ranks hold different numbers of real tokens. So the count is started
 at the step's start and waited for only where it is needed, while the micro-steps compute; the
 logged loss's sum over ranks travels while the optimizer steps. Which gradients the backwards can
@@ -57,14 +56,16 @@ def global_token_count(targets: torch.Tensor, group: Group) -> InFlight:
     """Start counting the real (not IGNORE_INDEX) targets of every member's `targets`, without waiting:
     the InFlight's wait() gives the count, a 0-d int64 tensor, the same on every member."""
     # TODO(m14): count the real tokens of the whole global batch, from each rank's own rows
-    # Contract: targets are this rank's rows of the step (all its microbatches). Return an InFlight whose wait()
-    #   gives the number of targets that are not IGNORE_INDEX over every member of the group, as a 0-d int64
-    #   tensor: one collective, labelled "token count", started here and not waited for (train_step waits where
-    #   it needs the count). The tests pad microbatches with different numbers of IGNORE_INDEX targets, different
-    #   on every rank, and deliver an asynchronous collective's result only at its wait().
-    # Pitfalls: the rank's own count (each rank's step then has another scale, d times off on average); counting
-    #   the padding; a float count (an int64 sum is exact at any size); a blocking collective
-    #   (correct, but every step then waits for it before its first backward).
+    # Contract: targets are this rank's rows of the step (all its microbatches). Return an InFlight (m12_tp_linear: a
+    #   tensor and the work that fills it) whose wait() gives, on every member, the number of targets that are not
+    #   IGNORE_INDEX over every member's rows, as a 0-d int64 tensor. One collective, labelled "token count", started
+    #   here and not waited for (train_step waits where it needs the count). The tests pad microbatches with different
+    #   numbers of IGNORE_INDEX targets on every rank, and deliver an asynchronous collective's result only at wait().
+    # Question: which part of the count can a rank compute alone, and how do the parts become the count without anyone
+    #   waiting for them now?
+    # Pitfalls: whose tokens does a rank's own count cover? Is a padded target a token? Up to how many tokens is a
+    #   float32 count exact, and how many bytes does the formula say the count is? What does a blocking collective
+    #   here cost the step before its first backward?
     raise NotImplementedError("TODO(m14): count the real tokens of the whole global batch, from each rank's own rows")
 
 
@@ -84,27 +85,25 @@ def train_step(ddp: DataParallel, model: nn.Module, inputs: torch.Tensor, target
     if inputs.shape[0] % n_microbatches:
         raise ValueError(f"{inputs.shape[0]} rows a rank do not split into {n_microbatches} equal microbatches")
     count = global_token_count(targets, ddp.group)  # in flight while the micro-steps compute
-    loss_sum = torch.zeros((), dtype=torch.float64)
     # TODO(m14): the micro-steps: a loss normalised by the global count, sent on the last micro-step only
-    # Contract: for each of the n_microbatches equal chunks of this rank's rows, in order: the forward (the model
-    #   maps a chunk of inputs to its logits), the summed cross-entropy of its real tokens (added, detached, to
-    #   loss_sum), a backward. Every micro-step but the last runs entirely inside ddp.no_sync(); the last sends
-    #   (unless ddp.syncs_every_microstep: then every micro-step sends), and each backward that sent is followed
-    #   by DataParallel.finish. When the block ends, n_tokens is the step's count of real tokens (an int) and the
-    #   gradients ddp keeps (ddp.gradients(), what ddp.step reads) are those of the step's loss, the mean over
-    #   every real token of the global batch, on every rank; and the count has been waited for only after the
-    #   last bucket left: nothing but the buckets is waited for meanwhile. The tests compare with one process on
-    #   the whole batch for (d, m) = (1, 4), (2, 2), (4, 1), microbatches holding different numbers of real
-    #   tokens, collectives that deliver only at wait(); and check from the log that buckets go out during the
-    #   last micro-step only and when the count was waited for.
-    # Question: while the backwards run, the count has not arrived. What can each backward differentiate so that
-    #   the buckets' sums are the step's gradient up to a factor, and what does that leave to do, and when?
-    # Pitfalls: the per-microbatch mean (F.cross_entropy's default reduction) divided by m d: wrong as soon as the
-    #   microbatches hold different numbers of real tokens; the count read before its wait() (the tests deliver
-    #   it only then); gradients scaled before finish() has landed the buckets' sums; the count waited for before
-    #   the backwards (right numbers, but a blocking collective every step); sending on the first micro-step
-    #   instead of the last (the later micro-steps' gradients are then never summed over ranks); calling
-    #   finish() after a backward that sent nothing. Logits are (..., V): flatten them to (tokens, V).
+    # Contract: this rank's rows (inputs, targets) are cut into n_microbatches equal chunks, run in order: the forward
+    #   (the model maps a chunk of inputs to logits (..., V)), the chunk's loss over its real tokens, its backward.
+    #   Buckets leave during the last micro-step only (during every one when ddp.syncs_every_microstep), a backward
+    #   inside ddp.no_sync() sends nothing, and every backward that sent is followed by DataParallel.finish. When the
+    #   block ends: loss_sum is this rank's summed token losses over its micro-steps, a float64 0-d tensor whatever the
+    #   model's dtype; n_tokens is the step's count of real tokens (an int); the gradients ddp keeps (ddp.gradients(),
+    #   what ddp.step reads) are, on every rank, those of the step's loss, the mean over every real token of the
+    #   global batch; and the count was waited for only after the last bucket left. The tests compare with one process
+    #   on the whole batch for (d, m) = (1, 4), (2, 2), (4, 1), with microbatches holding 16, 11, 5 and 1 real tokens
+    #   and collectives that deliver only at wait(); read from the log when buckets leave and when the count was
+    #   waited for; and run a float32 model whose micro-steps' losses a float32 sum cannot add exactly.
+    # Question: while the backwards run, the count has not arrived. What can each backward differentiate so that the
+    #   buckets' sums are the step's gradient up to a factor, and what does that leave to do, and when?
+    # Pitfalls: a microbatch's mean divided by m d weighs a token of a microbatch with 1 real token how many times one
+    #   of a microbatch with 16? What does the count's tensor hold before its wait()? What does finish() do to buffers
+    #   scaled before it lands the sums? What does the step wait for if the count is waited for before the first
+    #   backward? If the first micro-step sends, who sums the later micro-steps' gradients over the ranks? What does
+    #   finish() say after a backward that sent nothing? Up to what size are integers exact in float32?
     raise NotImplementedError('TODO(m14): the micro-steps: a loss normalised by the global count, sent on the last micro-step only')
     loss = global_loss_sum(loss_sum, ddp.group)  # travels while the optimizer steps
     ddp.step(optimizer, max_norm)
@@ -124,9 +123,10 @@ class DataParallelLlama(LlamaModel):
 
     def ready_order(self) -> list[tuple[str, torch.Tensor]]:
         """(name, weight) in the order the backward hands their gradients over: blocks from the last, then
-        the embedding, final norm and LM head (forward_backward returns theirs at the end). DDP buckets
-        the reverse of the registration order because it guesses that the backward runs in reverse;
-        here the order is known, so the buckets are made from its reverse."""
+        the embedding, final norm and LM head (forward_backward returns theirs at the end). DDP can only
+        guess that order from the order a module registers its parameters in (the forward's); here it is
+        known, so DataParallel gets the parameters in the order a forward-ordered registration would
+        list them: this one, back to front."""
         names = [f.name for f in fields(BlockWeights)]
         blocks = [(f"blocks.{l}.{name}", t) for l in reversed(range(self.cfg.n_layers))
                   for name, t in zip(names, self.blocks[l].tensors())]
@@ -148,22 +148,21 @@ class DataParallelLlama(LlamaModel):
         count = global_token_count(targets, group)  # in flight while the micro-steps compute
         loss_sum = torch.zeros((), dtype=torch.float64)
         # TODO(m14): module 06's micro-steps: each microbatch's loss over the step's count, its gradients to the buckets
-        # Contract: tokens, targets are this rank's rows. For each of the n_microbatches equal chunks, in order:
-        #   module 06's forward_backward(tok, tgt, divisor), whose loss and gradients are the chunk's summed token
-        #   losses divided by that divisor (its argument n_tokens); during it, the blocks' gradients reach the buckets through on_block_grads
-        #   (above); hand the three it returns at the end (embedding, final_norm, lm_head) to self.ddp.ready. Every
-        #   micro-step but the last inside the buckets' no_sync(); their finish() after the last. When the block
-        #   ends: loss_sum holds this rank's summed token losses (float64, 0-d), n_tokens the step's count (an int),
-        #   and the buckets' gradients (self.ddp.gradients()) are those of the step's mean loss; the count was waited
-        #   for only after the last bucket left. The tests train on 2 ranks x 2 micro-steps and on the d axis of a
-        #   d x t mesh against module 06's single-process train(), at 1e-12, with collectives that deliver only at
-        #   wait().
-        # Question: forward_backward wants its divisor before it runs, and the count is still in flight then.
-        #   Which divisor makes the pieces add up to something you can still turn into the step's gradient?
-        # Pitfalls: forward_backward's default n_tokens (the chunk's own count: a mean per microbatch); waiting for
-        #   the count before the first forward_backward (right numbers, but a blocking collective every step); the
-        #   three gradients forward_backward returns left out (their bucket is never sent: finish names them);
-        #   forward_backward's loss is already divided by what you passed.
+        # Contract: tokens, targets are this rank's rows, cut into n_microbatches equal chunks run in order, each through
+        #   module 06's forward_backward(tok, tgt, n_tokens): its loss and gradients are the chunk's summed token losses
+        #   divided by the n_tokens it is given, which it needs before it runs. During it the blocks' gradients reach the
+        #   buckets through on_block_grads (above); it returns those of the embedding, the final norm and the LM head at
+        #   the end, and the buckets need them too (self.ddp.ready). Buckets leave during the last micro-step only, which
+        #   self.ddp.finish() follows. When the block ends: loss_sum holds this rank's summed token losses (float64, 0-d),
+        #   n_tokens the step's count (an int), and the buckets' gradients (self.ddp.gradients()) are those of the step's
+        #   mean loss; the count was waited for only after the last bucket left. The tests train on 2 ranks x 2
+        #   micro-steps and on the d axis of a d x t mesh against module 06's single-process train(), at 1e-12, with
+        #   collectives that deliver only at wait().
+        # Question: forward_backward wants its divisor before it runs, and the count is still in flight then. Which
+        #   divisor makes the pieces add up to something you can still turn into the step's gradient?
+        # Pitfalls: what does forward_backward divide by when it is given no n_tokens? What does waiting for the count
+        #   before the first forward_backward cost? What does finish() report when three gradients never reach the
+        #   buckets? What has forward_backward's loss already been divided by?
         raise NotImplementedError("TODO(m14): module 06's micro-steps: each microbatch's loss over the step's count, its gradients to the buckets")
         loss = global_loss_sum(loss_sum, group)  # travels while the optimizer steps
         self.ddp.step(optimizer)

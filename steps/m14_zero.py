@@ -1,5 +1,5 @@
 # Generated from solutions/m14_zero.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 14`. (skeleton c17f79eaf5af)
+# Grade your work with `python main.py grade 14`. (skeleton d7bf58fd43c3)
 """Module 14, part 4 - ZeRO-1 and ZeRO-2: replicas that split the optimizer's work and state.
 
 Plain data parallelism keeps, on every one of the d ranks, the parameters, the gradients and
@@ -7,29 +7,29 @@ AdamW's two moments of every parameter: 4 Ψ b bytes per rank for Ψ parameters 
 d ranks run the same AdamW step on the same numbers. ZeRO (Rajbhandari et al., 2020) cuts that
 redundancy by sharding:
 
-    ZeRO-1   the optimizer state. The gradients are all-reduced as before (every rank holds the
-             whole sum), but member i updates only its shard of the parameters with AdamW, so it
-             keeps the moments of its shard only; then the updated shards are all-gathered.
-    ZeRO-2   the gradients too. Each bucket is reduce-scattered instead of all-reduced: member i
-             receives only the sum of its shard, and the whole bucket is freed once it is sent.
+    ZeRO-1   the optimizer state. The gradients are summed as before (every rank holds the whole
+             sum), but member i updates only its shard of the parameters with AdamW, so it keeps
+             the moments of its shard only; then every rank gets every updated shard back.
+    ZeRO-2   the gradients too. Member i receives only the sum of its shard of each bucket, and
+             the whole bucket is freed once it is sent.
     ZeRO-3   the parameters too: module 07 (FSDP), the next step of the same staircase.
 
 The shards: each bucket's buffer is padded to a multiple of d values (m14_buckets) and cut into d
-equal slices; member i owns slice i of every bucket. The parameters themselves become views into
-one flat buffer per bucket (`weights`), laid out like the bucket's gradients, so the all-gather of
-the updated slices writes the new weights straight into the parameters (DeepSpeed does the same:
-`param.data = a view of the flat buffer`). AdamW is elementwise, so updating each slice on its
-owner is the same arithmetic as updating everything everywhere: ZeRO changes where the work is
-done, not its result.
+equal slices, one per member (which is whose: shard_range). The parameters themselves become views
+into one flat buffer per bucket (`weights`), laid out like the bucket's gradients, so that whatever
+writes the updated slices into that buffer writes the new weights straight into the parameters
+(DeepSpeed does the same: `param.data = a view of the flat buffer`). AdamW is elementwise, so
+updating each slice on its owner is the same arithmetic as updating everything everywhere: ZeRO
+changes where the work is done, not its result.
 
-Gradient clipping needs the norm of the whole gradient; each rank holds only its shard (ZeRO-2) or
-updates only its shard (ZeRO-1): each sums the squares of its shards and one all-reduce adds the
-partial sums.
+Gradient clipping needs the norm of the whole gradient, and each rank holds (ZeRO-2) or updates
+(ZeRO-1) only its shards: which partial results add up over the ranks is clip_grad_norm_'s
+question.
 
 With gradient accumulation (m micro-steps), ZeRO-1 sends on the last micro-step, like DDP. ZeRO-2
-reduce-scatters every micro-step (as DeepSpeed's ZeRO-2 does): holding the whole gradients until
-the last micro-step would keep the Ψ b bytes that ZeRO-2 exists to drop, so it pays m times the
-reduce-scatters instead.
+sends its shards' sums every micro-step (as DeepSpeed's ZeRO-2 does): holding the whole gradients
+until the last micro-step would keep the Ψ b bytes that ZeRO-2 exists to drop, so it pays m times
+the bucket collectives instead.
 """
 from __future__ import annotations
 
@@ -43,11 +43,14 @@ from .m14_data_parallel import DataParallel
 def shard_range(padded_numel: int, d: int, index: int) -> slice:
     """The values of a padded flat buffer that member `index` of a group of `d` owns."""
     # TODO(m14): member index's slice of a buffer padded to a multiple of d
-    # Contract: padded_numel is a multiple of d; return the slice (a Python slice) of member `index`'s values: the
-    #   index-th of d equal consecutive pieces. The same slice is what the collectives give member `index`: a
-    #   reduce-scatter's shard and an all-gather's place, in group order.
-    # Pitfalls: the group index, not the global rank (on a d x t mesh the d groups are ranks (0, 2) and (1, 3)); a
-    #   piece off by one member updates a neighbour's slice and all-gathers it into the wrong place.
+    # Contract: padded_numel is a multiple of d. Return the Python slice of the values that member `index` (its index
+    #   in the group) owns: those that a reduce-scatter of the buffer over the group sums into member `index`'s shard,
+    #   which is also where an all-gather puts member `index`'s input (the chapter's "The collectives you call"). The
+    #   tests check it for several sizes and group sizes, then train with it: each member's optimizer updates its
+    #   slice, whose gradient the reduce-scatter delivers, and the all-gather puts it back in its place.
+    # Question: how do the collectives cut a flat buffer among the members of a group?
+    # Pitfalls: the group index or the global rank (on a d x t mesh the d groups are ranks (0, 2) and (1, 3))? What
+    #   becomes of the weights when a member updates a slice other than the one its gradient shard belongs to?
     raise NotImplementedError("TODO(m14): member index's slice of a buffer padded to a multiple of d")
 
 
@@ -115,20 +118,24 @@ class ZeroDataParallel(DataParallel):
 
     def launch(self, bucket: Bucket):
         """ZeRO-1: DDP's all-reduce. ZeRO-2: a reduce-scatter, each member receiving the sum of its shard."""
-        # TODO(m14): ZeRO-1 all-reduces the bucket; ZeRO-2 reduce-scatters it, one bucket in flight at a time
-        # Contract: stage 1 sends exactly as DataParallel does (every rank keeps the whole summed gradient: the test
-        #   checks each parameter's .grad and the bytes). Stage 2: first complete the bucket sent before this one
-        #   (self.complete; bucket.index - 1, if any), so that at most one bucket's whole gradient is in flight; then
-        #   start, asynchronously, a reduce-scatter of bucket.grads into a new tensor bucket.received of one shard
-        #   (padded_numel / d values), labelled "bucket <index>", and keep the work in bucket.work. land() (below)
-        #   adds bucket.received to this rank's gradient shard once it is done. The tests check each rank's summed
-        #   gradient shards, and that when each reduce-scatter starts no other bucket's is still in flight (with 3
-        #   and 4 buckets).
-        # Maths: the reduce-scatter gives member i the sum over ranks of slice i of the buffer: shard_range's slice.
-        # Pitfalls: a reduce-scatter for stage 1 too (the update is right, but ZeRO-1 promises every rank the whole
-        #   gradient, and the bytes differ from the formula); receiving into the gradient shard itself (a second
-        #   micro-step would overwrite the first: land adds).
-        raise NotImplementedError('TODO(m14): ZeRO-1 all-reduces the bucket; ZeRO-2 reduce-scatters it, one bucket in flight at a time')
+        # TODO(m14): ZeRO's launch: stage 1 as DDP's; stage 2 only this rank's shard of the sum, one bucket in flight
+        # Contract: stage 1 sends exactly as DataParallel does: every rank ends the backward with the whole summed gradient
+        #   (the tests check each parameter's .grad, and the bytes against the formula). Stage 2: once bucket.work has
+        #   been waited for (complete() waits, then land() runs), bucket.received, a tensor of its own of padded_numel / d
+        #   values in the buffer's dtype, holds this rank's shard (shard_range) of the bucket's sum over the group; land()
+        #   adds it to this rank's gradient shard and frees the bucket. The collective is started without waiting,
+        #   labelled "bucket <index>", its work kept in bucket.work; and when it starts, no other bucket's collective is
+        #   still in flight (each keeps its whole buffer alive until waited for). The tests check each rank's summed
+        #   gradient shards and, at every start of a bucket's collective, which others are still in flight (3 and 4
+        #   buckets).
+        # Question: which collective leaves each member only its shard of the sum, and what must happen to the bucket sent
+        #   before this one first?
+        # Maths: member i's shard of the sum is Σ_r (slice i of rank r's buffer): it needs every rank's slice i, not every
+        #   rank's whole buffer.
+        # Pitfalls: does ZeRO-1 promise anything less than the whole summed gradient? Buckets leave in order: which one can
+        #   still be in flight when bucket k starts? If the collective wrote into the gradient shard itself, what would
+        #   land() add, and what would a second micro-step's collective do to the first's sum?
+        raise NotImplementedError("TODO(m14): ZeRO's launch: stage 1 as DDP's; stage 2 only this rank's shard of the sum, one bucket in flight")
 
     def land(self, bucket: Bucket):
         """ZeRO-2: add the received shard to this rank's gradient shard; free the whole bucket."""
@@ -144,30 +151,35 @@ class ZeroDataParallel(DataParallel):
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Scale the gradients so that their global norm is at most max_norm (as torch.nn.utils.clip_grad_norm_:
         by min(1, max_norm / (norm + 1e-6))); returns the norm before clipping."""
-        # TODO(m14): the global norm from every rank's shards, then scale this rank's shards
-        # Contract: the norm of the whole gradient (every parameter, all ranks' shards together), computed from this
-        #   rank's gradient shards (self.grad_shard(k) for every bucket) and one collective; then multiply this rank's
-        #   shards by min(1, max_norm / (norm + 1e-6)), PyTorch's clip_grad_norm_ rule, in place. Return the norm.
-        #   The test compares the norm it returns and the trained weights with one process that clips with
-        #   torch.nn.utils.clip_grad_norm_.
-        # Maths: norm^2 = sum over ranks of (sum over its shards of g^2): the padding is zero, and every value belongs
-        #   to exactly one rank's shard.
-        # Pitfalls: this rank's norm alone (each rank clips by a different factor); summing norms instead of squares;
-        #   a collective other than the all-reduce (every rank needs the total). Sum the squares in float64.
-        raise NotImplementedError("TODO(m14): the global norm from every rank's shards, then scale this rank's shards")
+        # TODO(m14): clip by the global norm when each rank holds only its shards
+        # Contract: return the norm of the whole gradient before clipping (every parameter, all ranks' shards together),
+        #   the same on every rank, as a float64 0-d tensor computed in float64 whatever the gradients' dtype, from this
+        #   rank's gradient shards (self.grad_shard(k) for every bucket) and one collective; then scale this rank's shards
+        #   in place by PyTorch's clip_grad_norm_ factor, min(1, max_norm / (norm + 1e-6)). The tests compare the norms
+        #   and the trained weights with one process that clips with torch.nn.utils.clip_grad_norm_ (float64), and the
+        #   norm of float32 gradient shards with one computed in float64 from the same shards, at 1e-12 relative.
+        # Question: each rank holds only its shards: what can it compute alone that adds up, over the ranks, to a quantity
+        #   the norm follows from?
+        # Maths: every value of the whole gradient lies in exactly one rank's shards, and the padding is zero.
+        # Pitfalls: do norms add up over ranks? Would each rank's own norm give every rank the same factor? Which
+        #   collective leaves the total on every rank? How many significant digits does a float32 sum of squares keep?
+        raise NotImplementedError('TODO(m14): clip by the global norm when each rank holds only its shards')
 
     def step(self, optimizer: torch.optim.Optimizer, max_norm: float | None = None):
         """`optimizer` (built on self.parameters(): this rank's shards) updates this rank's shards; then
         every rank gets every shard back."""
-        # TODO(m14): the sharded step: gradients of the shards, clipping, AdamW on the shards, all-gather
-        # Contract: give each shard (self.shards[k]) its summed gradient (self.grad_shard(k)) as .grad; clip if
-        #   max_norm is not None; step the optimizer (it updates the shards, views into self.weights[k]); then
-        #   all-gather every bucket's weights from the members' shards, in place, one all-gather per bucket
-        #   ("weights <k>"), and wait for them before returning: afterwards every parameter holds its new value on
-        #   every rank. The tests compare with one process after several steps on 2 and 4 ranks, with and without
-        #   clipping, and count the bytes.
-        # Maths: the all-gather's input is this rank's slice of the output, which it already holds: member i's
-        #   slice lands at shard_range(.., i), exactly where it is.
-        # Pitfalls: stepping before the gradients are attached (AdamW skips a parameter whose .grad is None);
-        #   forgetting the all-gather (each rank's other shards stay at their old values).
-        raise NotImplementedError('TODO(m14): the sharded step: gradients of the shards, clipping, AdamW on the shards, all-gather')
+        # TODO(m14): the sharded step: every rank ends with every updated weight
+        # Contract: optimizer was built on self.parameters(): this rank's shards, views into self.weights[k], of which the
+        #   parameters are views too. When this returns, every parameter holds, on every rank, the value one process's
+        #   step gives it from the summed gradients (with max_norm: clipped first to that global norm, by
+        #   self.clip_grad_norm_); the optimizer has updated only this rank's shards; bucket k's weights have travelled in
+        #   one collective labelled "weights <k>", each waited for. The tests compare with one process after several
+        #   steps on 2 and 4 ranks, with and without clipping, and count the bytes against the formula.
+        # Question: what must AdamW find on each shard before it steps, and once every rank has updated its own slices,
+        #   which collective puts every slice on every rank, and where?
+        # Maths: the summed gradient of shard k is self.grad_shard(k) (a slice of the whole at stage 1, this rank's own at
+        #   stage 2); AdamW is elementwise, so stepping each slice on its owner is the whole step.
+        # Pitfalls: what does AdamW do with a tensor whose .grad is None? After the optimizer's step, what do a rank's
+        #   other slices hold? Is a collective's result there before its wait()? Does that collective need a buffer
+        #   besides self.weights[k]?
+        raise NotImplementedError('TODO(m14): the sharded step: every rank ends with every updated weight')

@@ -96,12 +96,24 @@ def _replicas(dtype, mesh=None):
         del group.collectives.log[:]
         losses.append(ts.train_step(ddp, model, *mlp_batch(step, dtype), 1, optimizer))
         check_waited(group)
+        check_rearmed(ddp, step)
         after.append([p.detach().clone() for p in model.parameters()])
         sent.append([r.label for r in group.collectives.log if r.label.startswith("bucket")])
     buffers = {b.grads.untyped_storage().data_ptr(): b for b in ddp.buckets}
     views = [name for name, p in model.named_parameters()
              if p.grad is None or p.grad.untyped_storage().data_ptr() not in buffers]
     return group.ranks, start, after, losses, views, grads, sent, len(ddp.buckets)
+
+
+def check_rearmed(ddp, step: int):
+    """On the rank, before the next step's backward: the buckets and next_bucket as a new DataParallel has them
+    (every position pending, sending starts at bucket 0), which finish's contract promises."""
+    left = [(b.index, sorted(b.pending)) for b in ddp.buckets if sorted(b.pending) != list(range(len(b.params)))]
+    assert not left and ddp.next_bucket == 0, (
+        f"after step {step}: your DataParallel.finish left " + (f"bucket {left[0][0]} with positions {left[0][1]} "
+        f"pending of {len(ddp.buckets[left[0][0]].params)}" if left else f"next_bucket at {ddp.next_bucket}") +
+        ": the next backward's ready() needs every bucket as a new DataParallel has it (every position pending, "
+        "next_bucket 0)")
 
 
 def worst(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
@@ -168,10 +180,15 @@ def test_replicas_equal_one_process_on_the_whole_batch(mesh, world_size):
             (f"{where}: the replicas must start from the group's first member's weights, not their own, nor those "
              f"of the job's rank 0 (your broadcast_from_first)")
         assert not views, f"{where}: {views[0]}.grad is not a view into its bucket's buffer"
-        assert math.isclose(losses[0], first_loss, rel_tol=1e-12), \
+        ratio = losses[0] / first_loss
+        assert abs(ratio - 1) < 1e-6 or math.isclose(losses[0], first_loss, rel_tol=1e-12), \
             (f"{where}: your global_token_count or your train_step: the first step's loss is {losses[0]}, one "
-             f"process's {first_loss}: the summed token losses of every rank (train_step's loss_sum) over the count "
-             f"of real tokens of every rank (global_token_count's)")
+             f"process's {first_loss}, {ratio:.4g} times it: the summed token losses of every rank (train_step's "
+             f"loss_sum) over the count of real tokens of every rank (global_token_count's)")
+        assert math.isclose(losses[0], first_loss, rel_tol=1e-12), \
+            (f"{where}: your train_step: the first step's loss is {losses[0]}, one process's {first_loss} (relative "
+             f"error {abs(ratio - 1):.1e}, tolerance 1e-12; float32 rounds at about 6e-8): is loss_sum a float64 sum "
+             f"of float64 losses whatever the model's dtype?")
         assert worst(got, grads) <= TOLERANCE, gradient_message(where, got, grads, MLP.batch,
                                                                 world_size // (2 if mesh else 1), "your train_step")
         for step, labels in enumerate(sent):
@@ -357,6 +374,27 @@ LLAMA_COUNTED = ("are the gradients your DataParallelLlama.train_step leaves to 
                  "sums, it does not divide by d")
 
 
+def check_handed_over(model):
+    """On the rank: when train_step calls finish(), every parameter's gradient has reached ready() in this backward
+    (the embedding's, final norm's and LM head's come back from forward_backward, not through on_block_grads)."""
+    ready, finish, seen = model.ddp.ready, model.ddp.finish, set()
+
+    def recorded_ready(param, grad=None):
+        seen.add(id(param))
+        return ready(param, grad)
+
+    def checked_finish():
+        names = ["embedding", "final_norm", "lm_head"]
+        missing = [name for name, weight in zip(names, (model.embedding, model.final_norm, model.lm_head))
+                   if id(weight) not in seen]
+        assert not missing, (f"your DataParallelLlama.train_step called finish() before {', '.join(missing)}'s "
+                             f"gradient reached the buckets: forward_backward returns them, and only ready() hands "
+                             f"a gradient to its bucket")
+        seen.clear()
+        return finish()
+    model.ddp.ready, model.ddp.finish = recorded_ready, checked_finish
+
+
 def _llama(mesh_sizes, n_microbatches):
     group = late_group(mesh_sizes)
     model = ts.DataParallelLlama(CFG, group, BLOCK_CAP, seed=0, dtype=f64)
@@ -368,6 +406,7 @@ def _llama(mesh_sizes, n_microbatches):
             handed_over[layer] = len(group.collectives.log)
         original(layer, grads)
     model.on_block_grads = recorded
+    check_handed_over(model)
     optimizer = torch.optim.AdamW(model.ddp.parameters(), lr=3e-3, weight_decay=0.0)
     grads = keep_first_gradients(model.ddp, model.parameters())
     losses, data, generator = [], load_text(), torch.Generator().manual_seed(0)

@@ -18,6 +18,8 @@ Tolerance. The ranks and micro-steps sum each gradient in another order than one
 float64 (measured, torch 2.13 CPU, 3 AdamW steps) the weights stay within 2.4e-16 of one process
 and the losses within 4.5e-16. We allow 1e-12. The per-microbatch mean misses by about 1e-3.
 """
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -71,12 +73,27 @@ def one_process():
     return [p.detach().clone() for p in model.parameters()], losses
 
 
+def check_finish_follows_a_send(ddp, group):
+    """On the rank: each finish() ends a backward that sent buckets; one that ran under no_sync() sent none."""
+    finish, sent_before = ddp.finish, [0]
+
+    def checked_finish():
+        sent = sum(record.label.startswith("bucket") for record in group.collectives.log)
+        assert sent > sent_before[0], (
+            "your train_step called finish() after a micro-step whose backward sent no bucket (it ran under "
+            "no_sync()): finish() ends a backward that sent")
+        sent_before[0] = sent
+        return finish()
+    ddp.finish = checked_finish
+
+
 def _accumulate(n_microbatches):
     group = late_group()
     in_flight = ts.global_token_count(global_batch(0)[1][ts.my_rows(BATCH, group)], group)
     count = in_flight.wait() if hasattr(in_flight, "wait") else in_flight  # an InFlight is asked for: the test says
     model = build()
     ddp = dp.replicate(model, group, CAP)
+    check_finish_follows_a_send(ddp, group)
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=LR)
     forwards = []  # collectives issued before each micro-step's forward
     model.register_forward_pre_hook(lambda module, args: forwards.append(len(group.collectives.log)))
@@ -135,3 +152,50 @@ def test_accumulation_over_uneven_microbatches_equals_one_process(world_size, n_
                 f"sends only during the last one, {n_microbatches - 1} (your train_step: no_sync() around the others)")
         check_count_in_flight(where, counts, buckets, n_buckets, "your train_step")
 
+
+
+# --- the loss sum in float64 whatever the model's dtype ---------------------------------------------------
+
+class TokenLogits(torch.nn.Module):
+    """A float32 model whose every token's loss is a whole number: token t's logits are (0, -K_t), its target
+    is 1, so its cross-entropy is log(1 + exp(-K_t)) + K_t = K_t exactly in float32 (exp(-K_t) underflows to 0)."""
+
+    def __init__(self, costs: torch.Tensor):
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.stack([torch.zeros_like(costs), -costs], dim=1))
+
+    def forward(self, tokens):
+        return self.table[tokens]
+
+
+# 4 microbatches of one sequence of 11 tokens, each token's loss an odd whole number near 1.4 million: each
+# microbatch's summed loss is odd and under 2^24, so float32 holds it exactly (it is a sum of whole numbers,
+# every partial sum under 2^24, in any order); from the second micro-step on, the rank's sum passes 2^24, where
+# float32 holds only even numbers, and a float32 sum rounds. Float64 adds them exactly.
+WHOLE_BATCH, WHOLE_SEQ = 4, 11
+COSTS = 1_400_001 + 2 * torch.arange(WHOLE_BATCH * WHOLE_SEQ, dtype=torch.float32)  # odd, exact in float32
+
+
+def _float32_losses():
+    group = late_group()
+    model = TokenLogits(COSTS)
+    ddp = dp.replicate(model, group, CAP)
+    tokens = torch.arange(WHOLE_BATCH * WHOLE_SEQ).view(WHOLE_BATCH, WHOLE_SEQ)
+    targets = torch.ones_like(tokens)
+    loss = ts.train_step(ddp, model, tokens, targets, WHOLE_BATCH, torch.optim.SGD(ddp.parameters(), lr=0.0))
+    check_waited(group)
+    return loss
+
+
+@pytest.mark.exercises("train_step", "global_token_count")
+def test_the_loss_of_a_float32_model_is_summed_in_float64():
+    # Each micro-step's loss is exact in float32 here, and so is a float64 sum of them: the step's loss is
+    # sum(COSTS) / 44 to float64's last bit or two (we allow 1e-12 relative). A float32 running sum of the
+    # micro-steps' losses rounds to an even number past 2^24: off by about 1e-8 relative.
+    expected = sum(int(k) for k in COSTS) / COSTS.numel()
+    [loss] = run_ranks(_float32_losses, 1, timeout=60)
+    assert math.isclose(loss, expected, rel_tol=1e-12), (
+        f"a float32 model whose micro-steps' summed losses are whole numbers over 2^24 together: your train_step "
+        f"returned {loss!r}, the step's mean loss is {expected!r} (relative error {abs(loss / expected - 1):.1e}): "
+        f"loss_sum adds the micro-steps' losses in float64 whatever the model's dtype (a float32 sum past 2^24 "
+        f"keeps only even whole numbers)")

@@ -120,7 +120,10 @@ def _stages(mesh, n_microbatches, max_norm, cap):
             "kept": {"parameters": bytes_of_storages(model.parameters()), "gradients": bytes_of_storages(grads),
                      "optimizer": sum(state[k].nbytes for state in optimizer.state.values()
                                       for k in ("exp_avg", "exp_avg_sq"))},
-            "numels": [b.numel for b in ddp.buckets], "d": group.size, "axis": group.axis}
+            "numels": [b.numel for b in ddp.buckets], "d": group.size, "axis": group.axis, "index": group.index,
+            # where this rank's optimizer shards (views into the buckets' weights) start, and how long they are
+            "shards": [] if stage == 0 else [(s.storage_offset() - w.storage_offset(), s.numel(), w.numel())
+                                             for s, w in zip(ddp.parameters(), ddp.weights)]}
     return results
 
 
@@ -171,6 +174,13 @@ def test_zero_1_and_2_train_as_one_process_with_one_bucket_in_flight(config):
                                           f"process (tolerance {TOLERANCE:g}): DDP's path, your ready, your finish "
                                           f"or your train_step (test_14_data_parallel.py says more)")
                 continue
+            for k, (start, numel, padded) in enumerate(r["shards"]):
+                n = padded // r["d"]
+                assert (start, numel) == (r["index"] * n, n), (
+                    f"{where}: this rank's optimizer updates values {start} .. {start + numel - 1} of bucket {k}'s "
+                    f"{padded} weights; the reduce-scatter delivers member {r['index']} of {r['d']} (its group index) "
+                    f"the gradient of values {r['index'] * n} .. {(r['index'] + 1) * n - 1}, and the all-gather puts "
+                    f"its shard back there: your shard_range")
             if stage == 1:
                 gap_grads = max((a - b).abs().max().item() for a, b in zip(r["whole grads"], results[0]["whole grads"]))
                 assert gap_grads <= TOLERANCE, (
@@ -228,3 +238,49 @@ def test_zero_bytes_sent_and_kept_equal_the_formulas(config):
                 for key in set(got.sent) | set(want.sent))
             assert same, (f"{where}: a step sends {got.sent} in {got.calls} collectives, your traffic says "
                           f"{want.sent} in {want.calls} (buckets of {r['numels']} values)")
+
+
+# --- the clipping norm in float64 whatever the gradients' dtype -------------------------------------------
+
+def _float32_norms():
+    group = late_group()
+    results = {}
+    for stage in (1, 2):
+        model = m00.build_model(MLP).to(torch.float32)
+        ddp = dp.replicate(model, group, 3000, zero.ZeroDataParallel, stage=stage)
+        optimizer = torch.optim.AdamW(ddp.parameters(), lr=LR)
+        clip_of, seen = ddp.clip_grad_norm_, []
+
+        def clip(max_norm, clip_of=clip_of, seen=seen, ddp=ddp):
+            # this rank's squares, summed in float64 from the float32 shards it holds before clipping
+            mine = sum((ddp.grad_shard(k).double() ** 2).sum().item() for k in range(len(ddp.buckets)))
+            norm = clip_of(max_norm)
+            seen.append((mine, float(norm), norm.dtype if isinstance(norm, torch.Tensor) else type(norm)))
+            return norm
+        ddp.clip_grad_norm_ = clip
+        x, y = mlp_batch(0)
+        ts.train_step(ddp, model, x.float(), y, 1, optimizer, MAX_NORM)
+        check_waited(group)
+        results[stage] = seen
+    return results
+
+
+@pytest.mark.exercises("ZeroDataParallel.clip_grad_norm_", "ZeroDataParallel.step")
+def test_float32_gradients_clip_by_a_norm_summed_in_float64():
+    # The reference: the float32 shards every rank holds, squared and summed in float64 (by rank, then over
+    # ranks). A float64 sum of the same squares in another order differs by about 1e-16 relative; we allow
+    # 1e-12. A float32 sum of squares (or float32 squares) rounds at about 1e-8 relative.
+    runs = run_ranks(_float32_norms, 2, timeout=60)
+    for stage in (1, 2):
+        if not all(runs[rank][stage] for rank in range(2)):
+            continue  # ZeroDataParallel.step never called clip_grad_norm_: the float64 tests say so
+        expected = math.sqrt(sum(runs[rank][stage][0][0] for rank in range(2)))
+        for rank in range(2):
+            _, norm, dtype = runs[rank][stage][0]
+            where = f"rank {rank}, ZeRO-{stage}, float32 gradients"
+            assert math.isclose(norm, expected, rel_tol=1e-12), (
+                f"{where}: your clip_grad_norm_ returned {norm!r}, the norm of every rank's float32 shards summed in "
+                f"float64 is {expected!r} (relative error {abs(norm / expected - 1):.1e}, tolerance 1e-12): are the "
+                f"squares and their sums float64 whatever the gradients' dtype?")
+            assert dtype == torch.float64, (f"{where}: your clip_grad_norm_ returned a norm of {dtype}; the contract "
+                                            f"asks for a float64 0-d tensor")

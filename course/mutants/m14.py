@@ -130,7 +130,8 @@ PLANTS = [
 """,
           "the per-microbatch mean over m d: a token of a half-padded microbatch then weighs twice a token of a "
           "full one"),
-    Plant(STEP, "            loss.backward()\n", "            (loss / int(count.wait())).backward()\n",
+    Plant(STEP, "            loss.backward()\n        if sync:\n",
+          "            (loss / int(count.wait())).backward()\n        if sync:\n",
           "the loss divided twice: by the count in the backward, and the gradients again once it has arrived (N "
           "times too small; the count is also waited for before the backward)"),
     Plant(STEP, """    n_tokens = int(count.wait())  # the sums over ranks have arrived: now the step's mean
@@ -146,8 +147,9 @@ PLANTS = [
     for gradient in ddp.gradients():""", """\n    n_tokens = int(count.result)
     for gradient in ddp.gradients():""",
           "the count's collective never waited for: its tensor is read before the sum has arrived"),
-    Plant(STEP, "    for i, (x, y) in enumerate(zip(inputs.chunk(n_microbatches)",
-          "    n_tokens = int(count.wait())\n    for i, (x, y) in enumerate(zip(inputs.chunk(n_microbatches)",
+    Plant(STEP, "    for i, (x, y) in enumerate(zip(inputs.chunk(n_microbatches), targets.chunk(n_microbatches), strict",
+          "    n_tokens = int(count.wait())\n"
+          "    for i, (x, y) in enumerate(zip(inputs.chunk(n_microbatches), targets.chunk(n_microbatches), strict",
           "the count waited for before the first forward: right numbers, but the step blocks on it with nothing "
           "to hide it behind"),
     Plant(STEP, """        if sync:
@@ -179,6 +181,14 @@ PLANTS = [
           "a float32 count: not exact beyond 2^24 tokens, and 4 bytes on the wire where the formulas say 8"),
     Plant(STEP, "    count = (targets != IGNORE_INDEX).sum()\n", "    count = (targets != IGNORE_INDEX).sum().int()\n",
           "an int32 count: it overflows past 2^31 tokens, and it is 4 bytes on the wire where the formulas say 8"),
+    Plant(STEP, "    loss_sum = torch.zeros((), dtype=torch.float64)  # float64 whatever the model's dtype",
+          "    loss_sum = torch.zeros(())  # float64 whatever the model's dtype",
+          "the loss sum in the default dtype (float32): past 2^24 it keeps only even whole numbers, so the step's "
+          "logged loss rounds where the contract says float64", new=True),
+    Plant(STEP, "        loss_sum += loss.detach()\n    n_tokens = int(count.wait())",
+          "        loss_sum = loss_sum + loss.detach().float()\n    n_tokens = int(count.wait())",
+          "each micro-step's loss added in the model's dtype: the running sum becomes float32 and rounds past 2^24",
+          new=True),
     # --- module 06's Llama: what forward_backward divides by, and the count ----------------------------------
     Plant(STEP, "loss, grads = self.forward_backward(tok, tgt, 1)  # summed;",
           "loss, grads = self.forward_backward(tok, tgt)  # summed;",
@@ -203,12 +213,13 @@ PLANTS = [
 """, "",
           "the gradients forward_backward returns at the end (embedding, final norm, LM head) never handed to the "
           "buckets: their bucket is never sent"),
-    Plant(STEP, "            sync = i == n_microbatches - 1\n", "            sync = True\n",
+    Plant(STEP, "            sync = i == n_microbatches - 1\n            with contextlib.nullcontext() if sync else self.ddp",
+          "            sync = True\n            with contextlib.nullcontext() if sync else self.ddp",
           "module 06's Llama sending on every micro-step: the buckets already summed are summed again with the next "
           "micro-step's"),
     # --- ZeRO --------------------------------------------------------------------------------------------------
-    Plant(ZERO, "    return slice(index * size, (index + 1) * size)\n",
-          "    return slice((index + 1) % d * size, ((index + 1) % d + 1) * size)\n",
+    Plant(ZERO, "    size = padded_numel // d\n    return slice(index * size, (index + 1) * size)\n",
+          "    size = padded_numel // d\n    return slice((index + 1) % d * size, ((index + 1) % d + 1) * size)\n",
           "the optimizer shard off by one rank: each rank updates its neighbour's slice and all-gathers it into "
           "its own place"),
     Plant(ZERO, "        if self.stage == 1:\n            return super().launch(bucket)\n",
@@ -237,15 +248,25 @@ PLANTS = [
                 "                                      device=bucket.grads.device)\n",
           "        bucket.received = self.grad_shards[bucket.index]\n",
           "received straight into the gradient shard: land() adds it to itself, and micro-steps overwrite each other"),
-    Plant(ZERO, "        self.group.collectives.all_reduce(squares, label=\"grad norm\")\n", "",
+    Plant(ZERO, "        self.group.collectives.all_reduce(squares, label=\"grad norm\")\n        norm = squares.sqrt()\n",
+          "        norm = squares.sqrt()\n",
           "each rank clips by the norm of its own shards: every rank scales by a different factor"),
     Plant(ZERO, "        norm = squares.sqrt()\n", "        norm = squares\n",
           "the sum of squares taken for the norm: the norm is its square root"),
     Plant(ZERO, "        factor = torch.clamp(max_norm / (norm + 1e-6), max=1.0)\n",
           "        factor = max_norm / (norm + 1e-6)\n",
           "clipping that also scales up: a norm below max_norm must be left alone"),
-    Plant(ZERO, "        return norm\n", "        return norm * factor\n",
+    Plant(ZERO, "            self.grad_shard(k).mul_(factor.to(self.grad_shard(k).dtype))\n        return norm\n",
+          "            self.grad_shard(k).mul_(factor.to(self.grad_shard(k).dtype))\n        return norm * factor\n",
           "the norm after clipping returned: clip_grad_norm_ returns the norm the gradients had before it"),
+    Plant(ZERO, "            squares += (self.grad_shard(k).double() ** 2).sum()\n",
+          "            squares += (self.grad_shard(k) ** 2).sum()\n",
+          "the squares summed in the gradients' dtype: float32 shards give a norm good to about 1e-7, where the "
+          "contract says float64 whatever the gradients' dtype", new=True),
+    Plant(ZERO, "        squares = torch.zeros((), dtype=torch.float64)\n",
+          "        squares = torch.zeros((), dtype=self.grad_shard(0).dtype)\n",
+          "the sum of squares kept in the gradients' dtype: float32 for float32 gradients, and the norm returned "
+          "is float32 where the contract says a float64 0-d tensor", new=True),
     Plant(ZERO, """        works = [self.group.collectives.all_gather(self.weights[k], shard, label=f"weights {k}", async_op=True)
                  for k, shard in enumerate(self.shards)]
         for work in works:
