@@ -52,13 +52,14 @@ from course.simulate import peak_live
 from .m06_llama_block import LlamaConfig
 from .m10_recompute import ABS_MAXES, LINEAR_INPUTS, activation_bytes as layer_activation_bytes
 from .m11_generators import make_schedule
-from .m12_tp_costs import tp_traffic
+from .m12_tp_costs import STREAM_NAMES, tp_traffic
 from .m12_tp_linear import grad_dtype
 from .m14_costs import state as zero_state, traffic as zero_traffic
 from .m15_costs import attention_buffer_bytes, cp_traffic
 from .m16_costs import state_bytes as moe_state, step_cost as moe_step_cost
 from .m17_costs import fsdp_memory, fsdp_traffic, replicated_cost
-from .m18_layout import (DROPPED, Layout, Precision, attention_view, bucket_numels, data_axis, rank_parameters,
+from .m18_layout import (DROPPED, Layout, Precision, attention_view, bucket_numels, data_axis, outer_tables,
+                         rank_parameters,
                          sequence_config, stage_config, stages_per_rank)
 from .m18_presets import Model
 
@@ -233,10 +234,11 @@ def data_cost(model: Model, layout: Layout, batch: int, precision: Precision) ->
     #         optimizer = 12 values if precision.master else 2 values b;  return cost with memory "optimizer" set
     b = dtype.itemsize
     if layout.zero == 3:
+        first, last, blocks = outer_tables(model, layout)
         sizes = {"d": layout.d, "c": layout.c, "t": layout.t}
-        outside = replicated_cost(cfg, sizes, dtype)
-        cost = (only(fsdp_traffic(cfg, sizes, dtype, cfg.n_layers) + outside, "dc", n, axis)
-                + fsdp_memory(cfg, sizes, dtype, cfg.n_layers) + StepCost(memory=outside.memory))
+        outside = replicated_cost(cfg, sizes, dtype, first, last)
+        cost = (only(fsdp_traffic(cfg, sizes, dtype, blocks) + outside, "dc", n, axis)
+                + fsdp_memory(cfg, sizes, dtype, blocks) + StepCost(memory=outside.memory))
         values = cost.memory["parameters"] // b
     else:
         micro_steps, kept = (1, 1) if layout.reduce_once else (m, layout.zero)
@@ -282,7 +284,7 @@ def axes_cost(model: Model, layout: Layout, batch: int, precision: Precision) ->
     # Hint 3: cost = only(tp_traffic(...), "t", t) + only(cp_traffic(...), "c", c)
     #         if model.moe is not None: cost += only(exchange_cost(...), "e", e)
     #         return cost + pipeline_sends(model, layout, batch, precision)
-    cost = (only(tp_traffic(seq, {"t": t}, batch // d, dtype, m, sequence_parallel=True), "t", t)
+    cost = (only(tp_traffic(seq, {"t": t}, batch // d, dtype, m, sequence_parallel=layout.sequence_parallel), "t", t)
             + only(cp_traffic(attention_view(stage, t), batch, model.cfg.max_seq_len, dtype, c, layout.cp, d, m,
                               adjoint=True), "c", c))
     if model.moe is not None:
@@ -321,7 +323,8 @@ def activation_bytes(model: Model, layout: Layout, batch: int, precision: Precis
     for name, size in by_name.items():
         if name in DROPPED[layout.recompute]:
             continue
-        size //= layout.t
+        if layout.sequence_parallel or name not in STREAM_NAMES:
+            size //= layout.t
         if layout.fp8 and name in LINEAR_INPUTS:
             size = size // dtype.itemsize + 4
         block += size
@@ -338,7 +341,7 @@ def rank_cost(model: Model, layout: Layout, batch: int, precision: Precision) ->
     the layouts that share them: a search evaluates hundreds of thousands."""
     L = layout
     shared = (model, batch, precision, L.p, L.d, L.c, L.t, L.e, L.m)
-    weights, axes = (*shared, L.zero, L.reduce_once), (*shared, L.schedule, L.v, L.cp)
+    weights, axes = (*shared, L.zero, L.reduce_once), (*shared, L.schedule, L.v, L.cp, L.sequence_parallel)
     if weights not in _WEIGHTS:
         _WEIGHTS[weights] = data_cost(model, layout, batch, precision)
     if axes not in _AXES:
@@ -346,7 +349,7 @@ def rank_cost(model: Model, layout: Layout, batch: int, precision: Precision) ->
     key = (weights, axes)
     if key not in _TRAFFIC:
         _TRAFFIC[key] = _WEIGHTS[weights] + _AXES[axes][0]
-    kept = (*shared, L.schedule, L.v, L.recompute, L.fp8, L.attention)
+    kept = (*shared, L.schedule, L.v, L.recompute, L.fp8, L.attention, L.sequence_parallel)
     if kept not in _ACTIVATIONS:
         _ACTIVATIONS[kept] = activation_bytes(model, layout, batch, precision)
     traffic = _TRAFFIC[key]
