@@ -44,7 +44,7 @@ def cmd_list(args=None):
     print(f"{'module':<7} {'ranks':>5}  {'your TODOs':>10}  {'hints: none/≤2/3':>16}  title")
     for m in MODULES.values():
         seen = "" if m.is_given() else "?" if shown is None else hints_seen(m, shown).compact()
-        print(f"{m.number:<7} {m.world_size:>5}  {m.status(steps_dir()):>10}  {seen:>16}  {m.title}")
+        print(f"{m.number:<7} {m.ranks:>5}  {m.status(steps_dir()):>10}  {seen:>16}  {m.title}")
 
 
 def cmd_tour(args):
@@ -52,7 +52,7 @@ def cmd_tour(args):
     cmd_list()
     for number in TOUR:
         m = MODULES[number]
-        print(f"\n=== module {number}: {m.title} ({m.world_size} rank{'s' * (m.world_size > 1)}, reference solution)")
+        print(f"\n=== module {number}: {m.title} ({m.ranks} rank{'s' * (m.ranks > 1)}, reference solution)")
         cmd_run(parse(["run", number, "--impl", "solutions"]))
     print("\nNext: read docs/00-monolith.md and docs/01-manual-split.md, fill in steps/m01_manual_split.py,"
           "\nthen `python main.py grade 01`. `python main.py --help` lists the commands.")

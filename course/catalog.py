@@ -17,8 +17,14 @@ from course.skeleton import count_todos, has_solution_blocks, todo_blocks
 class Module:
     number: str              # "05"
     title: str
-    world_size: int          # ranks `run` starts by default; 1 is a single-process module
+    world_size: int          # ranks `run` forks by default; 1 is a single-process module
     files: tuple[str, ...]   # its files in solutions/ and steps/, in reading (and build) order
+    torchrun_ranks: int = 0  # ranks its demo starts under torchrun itself (module 19's default mesh), else 0
+
+    @property
+    def ranks(self) -> int:
+        """The ranks `python main.py run NN` trains on by default, however they are started."""
+        return self.torchrun_ranks or self.world_size
 
     @property
     def demo(self) -> str:
@@ -94,5 +100,5 @@ MODULES = {m.number: m for m in [
            1, ("m18_presets", "m18_layout", "m18_costs", "m18_step_time", "m18_search")),
     Module("19", "Training through failures: detect a dead, hung or slow rank, restart without losing or repeating data, "
            "save asynchronously, checkpoint at the interval that maximises goodput", 1,
-           ("m19_detect", "m19_data", "m19_async_checkpoint", "m19_resilient", "m19_goodput")),
+           ("m19_detect", "m19_data", "m19_async_checkpoint", "m19_resilient", "m19_goodput"), torchrun_ranks=4),
 ]}

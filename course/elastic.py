@@ -305,25 +305,41 @@ def stop(agent: subprocess.Popen, events: Events):
 class Killer(threading.Thread):
     """Ends a random rank (seeded) `every` seconds into each attempt's training (counted from the attempt's
     first step, so that each attempt makes progress), `failures` times: SIGKILL, or with `hang` SIGUSR2 (the
-    rank stops, alive and silent). Each kill is logged as a "kill" event."""
+    rank stops, alive and silent). With `after_steps` the kill lands once the attempt has logged that many
+    steps instead: a test must not depend on how fast the machine is (a fast one finishes a short job before
+    any wall-clock deadline). Each kill is logged as a "kill" event."""
 
-    def __init__(self, events: Events, nproc: int, every: float, failures: int, hang: bool, seed: int):
+    def __init__(self, events: Events, nproc: int, every: float, failures: int, hang: bool, seed: int,
+                 after_steps: int | None = None):
         super().__init__(name="killer", daemon=True)
         self.events, self.nproc, self.every, self.failures, self.hang = events, nproc, every, failures, hang
+        self.after_steps = after_steps
         self.rng, self.done = random.Random(seed), threading.Event()
 
     def run(self):
         for _ in range(self.failures):
             attempt, began = self._next_attempt_training()
-            if attempt is None or self.done.wait(self.every - (time.time() - began)):
+            if attempt is None or not self._wait_for_the_moment(attempt, began):
                 return
             rank = self.rng.randrange(self.nproc)
             pids = {e["rank"]: e["pid"] for e in self.events.read() if e["event"] == "start" and e["attempt"] == attempt}
-            steps = [e["step"] for e in self.events.read() if e["event"] == "step" and e["attempt"] == attempt]
+            steps = self._steps_of(attempt)
             how = signal.SIGUSR2 if self.hang else signal.SIGKILL
             with contextlib.suppress(ProcessLookupError, KeyError):
                 os.kill(pids[rank], how)
                 self.events.log("kill", rank=rank, attempt=attempt, signal=how.name, after_step=max(steps, default=0))
+
+    def _steps_of(self, attempt: int) -> list[int]:
+        return [e["step"] for e in self.events.read() if e["event"] == "step" and e["attempt"] == attempt]
+
+    def _wait_for_the_moment(self, attempt: int, began: float) -> bool:
+        """True when it is time to kill `attempt`; False when the killer was told it is done."""
+        if self.after_steps is None:
+            return not self.done.wait(self.every - (time.time() - began))
+        while len(self._steps_of(attempt)) < self.after_steps:
+            if self.done.wait(0.01):
+                return False
+        return True
 
     def _next_attempt_training(self):
         """(attempt, when its first step was logged) for an attempt not yet killed, or (None, None) when done."""

@@ -98,7 +98,8 @@ def _uninterrupted_job(job, root):
 @pytest.mark.exercises(*TODOS)
 def test_under_torchrun_a_killed_job_restarts_and_computes_the_uninterrupted_losses(tmp_path):
     # torchrun --max-restarts 2, c10d rendezvous (a store per attempt), 2 ranks; the killer SIGKILLs a random rank
-    # 2 s into each attempt's training, twice. Float64: the last attempt's losses equal a forked uninterrupted run's.
+    # 12 steps into each attempt's training (steps, not seconds: a fast machine ends a short job before any
+    # wall-clock deadline), twice. Float64: the last attempt's losses equal a forked uninterrupted run's.
     from course.elastic import Events, Job, Killer, torchrun
     job = Job(mesh={"d": 2}, dim=32, layers=2, seq_len=32, batch=8, microbatches=2, steps=60, every=5,
               dtype="float64")
@@ -108,7 +109,7 @@ def test_under_torchrun_a_killed_job_restarts_and_computes_the_uninterrupted_los
     job.save(run_dir)
     events = Events(run_dir / "events.jsonl")
     with torchrun(run_dir, 2, 2, os.environ.get("COURSE_IMPL", "solutions")) as agent:
-        killer = Killer(events, 2, 2.0, 2, False, seed=19)
+        killer = Killer(events, 2, 2.0, 2, False, seed=19, after_steps=12)
         killer.start()
         try:
             agent.wait(timeout=400)

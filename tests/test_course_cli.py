@@ -1,5 +1,6 @@
 """main.py: bad arguments are refused before any process starts; run works with and without torchrun."""
 import json
+import math
 import os
 import re
 import shlex
@@ -193,6 +194,7 @@ DEMOS = [
      r"^Bytes rank 0 sends per step over 'c' by send: .* -> equal$"),
     ("16", ["--nproc", "4", "--steps", "2"], r"^  all_to_all over +e: .* -> equal$"),
     # 17: test_a_resumed_run_keeps_the_earlier_validation_losses_and_says_it_redrew_the_plot runs it twice.
+    # 19 (torchrun with restarts, minutes): tests/test_19_resilient.py::test_run_19_tells_each_failure, marked long.
 ]
 FAILED = ("MISMATCH", "DIFFERENT", ": False", ": NO")  # what the demos print when a check fails
 
@@ -329,6 +331,18 @@ def test_list_and_torchrun():
                           "--impl", "solutions"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "logits equal the monolith's bit for bit: True" in run.stdout
+
+
+def test_list_shows_the_ranks_a_demo_starts_under_torchrun_itself():
+    # Module 19's demo starts torchrun on its --mesh (the catalog forks one process): list shows the mesh's ranks.
+    import argparse
+
+    from course.catalog import MODULES
+    from course.demos import m19
+    from course.mesh import parse_mesh
+    parser = argparse.ArgumentParser()
+    m19.add_args(parser)
+    assert MODULES["19"].ranks == math.prod(parse_mesh(parser.parse_args([]).mesh).values())
 
 
 def test_nproc_must_agree_with_torchrun(monkeypatch, capsys):
