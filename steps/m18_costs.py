@@ -1,5 +1,5 @@
 # Generated from solutions/m18_costs.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 18`. (skeleton 6b8b6871b119)
+# Grade your work with `python main.py grade 18`. (skeleton b9db0782a000)
 """Module 18, part 3 - what one rank keeps and sends in one step of a layout: the modules' own
 formulas, each evaluated on the share of the model and of the batch that the other axes leave it,
 and summed over the axes with `+` (course/costs.py's StepCost).
@@ -54,13 +54,14 @@ from course.simulate import peak_live
 from .m06_llama_block import LlamaConfig
 from .m10_recompute import ABS_MAXES, LINEAR_INPUTS, activation_bytes as layer_activation_bytes
 from .m11_generators import make_schedule
-from .m12_tp_costs import tp_traffic
+from .m12_tp_costs import STREAM_NAMES, tp_traffic
 from .m12_tp_linear import grad_dtype
 from .m14_costs import state as zero_state, traffic as zero_traffic
 from .m15_costs import attention_buffer_bytes, cp_traffic
 from .m16_costs import state_bytes as moe_state, step_cost as moe_step_cost
 from .m17_costs import fsdp_memory, fsdp_traffic, replicated_cost
-from .m18_layout import (DROPPED, Layout, Precision, attention_view, bucket_numels, data_axis, rank_parameters,
+from .m18_layout import (DROPPED, Layout, Precision, attention_view, bucket_numels, data_axis, outer_tables,
+                         rank_parameters,
                          sequence_config, stage_config, stages_per_rank)
 from .m18_presets import Model
 
@@ -274,7 +275,7 @@ def rank_cost(model: Model, layout: Layout, batch: int, precision: Precision) ->
     the layouts that share them: a search evaluates hundreds of thousands."""
     L = layout
     shared = (model, batch, precision, L.p, L.d, L.c, L.t, L.e, L.m)
-    weights, axes = (*shared, L.zero, L.reduce_once), (*shared, L.schedule, L.v, L.cp)
+    weights, axes = (*shared, L.zero, L.reduce_once), (*shared, L.schedule, L.v, L.cp, L.sequence_parallel)
     if weights not in _WEIGHTS:
         _WEIGHTS[weights] = data_cost(model, layout, batch, precision)
     if axes not in _AXES:
@@ -282,7 +283,7 @@ def rank_cost(model: Model, layout: Layout, batch: int, precision: Precision) ->
     key = (weights, axes)
     if key not in _TRAFFIC:
         _TRAFFIC[key] = _WEIGHTS[weights] + _AXES[axes][0]
-    kept = (*shared, L.schedule, L.v, L.recompute, L.fp8, L.attention)
+    kept = (*shared, L.schedule, L.v, L.recompute, L.fp8, L.attention, L.sequence_parallel)
     if kept not in _ACTIVATIONS:
         _ACTIVATIONS[kept] = activation_bytes(model, layout, batch, precision)
     traffic = _TRAFFIC[key]

@@ -1,5 +1,5 @@
 # Generated from solutions/m18_search.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 18`. (skeleton 85106b6d3dae)
+# Grade your work with `python main.py grade 18`. (skeleton 63b9297f876c)
 """Module 18, part 5 - the search: every layout of R GPUs costed, those that fit ranked by step time.
 
 `candidates` (given) lists the layouts a model can run on R GPUs: every mesh p x d x c x t with
@@ -89,7 +89,8 @@ def candidates(model: Model, gpus: int, batch: int, gpu: GPU, fixed: dict | None
                             for v in vs:
                                 for cp in (CONTEXT_VARIANTS if c > 1 else ("allgather",)):
                                     base = Layout(p, d, c, t, e, schedule=schedule, m=m, cp=cp, v=v,
-                                                  attention=fixed.get("attention", "flash"))
+                                                  attention=fixed.get("attention", "flash"),
+                                                  sequence_parallel=fixed.get("sequence_parallel", True))
                                     if any(getattr(base, k) != val for k, val in fixed.items() if k not in choices
                                            and k != "reduce_once"):
                                         continue
@@ -102,7 +103,7 @@ def candidates(model: Model, gpus: int, batch: int, gpu: GPU, fixed: dict | None
                                     except ValueError:
                                         continue
                                     found += [Layout(p, d, c, t, e, zero, schedule, m, recompute, fp8, cp, once, v,
-                                                     base.attention)
+                                                     base.attention, base.sequence_parallel)
                                               for zero, once in choices["zero"] if fixed.get("zero", zero) == zero
                                               and fixed.get("reduce_once", once) == once
                                               and not (zero == 2 and not once and p > 1)

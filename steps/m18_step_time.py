@@ -1,5 +1,5 @@
 # Generated from solutions/m18_step_time.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 18`. (skeleton 83e99f9e2b59)
+# Grade your work with `python main.py grade 18`. (skeleton 11014f0ed40e)
 """Module 18, part 4 - how long a step takes: a stated model, not a measurement.
 
 Bytes and memory (m18_costs) are what the modules measured equal to their formulas; time is not,
@@ -57,6 +57,7 @@ from . import m11_generators
 import torch
 
 from .m07_payload import block_matrix_params
+from .m12_tp_costs import STREAM_NAMES
 from .m18_costs import layer_activations
 from .m18_layout import DROPPED, Layout, stages_per_rank
 from .m18_presets import GPU, Model
@@ -178,7 +179,8 @@ def compute_times(model: Model, layout: Layout, batch: int, gpu: GPU, time_model
     the layouts that compute alike (a search asks for the same ones many times)."""
     L = layout
     return _compute_times(model, Layout(L.p, L.d, L.c, L.t, L.e, m=L.m, recompute=L.recompute, fp8=L.fp8,
-                                        attention=L.attention), batch, gpu, time_model)
+                                        attention=L.attention, sequence_parallel=L.sequence_parallel),
+                          batch, gpu, time_model)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -192,8 +194,11 @@ def _compute_times(model: Model, layout: Layout, batch: int, gpu: GPU, time_mode
     # the element-wise kernels between them (norms, activation, residual adds, RoPE): each activation module 10
     # counts written once and read once forward, twice that backward; the recompute rewrites what it dropped
     by_name = layer_activations(model, batch // (layout.d * layout.m), cfg.max_seq_len // layout.c, torch.bfloat16)
-    written = 2 * sum(by_name.values()) / layout.t / gpu.bandwidth
-    rewritten = 2 * sum(by_name.get(name, 0) for name in DROPPED[layout.recompute]) / layout.t / gpu.bandwidth
+    # (without sequence parallelism every t rank runs the residual stream's kernels on the whole stream)
+    split = {name: 1 if name in STREAM_NAMES and not layout.sequence_parallel else layout.t for name in by_name}
+    written = 2 * sum(size / split[name] for name, size in by_name.items()) / gpu.bandwidth
+    rewritten = 2 * sum(by_name[name] / split[name] for name in DROPPED[layout.recompute] if name in by_name) / \
+        gpu.bandwidth
     head = gemm_time(rows, cfg.dim, cfg.vocab_size // layout.t, gpu, time_model)
     forward = sum(time.values()) + written
     backward = 2 * (forward - time["attention"]) + attention_backward + \
