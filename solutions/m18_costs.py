@@ -336,12 +336,14 @@ def activation_bytes(model: Model, layout: Layout, batch: int, precision: Precis
 
 def rank_cost(model: Model, layout: Layout, batch: int, precision: Precision) -> StepCost:
     """Everything one rank keeps and sends in one step of `layout`: the sum over the axes (given).
-    Each part depends on a few of the layout's choices only (the weights' part not on the schedule,
-    the axes' not on the ZeRO stage, neither on the recompute option), so it is computed once for all
-    the layouts that share them: a search evaluates hundreds of thousands."""
+    Each part depends on a few of the layout's choices only (the weights' part on the schedule only
+    through the blocks and tables its rank holds, outer_tables; the axes' not on the ZeRO stage, neither
+    on the recompute option), so it is computed once for all the layouts that share them: a search
+    evaluates hundreds of thousands."""
     L = layout
     shared = (model, batch, precision, L.p, L.d, L.c, L.t, L.e, L.m)
-    weights, axes = (*shared, L.zero, L.reduce_once), (*shared, L.schedule, L.v, L.cp, L.sequence_parallel)
+    weights = (*shared, L.zero, L.reduce_once, outer_tables(model, layout))
+    axes = (*shared, L.schedule, L.v, L.cp, L.sequence_parallel)
     if weights not in _WEIGHTS:
         _WEIGHTS[weights] = data_cost(model, layout, batch, precision)
     if axes not in _AXES:

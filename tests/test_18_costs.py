@@ -283,6 +283,21 @@ def test_activations_are_module_10s_kept_bytes_for_every_recompute_option(fp8):
     assert got == want, f"fp8={fp8}: by recompute option, module 10 keeps {want}, the plan says {got}"
 
 
+@pytest.mark.exercises("data_cost")
+def test_rank_costs_memory_keeps_apart_layouts_whose_ranks_hold_different_blocks():
+    # 4 blocks on p = 2: v = 2 gives the last rank 2 blocks and the head, a V schedule puts both tables on one
+    # rank: the weights' part must be costed for each, however rank_cost's memory of earlier parts is keyed
+    costs.forget()
+    for schedule, v in (("interleaved", 2), ("1f1b", 2), ("zbv", 2)):
+        layout = Layout(p=2, d=2, zero=1, schedule=schedule, m=4, v=v)
+        got = costs.rank_cost(TINY, layout, BATCH, layouts.COURSE)
+        want = costs.data_cost(TINY, layout, BATCH, layouts.COURSE)
+        assert got.sent_bytes("d") == want.sent_bytes("d") and got.memory["parameters"] == want.memory["parameters"], (
+            f"{layout}: rank_cost gives {got.sent_bytes('d')} bytes over d and {got.memory['parameters']} of "
+            f"parameters, data_cost {want.sent_bytes('d')} and {want.memory['parameters']}")
+    costs.forget()
+
+
 @pytest.mark.exercises("activation_bytes")
 @pytest.mark.parametrize("sequence_parallel", [True, False])
 def test_activations_over_t_are_module_12s_with_and_without_sequence_parallelism(sequence_parallel):
