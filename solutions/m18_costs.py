@@ -225,8 +225,8 @@ def data_cost(model: Model, layout: Layout, batch: int, precision: Precision) ->
     #             for (numels, group, size) in ((dense, axis, n), (experts, "ed", n // e)) with numels:
     #                 buckets = bucket_numels(tuple(numels), dtype); state = zero_state(buckets, b, size, kept)
     #                 cost += only(zero_traffic(buckets, b, size, zero, micro_steps, axis=group), group, size) + state
-    #                 values += state.memory["optimizer"] // (2 * b)
-    #         optimizer = 12 * values if precision.master else 2 * values * b; return cost with memory "optimizer" set
+    #                 values += state.memory["optimizer"] // (2 b)
+    #         optimizer = 12 values if precision.master else 2 values b; return cost with memory "optimizer" set
     b = dtype.itemsize
     if layout.zero == 3:
         first, last, blocks = outer_tables(model, layout)
@@ -276,8 +276,8 @@ def axes_cost(model: Model, layout: Layout, batch: int, precision: Precision) ->
     #   m and the adjoint backward; each restricted to its own axis; e and p as given.
     # Hint 3: cost = only(tp_traffic(seq, {"t": t}, batch // d, dtype, m,
     #                                sequence_parallel=layout.sequence_parallel), "t", t)
-    #         cost += only(cp_traffic(attention_view(stage, t), batch, model.cfg.max_seq_len, dtype, c, layout.cp, d, m,
-    #                                 adjoint=True), "c", c)
+    #         view = attention_view(stage, t)   (the heads a tensor rank holds)
+    #         cost += only(cp_traffic(view, batch, model.cfg.max_seq_len, dtype, c, layout.cp, d, m, adjoint=True), "c", c)
     #         if model.moe is not None: cost += only(exchange_cost(model, layout, batch, precision), "e", e)
     #         return cost + pipeline_sends(model, layout, batch, precision)
     cost = (only(tp_traffic(seq, {"t": t}, batch // d, dtype, m, sequence_parallel=layout.sequence_parallel), "t", t)

@@ -138,8 +138,8 @@ def search(model: Model, gpus: int, batch: int, gpu: GPU, precision: Precision =
     #             if planned.memory > budget: closest = planned if it keeps less than closest; continue
     #             planned.time = step_time(model, layout, batch, gpu, planned.cost, time_model)
     #             if layout.family not in best or planned.time.step < best[layout.family].time.step: best[...] = planned
-    #         fits = sorted(best.values(), key=lambda q: (q.time.step, q.memory))
-    #         return Plan(fits, None if fits else closest, len(layouts))
+    #         fits = best's values sorted by (step time, memory)
+    #         return Plan(fits, closest only if fits is empty, len(layouts))
     best, closest = {}, None
     for layout in layouts:
         planned = Planned(layout, rank_cost(model, layout, batch, precision))

@@ -127,7 +127,7 @@ def gemm_time(rows: int, inner: int, cols: int, gpu: GPU, time_model: TimeModel,
     # Hint 2: FLOPs = two per (row, inner, column); bytes = a byte count per operand value times both operands'
     #   values (1 with fp8, else 2) + 2 bytes per result value; peak = Φ of the operands' dtype.
     # Hint 3: operand = 1 if fp8 else 2
-    #         return roofline(2 * rows * inner * cols, operand * (rows * inner + inner * cols) + 2 * rows * cols,
+    #         return roofline(2 rows inner cols, operand (rows inner + inner cols) + 2 rows cols,
     #                         gpu.fp8 if fp8 else gpu.bf16, gpu, time_model)
     operand = 1 if fp8 else 2
     return roofline(2 * rows * inner * cols, operand * (rows * inner + inner * cols) + 2 * rows * cols,
@@ -283,7 +283,7 @@ def step_time(model: Model, layout: Layout, batch: int, gpu: GPU, cost, time_mod
     #         bubble = 0.0 if p == 1 else float(bubble_formula(layout.schedule, layout.p, layout.m,
     #                                                           stages_per_rank=stages_per_rank(layout)))
     #         by_op[op] += calls * alpha + bytes / bandwidth for each (axis, op) with axis in HIDDEN_AXES
-    #         exposed = sum(seconds - min(time_model.hidden * seconds, hiding_window(op, layout, forward, backward)))
+    #         exposed = Σ over by_op of seconds - min(time_model.hidden seconds, hiding_window(op, layout, forward, backward))
     #         return StepTime((compute + sum(comm.get(a, 0.0) for a in EXPOSED_AXES)) / (1 - bubble) + exposed, ...)
     comm, by_op = {}, {}
     for axis in {axis for axis, _ in (*cost.sent, *cost.calls)}:

@@ -501,7 +501,7 @@ FORBIDDEN = {
         ],
         "axes_cost": [
             code("tp_traffic(seq, {\"t\": t}, batch // d", "tp_traffic(seq, {'t': t}, batch // d"),
-            code("cp_traffic(attention_view(stage, t), batch, model.cfg.max_seq_len"),
+            code("adjoint=True"),
         ],
         "activation_bytes": [
             code("if layout.sequence_parallel or name not in STREAM_NAMES"),
@@ -509,18 +509,16 @@ FORBIDDEN = {
         ],
         "gemm_time": [
             ("2 rows inner cols", "2 m n k", "2mnk", "two per (row, inner, column)"),
-            code("2 * rows * inner * cols"),
-            code("rows * inner + inner * cols", "rows inner + inner cols", "m k + k n + m n", "(mk + kn + mn)",
-                 "(rows + cols) inner + rows cols"),
+            ("rows inner + inner cols", "rows * inner + inner * cols", "m k + k n + m n", "(mk + kn + mn)",
+             "(rows + cols) inner + rows cols"),
         ],
         "step_time": [
             ("τ - min(hidden τ, w)", "min(hidden τ_op, w_op)", "tau - min(0.8 tau"),
-            code("seconds - min(time_model.hidden * seconds", "min(hidden * seconds", "- min(hidden"),
+            code("seconds - min(time_model.hidden", "min(hidden * seconds", "- min(hidden"),
             code("cost.n_calls(axis) * alpha"),
         ],
         "search": [
             code("layout.family not in best", "key not in best"),
-            code("None if fits else closest"),
         ],
     },
 }
