@@ -1,5 +1,5 @@
 # Generated from solutions/m18_layout.py by `python -m course.skeleton`. Given code: nothing
-# to fill in here; read it, then run it with `python main.py run 18`. (skeleton bdbe8c1e30f6)
+# to fill in here; read it, then run it with `python main.py run 18`. (skeleton a930a598406f)
 """Module 18, part 2 - a layout (given): how R = p d c t GPUs train one model, and the share of the
 model and of the batch that each axis leaves to one rank.
 
@@ -173,7 +173,7 @@ def outer_tables(model: Model, layout: Layout) -> tuple[bool, bool, int]:
     most weights: with p = 1 all of them; with a pipeline the first rank (the embedding and v stages of
     ⌈L/(p v)⌉ blocks) or the last (the head and the norm, and as many blocks fewer as the p v stages have to
     spare: Llama 3's 126 blocks on 16 ranks leave 2), and on a V schedule (zbv, dualpipev: stages r and 2p-1-r
-    on rank r) the first holds both ends. The embedding and the head are equal tables, so this is the rank
+    on rank r) the first holds both ends, or a middle rank holds more when its blocks outweigh them. The embedding and the head are equal tables, so this is the rank
     with the most blocks, the head's side on a tie (its norm)."""
     L, p = model.cfg.n_layers, layout.p
     if p == 1:
@@ -181,8 +181,10 @@ def outer_tables(model: Model, layout: Layout) -> tuple[bool, bool, int]:
     v = stages_per_rank(layout)
     blocks = v * -(-L // (p * v))
     fewer = blocks - min(p * blocks - L, blocks)
-    if layout.schedule in V_SHAPED:
-        return True, True, fewer
+    if layout.schedule in V_SHAPED:   # rank 0: stages 0 and p v - 1; a middle rank: v stages of ⌈L/(p v)⌉ blocks
+        per_stage = -(-L // (p * v))
+        ends, middle = (True, True, per_stage + max(L - (p * v - 1) * per_stage, 0)), (False, False, v * per_stage)
+        return max(ends, middle, key=lambda held: sum(map(sum, _rank_parameters(model, *held, layout.t, layout.e))))
     return (True, False, blocks) if fewer < blocks else (False, True, blocks)
 
 

@@ -108,6 +108,18 @@ def renamed(cost: StepCost, sizes) -> dict:
     return out
 
 
+@pytest.mark.exercises("axes_cost")
+@pytest.mark.parametrize("sequence_parallel", [True, False])
+def test_the_t_traffic_is_module_12s_with_and_without_sequence_parallelism(sequence_parallel):
+    layout = Layout(d=2, t=2, m=M, sequence_parallel=sequence_parallel)
+    got = costs.axes_cost(TINY, layout, BATCH, layouts.COURSE)
+    want = m12.tp_traffic(CFG, {"t": 2}, BATCH // 2, torch.float32, M, sequence_parallel=sequence_parallel)
+    got = {op: got.sent_bytes("t", op) for op in ("all_gather", "reduce_scatter", "all_reduce")}
+    want = {op: want.sent_bytes("t", op) for op in ("all_gather", "reduce_scatter", "all_reduce")}
+    assert got == want, (f"t = 2, sequence_parallel={sequence_parallel}: module 12's formula sends {want} over t, "
+                         f"your axes_cost {got}")
+
+
 @pytest.mark.exercises("data_cost", "axes_cost")
 @pytest.mark.parametrize("name", ["d2 t2", "d2 c2"])
 def test_the_plan_equals_what_module_17s_run_measured(measured, name):
@@ -308,18 +320,6 @@ def test_activations_over_t_are_module_12s_with_and_without_sequence_parallelism
     ratio = "" if not want else f" ({got / want:.2f} times module 12's)"
     assert got == want, (f"t = 2, sequence_parallel={sequence_parallel}: module 12's block keeps {want}, your "
                          f"activation_bytes says {got}{ratio}: which of the block's tensors does each t rank keep whole?")
-
-
-@pytest.mark.exercises("axes_cost")
-@pytest.mark.parametrize("sequence_parallel", [True, False])
-def test_the_t_traffic_is_module_12s_with_and_without_sequence_parallelism(sequence_parallel):
-    layout = Layout(d=2, t=2, m=M, sequence_parallel=sequence_parallel)
-    got = costs.axes_cost(TINY, layout, BATCH, layouts.COURSE)
-    want = m12.tp_traffic(CFG, {"t": 2}, BATCH // 2, torch.float32, M, sequence_parallel=sequence_parallel)
-    got = {op: got.sent_bytes("t", op) for op in ("all_gather", "reduce_scatter", "all_reduce")}
-    want = {op: want.sent_bytes("t", op) for op in ("all_gather", "reduce_scatter", "all_reduce")}
-    assert got == want, (f"t = 2, sequence_parallel={sequence_parallel}: module 12's formula sends {want} over t, "
-                         f"your axes_cost {got}")
 
 
 @pytest.mark.exercises("activation_bytes")
