@@ -256,7 +256,7 @@ def print_published(presets, search, layout, step_time, costs):
                            step_time.model_flops(model, model.batch, full_attention=True) / tokens]
         published = [run.tflops * 1e12 / flops for flops in conventions]
         own = search.search(model, run.gpus, model.batch, run.gpu, layout.MIXED, time_model, {**run.layout, "fp8": False})
-        software = {key: run.layout[key] for key in ("attention",) if key in run.layout}   # the run's kernels
+        software = {key: run.layout[key] for key in ("attention", "sequence_parallel") if key in run.layout}   # the run's kernels
         top = search.search(model, run.gpus, model.batch, run.gpu, layout.MIXED, time_model, {"fp8": False, **software})
         costs.forget()
         if not own.fits or not top.fits:

@@ -52,13 +52,14 @@ from course.simulate import peak_live
 from .m06_llama_block import LlamaConfig
 from .m10_recompute import ABS_MAXES, LINEAR_INPUTS, activation_bytes as layer_activation_bytes
 from .m11_generators import make_schedule
-from .m12_tp_costs import tp_traffic
+from .m12_tp_costs import STREAM_NAMES, tp_traffic
 from .m12_tp_linear import grad_dtype
 from .m14_costs import state as zero_state, traffic as zero_traffic
 from .m15_costs import attention_buffer_bytes, cp_traffic
 from .m16_costs import state_bytes as moe_state, step_cost as moe_step_cost
 from .m17_costs import fsdp_memory, fsdp_traffic, replicated_cost
-from .m18_layout import (DROPPED, Layout, Precision, attention_view, bucket_numels, data_axis, rank_parameters,
+from .m18_layout import (DROPPED, Layout, Precision, attention_view, bucket_numels, data_axis, outer_tables,
+                         rank_parameters,
                          sequence_config, stage_config, stages_per_rank)
 from .m18_presets import Model
 
@@ -196,47 +197,43 @@ def data_cost(model: Model, layout: Layout, batch: int, precision: Precision) ->
     cfg, dtype, m = stage_config(model.cfg, layout), precision.dtype, layout.m
     n, axis = layout.d * layout.c, data_axis(layout)
     # >>> TODO(m18): the weights' collectives and state by ZeRO stage: module 17's FSDP or module 14's buckets
-    # Contract: a StepCost with sent/calls over the data axis (`axis`: "d", or "dc" when c > 1; "ed" for the experts)
-    #   and memory "parameters", "gradients", "optimizer" (and with ZeRO 3 "buffers") of this rank. ZeRO 3: module
-    #   17's fsdp_traffic (its "dc" entries, renamed `axis`) and fsdp_memory for the rank's cfg.n_layers blocks on
-    #   the mesh {"d": d, "c": c, "t": t}, plus module 17's replicated_cost (the embedding, LM head and final norm,
-    #   sharded over "dc" like one more block, as FSDP2 shards them). ZeRO 0-2: module 14's traffic (zero_traffic) and state (zero_state) on bucket_numels
-    #   of the dense weights of rank_parameters over the n = d c ranks, and of the experts (if any) over the n / e
-    #   ranks of "ed", for the m micro-steps of the step; ZeRO 2 comes in two ways: module 14's (each micro-step's
-    #   gradients reduce-scattered as they are made), and with layout.reduce_once (the micro-steps' gradients
-    #   accumulated whole, reduce-scattered once a step). Optimizer: AdamW's two moments of every value the rank
-    #   updates; with precision.master (AdamW in float32 with a float32 master copy) 12 bytes a value updated.
+    # Contract: a StepCost for this rank's weights (the blocks and outer tables of outer_tables, rank_parameters'
+    #   values): sent/calls only over the axes that sum its gradients (`axis` for the dense weights, "ed" for an MoE
+    #   model's experts), memory "parameters", "gradients", "optimizer" (with ZeRO 3 also "buffers"), each equal to
+    #   what modules 17 (ZeRO 3) and 14 (ZeRO 0-2, on bucket_numels' buckets) send and keep on that mesh for the m
+    #   micro-steps of a step. layout.reduce_once: ZeRO 2 whose micro-steps accumulate whole gradients and
+    #   reduce-scatter them once a step. "optimizer": AdamW's moments of the values this rank updates, in the
+    #   precision's dtype (with precision.master: float32 moments and a float32 master copy).
     # Question: ZeRO 2 once a step is not in module 14, but it is made of module 14's pieces: which of its formulas
     #   sends what it sends, and which keeps what it keeps, between and during the micro-steps?
-    # Maths: every weight's gradient is summed over the ranks that hold that weight: with context parallelism the c
-    #   ranks of a sequence hold the same weights as the d ranks (module 15 and 17 sum over "dc"). The tests compare
-    #   with real steps of modules 17 and 14 (bytes, calls, tensors held), with the Ultra-Scale Playbook's
-    #   2Ψ + 2Ψ + 12Ψ/d for ZeRO-1 and with the ZeRO paper's Figure 1.
-    # Pitfalls: summing over d alone when c > 1; the optimizer state of the whole model instead of this rank's shard
-    #   (ZeRO 1-3 divide it by n); a group of one sends nothing (only(...) drops it); an MoE model's experts are
-    #   summed over "ed", not over all the d c ranks; the two ZeRO-2s swapped (one sends m times the other's
-    #   reduce-scatters, the other keeps d times its gradients).
-    # Hint 1: two branches (zero 3, or not); in the second, a loop over (dense, axis, n) and (experts, "ed", n / e).
-    #   Then the optimizer, from the values updated. Once a step, the gradients live whole until the last micro-step.
-    # Hint 2: only(fsdp_traffic(cfg, sizes, dtype, cfg.n_layers) + outside, "dc", n, axis) + fsdp_memory(...) +
-    #         StepCost(memory=outside.memory), outside = replicated_cost(cfg, sizes, dtype); buckets =
-    #         bucket_numels(tuple(numels), dtype); zero_traffic(buckets, b, size, zero, micro_steps, axis=group);
-    #         zero_state(buckets, b, size, kept); reduce_once: micro_steps = 1 (one reduce-scatter a step) and kept
-    #         = 1 (ZeRO-1's whole gradients); values updated = the formula's optimizer bytes / (2 b) with ZeRO 0-2,
-    #         the parameters' bytes / b with ZeRO 3 (the rank updates what it keeps).
-    # Hint 3: if zero == 3: outside = ...; cost = only(... + outside, ...) + fsdp_memory(...) + StepCost(memory=...)
+    # Maths: a weight's gradient is summed over every rank that holds the same weight. The tests compare with real
+    #   steps of modules 17 and 14 (bytes, calls, tensors held), the Ultra-Scale Playbook's ZeRO-1 state and the
+    #   ZeRO paper's Figure 1.
+    # Pitfalls: which ranks hold the same dense weights when c > 1, and the same expert? How many values does a
+    #   rank update under each stage? What does a group of one send? Which ZeRO 2 sends m rounds, and which keeps
+    #   d times its gradient shard?
+    # Hint 1: what does ZeRO 2 once a step keep while the micro-steps run, and what does it send after the last
+    #   one? Compare with module 14's stages in chapter 18's "What is planned" and chapter 14.
+    # Hint 2: once a step: the traffic of module 14's ZeRO-2 with m = 1 (one reduce-scatter, one gather) and
+    #   ZeRO-1's state (whole gradients, sharded optimizer). Optimizer bytes = 12 a value updated with a master
+    #   copy, else 2 b; values updated = the parameters kept (ZeRO 3), or the state formula's optimizer / (2 b).
+    # Hint 3: if zero == 3: first, last, blocks = outer_tables(model, layout); outside = replicated_cost(cfg, sizes,
+    #             dtype, first, last); cost = only(fsdp_traffic(cfg, sizes, dtype, blocks) + outside, "dc", n, axis)
+    #             + fsdp_memory(cfg, sizes, dtype, blocks) + StepCost(memory=outside.memory)
     #             values = cost.memory["parameters"] // b
     #         else: micro_steps, kept = (1, 1) if reduce_once else (m, zero)
-    #             for each (numels, group, size) with numels: buckets = ...; state = zero_state(buckets, b, size, kept)
-    #                 cost += only(zero_traffic(..., micro_steps, axis=group), group, size) + state
+    #             for (numels, group, size) in ((dense, axis, n), (experts, "ed", n // e)) with numels:
+    #                 buckets = bucket_numels(tuple(numels), dtype); state = zero_state(buckets, b, size, kept)
+    #                 cost += only(zero_traffic(buckets, b, size, zero, micro_steps, axis=group), group, size) + state
     #                 values += state.memory["optimizer"] // (2 b)
-    #         optimizer = 12 values if precision.master else 2 values b;  return cost with memory "optimizer" set
+    #         optimizer = 12 values if precision.master else 2 values b; return cost with memory "optimizer" set
     b = dtype.itemsize
     if layout.zero == 3:
+        first, last, blocks = outer_tables(model, layout)
         sizes = {"d": layout.d, "c": layout.c, "t": layout.t}
-        outside = replicated_cost(cfg, sizes, dtype)
-        cost = (only(fsdp_traffic(cfg, sizes, dtype, cfg.n_layers) + outside, "dc", n, axis)
-                + fsdp_memory(cfg, sizes, dtype, cfg.n_layers) + StepCost(memory=outside.memory))
+        outside = replicated_cost(cfg, sizes, dtype, first, last)
+        cost = (only(fsdp_traffic(cfg, sizes, dtype, blocks) + outside, "dc", n, axis)
+                + fsdp_memory(cfg, sizes, dtype, blocks) + StepCost(memory=outside.memory))
         values = cost.memory["parameters"] // b
     else:
         micro_steps, kept = (1, 1) if layout.reduce_once else (m, layout.zero)
@@ -260,29 +257,30 @@ def axes_cost(model: Model, layout: Layout, batch: int, precision: Precision) ->
     d, c, t, e, m, dtype = layout.d, layout.c, layout.t, layout.e, layout.m, precision.dtype
     stage, seq = stage_config(model.cfg, layout), sequence_config(model.cfg, layout)
     # >>> TODO(m18): the bytes and calls over t, c, e and p, each module's formula on this rank's share
-    # Contract: a StepCost (sent and calls; no memory) summing four terms, each restricted to its own axis by only():
-    #   t: module 12's tp_traffic with sequence parallelism for the sequence_config (⌈L/p⌉ blocks, T/c positions),
-    #      the mesh {"t": t} and the B/d sequences that one t group shares;
-    #   c: module 15's cp_traffic's "c" entries for attention_view(stage, t) (H/t and K/t heads), the global batch B
-    #      of T-token sequences, c, layout.cp, d and m, Ulysses as DeepSpeed runs it (adjoint: its backward sends
-    #      what its forward sent, where module 15's re-sends q, k, v);
-    #   e (an MoE model only): module 16's step_cost's "e" entries for a step of balanced routing (exchange_cost);
-    #   p: pipeline_sends(model, layout, batch, precision) (what the busiest rank sends, message by message, as
-    #      module 11's StageComms logs it).
-    # Maths: each formula counts a whole model on its own mesh; the other axes hand it a smaller model (fewer blocks,
-    #   shorter sequences, fewer heads) and fewer sequences. The tests compare with module 17's composed run and with
+    # Contract: a StepCost (sent and calls; no memory) with entries over t, c, e and p only, each equal to what its
+    #   module's run sends on this rank's share: module 12's tensor parallelism (with or without sequence
+    #   parallelism, as layout.sequence_parallel says), module 15's context attention (layout.cp; Ulysses as
+    #   DeepSpeed runs it, its backward the adjoint of its forward's all-to-alls), module 16's expert exchange on a
+    #   step of balanced routing (exchange_cost, an MoE model only) and the pipeline's sends (pipeline_sends).
+    # Question: each module's formula counts a whole model on its own mesh: which smaller model, which sequences
+    #   and which mesh does each axis's formula see on one rank of this layout?
+    # Maths: p leaves a rank ⌈L/p⌉ blocks (stage_config), c leaves T/c positions (sequence_config), t leaves H/t and
+    #   K/t heads (attention_view), d leaves B/d sequences. The tests compare with module 17's composed run and with
     #   modules 12, 15 and 16's formulas on their own meshes, to the byte and the call.
-    # Pitfalls: the t formula given the whole batch B (its sizes hold only t, so it would count the rows of all d
-    #   groups); an entry kept under another axis (the "dc" gradients of module 15: those are data_cost's); module
-    #   15 splits T by c itself (give it the whole T).
-    # Hint 1: four only(...) terms added with +; the e term only when model.moe is not None.
-    # Hint 2: tp_traffic(seq, {"t": t}, batch // d, dtype, m, sequence_parallel=True); cp_traffic(attention_view(
-    #         stage, t), batch, model.cfg.max_seq_len, dtype, c, layout.cp, d, m, adjoint=True); exchange_cost(model,
-    #         layout, batch, precision).
-    # Hint 3: cost = only(tp_traffic(...), "t", t) + only(cp_traffic(...), "c", c)
-    #         if model.moe is not None: cost += only(exchange_cost(...), "e", e)
+    # Pitfalls: how many sequences does one t group share? Which of module 15's entries are the weights' (and so
+    #   data_cost's)? Does module 15 expect T whole, or already cut by c?
+    # Hint 1: which arguments of tp_traffic, cp_traffic and exchange_cost describe the mesh, and which the model
+    #   and the batch? Chapter 18, "The share each axis leaves a rank".
+    # Hint 2: t: tp_traffic on the sequence view (⌈L/p⌉ blocks, T/c positions), mesh {t}, B/d sequences, m
+    #   microbatches; c: cp_traffic on the stage's attention view over t, the whole B and T, with c, the variant, d,
+    #   m and the adjoint backward; each restricted to its own axis; e and p as given.
+    # Hint 3: cost = only(tp_traffic(seq, {"t": t}, batch // d, dtype, m,
+    #                                sequence_parallel=layout.sequence_parallel), "t", t)
+    #         view = attention_view(stage, t)   (the heads a tensor rank holds)
+    #         cost += only(cp_traffic(view, batch, model.cfg.max_seq_len, dtype, c, layout.cp, d, m, adjoint=True), "c", c)
+    #         if model.moe is not None: cost += only(exchange_cost(model, layout, batch, precision), "e", e)
     #         return cost + pipeline_sends(model, layout, batch, precision)
-    cost = (only(tp_traffic(seq, {"t": t}, batch // d, dtype, m, sequence_parallel=True), "t", t)
+    cost = (only(tp_traffic(seq, {"t": t}, batch // d, dtype, m, sequence_parallel=layout.sequence_parallel), "t", t)
             + only(cp_traffic(attention_view(stage, t), batch, model.cfg.max_seq_len, dtype, c, layout.cp, d, m,
                               adjoint=True), "c", c))
     if model.moe is not None:
@@ -297,31 +295,36 @@ def activation_bytes(model: Model, layout: Layout, batch: int, precision: Precis
     by_name = layer_activations(model, batch // (layout.d * layout.m), model.cfg.max_seq_len // layout.c, dtype,
                                 layout.attention)
     # >>> TODO(m18): the activations one rank keeps at the peak, by the recompute option, t, fp8 and the schedule
-    # Contract: an int, bytes: (the bytes one block keeps on this rank) x layers_per_stage(model, layout) x
-    #   live_stages(layout). One block keeps, of `by_name` (module 10's fourteen tensors for this rank's rows and
-    #   positions, whole), the names its recompute option does not drop (module 10's DROPPED, as m18_layout lists it), each divided by t
-    #   (with sequence parallelism the stream's names are kept for T/t positions, the others for H/t heads or F/t
-    #   units); with fp8, n1, n2 and s (module 10's LINEAR_INPUTS) as e4m3: one byte a value of the rank's share plus
-    #   a 4-byte scale that every rank keeps for its own share (the scale is per rank: not divided by t), and the
-    #   block's abs-maxes (ABS_MAXES, 4 bytes each) whatever the option.
-    # Maths: module 10's kept_bytes with a t split and a count of live microbatches. The tests compare with the
-    #   stores of real blocks (module 10's for every option, with and without fp8; module 12's with sequence
-    #   parallelism), and with hand counts of the schedules' live microbatches.
-    # Pitfalls: ignoring the recompute option (every option would cost the same memory); a byte count for fp8 that
-    #   forgets the scale or the abs-maxes, or splits the scale over t; the activations of one microbatch when a
-    #   pipeline keeps several; ⌈L/p⌉ blocks a stage when a rank holds v stages (layers_per_stage: ⌈L/(p v)⌉).
-    # Hint 1: a loop over by_name with three rules, then two multiplications.
-    # Hint 2: name in DROPPED[layout.recompute]; size // t; fp8 and name in LINEAR_INPUTS: size // dtype.itemsize + 4;
-    #         fp8: + 4 len(ABS_MAXES) per block.
+    # Contract: an int, bytes: what one rank keeps at the peak, equal to module 10's kept bytes for one block of
+    #   this rank's rows and positions (by_name holds its fourteen tensors whole) under layout.recompute and
+    #   layout.fp8, split over t as module 12's block keeps them (layout.sequence_parallel decides the residual
+    #   stream's), times the blocks a stage holds (layers_per_stage) and the microbatches the schedule keeps in
+    #   flight (live_stages).
+    # Question: of a block's tensors, which does each t rank keep a t-th of, which whole, and what does fp8 add that
+    #   every rank keeps for itself?
+    # Maths: module 10's kept_bytes, each tensor cut by the axis it is split over. The tests compare with the stores
+    #   of real blocks (module 10's for every option, with and without fp8; module 12's with and without sequence
+    #   parallelism) and with hand counts of the schedules' live microbatches.
+    # Pitfalls: does every recompute option keep the same tensors? Is an fp8 tensor's scale split over t with its
+    #   values? Does a pipeline keep one microbatch or several? How many blocks does a looped schedule's stage hold?
+    # Hint 1: what does module 10's kept_bytes add up, and which of those tensors does module 12's block cut by t?
+    #   Chapter 18, "The share each axis leaves a rank".
+    # Hint 2: per block: Σ over the names not dropped by the option of size / t (the stream's names / 1 without
+    #   sequence parallelism); with fp8, n1, n2 and s at one byte a value of the share + a 4-byte scale each, and
+    #   4 bytes per abs-max of the block.
     # Hint 3: block = 0
-    #         for name, size in by_name.items(): skip dropped; split over t; e4m3 if fp8; block += size
-    #         if fp8: block += 4 * len(ABS_MAXES)
+    #         for name, size in by_name.items(): skip name in DROPPED[layout.recompute]
+    #             if layout.sequence_parallel or name not in STREAM_NAMES: size //= layout.t
+    #             if layout.fp8 and name in LINEAR_INPUTS: size = size // dtype.itemsize + 4
+    #             block += size
+    #         if layout.fp8: block += 4 * len(ABS_MAXES)
     #         return block * layers_per_stage(model, layout) * live_stages(layout)
     block = 0
     for name, size in by_name.items():
         if name in DROPPED[layout.recompute]:
             continue
-        size //= layout.t
+        if layout.sequence_parallel or name not in STREAM_NAMES:
+            size //= layout.t
         if layout.fp8 and name in LINEAR_INPUTS:
             size = size // dtype.itemsize + 4
         block += size
@@ -333,12 +336,14 @@ def activation_bytes(model: Model, layout: Layout, batch: int, precision: Precis
 
 def rank_cost(model: Model, layout: Layout, batch: int, precision: Precision) -> StepCost:
     """Everything one rank keeps and sends in one step of `layout`: the sum over the axes (given).
-    Each part depends on a few of the layout's choices only (the weights' part not on the schedule,
-    the axes' not on the ZeRO stage, neither on the recompute option), so it is computed once for all
-    the layouts that share them: a search evaluates hundreds of thousands."""
+    Each part depends on a few of the layout's choices only (the weights' part on the schedule only
+    through the blocks and tables its rank holds, outer_tables; the axes' not on the ZeRO stage, neither
+    on the recompute option), so it is computed once for all the layouts that share them: a search
+    evaluates hundreds of thousands."""
     L = layout
     shared = (model, batch, precision, L.p, L.d, L.c, L.t, L.e, L.m)
-    weights, axes = (*shared, L.zero, L.reduce_once), (*shared, L.schedule, L.v, L.cp)
+    weights = (*shared, L.zero, L.reduce_once, outer_tables(model, layout))
+    axes = (*shared, L.schedule, L.v, L.cp, L.sequence_parallel)
     if weights not in _WEIGHTS:
         _WEIGHTS[weights] = data_cost(model, layout, batch, precision)
     if axes not in _AXES:
@@ -346,7 +351,7 @@ def rank_cost(model: Model, layout: Layout, batch: int, precision: Precision) ->
     key = (weights, axes)
     if key not in _TRAFFIC:
         _TRAFFIC[key] = _WEIGHTS[weights] + _AXES[axes][0]
-    kept = (*shared, L.schedule, L.v, L.recompute, L.fp8, L.attention)
+    kept = (*shared, L.schedule, L.v, L.recompute, L.fp8, L.attention, L.sequence_parallel)
     if kept not in _ACTIVATIONS:
         _ACTIVATIONS[kept] = activation_bytes(model, layout, batch, precision)
     traffic = _TRAFFIC[key]

@@ -131,7 +131,7 @@ def _megatron(billions: str, h: int, layers: int, heads: int, t: int, p: int, gp
     # allreduce_gradients once forward_backward returns), and attention that writes its T x T scores
     # (FlashAttention came in 2022)
     layout = {"p": p, "t": t, "c": 1, "d": gpus // (t * p), "zero": 0, "recompute": "full",
-              "schedule": "interleaved" if p > 1 else "none", "attention": "materialized"}
+              "schedule": "interleaved" if p > 1 else "none", "attention": "materialized", "sequence_parallel": False}
     return Published(f"Narayanan et al. 2021, Table 1, {billions}B", dataclasses.replace(gpt(h, layers, heads), batch=batch),
                      GPUS["a100"], gpus, layout, tflops, "eq3", overlapped=False)
 

@@ -87,7 +87,8 @@ def candidates(model: Model, gpus: int, batch: int, gpu: GPU, fixed: dict | None
                             for v in vs:
                                 for cp in (CONTEXT_VARIANTS if c > 1 else ("allgather",)):
                                     base = Layout(p, d, c, t, e, schedule=schedule, m=m, cp=cp, v=v,
-                                                  attention=fixed.get("attention", "flash"))
+                                                  attention=fixed.get("attention", "flash"),
+                                                  sequence_parallel=fixed.get("sequence_parallel", True))
                                     if any(getattr(base, k) != val for k, val in fixed.items() if k not in choices
                                            and k != "reduce_once"):
                                         continue
@@ -100,7 +101,7 @@ def candidates(model: Model, gpus: int, batch: int, gpu: GPU, fixed: dict | None
                                     except ValueError:
                                         continue
                                     found += [Layout(p, d, c, t, e, zero, schedule, m, recompute, fp8, cp, once, v,
-                                                     base.attention)
+                                                     base.attention, base.sequence_parallel)
                                               for zero, once in choices["zero"] if fixed.get("zero", zero) == zero
                                               and fixed.get("reduce_once", once) == once
                                               and not (zero == 2 and not once and p > 1)
@@ -117,25 +118,28 @@ def search(model: Model, gpus: int, batch: int, gpu: GPU, precision: Precision =
     budget = (1 - RESERVE) * gpu.memory
     layouts = candidates(model, gpus, batch, gpu, fixed)
     # >>> TODO(m18): the search: cost every candidate, keep those that fit, one per recompute family, fastest first
-    # Contract: return Plan(fits, closest, considered=len(layouts)). fits: a Planned(layout, cost, time) for each
-    #   candidate whose memory (the sum of cost.memory, cost = rank_cost(model, layout, batch, precision)) is at
-    #   most `budget`, with time = step_time(model, layout, batch, gpu, cost, time_model); of the candidates that
-    #   differ only in layout.recompute, only the one with the least step time (the first in candidates' order
-    #   on a tie); sorted by step time, fastest first (ties: less memory first). closest: None if anything fits,
-    #   else the Planned (time None) of the candidate with the least memory.
-    # Maths: a layout that does not fit is no option at all, however fast; among those that fit the step time
-    #   decides. The tests compare with a brute force over the same candidates, and check the closest miss.
-    # Pitfalls: ranking by memory or by the compute alone; keeping one recompute option per family whatever its
-    #   time (the first that fits is not always the fastest: ffn and attention drop different tensors); < budget
-    #   instead of <= budget; a closest miss when something fits.
-    # Hint 1: one loop; a dict from the layout's family (every choice but the recompute option) to the best so far.
-    # Hint 2: key = layout.family; planned.memory; sorted(..., key=lambda q: (q.time.step,
-    #         q.memory)).
+    # Contract: a Plan: fits holds, for every family of candidates (Layout.family: all choices but the recompute
+    #   option) with a member whose memory (rank_cost's, summed) is at most `budget`, the Planned(layout, cost, time)
+    #   of the member that fits with the least step time (step_time's; the first in candidates' order on a tie),
+    #   fastest first (ties: less memory first); closest is None when anything fits, else the Planned (time None) of
+    #   the candidate with the least memory; considered = len(layouts).
+    # Question: which candidates are options at all, and of a family that trains alike, which one is the family's?
+    # Maths: a layout that does not fit is no option, however fast; among those that fit the step time decides. The
+    #   tests compare with a brute force over the same candidates on a GPU where some fit and some do not, and check
+    #   the closest miss.
+    # Pitfalls: is the first recompute option that fits the fastest (ffn and attention drop different tensors)? Does
+    #   a layout whose memory equals the budget fit? When something fits, is there a closest miss to report?
+    # Hint 1: how can one pass over the candidates remember the best member of each family, and the smallest miss?
+    #   Chapter 18, "The search".
+    # Hint 2: fits = {family: argmin over members with memory <= budget of step time}, ranked by (step, memory);
+    #   closest = argmin of memory over all, only when fits is empty.
     # Hint 3: best, closest = {}, None
-    #         for layout in layouts: cost = rank_cost(...); planned = Planned(layout, cost)
-    #             if planned.memory > budget: keep it as closest if it has less memory; continue
-    #             planned.time = step_time(...); key = ...; keep it in best[key] if faster than what is there
-    #         fits = sorted(best.values(), ...);  return Plan(fits, None if fits else closest, len(layouts))
+    #         for layout in layouts: planned = Planned(layout, rank_cost(model, layout, batch, precision))
+    #             if planned.memory > budget: closest = planned if it keeps less than closest; continue
+    #             planned.time = step_time(model, layout, batch, gpu, planned.cost, time_model)
+    #             if layout.family not in best or planned.time.step < best[layout.family].time.step: best[...] = planned
+    #         fits = best's values sorted by (step time, memory)
+    #         return Plan(fits, closest only if fits is empty, len(layouts))
     best, closest = {}, None
     for layout in layouts:
         planned = Planned(layout, rank_cost(model, layout, batch, precision))

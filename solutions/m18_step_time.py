@@ -55,6 +55,7 @@ from . import m11_generators
 import torch
 
 from .m07_payload import block_matrix_params
+from .m12_tp_costs import STREAM_NAMES
 from .m18_costs import layer_activations
 from .m18_layout import DROPPED, Layout, stages_per_rank
 from .m18_presets import GPU, Model
@@ -114,20 +115,20 @@ def gemm_time(rows: int, inner: int, cols: int, gpu: GPU, time_model: TimeModel,
     """Seconds of one matrix product (rows x inner) @ (inner x cols) on `gpu`, by the roofline: bf16
     operands and result (2 bytes a value), or with fp8 its operands in e4m3 (1 byte) at the fp8 peak."""
     # >>> TODO(m18): one GEMM's time from its shape: its FLOPs or the bytes it moves, whichever takes longer
-    # Contract: a float, seconds: roofline(flops, moved, peak, gpu, time_model) for the GEMM's FLOPs, the bytes it
-    #   reads (both operands) and writes (the result), and the peak of its dtype (gpu.bf16, or gpu.fp8 with fp8).
-    #   The tests compare with a hand count on a GEMM that is compute-bound and one that is memory-bound, in bf16
-    #   and fp8.
+    # Contract: a float, seconds: the roofline's time (roofline) of a (rows x inner) @ (inner x cols) product whose
+    #   operands are bf16, or e4m3 with fp8, and whose result is bf16, at its dtype's peak. The tests compare with a
+    #   hand count on a GEMM that is compute-bound and one that is memory-bound, in bf16 and fp8.
     # Question: a GEMM multiplies and adds once per (row, inner, column); how many values does it touch? Which of
     #   its three sizes can shrink until the memory, not the tensor cores, sets the pace?
-    # Pitfalls: one FLOP per multiply-add (there are two); the result's bytes forgotten (it is written: rows x
-    #   cols); fp8's operands at 2 bytes, or its result at 1 (the product is written in bf16).
-    # Hint 1: count the FLOPs, count the bytes of the three matrices, hand both to roofline.
-    # Hint 2: FLOPs 2 rows inner cols; bytes a (rows inner + inner cols) + 2 rows cols, a = 1 with fp8 else 2;
-    #         peak gpu.fp8 if fp8 else gpu.bf16.
-    # Hint 3: operand = one byte with fp8, else two
-    #         return roofline(2 rows inner cols, operand (rows inner + inner cols) + 2 rows cols, the dtype's peak,
-    #                         gpu, time_model)
+    # Pitfalls: how many FLOPs is a multiply-add? Which of the three matrices does the GEMM write, and in which dtype?
+    #   How many bytes is an e4m3 value?
+    # Hint 1: what does roofline need to know about the GEMM, and how does chapter 18's "The time model, stated"
+    #   count them for a matrix-vector product?
+    # Hint 2: FLOPs = two per (row, inner, column); bytes = a byte count per operand value times both operands'
+    #   values (1 with fp8, else 2) + 2 bytes per result value; peak = Φ of the operands' dtype.
+    # Hint 3: operand = 1 if fp8 else 2
+    #         return roofline(2 rows inner cols, operand (rows inner + inner cols) + 2 rows cols,
+    #                         gpu.fp8 if fp8 else gpu.bf16, gpu, time_model)
     operand = 1 if fp8 else 2
     return roofline(2 * rows * inner * cols, operand * (rows * inner + inner * cols) + 2 * rows * cols,
                     gpu.fp8 if fp8 else gpu.bf16, gpu, time_model)
@@ -185,7 +186,8 @@ def compute_times(model: Model, layout: Layout, batch: int, gpu: GPU, time_model
     the layouts that compute alike (a search asks for the same ones many times)."""
     L = layout
     return _compute_times(model, Layout(L.p, L.d, L.c, L.t, L.e, m=L.m, recompute=L.recompute, fp8=L.fp8,
-                                        attention=L.attention), batch, gpu, time_model)
+                                        attention=L.attention, sequence_parallel=L.sequence_parallel),
+                          batch, gpu, time_model)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -199,8 +201,11 @@ def _compute_times(model: Model, layout: Layout, batch: int, gpu: GPU, time_mode
     # the element-wise kernels between them (norms, activation, residual adds, RoPE): each activation module 10
     # counts written once and read once forward, twice that backward; the recompute rewrites what it dropped
     by_name = layer_activations(model, batch // (layout.d * layout.m), cfg.max_seq_len // layout.c, torch.bfloat16)
-    written = 2 * sum(by_name.values()) / layout.t / gpu.bandwidth
-    rewritten = 2 * sum(by_name.get(name, 0) for name in DROPPED[layout.recompute]) / layout.t / gpu.bandwidth
+    # (without sequence parallelism every t rank runs the residual stream's kernels on the whole stream)
+    split = {name: 1 if name in STREAM_NAMES and not layout.sequence_parallel else layout.t for name in by_name}
+    written = 2 * sum(size / split[name] for name, size in by_name.items()) / gpu.bandwidth
+    rewritten = 2 * sum(by_name[name] / split[name] for name in DROPPED[layout.recompute] if name in by_name) / \
+        gpu.bandwidth
     head = gemm_time(rows, cfg.dim, cfg.vocab_size // layout.t, gpu, time_model)
     forward = sum(time.values()) + written
     backward = 2 * (forward - time["attention"]) + attention_backward + \
@@ -256,30 +261,30 @@ def step_time(model: Model, layout: Layout, batch: int, gpu: GPU, cost, time_mod
     forward, backward = compute_times(model, layout, batch, gpu, time_model)
     compute = forward + backward
     # >>> TODO(m18): the step time: compute, each axis's links, the bubble, and what overlaps
-    # Contract: a StepTime(step, compute, comm, bubble, exposed): comm maps every axis with traffic in `cost` to τ_x
-    #   = ν_x α + Y_x / bandwidth, with (bandwidth, α) = link(axis, layout, gpu, time_model), Y_x =
-    #   cost.sent_bytes(axis) and ν_x = cost.n_calls(axis); bubble = module 11's bubble_formula for layout.schedule
-    #   on p ranks and m microbatches, with v = stages_per_rank(layout) (0.0 without a pipeline); exposed = the
-    #   seconds of the weights' traffic (HIDDEN_AXES) that do not hide, kind of collective by kind; step = the
-    #   module docstring's sum.
+    # Contract: a StepTime(step, compute, comm, bubble, exposed): comm maps every axis with traffic in `cost` to its
+    #   seconds τ_x over the links link() gives that axis, ν_x collectives each waiting α and Y_x bytes at the link's
+    #   bandwidth; bubble = module 11's closed form for layout.schedule on this layout's p, m and v (0.0 without a
+    #   pipeline); exposed = the seconds of the weights' traffic (HIDDEN_AXES) that do not hide; step = the module
+    #   docstring's sum.
     # Question: the weights' traffic runs beside the compute, but which compute? A collective can only hide
-    #   behind what runs while it is in flight (hiding_window(op, ...)), and never all of it (time_model.hidden).
+    #   behind what runs while it is in flight (hiding_window), and never all of it (time_model.hidden).
     # Maths: the exposed axes' times add to the compute, the pipeline stretches their sum by 1 / (1 - bubble); the
     #   weights' collectives of one kind take τ seconds beside a window of w seconds of compute, of which no more
     #   than the fraction `hidden` can hide: what is left adds to the step.
-    # Pitfalls: the bubble of another schedule than the layout's (interleaved divides 1F1B's by v, the zero-bubble
-    #   ones do better still: the tests compare with course/simulate.py's timelines); an axis's bytes at another
-    #   axis's bandwidth; the weights' traffic hidden behind the whole step (a step's reduction can only start
-    #   when its last micro-step's gradients exist) or added to it whole.
-    # Hint 1: a dict comprehension over the axes in cost.sent and cost.calls; float(bubble_formula(...)); then, for
-    #   each kind of collective over the weights' axes, its seconds (the same formula, kind by kind) and its window.
-    # Hint 2: bandwidth, alpha = link(axis, ...); bubble_formula(layout.schedule, layout.p, layout.m,
-    #         stages_per_rank=v); τ_op = Σ over HIDDEN_AXES of cost.calls[(axis, op)] α + cost.sent[(axis, op)] /
-    #         bandwidth; exposed += τ_op - min(time_model.hidden τ_op, hiding_window(op, layout, forward, backward)).
-    # Hint 3: comm = {axis: n alpha + bytes / bandwidth for each axis};  bubble = 0.0 if p == 1 else float(...)
-    #         by_op = {};  for (axis, op) in cost.sent | cost.calls with axis in HIDDEN_AXES: by_op[op] += its seconds
-    #         exposed = sum(τ - min(hidden τ, hiding_window(op, ...)) for op, τ in by_op.items())
-    #         step = (compute + sum(comm.get(a, 0) for a in EXPOSED_AXES)) / (1 - bubble) + exposed
+    # Pitfalls: how many times does an axis pay α in a step? Which schedule's bubble is this layout's? At whose
+    #   bandwidth does an axis's traffic run? Can a step's reduction start before its last micro-step's gradients
+    #   exist?
+    # Hint 1: which seconds of the weights' traffic overlap compute that is running anyway, and which wait? Chapter
+    #   18, "The time model, stated".
+    # Hint 2: τ_x = ν_x α + Y_x / bandwidth; bubble = module 11's formula with v = stages_per_rank; per kind of the
+    #   weights' collectives τ_op = Σ over HIDDEN_AXES of its calls α + its bytes / bandwidth, of which
+    #   min(hidden τ_op, w_op) hides; step = (compute + Σ exposed axes τ_x) / (1 - bubble) + Σ what does not hide.
+    # Hint 3: comm = {axis: cost.n_calls(axis) * alpha + cost.sent_bytes(axis) / bandwidth for each axis}
+    #         bubble = 0.0 if p == 1 else float(bubble_formula(layout.schedule, layout.p, layout.m,
+    #                                                           stages_per_rank=stages_per_rank(layout)))
+    #         by_op[op] += calls * alpha + bytes / bandwidth for each (axis, op) with axis in HIDDEN_AXES
+    #         exposed = Σ over by_op of seconds - min(time_model.hidden seconds, hiding_window(op, layout, forward, backward))
+    #         return StepTime((compute + sum(comm.get(a, 0.0) for a in EXPOSED_AXES)) / (1 - bubble) + exposed, ...)
     comm, by_op = {}, {}
     for axis in {axis for axis, _ in (*cost.sent, *cost.calls)}:
         bandwidth, alpha = link(axis, layout, gpu, time_model)

@@ -1,5 +1,5 @@
 # Generated from solutions/m18_costs.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 18`. (skeleton 6b8b6871b119)
+# Grade your work with `python main.py grade 18`. (skeleton 4a5b67cffd8d)
 """Module 18, part 3 - what one rank keeps and sends in one step of a layout: the modules' own
 formulas, each evaluated on the share of the model and of the batch that the other axes leave it,
 and summed over the axes with `+` (course/costs.py's StepCost).
@@ -54,13 +54,14 @@ from course.simulate import peak_live
 from .m06_llama_block import LlamaConfig
 from .m10_recompute import ABS_MAXES, LINEAR_INPUTS, activation_bytes as layer_activation_bytes
 from .m11_generators import make_schedule
-from .m12_tp_costs import tp_traffic
+from .m12_tp_costs import STREAM_NAMES, tp_traffic
 from .m12_tp_linear import grad_dtype
 from .m14_costs import state as zero_state, traffic as zero_traffic
 from .m15_costs import attention_buffer_bytes, cp_traffic
 from .m16_costs import state_bytes as moe_state, step_cost as moe_step_cost
 from .m17_costs import fsdp_memory, fsdp_traffic, replicated_cost
-from .m18_layout import (DROPPED, Layout, Precision, attention_view, bucket_numels, data_axis, rank_parameters,
+from .m18_layout import (DROPPED, Layout, Precision, attention_view, bucket_numels, data_axis, outer_tables,
+                         rank_parameters,
                          sequence_config, stage_config, stages_per_rank)
 from .m18_presets import Model
 
@@ -198,26 +199,21 @@ def data_cost(model: Model, layout: Layout, batch: int, precision: Precision) ->
     cfg, dtype, m = stage_config(model.cfg, layout), precision.dtype, layout.m
     n, axis = layout.d * layout.c, data_axis(layout)
     # TODO(m18): the weights' collectives and state by ZeRO stage: module 17's FSDP or module 14's buckets
-    # Contract: a StepCost with sent/calls over the data axis (`axis`: "d", or "dc" when c > 1; "ed" for the experts)
-    #   and memory "parameters", "gradients", "optimizer" (and with ZeRO 3 "buffers") of this rank. ZeRO 3: module
-    #   17's fsdp_traffic (its "dc" entries, renamed `axis`) and fsdp_memory for the rank's cfg.n_layers blocks on
-    #   the mesh {"d": d, "c": c, "t": t}, plus module 17's replicated_cost (the embedding, LM head and final norm,
-    #   sharded over "dc" like one more block, as FSDP2 shards them). ZeRO 0-2: module 14's traffic (zero_traffic) and state (zero_state) on bucket_numels
-    #   of the dense weights of rank_parameters over the n = d c ranks, and of the experts (if any) over the n / e
-    #   ranks of "ed", for the m micro-steps of the step; ZeRO 2 comes in two ways: module 14's (each micro-step's
-    #   gradients reduce-scattered as they are made), and with layout.reduce_once (the micro-steps' gradients
-    #   accumulated whole, reduce-scattered once a step). Optimizer: AdamW's two moments of every value the rank
-    #   updates; with precision.master (AdamW in float32 with a float32 master copy) 12 bytes a value updated.
+    # Contract: a StepCost for this rank's weights (the blocks and outer tables of outer_tables, rank_parameters'
+    #   values): sent/calls only over the axes that sum its gradients (`axis` for the dense weights, "ed" for an MoE
+    #   model's experts), memory "parameters", "gradients", "optimizer" (with ZeRO 3 also "buffers"), each equal to
+    #   what modules 17 (ZeRO 3) and 14 (ZeRO 0-2, on bucket_numels' buckets) send and keep on that mesh for the m
+    #   micro-steps of a step. layout.reduce_once: ZeRO 2 whose micro-steps accumulate whole gradients and
+    #   reduce-scatter them once a step. "optimizer": AdamW's moments of the values this rank updates, in the
+    #   precision's dtype (with precision.master: float32 moments and a float32 master copy).
     # Question: ZeRO 2 once a step is not in module 14, but it is made of module 14's pieces: which of its formulas
     #   sends what it sends, and which keeps what it keeps, between and during the micro-steps?
-    # Maths: every weight's gradient is summed over the ranks that hold that weight: with context parallelism the c
-    #   ranks of a sequence hold the same weights as the d ranks (module 15 and 17 sum over "dc"). The tests compare
-    #   with real steps of modules 17 and 14 (bytes, calls, tensors held), with the Ultra-Scale Playbook's
-    #   2Ψ + 2Ψ + 12Ψ/d for ZeRO-1 and with the ZeRO paper's Figure 1.
-    # Pitfalls: summing over d alone when c > 1; the optimizer state of the whole model instead of this rank's shard
-    #   (ZeRO 1-3 divide it by n); a group of one sends nothing (only(...) drops it); an MoE model's experts are
-    #   summed over "ed", not over all the d c ranks; the two ZeRO-2s swapped (one sends m times the other's
-    #   reduce-scatters, the other keeps d times its gradients).
+    # Maths: a weight's gradient is summed over every rank that holds the same weight. The tests compare with real
+    #   steps of modules 17 and 14 (bytes, calls, tensors held), the Ultra-Scale Playbook's ZeRO-1 state and the
+    #   ZeRO paper's Figure 1.
+    # Pitfalls: which ranks hold the same dense weights when c > 1, and the same expert? How many values does a
+    #   rank update under each stage? What does a group of one send? Which ZeRO 2 sends m rounds, and which keeps
+    #   d times its gradient shard?
     raise NotImplementedError("TODO(m18): the weights' collectives and state by ZeRO stage: module 17's FSDP or module 14's buckets")
 
 
@@ -227,21 +223,18 @@ def axes_cost(model: Model, layout: Layout, batch: int, precision: Precision) ->
     d, c, t, e, m, dtype = layout.d, layout.c, layout.t, layout.e, layout.m, precision.dtype
     stage, seq = stage_config(model.cfg, layout), sequence_config(model.cfg, layout)
     # TODO(m18): the bytes and calls over t, c, e and p, each module's formula on this rank's share
-    # Contract: a StepCost (sent and calls; no memory) summing four terms, each restricted to its own axis by only():
-    #   t: module 12's tp_traffic with sequence parallelism for the sequence_config (⌈L/p⌉ blocks, T/c positions),
-    #      the mesh {"t": t} and the B/d sequences that one t group shares;
-    #   c: module 15's cp_traffic's "c" entries for attention_view(stage, t) (H/t and K/t heads), the global batch B
-    #      of T-token sequences, c, layout.cp, d and m, Ulysses as DeepSpeed runs it (adjoint: its backward sends
-    #      what its forward sent, where module 15's re-sends q, k, v);
-    #   e (an MoE model only): module 16's step_cost's "e" entries for a step of balanced routing (exchange_cost);
-    #   p: pipeline_sends(model, layout, batch, precision) (what the busiest rank sends, message by message, as
-    #      module 11's StageComms logs it).
-    # Maths: each formula counts a whole model on its own mesh; the other axes hand it a smaller model (fewer blocks,
-    #   shorter sequences, fewer heads) and fewer sequences. The tests compare with module 17's composed run and with
+    # Contract: a StepCost (sent and calls; no memory) with entries over t, c, e and p only, each equal to what its
+    #   module's run sends on this rank's share: module 12's tensor parallelism (with or without sequence
+    #   parallelism, as layout.sequence_parallel says), module 15's context attention (layout.cp; Ulysses as
+    #   DeepSpeed runs it, its backward the adjoint of its forward's all-to-alls), module 16's expert exchange on a
+    #   step of balanced routing (exchange_cost, an MoE model only) and the pipeline's sends (pipeline_sends).
+    # Question: each module's formula counts a whole model on its own mesh: which smaller model, which sequences
+    #   and which mesh does each axis's formula see on one rank of this layout?
+    # Maths: p leaves a rank ⌈L/p⌉ blocks (stage_config), c leaves T/c positions (sequence_config), t leaves H/t and
+    #   K/t heads (attention_view), d leaves B/d sequences. The tests compare with module 17's composed run and with
     #   modules 12, 15 and 16's formulas on their own meshes, to the byte and the call.
-    # Pitfalls: the t formula given the whole batch B (its sizes hold only t, so it would count the rows of all d
-    #   groups); an entry kept under another axis (the "dc" gradients of module 15: those are data_cost's); module
-    #   15 splits T by c itself (give it the whole T).
+    # Pitfalls: how many sequences does one t group share? Which of module 15's entries are the weights' (and so
+    #   data_cost's)? Does module 15 expect T whole, or already cut by c?
     raise NotImplementedError("TODO(m18): the bytes and calls over t, c, e and p, each module's formula on this rank's share")
 
 
@@ -251,30 +244,31 @@ def activation_bytes(model: Model, layout: Layout, batch: int, precision: Precis
     by_name = layer_activations(model, batch // (layout.d * layout.m), model.cfg.max_seq_len // layout.c, dtype,
                                 layout.attention)
     # TODO(m18): the activations one rank keeps at the peak, by the recompute option, t, fp8 and the schedule
-    # Contract: an int, bytes: (the bytes one block keeps on this rank) x layers_per_stage(model, layout) x
-    #   live_stages(layout). One block keeps, of `by_name` (module 10's fourteen tensors for this rank's rows and
-    #   positions, whole), the names its recompute option does not drop (module 10's DROPPED, as m18_layout lists it), each divided by t
-    #   (with sequence parallelism the stream's names are kept for T/t positions, the others for H/t heads or F/t
-    #   units); with fp8, n1, n2 and s (module 10's LINEAR_INPUTS) as e4m3: one byte a value of the rank's share plus
-    #   a 4-byte scale that every rank keeps for its own share (the scale is per rank: not divided by t), and the
-    #   block's abs-maxes (ABS_MAXES, 4 bytes each) whatever the option.
-    # Maths: module 10's kept_bytes with a t split and a count of live microbatches. The tests compare with the
-    #   stores of real blocks (module 10's for every option, with and without fp8; module 12's with sequence
-    #   parallelism), and with hand counts of the schedules' live microbatches.
-    # Pitfalls: ignoring the recompute option (every option would cost the same memory); a byte count for fp8 that
-    #   forgets the scale or the abs-maxes, or splits the scale over t; the activations of one microbatch when a
-    #   pipeline keeps several; ⌈L/p⌉ blocks a stage when a rank holds v stages (layers_per_stage: ⌈L/(p v)⌉).
+    # Contract: an int, bytes: what one rank keeps at the peak, equal to module 10's kept bytes for one block of
+    #   this rank's rows and positions (by_name holds its fourteen tensors whole) under layout.recompute and
+    #   layout.fp8, split over t as module 12's block keeps them (layout.sequence_parallel decides the residual
+    #   stream's), times the blocks a stage holds (layers_per_stage) and the microbatches the schedule keeps in
+    #   flight (live_stages).
+    # Question: of a block's tensors, which does each t rank keep a t-th of, which whole, and what does fp8 add that
+    #   every rank keeps for itself?
+    # Maths: module 10's kept_bytes, each tensor cut by the axis it is split over. The tests compare with the stores
+    #   of real blocks (module 10's for every option, with and without fp8; module 12's with and without sequence
+    #   parallelism) and with hand counts of the schedules' live microbatches.
+    # Pitfalls: does every recompute option keep the same tensors? Is an fp8 tensor's scale split over t with its
+    #   values? Does a pipeline keep one microbatch or several? How many blocks does a looped schedule's stage hold?
     raise NotImplementedError('TODO(m18): the activations one rank keeps at the peak, by the recompute option, t, fp8 and the schedule')
 
 
 def rank_cost(model: Model, layout: Layout, batch: int, precision: Precision) -> StepCost:
     """Everything one rank keeps and sends in one step of `layout`: the sum over the axes (given).
-    Each part depends on a few of the layout's choices only (the weights' part not on the schedule,
-    the axes' not on the ZeRO stage, neither on the recompute option), so it is computed once for all
-    the layouts that share them: a search evaluates hundreds of thousands."""
+    Each part depends on a few of the layout's choices only (the weights' part on the schedule only
+    through the blocks and tables its rank holds, outer_tables; the axes' not on the ZeRO stage, neither
+    on the recompute option), so it is computed once for all the layouts that share them: a search
+    evaluates hundreds of thousands."""
     L = layout
     shared = (model, batch, precision, L.p, L.d, L.c, L.t, L.e, L.m)
-    weights, axes = (*shared, L.zero, L.reduce_once), (*shared, L.schedule, L.v, L.cp)
+    weights = (*shared, L.zero, L.reduce_once, outer_tables(model, layout))
+    axes = (*shared, L.schedule, L.v, L.cp, L.sequence_parallel)
     if weights not in _WEIGHTS:
         _WEIGHTS[weights] = data_cost(model, layout, batch, precision)
     if axes not in _AXES:
@@ -282,7 +276,7 @@ def rank_cost(model: Model, layout: Layout, batch: int, precision: Precision) ->
     key = (weights, axes)
     if key not in _TRAFFIC:
         _TRAFFIC[key] = _WEIGHTS[weights] + _AXES[axes][0]
-    kept = (*shared, L.schedule, L.v, L.recompute, L.fp8, L.attention)
+    kept = (*shared, L.schedule, L.v, L.recompute, L.fp8, L.attention, L.sequence_parallel)
     if kept not in _ACTIVATIONS:
         _ACTIVATIONS[kept] = activation_bytes(model, layout, batch, precision)
     traffic = _TRAFFIC[key]

@@ -1,5 +1,5 @@
 # Generated from solutions/m18_layout.py by `python -m course.skeleton`. Given code: nothing
-# to fill in here; read it, then run it with `python main.py run 18`. (skeleton b016984656c6)
+# to fill in here; read it, then run it with `python main.py run 18`. (skeleton a930a598406f)
 """Module 18, part 2 - a layout (given): how R = p d c t GPUs train one model, and the share of the
 model and of the batch that each axis leaves to one rank.
 
@@ -19,6 +19,9 @@ A `Layout` names everything the planner chooses:
     v             the stages a rank holds in a looped schedule (interleaved, interleaved_zb):
                   module 11's stages_per_rank, at least 2; the other schedules fix it
     attention     the attention kernel: "flash" (module 06's) or "materialized" (below)
+    sequence_parallel  module 12's sequence parallelism over t (True), or tensor parallelism without
+                  it (False: Megatron-LM before 2022, which all-reduced the residual stream and kept
+                  its activations whole on every t rank)
     recompute     module 10's option: which activations the forward does not keep (or "full",
                   below)
     fp8           module 09's FP8 linears (n1, n2, s kept as e4m3 by module 10's rule)
@@ -31,9 +34,11 @@ activations in bf16 and, beside AdamW's moments in float32, a float32 master cop
 
 What one rank sees, each axis in turn (the functions below):
 
-    p    ⌈L/p⌉ blocks, counted with the embedding and the LM head on every stage (exact for p = 1;
-         for p > 1 each stage holds one V M table too many: an upper bound, kept so that each
-         module's formula is used whole; the slowest stage holds the LM head anyway)
+    p    ⌈L/p⌉ blocks; the weights a rank keeps and sums over d c are those of the rank that holds
+         the most (`outer_tables`): the first rank holds the embedding, the last the LM head and
+         the final norm, but as many blocks fewer as the p v stages have to spare (a V schedule's
+         first rank holds both ends); module 12's t and module 15's c traffic still count the
+         embedding and the head on every stage (an upper bound by one table's collectives)
     d    B/d of the sequences, cut into m microbatches of B/(d m)
     c    T/c positions of each sequence
     t    H/t query heads, K/t key/value heads, F/t FFN units, V'/t of the vocabulary and M/t of
@@ -60,6 +65,7 @@ from .m14_buckets import assign_buckets
 from .m15_cp_model import VARIANTS as CP_VARIANTS, check_cp
 from .m18_presets import Model
 
+V_SHAPED = ("zbv", "dualpipev")   # module 11's schedules whose rank r holds stages r and 2p-1-r
 BUCKET_CAP = 25 * 2**20   # C: DDP's default bucket_cap_mb = 25, which module 14's buckets follow
 ZERO_STAGES = (0, 1, 2, 3)
 # The recompute options: module 10's, and "full", Megatron-LM's activation checkpointing of 2021: it keeps what
@@ -103,6 +109,7 @@ class Layout:
     reduce_once: bool = False
     v: int = 2
     attention: str = "flash"
+    sequence_parallel: bool = True
 
     @property
     def gpus(self) -> int:
@@ -113,7 +120,7 @@ class Layout:
         """Every choice but the recompute option: layouts of one family train alike, and differ only
         in the memory they keep and the time they spend recomputing."""
         return (self.p, self.d, self.c, self.t, self.e, self.zero, self.schedule, self.m, self.fp8, self.cp,
-                self.reduce_once, self.v, self.attention)
+                self.reduce_once, self.v, self.attention, self.sequence_parallel)
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -127,7 +134,8 @@ class Layout:
             pipe += f" v={self.v}"
         zero = f"zero{self.zero}" + ("once" if self.reduce_once else "")
         return f"{mesh} {zero}{pipe} m={self.m} rc={self.recompute}{' fp8' if self.fp8 else ''}" + \
-            (f" cp={self.cp}" if self.c > 1 else "") + (f" {self.attention}" if self.attention != "flash" else "")
+            (f" cp={self.cp}" if self.c > 1 else "") + (f" {self.attention}" if self.attention != "flash" else "") + \
+            ("" if self.sequence_parallel or self.t == 1 else " no-sp")
 
 
 def data_axis(layout: Layout) -> str:
@@ -160,16 +168,38 @@ def attention_view(cfg: LlamaConfig, t: int) -> LlamaConfig:
                                ffn_dim=max(cfg.ffn_dim // t, 1))
 
 
+def outer_tables(model: Model, layout: Layout) -> tuple[bool, bool, int]:
+    """(holds the embedding, holds the LM head and the final norm, blocks) of the pipeline rank that holds the
+    most weights: with p = 1 all of them; with a pipeline the first rank (the embedding and v stages of
+    ⌈L/(p v)⌉ blocks) or the last (the head and the norm, and as many blocks fewer as the p v stages have to
+    spare: Llama 3's 126 blocks on 16 ranks leave 2), and on a V schedule (zbv, dualpipev: stages r and 2p-1-r
+    on rank r) the first holds both ends, or a middle rank holds more when its blocks outweigh them. The embedding and the head are equal tables, so this is the rank
+    with the most blocks, the head's side on a tie (its norm)."""
+    L, p = model.cfg.n_layers, layout.p
+    if p == 1:
+        return True, True, L
+    v = stages_per_rank(layout)
+    blocks = v * -(-L // (p * v))
+    fewer = blocks - min(p * blocks - L, blocks)
+    if layout.schedule in V_SHAPED:   # rank 0: stages 0 and p v - 1; a middle rank: v stages of ⌈L/(p v)⌉ blocks
+        per_stage = -(-L // (p * v))
+        ends, middle = (True, True, per_stage + max(L - (p * v - 1) * per_stage, 0)), (False, False, v * per_stage)
+        return max(ends, middle, key=lambda held: sum(map(sum, _rank_parameters(model, *held, layout.t, layout.e))))
+    return (True, False, blocks) if fewer < blocks else (False, True, blocks)
+
+
 def rank_parameters(model: Model, layout: Layout) -> tuple[list[int], list[int]]:
     """The values of each weight one rank holds, (dense, experts), in the order module 14's
     DataParallelLlama hands them to its buckets (the LM head, final norm and embedding, then the
     blocks from the first, each block's fields in reverse): module 13's specs over t (the vocabulary
-    padded to V'), ⌈L/p⌉ blocks, and of every MoE layer the router and this rank's E/e experts."""
-    return _rank_parameters(model, math.ceil(model.cfg.n_layers / layout.p), layout.t, layout.e)
+    padded to V'), the blocks and tables of the rank that holds the most (`outer_tables`), and of every
+    MoE layer the router and this rank's E/e experts."""
+    return _rank_parameters(model, *outer_tables(model, layout), layout.t, layout.e)
 
 
 @functools.lru_cache(maxsize=256)
-def _rank_parameters(model: Model, n_layers: int, t: int, e: int) -> tuple[list[int], list[int]]:
+def _rank_parameters(model: Model, first: bool, last: bool, n_layers: int, t: int, e: int
+                     ) -> tuple[list[int], list[int]]:
     cfg = model.cfg
     M, L = cfg.dim, n_layers
     vocab = -(-cfg.vocab_size // t) * t   # V', module 12's padded_vocab_size
@@ -182,7 +212,7 @@ def _rank_parameters(model: Model, n_layers: int, t: int, e: int) -> tuple[list[
         shapes.update(w_gate=0, w_up=0, w_down=0, router=model.moe.n_experts * M)
     fields = [f.name for f in dataclasses.fields(BlockWeights)] + (["router"] if model.moe else [])
     block = [shapes[name] // t for name in reversed(fields) if shapes[name]]
-    dense = [vocab * M // t, M // t, vocab * M // t] + block * L
+    dense = ([vocab * M // t, M // t] if last else []) + ([vocab * M // t] if first else []) + block * L
     experts = []
     if model.moe is not None:
         experts = [model.moe.expert_dim * M] * (3 * L * model.moe.n_experts // e)
@@ -236,7 +266,7 @@ def check_layout(model: Model, layout: Layout, batch: int):
                              "experts with ZeRO 0, 1 or 2")
         if moe.n_experts % layout.e or (layout.d * layout.c) % layout.e:
             raise ValueError(f"e={layout.e} must divide E={moe.n_experts} and d c = {layout.d * layout.c}")
-    check_splits(cfg, {"d": layout.d, "t": layout.t}, batch, layout.m)
+    check_splits(cfg, {"d": layout.d, "t": layout.t}, batch, layout.m, sequence_parallel=layout.sequence_parallel)
     if layout.c > 1:
         check_cp(attention_view(cfg, layout.t), layout.cp, layout.c, cfg.max_seq_len)
     if layout.p > 1:

@@ -1,5 +1,5 @@
 # Generated from solutions/m18_presets.py by `python -m course.skeleton`. Given code: nothing
-# to fill in here; read it, then run it with `python main.py run 18`. (skeleton 20276b8a9212)
+# to fill in here; read it, then run it with `python main.py run 18`. (skeleton 8c2cf863ff3a)
 """Module 18, part 1 - what the planner plans for (given): published models in module 06's
 `LlamaConfig` (module 16's `MoEConfig` for the experts), and GPUs, each number with its source.
 
@@ -133,7 +133,7 @@ def _megatron(billions: str, h: int, layers: int, heads: int, t: int, p: int, gp
     # allreduce_gradients once forward_backward returns), and attention that writes its T x T scores
     # (FlashAttention came in 2022)
     layout = {"p": p, "t": t, "c": 1, "d": gpus // (t * p), "zero": 0, "recompute": "full",
-              "schedule": "interleaved" if p > 1 else "none", "attention": "materialized"}
+              "schedule": "interleaved" if p > 1 else "none", "attention": "materialized", "sequence_parallel": False}
     return Published(f"Narayanan et al. 2021, Table 1, {billions}B", dataclasses.replace(gpt(h, layers, heads), batch=batch),
                      GPUS["a100"], gpus, layout, tflops, "eq3", overlapped=False)
 

@@ -1,5 +1,5 @@
 # Generated from solutions/m18_step_time.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 18`. (skeleton 83e99f9e2b59)
+# Grade your work with `python main.py grade 18`. (skeleton 8f94e1228903)
 """Module 18, part 4 - how long a step takes: a stated model, not a measurement.
 
 Bytes and memory (m18_costs) are what the modules measured equal to their formulas; time is not,
@@ -57,6 +57,7 @@ from . import m11_generators
 import torch
 
 from .m07_payload import block_matrix_params
+from .m12_tp_costs import STREAM_NAMES
 from .m18_costs import layer_activations
 from .m18_layout import DROPPED, Layout, stages_per_rank
 from .m18_presets import GPU, Model
@@ -116,14 +117,13 @@ def gemm_time(rows: int, inner: int, cols: int, gpu: GPU, time_model: TimeModel,
     """Seconds of one matrix product (rows x inner) @ (inner x cols) on `gpu`, by the roofline: bf16
     operands and result (2 bytes a value), or with fp8 its operands in e4m3 (1 byte) at the fp8 peak."""
     # TODO(m18): one GEMM's time from its shape: its FLOPs or the bytes it moves, whichever takes longer
-    # Contract: a float, seconds: roofline(flops, moved, peak, gpu, time_model) for the GEMM's FLOPs, the bytes it
-    #   reads (both operands) and writes (the result), and the peak of its dtype (gpu.bf16, or gpu.fp8 with fp8).
-    #   The tests compare with a hand count on a GEMM that is compute-bound and one that is memory-bound, in bf16
-    #   and fp8.
+    # Contract: a float, seconds: the roofline's time (roofline) of a (rows x inner) @ (inner x cols) product whose
+    #   operands are bf16, or e4m3 with fp8, and whose result is bf16, at its dtype's peak. The tests compare with a
+    #   hand count on a GEMM that is compute-bound and one that is memory-bound, in bf16 and fp8.
     # Question: a GEMM multiplies and adds once per (row, inner, column); how many values does it touch? Which of
     #   its three sizes can shrink until the memory, not the tensor cores, sets the pace?
-    # Pitfalls: one FLOP per multiply-add (there are two); the result's bytes forgotten (it is written: rows x
-    #   cols); fp8's operands at 2 bytes, or its result at 1 (the product is written in bf16).
+    # Pitfalls: how many FLOPs is a multiply-add? Which of the three matrices does the GEMM write, and in which dtype?
+    #   How many bytes is an e4m3 value?
     raise NotImplementedError("TODO(m18): one GEMM's time from its shape: its FLOPs or the bytes it moves, whichever takes longer")
 
 
@@ -178,7 +178,8 @@ def compute_times(model: Model, layout: Layout, batch: int, gpu: GPU, time_model
     the layouts that compute alike (a search asks for the same ones many times)."""
     L = layout
     return _compute_times(model, Layout(L.p, L.d, L.c, L.t, L.e, m=L.m, recompute=L.recompute, fp8=L.fp8,
-                                        attention=L.attention), batch, gpu, time_model)
+                                        attention=L.attention, sequence_parallel=L.sequence_parallel),
+                          batch, gpu, time_model)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -192,8 +193,11 @@ def _compute_times(model: Model, layout: Layout, batch: int, gpu: GPU, time_mode
     # the element-wise kernels between them (norms, activation, residual adds, RoPE): each activation module 10
     # counts written once and read once forward, twice that backward; the recompute rewrites what it dropped
     by_name = layer_activations(model, batch // (layout.d * layout.m), cfg.max_seq_len // layout.c, torch.bfloat16)
-    written = 2 * sum(by_name.values()) / layout.t / gpu.bandwidth
-    rewritten = 2 * sum(by_name.get(name, 0) for name in DROPPED[layout.recompute]) / layout.t / gpu.bandwidth
+    # (without sequence parallelism every t rank runs the residual stream's kernels on the whole stream)
+    split = {name: 1 if name in STREAM_NAMES and not layout.sequence_parallel else layout.t for name in by_name}
+    written = 2 * sum(size / split[name] for name, size in by_name.items()) / gpu.bandwidth
+    rewritten = 2 * sum(by_name[name] / split[name] for name in DROPPED[layout.recompute] if name in by_name) / \
+        gpu.bandwidth
     head = gemm_time(rows, cfg.dim, cfg.vocab_size // layout.t, gpu, time_model)
     forward = sum(time.values()) + written
     backward = 2 * (forward - time["attention"]) + attention_backward + \
@@ -249,19 +253,17 @@ def step_time(model: Model, layout: Layout, batch: int, gpu: GPU, cost, time_mod
     forward, backward = compute_times(model, layout, batch, gpu, time_model)
     compute = forward + backward
     # TODO(m18): the step time: compute, each axis's links, the bubble, and what overlaps
-    # Contract: a StepTime(step, compute, comm, bubble, exposed): comm maps every axis with traffic in `cost` to τ_x
-    #   = ν_x α + Y_x / bandwidth, with (bandwidth, α) = link(axis, layout, gpu, time_model), Y_x =
-    #   cost.sent_bytes(axis) and ν_x = cost.n_calls(axis); bubble = module 11's bubble_formula for layout.schedule
-    #   on p ranks and m microbatches, with v = stages_per_rank(layout) (0.0 without a pipeline); exposed = the
-    #   seconds of the weights' traffic (HIDDEN_AXES) that do not hide, kind of collective by kind; step = the
-    #   module docstring's sum.
+    # Contract: a StepTime(step, compute, comm, bubble, exposed): comm maps every axis with traffic in `cost` to its
+    #   seconds τ_x over the links link() gives that axis, ν_x collectives each waiting α and Y_x bytes at the link's
+    #   bandwidth; bubble = module 11's closed form for layout.schedule on this layout's p, m and v (0.0 without a
+    #   pipeline); exposed = the seconds of the weights' traffic (HIDDEN_AXES) that do not hide; step = the module
+    #   docstring's sum.
     # Question: the weights' traffic runs beside the compute, but which compute? A collective can only hide
-    #   behind what runs while it is in flight (hiding_window(op, ...)), and never all of it (time_model.hidden).
+    #   behind what runs while it is in flight (hiding_window), and never all of it (time_model.hidden).
     # Maths: the exposed axes' times add to the compute, the pipeline stretches their sum by 1 / (1 - bubble); the
     #   weights' collectives of one kind take τ seconds beside a window of w seconds of compute, of which no more
     #   than the fraction `hidden` can hide: what is left adds to the step.
-    # Pitfalls: the bubble of another schedule than the layout's (interleaved divides 1F1B's by v, the zero-bubble
-    #   ones do better still: the tests compare with course/simulate.py's timelines); an axis's bytes at another
-    #   axis's bandwidth; the weights' traffic hidden behind the whole step (a step's reduction can only start
-    #   when its last micro-step's gradients exist) or added to it whole.
+    # Pitfalls: how many times does an axis pay α in a step? Which schedule's bubble is this layout's? At whose
+    #   bandwidth does an axis's traffic run? Can a step's reduction start before its last micro-step's gradients
+    #   exist?
     raise NotImplementedError("TODO(m18): the step time: compute, each axis's links, the bubble, and what overlaps")

@@ -78,11 +78,15 @@ def measured():
     return {name: run_ranks(_run_module_17, 4, sizes, timeout=120) for name, sizes in MESHES.items()}
 
 
+def layout_of(sizes) -> Layout:
+    return Layout(p=sizes.get("p", 1), d=sizes.get("d", 1), c=sizes.get("c", 1), t=sizes.get("t", 1), zero=3,
+                  schedule="1f1b" if sizes.get("p", 1) > 1 else "none", m=M, cp="zigzag")
+
+
 def planned(sizes) -> StepCost:
     """The plan of module 17's layout; its buffers are the whole slices only (the context attention's
     transient buffer, which the plan adds on top, is not what the test measures)."""
-    layout = Layout(p=sizes.get("p", 1), d=sizes.get("d", 1), c=sizes.get("c", 1), t=sizes.get("t", 1), zero=3,
-                    schedule="1f1b" if sizes.get("p", 1) > 1 else "none", m=M, cp="zigzag")
+    layout = layout_of(sizes)
     cost = costs.rank_cost(TINY, layout, BATCH, layouts.COURSE)
     slices = costs.data_cost(TINY, layout, BATCH, layouts.COURSE).memory.get("buffers", 0)
     return StepCost(cost.sent, cost.calls, {**cost.memory, "buffers": slices})
@@ -102,6 +106,18 @@ def renamed(cost: StepCost, sizes) -> dict:
             if n > 1:
                 out[(table, axis, op)] = value
     return out
+
+
+@pytest.mark.exercises("axes_cost")
+@pytest.mark.parametrize("sequence_parallel", [True, False])
+def test_the_t_traffic_is_module_12s_with_and_without_sequence_parallelism(sequence_parallel):
+    layout = Layout(d=2, t=2, m=M, sequence_parallel=sequence_parallel)
+    got = costs.axes_cost(TINY, layout, BATCH, layouts.COURSE)
+    want = m12.tp_traffic(CFG, {"t": 2}, BATCH // 2, torch.float32, M, sequence_parallel=sequence_parallel)
+    got = {op: got.sent_bytes("t", op) for op in ("all_gather", "reduce_scatter", "all_reduce")}
+    want = {op: want.sent_bytes("t", op) for op in ("all_gather", "reduce_scatter", "all_reduce")}
+    assert got == want, (f"t = 2, sequence_parallel={sequence_parallel}: module 12's formula sends {want} over t, "
+                         f"your axes_cost {got}")
 
 
 @pytest.mark.exercises("data_cost", "axes_cost")
@@ -144,11 +160,14 @@ def test_with_a_pipeline_the_plan_bounds_every_stage_from_above(measured):
         for (table, axis, op), value in renamed(cost, sizes).items():
             bound = getattr(plan, table).get((axis, op), 0)
             assert value <= bound, f"p2 d2, rank {rank}: {table} {axis} {op} measured {value} > planned {bound}"
-        # FSDP's blocks exactly the stage's, and the outer group of this stage only (the plan counts both ends'):
-        # ranks 0 and 1 hold the first stage (the embedding), ranks 2 and 3 the last (the final norm and LM head).
+        # FSDP's blocks exactly the stage's, and the outer group of this stage only (the plan counts the stage that
+        # holds the most, m18_layout.outer_tables: with an even split the last, the final norm beside the LM head):
+        # ranks 0 and 1 hold the first stage (the embedding), ranks 2 and 3 the last.
         first = rank < 2
+        ends = layouts.outer_tables(TINY, layout_of(sizes))[:2]
+        assert ends == (False, True), f"the plan counts the outer tables {ends}, want the last stage's (False, True)"
         everywhere, here = (m17_costs.replicated_cost(CFG, sizes, torch.float32, first=f, last=l)
-                            for f, l in ((True, True), (first, not first)))
+                            for f, l in (ends, (first, not first)))
         for op in ("all_gather", "reduce_scatter"):
             want = plan.sent_bytes("d", op) - everywhere.sent_bytes("dc", op) + here.sent_bytes("dc", op)
             assert cost.sent_bytes("dc", op) == want, f"p2 d2, rank {rank}: FSDP {op} {cost.sent_bytes('dc', op)}, want {want}"
@@ -276,13 +295,31 @@ def test_activations_are_module_10s_kept_bytes_for_every_recompute_option(fp8):
     assert got == want, f"fp8={fp8}: by recompute option, module 10 keeps {want}, the plan says {got}"
 
 
+@pytest.mark.exercises("data_cost")
+def test_rank_costs_memory_keeps_apart_layouts_whose_ranks_hold_different_blocks():
+    # 4 blocks on p = 2: v = 2 gives the last rank 2 blocks and the head, a V schedule puts both tables on one
+    # rank: the weights' part must be costed for each, however rank_cost's memory of earlier parts is keyed
+    costs.forget()
+    for schedule, v in (("interleaved", 2), ("1f1b", 2), ("zbv", 2)):
+        layout = Layout(p=2, d=2, zero=1, schedule=schedule, m=4, v=v)
+        got = costs.rank_cost(TINY, layout, BATCH, layouts.COURSE)
+        want = costs.data_cost(TINY, layout, BATCH, layouts.COURSE)
+        assert got.sent_bytes("d") == want.sent_bytes("d") and got.memory["parameters"] == want.memory["parameters"], (
+            f"{layout}: rank_cost gives {got.sent_bytes('d')} bytes over d and {got.memory['parameters']} of "
+            f"parameters, data_cost {want.sent_bytes('d')} and {want.memory['parameters']}")
+    costs.forget()
+
+
 @pytest.mark.exercises("activation_bytes")
-def test_with_sequence_parallelism_every_activation_is_split_over_t():
-    layout = Layout(d=2, t=2, m=M)
+@pytest.mark.parametrize("sequence_parallel", [True, False])
+def test_activations_over_t_are_module_12s_with_and_without_sequence_parallelism(sequence_parallel):
+    layout = Layout(d=2, t=2, m=M, sequence_parallel=sequence_parallel)
     got = costs.activation_bytes(TINY, layout, BATCH, layouts.COURSE)
     want = CFG.n_layers * sum(m12.tp_activations_by_name(CFG, {"t": 2}, BATCH // 2, torch.float32, M,
-                                                         sequence_parallel=True).values())
-    assert got == want, f"t = 2 with sequence parallelism: module 12's block keeps {want}, the plan says {got}"
+                                                         sequence_parallel=sequence_parallel).values())
+    ratio = "" if not want else f" ({got / want:.2f} times module 12's)"
+    assert got == want, (f"t = 2, sequence_parallel={sequence_parallel}: module 12's block keeps {want}, your "
+                         f"activation_bytes says {got}{ratio}: which of the block's tensors does each t rank keep whole?")
 
 
 @pytest.mark.exercises("activation_bytes")

@@ -81,6 +81,23 @@ def seconds(cost, axis, op, layout):
     return cost.calls.get((axis, op), 0) * alpha + cost.sent.get((axis, op), 0) / bandwidth
 
 
+def check_axis_times(got, cost, layout):
+    """Each axis's τ_x = ν_x α + Y_x / bandwidth, checked before the step it adds to, so that a wrong τ is named as
+    such and not as a step a few milliseconds off."""
+    for axis in sorted({a for a, _ in (*cost.sent, *cost.calls)}):
+        bandwidth, alpha = given.link(axis, layout, GPU, TIME)
+        calls, sent = cost.n_calls(axis), cost.sent_bytes(axis)
+        want, have = calls * alpha + sent / bandwidth, got.comm.get(axis)
+        why = ""
+        if have is not None and calls > 1 and have == pytest.approx(alpha + sent / bandwidth, rel=1e-12):
+            why = f": one latency for the whole axis? Each of its {calls} collectives waits α"
+        elif have is not None and have == pytest.approx(sent / bandwidth, rel=1e-12):
+            why = ": no latency? Each collective waits α before its bytes flow"
+        assert have == pytest.approx(want, rel=1e-12), (
+            f"τ_{axis} = ν α + Y / bandwidth = {calls} x {alpha * 1e6:.0f} µs + {sent:.3g} B / {bandwidth:.3g} B/s = "
+            f"{want:.6g} s, your step_time's comm[{axis!r}] = {have}{why}")
+
+
 def hides(tau, window):
     """What does not hide of tau seconds beside `window` seconds of compute (module 14: at most 80 % hides)."""
     return tau - min(TIME.hidden * tau, window)
@@ -92,6 +109,7 @@ def test_exposed_axes_add_to_the_compute_and_a_step_reduction_hides_behind_the_l
     cost = StepCost({("p", "send"): 4e9, ("d", "all_reduce"): 6e9, ("d", "all_gather"): 1e9},
                     {("p", "send"): 64, ("d", "all_reduce"): 32, ("d", "all_gather"): 32})
     got = predicted(layout, cost)
+    check_axis_times(got, cost, layout)
     forward, backward = given.compute_times(MODEL, layout, 512, GPU, TIME)
     tau_p = seconds(cost, "p", "send", layout)
     # ZeRO-1's all-reduce once a step: behind the last micro-step's backward only; its gather after the
@@ -113,6 +131,7 @@ def test_zero2s_reduce_scatters_hide_behind_the_backwards_they_run_beside(once):
     cost = StepCost({("d", "reduce_scatter"): m * 2e10, ("d", "all_gather"): 2e10},
                     {("d", "reduce_scatter"): m * 100, ("d", "all_gather"): 100})
     got = predicted(layout, cost)
+    check_axis_times(got, cost, layout)
     forward, backward = given.compute_times(MODEL, layout, 512, GPU, TIME)
     window = backward / 8 if once else backward   # each micro-step's reduce-scatter beside its own backward
     exposed = hides(seconds(cost, "d", "reduce_scatter", layout), window) + seconds(cost, "d", "all_gather", layout)
@@ -128,6 +147,7 @@ def test_fsdp_gathers_hide_behind_the_first_forward():
     cost = StepCost({("d", "all_gather"): 3e10, ("d", "reduce_scatter"): 6e10},
                     {("d", "all_gather"): 32, ("d", "reduce_scatter"): 32})
     got = predicted(layout, cost)
+    check_axis_times(got, cost, layout)
     forward, backward = given.compute_times(MODEL, layout, 512, GPU, TIME)
     exposed = hides(seconds(cost, "d", "all_gather", layout), forward / 4) + \
         hides(seconds(cost, "d", "reduce_scatter", layout), backward / 4)
@@ -142,6 +162,7 @@ def test_an_axis_within_a_node_runs_at_nvlinks_bandwidth_and_a_long_weight_traff
     cost = StepCost({("t", "all_gather"): 9e9, ("d", "reduce_scatter"): 4e12},
                     {("t", "all_gather"): 10, ("d", "reduce_scatter"): 1})
     got = predicted(layout, cost)
+    check_axis_times(got, cost, layout)
     tau_t = 10 * TIME.latency_intra + 9e9 / (GPU.intra * TIME.link_efficiency)
     tau_d = TIME.latency_inter + 4e12 / (GPU.inter * TIME.link_efficiency)
     forward, backward = given.compute_times(MODEL, layout, 512, GPU, TIME)
@@ -157,6 +178,7 @@ def test_context_attentions_traffic_is_exposed():
     layout = Layout(d=16, c=4, zero=0, m=1)      # c groups within a node, d across
     cost = StepCost({("c", "send"): 2e10, ("dc", "all_reduce"): 1e8}, {("c", "send"): 96, ("dc", "all_reduce"): 4})
     got = predicted(layout, cost)
+    check_axis_times(got, cost, layout)
     forward, backward = given.compute_times(MODEL, layout, 512, GPU, TIME)
     tau_c = 96 * TIME.latency_intra + 2e10 / (GPU.intra * TIME.link_efficiency)
     tau_dc = 4 * TIME.latency_inter + 1e8 / (GPU.inter * TIME.link_efficiency)

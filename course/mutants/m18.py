@@ -20,18 +20,18 @@ PLANTS = [
     Plant(COSTS, "\n        values = cost.memory[\"parameters\"] // b",
           "\n        values = (cost.memory[\"parameters\"] + cost.memory[\"buffers\"]) // b",
           "with ZeRO 3 the optimizer sized on the gathered slices: a rank updates only its shard"),
-    Plant(COSTS, "cost = (only(fsdp_traffic(cfg, sizes, dtype, cfg.n_layers) + outside, \"dc\", n, axis)\n"
-                 "                + fsdp_memory(cfg, sizes, dtype, cfg.n_layers) + StepCost(memory=outside.memory))",
-          "cost = (only(fsdp_traffic(cfg, sizes, dtype, cfg.n_layers), \"dc\", n, axis)\n"
-          "                + fsdp_memory(cfg, sizes, dtype, cfg.n_layers))",
+    Plant(COSTS, "cost = (only(fsdp_traffic(cfg, sizes, dtype, blocks) + outside, \"dc\", n, axis)\n"
+                 "                + fsdp_memory(cfg, sizes, dtype, blocks) + StepCost(memory=outside.memory))",
+          "cost = (only(fsdp_traffic(cfg, sizes, dtype, blocks), \"dc\", n, axis)\n"
+          "                + fsdp_memory(cfg, sizes, dtype, blocks))",
           "ZeRO 3 without the embedding, LM head and final norm, and their gathers and reduce-scatters over d c"),
-    Plant(COSTS, "cost = (only(tp_traffic(seq, {\"t\": t}, batch // d, dtype, m, sequence_parallel=True)",
-          "cost = (only(tp_traffic(seq, {\"t\": t}, batch, dtype, m, sequence_parallel=True)",
+    Plant(COSTS, "cost = (only(tp_traffic(seq, {\"t\": t}, batch // d, dtype, m, sequence_parallel=layout.sequence_parallel)",
+          "cost = (only(tp_traffic(seq, {\"t\": t}, batch, dtype, m, sequence_parallel=layout.sequence_parallel)",
           "the t formula given the whole batch: it would count the rows of all d groups"),
-    Plant(COSTS, "cost = (only(tp_traffic(seq, {\"t\": t}, batch // d, dtype, m, sequence_parallel=True)",
+    Plant(COSTS, "cost = (only(tp_traffic(seq, {\"t\": t}, batch // d, dtype, m, sequence_parallel=layout.sequence_parallel)",
           "cost = (only(tp_traffic(seq, {\"t\": t}, batch // d, dtype, m)",
           "tensor parallelism without sequence parallelism: all-reduces where module 17 gathers and scatters"),
-    Plant(COSTS, "        size //= layout.t\n", "",
+    Plant(COSTS, "        if layout.sequence_parallel or name not in STREAM_NAMES:\n            size //= layout.t\n", "",
           "activations not split over t: with sequence parallelism even the stream's names are"),
     Plant(COSTS, "\n    return block * layers_per_stage(model, layout) * live_stages(layout)",
           "\n    return block * layers_per_stage(model, layout)",
@@ -59,10 +59,10 @@ PLANTS = [
           "the experts summed over all d c ranks of \"ed\": each expert is held by d c / e of them"),
     Plant(SEARCH, "        if planned.memory > budget:\n", "        if planned.memory >= budget:\n",
           "a layout whose memory equals the budget exactly counted as not fitting"),
-    Plant(COSTS, "        size //= layout.t\n        if layout.fp8 and name in LINEAR_INPUTS:\n"
-                 "            size = size // dtype.itemsize + 4\n",
+    Plant(COSTS, "        if layout.sequence_parallel or name not in STREAM_NAMES:\n            size //= layout.t\n"
+                 "        if layout.fp8 and name in LINEAR_INPUTS:\n            size = size // dtype.itemsize + 4\n",
           "        if layout.fp8 and name in LINEAR_INPUTS:\n            size = size // dtype.itemsize + 4\n"
-          "        size //= layout.t\n",
+          "        if layout.sequence_parallel or name not in STREAM_NAMES:\n            size //= layout.t\n",
           "fp8's scale split over t with the values: each rank keeps a scale of its own"),
     Plant(TIME, "    busy = compute + sum(comm.get(axis, 0.0) for axis in EXPOSED_AXES)",
           "    busy = compute + sum(comm.get(axis, 0.0) for axis in (\"t\", \"e\", \"p\"))",
@@ -111,4 +111,18 @@ PLANTS = [
     Plant(TIME, "    return StepTime(busy / (1 - bubble) + exposed, compute, comm, bubble, exposed)",
           "    return StepTime(max(busy / (1 - bubble), sum(by_op.values())), compute, comm, bubble, exposed)",
           "the weights' traffic hidden behind the whole step unless it takes longer (the old model)"),
+    # Issue 37: one latency per axis, and the sequence-parallel switch ignored (module 18's no-sp layouts).
+    Plant(TIME, "        comm[axis] = cost.n_calls(axis) * alpha + cost.sent_bytes(axis) / bandwidth",
+          "        comm[axis] = alpha + cost.sent_bytes(axis) / bandwidth",
+          "one latency per axis instead of one per collective", new=True),
+    Plant(COSTS, "batch // d, dtype, m, sequence_parallel=layout.sequence_parallel)",
+          "batch // d, dtype, m, sequence_parallel=True)",
+          "the t traffic with sequence parallelism whatever the layout says", new=True),
+    Plant(COSTS, "        if layout.sequence_parallel or name not in STREAM_NAMES:\n",
+          "        if True:\n",
+          "every activation split over t, also the residual stream that tensor parallelism without sequence "
+          "parallelism keeps whole", new=True),
+    Plant(SEARCH, "    return Plan(fits, None if fits else closest, len(layouts))",
+          "    return Plan(fits, closest, len(layouts))",
+          "a closest miss reported although some layouts fit", new=True),
 ]
