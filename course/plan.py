@@ -55,6 +55,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--efficiency", type=float, default=None,
                    help="η, the fraction of the peak FLOP/s a compute-bound kernel reaches (default 0.65)")
     p.add_argument("--top", type=int, default=10, help="rows to print (default 10)")
+    p.add_argument("--gpu-mtbf", type=float, default=None,
+                   help="τ_gpu, hours between failures of one GPU: adds module 19's goodput to each row (e.g. 50676, "
+                        "Llama 3's 419 unexpected interruptions in 54 days on 16,384 GPUs)")
+    p.add_argument("--restart", type=float, default=600.0,
+                   help="τ_restart with --gpu-mtbf: seconds from a failure to the next useful step (default 600)")
+    p.add_argument("--save-gbps", type=float, default=1.0,
+                   help="with --gpu-mtbf: GB/s at which a GPU writes its share of a checkpoint (default 1.0); "
+                        "τ_save = the row's state / this")
     p.add_argument("--impl", choices=IMPLS, default="steps", help="your steps/ (default) or the reference solutions/")
     p.add_argument("--published", action="store_true",
                    help="the published runs against the planner (docs/18-planning.md's table); takes no other option")
@@ -139,6 +147,10 @@ def check(args):
     for name, value in (("--batch", batch), ("--top", args.top), ("--microbatches", args.microbatches)):
         if value is not None:
             check_count(value, name, 1, MAX_SIZE)
+    if args.gpu_mtbf is not None:
+        check_number(args.gpu_mtbf, "--gpu-mtbf")
+        check_number(args.restart, "--restart")
+        check_number(args.save_gbps, "--save-gbps")
     if args.efficiency is not None and not 0 < args.efficiency <= 1:
         raise ValueError(f"--efficiency is a fraction of the peak, in (0, 1], got {args.efficiency}")
     fixed = {}
@@ -208,7 +220,18 @@ def describe_miss(closest, budget: float) -> str:
             f"{gb(budget)} GB usable ({parts}); {why}")
 
 
-def print_plan(model, gpu, gpus: int, batch: int, plan, step_time, time_model, top: int):
+def under_failures(planned, gpus: int, failures, goodput) -> str:
+    """Module 19's goodput of a planned row: the job fails once in τ_gpu / R (every GPU's failures add up), a
+    checkpoint blocks for the row's state written at the given bandwidth (a synchronous save: the upper bound).
+    `goodput`: module 19's m19_goodput, the implementation asked for (--impl)."""
+    gpu_mtbf_h, restart, save_gbps = failures
+    memory = planned.cost.memory
+    save_cost = sum(memory.get(k, 0) for k in ("parameters", "gradients", "optimizer")) / (save_gbps * 1e9)
+    result = goodput.goodput(planned.time.step, save_cost, restart, gpu_mtbf_h * 3600 / gpus)
+    return f" {result.goodput:>5.1%} {result.every:>6}"
+
+
+def print_plan(model, gpu, gpus: int, batch: int, plan, step_time, time_model, top: int, failures=None):
     cfg = model.cfg
     psi = step_time.dense_parameters(model) if model.moe is None else None
     flops = step_time.model_flops(model, batch)
@@ -222,7 +245,13 @@ def print_plan(model, gpu, gpus: int, batch: int, plan, step_time, time_model, t
           f"{plan.considered} layouts costed, {len(plan.fits)} fit (one per recompute family)")
     full = step_time.model_flops(model, batch, full_attention=True)
     header = (f"{'#':>3}  {'layout':<58} {'state':>6} {'acts':>6} {'total':>6}  {'GB sent a step by axis':<30} "
-              f"{'bubble':>6} {'step s':>7} {'tok/s/GPU':>9} {'MFU half/full':>13}")
+              f"{'bubble':>6} {'step s':>7} {'tok/s/GPU':>9} {'MFU half/full':>13}"
+              + (f" {'Γ':>6} {'ckpt every':>6}" if failures else ""))
+    if failures:
+        (gpu_mtbf_h, restart, save_gbps), _ = failures
+        print(f"failures: a GPU fails once in {gpu_mtbf_h:g} h, so the job once in {gpu_mtbf_h / gpus:.1f} h; "
+              f"restart {restart:g} s; a checkpoint written at {save_gbps:g} GB/s a GPU (module 19's "
+              f"goodput Γ at Daly's interval, in steps)")
     print(header)
     for rank, planned in enumerate(plan.fits[:top], start=1):
         memory, t = planned.cost.memory, planned.time
@@ -232,7 +261,8 @@ def print_plan(model, gpu, gpus: int, batch: int, plan, step_time, time_model, t
         tokens = batch * cfg.max_seq_len / t.step / gpus
         mfu = f"{flops / (t.step * gpus * gpu.bf16):.1%}/{full / (t.step * gpus * gpu.bf16):.1%}"
         print(f"{rank:>3}  {str(planned.layout):<58} {gb(state):>6} {gb(memory.get('activations', 0)):>6} "
-              f"{gb(planned.memory):>6}  {sent:<30} {t.bubble:>6.1%} {t.step:>7.2f} {tokens:>9.0f} {mfu:>13}")
+              f"{gb(planned.memory):>6}  {sent:<30} {t.bubble:>6.1%} {t.step:>7.2f} {tokens:>9.0f} {mfu:>13}"
+              + (under_failures(planned, gpus, *failures) if failures else ""))
     print("GB: 10^9 bytes a GPU. state: parameters, gradients and optimizer; acts: activations at the peak; "
           "total adds buffers. MFU: causal attention counted at half / full (torchtitan's count), docs/18-planning.md.")
 
@@ -317,4 +347,6 @@ def main(argv: list[str]) -> None:
         plan = search.search(model, args.gpus, batch, gpu, precision, time_model, fixed)
         if not plan.fits:
             sys.exit(f"error: {describe_miss(plan.closest, (1 - search.RESERVE) * gpu.memory)}")
-        print_plan(model, gpu, args.gpus, batch, plan, step_time, time_model, args.top)
+        failures = None if args.gpu_mtbf is None else ((args.gpu_mtbf, args.restart, args.save_gbps),
+                                                       load("m19_goodput"))
+        print_plan(model, gpu, args.gpus, batch, plan, step_time, time_model, args.top, failures)

@@ -103,6 +103,24 @@ def test_an_unwritable_checkpoint_folder_is_refused_before_the_run(tmp_path, mon
     assert not (tmp_path / "new").exists(), "a run that may yet be refused creates no folder"
 
 
+def test_plan_prices_each_row_under_failures_with_module_19s_goodput(capsys):
+    # Each row's Γ and checkpoint interval: module 19's (the reference's) for the row's printed step time and a save
+    # of its printed state at 2 GB/s; the job fails once in τ_gpu / R.
+    from course.impl import reference
+    from course.plan import main as plan
+    plan(["--model", "llama3-8b", "--gpus", "8", "--top", "2", "--gpu-mtbf", "1000", "--restart", "300",
+          "--save-gbps", "2", "--impl", "solutions"])
+    out = capsys.readouterr().out
+    assert "the job once in 125.0 h" in out, out
+    rows = [line for line in out.splitlines() if re.match(r"^ +\d+  [pdcet]=", line)]
+    assert len(rows) == 2, out
+    for row in rows:
+        state = float(re.search(r" (\d+\.\d) +\d+\.\d +\d+\.\d  ", row).group(1))   # state, acts, total
+        step, shown, every = float(row.split()[-5]), float(row.split()[-2].rstrip("%")) / 100, int(row.split()[-1])
+        want = reference("m19_goodput").goodput(step, state / 2, 300.0, 1000 * 3600 / 8)
+        assert abs(shown - want.goodput) < 2e-3 and abs(every - want.every) <= max(1, want.every // 50), (row, want)
+
+
 @pytest.mark.parametrize("argv, said", [
     (["--microbatches", "0"], "--microbatches must be at least 1, got 0"),  # ZeroDivisionError
     (["--model", "dim=inf,layers=2,heads=2,kv_heads=2,ffn=8,vocab=8,seq=8"], "--model dim must be a whole number from "
@@ -111,6 +129,8 @@ def test_an_unwritable_checkpoint_folder_is_refused_before_the_run(tmp_path, mon
     (["--gpus", str(10**30)], f"--gpus must be at most 1,048,576, got {10**30}"),  # minutes of search
     (["--gpu", "memory=nan,bf16=989,intra=450,inter=50"], "--gpu memory must be a number from 1e-09 to 1e+09, got nan"),
     (["--gpu", "memory=inf,bf16=inf,intra=450,inter=50"], "--gpu memory must be a number from 1e-09 to 1e+09, got inf"),
+    (["--gpu-mtbf", "0"], "--gpu-mtbf must be a number from 1e-09 to 1e+09, got 0"),
+    (["--gpu-mtbf", "1000", "--restart", "nan"], "--restart must be a number from 1e-09 to 1e+09, got nan"),
 ])
 def test_plan_refuses_a_bad_number_in_one_line_with_exit_code_2(argv, said, capsys):
     # Issue 33: tracebacks, a plan for "nan GB" GPUs, an MFU of 0.0 %; and exit code 1 where run's is 2.
