@@ -6,7 +6,7 @@ opening results/site/index.html would, and is driven through its DevTools protoc
 On every page: no console error, no uncaught exception, no failed request and no request out of the site;
 every image drawn; every link into the site reaching a file that exists; the maths typeset by KaTeX (no
 TeX left unrendered, no KaTeX error). A notebook page shows its outputs (a plot); a chapter page shows every
-figure the manifest (course/site/figures.py) gives it, and chapter 05 its typeset maths. The explorer, opened
+figure the manifest (course/site/figures.py) gives it, and chapters 01-19 their typeset maths. The explorer, opened
 at a few (schedule, p, m) through its address, shows the bubble the course's simulator gives. The layout
 calculator, opened at a sample of layouts of each case, prints the row (or the refusal) that `python main.py
 plan` prints for the same layout pinned, and the command that does it; the hardware page shows every GPU
@@ -33,7 +33,7 @@ from urllib.parse import unquote, urlsplit
 from course import REPO, RESULTS
 
 SCREENSHOTS = RESULTS / "site-screenshots"
-MATHS_CHAPTERS = ("05",)  # chapters whose pages must show typeset maths (MyST's $$ through KaTeX)
+MATHS_CHAPTERS = tuple(f"{n:02d}" for n in range(1, 20))  # chapters whose pages must show typeset maths (KaTeX)
 BROWSERS = ("chromium", "chromium-browser", "google-chrome")
 INSTALL = ("the browser check needs Chromium, which was not found: install it with `sudo apt-get install chromium` "
            "(Debian/Ubuntu; `chromium-browser` elsewhere), then run `python main.py site --check` again")
@@ -374,7 +374,7 @@ def check_pages(browser: Browser, site: Path) -> tuple[int, list[str]]:
             expected = [f"fig-{f.name}" for f in figures.of_chapter(page.name[:2])]
             found += [f"figure {name} of the manifest not drawn" for name in expected if name not in seen["figures"]]
             if page.name[:2] in MATHS_CHAPTERS and not seen["typeset"]:
-                found.append("no maths typeset (the chapter's $$ formula)")
+                found.append("no maths typeset (the chapter's $ formulas)")
         problems += [f"{where}: {p}" for p in found]
         print(f"  {'ok  ' if not found else 'FAIL'} {where}: {seen['katex']} formulas typeset, "
               f"{len(seen['links'])} links" + (f", {seen['outputs']} outputs, {seen['plots']} plots"
