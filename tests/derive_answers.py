@@ -225,8 +225,9 @@ FORBIDDEN = {
         ],
     },
     "09": {
-        # The scale, the strides and the operands: chapter 09 works symmetric int8's scale (127 / amax) and the
-        # layouts of attention's two products (q k^T, p v); the weight cache's version check is given.
+        # The scale, the strides and the operands: chapter 09 works symmetric int8's scale (127 / amax), the
+        # layouts of attention's two products (q k^T, p v) and a delayed scale's abs-max (the bytes follow the abs-max
+        # handed to quantize); the weight cache's version check is given.
         "quantize": [
             ("FP8_MAX / amax", "FP8_MAX[dtype] / amax"), ("scale = 1 / factor", "the factor's inverse"),
             code("amax.new_tensor(FP8_MAX[dtype]) / amax"), code(".clamp(-FP8_MAX[dtype], FP8_MAX[dtype]).to(dtype)"),
@@ -235,6 +236,7 @@ FORBIDDEN = {
             ("row-major: stride 1 along dimension 1",), code("a.stride(1) != 1"), code("b.stride(0) != 1"),
         ],
         "FP8Matmul.prepare": [
+            ("the store's, if it has one", "looks for one in the store first", "if the store already holds that abs-max"),
             code("store[key] if key in store else abs_max(x)", "store[amax_name] if amax_name in store else abs_max(x)"),
             code("x.numel() // x.shape[-1]"),
         ],
