@@ -201,9 +201,10 @@ FORBIDDEN = {
         ],
     },
     "08": {
-        # Who records each event on which stream, and who waits for it: chapter 08 works the two events of the
-        # other transfer (an activation offloaded to the host), where compute writes and the copy reads.
+        # Who records each event on which stream, and who waits for it: chapter 08 works the two events of another
+        # resource (a gradient bucket all-reduced on a communication stream) and states no rule to transcribe.
         "HostWeights.__init__": [
+            ("in pinned (page-locked) host memory",), ("a side stream of its own",),
             code("runtime.pin(self.layout.flatten(b))"), code("self.copy_stream = runtime.new_stream()"),
         ],
         "HostWeights.gather": [
@@ -217,6 +218,7 @@ FORBIDDEN = {
         ],
         "HostWeights.release": [
             ("record buf.released on the compute stream", "records `released` on the compute stream"),
+            ("the stream that does the work it stands for", "recorded on the stream that does the work"),
             code("buf.released.record(self.compute_stream)"),
         ],
         "HostWeights.invalidate": [
