@@ -114,11 +114,13 @@ FORBIDDEN = {
     "06": {
         # The backwards, derived: chapter 06 works each idea on a case that is no TODO's (y = x A by index, a shear's
         # transpose, the l2 normalisation, the sigmoid gate, the softmax's Jacobian, the logistic loss, a weight
-        # source with three buffers); the forwards that are definitions (linear, RoPE, SwiGLU) are given.
+        # source with three buffers, GPT-2's MLP sublayer as a chain of what each backward reads); the forwards that
+        # are definitions (linear, RoPE, SwiGLU) are given; RMSNorm's r is defined by a condition to solve.
         "Matmul.backward": [
             ("dx = dy W", "dx = dy w"), ("dW = dyᵀ x", "dW = dy^T x", "dw = dy.T x"), code("dy @ w"), code("dy.t() @ x"),
         ],
         "rmsnorm_forward": [
+            ("r = 1 / sqrt(mean(x^2) + eps)", "+ eps)^(-1/2)", "+ \\epsilon\\right)^{-1/2}", "x * r * weight with r"),
             code("r.unsqueeze(-1)", "r[..., None]"), code("xf.pow(2).mean"),
         ],
         "rmsnorm_backward": [
@@ -142,7 +144,13 @@ FORBIDDEN = {
         "swiglu_backward": [
             ("σ(g) (1 + g (1 - σ(g)))", "sig * (1 + g * (1 - sig))", "1 + g (1 - σ(g))"), code("ds * g * sig"),
         ],
+        "LlamaBlock.attention_half": [
+            ("RMSNorm, the q/k/v projections, RoPE, attention", "x n1 r1 q k v o lse",
+             "(n1, r1) = RMSNorm(x; ln1); q = RoPE(n1 W_qᵀ)"),
+        ],
         "LlamaBlock.ffn_half": [
+            ("residual add + RMSNorm, gate and up projections and SwiGLU", "h n2 r2 g u s",
+             "h = x + o W_oᵀ and (n2, r2) = RMSNorm(h; ln2)"),
             code('mm.prepare(swiglu_forward(g, u), store, "s")'),
         ],
         "LlamaBlock.backward": [
