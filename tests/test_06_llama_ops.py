@@ -153,7 +153,11 @@ def test_rope_backward_matches_autograd_and_is_the_inverse():
     cos, sin = ops.rope_tables(6, 8, 500.0, dtype=f64)
     close(ops.rope_forward(x, cos, sin), reference_rope(x, 500.0), "rope_forward (given)")
     (expected,) = autograd_grads(lambda x: reference_rope(x, 500.0), [x], [dy])
-    close(ops.rope_backward(dy, cos, sin), expected, "your rope_backward")
+    got = ops.rope_backward(dy, cos, sin)
+    assert not (got.shape == dy.shape and torch.allclose(got, ops.rope_forward(dy, cos, sin), rtol=1e-9, atol=1e-10)), \
+        ("your rope_backward is wrong: it equals rope_forward(dy), dy turned the way the forward turns x; which "
+         "way does the gradient of a rotation turn?")
+    close(got, expected, "your rope_backward")
     close(ops.rope_backward(ops.rope_forward(x, cos, sin), cos, sin), x,
           "your rope_backward of rope_forward(x) must give x back")
 
