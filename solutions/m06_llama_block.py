@@ -1,10 +1,11 @@
 """Module 06, part 2 - the transformer block: a forward sequence and its backward in reverse.
 
-    x -> RMSNorm(ln1) -> q, k, v projections -> RoPE(q, k) -> causal GQA attention -> o projection
-      -> h = x + attention out, RMSNorm(ln2) -> gate, up projections -> SwiGLU -> down projection
-      -> y = h + FFN out
+A Llama block is two pre-norm residual sublayers on the stream x (chapter 06, "The block"):
 
-`LlamaBlock.forward(w, x, store)` runs the ops of m06_llama_ops in that order and saves what their
+    h = x + Attention(RMSNorm(x; ln1))        causal grouped-query attention, RoPE on q and k, o projection
+    y = h + FFN(RMSNorm(h; ln2))              SwiGLU of the gate and up projections, down projection
+
+`LlamaBlock.forward(w, x, store)` runs them with the ops of m06_llama_ops and saves what their
 backwards need in `store`; `LlamaBlock.backward(w, dy, store)` runs the backwards in reverse and
 returns (dx, grads). The block holds no weights: they are passed in, so a weight source can
 gather them just in time (modules 07, 08). Its linears all go through `self.matmul` (module 09),
@@ -147,7 +148,7 @@ class LlamaBlock:
         cos, sin = self.rope(T, x.dtype, x.device)
         # >>> TODO(m06): the attention half's forward, saving exactly what its backward reads
         # Contract: x is (B, T, dim), w the block's weights, cos and sin (above) RoPE's tables for this length. Return
-        #   o, attention's output (B, T, n_heads * head_dim) before the o projection, as the module docstring's chain
+        #   o, attention's output (B, T, n_heads * head_dim) before the o projection, as the module docstring
         #   defines it. Afterwards the store holds 'x', 'n1', 'r1', 'q', 'k', 'v', 'o' and 'lse' (q, k and v as
         #   attention read them) and nothing else of this half. Every linear goes through linear_forward with
         #   self.matmul and attention through self.attention (chunked, or the fused kernel): the tests count the
@@ -157,8 +158,9 @@ class LlamaBlock:
         # Question: which tensors will this half's backward read, in which shapes, and which op makes each?
         # Pitfalls: which of q, k and v does RoPE turn? A projection gives (B, T, heads * head_dim): how many heads
         #   do q, k and v each have? Which saved names does prepare save, and which are yours to save?
-        # Hint 1: the chapter's "The block: a chain and its reverse": for each op of this half, what will its backward
-        #         read? rmsnorm_backward, rope_backward and self.attention.backward tell you by their arguments.
+        # Hint 1: the chapter's "The block: a chain and its reverse" tables GPT-2's MLP sublayer: can you draw the same
+        #         table for this half? rmsnorm_backward, rope_backward and self.attention.backward name by their
+        #         arguments what each backward reads.
         # Hint 2: (n1, r1) = RMSNorm(x; ln1); q = RoPE(n1 W_qᵀ) with n_heads heads, k = RoPE(n1 W_kᵀ) and v = n1 W_vᵀ
         #         with n_kv_heads; (o, lse) = attention(q, k, v); the store: x, n1 (by prepare), r1, q, k, v, o, lse.
         # Hint 3: n1, r1 = rmsnorm_forward(x, w.ln1, cfg.norm_eps);  n1 = mm.prepare(n1, store, "n1")
@@ -185,7 +187,7 @@ class LlamaBlock:
         # >>> TODO(m06): the FFN half's forward up to SwiGLU, saving what its backward reads
         # Contract: x is the block input and o attention's output (B, T, n_heads * head_dim). Return (h, s): h, the
         #   residual stream after attention (B, T, dim), and s, SwiGLU's output (B, T, ffn_dim) as the policy's prepare
-        #   returned it (the down projection, given in forward, multiplies it), as the module docstring's chain defines
+        #   returned it (the down projection, given in forward, multiplies it), as the module docstring defines
         #   them. Afterwards the store holds 'h', 'n2', 'r2', 'g', 'u' and 's' and nothing else of this half; 'n2' and
         #   's' get there through mm.prepare (gate and up read one n2). Every linear goes through linear_forward with
         #   self.matmul (the tests count the calls, and which of them multiply a prepared input).
@@ -193,8 +195,8 @@ class LlamaBlock:
         #   must see once?
         # Pitfalls: o is kept as it is for attention's backward: is it prepared? How many times is n2 prepared when
         #   two linears read it (module 09 would quantize it each time)?
-        # Hint 1: the chapter's "The block: a chain and its reverse"; the residual add and the second norm are one
-        #         op here (residual_rmsnorm_forward). What does each op's backward read?
+        # Hint 1: the chapter's "The block: a chain and its reverse" tables GPT-2's MLP sublayer: what does the same
+        #         table give for this half? The residual add and the second norm are one op here.
         # Hint 2: h = x + o W_oᵀ and (n2, r2) = RMSNorm(h; ln2); g = n2 W_gateᵀ, u = n2 W_upᵀ; s = SwiGLU(g, u); the
         #         store: h, n2 (by prepare), r2, g, u, s (by prepare).
         # Hint 3: h, n2, r2 = residual_rmsnorm_forward(x, linear_forward(o, w.wo, mm), w.ln2, cfg.norm_eps)

@@ -77,22 +77,25 @@ def linear_backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, matmul: 
 # RMSNorm, and RMSNorm fused with the residual add
 # ---------------------------------------------------------------------------------------------
 def rmsnorm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float):
-    """n = x * r * weight with r = 1 / sqrt(mean(x^2) + eps) over the last dimension.
+    """RMSNorm over the last dimension: (n, r), r > 0 one factor per token, n = (x scaled by its
+    token's r) weighted by `weight` feature by feature, where r is the factor for which
+    mean_j (x_j r)^2 + eps r^2 = 1 (so x r has root mean square 1, up to eps).
 
-    Returns (n, r): n in x's dtype, r (one value per token) in compute_dtype(x.dtype), float32 at
-    least. The backward needs x and r: saving r instead of recomputing it is cheap and spares a
-    reduction over dim.
+    n is in x's dtype, r in compute_dtype(x.dtype), float32 at least. The backward needs x and r:
+    saving r instead of recomputing it is cheap and spares a reduction over dim.
     """
     # >>> TODO(m06): RMSNorm forward: the normalized, weighted x and each token's reciprocal RMS
     # Contract: x is (..., dim), weight (dim,). Return (n, r) as the docstring defines them, over the last dimension:
-    #   n has x's shape and dtype; r holds one value per token, shape x.shape[:-1], in compute_dtype(x.dtype). For a
-    #   bf16 x, every value of n is within one bf16 rounding of the float64 result (the bf16 test measures it).
-    # Question: in which dtype must the squares be averaged and the row scaled so that a bf16 x loses nothing but
-    #   one last rounding, and how does a per-token r reach every feature of its row?
+    #   n has x's shape and dtype; r holds one value per token, shape x.shape[:-1], in compute_dtype(x.dtype). The
+    #   tests compare both with PyTorch's F.rms_norm in float64, and for a bf16 x every value of n must be within one
+    #   bf16 rounding of the float64 result.
+    # Question: which r solves the docstring's condition, in which dtype must it and n be computed so that a bf16 x
+    #   loses nothing but one last rounding, and how does a per-token r reach every feature of its row?
     # Pitfalls: r has one axis fewer than x: what does x * r broadcast against when two sizes happen to be equal?
     #   How many times is n rounded to x's dtype on its way out?
-    # Hint 1: which of the values here are statistics, and where does the chapter's "Precision" section say a
-    #         statistic is computed? What shape must r have to multiply a whole row?
+    # Hint 1: the condition has r on both sides: can you gather the terms in r² and solve? Which of the values here
+    #         are statistics, and what does the chapter's "Precision" section say of them? What shape must r have to
+    #         multiply a whole row?
     # Hint 2: with x_f = x converted to compute_dtype(x.dtype): r = (mean_j x_f[..., j]² + eps)^(-1/2) per token, and
     #         n = x_f r weight (weight converted too), rounded once to x's dtype; r gets a trailing axis of size 1.
     # Hint 3: xf = x.to(compute_dtype(x.dtype))
@@ -113,15 +116,16 @@ def rmsnorm_backward(dn: torch.Tensor, x: torch.Tensor, r: torch.Tensor, weight:
     #   dx in x's shape and dtype, dweight in weight's shape and dtype, computed in r's dtype (float32 at least) and
     #   rounded once at the end. The tests compare with autograd in float64, run gradcheck through your backward
     #   and bound the bf16 error.
-    # Maths: n = x̂ ⊙ weight with x̂ = x r, and r = (mean_j x_j² + eps)^(-1/2) is a function of the whole row.
+    # Maths: n = x̂ ⊙ weight with x̂ = x r, and r, the positive root of mean_j (x_j r)² + eps r² = 1, is a function
+    #   of the whole row.
     # Question: r changes when any x_j of its row changes: what does that add to dx, beyond r times the gradient
     #   that reaches x̂?
     # Pitfalls: would your dx still be right if r depended on x? Does dweight sum over every leading axis, or
     #   over one of them?
     # Hint 1: the chapter's "A normalisation's backward" differentiates x / ||x||: what do the mean, eps and the
     #         weight change in that derivation? Start from the gradient that reaches x̂, g = dn ⊙ weight.
-    # Hint 2: ∂r/∂x_j = -r³ x_j / dim, so per row dx = r (g - x̂ mean(g ⊙ x̂)), the mean over the row; and
-    #         dweight = Σ over every token of dn ⊙ x̂.
+    # Hint 2: r = (mean_j x_j² + eps)^(-1/2), so ∂r/∂x_j = -r³ x_j / dim, and per row dx = r (g - x̂ mean(g ⊙ x̂)),
+    #         the mean over the row; and dweight = Σ over every token of dn ⊙ x̂.
     # Hint 3: xf = x.to(r.dtype);  xhat = xf * r.unsqueeze(-1);  dnf = dn.to(r.dtype);  g = dnf * weight.to(r.dtype)
     #         dx = r[..., None] * (g - xhat * (g * xhat).mean(-1, keepdim=True))
     #         dweight = (dnf * xhat).reshape(-1, x.shape[-1]).sum(dim=0)

@@ -44,20 +44,24 @@ class HostWeights:
         dtype = blocks[0].wq.dtype
         self.copies = 0  # block copies issued (the benchmark's transfer count)
         # >>> TODO(m08): pinned host blocks, a side stream, two device buffers with their events
-        # Contract: set three attributes, by these names (the tests and the given code read them):
-        #   self.host         every block, flattened by self.layout, in pinned (page-locked) host memory
-        #   self.copy_stream  a side stream of its own for the copies
-        #   self.buffers      two DeviceBuffers, each with room for one padded block on the device, in the blocks'
-        #                     dtype, and its own ready and released events
-        #   Everything comes from the runtime (course/streams.py lists its calls), never from torch.cuda directly: on
-        #   CPU the tests hand you a recorder, and its event graph is what they check. The first test checks each
-        #   attribute: pinned, on the device, in the dtype, four distinct events.
-        # Question: what must exist before the first gather, and what must each buffer own alone?
-        # Pitfalls: from which memory can a host-to-device copy run without the host waiting for it? If two buffers
-        #   shared an event, what would a copy into one of them end up waiting for?
-        # Hint 1: the chapter's "Streams and events": which of the three tools need objects made once, here?
-        # Hint 2: L pinned flat blocks (the layout's flatten, then the runtime's pin); one new stream; two buffers of
-        #         layout.padded_numel values, each with two events of its own: four events in all.
+        # Contract: afterwards three attributes exist, by these names (the tests and the given code read them):
+        #   self.host (one entry per block, in self.layout's flat form), self.copy_stream (the stream gather issues
+        #   its copies on) and self.buffers (the two DeviceBuffers that layer % 2 picks from). The first test checks,
+        #   from outside: a copy from each self.host entry to the device can run while the host goes on; the copy
+        #   stream is not the compute stream; each buffer's flat tensor is on the device, in the blocks' dtype, with
+        #   room for one padded block; and the four events are four distinct objects. Everything comes from the
+        #   runtime (course/streams.py lists its calls), never from torch.cuda directly: on CPU the tests hand you a
+        #   recorder, and its event graph is what they check.
+        # Question: what must exist before the first gather for a copy to overlap compute, and what must each buffer
+        #   own alone?
+        # Pitfalls: from which memory can a host-to-device copy run without the host waiting for it? Could copies
+        #   issued on the compute stream overlap the compute queued before them? If two buffers shared an event, what
+        #   would a copy into one of them end up waiting for?
+        # Hint 1: the chapter's "Streams and events": what does a copy's source memory decide, and which of the three
+        #         tools need objects made once, here?
+        # Hint 2: L flat blocks in pinned (page-locked) host memory (the layout's flatten, then the runtime's pin); a
+        #         side stream of its own for the copies; two buffers of layout.padded_numel values, each with two
+        #         events of its own: four events in all.
         # Hint 3: self.host = [runtime.pin(self.layout.flatten(b)) for b in blocks]
         #         self.copy_stream = runtime.new_stream()
         #         self.buffers = [DeviceBuffer(runtime.empty(self.layout.padded_numel, dtype), runtime.new_event(),
@@ -80,8 +84,8 @@ class HostWeights:
             # Question: which event must the copy stream wait for, and where must ready be recorded to mean "copied"?
             # Pitfalls: is a copy queued while the compute stream is current on the side stream, whatever it waited
             #   for? Does an event recorded before the copy say anything about the copy?
-            # Hint 1: the chapter's "Streams and events" and its offload example, with the roles of the streams
-            #         swapped: which work must finish before the copy writes, and who needs to know when it is done?
+            # Hint 1: the chapter's "Streams and events" and its gradient bucket: which work must finish before the
+            #         copy writes the buffer, and on which stream does the work that ready stands for run?
             # Hint 2: on the copy stream, in order: wait for buf.released; the copy (issued with the copy stream
             #         current); record buf.ready.
             # Hint 3: self.copy_stream.wait_event(buf.released)
@@ -104,7 +108,8 @@ class HostWeights:
         # Contract: after check_get, buffer layer % 2 is GATHERING this layer. Afterwards the compute stream's later
         #   work (this block's kernels) is ordered after the copy into the buffer, the host has not waited, the buffer
         #   is IN_USE, and the block is returned as views into buf.flat (the layout's, as in module 07).
-        # Question: which event carries "the copy has finished" to the compute stream?
+        # Question: how does the compute stream come to wait for a copy queued on another stream, without the host
+        #   waiting for anything?
         # Pitfalls: a host-side wait gives the right numbers: what does it do to the overlap? What may a kernel read
         #   if nothing orders it after the copy (on a GPU: old weights, or the NaN the GPU test fills buffers with)?
         #   When gather found the block still there and copied nothing, what does waiting cost?
@@ -128,10 +133,13 @@ class HostWeights:
         #   queued (not necessarily run: the host runs ahead of the GPU). Afterwards buf.released completes exactly
         #   when every compute queued so far that may read the buffer has finished, and the buffer is FREE, still
         #   knowing its layer and version (a later gather of the same layer is a hit).
-        # Question: on which stream, and at which point of it, does the event that a later copy waits for belong?
+        # Question: the next copy into this buffer must wait for the compute that reads it: what can it wait for, and
+        #   what decides when that completes?
         # Pitfalls: recorded on the copy stream, or not at all, what would the next copy into this buffer wait for?
-        # Hint 1: the chapter's "Streams and events": when does an event recorded on a stream complete?
-        # Hint 2: record buf.released on the compute stream, now (after the kernels the loop has queued); state FREE.
+        # Hint 1: the chapter's "Streams and events": when does an event recorded on a stream complete, and which
+        #         stream queued the work released stands for?
+        # Hint 2: record buf.released on the compute stream, now: the stream that does the work it stands for, right
+        #         after that work (the kernels the loop has queued); state FREE.
         # Hint 3: buf.released.record(self.compute_stream)
         #         buf.state = FREE
         buf.released.record(self.compute_stream)

@@ -1,12 +1,13 @@
 # Generated from solutions/m06_llama_block.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 06`. (skeleton 90b3beea4ea9)
+# Grade your work with `python main.py grade 06`. (skeleton 713a32bbe482)
 """Module 06, part 2 - the transformer block: a forward sequence and its backward in reverse.
 
-    x -> RMSNorm(ln1) -> q, k, v projections -> RoPE(q, k) -> causal GQA attention -> o projection
-      -> h = x + attention out, RMSNorm(ln2) -> gate, up projections -> SwiGLU -> down projection
-      -> y = h + FFN out
+A Llama block is two pre-norm residual sublayers on the stream x (chapter 06, "The block"):
 
-`LlamaBlock.forward(w, x, store)` runs the ops of m06_llama_ops in that order and saves what their
+    h = x + Attention(RMSNorm(x; ln1))        causal grouped-query attention, RoPE on q and k, o projection
+    y = h + FFN(RMSNorm(h; ln2))              SwiGLU of the gate and up projections, down projection
+
+`LlamaBlock.forward(w, x, store)` runs them with the ops of m06_llama_ops and saves what their
 backwards need in `store`; `LlamaBlock.backward(w, dy, store)` runs the backwards in reverse and
 returns (dx, grads). The block holds no weights: they are passed in, so a weight source can
 gather them just in time (modules 07, 08). Its linears all go through `self.matmul` (module 09),
@@ -149,7 +150,7 @@ class LlamaBlock:
         cos, sin = self.rope(T, x.dtype, x.device)
         # TODO(m06): the attention half's forward, saving exactly what its backward reads
         # Contract: x is (B, T, dim), w the block's weights, cos and sin (above) RoPE's tables for this length. Return
-        #   o, attention's output (B, T, n_heads * head_dim) before the o projection, as the module docstring's chain
+        #   o, attention's output (B, T, n_heads * head_dim) before the o projection, as the module docstring
         #   defines it. Afterwards the store holds 'x', 'n1', 'r1', 'q', 'k', 'v', 'o' and 'lse' (q, k and v as
         #   attention read them) and nothing else of this half. Every linear goes through linear_forward with
         #   self.matmul and attention through self.attention (chunked, or the fused kernel): the tests count the
@@ -169,7 +170,7 @@ class LlamaBlock:
         # TODO(m06): the FFN half's forward up to SwiGLU, saving what its backward reads
         # Contract: x is the block input and o attention's output (B, T, n_heads * head_dim). Return (h, s): h, the
         #   residual stream after attention (B, T, dim), and s, SwiGLU's output (B, T, ffn_dim) as the policy's prepare
-        #   returned it (the down projection, given in forward, multiplies it), as the module docstring's chain defines
+        #   returned it (the down projection, given in forward, multiplies it), as the module docstring defines
         #   them. Afterwards the store holds 'h', 'n2', 'r2', 'g', 'u' and 's' and nothing else of this half; 'n2' and
         #   's' get there through mm.prepare (gate and up read one n2). Every linear goes through linear_forward with
         #   self.matmul (the tests count the calls, and which of them multiply a prepared input).

@@ -1,5 +1,5 @@
 # Generated from solutions/m06_llama_ops.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 06`. (skeleton ed35e60fb5f1)
+# Grade your work with `python main.py grade 06`. (skeleton 981fc40244c7)
 """Module 06, part 1 - the operations of a Llama block, each with an explicit backward.
 
 Every op is a pair of plain functions: `*_forward` returns its output and the few tensors its
@@ -73,18 +73,20 @@ def linear_backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, matmul: 
 # RMSNorm, and RMSNorm fused with the residual add
 # ---------------------------------------------------------------------------------------------
 def rmsnorm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float):
-    """n = x * r * weight with r = 1 / sqrt(mean(x^2) + eps) over the last dimension.
+    """RMSNorm over the last dimension: (n, r), r > 0 one factor per token, n = (x scaled by its
+    token's r) weighted by `weight` feature by feature, where r is the factor for which
+    mean_j (x_j r)^2 + eps r^2 = 1 (so x r has root mean square 1, up to eps).
 
-    Returns (n, r): n in x's dtype, r (one value per token) in compute_dtype(x.dtype), float32 at
-    least. The backward needs x and r: saving r instead of recomputing it is cheap and spares a
-    reduction over dim.
+    n is in x's dtype, r in compute_dtype(x.dtype), float32 at least. The backward needs x and r:
+    saving r instead of recomputing it is cheap and spares a reduction over dim.
     """
     # TODO(m06): RMSNorm forward: the normalized, weighted x and each token's reciprocal RMS
     # Contract: x is (..., dim), weight (dim,). Return (n, r) as the docstring defines them, over the last dimension:
-    #   n has x's shape and dtype; r holds one value per token, shape x.shape[:-1], in compute_dtype(x.dtype). For a
-    #   bf16 x, every value of n is within one bf16 rounding of the float64 result (the bf16 test measures it).
-    # Question: in which dtype must the squares be averaged and the row scaled so that a bf16 x loses nothing but
-    #   one last rounding, and how does a per-token r reach every feature of its row?
+    #   n has x's shape and dtype; r holds one value per token, shape x.shape[:-1], in compute_dtype(x.dtype). The
+    #   tests compare both with PyTorch's F.rms_norm in float64, and for a bf16 x every value of n must be within one
+    #   bf16 rounding of the float64 result.
+    # Question: which r solves the docstring's condition, in which dtype must it and n be computed so that a bf16 x
+    #   loses nothing but one last rounding, and how does a per-token r reach every feature of its row?
     # Pitfalls: r has one axis fewer than x: what does x * r broadcast against when two sizes happen to be equal?
     #   How many times is n rounded to x's dtype on its way out?
     raise NotImplementedError("TODO(m06): RMSNorm forward: the normalized, weighted x and each token's reciprocal RMS")
@@ -97,7 +99,8 @@ def rmsnorm_backward(dn: torch.Tensor, x: torch.Tensor, r: torch.Tensor, weight:
     #   dx in x's shape and dtype, dweight in weight's shape and dtype, computed in r's dtype (float32 at least) and
     #   rounded once at the end. The tests compare with autograd in float64, run gradcheck through your backward
     #   and bound the bf16 error.
-    # Maths: n = x̂ ⊙ weight with x̂ = x r, and r = (mean_j x_j² + eps)^(-1/2) is a function of the whole row.
+    # Maths: n = x̂ ⊙ weight with x̂ = x r, and r, the positive root of mean_j (x_j r)² + eps r² = 1, is a function
+    #   of the whole row.
     # Question: r changes when any x_j of its row changes: what does that add to dx, beyond r times the gradient
     #   that reaches x̂?
     # Pitfalls: would your dx still be right if r depended on x? Does dweight sum over every leading axis, or

@@ -1,5 +1,5 @@
 # Generated from solutions/m09_fp8_matmul.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 09`. (skeleton a57f5ac36ace)
+# Grade your work with `python main.py grade 09`. (skeleton 29a4cfd5284a)
 """Module 09, part 2 - FP8 linears: module 06's matmul policy with FP8 operands.
 
 A linear layer computes y = x W^T (x: tokens x in_features, W: out_features x in_features) and
@@ -51,12 +51,12 @@ def column_major(q: Quantized) -> Quantized:
 def check_scaled_mm_operands(a: torch.Tensor, b: torch.Tensor) -> None:
     """Raise ValueError, saying what is wrong, unless a @ b meets CUDA's rules for torch._scaled_mm."""
     # TODO(m09): refuse operands CUDA's _scaled_mm would reject, naming the rule
-    # Contract: a @ b must meet the H100 kernel's rules (the chapter's "CUDA's layout rules"), checked on every device
-    #   because the CPU path has none. Raise ValueError at the first rule broken, in this order: both 2-D; a's columns
-    #   match b's rows (the inner dimension); both dtypes FP8; not both e5m2; every dimension (M, K and N) a multiple
-    #   of 16; a row-major; b column-major. Return None if all hold. Each message names its rule in words the tests
-    #   look for ("2-D", "inner", "float8" or "FP8", "e5m2", "16", "row-major", "column-major") and says what it
-    #   found (shapes, dtype, strides). The three linears' real operands (transposed views among them) pass.
+    # Contract: return None when CUDA's _scaled_mm would accept a @ b, as the chapter's "CUDA's layout rules" state its
+    #   requirements (and the shapes and dtypes any FP8 matrix product needs); otherwise raise ValueError. The check
+    #   runs on every device, because the CPU path accepts anything. The tests break one requirement at a time and
+    #   look in the message for a word that names it ("2-D", "inner", "float8" or "FP8", "e5m2", "16", "row-major",
+    #   "column-major"); the message also says what it found (shapes, dtype, strides). When a and b are both in the
+    #   wrong layout, the message is about a's. The linear's three real products (transposed views among them) pass.
     # Question: which property of a tensor's strides tells row-major from column-major, whatever else it is?
     # Pitfalls: is the transpose of a row-major matrix contiguous? Is it column-major? Would requiring
     #   is_contiguous() accept the forward's W^T?
@@ -165,15 +165,15 @@ class FP8Matmul(Matmul):
         # TODO(m09): quantize a linear input once, and keep it and its abs-max in the store
         # Contract: x is a linear input (any leading shape, features last); name is where the store keeps it ('n1',
         #   'n2', 's'). An input uses_fp8 rejects (its tokens are all its leading dimensions together) goes to module
-        #   06's prepare unchanged. Otherwise, afterwards: the store keeps, under `name`, x in e4m3 (a Quantized: 1 byte
-        #   a value, what the weight gradient multiplies) and, under abs_max_name(name), the abs-max it was quantized
-        #   with; the same Quantized is returned (every linear that reads x multiplies it); and x went through
-        #   self.quantize (which may be the compiled one) exactly once. If the store already holds that abs-max (module
-        #   10 drops x and prepares its recomputation again), the quantization uses it, so the FP8 bits are the
-        #   forward's.
-        # Question: what must prepare find or compute before it quantizes, and what does it keep?
-        # Pitfalls: what does the store count if it keeps x itself (the test counts data, scale and abs-max bytes)?
-        #   A kept abs-max computed again: would a recompute still give the forward's bits if it differed?
+        #   06's prepare unchanged. Otherwise the linears multiply what prepare returns, x went through self.quantize
+        #   (which may be the compiled one) exactly once, and afterwards store[name] is that very Quantized in e4m3 and
+        #   store[abs_max_name(name)] the abs-max it was scaled by (the test counts 1 byte a value, the scale and the
+        #   abs-max). Module 10 drops the input and prepares its recomputation into the same store: prepared again, it
+        #   must give the forward's FP8 bits, even where the recomputed values differ from the forward's by a rounding.
+        # Question: besides x's values, what decides its FP8 bits, and where must prepare take it from so that a
+        #   second preparation repeats the first?
+        # Pitfalls: what does the store count if it keeps x itself? Is a recomputed input the forward's bit for bit,
+        #   and if its largest value moved by one rounding, what would its bytes be scaled by?
         raise NotImplementedError('TODO(m09): quantize a linear input once, and keep it and its abs-max in the store')
 
     def fp8_input(self, x) -> Quantized | None:

@@ -120,11 +120,13 @@ FORBIDDEN = {
     "06": {
         # The backwards, derived: chapter 06 works each idea on a case that is no TODO's (y = x A by index, a shear's
         # transpose, the l2 normalisation, the sigmoid gate, the softmax's Jacobian, the logistic loss, a weight
-        # source with three buffers); the forwards that are definitions (linear, RoPE, SwiGLU) are given.
+        # source with three buffers, GPT-2's MLP sublayer as a chain of what each backward reads); the forwards that
+        # are definitions (linear, RoPE, SwiGLU) are given; RMSNorm's r is defined by a condition to solve.
         "Matmul.backward": [
             ("dx = dy W", "dx = dy w"), ("dW = dyᵀ x", "dW = dy^T x", "dw = dy.T x"), code("dy @ w"), code("dy.t() @ x"),
         ],
         "rmsnorm_forward": [
+            ("r = 1 / sqrt(mean(x^2) + eps)", "+ eps)^(-1/2)", "+ \\epsilon\\right)^{-1/2}", "x * r * weight with r"),
             code("r.unsqueeze(-1)", "r[..., None]"), code("xf.pow(2).mean"),
         ],
         "rmsnorm_backward": [
@@ -148,7 +150,13 @@ FORBIDDEN = {
         "swiglu_backward": [
             ("σ(g) (1 + g (1 - σ(g)))", "sig * (1 + g * (1 - sig))", "1 + g (1 - σ(g))"), code("ds * g * sig"),
         ],
+        "LlamaBlock.attention_half": [
+            ("RMSNorm, the q/k/v projections, RoPE, attention", "x n1 r1 q k v o lse",
+             "(n1, r1) = RMSNorm(x; ln1); q = RoPE(n1 W_qᵀ)"),
+        ],
         "LlamaBlock.ffn_half": [
+            ("residual add + RMSNorm, gate and up projections and SwiGLU", "h n2 r2 g u s",
+             "h = x + o W_oᵀ and (n2, r2) = RMSNorm(h; ln2)"),
             code('mm.prepare(swiglu_forward(g, u), store, "s")'),
         ],
         "LlamaBlock.backward": [
@@ -226,9 +234,10 @@ FORBIDDEN = {
         ],
     },
     "08": {
-        # Who records each event on which stream, and who waits for it: chapter 08 works the two events of the
-        # other transfer (an activation offloaded to the host), where compute writes and the copy reads.
+        # Who records each event on which stream, and who waits for it: chapter 08 works the two events of another
+        # resource (a gradient bucket all-reduced on a communication stream) and states no rule to transcribe.
         "HostWeights.__init__": [
+            ("in pinned (page-locked) host memory",), ("a side stream of its own",),
             code("runtime.pin(self.layout.flatten(b))"), code("self.copy_stream = runtime.new_stream()"),
         ],
         "HostWeights.gather": [
@@ -242,6 +251,7 @@ FORBIDDEN = {
         ],
         "HostWeights.release": [
             ("record buf.released on the compute stream", "records `released` on the compute stream"),
+            ("the stream that does the work it stands for", "recorded on the stream that does the work"),
             code("buf.released.record(self.compute_stream)"),
         ],
         "HostWeights.invalidate": [
@@ -250,8 +260,9 @@ FORBIDDEN = {
         ],
     },
     "09": {
-        # The scale, the strides and the operands: chapter 09 works symmetric int8's scale (127 / amax) and the
-        # layouts of attention's two products (q k^T, p v); the weight cache's version check is given.
+        # The scale, the strides and the operands: chapter 09 works symmetric int8's scale (127 / amax), the
+        # layouts of attention's two products (q k^T, p v) and a delayed scale's abs-max (the bytes follow the abs-max
+        # handed to quantize); the weight cache's version check is given.
         "quantize": [
             ("FP8_MAX / amax", "FP8_MAX[dtype] / amax"), ("scale = 1 / factor", "the factor's inverse"),
             code("amax.new_tensor(FP8_MAX[dtype]) / amax"), code(".clamp(-FP8_MAX[dtype], FP8_MAX[dtype]).to(dtype)"),
@@ -260,6 +271,7 @@ FORBIDDEN = {
             ("row-major: stride 1 along dimension 1",), code("a.stride(1) != 1"), code("b.stride(0) != 1"),
         ],
         "FP8Matmul.prepare": [
+            ("the store's, if it has one", "looks for one in the store first", "if the store already holds that abs-max"),
             code("store[key] if key in store else abs_max(x)", "store[amax_name] if amax_name in store else abs_max(x)"),
             code("x.numel() // x.shape[-1]"),
         ],

@@ -27,8 +27,39 @@ def autograd_grads(fn, inputs, grad_outputs):
     return [leaf.grad for leaf in leaves]
 
 
+def how_off(got: torch.Tensor, expected: torch.Tensor) -> str:
+    """What a wrong result looks like next to the expected one: transposed, the opposite sign, a constant times
+    it, zero, or where it is worst (the first match, for the message)."""
+    def near(a, b):
+        return a.shape == b.shape and torch.allclose(a.double(), b.double(), rtol=1e-6, atol=1e-8)
+    got, expected = got.detach(), expected.detach()
+    if got.dtype != expected.dtype:
+        return f"its dtype is {got.dtype}, expected {expected.dtype}"
+    if got.dim() >= 2 and got.shape != expected.shape and near(got.transpose(-1, -2), expected):
+        return "it is the expected tensor transposed (its last two axes swapped)"
+    if got.shape != expected.shape:
+        return f"its shape is {tuple(got.shape)}, expected {tuple(expected.shape)}"
+    if not got.isfinite().all():
+        return "it holds NaN or inf"
+    if got.abs().max() == 0:
+        return "it is all zeros"
+    if near(got, -expected):
+        return "it has the opposite sign everywhere"
+    ratio = ((got.double() * expected.double()).sum() / expected.double().pow(2).sum()).item()
+    if near(got, ratio * expected):
+        return f"it is {ratio:.4g} times the expected values everywhere"
+    if got.dim() >= 2 and got.shape[-1] == got.shape[-2] and near(got.transpose(-1, -2), expected):
+        return "it is the expected tensor transposed (its last two axes swapped)"
+    err = (got.double() - expected.double()).abs()
+    worst = tuple(int(i) for i in torch.unravel_index(err.argmax(), err.shape))
+    wrong = (err > 1e-9 * expected.abs().double() + 1e-10).double().mean().item()
+    return (f"{wrong:.0%} of its values are off, the worst at index {worst}: {got[worst].item():.6g}, expected "
+            f"{expected[worst].item():.6g}")
+
+
 def close(got, expected, what):
-    torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-10, msg=lambda m: f"{what}: {m}")
+    torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-10,
+                               msg=lambda m: f"{what} is wrong: {how_off(got, expected)}. ({m.splitlines()[0]})")
 
 
 def gradcheck_through(forward, backward, inputs, what):
@@ -122,7 +153,11 @@ def test_rope_backward_matches_autograd_and_is_the_inverse():
     cos, sin = ops.rope_tables(6, 8, 500.0, dtype=f64)
     close(ops.rope_forward(x, cos, sin), reference_rope(x, 500.0), "rope_forward (given)")
     (expected,) = autograd_grads(lambda x: reference_rope(x, 500.0), [x], [dy])
-    close(ops.rope_backward(dy, cos, sin), expected, "your rope_backward")
+    got = ops.rope_backward(dy, cos, sin)
+    assert not (got.shape == dy.shape and torch.allclose(got, ops.rope_forward(dy, cos, sin), rtol=1e-9, atol=1e-10)), \
+        ("your rope_backward is wrong: it equals rope_forward(dy), dy turned the way the forward turns x; which "
+         "way does the gradient of a rotation turn?")
+    close(got, expected, "your rope_backward")
     close(ops.rope_backward(ops.rope_forward(x, cos, sin), cos, sin), x,
           "your rope_backward of rope_forward(x) must give x back")
 

@@ -225,6 +225,33 @@ def test_layout_checker_rejects_with_a_clear_message(a, b, message):
 
 # --- the FP8 linear (FP8Matmul: prepare, forward, backward) ----------------------------------
 
+def layout(t: torch.Tensor) -> str:
+    return "row-major" if t.stride(1) == 1 else "column-major" if t.stride(0) == 1 else "neither layout"
+
+
+@pytest.mark.exercises("FP8Matmul.forward", "FP8Matmul.backward", "FP8Matmul.prepare", "quantize")
+def test_the_linear_hands_scaled_mm_its_operands_in_the_layouts_cuda_wants(monkeypatch):
+    # Recorded where the linear calls scaled_mm, before any layout checker runs: a wrong layout here is
+    # the forward's or the backward's doing, whatever check_scaled_mm_operands would say about it.
+    x, w, dy = linear_inputs()
+    calls = []
+
+    def recording(a, b, out_dtype, fast_accum=False):
+        calls.append((a.data, b.data))
+        return ((a.data.float() * a.scale) @ (b.data.float() * b.scale)).to(out_dtype)
+    monkeypatch.setattr(matmul, "scaled_mm", recording)
+    fp8_forward_backward(x, w, dy)
+    products = [("FP8Matmul.forward", "y = x W^T"), ("FP8Matmul.backward", "dx = dy W"),
+                ("FP8Matmul.backward", "dW = dy^T x")]
+    assert len(calls) == 3, f"your FP8Matmul.forward and FP8Matmul.backward called scaled_mm {len(calls)} times, not 3"
+    for (culprit, product), (a, b) in zip(products, calls):
+        for operand, t, wanted in (("a", a, "row-major"), ("b", b, "column-major")):
+            assert t.dim() == 2 and layout(t) == wanted, \
+                (f"your {culprit} hands scaled_mm {product}'s {operand} operand {layout(t) if t.dim() == 2 else 'not 2-D'} "
+                 f"(shape {tuple(t.shape)}, strides {t.stride()}); CUDA wants a row-major and b column-major")
+        assert not (a.dtype == E5M2 and b.dtype == E5M2), f"your {culprit}: {product} multiplies two e5m2 operands"
+
+
 @pytest.mark.exercises("FP8Matmul.forward", "FP8Matmul.prepare", "quantize", "check_scaled_mm_operands")
 def test_forward_is_within_the_e4m3_bound_of_float64():
     x, w, _ = linear_inputs()

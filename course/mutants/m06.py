@@ -93,4 +93,14 @@ PLANTS = [
           "dh only from the FFN path: y = h + FFN(h) also passes dy straight to h along the residual", new=True),
     Plant(BLOCK, "\n        dq, dk = rope_backward(dq, cos, sin), rope_backward(dk, cos, sin)", "\n        dq = rope_backward(dq, cos, sin)",
           "only dq un-rotated: k went through RoPE too", new=True),
+    # Issue 36's second rewrite: r is defined by the condition it meets, the saved tensors by what each backward reads.
+    Plant(OPS, "r = torch.rsqrt(xf.pow(2).mean(dim=-1) + eps)", "r = torch.rsqrt(xf.pow(2).sum(dim=-1) + eps)",
+          "r solved from the sum of squares, not their mean: the condition averages over the row", new=True),
+    Plant(BLOCK, "\n        v = linear_forward(n1, w.wv, mm).view(B, T, cfg.n_kv_heads, cfg.head_dim)",
+          "\n        v = rope_forward(linear_forward(n1, w.wv, mm).view(B, T, cfg.n_kv_heads, cfg.head_dim), cos, sin)",
+          "RoPE on v too: only the positions attention compares (q and k) are turned", new=True),
+    Plant(BLOCK, "\n        n2 = mm.prepare(n2, store, \"n2\")\n        g, u = linear_forward(n2, w.w_gate, mm), linear_forward(n2, w.w_up, mm)",
+          "\n        g, u = linear_forward(mm.prepare(n2, store, \"n2\"), w.w_gate, mm), "
+          "linear_forward(mm.prepare(n2, store, \"n2\"), w.w_up, mm)",
+          "n2 prepared once per linear that reads it: two preparations of one input", new=True),
 ]

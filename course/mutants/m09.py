@@ -44,4 +44,10 @@ PLANTS = [
     Plant(MATMUL, "\n        dw = scaled_mm(row_major(dy_fp8.t()), column_major(x_fp8), out_dtype=w.dtype)",
           "\n        dw = scaled_mm(row_major(self.quantize(dy, E5M2).t()), column_major(x_fp8), out_dtype=w.dtype)",
           "dy quantized again for the weight gradient: a second pass over dy for the same bytes", new=True),
+    Plant(MATMUL, "\n        dw = scaled_mm(row_major(dy_fp8.t()), column_major(x_fp8), out_dtype=w.dtype)",
+          "\n        dw = scaled_mm(row_major(dy_fp8.t()), row_major(x_fp8), out_dtype=w.dtype)",
+          "dw's b operand left row-major: CUDA wants b column-major (a learner's run: blamed on the checker)", new=True),
+    Plant(MATMUL, "return scaled_mm(row_major(x_fp8), self.weights.row_major(w).t(), out_dtype=w.dtype, fast_accum=True)",
+          "return scaled_mm(row_major(x_fp8), row_major(self.weights.row_major(w).t()), out_dtype=w.dtype, fast_accum=True)",
+          "W^T copied into row-major order: the transposed view was already the column-major b", new=True),
 ]
