@@ -49,8 +49,8 @@ def culprit(cut: int) -> str:
             r.next_batch()
         return r.state()
     if same(at(cut), at(cut)) and not same(at(cut), at(cut + 1)):
-        return ("your ShuffledSequences.state tells this position from the next one, so the restore does not put "
-                "a fresh reader there: your ShuffledSequences.restore")
+        return ("your ShuffledSequences.restore does not put a fresh reader where the saved one was (the state "
+                "it was given tells this position from the next one)")
     return ("your ShuffledSequences.state gives the same state at two positions (or two states at one): it does "
             "not say where the reader is")
 
