@@ -11,6 +11,10 @@ PLANTS = [
     Plant(SAVE, "        if self.in_flight is not None:\n            self.in_flight.staged.result()",
           "        return",
           "the optimizer's update not held back for the copy: the checkpoint of step k holds step k + 1's weights"),
+    Plant(SAVE, "        if self.in_flight is not None:\n            self.in_flight.staged.result()",
+          "        if self.in_flight is not None:\n            self.in_flight.written.result()",
+          "the update held back for the whole write, not only the copy: correct, but as slow as a synchronous save "
+          "(a learner run's)", new=True),
     Plant(SAVE, "        self.wait()\n        final = step_directory(self.root, step)",
           "        final = step_directory(self.root, step)",
           "the previous save not awaited: two saves written at once, on one group, into one stager's buffers"),
