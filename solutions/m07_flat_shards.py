@@ -66,24 +66,11 @@ class FlatLayout:
         """A new padded flat buffer holding the group's tensors end to end (zeros in the padding)."""
         first = block.tensors()[0]
         flat = torch.zeros(self.padded_numel, dtype=first.dtype, device=first.device)
-        # >>> TODO(m07): lay the block's tensors end to end in the flat buffer
-        # Contract: flat is a zeroed (padded_numel,) buffer. Afterwards it holds the group's tensors flattened, in field
-        #   order (the order of block.tensors() and of self.numels), each right after the one before, and zeros in the
-        #   padding at the end. The test compares with the tensors concatenated in that order, followed by zeros, for 1
-        #   to 7 ranks.
-        # The question: where in the buffer does each tensor start?
-        # Pitfall: what does view(-1) do with a tensor that is not contiguous?
-        # Hint 1: if tensor k starts at o_k, where does tensor k + 1 start? (docs/07, "Sharding: one flat buffer per
-        #         block".)
-        # Hint 2: o_0 = 0, o_(k+1) = o_k + numel_k; tensor k fills flat[o_k : o_k + numel_k].
-        # Hint 3: offset = 0
-        #         for tensor, n in zip(block.tensors(), self.numels):
-        #             flat[offset:offset + n] = tensor.reshape(-1);  offset += n
+        # Given: each tensor right after the one before, in field order; the padding stays zero.
         offset = 0
         for tensor, n in zip(block.tensors(), self.numels):
             flat[offset:offset + n] = tensor.reshape(-1)
             offset += n
-        # <<<
         return flat
 
     def views(self, flat: torch.Tensor) -> BlockWeights | OuterWeights:

@@ -279,25 +279,12 @@ class FSDPLlama(LlamaModel):
     def optimizer_step(self, optimizer):
         """After the last microbatch every gradient this rank holds is its slice of the sum over ranks:
         step, and invalidate the weight source."""
-        # >>> TODO(m07): step on the gradient shards; invalidate the gathered copies
-        # Contract: the optimizer updates every shard this rank holds from its accumulated gradient (grads() is in
-        #   parameters()' order; the optimizer reads each parameter's .grad); afterwards the weight source hands out no
-        #   block gathered before this step.
-        # The question: what does the weight source still hold after the step, and how does it learn that those copies
-        #   are stale?
-        # Pitfall: what does your ShardedWeights.gather find in its buffers at the next step's first turn if nothing
-        #   tells it the weights changed?
-        # Hint 1: which field does your gather() compare to tell a current copy from a stale one, and which given method
-        #         moves it on? (docs/07, "The gather / get / release cycle".)
-        # Hint 2: p.grad = g for every (parameter, gradient) pair; one optimizer step; then a new version of the weights
-        #         (ShardedWeights.invalidate, given).
-        # Hint 3: for p, g in zip(self.parameters(), self.grads(), strict=True): p.grad = g
-        #         optimizer.step();  self.weights.invalidate()
+        # Given (module 06's step on this rank's shards): your ShardedWeights.gather must then tell a copy gathered
+        # before the step (an older version) from a current one.
         for p, g in zip(self.parameters(), self.grads(), strict=True):
             p.grad = g
         optimizer.step()
         self.weights.invalidate()
-        # <<<
 
 
 def summed_over(value: float, group: Group) -> float:

@@ -1,5 +1,5 @@
 # Generated from solutions/m07_flat_shards.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 07`. (skeleton 8f0c11081884)
+# Grade your work with `python main.py grade 07`. (skeleton 176cefe02b97)
 """Module 07, part 1 - a group of weights as one flat buffer, cut into equal shards.
 
 An all-gather moves one contiguous tensor, so FSDP lays all of a block's weights end to end in a
@@ -60,14 +60,11 @@ class FlatLayout:
         """A new padded flat buffer holding the group's tensors end to end (zeros in the padding)."""
         first = block.tensors()[0]
         flat = torch.zeros(self.padded_numel, dtype=first.dtype, device=first.device)
-        # TODO(m07): lay the block's tensors end to end in the flat buffer
-        # Contract: flat is a zeroed (padded_numel,) buffer. Afterwards it holds the group's tensors flattened, in field
-        #   order (the order of block.tensors() and of self.numels), each right after the one before, and zeros in the
-        #   padding at the end. The test compares with the tensors concatenated in that order, followed by zeros, for 1
-        #   to 7 ranks.
-        # The question: where in the buffer does each tensor start?
-        # Pitfall: what does view(-1) do with a tensor that is not contiguous?
-        raise NotImplementedError("TODO(m07): lay the block's tensors end to end in the flat buffer")
+        # Given: each tensor right after the one before, in field order; the padding stays zero.
+        offset = 0
+        for tensor, n in zip(block.tensors(), self.numels):
+            flat[offset:offset + n] = tensor.reshape(-1)
+            offset += n
         return flat
 
     def views(self, flat: torch.Tensor) -> BlockWeights | OuterWeights:

@@ -1,5 +1,5 @@
 # Generated from solutions/m07_fsdp.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 07`. (skeleton f0788192f6e5)
+# Grade your work with `python main.py grade 07`. (skeleton 791d92593534)
 """Module 07 - FSDP: every rank keeps 1/d of each weight; whole blocks exist only while in use.
 
 The d ranks of one data-parallel group (`dp`, a course.mesh `Group`: `dp.index`, `dp.size` = d,
@@ -191,15 +191,12 @@ class FSDPLlama(LlamaModel):
     def optimizer_step(self, optimizer):
         """After the last microbatch every gradient this rank holds is its slice of the sum over ranks:
         step, and invalidate the weight source."""
-        # TODO(m07): step on the gradient shards; invalidate the gathered copies
-        # Contract: the optimizer updates every shard this rank holds from its accumulated gradient (grads() is in
-        #   parameters()' order; the optimizer reads each parameter's .grad); afterwards the weight source hands out no
-        #   block gathered before this step.
-        # The question: what does the weight source still hold after the step, and how does it learn that those copies
-        #   are stale?
-        # Pitfall: what does your ShardedWeights.gather find in its buffers at the next step's first turn if nothing
-        #   tells it the weights changed?
-        raise NotImplementedError('TODO(m07): step on the gradient shards; invalidate the gathered copies')
+        # Given (module 06's step on this rank's shards): your ShardedWeights.gather must then tell a copy gathered
+        # before the step (an older version) from a current one.
+        for p, g in zip(self.parameters(), self.grads(), strict=True):
+            p.grad = g
+        optimizer.step()
+        self.weights.invalidate()
 
 
 def summed_over(value: float, group: Group) -> float:

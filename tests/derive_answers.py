@@ -217,9 +217,6 @@ FORBIDDEN = {
              "divided by the real tokens of the whole", "the global batch's real tokens)"),
             code("n_tokens = real_tokens(targets)"),
         ],
-        "FSDPLlama.optimizer_step": [
-            code("self.weights.invalidate()"),
-        ],
         "ShardedWeights.gather": [
             code("buf.layer == layer and buf.version == self.version"),
             ("no transfer exactly when buf.layer = layer and buf.version = self.version",
