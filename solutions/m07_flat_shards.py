@@ -94,16 +94,6 @@ class FlatLayout:
 
     def shard(self, flat: torch.Tensor, rank: int) -> torch.Tensor:
         """Rank `rank`'s slice of a padded flat buffer (a view)."""
-        # >>> TODO(m07): the rank's shard: its slice of the padded buffer
-        # Contract: return rank `rank`'s shard of a padded flat buffer: a view of shard_numel consecutive values, such
-        #   that the shards of ranks 0 .. d - 1, in order, concatenate to the whole buffer (the test checks this).
-        # The question: where does rank r's shard start?
-        # Pitfall: what gap or overlap appears if the sizes come from the unpadded numel?
-        # Hint 1: what does an all-gather build from the ranks' pieces, and so where must each piece come from? (docs/07
-        #         cuts 12 values over 3 ranks, and leaves 10 values over 4 ranks to you.)
-        # Hint 2: rank r's shard is flat[r s : (r + 1) s], s = shard_numel: [r * s, (r + 1) * s).
-        # Hint 3: start = rank * self.shard_numel
-        #         return flat[start:start + self.shard_numel]
+        # Given: the pieces an all-gather lays end to end in rank order must be the buffer again.
         start = rank * self.shard_numel
         return flat[start:start + self.shard_numel]
-        # <<<

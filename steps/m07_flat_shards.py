@@ -1,5 +1,5 @@
 # Generated from solutions/m07_flat_shards.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 07`. (skeleton 176cefe02b97)
+# Grade your work with `python main.py grade 07`. (skeleton 3f73c0f31e9b)
 """Module 07, part 1 - a group of weights as one flat buffer, cut into equal shards.
 
 An all-gather moves one contiguous tensor, so FSDP lays all of a block's weights end to end in a
@@ -80,9 +80,6 @@ class FlatLayout:
 
     def shard(self, flat: torch.Tensor, rank: int) -> torch.Tensor:
         """Rank `rank`'s slice of a padded flat buffer (a view)."""
-        # TODO(m07): the rank's shard: its slice of the padded buffer
-        # Contract: return rank `rank`'s shard of a padded flat buffer: a view of shard_numel consecutive values, such
-        #   that the shards of ranks 0 .. d - 1, in order, concatenate to the whole buffer (the test checks this).
-        # The question: where does rank r's shard start?
-        # Pitfall: what gap or overlap appears if the sizes come from the unpadded numel?
-        raise NotImplementedError("TODO(m07): the rank's shard: its slice of the padded buffer")
+        # Given: the pieces an all-gather lays end to end in rank order must be the buffer again.
+        start = rank * self.shard_numel
+        return flat[start:start + self.shard_numel]

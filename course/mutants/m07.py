@@ -5,9 +5,6 @@ FLAT, FSDP, PAYLOAD, WEIGHTS = "m07_flat_shards.py", "m07_fsdp.py", "m07_payload
 PLANTS = [
     Plant(FLAT, "self.shard_numel = -(-self.numel // world_size)", "self.shard_numel = self.numel // world_size",
           "shard size rounded down: when N does not divide the block's numel, its last elements belong to no rank"),
-    Plant(FLAT, "        start = rank * self.shard_numel\n        return flat[start:start + self.shard_numel]",
-          "        start = rank * self.shard_numel\n        return flat[start:start + self.shard_numel].clone()",
-          "the shard returned as a copy, not a view: writing a rank's shard no longer writes its slice of the buffer"),
     Plant(FSDP, "self.shards = [self.layout.shard(self.layout.flatten(b), self.dp.index).clone() for b in self.blocks]",
           "self.shards = [self.layout.shard(self.layout.flatten(b), self.dp.index) for b in self.blocks]",
           "a shard kept as a view of the full flat block: every rank still holds the whole block's memory"),
