@@ -106,6 +106,8 @@ RENAMED_TITLES: dict[str, str] = {
         "TODO(m14): clip by the global norm when each rank holds only its shards",
     "TODO(m14): the sharded step: gradients of the shards, clipping, AdamW on the shards, all-gather":
         "TODO(m14): the sharded step: every rank ends with every updated weight",
+    "TODO(m07): complete the reduce-scatter in flight; add its slice to the gradient shard":
+        "TODO(m07): settle the reduce-scatter in flight into the block's gradient shard",
 }
 
 

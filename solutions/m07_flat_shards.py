@@ -66,24 +66,11 @@ class FlatLayout:
         """A new padded flat buffer holding the group's tensors end to end (zeros in the padding)."""
         first = block.tensors()[0]
         flat = torch.zeros(self.padded_numel, dtype=first.dtype, device=first.device)
-        # >>> TODO(m07): lay the block's tensors end to end in the flat buffer
-        # Contract: flat is a zeroed (padded_numel,) buffer. Afterwards it holds the group's tensors flattened, in field
-        #   order (the order of block.tensors() and of self.numels), each right after the one before, and zeros in the
-        #   padding at the end. The test compares with the tensors concatenated in that order, followed by zeros, for 1
-        #   to 7 ranks.
-        # The question: where in the buffer does each tensor start?
-        # Pitfall: what does view(-1) do with a tensor that is not contiguous?
-        # Hint 1: if tensor k starts at o_k, where does tensor k + 1 start? (docs/07, "Sharding: one flat buffer per
-        #         block".)
-        # Hint 2: o_0 = 0, o_(k+1) = o_k + numel_k; tensor k fills flat[o_k : o_k + numel_k].
-        # Hint 3: offset = 0
-        #         for tensor, n in zip(block.tensors(), self.numels):
-        #             flat[offset:offset + n] = tensor.reshape(-1);  offset += n
+        # Given: each tensor right after the one before, in field order; the padding stays zero.
         offset = 0
         for tensor, n in zip(block.tensors(), self.numels):
             flat[offset:offset + n] = tensor.reshape(-1)
             offset += n
-        # <<<
         return flat
 
     def views(self, flat: torch.Tensor) -> BlockWeights | OuterWeights:
@@ -107,16 +94,6 @@ class FlatLayout:
 
     def shard(self, flat: torch.Tensor, rank: int) -> torch.Tensor:
         """Rank `rank`'s slice of a padded flat buffer (a view)."""
-        # >>> TODO(m07): the rank's shard: its slice of the padded buffer
-        # Contract: return rank `rank`'s shard of a padded flat buffer: a view of shard_numel consecutive values, such
-        #   that the shards of ranks 0 .. d - 1, in order, concatenate to the whole buffer (the test checks this).
-        # The question: where does rank r's shard start?
-        # Pitfall: what gap or overlap appears if the sizes come from the unpadded numel?
-        # Hint 1: what does an all-gather build from the ranks' pieces, and so where must each piece come from? (docs/07
-        #         cuts 12 values over 3 ranks, and leaves 10 values over 4 ranks to you.)
-        # Hint 2: rank r's shard is flat[r s : (r + 1) s], s = shard_numel: [r * s, (r + 1) * s).
-        # Hint 3: start = rank * self.shard_numel
-        #         return flat[start:start + self.shard_numel]
+        # Given: the pieces an all-gather lays end to end in rank order must be the buffer again.
         start = rank * self.shard_numel
         return flat[start:start + self.shard_numel]
-        # <<<

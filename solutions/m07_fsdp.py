@@ -161,16 +161,18 @@ class FSDPLlama(LlamaModel):
         # <<<
 
     def finish_reduce_scatter(self):
-        """Wait for the reduce-scatter in flight, if any, and add its slice to the shard's gradient."""
+        """Settle the reduce-scatter in flight, if any, into its block's gradient shard."""
         if self.in_flight is None:
             return
-        # >>> TODO(m07): complete the reduce-scatter in flight; add its slice to the gradient shard
-        # Contract: self.in_flight (not None here) holds the work, the flat gradient it reads, the slice it receives and
-        #   the layer. Afterwards self.grad_shards[layer] includes this microbatch's slice of the sum over ranks, and
-        #   nothing is in flight. The tests deliver a collective's result only when its work is waited for, and run 2
-        #   microbatches.
-        # The question: when is the received slice valid, and how does it join the earlier microbatches' gradients?
-        # Pitfall: what does the received tensor hold before its work completes?
+        # >>> TODO(m07): settle the reduce-scatter in flight into the block's gradient shard
+        # Contract: self.in_flight (not None here) is the reduce-scatter reduce_scatter_grad started. Afterwards
+        #   self.in_flight is None, and once the step's last microbatch is through, self.grad_shards[l] is this rank's
+        #   slice of block l's gradient summed over the ranks and over every microbatch of the step (the tests compare
+        #   it with the single process's after 2 microbatches, with collectives that deliver their result only when
+        #   their work is waited for).
+        # The question: at what moment does the received slice become the sum, and what must become of it so that
+        #   no microbatch's part is lost?
+        # Pitfall: what did this rank's received tensor hold the instant the collective was started?
         # Hint 1: what does an async collective's work promise, and what does gradient accumulation do with each
         #         microbatch's part? (docs/07, "Gradients: reduce-scatter, summed".)
         # Hint 2: after the work's wait, grad_shard_l += received; then in_flight = None.
@@ -279,25 +281,12 @@ class FSDPLlama(LlamaModel):
     def optimizer_step(self, optimizer):
         """After the last microbatch every gradient this rank holds is its slice of the sum over ranks:
         step, and invalidate the weight source."""
-        # >>> TODO(m07): step on the gradient shards; invalidate the gathered copies
-        # Contract: the optimizer updates every shard this rank holds from its accumulated gradient (grads() is in
-        #   parameters()' order; the optimizer reads each parameter's .grad); afterwards the weight source hands out no
-        #   block gathered before this step.
-        # The question: what does the weight source still hold after the step, and how does it learn that those copies
-        #   are stale?
-        # Pitfall: what does your ShardedWeights.gather find in its buffers at the next step's first turn if nothing
-        #   tells it the weights changed?
-        # Hint 1: which field does your gather() compare to tell a current copy from a stale one, and which given method
-        #         moves it on? (docs/07, "The gather / get / release cycle".)
-        # Hint 2: p.grad = g for every (parameter, gradient) pair; one optimizer step; then a new version of the weights
-        #         (ShardedWeights.invalidate, given).
-        # Hint 3: for p, g in zip(self.parameters(), self.grads(), strict=True): p.grad = g
-        #         optimizer.step();  self.weights.invalidate()
+        # Given (module 06's step on this rank's shards): your ShardedWeights.gather must then tell a copy gathered
+        # before the step (an older version) from a current one.
         for p, g in zip(self.parameters(), self.grads(), strict=True):
             p.grad = g
         optimizer.step()
         self.weights.invalidate()
-        # <<<
 
 
 def summed_over(value: float, group: Group) -> float:

@@ -1,5 +1,5 @@
 # Generated from solutions/m07_flat_shards.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 07`. (skeleton 8f0c11081884)
+# Grade your work with `python main.py grade 07`. (skeleton 3f73c0f31e9b)
 """Module 07, part 1 - a group of weights as one flat buffer, cut into equal shards.
 
 An all-gather moves one contiguous tensor, so FSDP lays all of a block's weights end to end in a
@@ -60,14 +60,11 @@ class FlatLayout:
         """A new padded flat buffer holding the group's tensors end to end (zeros in the padding)."""
         first = block.tensors()[0]
         flat = torch.zeros(self.padded_numel, dtype=first.dtype, device=first.device)
-        # TODO(m07): lay the block's tensors end to end in the flat buffer
-        # Contract: flat is a zeroed (padded_numel,) buffer. Afterwards it holds the group's tensors flattened, in field
-        #   order (the order of block.tensors() and of self.numels), each right after the one before, and zeros in the
-        #   padding at the end. The test compares with the tensors concatenated in that order, followed by zeros, for 1
-        #   to 7 ranks.
-        # The question: where in the buffer does each tensor start?
-        # Pitfall: what does view(-1) do with a tensor that is not contiguous?
-        raise NotImplementedError("TODO(m07): lay the block's tensors end to end in the flat buffer")
+        # Given: each tensor right after the one before, in field order; the padding stays zero.
+        offset = 0
+        for tensor, n in zip(block.tensors(), self.numels):
+            flat[offset:offset + n] = tensor.reshape(-1)
+            offset += n
         return flat
 
     def views(self, flat: torch.Tensor) -> BlockWeights | OuterWeights:
@@ -83,9 +80,6 @@ class FlatLayout:
 
     def shard(self, flat: torch.Tensor, rank: int) -> torch.Tensor:
         """Rank `rank`'s slice of a padded flat buffer (a view)."""
-        # TODO(m07): the rank's shard: its slice of the padded buffer
-        # Contract: return rank `rank`'s shard of a padded flat buffer: a view of shard_numel consecutive values, such
-        #   that the shards of ranks 0 .. d - 1, in order, concatenate to the whole buffer (the test checks this).
-        # The question: where does rank r's shard start?
-        # Pitfall: what gap or overlap appears if the sizes come from the unpadded numel?
-        raise NotImplementedError("TODO(m07): the rank's shard: its slice of the padded buffer")
+        # Given: the pieces an all-gather lays end to end in rank order must be the buffer again.
+        start = rank * self.shard_numel
+        return flat[start:start + self.shard_numel]

@@ -179,10 +179,6 @@ FORBIDDEN = {
         # The shards of 10 values on 4 ranks are the learner's case; chapter 07 cuts 12 values on 3. The loss's divisor
         # (chapter 07 works gradient accumulation on one process), the step's counts (the Notes' forward, worked), the
         # weight source's reuse test (the turn worked with L = 4), the backward's order of calls.
-        "FlatLayout.shard": [
-            ("[r * s, (r + 1) * s)", "rank 2 6-8", "rank 3 element 9", "rank 3 keeps 9"),
-            code("rank * self.shard_numel", "r * shard_numel", "(r + 1) * shard_numel", "rank * shard_numel"),
-        ],
         "FlatLayout.__init__": [
             ("s = ⌈numel / d⌉", "s = ceil((P + 2M) / d)", "rounded up", "round up", "ceiling division", "so each holds 3",
              "the buffer is 12 long", "2 zeros of padding"),
@@ -212,13 +208,14 @@ FORBIDDEN = {
         "FSDPLlama.reduce_scatter_grad": [
             code("self.layout.flatten(grads)"), code("reduce_scatter(received, full"),
         ],
+        "FSDPLlama.finish_reduce_scatter": [
+            ("grad_shard_l += received", "after the work's wait, grad_shard_l += received"),
+            code("self.in_flight.work.wait()", "in_flight.work.wait()"),
+        ],
         "FSDPLlama.train_step": [
             ("N_real, the real tokens of the whole global batch, counted once", "real tokens of the whole global batch",
              "divided by the real tokens of the whole", "the global batch's real tokens)"),
             code("n_tokens = real_tokens(targets)"),
-        ],
-        "FSDPLlama.optimizer_step": [
-            code("self.weights.invalidate()"),
         ],
         "ShardedWeights.gather": [
             code("buf.layer == layer and buf.version == self.version"),

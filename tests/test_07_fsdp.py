@@ -52,22 +52,22 @@ TOLERANCE = 1e-12
 # whole step grades every TODO, but the flat layout and the weight source have checks of their own
 # that run before it, so the TODOs only a whole step exercises come first. A failure message that can
 # tell names the function instead ("your FSDPLlama.train_step"): the scorecard points there.
-LAYOUT = ("FlatLayout.shard", "FlatLayout.views", "FlatLayout.flatten", "FlatLayout.__init__")
+LAYOUT = ("FlatLayout.views", "FlatLayout.__init__")
 GATHERING = ("FSDPLlama.__init__", "ShardedWeights.gather", "ShardedWeights.get", *LAYOUT)
 OUTER = ("FSDPLlama.gather_outer", "FSDPLlama.reduce_scatter_outer")
-TRAINING = ("FSDPLlama.train_step", *OUTER, "FSDPLlama.optimizer_step",
+TRAINING = ("FSDPLlama.train_step", *OUTER,
             "FSDPLlama.finish_reduce_scatter", "FSDPLlama.reduce_scatter_grad", "FSDPLlama.backward_blocks",
             "ShardedWeights.gather", "ShardedWeights.get", "FSDPLlama.__init__", *LAYOUT)
 ORDER = ("FSDPLlama.backward_blocks", "ShardedWeights.gather", "ShardedWeights.get",
          "FSDPLlama.reduce_scatter_grad", "FSDPLlama.finish_reduce_scatter", *OUTER, "FSDPLlama.train_step",
-         "FSDPLlama.optimizer_step", "FSDPLlama.__init__", *LAYOUT)
+         "FSDPLlama.__init__", *LAYOUT)
 COUNTS = ("ShardedWeights.gather", "FSDPLlama.backward_blocks",
           "FSDPLlama.reduce_scatter_grad", *OUTER, "ShardedWeights.get",
-          "FSDPLlama.finish_reduce_scatter", "FSDPLlama.train_step", "FSDPLlama.optimizer_step", "FSDPLlama.__init__",
+          "FSDPLlama.finish_reduce_scatter", "FSDPLlama.train_step", "FSDPLlama.__init__",
           *LAYOUT)
 MEMORY = ("FSDPLlama.__init__", "ShardedWeights.get", "ShardedWeights.gather",
           "FSDPLlama.backward_blocks", "FSDPLlama.reduce_scatter_grad", "FSDPLlama.finish_reduce_scatter",
-          *OUTER, "FSDPLlama.train_step", "FSDPLlama.optimizer_step", *LAYOUT)
+          *OUTER, "FSDPLlama.train_step", *LAYOUT)
 MISUSE = ("ShardedWeights.get", "ShardedWeights.gather", "FSDPLlama.__init__", *LAYOUT)
 
 
@@ -100,7 +100,7 @@ def data_group(collectives=None):
 
 # --- the flat layout and the arithmetic (one process) -----------------------------------------
 
-@pytest.mark.exercises("FlatLayout.__init__", "FlatLayout.flatten", "FlatLayout.views", "FlatLayout.shard")
+@pytest.mark.exercises("FlatLayout.__init__", "FlatLayout.views")
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4, 7])
 def test_flat_layout_pads_to_equal_shards_and_views_into_the_buffer(world_size):
     block = m06.LlamaModel(CFG, 0).blocks[0]
@@ -119,7 +119,7 @@ def test_flat_layout_pads_to_equal_shards_and_views_into_the_buffer(world_size):
     buffer = layout.flatten(block)
     expected = torch.cat([flat(block), torch.zeros(layout.padded_numel - n)])
     assert torch.equal(buffer, expected), \
-        "your FlatLayout.flatten must lay the tensors end to end in BlockWeights order, zero padding after them"
+        "FlatLayout.flatten (given) must lay the tensors end to end in BlockWeights order, zero padding after them"
     views = layout.views(buffer)
     for name, got, want in zip(flat_shards.NAMES, views.tensors(), block.tensors()):
         assert torch.equal(got, want), f"your FlatLayout.views: {name} differs from the block's {name}"
@@ -127,15 +127,16 @@ def test_flat_layout_pads_to_equal_shards_and_views_into_the_buffer(world_size):
             f"your FlatLayout.views: {name} is a copy, not a view into the buffer"
     shards = [layout.shard(buffer, r) for r in range(world_size)]
     assert torch.equal(torch.cat(shards), buffer) and len({s.numel() for s in shards}) == 1, \
-        "your FlatLayout.shard: the shards of ranks 0, 1, ... must be equal slices that concatenate to the buffer"
+        ("FlatLayout.shard (given): the shards of ranks 0, 1, ... must be equal slices that concatenate to the buffer "
+         "(your FlatLayout.__init__'s shard_numel and padded_numel)")
     for r, s in enumerate(shards):
         assert s.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr() \
             and s.data_ptr() == buffer.data_ptr() + r * layout.shard_numel * buffer.element_size(), \
-            (f"your FlatLayout.shard: shard {r} is a copy, not a view: its elements must be the buffer's own, "
+            (f"FlatLayout.shard (given): shard {r} is a copy, not a view: its elements must be the buffer's own, "
              f"from r * shard_numel on")
 
 
-@pytest.mark.exercises("FlatLayout.views", "FlatLayout.flatten", "FlatLayout.__init__", "FlatLayout.shard")
+@pytest.mark.exercises("FlatLayout.views", "FlatLayout.__init__")
 def test_the_embedding_final_norm_and_lm_head_are_one_more_flat_group():
     # The same layout with another template: OuterWeights, laid out embedding, final norm, LM head; views of
     # the template's class. 16,480 values over 3 ranks: 3 shards of 5,494, 2 zeros of padding; over 5: none.
@@ -147,7 +148,7 @@ def test_the_embedding_final_norm_and_lm_head_are_one_more_flat_group():
         buffer = layout.flatten(outer)
         expected = torch.cat([flat_outer(model), torch.zeros(layout.padded_numel - layout.numel)])
         assert layout.numel == 16_480 and torch.equal(buffer, expected), \
-            ("your FlatLayout.flatten of an OuterWeights must lay the embedding, the final norm and the LM head end to "
+            ("FlatLayout.flatten (given) of an OuterWeights must lay the embedding, the final norm and the LM head end to "
              "end, in that order, zero padding after them")
         views = layout.views(buffer)
         assert type(views) is flat_shards.OuterWeights, \
@@ -158,7 +159,7 @@ def test_the_embedding_final_norm_and_lm_head_are_one_more_flat_group():
             assert torch.equal(got, want) and got.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr(), \
                 f"your FlatLayout.views: the outer weights' {name} must be a view into the buffer, equal to the model's"
         assert torch.equal(torch.cat([layout.shard(buffer, r) for r in range(world_size)]), buffer), \
-            "your FlatLayout.shard: the outer weights' shards must concatenate to their buffer"
+            "FlatLayout.shard (given): the outer weights' shards must concatenate to their buffer (your FlatLayout.__init__'s sizes)"
 
 
 # PyTorch's FSDP Notes' worked example: blocks of 1.6B parameters in fp32 over 8 GPUs. This Llama block
@@ -415,7 +416,7 @@ def _one_step_piece_by_piece(n_microbatches):
     version = source.version
     model.optimizer_step(optimizer)
     if source.version == version:
-        note(f"rank {r}: your FSDPLlama.optimizer_step did not invalidate() the weight source after the "
+        note(f"rank {r}: FSDPLlama.optimizer_step (given) did not invalidate() the weight source after the "
              f"step: the blocks left in its buffers are the old weights")
     piece += 1
     # The single process's step on the same gradients, then the blocks as gather() now hands them out.
@@ -430,13 +431,13 @@ def _one_step_piece_by_piece(n_microbatches):
             note(f"rank {r}: block {layer} gathered after the step is {how} from the single process's: "
                  + ("your ShardedWeights.gather sent nothing: it reused a copy from before the step"
                     if off(got, flat(m06.LlamaModel(CFG, 0, f64).blocks[layer])) is None else
-                    "your FSDPLlama.optimizer_step gives the optimizer each gradient as .grad of its "
+                    "FSDPLlama.optimizer_step (given) gives the optimizer each gradient as .grad of its "
                     "parameter (parameters() and grads() in one order)"))
             break
     model.gather_outer()
     if (how := off(flat_outer(model), flat_outer(single))) is not None:
-        note(f"rank {r}: the outer weights gathered after the step are {how} from the single process's: your "
-             f"FSDPLlama.optimizer_step gives the optimizer each gradient as .grad of its parameter (outer_shard's "
+        note(f"rank {r}: the outer weights gathered after the step are {how} from the single process's: "
+             f"FSDPLlama.optimizer_step (given) gives the optimizer each gradient as .grad of its parameter (outer_shard's "
              f"is outer_grad)")
     model.embedding = model.final_norm = model.lm_head = None
     piece += 1
@@ -711,7 +712,7 @@ def culprit_of(differing: list[tuple], previous: tuple | None) -> str:
         return ("the gradients' reduce-scatters: your FSDPLlama.backward_blocks starts one after each release, "
                 "FSDPLlama.reduce_scatter_grad and FSDPLlama.finish_reduce_scatter wait")
     if kinds & {"step"}:
-        return "the step's end: your FSDPLlama.train_step and FSDPLlama.optimizer_step"
+        return "the step's end: your FSDPLlama.train_step"
     return "the order of the backward loop: your FSDPLlama.backward_blocks"
 
 

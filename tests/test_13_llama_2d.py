@@ -326,6 +326,39 @@ def compare_with_module_06(results, d, t, expected_loss, expected, tolerance, wh
                        f"the loss first, then the gradients in backward order: " + "; ".join(wrong[:6]) + handed)
 
 
+def _top_gradient_specs(d, t, tokens, targets):
+    """The specs of what loss_backward and embed_backward return, each called where it is produced: the embedding's
+    output straight into the loss (no blocks), on the top unit cut by hand."""
+    mesh, model, single = models_on_the_same_weights(d, t, f64)
+    top, _ = gathered_by_hand(model, single, d, t)
+    saved = reference("m06_llama_block").ActivationStore()
+    x = model.embed(top, specs.shard("B/d T", tokens, mesh), saved)
+    model.loss_forward(top, x, specs.shard("B/d T", targets, mesh), m06.real_tokens(targets), saved)
+    dx, d_norm, d_head = model.loss_backward(top, saved)
+    d_emb = model.embed_backward(dx, saved)
+    return {"loss_backward": {"dx": str(dx.spec), "d final_norm": str(d_norm.spec), "d lm_head": str(d_head.spec)},
+            "embed_backward": {"d embedding": str(d_emb.spec)}}
+
+
+@pytest.mark.exercises("Llama2D.loss_backward", "Llama2D.embed_backward", "Llama2D.loss_forward", "Llama2D.embed")
+def test_the_top_units_gradients_leave_their_functions_in_the_specs_the_units_reduce_scatter_takes():
+    # Checked where each gradient is produced: a wrong spec would otherwise fail later, inside the top unit's
+    # reduce-scatter over d, and blame the collective instead of the function that made the gradient.
+    d, t = 2, 2
+    tokens, targets = batch()
+    results = run_ranks(_top_gradient_specs, d * t, d, t, tokens, targets, timeout=60)
+    want = {"loss_backward": {"dx": "B/d T M/t", "d final_norm": "M/t {U_d}", "d lm_head": "V/t M {U_d}"},
+            "embed_backward": {"d embedding": "V/t M {U_d}"}}
+    for rank, got in enumerate(results):
+        for function, expected in want.items():
+            for name, spec in expected.items():
+                assert got[function][name] == spec, \
+                    (f"mesh {d}x{t}, rank {rank}: your Llama2D.{function} returned {name} in spec [{got[function][name]}], "
+                     f"expected [{spec}]" + (": the stream's layout" if name == "dx" else
+                                             ": its weight's spec as the unit holds it (gathered over d), unreduced over "
+                                             "d, which the unit's one reduce-scatter sums"))
+
+
 @pytest.mark.exercises(*ALL_TODOS)
 @pytest.mark.parametrize("d, t", MESHES, ids=[f"{d}x{t}" for d, t in MESHES])
 def test_the_loss_and_every_gradient_block_equal_module_06s(d, t):

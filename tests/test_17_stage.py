@@ -34,7 +34,7 @@ from composed_checks import m06, whole_model
 from course.dataset import load_text, random_batch
 from course.impl import load, reference
 from course.launch import RankFailed, RankTimeout, run_ranks
-from course.mesh import group_of, init_mesh
+from course.mesh import Group, group_of, init_mesh
 
 trainer = load("m17_trainer")
 stage_module = load("m17_stage")
@@ -261,6 +261,13 @@ def test_each_stage_holds_its_blocks_t_slices_flat_over_fsdp_and_its_vocabulary_
                      f"shard of shape {tuple(shard.shape)}, expected ({shard_numel},): 1/{fsdp_size(t)} of the block's "
                      f"t slice ({block_layout(t).numel} values, padded), the slice module 12 computes with on t rank "
                      f"{i_t}")
+            for i_fsdp, stage in enumerate(ranks):
+                for what, shard in (("block shard", stage.shards[0]), ("outer shard", stage.outer_shard)):
+                    held = shard.untyped_storage().nbytes()
+                    assert held == shard.nbytes, \
+                        (f"{name}, the rank at fsdp {i_fsdp}, t {i_t}: stage {s}'s {what} keeps {held} bytes alive "
+                         f"for its {shard.nbytes}: a view of the whole flat buffer, not a tensor of its own (your "
+                         f"LlamaStage.__init__: what does a slice keep alive of the tensor it was taken from?)")
             got = torch.cat([stage.shards[0] for stage in ranks])
             assert torch.equal(got, want), \
                 (f"{name}: stage {s}'s block shards of the fsdp ranks with t index {i_t}, end to end, are not "
@@ -322,6 +329,50 @@ def test_gather_outer_gives_the_stage_its_vocabulary_rows_and_final_norm_whole(n
             assert g.shape == (padded,) and g.dtype == grad_dtype(f64) and not g.any(), \
                 (f"{where}: your LlamaStage.gather_outer made the outer gradient buffer {tuple(g.shape)} {g.dtype} "
                  f"with {int(g.count_nonzero())} non-zero values; expected ({padded},) {grad_dtype(f64)}, zeroed")
+
+
+class GatherInOneProcess:
+    """The fsdp group's all-gather for stages built in this process: every member's outer shard, end to end, into a
+    buffer that must hold exactly all of them (as gloo's all-gather demands)."""
+
+    def __init__(self):
+        self.stages = []
+
+    def all_gather(self, output, shard, label="", async_op=False):
+        whole = torch.cat([stage.outer_shard for stage in self.stages])
+        if output.shape != whole.shape:
+            raise RuntimeError(f"all-gather of {len(self.stages)} shards of {shard.numel()} values into a buffer of "
+                               f"shape {tuple(output.shape)}: it must hold {whole.numel()}")
+        output.copy_(whole)
+
+
+@pytest.mark.exercises("LlamaStage.gather_outer", "LlamaStage.__init__")
+def test_gather_outer_fills_the_whole_padded_buffer_when_the_fsdp_group_does_not_divide_it():
+    # The meshes above divide the outer group evenly; over 3 fsdp ranks the last stage's final norm and LM head
+    # (V M + M = 8,224 values) need 2 zeros of padding, so a buffer of the unpadded size cannot receive the shards.
+    n, collectives = 3, GatherInOneProcess()
+    one = lambda axis: group_of(axis, 0, (0,))  # noqa: E731
+    for i_fsdp in range(n):
+        fsdp = Group("dc", i_fsdp, tuple(range(n)), collectives)
+        groups = given.Groups(pp=one("p"), data=one("d"), cp=one("c"), tp=one("t"), fsdp=fsdp, replicas=fsdp)
+        collectives.stages.append(stage_module.LlamaStage(CFG, groups, 3, 4, whole()))
+    last = outer_weights(whole(), False, True, 1, 0)
+    layout, want = m07.FlatLayout(last, n), last.tensors()
+    assert layout.padded_numel != layout.numel, "the check needs an outer group that 3 ranks do not divide"
+    for i_fsdp, stage in enumerate(collectives.stages):
+        try:
+            stage.gather_outer()
+        except RuntimeError as error:
+            raise AssertionError(f"over {n} fsdp ranks (the outer group padded to {layout.padded_numel} values), "
+                                 f"your LlamaStage.gather_outer raised: {error}") from error
+        assert stage.outer_full.shape == (layout.padded_numel,), \
+            (f"over {n} fsdp ranks, your LlamaStage.gather_outer made outer_full of shape {tuple(stage.outer_full.shape)}, "
+             f"expected ({layout.padded_numel},): the outer group's whole padded flat buffer")
+        for field, a, b in zip(("embedding", "final_norm", "lm_head"), (stage.embedding, stage.final_norm,
+                                                                         stage.lm_head), want, strict=True):
+            assert a.shape == b.shape and torch.equal(a, b), \
+                (f"over {n} fsdp ranks, fsdp rank {i_fsdp}: after your LlamaStage.gather_outer, self.{field} is not "
+                 f"the last stage's (shape {tuple(a.shape)}, expected {tuple(b.shape)})")
 
 
 @pytest.mark.exercises("LlamaStage.forward", *PIECES)

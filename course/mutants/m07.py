@@ -5,9 +5,6 @@ FLAT, FSDP, PAYLOAD, WEIGHTS = "m07_flat_shards.py", "m07_fsdp.py", "m07_payload
 PLANTS = [
     Plant(FLAT, "self.shard_numel = -(-self.numel // world_size)", "self.shard_numel = self.numel // world_size",
           "shard size rounded down: when N does not divide the block's numel, its last elements belong to no rank"),
-    Plant(FLAT, "        start = rank * self.shard_numel\n        return flat[start:start + self.shard_numel]",
-          "        start = rank * self.shard_numel\n        return flat[start:start + self.shard_numel].clone()",
-          "the shard returned as a copy, not a view: writing a rank's shard no longer writes its slice of the buffer"),
     Plant(FSDP, "self.shards = [self.layout.shard(self.layout.flatten(b), self.dp.index).clone() for b in self.blocks]",
           "self.shards = [self.layout.shard(self.layout.flatten(b), self.dp.index) for b in self.blocks]",
           "a shard kept as a view of the full flat block: every rank still holds the whole block's memory"),
@@ -28,8 +25,6 @@ PLANTS = [
     Plant(FSDP, "        self.outer_grad.add_(received)\n", "        self.outer_grad.add_(received / self.dp.size)\n",
           "the outer weights' gradients averaged over d (as DDP does): each rank's loss is already divided by the "
           "global batch's tokens, so their sum over ranks is the mean, and these get 1/d of theirs"),
-    Plant(FSDP, "        optimizer.step()\n        self.weights.invalidate()\n", "        optimizer.step()\n",
-          "the gathered blocks not invalidated after the step: the next step reuses last step's weights"),
     Plant(FSDP, """            self.weights.release(layer)
             self.reduce_scatter_grad(layer, grads)
         self.finish_reduce_scatter()""", """            self.weights.release(layer)
@@ -88,9 +83,6 @@ PLANTS = [
     Plant(FSDP, "whole = torch.empty(self.outer_layout.padded_numel, dtype=self.outer_shard.dtype)",
           "whole = torch.empty(self.outer_layout.numel, dtype=self.outer_shard.dtype)",
           "the outer weights gathered into a buffer of the unpadded size: every rank's padded shard does not fit"),
-    Plant(FSDP, "        for p, g in zip(self.parameters(), self.grads(), strict=True):\n            p.grad = g\n",
-          "        for p, g in zip(self.shards, self.grad_shards, strict=True):\n            p.grad = g\n",
-          "only the block shards given their gradients: the embedding, final norm and LM head never move"),
     Plant(PAYLOAD, "L * m), (outer_shard, m, m)):", "L * m), (outer_shard, 1, 1)):",
           "the outer weights gathered and reduce-scattered once a step: each microbatch gathers them and "
           "reduce-scatters their gradients (they are dropped at its end)"),

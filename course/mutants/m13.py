@@ -115,4 +115,19 @@ PLANTS = [
           '        hg = all_gather("B/d T M/t -> B/d T M", h)\n        ln2 = all_gather("M/t -> M", w.ln2)\n',
           "the stream and the norm weight gathered over t in two collectives: they cross the same axis at the same "
           "point, one collective carries both"),
+    # Issue 37's learner run of 13 (blame): a gradient's wrong spec fails in the top unit's reduce-scatter, later;
+    # the check where it is produced names the function that made it.
+    Plant(LLAMA, '\n        dxf, d_norm = local("B/d T M {U_t}, B/d T M, B/d T, M -> B/d T M {U_t}, M {U_d,t}", '
+                 'rmsnorm_backward,\n                            dn, store["xf"], store["rf"], norm)\n'
+                 '        dx, d_norm = finish(start_reduce_scatter(["B/d T M {U_t} -> B/d T M/t", "M {U_d,t} -> M/t {U_d}"],',
+          '\n        dxf, d_norm = local("B/d T M {U_t}, B/d T M, B/d T, M -> B/d T M {U_t}, M {U_t}", '
+          'rmsnorm_backward,\n                            dn, store["xf"], store["rf"], norm)\n'
+          '        dx, d_norm = finish(start_reduce_scatter(["B/d T M {U_t} -> B/d T M/t", "M {U_t} -> M/t"],',
+          "the final norm's gradient declared unreduced over t only: it is a sum over this rank's rows too, so it is "
+          "unreduced over d as well, which the top unit's reduce-scatter sums", new=True),
+    Plant(LLAMA, '\n        return einsum_unreduced("B/d T V/t, B/d T M -> V/t M", store["onehot"], dxg)\n',
+          '\n        return all_reduce("V/t M {U_d} -> V/t M", einsum_unreduced("B/d T V/t, B/d T M -> V/t M", '
+          'store["onehot"], dxg))\n',
+          "the embedding's gradient summed over d in embed_backward: the top unit's reduce-scatter sums it over d, "
+          "so it must leave unreduced over d", new=True),
 ]

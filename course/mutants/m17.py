@@ -163,4 +163,13 @@ PLANTS = [
           'stage.replicated_grads.values()], "replicated grads")',
           "the replicated weights' sum on data rank 0 only: its partners never join the all-reduce (a hang; with the "
           "outer weights sharded, only a MoE model's routers and shared experts are replicated)", new=True),
+    # Issue 37's learner run of 17 (grader gaps): a size that needs padding, a shard that is a view.
+    Plant(STAGE, at_line(8, "self.outer_full = torch.empty(self.outer_layout.padded_numel, dtype=self.dtype)"),
+          at_line(8, "self.outer_full = torch.empty(self.outer_layout.numel, dtype=self.dtype)"),
+          "the outer weights gathered into a buffer of the unpadded size: when the fsdp group does not divide the "
+          "outer group, every rank's padded shard does not fit", new=True),
+    Plant(STAGE, at_line(8, "self.shards = [self.layout.shard(self.layout.flatten(s), fsdp.index).clone() for s in slices]"),
+          at_line(8, "self.shards = [self.layout.shard(self.layout.flatten(s), fsdp.index) for s in slices]"),
+          "a block shard kept as a view of the whole flat buffer: every rank still holds the whole t slice's memory",
+          new=True),
 ]
