@@ -44,7 +44,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=None, help="B, sequences in the global batch (default: the model's)")
     p.add_argument("--seq-len", type=int, default=None, help="T, tokens a sequence (default: the model's)")
     p.add_argument("--mesh", default=None, help="axes to pin, e.g. p=16,t=8 (the others are searched)")
-    p.add_argument("--zero", type=int, default=None, help="pin the ZeRO stage: 0, 1, 2 or 3 (FSDP)")
+    p.add_argument("--zero", default=None, help="pin the ZeRO stage as a row names it: 0, 1, 2 (gradients "
+                   "reduce-scattered each micro-step, module 14's), 2once (once a step) or 3 (FSDP)")
     p.add_argument("--schedule", default=None, help="pin the pipeline schedule (module 11's names)")
     p.add_argument("--microbatches", type=int, default=None, help="pin m, microbatches a step")
     p.add_argument("--recompute", default=None, help="pin module 10's recompute option")
@@ -163,7 +164,15 @@ def check(args):
         if args.gpus % grid:
             raise ValueError(f"--mesh {args.mesh} uses {grid} GPUs per group of axes, which does not divide --gpus "
                              f"{args.gpus}")
-    for name in ("zero", "schedule", "recompute", "cp"):
+    if args.zero is not None:
+        stages = {name: stage for stage in layout.ZERO_STAGES
+                  for name in ((str(stage), f"{stage}once") if stage == 2 else (str(stage),))}
+        if args.zero not in stages:
+            raise ValueError(f"--zero {args.zero!r} is not one of {', '.join(stages)}")
+        fixed["zero"] = stages[args.zero]
+        if fixed["zero"] == 2:   # a row's "zero2" and "zero2once" are two layouts: pin the one named
+            fixed["reduce_once"] = args.zero == "2once"
+    for name in ("schedule", "recompute", "cp"):
         if getattr(args, name) is not None:
             fixed[name] = getattr(args, name)
     if args.microbatches is not None:
@@ -186,7 +195,7 @@ def check(args):
                          "whole sequences")
     for name, known in (("schedule", tuple(reference("m11_generators").SCHEDULES)),
                         ("recompute", reference("m10_recompute").OPTIONS),
-                        ("cp", ("ring",) + layout.CONTEXT_VARIANTS), ("zero", layout.ZERO_STAGES)):
+                        ("cp", ("ring",) + layout.CONTEXT_VARIANTS)):
         if name in fixed and fixed[name] not in known:
             raise ValueError(f"--{name} {fixed[name]!r} is not one of {', '.join(map(str, known))}")
     if fixed.get("cp") == "ring":   # module 15's zigzag is its ring with the causal work balanced: the same bytes

@@ -103,6 +103,15 @@ def test_an_unwritable_checkpoint_folder_is_refused_before_the_run(tmp_path, mon
     assert not (tmp_path / "new").exists(), "a run that may yet be refused creates no folder"
 
 
+@pytest.mark.parametrize("zero", ["2", "2once"])
+def test_plan_pins_zero_2_as_a_row_names_it(zero, capsys):
+    # "zero2" (a reduce-scatter each micro-step) and "zero2once" are two layouts: the calculator pins each by name.
+    from course.plan import main as plan
+    plan(["--model", "llama3-8b", "--gpus", "8", "--zero", zero, "--top", "3", "--impl", "solutions"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if re.match(r"^ +\d+  [pdcet]=", line)]
+    assert rows and all(f" zero{zero} " in row for row in rows), rows
+
+
 def test_plan_prices_each_row_under_failures_with_module_19s_goodput(capsys):
     # Each row's Γ and checkpoint interval: module 19's (the reference's) for the row's printed step time and a save
     # of its printed state at 2 GB/s; the job fails once in τ_gpu / R.
@@ -129,6 +138,7 @@ def test_plan_prices_each_row_under_failures_with_module_19s_goodput(capsys):
     (["--gpus", str(10**30)], f"--gpus must be at most 1,048,576, got {10**30}"),  # minutes of search
     (["--gpu", "memory=nan,bf16=989,intra=450,inter=50"], "--gpu memory must be a number from 1e-09 to 1e+09, got nan"),
     (["--gpu", "memory=inf,bf16=inf,intra=450,inter=50"], "--gpu memory must be a number from 1e-09 to 1e+09, got inf"),
+    (["--zero", "7"], "--zero '7' is not one of 0, 1, 2, 2once, 3"),
     (["--gpu-mtbf", "0"], "--gpu-mtbf must be a number from 1e-09 to 1e+09, got 0"),
     (["--gpu-mtbf", "1000", "--restart", "nan"], "--restart must be a number from 1e-09 to 1e+09, got nan"),
 ])

@@ -58,7 +58,7 @@ SMALL = CASES[:1]   # the in-suite build's
 def plan_command(case: Case, layout) -> list[str]:
     """The arguments of `python main.py plan` that pin every choice of `layout` (the reference's code)."""
     mesh = ",".join(f"{axis}={getattr(layout, axis)}" for axis in MESH_AXES)   # every axis, 1 too: e is searched
-    pinned = case.arguments() + ["--mesh", mesh, "--zero", str(layout.zero), "--microbatches",
+    pinned = case.arguments() + ["--mesh", mesh, "--zero", f"{layout.zero}{'once' * layout.reduce_once}", "--microbatches",
                                  str(layout.m), "--recompute", layout.recompute, "--fp8", "on" if layout.fp8 else "off"]
     if layout.p > 1:
         pinned += ["--schedule", layout.schedule]
