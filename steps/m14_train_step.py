@@ -1,5 +1,5 @@
 # Generated from solutions/m14_train_step.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 14`. (skeleton 48cbdc614b88)
+# Grade your work with `python main.py grade 14`. (skeleton 796ea7897681)
 """Module 14, part 3 - one optimizer step of a data-parallel model: its rows of the global batch,
 m micro-steps of gradient accumulation that send nothing until the last, and the step's loss, the
 mean over the global batch's real tokens, with no collective waited for that DDP's loop does not
@@ -55,18 +55,11 @@ def my_rows(batch: int, group: Group) -> slice:
 def global_token_count(targets: torch.Tensor, group: Group) -> InFlight:
     """Start counting the real (not IGNORE_INDEX) targets of every member's `targets`, without waiting:
     the InFlight's wait() gives the count, a 0-d int64 tensor, the same on every member."""
-    # TODO(m14): count the real tokens of the whole global batch, from each rank's own rows
-    # Contract: targets are this rank's rows of the step (all its microbatches). Return an InFlight (m12_tp_linear: a
-    #   tensor and the work that fills it) whose wait() gives, on every member, the number of targets that are not
-    #   IGNORE_INDEX over every member's rows, as a 0-d int64 tensor. One collective, labelled "token count", started
-    #   here and not waited for (train_step waits where it needs the count). The tests pad microbatches with different
-    #   numbers of IGNORE_INDEX targets on every rank, and deliver an asynchronous collective's result only at wait().
-    # Question: which part of the count can a rank compute alone, and how do the parts become the count without anyone
-    #   waiting for them now?
-    # Pitfalls: whose tokens does a rank's own count cover? Is a padded target a token? Up to how many tokens is a
-    #   float32 count exact, and how many bytes does the formula say the count is? What does a blocking collective
-    #   here cost the step before its first backward?
-    raise NotImplementedError("TODO(m14): count the real tokens of the whole global batch, from each rank's own rows")
+    # Given, like global_loss_sum below: N_real is a sum over the ranks of each rank's own count, an int64 (a
+    # float32 count is exact only up to 2^24 tokens); started without waiting, it travels while the micro-steps
+    # compute, and train_step waits where it first needs the count.
+    count = (targets != IGNORE_INDEX).sum()
+    return InFlight(count, group.collectives.all_reduce(count, label="token count", async_op=True))
 
 
 def global_loss_sum(loss_sum: torch.Tensor, group: Group) -> InFlight:
