@@ -177,7 +177,7 @@ class DataParallel:
         """After a backward that sends: wait until every bucket's sum has arrived, and get ready for the next."""
         # >>> TODO(m14): after the backward: every bucket summed and ready for the next backward, or a clear error
         # Contract: called after a backward that sends. When it returns, every bucket's buffer holds its sum over the group
-        #   (a collective delivers only at its wait(): self.complete(bucket) waits for a bucket's and lands it), and the
+        #   (a collective delivers only at its wait(); the given complete() waits for a bucket's and lands it), and the
         #   buckets and self.next_bucket are in the state the next backward's ready() expects, the state a new DataParallel
         #   starts in (make_bucket, Bucket's methods, __init__). If a parameter's gradient never arrived in this backward
         #   (one the forward did not use: its bucket, and every bucket after it, was never sent), raise instead, before

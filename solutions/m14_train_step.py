@@ -176,8 +176,8 @@ class DataParallelLlama(LlamaModel):
         #   module 06's forward_backward(tok, tgt, n_tokens): its loss and gradients are the chunk's summed token losses
         #   divided by the n_tokens it is given, which it needs before it runs. During it the blocks' gradients reach the
         #   buckets through on_block_grads (above); it returns those of the embedding, the final norm and the LM head at
-        #   the end, and the buckets need them too (self.ddp.ready). Buckets leave during the last micro-step only, which
-        #   self.ddp.finish() follows. When the block ends: loss_sum holds this rank's summed token losses (float64, 0-d),
+        #   the end, and the buckets need them too (self.ddp.ready). Buckets leave during the last micro-step only, and the
+        #   DataParallel's finish follows it. When the block ends: loss_sum holds this rank's summed token losses (float64, 0-d),
         #   n_tokens the step's count (an int), and the buckets' gradients (self.ddp.gradients()) are those of the step's
         #   mean loss; the count was waited for only after the last bucket left. The tests train on 2 ranks x 2
         #   micro-steps and on the d axis of a d x t mesh against module 06's single-process train(), at 1e-12, with

@@ -1,5 +1,5 @@
 # Generated from solutions/m14_train_step.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 14`. (skeleton 796ea7897681)
+# Grade your work with `python main.py grade 14`. (skeleton a0e8421451a8)
 """Module 14, part 3 - one optimizer step of a data-parallel model: its rows of the global batch,
 m micro-steps of gradient accumulation that send nothing until the last, and the step's loss, the
 mean over the global batch's real tokens, with no collective waited for that DDP's loop does not
@@ -145,8 +145,8 @@ class DataParallelLlama(LlamaModel):
         #   module 06's forward_backward(tok, tgt, n_tokens): its loss and gradients are the chunk's summed token losses
         #   divided by the n_tokens it is given, which it needs before it runs. During it the blocks' gradients reach the
         #   buckets through on_block_grads (above); it returns those of the embedding, the final norm and the LM head at
-        #   the end, and the buckets need them too (self.ddp.ready). Buckets leave during the last micro-step only, which
-        #   self.ddp.finish() follows. When the block ends: loss_sum holds this rank's summed token losses (float64, 0-d),
+        #   the end, and the buckets need them too (self.ddp.ready). Buckets leave during the last micro-step only, and the
+        #   DataParallel's finish follows it. When the block ends: loss_sum holds this rank's summed token losses (float64, 0-d),
         #   n_tokens the step's count (an int), and the buckets' gradients (self.ddp.gradients()) are those of the step's
         #   mean loss; the count was waited for only after the last bucket left. The tests train on 2 ranks x 2
         #   micro-steps and on the d axis of a d x t mesh against module 06's single-process train(), at 1e-12, with
