@@ -96,8 +96,6 @@ RENAMED_TITLES: dict[str, str] = {
         "TODO(m12): vocabulary-parallel embedding backward: the gradient of this rank's rows",
     "TODO(m11): run every action of this rank's list in order; wait for every send; return the loss":
         "TODO(m11): one step: this rank's whole list, every send completed, the loss",
-    "TODO(m14): start the bucket's all-reduce without waiting, and keep its work":
-        "TODO(m14): start summing the bucket over the group, and keep what finish() waits on",
     "TODO(m14): after the backward: refuse gradients that never came, wait for every bucket, re-arm":
         "TODO(m14): after the backward: every bucket summed and ready for the next backward, or a clear error",
     "TODO(m14): ZeRO-1 all-reduces the bucket; ZeRO-2 reduce-scatters it, one bucket in flight at a time":

@@ -59,8 +59,9 @@ class LateCollectives(Collectives):
     @staticmethod
     def check_async(op: str, label: str, async_op: bool):
         assert async_op or not label.startswith("bucket"), (
-            f"{label}: a blocking {op}; start it with async_op=True and wait in finish(), so it travels while "
-            f"the backward computes the earlier layers")
+            f"{label}: a blocking {op}: the backward stood still while it crossed the network. How can a "
+            f"collective be started so that it travels while the backward computes the earlier layers, and where "
+            f"is it then waited for?")
 
     def _late(self, op, label, output, source, run):
         self._record(op, output.nbytes if op != "all_gather" else source.nbytes, label)
@@ -133,11 +134,11 @@ def check_count_in_flight(where: str, counts, buckets: list[int], n_buckets: int
     steps = len(buckets) // n_buckets
     assert len(counts) == steps and all(op == "all_reduce" for _, op, _ in counts), (
         f"{where}: {len(counts)} collectives labelled \"token count\" in {steps} steps ({[op for _, op, _ in counts]}): "
-        f"one all-reduce a step (your global_token_count)")
+        f"one all-reduce a step (global_token_count)")
     for step, (place, _, waited) in enumerate(counts):
         assert waited is not None, (
             f"{where}: step {step}'s count was a blocking all-reduce: the step then waits for it before its first "
-            f"backward, with nothing to hide it behind (your global_token_count starts it without waiting)")
+            f"backward, with nothing to hide it behind (global_token_count starts it without waiting)")
         first, last = buckets[step * n_buckets], buckets[(step + 1) * n_buckets - 1]
         assert place < first and waited > last, (
             f"{where}: {waits} waited for step {step}'s count when {waited} collectives had been issued; it was "

@@ -158,25 +158,10 @@ class DataParallel:
 
     def launch(self, bucket: Bucket):
         """Start summing the bucket's gradients over the group, without waiting."""
-        # >>> TODO(m14): start summing the bucket over the group, and keep what finish() waits on
-        # Contract: start, without waiting for it, the collective after whose wait() bucket.grads (the flat buffer, in
-        #   place) holds on every member the sum over the group of every member's buffer. Label it "bucket <index>" (the
-        #   log and the tests read labels) and keep what the call returns in bucket.work (complete() waits on it). The
-        #   tests deliver an asynchronous collective's result only at its wait(), and fail a bucket's collective that
-        #   blocks.
-        # Question: which of the group's collectives leaves that sum on every member, and how is it started without the
-        #   backward waiting for the network?
-        # Maths: the sum over ranks, not the mean: turning the buckets' sums into the gradient of the step's mean loss is
-        #   train_step's business, once they have arrived (m14_train_step).
-        # Pitfalls: what does the backward do while a blocking collective crosses the network? If this divided by d as
-        #   well, how many times would the step's gradient be averaged?
-        # Hint 1: the chapter's "The collectives you call": which call sums over the group, and what does it return when
-        #         asked not to wait?
-        # Hint 2: an all-reduce (sum) of bucket.grads over the group, asynchronous: it returns the work complete() waits on.
-        # Hint 3: bucket.work = self.group.collectives.all_reduce(bucket.grads, label=f"bucket {bucket.index}",
-        #                                                         async_op=True)
+        # Given (its contract would name the call): an all-reduce sums in place on every member; started with
+        # async_op=True it returns at once, so the bucket travels while the backward computes earlier layers, and
+        # complete() waits on the work kept here. The sum, not the mean: train_step divides once, by the count.
         bucket.work = self.group.collectives.all_reduce(bucket.grads, label=f"bucket {bucket.index}", async_op=True)
-        # <<<
 
     def complete(self, bucket: Bucket):
         """Wait for the bucket's collective, if one is in flight, then land its result."""
@@ -192,7 +177,7 @@ class DataParallel:
         """After a backward that sends: wait until every bucket's sum has arrived, and get ready for the next."""
         # >>> TODO(m14): after the backward: every bucket summed and ready for the next backward, or a clear error
         # Contract: called after a backward that sends. When it returns, every bucket's buffer holds its sum over the group
-        #   (a collective delivers only at its wait(): self.complete(bucket) waits for a bucket's and lands it), and the
+        #   (a collective delivers only at its wait(); the given complete() waits for a bucket's and lands it), and the
         #   buckets and self.next_bucket are in the state the next backward's ready() expects, the state a new DataParallel
         #   starts in (make_bucket, Bucket's methods, __init__). If a parameter's gradient never arrived in this backward
         #   (one the forward did not use: its bucket, and every bucket after it, was never sent), raise instead, before

@@ -1,5 +1,5 @@
 # Generated from solutions/m14_train_step.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 14`. (skeleton 48cbdc614b88)
+# Grade your work with `python main.py grade 14`. (skeleton a0e8421451a8)
 """Module 14, part 3 - one optimizer step of a data-parallel model: its rows of the global batch,
 m micro-steps of gradient accumulation that send nothing until the last, and the step's loss, the
 mean over the global batch's real tokens, with no collective waited for that DDP's loop does not
@@ -55,18 +55,11 @@ def my_rows(batch: int, group: Group) -> slice:
 def global_token_count(targets: torch.Tensor, group: Group) -> InFlight:
     """Start counting the real (not IGNORE_INDEX) targets of every member's `targets`, without waiting:
     the InFlight's wait() gives the count, a 0-d int64 tensor, the same on every member."""
-    # TODO(m14): count the real tokens of the whole global batch, from each rank's own rows
-    # Contract: targets are this rank's rows of the step (all its microbatches). Return an InFlight (m12_tp_linear: a
-    #   tensor and the work that fills it) whose wait() gives, on every member, the number of targets that are not
-    #   IGNORE_INDEX over every member's rows, as a 0-d int64 tensor. One collective, labelled "token count", started
-    #   here and not waited for (train_step waits where it needs the count). The tests pad microbatches with different
-    #   numbers of IGNORE_INDEX targets on every rank, and deliver an asynchronous collective's result only at wait().
-    # Question: which part of the count can a rank compute alone, and how do the parts become the count without anyone
-    #   waiting for them now?
-    # Pitfalls: whose tokens does a rank's own count cover? Is a padded target a token? Up to how many tokens is a
-    #   float32 count exact, and how many bytes does the formula say the count is? What does a blocking collective
-    #   here cost the step before its first backward?
-    raise NotImplementedError("TODO(m14): count the real tokens of the whole global batch, from each rank's own rows")
+    # Given, like global_loss_sum below: N_real is a sum over the ranks of each rank's own count, an int64 (a
+    # float32 count is exact only up to 2^24 tokens); started without waiting, it travels while the micro-steps
+    # compute, and train_step waits where it first needs the count.
+    count = (targets != IGNORE_INDEX).sum()
+    return InFlight(count, group.collectives.all_reduce(count, label="token count", async_op=True))
 
 
 def global_loss_sum(loss_sum: torch.Tensor, group: Group) -> InFlight:
@@ -152,8 +145,8 @@ class DataParallelLlama(LlamaModel):
         #   module 06's forward_backward(tok, tgt, n_tokens): its loss and gradients are the chunk's summed token losses
         #   divided by the n_tokens it is given, which it needs before it runs. During it the blocks' gradients reach the
         #   buckets through on_block_grads (above); it returns those of the embedding, the final norm and the LM head at
-        #   the end, and the buckets need them too (self.ddp.ready). Buckets leave during the last micro-step only, which
-        #   self.ddp.finish() follows. When the block ends: loss_sum holds this rank's summed token losses (float64, 0-d),
+        #   the end, and the buckets need them too (self.ddp.ready). Buckets leave during the last micro-step only, and the
+        #   DataParallel's finish follows it. When the block ends: loss_sum holds this rank's summed token losses (float64, 0-d),
         #   n_tokens the step's count (an int), and the buckets' gradients (self.ddp.gradients()) are those of the step's
         #   mean loss; the count was waited for only after the last bucket left. The tests train on 2 ranks x 2
         #   micro-steps and on the d axis of a d x t mesh against module 06's single-process train(), at 1e-12, with

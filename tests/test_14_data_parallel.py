@@ -112,8 +112,8 @@ def check_rearmed(ddp, step: int):
     assert not left and ddp.next_bucket == 0, (
         f"after step {step}: your DataParallel.finish left " + (f"bucket {left[0][0]} with positions {left[0][1]} "
         f"pending of {len(ddp.buckets[left[0][0]].params)}" if left else f"next_bucket at {ddp.next_bucket}") +
-        ": the next backward's ready() needs every bucket as a new DataParallel has it (every position pending, "
-        "next_bucket 0)")
+        ": the next backward's ready() finds the buckets as this backward left them. What did this backward use "
+        "up that a new DataParallel starts with?")
 
 
 def worst(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
@@ -121,9 +121,9 @@ def worst(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
 
 
 COUNTED = ("are the gradients your train_step leaves to the optimizer those of the step's mean over the real tokens "
-           "of every rank (your global_token_count counts them)? or an average taken twice: your launch sums, it "
-           "does not divide by d")
-TWICE = ("the loss is right, so the count is: an average taken twice? your launch sums, it does not divide by d; "
+           "of every rank (the given global_token_count counts them)? or an average taken twice: the given launch sums, "
+           "it does not divide by d")
+TWICE = ("the loss is right, so the count is: an average taken twice? the given launch sums, it does not divide by d; "
          "or are the gradients your train_step leaves to the optimizer not those of the step's mean?")
 
 
@@ -143,8 +143,8 @@ def gradient_message(where: str, got, want, n_tokens: int, d: int, who: str) -> 
     for factor, why in ((n_tokens, f"scaled before finish() landed the buckets' sums (they overwrite what {who} did "
                                    f"to the buffers), or not scaled at all"),
                         (1 / n_tokens, f"scaled by the count twice ({who})"),
-                        (1 / d, "an average taken twice: your launch sums, it does not divide by d"),
-                        (d, f"each rank's own count, not the step's (your global_token_count sums over the group)")):
+                        (1 / d, "an average taken twice: the given launch sums, it does not divide by d"),
+                        (d, f"each rank's own count, not the step's (the given global_token_count sums over the group)")):
         if d > 1 or factor not in (d, 1 / d):
             if math.isclose(c, factor, rel_tol=1e-6):
                 return f"{said}: {c:g} times them, {why}"
@@ -160,7 +160,7 @@ def beyond(what: str, gap: float, tolerance: float = TOLERANCE, factor: str = CO
 
 
 # The likeliest culprits first (assign_buckets has its own tests); a message that knows one names it.
-REPLICAS = ("DataParallel.ready", "DataParallel.launch", "DataParallel.finish", "train_step", "global_token_count",
+REPLICAS = ("DataParallel.ready", "DataParallel.finish", "train_step",
             "broadcast_from_first", "assign_buckets")
 
 
@@ -182,7 +182,7 @@ def test_replicas_equal_one_process_on_the_whole_batch(mesh, world_size):
         assert not views, f"{where}: {views[0]}.grad is not a view into its bucket's buffer"
         ratio = losses[0] / first_loss
         assert abs(ratio - 1) < 1e-6 or math.isclose(losses[0], first_loss, rel_tol=1e-12), \
-            (f"{where}: your global_token_count or your train_step: the first step's loss is {losses[0]}, one "
+            (f"{where}: your train_step: the first step's loss is {losses[0]}, one "
              f"process's {first_loss}, {ratio:.4g} times it: the summed token losses of every rank (train_step's "
              f"loss_sum) over the count of real tokens of every rank (global_token_count's)")
         assert math.isclose(losses[0], first_loss, rel_tol=1e-12), \
@@ -228,7 +228,7 @@ def _send_positions(caps):
     return results
 
 
-@pytest.mark.exercises("DataParallel.ready", "DataParallel.launch", "DataParallel.finish", "train_step",
+@pytest.mark.exercises("DataParallel.ready", "DataParallel.finish", "train_step",
                         "broadcast_from_first", "assign_buckets")
 def test_each_bucket_is_sent_once_in_order_as_soon_as_its_last_gradient_is_ready():
     caps = {1 << 20: 1, 7000: 2, CAP: 3}
@@ -278,7 +278,7 @@ def _ready_by_hand(orders):
     return labels, sent_after, grads, twice
 
 
-@pytest.mark.exercises("DataParallel.ready", "DataParallel.launch", "DataParallel.finish", "assign_buckets")
+@pytest.mark.exercises("DataParallel.ready", "DataParallel.finish", "assign_buckets")
 def test_buckets_leave_in_bucket_order_whatever_order_the_gradients_arrive_in():
     # Rank 0's gradients arrive first to last (bucket 2 complete first: it must wait for buckets 0 and 1),
     # rank 1's last to first (each bucket leaves as soon as it is complete).
@@ -346,7 +346,7 @@ def _edge_cases():
     return results
 
 
-@pytest.mark.exercises("DataParallel.ready", "DataParallel.finish", "DataParallel.launch", "train_step",
+@pytest.mark.exercises("DataParallel.ready", "DataParallel.finish", "train_step",
                         "broadcast_from_first", "assign_buckets")
 def test_tied_and_frozen_weights_train_as_one_process_and_an_unused_one_is_named():
     expected = {"tied": one_process(build(UsesLayer1Twice))[-1], "frozen": one_process(build(m00.MonolithMLP, True))[-1]}
@@ -424,9 +424,7 @@ def _llama(mesh_sizes, n_microbatches):
 
 @pytest.mark.exercises("DataParallelLlama.train_step",
                         "DataParallel.ready",
-                        "DataParallel.launch",
                         "DataParallel.finish",
-                        "global_token_count",
                         "broadcast_from_first",
                         "assign_buckets")
 @pytest.mark.parametrize("mesh, world_size, n_microbatches", [(None, 2, 2), ({"d": 2, "t": 2}, 4, 1)],

@@ -86,8 +86,8 @@ def gap(ours, theirs) -> float:
     return max((a - b).abs().max().item() for a, b in zip(ours, theirs, strict=True))
 
 
-@pytest.mark.exercises("DataParallel.ready", "DataParallel.launch", "DataParallel.finish", "assign_buckets",
-                        "broadcast_from_first", "global_token_count", "train_step")
+@pytest.mark.exercises("DataParallel.ready", "DataParallel.finish", "assign_buckets",
+                        "broadcast_from_first", "train_step")
 def test_same_weights_as_distributed_data_parallel():
     for rank, results in enumerate(run_ranks(_against_ddp, 2, timeout=60)):
         for n_microbatches, (ours, theirs) in results.items():
@@ -97,7 +97,7 @@ def test_same_weights_as_distributed_data_parallel():
 
 
 @pytest.mark.exercises("shard_range", "ZeroDataParallel.launch", "ZeroDataParallel.step", "DataParallel.ready",
-                        "DataParallel.launch", "DataParallel.finish", "train_step")
+                        "DataParallel.finish", "train_step")
 def test_zero_1_same_weights_as_zero_redundancy_optimizer():
     for rank, (ours, theirs) in enumerate(run_ranks(_against_zero_redundancy_optimizer, 2, timeout=60)):
         worst = gap(ours, theirs)

@@ -79,13 +79,6 @@ PLANTS = [
                 self.launch(b)""",
           "every bucket sent once the whole backward is over: right sums, no overlap (the first bucket must leave "
           "before the first layer's backward)"),
-    Plant(DP, "all_reduce(bucket.grads, label=f\"bucket {bucket.index}\", async_op=True)",
-          "all_reduce(bucket.grads, label=f\"bucket {bucket.index}\")",
-          "a blocking all-reduce in the backward: no overlap, the backward waits for every bucket"),
-    Plant(DP, "        bucket.work = self.group.collectives.all_reduce(bucket.grads",
-          "        bucket.grads.div_(self.group.size)\n        bucket.work = self.group.collectives.all_reduce(bucket.grads",
-          "the average taken twice: the buckets sum, and train_step turns the sum into the step's mean; dividing "
-          "by d here makes the gradient d times too small"),
     Plant(DP, "        for bucket in self.buckets:\n            self.complete(bucket)\n            bucket.arm()\n",
           "        for bucket in self.buckets:\n            bucket.arm()\n",
           "buckets never waited for: the optimizer reads gradients whose sums may not have arrived"),
@@ -100,17 +93,7 @@ PLANTS = [
                                f"(requires_grad_(False)) or leave it out of the model")
 """, "",
           "an unused parameter passed over in silence: its bucket (and every one after it) is never summed"),
-    # --- the step: token count, micro-steps, module 06's hand-over -------------------------------------------
-    Plant(STEP, "sum()\n    return InFlight(count, group.collectives.all_reduce(count, label=\"token count\", async_op=True))\n",
-          "sum()\n    return InFlight(count)\n",
-          "each rank divides by its own token count: the gradients are d times too big (the average not taken at "
-          "all), and wrong when ranks hold different numbers of real tokens"),
-    Plant(STEP, "    count = (targets != IGNORE_INDEX).sum()\n", "    count = torch.tensor(targets.numel())\n",
-          "padding counted as tokens: the loss is divided by too many"),
-    Plant(STEP, "sum()\n    return InFlight(count, group.collectives.all_reduce(count, label=\"token count\", async_op=True))\n",
-          "sum()\n    group.collectives.all_reduce(count, label=\"token count\")\n    return InFlight(count)\n",
-          "a blocking count: right numbers, but every step waits for one more collective before its first backward, "
-          "with nothing to hide it behind (DDP's loop has none)"),
+    # --- the step: micro-steps, module 06's hand-over ------------------------------------------------------------
     Plant(STEP, """            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=IGNORE_INDEX,
                                    reduction="sum")
             loss.backward()
@@ -177,10 +160,6 @@ PLANTS = [
     Plant(STEP, "        if sync:\n            ddp.finish()\n        loss_sum += loss.detach()",
           "        ddp.finish()\n        loss_sum += loss.detach()",
           "finish() after a micro-step that sent nothing: no gradient was marked, so it reports them all missing"),
-    Plant(STEP, "    count = (targets != IGNORE_INDEX).sum()\n", "    count = (targets != IGNORE_INDEX).sum().float()\n",
-          "a float32 count: not exact beyond 2^24 tokens, and 4 bytes on the wire where the formulas say 8"),
-    Plant(STEP, "    count = (targets != IGNORE_INDEX).sum()\n", "    count = (targets != IGNORE_INDEX).sum().int()\n",
-          "an int32 count: it overflows past 2^31 tokens, and it is 4 bytes on the wire where the formulas say 8"),
     Plant(STEP, "    loss_sum = torch.zeros((), dtype=torch.float64)  # float64 whatever the model's dtype",
           "    loss_sum = torch.zeros(())  # float64 whatever the model's dtype",
           "the loss sum in the default dtype (float32): past 2^24 it keeps only even whole numbers, so the step's "
