@@ -86,8 +86,6 @@ RENAMED_TITLES: dict[str, str] = {
         "TODO(m12): one optimizer step over the microbatches",
     "TODO(m12): row-parallel backward: leave's backward, then the two GEMMs":
         "TODO(m12): row-parallel backward: the two GEMMs, and what they need of dy",
-    "TODO(m12): row-parallel forward: this rank's partial product, then leave the TP region":
-        "TODO(m12): row-parallel forward: y in the residual stream's layout",
     "TODO(m12): column-parallel forward: enter the TP region once, then one GEMM per weight":
         "TODO(m12): column-parallel forward: every weight's slice of y from one whole input",
     "TODO(m12): vocabulary-parallel embedding: look up the tokens this rank owns, zeros elsewhere, leave":

@@ -214,10 +214,10 @@ def run_schedule(schedule: Schedule, stages: dict[int, SplitStage], comms: Stage
     the shares) on the rank holding the last stage, else None; every send has completed."""
     xs, ys = split_microbatches(x, schedule.n_microbatches), split_microbatches(y, schedule.n_microbatches)
     # >>> TODO(m11): one step: this rank's whole list, every send completed, the loss
-    # Contract: run_action for each action of schedule.orders[comms.pp.index] (this rank's list: its place in
-    #   the pipeline group), on stages[action.stage], in order. Returns the sum of the loss shares run_action
-    #   returned, added in microbatch order (the tests compare it with the monolith's bit for bit), or None on a
-    #   rank without the last stage. Before it returns, every handle of the step's sends has been waited for.
+    # Contract: every action of this rank's list (the schedule's list at its place in the pipeline group) has
+    #   run on its stage, in the list's order. Returns the step's batch loss on the rank holding the last stage
+    #   (the tests compare it with the monolith's bit for bit, so the shares add up in microbatch order), None
+    #   elsewhere. When it returns, no send of the step is still in flight.
     # The question: what must still be done once the last action has run?
     # Pitfalls:
     # - on gloo a send whose handle is dropped is usually lost: what happens to the peer's recv, and to a

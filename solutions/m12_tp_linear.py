@@ -312,15 +312,8 @@ def row_parallel_forward(x: torch.Tensor, w: torch.Tensor, tp: Group, sequence_p
                          label: str = "", matmul: Matmul | None = None) -> torch.Tensor:
     """y = g(x W^T): x (B, T, in / t) is this rank's slice of the input features (a column-parallel
     output), w (dim, in / t) its columns of the weight. Returns y in the residual stream's layout."""
-    # >>> TODO(m12): row-parallel forward: y in the residual stream's layout
-    # Contract: y is the row-parallel linear's output, the sum over ranks of x_r W_r^T, in the residual stream's
-    #   layout; the product through product(..., matmul) (module 09's seam).
-    # The question: what does this rank's product lack to be y, and which operator supplies it?
-    # Hint 1: which operator connects a row-parallel linear to the residual stream (docs/12)?
-    # Hint 2: y = g(x_r W_rᵀ): the partial product, then g's forward.
-    # Hint 3: return leave_tp_forward(product(x, w, matmul), tp, sequence_parallel, label)
+    # Given: this rank's partial product, then g's forward (your leave_tp_forward) sums it over the group.
     return leave_tp_forward(product(x, w, matmul), tp, sequence_parallel, label)
-    # <<<
 
 
 def row_parallel_backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, main_grad: torch.Tensor,

@@ -1,5 +1,5 @@
 # Generated from solutions/m11_stage.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 11`. (skeleton 7f333aaa651c)
+# Grade your work with `python main.py grade 11`. (skeleton e9a39bc78db4)
 """Module 11 - a pipeline stage whose backward comes in two halves: I and W.
 
 A layer y = relu(x W^T + b) has two gradients to compute in its backward, both from dz, the
@@ -99,12 +99,13 @@ class SplitStage(nn.Module):
         """W: add this microbatch's weight and bias gradients to each parameter's .grad, from what I
         kept; then forget the microbatch."""
         # TODO(m11): W: the weight gradients from saved inputs and I's dz's, accumulated into .grad
-        # Contract: every linear's weight.grad and bias.grad (self.linears() order) grow by this microbatch's
-        #   gradients, computed from the input x it kept since the forward and the dz I kept in saved.grads; a .grad
-        #   that is None is set instead. Afterwards self.saved has no entry for the microbatch: its activations are
-        #   freed. The tests compare every .grad with autograd's on the monolith, bit for bit, and count the matmuls.
-        # The question: what are a linear's weight and bias gradients in terms of its x and dz, and how do m
-        #   microbatches' gradients end up in one .grad?
+        # Contract: afterwards every linear's weight.grad and bias.grad (self.linears() order, None before a step's
+        #   first W) hold the gradient of the loss summed over every microbatch whose W has run, from what the stage
+        #   kept: each layer's input x since the forward and its dz since I (saved.grads). self.saved has no entry for
+        #   the microbatch any more: its activations are freed. The tests compare every .grad with autograd's on the
+        #   monolith, bit for bit, and count the matmuls.
+        # The question: what are a linear's weight and bias gradients for a whole microbatch of rows, in terms of
+        #   its x and dz, and how do m microbatches' gradients end up in one .grad?
         # Pitfalls:
         # - the hidden layers are square: would the transposed product run, and would it be right?
         # - does a later microbatch's W keep what an earlier one added?

@@ -1,5 +1,5 @@
 # Generated from solutions/m12_tp_block.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 12`. (skeleton 6acb2dcf68f4)
+# Grade your work with `python main.py grade 12`. (skeleton 1ce843eca80f)
 """Module 12, part 2 - module 06's block on t ranks: attention split by heads, the FFN by its width.
 
     residual x ─ RMSNorm ─ enter ─ q, k, v (column) ─ RoPE, attention ─ o (row) ─ leave ─ + ─ h
@@ -58,9 +58,8 @@ def zero_grads(w: BlockWeights, dtype: torch.dtype | None = None) -> BlockWeight
 
 
 def sum_norm_grads(norm_grads: list[torch.Tensor], tp: Group, sequence_parallel: bool):
-    """With sequence parallelism each rank normed only its T/t positions, so its norm weights'
-    gradients are partial sums: add them up over the group, in place, in one all-reduce. Without
-    it, every rank normed every position and its gradients are already whole: nothing to do."""
+    """Make the norm weights' gradients (ln1, ln2, the final norm) whole on every rank, in place, before
+    the optimizer step: module 06's gradients, whether or not each rank normed every position."""
     # TODO(m12): sum the norm weights' gradients over the group (sequence parallelism only)
     # Contract: afterwards every rank holds, in each tensor of norm_grads, the sum over the group of the ranks'
     #   tensors (with sequence parallelism), and they are untouched without it; one collective for all of them

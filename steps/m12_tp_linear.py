@@ -1,5 +1,5 @@
 # Generated from solutions/m12_tp_linear.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 12`. (skeleton 4fd34b5c31a8)
+# Grade your work with `python main.py grade 12`. (skeleton bd93cb84acc4)
 """Module 12, part 1 - tensor-parallel linears: Megatron's column and row split, and the two
 conjugate operators that connect them to the residual stream.
 
@@ -243,11 +243,8 @@ def row_parallel_forward(x: torch.Tensor, w: torch.Tensor, tp: Group, sequence_p
                          label: str = "", matmul: Matmul | None = None) -> torch.Tensor:
     """y = g(x W^T): x (B, T, in / t) is this rank's slice of the input features (a column-parallel
     output), w (dim, in / t) its columns of the weight. Returns y in the residual stream's layout."""
-    # TODO(m12): row-parallel forward: y in the residual stream's layout
-    # Contract: y is the row-parallel linear's output, the sum over ranks of x_r W_r^T, in the residual stream's
-    #   layout; the product through product(..., matmul) (module 09's seam).
-    # The question: what does this rank's product lack to be y, and which operator supplies it?
-    raise NotImplementedError("TODO(m12): row-parallel forward: y in the residual stream's layout")
+    # Given: this rank's partial product, then g's forward (your leave_tp_forward) sums it over the group.
+    return leave_tp_forward(product(x, w, matmul), tp, sequence_parallel, label)
 
 
 def row_parallel_backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, main_grad: torch.Tensor,

@@ -1,5 +1,5 @@
 # Generated from solutions/m12_vocab_parallel.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 12`. (skeleton 8739095d5385)
+# Grade your work with `python main.py grade 12`. (skeleton 67d5d85cc71b)
 """Module 12, part 3 - the vocabulary split over t ranks: embedding rows, LM-head rows, and a
 cross-entropy that never gathers the logits.
 
@@ -9,9 +9,8 @@ of the embedding and of the LM head. The padding rows are zeros and stand for no
 ever one of them, and the loss masks their logits out, so they never take probability, never win
 the max, and never receive a gradient.
 
-Embedding: each rank looks up the tokens that fall in its rows and writes zeros for the others;
-the sum over ranks is the embedding, so leaving the TP region (m12_tp_linear's g) finishes the
-lookup.
+Embedding: each token's row is on one rank; every rank ends with the whole lookup in the residual
+stream's layout (docs/12-tensor-parallel.md, "The vocabulary split too").
 
 Cross-entropy: the LM head is a column-parallel linear, so each rank holds its V'/t columns of the
 logits z. A token's loss, log(sum_v exp(z_v)) - z_y for its target y, and its gradient (module 06's
@@ -56,9 +55,9 @@ def embedding_forward(tokens: torch.Tensor, rows: torch.Tensor, tp: Group, seque
     stream's layout: (B, T, dim), or (B, T / t, dim) with sequence parallelism."""
     # TODO(m12): vocabulary-parallel embedding: the lookup from this rank's rows
     # Contract: returns the whole table's lookup of tokens in the residual stream's layout; rank i_t owns tokens
-    #   [i_t V'/t, (i_t + 1) V'/t) (rows' row j is token i_t V'/t + j); the sum over ranks of what each rank looks up
-    #   is the lookup, finished by leaving the TP region (leave_tp_forward, label "embedding"). The tests compare
-    #   it with a lookup of the whole table, with and without sequence parallelism.
+    #   [i_t V'/t, (i_t + 1) V'/t) (rows' row j is token i_t V'/t + j); one collective, labelled "embedding", and no
+    #   row read outside rows. The tests compare it with a lookup of the whole table, with and without sequence
+    #   parallelism.
     # The question: what does this rank contribute for a token it does not own, and how does it avoid reading
     #   out of its rows?
     # Pitfalls: a token this rank does not own: zeros, or a row clamped or wrapped around? An index out of range

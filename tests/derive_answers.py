@@ -336,7 +336,10 @@ FORBIDDEN = {
             code("torch.where(y_l > 0, dy, 0.0)", "torch.where(y > 0, dy, 0", "torch.where(outputs[index] > 0"),
         ],
         "SplitStage.backward_weight": [
-            ("dW = dzᵀ x", "dW = dz^T x"), code("dz.t() @ x"),
+            ("dW = dzᵀ x", "dW = dz^T x", "dW = dy^\\top x", "dW = dyᵀx", "dW = dyᵀ x"),
+            ("db = Σ_rows dz", "\\sum_{\\text{rows}} dy", "db = Σ_rows dy"),
+            code("dz.t() @ x"), code("dz.sum(0)"),
+            code("param.grad = grad if param.grad is None", "if param.grad is None:"),
         ],
         "run_action": [
             code('comms.recv("act", action.stage, m'), code('comms.recv("grad", action.stage, m'),
@@ -391,6 +394,7 @@ FORBIDDEN = {
             code("gathering = enter_tp_forward(x, tp, sequence_parallel, label, async_op=True)"),
         ],
         "accumulate_weight_grad": [
+            ("dW = dyᵀ x", "dw = dy^\\top x", "products $dy^\\top x$"),
             code("addmm_into(main_grad, dy.t(), x)", "addmm(main_grad, dyᵀ, x, out=main_grad)", "addmm(main_grad, dy",
                  "addmm_into(main_grad, dy", "torch.addmm with out=main_grad"),
             code("main_grad.add_(dy.t() @ x)"),
@@ -404,11 +408,14 @@ FORBIDDEN = {
         ],
         "embedding_forward": [
             ("owned when 0 <= local < V'/t",), code("rows[torch.where(mine, local, 0)]"),
+            ("zeros for the rest", "writes zeros for the others", "zeros for the tokens it does not own"),
+            code('leave_tp_forward(looked_up, tp, sequence_parallel, "embedding")', "leave_tp_forward(looked_up"),
         ],
         "embedding_backward": [
             code("grad_rows.index_add_(0, local[mine]"),
         ],
         "sum_norm_grads": [
+            ("in one all-reduce", "all-reduces them once", "one all-reduce (a sum)"),
             ("one all-reduce (a sum) of all the tensors laid end to end in one flat buffer",
              "pack them into one flat tensor (torch.cat of the flattened tensors), all-reduce it, copy back"),
             code("torch.cat([g.reshape(-1) for g in norm_grads])"),

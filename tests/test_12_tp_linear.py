@@ -90,7 +90,7 @@ PIECES = {
     "f backward": "your enter_tp_backward (f's backward of the partials: their sum, in the stream's layout)",
     "z1": "your column_parallel_forward (this rank's output features, every position)",
     "z2": "your column_parallel_forward (this rank's output features, every position)",
-    "y": "your row_parallel_forward (its partial product, then g)",
+    "y": "your leave_tp_forward (g of row_parallel_forward's partial product: their sum, in the stream's layout)",
     "ds": "your row_parallel_backward's dx (the whole dy times this rank's columns of the weight)",
     "d down": "your row_parallel_backward's weight gradient (the whole dy, ^T this rank's input)",
     "d gate": "your column_parallel_backward's weight gradients (dy^T the whole x)",
@@ -100,7 +100,7 @@ PIECES = {
 
 
 @pytest.mark.exercises("enter_tp_forward", "leave_tp_forward", "leave_tp_backward", "enter_tp_backward",
-                        "column_parallel_forward", "row_parallel_forward", "row_parallel_backward",
+                        "column_parallel_forward", "row_parallel_backward",
                         "column_parallel_backward", "accumulate_weight_grad")
 @pytest.mark.parametrize("world_size, sequence_parallel", [(2, False), (4, False), (2, True), (4, True)])
 def test_a_column_then_row_pair_equals_the_whole_linears(world_size, sequence_parallel):
