@@ -306,7 +306,7 @@ def check_calculator(browser: Browser, site: Path) -> tuple[int, list[str]]:
         for q in calculator_samples(case):
             layout = q.layout
             query = {"case": case.key, "mesh": calculator.mesh_key(layout),
-                     **{name: ("on" if getattr(layout, name) else "off") if name == "fp8" else getattr(layout, name)
+                     **{name: ("on" if layout.fp8 else "off") if name == "fp8" else calculator.choice(layout, name)
                         for name in calculator.CHOICES}}
             address = "&".join(f"{k}={v}" for k, v in query.items())
             where = f"calculator.html?{address}"

@@ -55,10 +55,18 @@ CASES = (Case("llama3-8b", "h100", 8), Case("llama3-70b", "h200", 16), Case("mix
 SMALL = CASES[:1]   # the in-suite build's
 
 
+def choice(layout, field: str):
+    """A layout's value of one of CHOICES as the page and plan's options name it: ZeRO-2 reducing once a step is
+    "2once", a layout apart from ZeRO-2 reducing every micro-step ("2")."""
+    if field == "zero":
+        return f"{layout.zero}{'once' * layout.reduce_once}"
+    return getattr(layout, field)
+
+
 def plan_command(case: Case, layout) -> list[str]:
     """The arguments of `python main.py plan` that pin every choice of `layout` (the reference's code)."""
     mesh = ",".join(f"{axis}={getattr(layout, axis)}" for axis in MESH_AXES)   # every axis, 1 too: e is searched
-    pinned = case.arguments() + ["--mesh", mesh, "--zero", f"{layout.zero}{'once' * layout.reduce_once}", "--microbatches",
+    pinned = case.arguments() + ["--mesh", mesh, "--zero", choice(layout, "zero"), "--microbatches",
                                  str(layout.m), "--recompute", layout.recompute, "--fp8", "on" if layout.fp8 else "off"]
     if layout.p > 1:
         pinned += ["--schedule", layout.schedule]
@@ -197,7 +205,7 @@ def case_data(case: Case) -> tuple[dict, dict[str, list]]:
         key = mesh_key(q.layout)
         names[key] = mesh_name(q.layout)
         meshes.setdefault(key, []).append([
-            [getattr(q.layout, field) for field in CHOICES], name, plain(q.cost.memory), by_axis(q.cost.sent),
+            [choice(q.layout, field) for field in CHOICES], name, plain(q.cost.memory), by_axis(q.cost.sent),
             by_axis(q.cost.calls), rounded(plain(q.time)), None if row is None else row[len(name):],
             None if q.time is not None else missed(case, q).replace(name, "{layout}")])
     exposed, hidden = axes_on_the_path()
