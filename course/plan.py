@@ -217,12 +217,17 @@ def gb(n: float) -> str:
     return f"{n / 1e9:.1f}"
 
 
+def state_bytes(memory: dict) -> float:
+    """What a rank keeps between steps, of a layout's memory by kind: parameters, gradients and optimizer."""
+    return sum(memory.get(k, 0) for k in ("parameters", "gradients", "optimizer"))
+
+
 def describe_miss(closest, budget: float) -> str:
     """Why the closest layout does not fit: its memory, by kind, against the budget."""
     memory = closest.cost.memory
     parts = ", ".join(f"{kind} {gb(memory.get(kind, 0))}" for kind in
                       ("parameters", "gradients", "optimizer", "activations", "buffers") if memory.get(kind))
-    state = sum(memory.get(k, 0) for k in ("parameters", "gradients", "optimizer"))
+    state = state_bytes(memory)
     why = ("the weights' state alone exceeds it: more GPUs (or a larger GPU) are needed" if state > budget else
            "its activations do not fit: a longer recompute, more microbatches or more GPUs on t, c or p")
     return (f"nothing fits: the closest layout, {closest.layout}, keeps {gb(closest.memory)} GB a GPU of "
@@ -234,8 +239,7 @@ def under_failures(planned, gpus: int, failures, goodput) -> str:
     checkpoint blocks for the row's state written at the given bandwidth (a synchronous save: the upper bound).
     `goodput`: module 19's m19_goodput, the implementation asked for (--impl)."""
     gpu_mtbf_h, restart, save_gbps = failures
-    memory = planned.cost.memory
-    save_cost = sum(memory.get(k, 0) for k in ("parameters", "gradients", "optimizer")) / (save_gbps * 1e9)
+    save_cost = state_bytes(planned.cost.memory) / (save_gbps * 1e9)
     result = goodput.goodput(planned.time.step, save_cost, restart, gpu_mtbf_h * 3600 / gpus)
     return f" {result.goodput:>5.1%} {result.every:>6}"
 
@@ -264,7 +268,7 @@ def print_plan(model, gpu, gpus: int, batch: int, plan, step_time, time_model, t
     print(header)
     for rank, planned in enumerate(plan.fits[:top], start=1):
         memory, t = planned.cost.memory, planned.time
-        state = sum(memory.get(k, 0) for k in ("parameters", "gradients", "optimizer"))
+        state = state_bytes(memory)
         sent = " ".join(f"{axis}:{gb(planned.cost.sent_bytes(axis))}" for axis in
                         sorted({a for a, _ in planned.cost.sent}, key="pdcetx".find)) or "-"
         tokens = batch * cfg.max_seq_len / t.step / gpus
