@@ -125,9 +125,13 @@ def executed_notebooks(tmp_path_factory) -> dict:
 
     def execute(notebook: Path):
         executed = out / notebook.name
-        proc = subprocess.run([sys.executable, "-c", EXECUTE, str(notebook), str(executed), str(notebook.parent)],
-                              env={**os.environ, "COURSE_IMPL": "solutions"}, capture_output=True, text=True,
-                              timeout=900)
+        command = [sys.executable, "-c", EXECUTE, str(notebook), str(executed), str(notebook.parent)]
+        env = {**os.environ, "COURSE_IMPL": "solutions"}
+        proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+        # Two kernels starting at once can pick the same free port (jupyter_client checks a port is
+        # free, then binds it later): that start failed before the notebook ran, so start it again.
+        if proc.returncode != 0 and "ZMQError: Address already in use" in proc.stderr:
+            proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
         if proc.returncode == 0 and executed.exists():
             keep_executed(executed)  # for the site (`python main.py site`), which shows the outputs
         return proc, (nbformat.read(executed, as_version=4) if executed.exists() else None)
