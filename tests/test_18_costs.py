@@ -175,6 +175,22 @@ def test_with_a_pipeline_the_plan_bounds_every_stage_from_above(measured):
         assert held["buffers"] == want, f"p2 d2, rank {rank}: whole slices {held['buffers']}, want {want}"
 
 
+@pytest.mark.given
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_on_a_v_schedule_the_plan_counts_the_rank_that_holds_the_most(schedule):
+    """A V puts stages r and 2p-1-r on rank r: rank 0 holds both ends (the embedding, the head and the final
+    norm) beside two stages' blocks; a middle rank holds two stages' blocks and no table."""
+    # p = 2, 4 blocks: 4 stages of one block; rank 0 holds 2 blocks and both tables (V M = 8,192 values each,
+    # more than a block): the ends
+    assert layouts.outer_tables(TINY, Layout(p=2, schedule=schedule, m=4)) == (True, True, 2)
+    # 6 blocks of a 4-token vocabulary: stages of ⌈6/4⌉ = 2 blocks, the last stage gets none (6 - 3 * 2), so rank
+    # 0 holds 2 blocks and tables of 4 M values each; rank 1 holds 4 blocks: rank 1 holds the most
+    small = presets.Model("small vocabulary", dataclasses.replace(CFG, vocab_size=4, n_layers=6), batch=8)
+    assert layouts.outer_tables(small, Layout(p=2, schedule=schedule, m=4)) == (False, False, 4)
+    # the same model in a loop (1F1B): 3 blocks a rank, the last holds the head and the norm
+    assert layouts.outer_tables(small, Layout(p=2, schedule="1f1b", m=4)) == (False, True, 3)
+
+
 def hand_psi(cfg) -> int:
     """Ψ counted here: embedding and LM head V M each, the final norm, and per block two norms, wq and wo
     (H D M each), wk and wv (K D M each), and the FFN's three F M."""
