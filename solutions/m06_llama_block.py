@@ -233,7 +233,8 @@ class LlamaBlock:
         #   count the policy's calls, and compare these gradients and dh with an nn.Module block's).
         # Question: along which paths does dy reach h, and where do two gradients of one tensor meet?
         # Pitfalls: which ops read n2, and what does that make its gradient? Does dy reach dh along the residual
-        #   once, twice, or not at all? Is a recomputed input the same as the prepared one the forward multiplied?
+        #   once, twice, or not at all? A linear's input rebuilt here rather than read from the store: is it the
+        #   tensor the forward's matmul multiplied (what did mm.prepare hand it)?
         # Hint 1: the chapter's "One tensor, several readers", applied to the FFN's chain read from its end: which
         #         tensors does more than one op read? residual_rmsnorm_backward takes both gradients of h.
         # Hint 2: ds = dy W_down, d_down = dyᵀ s; (dg, du) = SwiGLU's backward; dn2 = dg W_gate + du W_up;

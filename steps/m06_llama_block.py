@@ -1,5 +1,5 @@
 # Generated from solutions/m06_llama_block.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 06`. (skeleton 713a32bbe482)
+# Grade your work with `python main.py grade 06`. (skeleton 37a39c7dadcc)
 """Module 06, part 2 - the transformer block: a forward sequence and its backward in reverse.
 
 A Llama block is two pre-norm residual sublayers on the stream x (chapter 06, "The block"):
@@ -200,7 +200,8 @@ class LlamaBlock:
         #   count the policy's calls, and compare these gradients and dh with an nn.Module block's).
         # Question: along which paths does dy reach h, and where do two gradients of one tensor meet?
         # Pitfalls: which ops read n2, and what does that make its gradient? Does dy reach dh along the residual
-        #   once, twice, or not at all? Is a recomputed input the same as the prepared one the forward multiplied?
+        #   once, twice, or not at all? A linear's input rebuilt here rather than read from the store: is it the
+        #   tensor the forward's matmul multiplied (what did mm.prepare hand it)?
         raise NotImplementedError("TODO(m06): the FFN half's backward, from dy back to the residual stream's gradient dh")
         # TODO(m06): the attention half's backward, and the block's gradients
         # Contract: dh (from the FFN half above) is dL/dh for h = x + o W_oᵀ and attention_half's chain. Return
