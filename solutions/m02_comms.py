@@ -31,15 +31,15 @@ def init_distributed(timeout_s: float = 120.0, backend: str | None = None):
     this rank's GPU.
     """
     # >>> TODO(m02): join the process group (or reuse an existing one) and return this rank's identity and device
-    # Contract: returns (rank, world_size, device): two ints and a torch.device. Who this rank is
-    # comes from the environment torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE;
-    # docs/02-comms.md); LOCAL_RANK and LOCAL_WORLD_SIZE may be missing (then 0 and 1).
-    # Afterwards one default process group exists: course.launch's forked ranks arrive with one
-    # already, torchrun's processes without. A group created here uses `backend` if the caller
-    # named one, else nccl when every rank on this machine can have a GPU of its own, else gloo,
-    # and gives up on a hung collective after timeout_s. The device is this rank's GPU on this
-    # machine (made the current CUDA device) when the group uses nccl, whoever created the group,
-    # and the CPU otherwise.
+    # Contract: returns (rank, world_size, device): two ints and a torch.device, as torchrun's
+    # environment describes this process (docs/02-comms.md; a job started without LOCAL_RANK or
+    # LOCAL_WORLD_SIZE is a single local rank). Afterwards one default process group exists
+    # (course.launch's forked ranks arrive with one already, torchrun's processes without); a group
+    # made here gives up on a hung collective after timeout_s, and runs on the backend the caller
+    # asked for, or else on the fastest one that every rank of this machine can use. The device is
+    # where this rank's messages must live for the group it ended up in. The grader tries machines
+    # with no GPU, with fewer GPUs than local ranks and with enough, a caller asking for gloo, and a
+    # group that already exists.
     # The question: which of these facts does the environment tell you, which the machine, and
     # which only the group, once it exists?
     # Pitfalls: what type is an environment variable's value? What does torch do when a second
@@ -167,30 +167,12 @@ class PipelineComms:
     def receive(self, shape, dtype, direction: str, verb: str) -> torch.Tensor:
         """Receive the message travelling `direction` ("forward" or "backward") into a new buffer of
         `shape` and `dtype` (None: this comms' dtype), and return it; `verb` names the public method."""
-        # >>> TODO(m02): receive a tensor from the neighbour its direction comes from, into a new buffer
-        # Contract: returns the values the neighbour sent with start_send in the same direction,
-        # as a tensor of the `shape` and `dtype` the caller asks for (self.dtype when dtype is
-        # None) on self.device, a new one at every call. Blocking: it returns only once they have
-        # arrived. Where there is no neighbour that way, _peer's clear error is raised before any
-        # message (a receive from "no rank" would accept a message from any rank).
-        # The question: the message carries bytes only; what must exist on this rank before they
-        # arrive, for them to become the sender's values?
-        # Pitfalls: what becomes of float64 bytes landing in a float32 buffer (the grader sends
-        # float64, and float16 to a float16 comms that receives with no dtype)? Which device's
-        # memory can nccl fill?
-        # Hint 1: A blocking receive hands torch.distributed something to fill: what, and who
-        #         decides what the bytes will mean? (docs/02-comms.md, "Point-to-point messages")
-        # Hint 2: forward comes from prev, backward from next; the receiver makes a buffer of the
-        #         right shape, dtype and device before the receive (the shape asked for, the dtype
-        #         asked for or else the comms' own, the comms' device), whose values need no
-        #         initialising (they are overwritten), and the receive fills it.
-        # Hint 3: buffer <- torch.empty(shape, dtype=dtype or self.dtype, device=self.device)
-        #         dist.recv(buffer, self._peer("prev" if direction == "forward" else "next", verb))
-        #         return buffer
+        # Given: the mirror of start_send. Only bytes travel, so the receiver must already hold memory of
+        # the meaning it expects (shape, dtype, device) for recv to fill: a float64 message landing in a
+        # float32 buffer would be half as many values, or an abort when the byte counts differ.
         buffer = torch.empty(shape, dtype=dtype or self.dtype, device=self.device)
         dist.recv(buffer, self._peer("prev" if direction == "forward" else "next", verb))
         return buffer
-        # <<<
 
     def _check_sendable(self, tensor, verb: str):
         """A clear error for what cannot be sent, instead of one from deep inside torch.distributed."""

@@ -70,10 +70,6 @@ FORBIDDEN = {
             code('os.environ.get("LOCAL_RANK", "0")'),
         ],
         "start_send": [code("dist.isend(tensor.contiguous()", "isend(tensor.contiguous()"), code("tensor.contiguous()")],
-        "receive": [("a buffer of the right shape, dtype and device", "buffer of the right shape, dtype and device"),
-                    code("dtype=dtype or self.dtype", "dtype or self.dtype"),
-                    code("torch.empty(shape, dtype=dtype or self.dtype, device=self.device)"),
-                    code("dist.recv(buffer", "recv(buffer")],
     },
     "03": {
         # Chapter 03 states the game's rules and works the bookkeeping on a ring of three ranks, the

@@ -3,7 +3,6 @@ from course.mutants import Plant
 
 F = "m02_comms.py"
 SEND = 'return dist.isend(tensor.contiguous(), self._peer("next" if direction == "forward" else "prev", verb))'
-RECEIVE = '\n        dist.recv(buffer, self._peer("prev" if direction == "forward" else "next", verb))'
 PLANTS = [
     Plant(F, "self.next = self.pp.ranks[index + 1] if index < size - 1 else None",
           "self.next = self.pp.ranks[index + 1] if index < size else None",
@@ -13,16 +12,8 @@ PLANTS = [
     Plant(F, "self.prev = self.pp.ranks[index - 1] if index > 0 else None",
           "self.prev = self.rank - 1 if index > 0 else None",
           "a place is not a rank: the neighbour is the group's previous member, not the global rank below"),
-    Plant(F, "buffer = torch.empty(shape, dtype=dtype or self.dtype, device=self.device)",
-          "buffer = torch.empty(shape, dtype=self.dtype, device=self.device)",
-          "receive ignores the dtype asked for: a float64 message lands in a buffer of the wrong byte size"),
-    Plant(F, "buffer = torch.empty(shape, dtype=dtype or self.dtype, device=self.device)",
-          "buffer = torch.empty(shape, dtype=dtype or self.dtype)",
-          "receive's buffer on the default device, not the comms' device: on a GPU rank nccl cannot receive into it"),
     Plant(F, SEND, SEND.replace('"next" if direction == "forward" else "prev"', '"next"'),
           "every send goes to the next stage: a gradient must go back to the previous one"),
-    Plant(F, RECEIVE, RECEIVE.replace('"prev" if direction == "forward" else "next"', '"next" if direction == "forward" else "prev"'),
-          "receives from the wrong side: activations come from the previous stage, gradients from the next"),
     Plant(F, SEND, SEND.replace("dist.isend(", "dist.send("),
           "a blocking send (dist.send) returns no handle: the schedules cannot overlap or wait on it"),
     Plant(F, "\n                                timeout=timedelta(seconds=timeout_s))", ")",
@@ -40,8 +31,6 @@ PLANTS = [
     Plant(F, SEND, SEND.replace("return dist.isend(", "work = dist.isend(") + "\n        work.wait()\n        return work",
           "the send waited for inside start_send: every non-blocking verb blocks, and 1F1B's neighbours can deadlock",
           new=True),
-    Plant(F, "\n        return buffer\n", "\n        return buffer.float()\n",
-          "the buffer converted to float32 on return: the dtype asked for (float64, float16) is lost", new=True),
     Plant(F, 'local_rank = int(os.environ.get("LOCAL_RANK", "0"))', 'local_rank = int(os.environ["LOCAL_RANK"])',
           "LOCAL_RANK read as if always set: a job started without it (one process, a plain launcher) fails", new=True),
     Plant(F, 'rank = int(os.environ["RANK"])\n    world_size = int(os.environ["WORLD_SIZE"])',
