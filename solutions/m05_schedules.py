@@ -87,16 +87,16 @@ def forward_step(stage, comms, x_mb, y_mb, n_microbatches, sends):
 
 
 def backward_step(stage, comms, inp, out, sends):
-    """Backward one microbatch from its (input, output): receive the output's gradient (unless
-    last rank), backpropagate, send the input's gradient back (unless first rank)."""
+    """Backward one microbatch from its (input, output), as one stage of the relay."""
     # >>> TODO(m05): backpropagate one microbatch and hand its input gradient back
     # Contract: (inp, out) are what forward_step returned for this microbatch. Afterwards this
     # microbatch's gradient has been added into every parameter's .grad (autograd accumulates,
-    # which is how the m microbatches' gradients sum to the batch's), and, on every stage but the
-    # first, dloss/dinp has been sent to the previous rank without blocking, its handle in
-    # `sends`. On every stage but the last, dloss/dout arrives from the next rank (with the
-    # comms' receive). Returns nothing.
-    # The question: where does this stage's backward start, on the last stage and on the others?
+    # which is how the m microbatches' gradients sum to the batch's), and the stage before this
+    # one, if there is one, has been sent what its own backward of this microbatch needs, without
+    # blocking (the handle in `sends`); the stage after this one, if any, sends this stage the
+    # same. Returns nothing.
+    # The question: where does this stage's backward start, on the last stage and on the others,
+    # and what does the stage before it need to start its own?
     # Pitfalls: which stages have nothing to receive, which nothing to send? When the first
     # stage's input is wider than its output, which shape has the gradient that arrives? What is
     # in inp.grad if forward_step's received input does not require grad?
