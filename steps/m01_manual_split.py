@@ -1,5 +1,5 @@
 # Generated from solutions/m01_manual_split.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 01`. (skeleton e4fa1afd8828)
+# Grade your work with `python main.py grade 01`. (skeleton 922e42c68a1b)
 """Module 01 - a manual split.
 
 The monolith cut in two: part one holds layers 0-7, part two holds layers 8-15 and the head. Both
@@ -19,18 +19,12 @@ class PartOne(nn.Module):
 
     def __init__(self, cfg: MLPConfig):
         super().__init__()
-        # TODO(m01): give part one the first half of the monolith's hidden layers
-        # Contract: self.layers holds the monolith's layers 0 .. k-1, k = cfg.layers // 2 (part two
-        # takes the rest), each cfg.hidden to cfg.hidden, in index order, registered as parameters of
-        # this module; forward (given) applies them. After build_parts (given: one seed, then
-        # PartOne, then PartTwo) each equals the monolith's layer of the same index, weight and bias,
-        # bit for bit, although nothing is copied from a monolith.
-        # The question: what must this constructor create, and in what order, for its layers to get
-        # the very random draws that MonolithMLP.__init__ (steps/m00_monolith.py) makes for its
-        # first k layers?
-        # Pitfalls: would one more draw here (an extra layer, a random tensor) change what every
-        # later layer gets? Does the optimizer see a layer kept where .parameters() does not look?
-        raise NotImplementedError("TODO(m01): give part one the first half of the monolith's hidden layers")
+        # Given. The monolith's first cfg.layers // 2 layers, made exactly as MonolithMLP.__init__ makes
+        # them (steps/m00_monolith.py): one after the other, in a ModuleList, which registers them as
+        # parameters (a plain list would hide them from .parameters(), so from the optimizer). Right after
+        # the seed, in the same order, they take the same random draws, so they start equal to the
+        # monolith's layers 0 .. k-1 without copying anything. Part two is yours.
+        self.layers = nn.ModuleList(nn.Linear(cfg.hidden, cfg.hidden) for _ in range(cfg.layers // 2))
 
     def forward(self, x):
         for layer in self.layers:
@@ -44,11 +38,10 @@ class PartTwo(nn.Module):
     def __init__(self, cfg: MLPConfig):
         super().__init__()
         # TODO(m01): give part two the remaining hidden layers and the classification head
-        # Contract: self.layers holds the monolith's layers k .. cfg.layers-1 (every layer part one
-        # did not take, k as in PartOne), hidden to hidden, in index order; self.head maps
-        # cfg.hidden features to cfg.classes logits. Together the parts register exactly the
-        # monolith's parameters, and after build_parts each equals the monolith's of the same name
-        # (layer i, head), bit for bit. The grader also builds a 5-layer model.
+        # Contract: forward (given) applies self.layers in order, then self.head. Afterwards the two
+        # parts together register exactly the monolith's parameters, no more and no fewer, and after
+        # build_parts each equals the monolith's in the same place (hidden layer i, the head), bit for
+        # bit, although nothing is copied from a monolith. The grader also builds a 5-layer model.
         # The question: build_parts creates part two right after part one, from the same stream;
         # what does the monolith draw after its first k layers, and in what order?
         # Pitfalls: is "the rest" of an odd number of layers the same count as half of it? Which

@@ -3,8 +3,6 @@ from course.mutants import Plant
 
 F = "m01_manual_split.py"
 PLANTS = [
-    Plant(F, "for _ in range(cfg.layers // 2))\n", "for _ in range((cfg.layers + 1) // 2))\n",
-          "part one rounds its half up: on an odd layer count the parts hold one layer more than the monolith"),
     Plant(F, "for _ in range(cfg.layers - cfg.layers // 2))", "for _ in range(cfg.layers // 2))",
           "part two counts 'half' again instead of 'the rest': an odd layer count loses a layer"),
     Plant(F, """        self.layers = nn.ModuleList(
@@ -14,9 +12,6 @@ PLANTS = [
         self.layers = nn.ModuleList(
             nn.Linear(cfg.hidden, cfg.hidden) for _ in range(cfg.layers - cfg.layers // 2))""",
           "the head created before the layers draws the random stream in another order: not the monolith's weights"),
-    Plant(F, "self.layers = nn.ModuleList(nn.Linear(cfg.hidden, cfg.hidden) for _ in range(cfg.layers // 2))",
-          "self.layers = [nn.Linear(cfg.hidden, cfg.hidden) for _ in range(cfg.layers // 2)]",
-          "layers in a plain list are not parameters: the optimizer never updates part one"),
     Plant(F, "    received = hidden.detach().requires_grad_()\n", "    received = hidden\n",
           "part two handed the activation itself, not a leaf: one graph, no cut a second device could have"),
     Plant(F, "    hidden.backward(received.grad)\n", "",
