@@ -48,25 +48,10 @@ def column_major(q: Quantized) -> Quantized:
 
 def check_scaled_mm_operands(a: torch.Tensor, b: torch.Tensor) -> None:
     """Raise ValueError, saying what is wrong, unless a @ b meets CUDA's rules for torch._scaled_mm."""
-    # >>> TODO(m09): refuse operands CUDA's _scaled_mm would reject, naming the rule
-    # Contract: return None when CUDA's _scaled_mm would accept a @ b, as the chapter's "CUDA's layout rules" state its
-    #   requirements (and the shapes and dtypes any FP8 matrix product needs); otherwise raise ValueError. The check
-    #   runs on every device, because the CPU path accepts anything. The tests break one requirement at a time and
-    #   look in the message for a word that names it ("2-D", "inner", "float8" or "FP8", "e5m2", "16", "row-major",
-    #   "column-major"); the message also says what it found (shapes, dtype, strides). When a and b are both in the
-    #   wrong layout, the message is about a's. The linear's three real products (transposed views among them) pass.
-    # Question: which property of a tensor's strides tells row-major from column-major, whatever else it is?
-    # Pitfalls: is the transpose of a row-major matrix contiguous? Is it column-major? Would requiring
-    #   is_contiguous() accept the forward's W^T?
-    # Hint 1: the chapter's "Strides" reads a (2, 3) tensor and its transpose: for each layout, which dimension
-    #         has step 1 in memory?
-    # Hint 2: t.dim(), t.shape, t.dtype (FP8_MAX's keys are the FP8 dtypes, E5M2 the e5m2 one); row-major: stride
-    #         1 along dimension 1; column-major: stride 1 along dimension 0.
-    # Hint 3: if a.dim() != 2 or b.dim() != 2: raise ValueError("... 2-D ...")
-    #         (m, k), (k2, n) = a.shape, b.shape;  k != k2: raise ("inner dimensions ...")
-    #         a dtype not in FP8_MAX: raise;  a.dtype == E5M2 and b.dtype == E5M2: raise
-    #         m % 16 or k % 16 or n % 16: raise
-    #         a.stride(1) != 1: raise ("row-major");  b.stride(0) != 1: raise ("column-major")
+    # Given: the chapter's "CUDA's layout rules", one check each, on every device (the CPU path accepts
+    # anything, so without it a CPU run would not catch what an H100 rejects). A layout is one stride:
+    # row-major steps 1 along a row (dimension 1), column-major 1 down a column (dimension 0), whether
+    # or not the tensor is contiguous (the forward's W^T is a column-major view, not a copy).
     if a.dim() != 2 or b.dim() != 2:
         raise ValueError(f"_scaled_mm multiplies 2-D matrices, got shapes {tuple(a.shape)} and {tuple(b.shape)}")
     (m, k), (k2, n) = a.shape, b.shape
@@ -83,7 +68,6 @@ def check_scaled_mm_operands(a: torch.Tensor, b: torch.Tensor) -> None:
         raise ValueError(f"a must be row-major (stride (k, 1)), got strides {a.stride()}")
     if b.stride(0) != 1:
         raise ValueError(f"b must be column-major (stride (1, k)), got strides {b.stride()}")
-    # <<<
 
 
 def scaled_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype, fast_accum: bool = False) -> torch.Tensor:
@@ -165,8 +149,8 @@ class FP8Matmul(Matmul):
 
     An input goes through `prepare` once, however many linears read it (q, k and v; gate and up),
     and its e4m3 copy is what the store keeps for the weight gradient. Its abs-max is kept too
-    (4 bytes): when module 10 drops the input and recomputes it, `prepare` finds that abs-max in
-    the store instead of computing it again, so the recomputed FP8 values are the same bits.
+    (4 bytes): module 10 drops the input and recomputes it, and the recomputed input's FP8 values
+    must be the forward's bits.
 
     compile_quantize=True hands `quantize` to torch.compile, which fuses its float32 multiply,
     clamp and cast into one kernel; eager mode runs them as separate passes over memory. It needs

@@ -1,5 +1,5 @@
 # Generated from solutions/m09_fp8_matmul.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 09`. (skeleton 29a4cfd5284a)
+# Grade your work with `python main.py grade 09`. (skeleton 084030367c01)
 """Module 09, part 2 - FP8 linears: module 06's matmul policy with FP8 operands.
 
 A linear layer computes y = x W^T (x: tokens x in_features, W: out_features x in_features) and
@@ -50,17 +50,26 @@ def column_major(q: Quantized) -> Quantized:
 
 def check_scaled_mm_operands(a: torch.Tensor, b: torch.Tensor) -> None:
     """Raise ValueError, saying what is wrong, unless a @ b meets CUDA's rules for torch._scaled_mm."""
-    # TODO(m09): refuse operands CUDA's _scaled_mm would reject, naming the rule
-    # Contract: return None when CUDA's _scaled_mm would accept a @ b, as the chapter's "CUDA's layout rules" state its
-    #   requirements (and the shapes and dtypes any FP8 matrix product needs); otherwise raise ValueError. The check
-    #   runs on every device, because the CPU path accepts anything. The tests break one requirement at a time and
-    #   look in the message for a word that names it ("2-D", "inner", "float8" or "FP8", "e5m2", "16", "row-major",
-    #   "column-major"); the message also says what it found (shapes, dtype, strides). When a and b are both in the
-    #   wrong layout, the message is about a's. The linear's three real products (transposed views among them) pass.
-    # Question: which property of a tensor's strides tells row-major from column-major, whatever else it is?
-    # Pitfalls: is the transpose of a row-major matrix contiguous? Is it column-major? Would requiring
-    #   is_contiguous() accept the forward's W^T?
-    raise NotImplementedError("TODO(m09): refuse operands CUDA's _scaled_mm would reject, naming the rule")
+    # Given: the chapter's "CUDA's layout rules", one check each, on every device (the CPU path accepts
+    # anything, so without it a CPU run would not catch what an H100 rejects). A layout is one stride:
+    # row-major steps 1 along a row (dimension 1), column-major 1 down a column (dimension 0), whether
+    # or not the tensor is contiguous (the forward's W^T is a column-major view, not a copy).
+    if a.dim() != 2 or b.dim() != 2:
+        raise ValueError(f"_scaled_mm multiplies 2-D matrices, got shapes {tuple(a.shape)} and {tuple(b.shape)}")
+    (m, k), (k2, n) = a.shape, b.shape
+    if k != k2:
+        raise ValueError(f"inner dimensions differ: {m}x{k} @ {k2}x{n}")
+    for name, t in (("a", a), ("b", b)):
+        if t.dtype not in FP8_MAX:
+            raise ValueError(f"{name} must be float8_e4m3fn or float8_e5m2, got {t.dtype}")
+    if a.dtype == E5M2 and b.dtype == E5M2:
+        raise ValueError("e5m2 @ e5m2 has no CUDA kernel: one operand must be e4m3")
+    if m % 16 or k % 16 or n % 16:
+        raise ValueError(f"every dimension must be a multiple of 16, got {m}x{k} @ {k}x{n}")
+    if a.stride(1) != 1:
+        raise ValueError(f"a must be row-major (stride (k, 1)), got strides {a.stride()}")
+    if b.stride(0) != 1:
+        raise ValueError(f"b must be column-major (stride (1, k)), got strides {b.stride()}")
 
 
 def scaled_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype, fast_accum: bool = False) -> torch.Tensor:
@@ -142,8 +151,8 @@ class FP8Matmul(Matmul):
 
     An input goes through `prepare` once, however many linears read it (q, k and v; gate and up),
     and its e4m3 copy is what the store keeps for the weight gradient. Its abs-max is kept too
-    (4 bytes): when module 10 drops the input and recomputes it, `prepare` finds that abs-max in
-    the store instead of computing it again, so the recomputed FP8 values are the same bits.
+    (4 bytes): module 10 drops the input and recomputes it, and the recomputed input's FP8 values
+    must be the forward's bits.
 
     compile_quantize=True hands `quantize` to torch.compile, which fuses its float32 multiply,
     clamp and cast into one kernel; eager mode runs them as separate passes over memory. It needs

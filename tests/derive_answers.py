@@ -260,9 +260,6 @@ FORBIDDEN = {
             ("FP8_MAX / amax", "FP8_MAX[dtype] / amax"), ("scale = 1 / factor", "the factor's inverse"),
             code("amax.new_tensor(FP8_MAX[dtype]) / amax"), code(".clamp(-FP8_MAX[dtype], FP8_MAX[dtype]).to(dtype)"),
         ],
-        "check_scaled_mm_operands": [
-            ("row-major: stride 1 along dimension 1",), code("a.stride(1) != 1"), code("b.stride(0) != 1"),
-        ],
         "FP8Matmul.prepare": [
             ("the store's, if it has one", "looks for one in the store first", "if the store already holds that abs-max"),
             code("store[key] if key in store else abs_max(x)", "store[amax_name] if amax_name in store else abs_max(x)"),

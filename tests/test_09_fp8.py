@@ -197,7 +197,7 @@ def fp8(rows, cols, dtype=E4M3):
     return torch.randn(rows, cols).to(dtype)
 
 
-@pytest.mark.exercises("check_scaled_mm_operands")
+@pytest.mark.given
 def test_layout_checker_accepts_the_three_linear_matmuls():
     x, w, dy = fp8(64, 32), fp8(48, 32), fp8(64, 48, E5M2)
     column_major = lambda t: t.T.contiguous().T  # noqa: E731
@@ -206,7 +206,7 @@ def test_layout_checker_accepts_the_three_linear_matmuls():
     matmul.check_scaled_mm_operands(dy.T.contiguous(), column_major(x))    # dW = dy^T x
 
 
-@pytest.mark.exercises("check_scaled_mm_operands")
+@pytest.mark.given
 @pytest.mark.parametrize("a, b, message", [
     (fp8(32, 32).T, fp8(32, 32).T, r"(?i)row.?major"),
     (fp8(32, 32), fp8(32, 32), r"(?i)column.?major"),
@@ -252,7 +252,7 @@ def test_the_linear_hands_scaled_mm_its_operands_in_the_layouts_cuda_wants(monke
         assert not (a.dtype == E5M2 and b.dtype == E5M2), f"your {culprit}: {product} multiplies two e5m2 operands"
 
 
-@pytest.mark.exercises("FP8Matmul.forward", "FP8Matmul.prepare", "quantize", "check_scaled_mm_operands")
+@pytest.mark.exercises("FP8Matmul.forward", "FP8Matmul.prepare", "quantize")
 def test_forward_is_within_the_e4m3_bound_of_float64():
     x, w, _ = linear_inputs()
     policy = matmul.FP8Matmul(min_dim=0)
@@ -264,8 +264,7 @@ def test_forward_is_within_the_e4m3_bound_of_float64():
         "your FP8Matmul.forward's y equals the fp32 result: the matmul did not use FP8"
 
 
-@pytest.mark.exercises("FP8Matmul.backward", "FP8Matmul.prepare", "FP8Matmul.forward", "quantize",
-                        "check_scaled_mm_operands")
+@pytest.mark.exercises("FP8Matmul.backward", "FP8Matmul.prepare", "FP8Matmul.forward", "quantize")
 def test_gradients_are_within_the_e5m2_e4m3_bounds_of_float64():
     x, w, dy = linear_inputs()
     _, dx, dw = fp8_forward_backward(x, w, dy)
@@ -273,8 +272,7 @@ def test_gradients_are_within_the_e5m2_e4m3_bounds_of_float64():
     assert_within(dw, dy.double().T @ x.double(), matmul_bound(dy.T, E5M2, x, E4M3), "your FP8Matmul.backward's dW")
 
 
-@pytest.mark.exercises("FP8Matmul.backward", "FP8Matmul.prepare", "FP8Matmul.forward", "quantize",
-                        "check_scaled_mm_operands")
+@pytest.mark.exercises("FP8Matmul.backward", "FP8Matmul.prepare", "FP8Matmul.forward", "quantize")
 def test_output_gradient_keeps_e5m2_dynamic_range():
     # One gradient entry 2^20 times larger than the rest. Scaled into e4m3 the small ones fall
     # below its smallest subnormal (448 * 2^-20 < 2^-9) and vanish; e5m2 keeps them (57344 * 2^-20
@@ -288,8 +286,7 @@ def test_output_gradient_keeps_e5m2_dynamic_range():
                   "your FP8Matmul.backward's dx with an outlier in dy")
 
 
-@pytest.mark.exercises("FP8Matmul.forward", "FP8Matmul.backward", "FP8Matmul.prepare", "quantize",
-                        "check_scaled_mm_operands")
+@pytest.mark.exercises("FP8Matmul.forward", "FP8Matmul.backward", "FP8Matmul.prepare", "quantize")
 def test_bf16_inputs_give_bf16_outputs_and_gradients():
     x, w, dy = linear_inputs()
     y, dx, dw = fp8_forward_backward(x.bfloat16(), w.bfloat16(), dy.bfloat16())
@@ -314,8 +311,7 @@ def test_prepare_keeps_the_e4m3_input_and_its_abs_max_not_x():
         f"your FP8Matmul.prepare: e4m3 data, scale and abs-max: expected {x.numel() + 8} bytes, got {store.nbytes()}"
 
 
-@pytest.mark.exercises("FP8Matmul.prepare", "FP8Matmul.forward", "FP8Matmul.backward", "quantize",
-                        "check_scaled_mm_operands")
+@pytest.mark.exercises("FP8Matmul.prepare", "FP8Matmul.forward", "FP8Matmul.backward", "quantize")
 def test_a_shared_prepared_input_is_bit_identical_to_quantizing_per_linear():
     # q, k and v (gate and up) read one input: prepared once, it must give what each linear
     # would get by quantizing the input itself (as the policy does for attention's o).
@@ -332,8 +328,7 @@ def test_a_shared_prepared_input_is_bit_identical_to_quantizing_per_linear():
                 f"{name} differs when your FP8Matmul.prepare's input is reused ({out_features} outputs)"
 
 
-@pytest.mark.exercises("FP8Matmul.prepare", "FP8Matmul.forward", "FP8Matmul.backward", "quantize",
-                        "check_scaled_mm_operands")
+@pytest.mark.exercises("FP8Matmul.prepare", "FP8Matmul.forward", "FP8Matmul.backward", "quantize")
 def test_a_kept_abs_max_is_reused_and_gives_bit_identical_results():
     # A recompute (module 10) finds the forward's abs-max in the store: no second abs-max pass,
     # and the same FP8 values as long as it is the same abs-max.
@@ -356,8 +351,7 @@ def counting_weight_quantizations(policy, w):
     return calls
 
 
-@pytest.mark.exercises("FP8Matmul.forward", "FP8Matmul.backward", "FP8Matmul.prepare", "quantize",
-                        "check_scaled_mm_operands")
+@pytest.mark.exercises("FP8Matmul.forward", "FP8Matmul.backward", "FP8Matmul.prepare", "quantize")
 def test_a_weight_is_quantized_once_per_optimizer_step():
     # Two microbatches (forward + backward each) read W four times: one quantization serves them
     # all. An in-place write (what an optimizer step does) must make the next read quantize again.
@@ -379,8 +373,7 @@ def test_a_weight_is_quantized_once_per_optimizer_step():
         assert torch.equal(a, b), f"{name} after the update differs from a fresh policy's"
 
 
-@pytest.mark.exercises("FP8Matmul.forward", "FP8Matmul.backward", "FP8Matmul.prepare", "quantize",
-                        "check_scaled_mm_operands")
+@pytest.mark.exercises("FP8Matmul.forward", "FP8Matmul.backward", "FP8Matmul.prepare", "quantize")
 def test_one_linear_quantizes_its_input_and_gradient_once_and_reuses_the_cached_weight(monkeypatch):
     # Through the policy's own quantize (the compiled one with compile_quantize=True): x once in
     # prepare, dy once in backward for both products, nothing else. W comes from the weight cache,
@@ -414,8 +407,7 @@ def test_one_linear_quantizes_its_input_and_gradient_once_and_reuses_the_cached_
          f"no copy)")
 
 
-@pytest.mark.exercises("FP8Matmul.forward", "FP8Matmul.backward", "FP8Matmul.prepare", "quantize",
-                        "check_scaled_mm_operands")
+@pytest.mark.exercises("FP8Matmul.forward", "FP8Matmul.backward", "FP8Matmul.prepare", "quantize")
 def test_a_new_tensor_is_a_miss_and_freed_weights_leave_the_cache():
     # Modules 07 and 08 serve each layer as new views of a reused buffer: never take one for another.
     x, w, dy = linear_inputs()
@@ -445,7 +437,7 @@ def test_scaled_mm_on_cpu_is_the_dequantized_product_whatever_the_cpu(monkeypatc
 
 # --- the policy in the Llama block -----------------------------------------------------------
 
-@pytest.mark.exercises("FP8Matmul.prepare", "FP8Matmul.forward", "quantize", "check_scaled_mm_operands")
+@pytest.mark.exercises("FP8Matmul.prepare", "FP8Matmul.forward", "quantize")
 def test_fp8_policy_uses_fp8_only_above_the_threshold():
     policy = matmul.FP8Matmul(min_dim=64)
     assert policy.uses_fp8(64, 128) and not policy.uses_fp8(32, 128) and not policy.uses_fp8(64, 120)
@@ -467,8 +459,7 @@ def test_fp8_policy_uses_fp8_only_above_the_threshold():
 BLOCK_CFG = dict(dim=32, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=48)
 
 
-@pytest.mark.exercises("FP8Matmul.forward", "FP8Matmul.backward", "FP8Matmul.prepare", "quantize",
-                        "check_scaled_mm_operands")
+@pytest.mark.exercises("FP8Matmul.forward", "FP8Matmul.backward", "FP8Matmul.prepare", "quantize")
 def test_every_block_linear_runs_in_fp8(monkeypatch):
     cfg = m06_block.LlamaConfig(**BLOCK_CFG, max_seq_len=16)
     weights = m06_block.init_block_weights(cfg, torch.Generator().manual_seed(0))
@@ -502,8 +493,7 @@ def test_every_block_linear_runs_in_fp8(monkeypatch):
             f"your FP8Matmul.prepare: the store should keep {name} in e4m3, got {type(store[name])}"
 
 
-@pytest.mark.exercises("FP8Matmul.backward", "FP8Matmul.forward", "FP8Matmul.prepare", "quantize",
-                        "check_scaled_mm_operands")
+@pytest.mark.exercises("FP8Matmul.backward", "FP8Matmul.forward", "FP8Matmul.prepare", "quantize")
 def test_one_fp8_step_of_the_llama_is_within_fp8_rounding_of_float64():
     # One forward_backward, no optimizer: the same weights and batch with module 06's matmul and with FP8Matmul,
     # the model in float64 around the FP8 products, so FP8's rounding is all that differs. Never two training runs
@@ -536,8 +526,7 @@ def test_one_fp8_step_of_the_llama_is_within_fp8_rounding_of_float64():
     assert errors["block 0 dwq"] > 1e-6, "the FP8 model's gradients are float64's: its linears did not use FP8"
 
 
-@pytest.mark.exercises("FP8Matmul.backward", "FP8Matmul.forward", "FP8Matmul.prepare", "quantize",
-                        "check_scaled_mm_operands")
+@pytest.mark.exercises("FP8Matmul.backward", "FP8Matmul.forward", "FP8Matmul.prepare", "quantize")
 def test_the_fp8_llama_trains():
     # One FP8 run on its own, compared with nothing but its own start: a wrong scale or format makes it stall or
     # diverge. Measured (seeds 0-2, this config): the mean loss of the first 5 steps is 5.35-5.37, of the last 5
