@@ -104,6 +104,12 @@ RENAMED_TITLES: dict[str, str] = {
         "TODO(m14): the sharded step: every rank ends with every updated weight",
     "TODO(m07): complete the reduce-scatter in flight; add its slice to the gradient shard":
         "TODO(m07): settle the reduce-scatter in flight into the block's gradient shard",
+    "TODO(m08): on the side stream, once the buffer is released: copy the block in, mark it ready":
+        "TODO(m08): bring the block into its device buffer, in order with the compute, without the host waiting",
+    "TODO(m08): make compute wait for the block's copy, and hand the block out":
+        "TODO(m08): hand the block out for compute to read",
+    "TODO(m08): mark the point after which the buffer may be overwritten, and free it":
+        "TODO(m08): give the buffer back once the compute that reads it has been queued",
 }
 
 

@@ -76,7 +76,7 @@ class HostWeights:
         buf = self.buffers[layer % 2]
         check_gather(buf, layer)
         if buf.layer != layer or buf.version != self.version:  # else: still there, nothing to copy
-            # >>> TODO(m08): on the side stream, once the buffer is released: copy the block in, mark it ready
+            # >>> TODO(m08): bring the block into its device buffer, in order with the compute, without the host waiting
             # Contract: reached when buffer layer % 2 does not hold this layer at the current version. Queue the copy of
             #   self.host[layer] into buf.flat (self.rt.copy), issued on the copy stream, such that afterwards, in the
             #   event graph: the copy is ordered after every compute that read the buffer's old block (up to its
@@ -104,7 +104,7 @@ class HostWeights:
     def get(self, layer: int) -> BlockWeights:
         buf = self.buffers[layer % 2]
         check_get(buf, layer)
-        # >>> TODO(m08): make compute wait for the block's copy, and hand the block out
+        # >>> TODO(m08): hand the block out for compute to read
         # Contract: after check_get, buffer layer % 2 is GATHERING this layer. Afterwards the compute stream's later
         #   work (this block's kernels) is ordered after the copy into the buffer, the host has not waited, the buffer
         #   is IN_USE, and the block is returned as views into buf.flat (the layout's, as in module 07).
@@ -128,11 +128,12 @@ class HostWeights:
     def release(self, layer: int) -> None:
         buf = self.buffers[layer % 2]
         check_release(buf, layer)
-        # >>> TODO(m08): mark the point after which the buffer may be overwritten, and free it
+        # >>> TODO(m08): give the buffer back once the compute that reads it has been queued
         # Contract: after check_release the buffer is IN_USE with this layer, and the compute that reads it has been
-        #   queued (not necessarily run: the host runs ahead of the GPU). Afterwards buf.released completes exactly
-        #   when every compute queued so far that may read the buffer has finished, and the buffer is FREE, still
-        #   knowing its layer and version (a later gather of the same layer is a hit).
+        #   queued (not necessarily run: the host runs ahead of the GPU). Afterwards buf.released is what the next copy
+        #   into this buffer can be ordered by, so that it never overwrites the block while a kernel queued so far may
+        #   still read it (the host waits for nothing); the buffer is FREE, still knowing its layer and version (a
+        #   later gather of the same layer is a hit).
         # Question: the next copy into this buffer must wait for the compute that reads it: what can it wait for, and
         #   what decides when that completes?
         # Pitfalls: recorded on the copy stream, or not at all, what would the next copy into this buffer wait for?

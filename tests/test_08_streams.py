@@ -99,13 +99,13 @@ def test_init_pins_every_block_and_makes_a_side_stream_and_two_buffers(dtype):
     source = m08.HostWeights(model.blocks, runtime)
     layout = source.layout
     assert len(source.host) == CFG.n_layers and all(address(h) in runtime.pinned for h in source.host), \
-        ("your HostWeights.__init__: self.host must hold every block in pinned memory (runtime.pin of each flattened "
-         "block): only from page-locked memory does a copy run without the host waiting for it")
+        ("your HostWeights.__init__: self.host must hold every block in memory a copy can read without the host "
+         "waiting for it (the chapter's 'Streams and events': which host memory is that?)")
     for layer, (host, block) in enumerate(zip(source.host, model.blocks)):
         assert torch.equal(host, layout.flatten(block)), \
             f"your HostWeights.__init__: self.host[{layer}] is not block {layer} flattened by self.layout"
     assert source.copy_stream is not runtime.compute and getattr(source.copy_stream, "name", "").startswith("side"), \
-        "your HostWeights.__init__: self.copy_stream must be a new stream of the runtime (runtime.new_stream())"
+        "your HostWeights.__init__: self.copy_stream must be a stream of its own, not the compute stream"
     buffers = source.buffers
     assert len(buffers) == 2, f"your HostWeights.__init__ made {len(buffers)} device buffers, expected 2"
     for i, buf in enumerate(buffers):
@@ -129,8 +129,8 @@ def test_gather_queues_the_copy_on_the_side_stream_and_marks_it_ready():
     assert len(copies) == 1, f"your HostWeights.gather: gather(0) queued {len(copies)} copies, expected 1"
     copy = copies[0]
     assert copy.stream == source.copy_stream.name, \
-        (f"your HostWeights.gather: the copy ran on the {copy.stream} stream; it must be issued on the copy stream "
-         f"(with self.rt.stream(self.copy_stream): ...), so it can run beside compute")
+        (f"your HostWeights.gather: the copy ran on the {copy.stream} stream, not the copy stream: which stream does "
+         f"a copy's work go to when it is queued?")
     ready = source.buffers[0].ready.node
     assert ready is not None and ready.stream == copy.stream and ordered(copy, ready), \
         ("your HostWeights.gather: buf.ready must be recorded on the copy stream after the copy, so that it completes "
@@ -157,8 +157,8 @@ def test_get_orders_compute_after_the_copy_and_hands_out_views_of_the_buffer():
     assert not runtime.host.waits, \
         "your HostWeights.get made the host wait for the copy: the compute stream waits, the host only queues work"
     assert ordered(copy, runtime.nodes[-1]), \
-        ("your HostWeights.get: the compute after get(0) is not ordered after the copy into the buffer: the compute "
-         "stream must wait for buf.ready (a wait on the stream, not on the host)")
+        ("your HostWeights.get: the compute after get(0) is not ordered after the copy into the buffer, so it may "
+         "read the buffer before the copy has written it")
     buf = source.buffers[0]
     assert buf.state == m08.IN_USE, f"your HostWeights.get left the buffer {buf.state!r}, expected IN_USE"
     assert address(w.wq) == address(buf.flat), "your HostWeights.get must return views into buf.flat (the layout's views)"
