@@ -216,9 +216,9 @@ class ProfiledSplitStage:
         self._profiler._count_stores()
         return result
 
-    def forward(self, x, microbatch, *args):
+    def forward(self, x, microbatch, *args, **kwargs):   # the stage's own signature, keywords too
         with self._profiler.span("forward", microbatch, self._stage.stage):
-            out = self._stage.forward(x, microbatch, *args)
+            out = self._stage.forward(x, microbatch, *args, **kwargs)
         self._profiler._count_stores()
         return out
 

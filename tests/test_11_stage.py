@@ -83,12 +83,13 @@ def first_fault_of_i_then_w(n_stages: int, n_microbatches: int) -> str | None:
     return None
 
 
-W_FORMULA = "dW = dz^T x and db = dz summed over the rows, added over the microbatches"
+W_FORMULA = ("which of the layer's saved tensors does each weight's gradient multiply, in which order, and how do "
+             "the microbatches' gradients combine? (chapter 11, one sample worked as a column vector)")
 W_GIVEN = "the sum over the dz's and inputs I kept (what W is given)"
 
 
 def _how_it_differs(got, want, what, n_microbatches, whose="autograd's",
-                    otherwise="the ReLU mask is the layer's output > 0, and dx = dz W") -> str:
+                    otherwise="which tensor's sign does the ReLU's gradient read, and which side of W does dz multiply?") -> str:
     """How `got` differs from `want` (`whose`), relative to want's scale (a gradient can be 1e-8 small,
     so an absolute gap says nothing), and the likeliest cause: a transpose, a constant factor (one
     microbatch kept, or one added twice, or a mean for a sum), or else `otherwise`."""
@@ -98,7 +99,7 @@ def _how_it_differs(got, want, what, n_microbatches, whose="autograd's",
     if got.shape != want.shape:
         return f"has shape {tuple(got.shape)}, {whose} {tuple(want.shape)}"
     if what == "weight" and got.shape[0] == got.shape[1] and torch.allclose(got.t(), want, rtol=1e-4, atol=1e-6 * scale):
-        return said + "it is the transpose: dW = dz^T x, not x^T dz"
+        return said + "it is the transpose of it: the two factors of the product are swapped"
     factor = (got * want).sum().item() / (want * want).sum().item() if scale else 0.0
     if scale and abs(factor - 1) > 1e-3 and torch.allclose(got, factor * want, rtol=1e-3, atol=1e-6 * scale):
         causes = [(n_microbatches, f"every microbatch's gradient counted {n_microbatches} times"),
@@ -127,7 +128,8 @@ def test_i_leaves_what_w_needs_and_w_frees_the_microbatch():
         h = torch.relu(layer(h))
     h.backward(grad_output)
     assert dx is not None and torch.equal(dx, leaf.grad), \
-        "your SplitStage.backward_input's dx differs from autograd's: the mask is the output > 0, and dx = dz W"
+        ("your SplitStage.backward_input's dx differs from autograd's: which tensor's sign does the ReLU's gradient "
+         "read, and which side of W does dz multiply?")
     computed = [name for name, p in stage.named_parameters() if p.grad is not None]
     assert not computed, f"your SplitStage.backward_input set the gradients of {computed[:3]}: that is W's work"
     kept = stage.saved.get(5)
