@@ -3,13 +3,12 @@
     residual x ─ RMSNorm ─ enter ─ q, k, v (column) ─ RoPE, attention ─ o (row) ─ leave ─ + ─ h
     h ─ RMSNorm ─ enter ─ gate, up (column) ─ SwiGLU ─ down (row) ─ leave ─ + ─ y
 
-The rank at place i_t of the group (`tp.index`) keeps query heads [i_t H/t, (i_t+1) H/t) and
-key/value heads [i_t K/t, (i_t+1) K/t): exactly the key/value heads its query heads read (query
-head h reads key/value head h // (H / K)), so attention needs no communication at all. The FFN
-keeps hidden units [i_t F/t, (i_t+1) F/t): SwiGLU is elementwise. Each half of the block is one
-enter/leave pair (m12_tp_linear), and its collectives are the pair's. The norms and residual adds
-run on the whole stream, replicated, or with sequence parallelism on this rank's T/t positions,
-which divides their activation memory by t.
+The rank at place i_t of the group (`tp.index`) computes H/t of the query heads and the key/value
+heads those read (query head h reads key/value head h // (H / K)), so attention needs no
+communication at all, and F/t of the FFN's hidden units: SwiGLU is elementwise. Each half of the
+block is one enter/leave pair (m12_tp_linear), and its collectives are the pair's. The norms and
+residual adds run on the whole stream, replicated, or with sequence parallelism on this rank's T/t
+positions, which divides their activation memory by t.
 
 The block is module 06's, op for op (its local ops are imported from m06_llama_ops), with the
 weights sliced and the collectives at the seams; the attention and the rotary tables are a module-06
@@ -34,23 +33,25 @@ from .m12_tp_linear import (column_parallel_backward, column_parallel_forward, r
 
 
 def shard_block_weights(w: BlockWeights, cfg: LlamaConfig, tp: Group) -> BlockWeights:
-    """This rank's slices of a whole block's weights (copies, contiguous, so the whole block can go).
-
-    Column-parallel wq, wk, wv, w_gate, w_up: rank i_t's contiguous block of rows (output features);
-    row-parallel wo, w_down: its contiguous block of columns (input features). The norm weights are
-    whole on every rank.
-    """
+    """This rank's pieces of a whole block's weights, the ones TPBlock computes with (copies, so the whole
+    block can go)."""
     # >>> TODO(m12): slice a block's weights for rank tp.index of tp.size
-    # Contract: rank i_t = tp.index holds query heads [i_t H/t, (i_t+1) H/t), key/value heads [i_t K/t,
-    #   (i_t+1) K/t) and FFN units [i_t F/t, (i_t+1) F/t); a head is head_dim consecutive rows of wq/wk/wv (columns of wo). Shapes:
-    #   wq (H/t D, dim), wk and wv (K/t D, dim), wo (dim, H/t D), w_gate and w_up (F/t, dim), w_down (dim, F/t).
-    # The question: along which axis is each weight cut, and which block is this rank's?
-    # Pitfalls: with grouped-query attention K < H: is the key/value slice the query slice? Is a column slice
-    #   contiguous, and does a view free the whole weight?
-    # Hint 1: which weights are column-parallel and which row-parallel (docs/12, "Column and row"), and which
-    #       axis of W holds the output features?
-    # Hint 2: column-parallel (wq, wk, wv, w_gate, w_up): block i_t of t equal blocks of rows; row-parallel (wo,
-    #       w_down): block i_t of t equal blocks of columns; the norms whole; every piece a contiguous copy.
+    # Contract: returns a BlockWeights of this rank's pieces. The t ranks' pieces of each weight, joined in rank order
+    #   along the axis it is cut on, are exactly the block's weight, and each rank's are what its own heads and FFN
+    #   units compute with: TPBlock on the t ranks equals module 06's block on the whole weights (the tests compare
+    #   outputs and gradients). The norm weights are whole on every rank. Every tensor is a contiguous copy that
+    #   shares no storage with w, so the whole block can be freed (the tests check both).
+    # The question: for each of the nine weights, along which axis is it cut, and which piece is this rank's?
+    # Pitfalls: with grouped-query attention K < H: is the key/value piece the size of the query piece? Which rows
+    #   of wq hold one head (module 06 views q's features as heads)? Is a column block contiguous, and does a view
+    #   of it free the whole weight?
+    # Hint 1: which weights are column-parallel and which row-parallel (docs/12, "Column and row"), which axis of W
+    #       (out, in) holds the output features, and how does module 06 cut q's features into heads?
+    # Hint 2: a head is head_dim consecutive rows of wq, wk, wv (columns of wo). Column-parallel (wq, wk, wv, w_gate,
+    #       w_up): block i_t of t equal blocks of rows, i.e. query heads [i_t H/t, (i_t+1) H/t), key/value heads
+    #       [i_t K/t, (i_t+1) K/t), units [i_t F/t, (i_t+1) F/t); row-parallel (wo, w_down): block i_t of t equal
+    #       blocks of columns; the norms whole; every piece a contiguous copy. Shapes: wq (H/t D, dim), wk and wv
+    #       (K/t D, dim), wo (dim, H/t D), w_gate and w_up (F/t, dim), w_down (dim, F/t).
     # Hint 3: block(weight, dim) = weight.chunk(tp.size, dim=dim)[tp.index].clone(memory_format=torch.contiguous_format)
     #       BlockWeights(ln1=a copy of w.ln1, wq=block(w.wq, 0), ..., wo=block(w.wo, 1), ..., w_down=block(w.w_down, 1))
     def block(weight, dim):

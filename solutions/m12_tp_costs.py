@@ -15,8 +15,8 @@ With the ring algorithms one rank sends (t - 1)/t A for an all-gather or a reduc
 2 (t - 1)/t A for an all-reduce (course/collectives.py's `sent_bytes`). One term, worked: without
 sequence parallelism the forward of a microbatch leaves each block's two pairs through g (after o
 and after down) and the embedding through g, 2L + 1 all-reduces of A, each sending 2 (t - 1)/t A.
-The backward, sequence parallelism, the loss and the norms are yours to count (the chapter says
-what each operator sends). `tp_traffic` returns them as a course/costs.py `StepCost` over the axis
+The backward, sequence parallelism, the loss and the norms are yours to count (each operator sends
+what your m12_tp_linear makes it send). `tp_traffic` returns them as a course/costs.py `StepCost` over the axis
 t: the calls and the bytes of each kind of collective in one optimizer step.
 
 Activations. One block keeps module 06's fourteen tensors (the names of its store). On t ranks,
@@ -65,8 +65,8 @@ def tp_traffic(cfg: LlamaConfig, sizes: dict[str, int], batch: int, dtype: torch
     #   all-gather: its shard, or (t - 1) shards? On t = 1, is a collective still called (and logged)? What kind
     #   are the loss's reductions?
     # Hint 1: walk one microbatch through the model: where is f called (forward and backward) and where g, and
-    #       what does each issue in each layout (your enter_tp_* and leave_tp_*)? Where does the backward call f's
-    #       forward again (docs/12, "Sequence parallelism")?
+    #       what does each issue in each layout (your enter_tp_*; leave_tp_* runs them)? Where does the backward
+    #       call f's forward again (docs/12, "Sequence parallelism")?
     # Hint 2: per microbatch, without sequence parallelism: 4L + 2 all-reduces of A (2L + 1 in the forward, 2L + 1
     #       in the backward); with it: 6L + 3 all-gathers and 4L + 2 reduce-scatters of A; always 3 loss all-reduces
     #       of N s. Per step: m times those, plus with sequence parallelism 1 all-reduce of the norms. A rank sends

@@ -17,11 +17,11 @@ slice is exactly the row input's slice. Two operators connect such a pair to the
   enter (Megatron's f)   before the column-parallel linears: their input must be whole
   leave (Megatron's g)   after the row-parallel linear: the stream needs the sum of the partials
 
-Each is the other's *conjugate*: one's forward is the other's backward. With sequence parallelism
-the residual stream between the pairs is not replicated but split along the sequence (each rank
-its T / t positions), and an all-reduce is a reduce-scatter followed by an all-gather. What each
-operator does, forward and backward, in either layout, follows from the layouts it connects:
-docs/12-tensor-parallel.md derives f's without sequence parallelism, and the rest is yours.
+The two are *conjugates*, as a broadcast and a reduce are (docs/12-tensor-parallel.md works the
+principle on those two): g's forward and backward are given below, each running the f operator
+that does the same work. With sequence parallelism the residual stream between the pairs is not
+replicated but split along the sequence (each rank its T / t positions). What f does, forward and
+backward, in either layout, follows from the layouts it connects: yours.
 
 The column-parallel backward is where communication can hide behind compute (Megatron-LM's linear
 "with gradient accumulation and async communication"): a collective started without waiting
@@ -110,8 +110,9 @@ def enter_tp_backward(dx: torch.Tensor, tp: Group, sequence_parallel: bool, labe
     # The question: which collective gives every rank the sum it needs, and only what it needs, in each layout?
     # Pitfalls: what shape does the result have with sequence parallelism, cut along which dimension? Is it a
     #   sum or a mean?
-    # Hint 1: docs/12 works out f's backward without sequence parallelism ("The two conjugate operators"): which
-    #       part of that sum does a rank keep when the stream is split along the sequence?
+    # Hint 1: docs/12 works a broadcast's backward ("The two conjugate operators"): f hands x to t ranks' linears
+    #       as a broadcast hands a tensor to t ranks, so what is x's gradient, and which part of it does a rank keep
+    #       when the stream is split along the sequence?
     # Hint 2: without sequence parallelism, the whole sum on every rank: an all-reduce of dx; with it, only this
     #       rank's T/t positions of the sum: a reduce-scatter along SEQUENCE_DIM into a new (B, T/t, dim) tensor.
     # Hint 3: if not sequence_parallel: return InFlight(dx, tp.collectives.all_reduce(dx, label, async_op=async_op))
@@ -126,40 +127,21 @@ def enter_tp_backward(dx: torch.Tensor, tp: Group, sequence_parallel: bool, labe
 
 
 def leave_tp_forward(y: torch.Tensor, tp: Group, sequence_parallel: bool, label: str = "") -> torch.Tensor:
-    """g's forward: y (B, T, dim) is this rank's partial product of a row-parallel linear; the residual
-    stream needs the sum over ranks, in its layout: whole on every rank, or this rank's positions."""
-    # >>> TODO(m12): g's forward: the row-parallel partial products, summed into the residual stream
-    # Contract: returns the sum over the group of the ranks' y, (B, T, dim) on every rank, or with sequence
-    #   parallelism this rank's positions of it, (B, T / t, dim). Summing into y in place is fine: the callers
-    #   pass a fresh product.
-    # The question: which collective turns t partial products into the stream's layout, and is it already
-    #   written in this file?
-    # Pitfall: nothing runs beside it here: is anything gained by leaving a collective in flight?
-    # Hint 1: the operators are each other's conjugates (docs/12): which one's backward does this same sum?
-    # Hint 2: g's forward is f's backward: an all-reduce of y, or with sequence parallelism a reduce-scatter along
-    #       the sequence, waited for at once.
-    # Hint 3: return enter_tp_backward(y, tp, sequence_parallel, label).wait()
+    """g's forward (given): y (B, T, dim) is this rank's partial product of a row-parallel linear; the
+    residual stream needs the sum over ranks, in its layout: whole on every rank, or this rank's
+    positions. y may be summed into in place: the callers pass a fresh product."""
+    # g is f's conjugate: its forward does what f's backward does (the group's sum, in the stream's layout),
+    # so it runs your enter_tp_backward and waits at once (nothing runs beside it here).
     return enter_tp_backward(y, tp, sequence_parallel, label).wait()
-    # <<<
 
 
 def leave_tp_backward(dy: torch.Tensor, tp: Group, sequence_parallel: bool, label: str = "") -> torch.Tensor:
-    """g's backward: the gradient each rank's partial product receives, from dy, the gradient of g's
-    output in the residual stream's layout; every rank's row-parallel linear needs it for all T positions."""
-    # >>> TODO(m12): g's backward: the gradient every rank's partial product receives
-    # Contract: returns, on every rank, the gradient of the loss with respect to this rank's partial product y_r,
-    #   (B, T, dim), all T positions; dy is the gradient of g's output, (B, T, dim) on every rank, or with sequence
-    #   parallelism this rank's (B, T / t, dim) positions of it.
-    # The question: what is the derivative of g's output with respect to one of its terms, and what must travel
-    #   so that each rank has it at all T positions?
-    # Pitfalls: a factor of t is the classic mistake: would a sum over the group count the same dy t times?
-    # Hint 1: derive it from g's forward by the chain rule, as docs/12 derives f's backward from f's forward.
-    # Hint 2: y = Σ_r y_r, so ∂y/∂y_r is the identity: every rank's partial receives dy itself, whole. Without
-    #       sequence parallelism dy is whole already (identity); with it, an all-gather along the sequence: f's
-    #       forward.
-    # Hint 3: return enter_tp_forward(dy, tp, sequence_parallel, label).wait()
+    """g's backward (given): the gradient each rank's partial product receives, from dy, the gradient of
+    g's output in the residual stream's layout; every rank's row-parallel linear needs it for all T
+    positions."""
+    # g is f's conjugate: its backward does what f's forward does. The derivative of a sum with respect to
+    # each of its terms is the identity, so every rank's partial receives dy itself, at every position.
     return enter_tp_forward(dy, tp, sequence_parallel, label).wait()
-    # <<<
 
 
 # ---------------------------------------------------------------------------------------------
@@ -181,7 +163,7 @@ def addmm_into(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor):
 
 
 def accumulate_weight_grad(main_grad: torch.Tensor, dy: torch.Tensor, x: torch.Tensor, fused: bool = True):
-    """main_grad (out, in) += the gradient of W for y = x W^T, summed over the tokens.
+    """main_grad (out, in) += the gradient of W for y = x W^T, summed over the tokens (given).
 
     dy is (..., out) and x (..., in), with the same leading (token) dimensions. `fused` (the default)
     adds inside the GEMM, in main_grad's precision; fused=False is the path it replaces, kept to
@@ -189,28 +171,10 @@ def accumulate_weight_grad(main_grad: torch.Tensor, dy: torch.Tensor, x: torch.T
     whole microbatch's gradient) and a second kernel adds it.
     """
     dy, x = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
-    # >>> TODO(m12): add the weight gradient into main_grad inside the GEMM
-    # Contract: main_grad (out, in) grows by the gradient of W for y = x W^T, summed over every token (dy and x
-    #   are (tokens, out) and (tokens, in) here), updated in place (same tensor, same storage). fused=True: one
-    #   GEMM writes main_grad, summing in main_grad's dtype even when dy and x are bf16, and nothing of the
-    #   gradient's size is allocated in the inputs' dtype; fused=False (kept to compare): the GEMM returns a new
-    #   tensor in the inputs' dtype, added to main_grad by a second kernel. The tests compare both with float64 over
-    #   several bf16 microbatches, and watch what is allocated.
-    # The question: which product of dy and x is the weight gradient, and which given kernel adds it into
-    #   main_grad without rounding it to the inputs' dtype first?
-    # Pitfalls: x^T dy has the transposed shape (and a square weight hides it); the unfused path rounds each
-    #   microbatch's gradient to bf16: after m microbatches, how far off is the sum?
-    # Hint 1: what does a GEMM that writes its own accumulator need (docs/12, "Weight gradients accumulated in
-    #       float32, inside the GEMM"), and which function above the TODO is that kernel?
-    # Hint 2: dW = dyᵀ x, (out, tokens) times (tokens, in): the sum over the tokens. Fused: main_grad += dyᵀ x in
-    #       one kernel that reads and writes main_grad (addmm_into); unfused: the product first, then an add.
-    # Hint 3: if not fused: main_grad.add_(dy.t() @ x); return
-    #       addmm_into(main_grad, dy.t(), x)
     if not fused:
-        main_grad.add_(dy.t() @ x)
+        main_grad.add_(dy.t() @ x)  # a new (out, in) tensor in the inputs' dtype, then a second kernel
         return
-    addmm_into(main_grad, dy.t(), x)
-    # <<<
+    addmm_into(main_grad, dy.t(), x)  # dW = dy^T x, (out, tokens) times (tokens, in), summed into main_grad
 
 
 def product(x: torch.Tensor, w: torch.Tensor, matmul: Matmul | None = None) -> torch.Tensor:
@@ -232,17 +196,21 @@ def policy_gradients(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, main_gr
 # ---------------------------------------------------------------------------------------------
 def column_parallel_forward(x: torch.Tensor, weights: list[torch.Tensor], tp: Group, sequence_parallel: bool,
                             label: str = "", matmul: Matmul | None = None):
-    """y_i = f(x) W_i^T for linears that read the same input (q, k, v; or gate, up), each weight
-    W_i (out_i / t, dim) being this rank's rows. x is in the residual stream's layout; each y_i is
-    (B, T, out_i / t), the whole sequence. Returns the list of y_i."""
+    """The column-parallel linears that read the same input (q, k, v; or gate, up), each weight W_i
+    (out_i / t, dim) being this rank's rows. x is in the residual stream's layout; returns their
+    outputs on this rank, one per weight."""
     # >>> TODO(m12): column-parallel forward: every weight's slice of y from one whole input
-    # Contract: returns [y_i], y_i = x_whole W_i^T of shape (B, T, out_i / t), x_whole the whole (B, T, dim) input;
-    #   one collective for all the weights that share x (the tests count them), each product through product(...,
-    #   matmul) (module 09's seam).
-    # The question: what must every weight's product wait for, and how often must it be fetched?
+    # Contract: returns one tensor per weight, (B, T, out_i / t): every position of the sequence, in either layout
+    #   of x. The t ranks' outputs of a weight, side by side along the features, are the whole linear's output for
+    #   the whole input (the tests compare with the unsplit linears). Whatever must travel, travels once for all
+    #   the weights (the tests count the collectives); every product honours `matmul` (module 09's seam, tested).
+    # The question: what does every weight's product need that x may not hold, and how often must it be fetched?
+    # Pitfalls: with sequence parallelism, how many positions does x hold, and how many must each output have?
+    #   Would fetching it once per weight change the outputs, or only the log?
     # Hint 1: which operator hands the column-parallel linears their whole input (docs/12, "The two conjugate
     #       operators")?
-    # Hint 2: x_whole = f(x), once, waited for before the first product; then y_i = x_whole W_iᵀ for each weight.
+    # Hint 2: x_whole = f(x), once, waited for before the first product; then y_i = x_whole W_iᵀ for each weight,
+    #       through the policy's product (the given `product`).
     # Hint 3: x_whole = enter_tp_forward(x, tp, sequence_parallel, label).wait()
     #       return [product(x_whole, w, matmul) for w in weights]
     x_whole = enter_tp_forward(x, tp, sequence_parallel, label).wait()
@@ -319,19 +287,22 @@ def row_parallel_forward(x: torch.Tensor, w: torch.Tensor, tp: Group, sequence_p
 def row_parallel_backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, main_grad: torch.Tensor,
                           tp: Group, sequence_parallel: bool, label: str = "", fused: bool = True,
                           matmul: Matmul | None = None) -> torch.Tensor:
-    """Backward of row_parallel_forward: adds dy_whole^T x into main_grad (dim, in / t) and returns
-    dx (B, T, in / t), this rank's slice of the input features: nothing to sum over ranks."""
+    """Backward of row_parallel_forward: adds this rank's weight gradient into main_grad (dim, in / t)
+    and returns the gradient of x (B, T, in / t), this rank's slice of the input features."""
     # >>> TODO(m12): row-parallel backward: the two GEMMs, and what they need of dy
-    # Contract: main_grad (dim, in / t) grows by dy_whole^T x, summed over all B T tokens (accumulate_weight_grad with
-    #   `fused`); returns dx = dy_whole W, (B, T, in / t): this rank's slice of the input features, final as it is
-    #   (no sum over ranks). With a policy (matmul not None) both products go through policy_gradients.
-    # The question: what does each of the two GEMMs need from dy, and what gives it to this rank?
-    # Pitfalls: with sequence parallelism a rank holds only its own positions of dy: are they enough for either
-    #   GEMM?
-    # Hint 1: which operator's backward comes first in a row-parallel linear's backward, and what does it hand
-    #       this rank (g's backward, above)?
-    # Hint 2: dy_whole = g's backward of dy; then dW += dy_wholeᵀ x and dx = dy_whole W, on this rank's slices;
-    #       with a policy, policy_gradients does both and returns dx.
+    # Contract: main_grad (dim, in / t) grows by this microbatch's gradient of this rank's w: the t ranks' main_grads,
+    #   side by side along the columns, grow by the whole layer's weight gradient, summed over all B T tokens (`fused`
+    #   as accumulate_weight_grad takes it). Returns the gradient of this rank's x, (B, T, in / t) at every position:
+    #   the whole layer's input gradient, this rank's features of it. With a policy (matmul not None) the policy's
+    #   backward computes both (module 09's seam, tested). The tests compare with autograd on the whole weights.
+    # The question: what does each of the two gradients need of dy, and where does this rank get it?
+    # Pitfalls: with sequence parallelism dy holds this rank's T/t positions only: are they enough for either
+    #   gradient? Is the returned gradient a partial that still needs a sum over the ranks? Which of the two
+    #   products of dy and x has main_grad's shape (a square weight hides a transposed one)?
+    # Hint 1: which operator's backward comes first in a row-parallel linear's backward, and what does it hand every
+    #       rank (docs/12, "The two conjugate operators", and the given leave_tp_backward above)?
+    # Hint 2: dy_whole = g's backward of dy; then main_grad += dy_wholeᵀ x and dx = dy_whole W, on this rank's slices,
+    #       final as they are (no sum over ranks); with a policy, policy_gradients does both and returns dx.
     # Hint 3: dy_whole = leave_tp_backward(dy, tp, sequence_parallel, label)
     #       if matmul is not None: return policy_gradients(dy_whole, x, w, main_grad, matmul)
     #       accumulate_weight_grad(main_grad, dy_whole, x, fused); return dy_whole @ w

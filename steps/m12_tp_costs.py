@@ -1,5 +1,5 @@
 # Generated from solutions/m12_tp_costs.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 12`. (skeleton ec1f102488ff)
+# Grade your work with `python main.py grade 12`. (skeleton 9055cd9e6296)
 """Module 12, part 5 - what tensor and sequence parallelism cost: bytes sent and activations kept.
 
 Traffic. A global batch of B sequences of T tokens in m microbatches: one microbatch holds
@@ -17,8 +17,8 @@ With the ring algorithms one rank sends (t - 1)/t A for an all-gather or a reduc
 2 (t - 1)/t A for an all-reduce (course/collectives.py's `sent_bytes`). One term, worked: without
 sequence parallelism the forward of a microbatch leaves each block's two pairs through g (after o
 and after down) and the embedding through g, 2L + 1 all-reduces of A, each sending 2 (t - 1)/t A.
-The backward, sequence parallelism, the loss and the norms are yours to count (the chapter says
-what each operator sends). `tp_traffic` returns them as a course/costs.py `StepCost` over the axis
+The backward, sequence parallelism, the loss and the norms are yours to count (each operator sends
+what your m12_tp_linear makes it send). `tp_traffic` returns them as a course/costs.py `StepCost` over the axis
 t: the calls and the bytes of each kind of collective in one optimizer step.
 
 Activations. One block keeps module 06's fourteen tensors (the names of its store). On t ranks,

@@ -347,35 +347,48 @@ FORBIDDEN = {
         ],
     },
     "12": {
-        # The conjugate operators: which collective each runs, forward and backward, with and without sequence
-        # parallelism (chapter 12 derives f's backward without it); the overlap order with sequence parallelism
-        # (the chapter places dx's collective without it); the fused GEMM's operands; the loss's other two
-        # reductions and its formulas (the chapter works out z_max); the traffic counts (the chapter counts the
+        # f's operators, forward and backward, with and without sequence parallelism (chapter 12 works the conjugate
+        # pair on a broadcast and a reduce; g's operators are given and run f's); the column-parallel forward's one
+        # fetch and its products, the row-parallel backward's two GEMMs on the whole dy, a block's shards (their
+        # ranges, a head's rows, the axis of each weight: the chapter works the heads on H = 6, K = 3, t = 3); the
+        # overlap order with sequence parallelism (the chapter places dx's collective without it); the loss's other
+        # two reductions and its formulas (the chapter works out z_max); the traffic counts (the chapter counts the
         # forward's all-reduces without sequence parallelism).
         "enter_tp_forward": [
             ("an all-gather along SEQUENCE_DIM", "identity, or an all-gather along the sequence",
              "forward all-gather along the sequence", "f (enter), sequence-parallel | all-gather",
              "forward identity, backward all-reduce", "f (enter) | before the column-parallel linears | identity"),
+            ("without sequence parallelism, nothing: x is whole on every rank", "f's forward has nothing to do"),
             code("tp.collectives.all_gather(full, x, label, async_op=async_op, dim=SEQUENCE_DIM)"),
         ],
         "enter_tp_backward": [
             ("a reduce-scatter along SEQUENCE_DIM", "all-reduce, or reduce-scatter along the sequence",
              "backward reduce-scatter along the sequence", "all-gather along the sequence | reduce-scatter along the sequence"),
+            ("the whole sum on every rank: an all-reduce", "the stream needs that sum, whole, on every rank",
+             "partial gradients $dy_r W_r$"),
             code("tp.collectives.reduce_scatter(shard, dx, label, async_op=async_op, dim=SEQUENCE_DIM)",
                  "tp.collectives.all_reduce(dx, label, async_op=async_op)"),
         ],
-        "leave_tp_forward": [
-            ("g's forward is f's backward", "g forward: all-reduce", "forward reduce-scatter along the sequence",
-             "g (leave), sequence-parallel | reduce-scatter", "| all-reduce: sum the partials | identity",
-             "forward all-reduce, backward identity"),
-            code("enter_tp_backward(y, tp, sequence_parallel, label).wait()"),
+        "column_parallel_forward": [
+            ("y_i = x_whole W_iᵀ", "y_i = x_whole W_i^T", "y_i = f(x) W_i^T", "$y_r = x W_r^\\top$"),
+            code("product(x_whole, w, matmul) for w in weights", "product(x_whole, w, matmul)"),
         ],
-        "leave_tp_backward": [
-            ("every rank's partial receives dy itself", "every rank's partial gets dy", "∂y/∂y_r is the identity",
-             "identity, or an all-gather along the sequence", "backward all-gather along the sequence",
-             "reduce-scatter along the sequence | all-gather along the sequence",
-             "an all-reduce here would add the t identical copies", "in g's backward (the gradient does)"),
-            code("enter_tp_forward(dy, tp, sequence_parallel, label).wait()"),
+        "row_parallel_backward": [
+            ("main_grad += dy_wholeᵀ x", "grows by dy_whole^T x", "adds dy_whole^T x", "dy_wholeᵀ x", "dy_whole^T x"),
+            ("dx = dy_whole W",),
+            code("leave_tp_backward(dy, tp, sequence_parallel, label)"),
+            code("accumulate_weight_grad(main_grad, dy_whole, x, fused)"),
+            code("policy_gradients(dy_whole, x, w, main_grad, matmul)"),
+        ],
+        "shard_block_weights": [
+            ("query heads [i_t H/t, (i_t+1) H/t)", "query heads [r H/t, (r+1) H/t)"),
+            ("key/value heads [i_t K/t, (i_t+1) K/t)", "key/value heads [r K/t, (r+1) K/t)"),
+            ("units [i_t F/t, (i_t+1) F/t)", "hidden units [i_t F/t, (i_t+1) F/t)"),
+            ("a head is head_dim consecutive rows",),
+            ("wo (dim, H/t D)", "w_down (dim, F/t)"),
+            ("block i_t of t equal blocks of rows", "the r-th block of out/t rows of W", "column-parallel (rows r)"),
+            ("block i_t of t equal blocks of columns", "the r-th block of in/t columns of W", "row-parallel (columns r)"),
+            code("chunk(tp.size, dim=dim)[tp.index]", "weight.chunk(tp.size"),
         ],
         "column_parallel_backward": [
             ("start the all-gather of x (f's forward, async) -> the input-gradient GEMMs",
@@ -385,12 +398,6 @@ FORBIDDEN = {
             ("wait for x, start dx's collective (f's backward, async)", "wait for x; start dx's"),
             ("wait for dx and return it", "wait for dx, return it"),
             code("gathering = enter_tp_forward(x, tp, sequence_parallel, label, async_op=True)"),
-        ],
-        "accumulate_weight_grad": [
-            ("dW = dyᵀ x", "dw = dy^\\top x", "products $dy^\\top x$"),
-            code("addmm_into(main_grad, dy.t(), x)", "addmm(main_grad, dyᵀ, x, out=main_grad)", "addmm(main_grad, dy",
-                 "addmm_into(main_grad, dy", "torch.addmm with out=main_grad"),
-            code("main_grad.add_(dy.t() @ x)"),
         ],
         "vocab_parallel_cross_entropy": [
             ("log Z + z_max - z_y",), ("exp(z_v - z_max) / Z", "exp(z - z_max) / Z"),

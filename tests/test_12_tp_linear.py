@@ -37,8 +37,8 @@ def pair_inputs(seed=0):
 
 
 def _checked_accumulation(accumulate):
-    """The learner's accumulate_weight_grad (graded on its own below), after checking what its caller hands
-    it: a shape error inside it is the caller's, and says so."""
+    """accumulate_weight_grad (given, checked on its own below), after checking what its caller hands it:
+    a shape error inside it is the caller's, and says so."""
     def checked(main_grad, dy, x, fused=True):
         caller = sys._getframe(1).f_code.co_name
         assert dy.shape[:-1] == x.shape[:-1] and tuple(main_grad.shape) == (dy.shape[-1], x.shape[-1]), \
@@ -63,11 +63,16 @@ def _pair(sequence_parallel, inputs):
     rank, t = tp.index, tp.size
     mine = (lambda a: a.chunk(t, dim=1)[rank]) if sp else (lambda a: a)
     gate_r, up_r, down_r = gate.chunk(t)[rank], up.chunk(t)[rank], down.chunk(t, dim=1)[rank].contiguous()
-    operators = {"f forward": linear.enter_tp_forward(mine(x).clone(), tp, sp, "f").wait(),  # each on tensors of its
-                 "g forward": linear.leave_tp_forward(x * (rank + 1), tp, sp, "g"),        # own: a sum may be in place
-                 "g backward": linear.leave_tp_backward(mine(dy).clone(), tp, sp, "g"),
-                 "f backward": linear.enter_tp_backward(x * (rank + 1), tp, sp, "f").wait()}
+    log = tp.collectives.log
+    start = len(log)
+    operators = {"f forward": linear.enter_tp_forward(mine(x).clone(), tp, sp, "f").wait()}  # each on tensors of its
+    f_calls = len(log) - start                                                              # own: a sum may be in place
+    operators.update({"g forward": linear.leave_tp_forward(x * (rank + 1), tp, sp, "g"),
+                      "g backward": linear.leave_tp_backward(mine(dy).clone(), tp, sp, "g"),
+                      "f backward": linear.enter_tp_backward(x * (rank + 1), tp, sp, "f").wait()})
+    before = len(log)
     z1, z2 = linear.column_parallel_forward(mine(x), [gate_r, up_r], tp, sp, "in")
+    fetches = (len(log) - before, f_calls)  # the column-parallel forward's collectives, and one f's forward's
     features = (B, T, F // t)  # this rank's output features, at every position of the sequence
     assert z1.shape == z2.shape == features, \
         (f"your column_parallel_forward returns {tuple(z1.shape)} and {tuple(z2.shape)} from x {tuple(mine(x).shape)}, "
@@ -79,18 +84,21 @@ def _pair(sequence_parallel, inputs):
         (f"your row_parallel_backward returns dx {tuple(ds.shape)} from dy {tuple(mine(dy).shape)}, expected "
          f"{features}: the gradient of this rank's input features, at every position")
     dx = linear.column_parallel_backward([ds * z2, ds * z1], mine(x), [gate_r, up_r], grads[:2], tp, sp, "in")
-    return y, dx, grads, operators, (z1, z2, ds)
+    return y, dx, grads, operators, (z1, z2, ds), fetches
 
 
 # Each piece of the pair, in the order computed, and the TODO that computes it (given the pieces before it).
 PIECES = {
     "f forward": "your enter_tp_forward (f(x): the whole x on every rank)",
-    "g forward": "your leave_tp_forward (g of the partials: their sum, in the stream's layout)",
-    "g backward": "your leave_tp_backward (g's backward of dy: the whole dy on every rank)",
+    "g forward": "your enter_tp_backward, which the given leave_tp_forward runs (g of the partials: their sum, "
+                 "in the stream's layout)",
+    "g backward": "your enter_tp_forward, which the given leave_tp_backward runs (g's backward of dy: the whole "
+                  "dy on every rank)",
     "f backward": "your enter_tp_backward (f's backward of the partials: their sum, in the stream's layout)",
     "z1": "your column_parallel_forward (this rank's output features, every position)",
     "z2": "your column_parallel_forward (this rank's output features, every position)",
-    "y": "your leave_tp_forward (g of row_parallel_forward's partial product: their sum, in the stream's layout)",
+    "y": "your enter_tp_backward, which the given leave_tp_forward runs (g of row_parallel_forward's partial "
+         "product: their sum, in the stream's layout)",
     "ds": "your row_parallel_backward's dx (the whole dy times this rank's columns of the weight)",
     "d down": "your row_parallel_backward's weight gradient (the whole dy, ^T this rank's input)",
     "d gate": "your column_parallel_backward's weight gradients (dy^T the whole x)",
@@ -99,9 +107,8 @@ PIECES = {
 }
 
 
-@pytest.mark.exercises("enter_tp_forward", "leave_tp_forward", "leave_tp_backward", "enter_tp_backward",
-                        "column_parallel_forward", "row_parallel_backward",
-                        "column_parallel_backward", "accumulate_weight_grad")
+@pytest.mark.exercises("enter_tp_forward", "enter_tp_backward", "column_parallel_forward", "row_parallel_backward",
+                        "column_parallel_backward")
 @pytest.mark.parametrize("world_size, sequence_parallel", [(2, False), (4, False), (2, True), (4, True)])
 def test_a_column_then_row_pair_equals_the_whole_linears(world_size, sequence_parallel):
     inputs = pair_inputs()
@@ -135,14 +142,19 @@ def test_a_column_then_row_pair_equals_the_whole_linears(world_size, sequence_pa
         except AssertionError as mismatch:
             wrong.append(str(mismatch).split(": ", 1)[1])
     names = [w.split(" (")[0] for w in wrong]
-    # g's forward is f's backward's collective and g's backward f's forward's: when both of a pair are wrong, the
-    # operator they share is the likelier culprit.
+    # The given g's forward runs f's backward and g's backward f's forward: when both of a pair are wrong, name
+    # f's operator's own piece.
     first = ("f backward" if {"g forward", "f backward"} <= set(names) else
              "f forward" if {"f forward", "g backward"} <= set(names) else names[0]) if wrong else None
     assert not wrong, (f"t={world_size}, sequence parallel {sequence_parallel} (y, dx, g's forward, f's backward: {layout}; "
                        f"z, ds: each rank's features, joined): {len(wrong)} of {len(pieces)} pieces differ, in the order "
                        f"computed: {', '.join(names)}. {wrong[names.index(first)]} is computed by {PIECES[first]}"
-                       + (" (and g's, which does the same collective)" if first != names[0] else ""))
+                       + (" (and the given g's, which runs it)" if first != names[0] else ""))
+    fetched, once = results[0][5]
+    assert fetched == once, \
+        (f"t={world_size}, sequence parallel {sequence_parallel}: your column_parallel_forward issued {fetched} "
+         f"collectives for its 2 weights, where one f's forward issues {once}: the weights that read the same x "
+         "share one fetch of it")
     if not sequence_parallel:  # replicated: every rank must hold the same whole tensors
         for rank, (y_r, dx_r, *_) in enumerate(results):
             assert torch.equal(y_r, results[0][0]) and torch.equal(dx_r, results[0][1]), \
@@ -223,7 +235,7 @@ def _position(events, kind, op, what):
 
 
 @pytest.mark.exercises(
-    "column_parallel_backward", "enter_tp_backward", "enter_tp_forward", "accumulate_weight_grad")
+    "column_parallel_backward", "enter_tp_backward", "enter_tp_forward")
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["replicated", "sequence-parallel"])
 def test_the_input_gradient_collective_is_in_flight_during_the_weight_gradient_gemms(sequence_parallel):
     events = run_ranks(_record_column_backward, 2, sequence_parallel, timeout=30)[0]
@@ -263,7 +275,7 @@ def microbatches(n, dtype, seed=0):
     return [(torch.randn(64, 24, generator=g).to(dtype), torch.randn(64, 40, generator=g).to(dtype)) for _ in range(n)]
 
 
-@pytest.mark.exercises("accumulate_weight_grad")
+@pytest.mark.given  # accumulate_weight_grad is given code
 def test_fused_accumulation_sums_bf16_microbatches_in_float32():
     # 32 microbatches of bf16 (dy, x). The exact sum of their dy^T x, in float64, is the reference.
     # Summed in float32 inside the GEMM, the result differs from it by float32 roundings: measured
@@ -282,7 +294,7 @@ def test_fused_accumulation_sums_bf16_microbatches_in_float32():
                           f"is each microbatch's gradient rounded to bf16 before it is added (a bf16 GEMM output)?")
 
 
-@pytest.mark.exercises("accumulate_weight_grad")
+@pytest.mark.given  # accumulate_weight_grad is given code
 def test_fused_accumulation_is_exact_in_float64_and_reads_token_axes():
     # (B, T, features) inputs: the tokens of every leading axis are summed over.
     g = torch.Generator().manual_seed(1)
@@ -291,16 +303,16 @@ def test_fused_accumulation_is_exact_in_float64_and_reads_token_axes():
     linear.accumulate_weight_grad(main_grad, dy, x)
     expected = 1 + torch.einsum("bto,bti->oi", dy, x)
     torch.testing.assert_close(main_grad, expected, rtol=1e-12, atol=1e-12,
-                               msg=lambda m: f"your accumulate_weight_grad: main_grad must grow by dy^T x summed over "
+                               msg=lambda m: f"accumulate_weight_grad: main_grad must grow by dy^T x summed over "
                                              f"every token: {m}")
     unfused = torch.ones(6, 4, dtype=f64)
     linear.accumulate_weight_grad(unfused, dy, x, fused=False)
     torch.testing.assert_close(unfused, expected, rtol=1e-12, atol=1e-12,
-                               msg=lambda m: f"your accumulate_weight_grad with fused=False: main_grad must grow by "
+                               msg=lambda m: f"accumulate_weight_grad with fused=False: main_grad must grow by "
                                              f"the same dy^T x: {m}")
 
 
-@pytest.mark.exercises("accumulate_weight_grad")
+@pytest.mark.given  # accumulate_weight_grad is given code
 def test_the_unfused_path_rounds_the_gradient_to_the_inputs_dtype_first():
     # fused=False is the path the fused GEMM replaces, kept to compare (bench 12): the product in the inputs'
     # dtype (torch's bf16 GEMM), then added into the float32 main_grad.
@@ -309,7 +321,7 @@ def test_the_unfused_path_rounds_the_gradient_to_the_inputs_dtype_first():
     linear.accumulate_weight_grad(main_grad, dy, x, fused=False)
     expected = 1 + (dy.t() @ x).float()
     assert main_grad.dtype == torch.float32 and torch.equal(main_grad, expected), \
-        ("your accumulate_weight_grad with fused=False must add torch's bf16 product dy^T x into the float32 main_grad "
+        ("accumulate_weight_grad with fused=False must add torch's bf16 product dy^T x into the float32 main_grad "
          f"(the path the fused GEMM replaces); it is off by up to {(main_grad - expected).abs().max().item():.2e}")
 
 

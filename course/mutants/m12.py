@@ -77,9 +77,6 @@ PLANTS = [
         return InFlight(x)""", """    if not sequence_parallel:
         return InFlight(x, tp.collectives.all_reduce(x, label, async_op=async_op))""",
           "f's forward all-reduces x without sequence parallelism: x is whole on every rank already, so t times x"),
-    Plant(LINEAR, "    return enter_tp_forward(dy, tp, sequence_parallel, label).wait()",
-          "    return enter_tp_backward(dy, tp, sequence_parallel, label).wait()",
-          "g's backward as g's forward (a sum, not f's forward): dy is the same on every rank, it needs no sum"),
     Plant(LINEAR, "    x_whole = enter_tp_forward(x, tp, sequence_parallel, label).wait()\n    return",
           "    x_whole = x\n    return",
           "the column-parallel forward on the rank's own positions: with sequence parallelism its input must be gathered"),
@@ -113,9 +110,6 @@ PLANTS = [
     Plant(LINEAR, "    gathering = enter_tp_forward(x, tp, sequence_parallel, label, async_op=True)\n    dx = sum(",
           "    gathering = enter_tp_forward(x, tp, sequence_parallel, label, async_op=True)\n    gathering.wait()\n    dx = sum(",
           "the re-gather of x waited for at once: correct, but nothing hides it (the order is tested)", new=True),
-    Plant(LINEAR, "\n        main_grad.add_(dy.t() @ x)\n", "\n        addmm_into(main_grad, dy.t(), x)\n",
-          "the unfused path fused too: fused=False is kept to compare, and must round the GEMM to the inputs' dtype",
-          new=True),
     Plant(BLOCK, '\n    tp.collectives.all_reduce(flat, label="norm grads")\n',
           '\n    tp.collectives.all_reduce(flat, label="norm grads")\n    flat /= tp.size\n',
           "the norm gradients averaged over the group: each rank's is a sum over its positions, the total their sum",
@@ -129,4 +123,14 @@ PLANTS = [
           "            loss += self.forward_backward(tok, tgt).item() / n_microbatches",
           "each microbatch divided by its own real tokens (then averaged): not the step's mean when they differ",
           new=True),
+    # issue 36 (g's operators and accumulate_weight_grad given): mistakes of the three rewritten contracts
+    Plant(LINEAR, "    x_whole = enter_tp_forward(x, tp, sequence_parallel, label).wait()\n    return [product(x_whole, w, matmul)",
+          "    x_whole = enter_tp_forward(x, tp, sequence_parallel, label).wait()\n"
+          "    return [product(enter_tp_forward(x, tp, sequence_parallel, label).wait(), w, matmul)",
+          "the column-parallel input fetched once per weight: the same outputs, but a collective per weight", new=True),
+    Plant(LINEAR, "    accumulate_weight_grad(main_grad, dy_whole, x, fused)\n",
+          "    accumulate_weight_grad(main_grad, x, dy_whole, fused)\n",
+          "the row-parallel weight gradient transposed (x^T dy): a square weight would hide it", new=True),
+    Plant(BLOCK, "wk=block(w.wk, 0), wv=block(w.wv, 0)", "wk=block(w.wk, 1), wv=block(w.wv, 1)",
+          "wk and wv cut along their input features: they are column-parallel, cut by key/value heads", new=True),
 ]
