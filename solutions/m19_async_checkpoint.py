@@ -120,7 +120,7 @@ class AsyncCheckpointer:
         # >>> TODO(m19): start the checkpoint of `step` in the background, module 17's commit rule kept
         # Contract: when it returns, the save of `step` is under way in the background (self.in_flight, an
         #   InFlight, holds its futures and directories): DCP's async_save of live_state_dict (above), written into
-        #   step_NNNNNN.partial/ (config.json beside it holding self.description, as module 17's save writes it) by
+        #   step_NNNNNN.partial/ (with config.json inside it holding self.description, as module 17's save writes it) by
         #   self.make_writer, its collectives on self.group, its staging by self.stager. Once the write completes,
         #   rank 0 renames it to step_NNNNNN/ (commit), without the main thread's help. Before any of this, the
         #   previous save (if any) is written and committed on every rank. The tests watch the writer (no two

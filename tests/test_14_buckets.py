@@ -40,7 +40,7 @@ def test_buckets_equal_pytorchs_assignment_reversed(cap, n_buckets):
     want = pytorchs_assignment(params, cap)
     assert len(want) == n_buckets, f"the test expects PyTorch to make {n_buckets} buckets at cap {cap}, it made {len(want)}"
     assert got == want, (f"cap {cap} bytes: buckets {got}, PyTorch's (reversed) {want}: a bucket closes once it holds "
-                         f"the cap or more (its last tensor may overshoot), then the list is reversed")
+                         f"the cap or more (its last tensor may overshoot); in which order does the backward fill them?")
 
 
 # Two dtypes, by hand: float32 tensors of 10, 5, 30 and 1 values (40, 20, 120, 4 bytes) at indices 0, 2, 3, 5;
@@ -59,6 +59,6 @@ def test_one_dtype_per_bucket_by_hand(cap, want):
     params = [torch.zeros(n, dtype=dtype) for n, dtype in MIXED]
     got = buckets.assign_buckets(params, cap)
     assert got == want, (f"cap {cap} bytes over float32 and float64 tensors: buckets {got}, expected {want} (one "
-                         f"open bucket per dtype; closed at the cap or more; ordered by first index, then reversed)")
+                         f"open bucket per dtype; closed at the cap or more; listed in the order the backward fills them)")
     if hasattr(dist, "_compute_bucket_assignment_by_size"):
         assert want == pytorchs_assignment(params, cap), "the hand-written case disagrees with PyTorch (fix the test)"

@@ -203,7 +203,8 @@ def test_zero_1_and_2_train_as_one_process_with_one_bucket_in_flight(config):
                 got = [norm for norm, _ in r["norms"]]
                 assert len(got) == STEPS and all(math.isclose(a, b, rel_tol=1e-9) for a, b in zip(got, norms)), (
                     f"{where}: your clip_grad_norm_ returned the norms {got}, one process's are {norms} (the norm of "
-                    f"the whole gradient: the squares of every rank's shards, summed over the group)")
+                    f"the whole gradient, which no rank holds whole: what can a rank compute from its shards alone, and what "
+                    f"must the group combine?)")
                 factors = [min(1.0, max_norm / (norm + 1e-6)) for norm in norms]
                 applied = [factor for _, factor in r["norms"]]
                 assert all(math.isclose(a, b, rel_tol=1e-9) for a, b in zip(applied, factors)), (
