@@ -215,7 +215,8 @@ class FP8Matmul(Matmul):
         #   (tokens, out) in w's dtype, computed by scaled_mm from e4m3 operands that meet CUDA's layout rules. W's e4m3
         #   copy comes from self.weights (the weight cache, row_major(w): W as stored, (out, in), quantized once per
         #   optimizer step), never from quantizing w here (a test counts the quantizations and checks which bytes
-        #   scaled_mm multiplies). The forward output may use the H100's fast accumulation (scaled_mm's fast_accum).
+        #   scaled_mm multiplies). The forward output uses the H100's fast accumulation (scaled_mm's fast_accum; the
+        #   gradients do not).
         # Question: which layout does each operand already have, and which of them needs a copy, if any?
         # Pitfalls: is a transposed view of a row-major matrix row-major or column-major? Would a result equal to the
         #   fp32 one mean FP8 was used (the test bounds the error against float64 from e4m3's rounding)?

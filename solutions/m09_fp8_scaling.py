@@ -74,7 +74,8 @@ def quantize(t: torch.Tensor, dtype: torch.dtype, amax: torch.Tensor | None = No
     #   - a value beyond the range the given abs-max implies saturates at +-FP8_MAX[dtype] (never inf or NaN);
     #   - an all-zero t gives zeros and a finite scale (AMAX_FLOOR is the smallest abs-max to use);
     #   - the factor t is multiplied by is one correctly rounded float32 division, and t is multiplied in float32
-    #     (a test compares the FP8 bytes with torchao's tensorwise recipe, bf16 inputs too);
+    #     (a test compares the FP8 bytes with torchao's tensorwise recipe, bf16 inputs too); scale is that factor's
+    #     float32 reciprocal, as torchao keeps it (its bits are compared too);
     #   - no value is read back to the host (amax stays a tensor).
     # Question: which factor puts the abs-max on the format's largest number, and what must happen to values
     #   beyond it before the cast?

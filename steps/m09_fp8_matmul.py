@@ -1,5 +1,5 @@
 # Generated from solutions/m09_fp8_matmul.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 09`. (skeleton 084030367c01)
+# Grade your work with `python main.py grade 09`. (skeleton 90b2faa664d8)
 """Module 09, part 2 - FP8 linears: module 06's matmul policy with FP8 operands.
 
 A linear layer computes y = x W^T (x: tokens x in_features, W: out_features x in_features) and
@@ -201,7 +201,8 @@ class FP8Matmul(Matmul):
         #   (tokens, out) in w's dtype, computed by scaled_mm from e4m3 operands that meet CUDA's layout rules. W's e4m3
         #   copy comes from self.weights (the weight cache, row_major(w): W as stored, (out, in), quantized once per
         #   optimizer step), never from quantizing w here (a test counts the quantizations and checks which bytes
-        #   scaled_mm multiplies). The forward output may use the H100's fast accumulation (scaled_mm's fast_accum).
+        #   scaled_mm multiplies). The forward output uses the H100's fast accumulation (scaled_mm's fast_accum; the
+        #   gradients do not).
         # Question: which layout does each operand already have, and which of them needs a copy, if any?
         # Pitfalls: is a transposed view of a row-major matrix row-major or column-major? Would a result equal to the
         #   fp32 one mean FP8 was used (the test bounds the error against float64 from e4m3's rounding)?
