@@ -255,10 +255,15 @@ def in_order_of_blame(names: list[str], params: str, reason: str) -> list[str]:
     says: the ones in whose code it was raised first (the learner's frames the message shows,
     "at steps/m12_tp_model.py:88 in embedding_backward", innermost first), then the ones its
     parameters name, then the ones its message names (a qualified name such as
-    "Llama2D.ffn_half_backward", or "your tp_traffic"), by where the message names them."""
+    "Llama2D.ffn_half_backward", or "your tp_traffic"), by where the message names them. When a given
+    check raised it (check_get, say), the ones its message names come first."""
     frames = re.findall(r"(?:steps|solutions)/m\d\d_\w+\.py:\d+ in (\w+)", reason)
     raised_in = [n for f in dict.fromkeys(frames) for n in names if n.rsplit(".", 1)[-1] == f]
     names = list(dict.fromkeys(raised_in + names))
+    # Given code raised it ("raised in given code at ... in check_get"): a given check knows what went
+    # wrong better than the call stack does, so a function its message blames ("your gather(3) must ...")
+    # goes before the functions the error passed through.
+    checked = "raised in given code at" in reason
     ran = [n for n in names if n not in raised_in
            and re.search(rf"(?<!\w){re.escape(n.rsplit('.', 1)[-1])}(?!\w)", params)]
 
@@ -269,7 +274,10 @@ def in_order_of_blame(names: list[str], params: str, reason: str) -> list[str]:
         found = [m.start() for p in patterns for m in [re.search(p, reason)] if m]
         return min(found) if found else None
 
-    first = raised_in + ran
+    if checked:
+        blamed = sorted((n for n in names if named_at(n) is not None), key=named_at)
+        raised_in = blamed + [n for n in raised_in if n not in blamed]
+    first = list(dict.fromkeys(raised_in + ran))
     named = sorted((n for n in names if n not in first and named_at(n) is not None), key=named_at)
     return first + named + [n for n in names if n not in first and n not in named]
 

@@ -44,14 +44,17 @@ def check_gather(buf, layer: int):
 
 def check_get(buf, layer: int):
     if buf.layer == layer and buf.state == FREE:
-        raise RuntimeError(f"get({layer}): its buffer holds layer {layer} but is {FREE}; gather({layer}) must "
-                           f"mark it {GATHERING}, also when the layer is still there")
+        raise RuntimeError(f"get({layer}): its buffer holds layer {layer} but is {FREE}; your gather({layer}) "
+                           f"must mark it {GATHERING}, also when the layer is still there")
     if buf.layer != layer or buf.state != GATHERING:
         raise RuntimeError(f"get({layer}) without a gather({layer}) before it "
                            f"(its buffer holds layer {buf.layer}, {buf.state})")
 
 
 def check_release(buf, layer: int):
+    if buf.layer == layer and buf.state == GATHERING:
+        raise RuntimeError(f"release({layer}): its buffer is still {GATHERING}; your get({layer}) must mark it "
+                           f"{IN_USE} when it hands the block out")
     if buf.layer != layer or buf.state != IN_USE:
         raise RuntimeError(f"release({layer}) but layer {layer} is not in use "
                            f"(its buffer holds layer {buf.layer}, {buf.state})")

@@ -1,5 +1,5 @@
 # Generated from solutions/m07_sharded_weights.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 07`. (skeleton fbd738d84978)
+# Grade your work with `python main.py grade 07`. (skeleton 55479d5d3d62)
 """Module 07, part 3 - a weight source that all-gathers each block from its shards, just in time.
 
 It implements module 06's WeightSource protocol, so the model loop does not change:
@@ -46,14 +46,17 @@ def check_gather(buf, layer: int):
 
 def check_get(buf, layer: int):
     if buf.layer == layer and buf.state == FREE:
-        raise RuntimeError(f"get({layer}): its buffer holds layer {layer} but is {FREE}; gather({layer}) must "
-                           f"mark it {GATHERING}, also when the layer is still there")
+        raise RuntimeError(f"get({layer}): its buffer holds layer {layer} but is {FREE}; your gather({layer}) "
+                           f"must mark it {GATHERING}, also when the layer is still there")
     if buf.layer != layer or buf.state != GATHERING:
         raise RuntimeError(f"get({layer}) without a gather({layer}) before it "
                            f"(its buffer holds layer {buf.layer}, {buf.state})")
 
 
 def check_release(buf, layer: int):
+    if buf.layer == layer and buf.state == GATHERING:
+        raise RuntimeError(f"release({layer}): its buffer is still {GATHERING}; your get({layer}) must mark it "
+                           f"{IN_USE} when it hands the block out")
     if buf.layer != layer or buf.state != IN_USE:
         raise RuntimeError(f"release({layer}) but layer {layer} is not in use "
                            f"(its buffer holds layer {buf.layer}, {buf.state})")

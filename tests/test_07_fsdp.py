@@ -385,10 +385,25 @@ def _one_step_piece_by_piece(n_microbatches):
         first, how = next(iter(wrong.items()))
         factor = common_factor([(model.grad_shards[layer], padded_shard(flat(block), d, r))
                                 for layer, block in enumerate(whole.blocks)])
+        # Each microbatch's slice (rank r's of the sum over ranks): two mistakes leave a shard that is made of them
+        per_rank = tokens.shape[0] // d // n_microbatches
+        slices = []
+        for i in range(n_microbatches):
+            rows_i = [q * 4 + i * per_rank + j for q in range(d) for j in range(per_rank)]
+            _, part = single.forward_backward(tokens[rows_i], targets[rows_i], n_tokens)
+            slices.append([padded_shard(flat(block), d, r) for block in part.blocks])
+        want_of = {layer: padded_shard(flat(block), d, r) for layer, block in enumerate(whole.blocks)}
+        overwritten = all(off(model.grad_shards[layer], 2 * slices[-1][layer]) is None for layer in wrong)
+        added_twice = list(wrong) == [0] and off(model.grad_shards[0], want_of[0] + slices[0][0]) is None
         culprit = (
             f"every one is {times(factor)}, a scale: the microbatches' losses are already divided by the global "
             f"batch's tokens, so your FSDPLlama.finish_reduce_scatter adds each slice as it is received"
             if factor else
+            "each is twice the last microbatch's slice, the earlier ones lost: your FSDPLlama.reduce_scatter_grad "
+            "lets the reduce-scatter write over the sum the shard holds (where does the received slice land?)"
+            if overwritten and n_microbatches > 1 else
+            "block 0's is the sum plus microbatch 0's slice once more: your FSDPLlama.finish_reduce_scatter settled "
+            "that reduce-scatter twice (once settled, what must it forget?)" if added_twice else
             "your FSDPLlama.finish_reduce_scatter adds the slice only after the work's wait()" if how == "NaN" else
             "the last reduce-scatter (layer 0's) never finished: your FSDPLlama.backward_blocks finishes the one "
             "still in flight after the loop" if list(wrong) == [0] else

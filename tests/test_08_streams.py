@@ -214,6 +214,20 @@ def test_invalidate_waits_for_the_copies_and_makes_every_buffer_stale():
          "current layer 0: after invalidate() no buffer may (the version)")
 
 
+@pytest.mark.exercises("HostWeights.invalidate")
+def test_invalidate_waits_also_for_a_copy_that_no_compute_waited_for():
+    # A block gathered and never fetched before the optimizer step (a prefetch the loop did not use): no compute
+    # waits for its copy, so only the stream that runs the copies can say it is done.
+    source, runtime = fresh_source()
+    source.gather(0)
+    copy = next(n for n in runtime.nodes if n.label == "copy")
+    source.invalidate()
+    runtime.host_writes(source.host, "optimizer step")
+    assert ordered(copy, runtime.nodes[-1]), \
+        ("your HostWeights.invalidate: the host may write the weights while a copy that no compute has waited for "
+         "still reads them: which stream runs the work that reads the host weights?")
+
+
 # --- the whole step ------------------------------------------------------------------------------------------
 
 @pytest.mark.exercises(

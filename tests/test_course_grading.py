@@ -67,10 +67,10 @@ def test_a_failed_check_names_the_hint_for_its_todo(tmp_path):
     # The TODO a NotImplementedError names, or the functions a check declares it exercises.
     unfinished = grade(tmp_path, "def test_todo():\n    raise NotImplementedError("
                                  "'TODO(m01): ' + __import__('course.hints').hints.module_todos("
-                                 "__import__('course.catalog').catalog.MODULES['01'])[2].title.split(': ', 1)[1])\n")
-    assert unfinished["hint"] == "python main.py hint 01 3", unfinished
+                                 "__import__('course.catalog').catalog.MODULES['01'])[1].title.split(': ', 1)[1])\n")
+    assert unfinished["hint"] == "python main.py hint 01 2", unfinished
     wrong = grade(tmp_path, "import pytest\n\n@pytest.mark.exercises('train_step')\ndef test_value():\n    assert False\n")
-    assert wrong["hint"] == "python main.py hint 01 3", wrong
+    assert wrong["hint"] == "python main.py hint 01 2", wrong
 
 
 def test_a_check_that_exercises_several_todos_points_at_the_first_it_lists():
@@ -133,10 +133,10 @@ def test_a_failure_message_is_kept_whole_and_wrapped_never_cut(tmp_path):
 def test_the_hint_points_at_the_todo_the_message_names_first(tmp_path):
     # The marker lists the likeliest culprit first (TODO 1 here); a message that says which of the
     # learner's functions fed the check ("your train_step", or Class.method) moves it to the front.
-    source = ("import pytest\n\n@pytest.mark.exercises('PartOne.__init__', 'train_step')\n"
+    source = ("import pytest\n\n@pytest.mark.exercises('PartTwo.__init__', 'train_step')\n"
               "def test_value():\n    assert False, {!r}\n")
     named = grade(tmp_path, source.format("the loss is off: the gradient your train_step hands back is twice too big"))
-    assert named["hint"] == "python main.py hint 01 3", named
+    assert named["hint"] == "python main.py hint 01 2", named
     unnamed = grade(tmp_path, source.format("the loss is off by a factor of 2"))
     assert unnamed["hint"] == "python main.py hint 01 1", unnamed
 

@@ -94,4 +94,18 @@ PLANTS = [
           "        loss = sum(self.accumulate(tok, tgt, real_tokens(tgt)) for tok, tgt in\n",
           "each microbatch divided by its own real tokens: every microbatch's gradient is the mean of its piece, so the "
           "sums over microbatches and ranks are m d times the step's", new=True),
+    # A learner run's plants (issue 36's second round): each first blamed on a neighbouring TODO.
+    Plant(WEIGHTS, "            buf.layer, buf.version = layer, self.version\n        buf.state = GATHERING\n",
+          "            buf.layer, buf.version = layer, self.version\n            buf.state = GATHERING\n",
+          "GATHERING set only when a gather is sent: a layer still resident stays FREE, and its get is refused",
+          new=True),
+    Plant(WEIGHTS, "            buf.pending = None\n        buf.state = IN_USE\n", "            buf.pending = None\n",
+          "get hands the block out but leaves the buffer GATHERING: release finds it not in use", new=True),
+    Plant(FSDP, "        received = torch.empty_like(self.grad_shards[layer])\n",
+          "        received = self.grad_shards[layer]\n",
+          "the reduce-scatter writes straight into the gradient shard: it overwrites the sum of the earlier "
+          "microbatches, and finish adds the slice to itself", new=True),
+    Plant(FSDP, "        self.grad_shards[self.in_flight.layer].add_(self.in_flight.received)\n        self.in_flight = None\n",
+          "        self.grad_shards[self.in_flight.layer].add_(self.in_flight.received)\n",
+          "the settled reduce-scatter is not forgotten: the next finish adds the same slice again", new=True),
 ]

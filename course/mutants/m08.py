@@ -46,4 +46,8 @@ PLANTS = [
           "\n        buf.released.record(self.compute_stream)\n        buf.state = FREE\n        buf.layer = -1\n",
           "release forgets which layer the buffer holds: the turn from forward to backward copies both blocks again",
           new=True),
+    Plant(F, "        self.copy_stream.synchronize()\n        self.version += 1",
+          "        self.compute_stream.synchronize()\n        self.version += 1",
+          "the host waits for the compute stream, not the copies: a copy no compute waited for may still read the "
+          "weights the optimizer writes (a learner run)", new=True),
 ]
