@@ -313,20 +313,38 @@ def is_learners_file(filename: str) -> bool:
 
 def _is_given_function(f: traceback.FrameSummary) -> bool:
     """Whether a frame in a learner's file runs given code there (module 11's StageComms._check): a
-    function the reference defines with no TODO in it. A function of the learner's own is theirs."""
-    return f.name in _given_functions(Path(f.filename).name)
+    function the reference defines with no TODO in it. A function of the learner's own is theirs, and
+    so is one they define inside a function with a TODO (a helper named `forward` in module 05's
+    one_f_one_b is not the given forward)."""
+    given, with_todos = _given_functions(Path(f.filename).name)
+    if f.name not in given:
+        return False
+    return not any(outer in with_todos for outer in _enclosing_functions(f.filename, f.lineno))
 
 
 @functools.cache
-def _given_functions(name: str) -> frozenset:
+def _given_functions(name: str) -> tuple[frozenset, frozenset]:
+    """(the functions the reference defines with no TODO in them, those with one) of a module file."""
     solution = REPO / "solutions" / name
     if not solution.is_file():
-        return frozenset()
+        return frozenset(), frozenset()
     source = solution.read_text()
     defined = {node.name for node in ast.walk(ast.parse(source))
                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
     with_todos = {block.function.rsplit(".", 1)[-1] for block in todo_blocks(source, name)}
-    return frozenset(defined - with_todos)
+    return frozenset(defined - with_todos), frozenset(with_todos)
+
+
+def _enclosing_functions(filename: str, line: int) -> list[str]:
+    """The functions around the innermost one that holds `line` in the file as it is now (the learner's)."""
+    try:
+        tree = ast.parse(Path(filename).read_text())
+    except (OSError, SyntaxError, ValueError):
+        return []
+    spans = [node for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+             and node.lineno <= line <= (node.end_lineno or node.lineno)]
+    spans.sort(key=lambda node: node.lineno)      # outermost first; the innermost (the frame's own) is last
+    return [node.name for node in spans[:-1]]
 
 
 @functools.cache

@@ -195,6 +195,26 @@ def test_a_failure_shows_the_learners_own_frame_first(monkeypatch):
                                    "steps/m11_executor.py:2 in _check)")
 
 
+def test_a_helper_the_learner_defines_inside_a_todo_is_theirs(monkeypatch, tmp_path):
+    # A learner run: a helper named `forward` inside module 05's one_f_one_b was reported as given code,
+    # because the reference has a given function of that name.
+    from course.launch import where_raised
+    steps = tmp_path / "steps"
+    steps.mkdir()
+    monkeypatch.setenv("COURSE_IMPL", "steps")
+    monkeypatch.setenv("COURSE_STEPS_DIR", str(steps))
+    source = "def one_f_one_b():\n    def forward():\n        raise IndexError('list index out of range')\n" \
+             "    forward()\n"
+    (steps / "m05_schedules.py").write_text(source)
+    namespace = {}
+    exec(compile(source, str(steps / "m05_schedules.py"), "exec"), namespace)
+    try:
+        namespace["one_f_one_b"]()
+    except IndexError as error:
+        where = where_raised(error)
+    assert "given code" not in where and "m05_schedules.py:3 in forward" in where, where
+
+
 def test_an_error_from_the_learners_code_in_the_check_itself_says_where(tmp_path):
     # Raised in pytest's process (not in a rank, whose error says where itself): their line, in steps/.
     from course.skeleton import generate
