@@ -77,9 +77,12 @@ def test_gradients_cross_the_boundary_exactly(cfg):
     received = []
 
     def check_boundary(module, args):  # before part two runs, so the message comes before any crash
-        assert args[0].grad_fn is None and args[0].requires_grad, \
-            ("your train_step hands part two a tensor with autograd history or one that does not require grad: part "
-             "two must receive a leaf (no history) that requires grad, as a tensor arriving from another device would be")
+        assert args[0].grad_fn is None, \
+            ("your train_step hands part two a tensor with autograd history: part two must receive a leaf, as a tensor "
+             "arriving from another device would be (its history stays on the sender's side)")
+        assert args[0].requires_grad, \
+            ("your train_step hands part two a leaf that does not require grad: where would the gradient that must "
+             "cross the cut back to part one be left?")
         received.append(args[0])
     part_two.register_forward_pre_hook(check_boundary)
     frozen = torch.optim.SGD([*part_one.parameters(), *part_two.parameters()], lr=0.0)

@@ -59,7 +59,7 @@ def test_the_loss_equals_cross_entropy_of_the_gathered_unpadded_logits(world_siz
     for rank, (loss, _, log) in enumerate(results):
         assert loss.dtype == f64 and abs(loss.item() - expected.item()) <= 1e-12 * expected.item(), \
             (f"rank {rank}: loss {loss.item()!r}, F.cross_entropy gives {expected.item()!r}"
-             + (" (the padding columns were counted: mask them to -inf)" if loss.item() > 30 else ""))
+             + (" (the padding columns were counted: what must their logits be for exp to ignore them?)" if loss.item() > 30 else ""))
         assert log == [("all_reduce", N * 8)] * 3, \
             f"rank {rank}: expected 3 all-reduces of {N} float64 statistics (max, sum of exponentials, target), got {log}"
     assert not dlogits[:, VOCAB:].any(), "the padding columns must get no gradient"
@@ -157,8 +157,8 @@ def test_the_embedding_equals_a_lookup_of_the_whole_table(world_size, sequence_p
     results = run_ranks(_embedding_on_ranks, world_size, sequence_parallel, table, tokens, dx, timeout=30)
     x = torch.cat([r[0] for r in results], dim=1) if sequence_parallel else results[0][0]
     assert torch.equal(x, table[tokens]), \
-        ("your embedding_forward must equal the whole table's lookup (a token another rank owns contributes zeros "
-         "here)")
+        ("your embedding_forward must equal the whole table's lookup once summed over the ranks: what must this "
+         "rank contribute for a token another rank owns?")
     grad = torch.cat([r[1] for r in results])
     expected = torch.zeros(grad.shape[0], 8, dtype=f64).index_add_(0, tokens.reshape(-1), dx.reshape(-1, 8))
     torch.testing.assert_close(grad, expected, rtol=1e-12, atol=1e-14,
