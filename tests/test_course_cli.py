@@ -345,7 +345,7 @@ def test_grade_prints_one_line_per_check_and_the_todo_that_failed_it(skeleton_st
     assert len(checks) >= 3, grade.stdout  # every check of tests/test_03_ping_pong.py (at least three)
     assert all("NotImplementedError: TODO(m03)" in lines[lines.index(c) + 1] for c in checks), grade.stdout
     assert f"0/{len(checks)} checks pass" in lines, grade.stdout
-    assert lines[-1].startswith("A check's whole output") and "tests/test_03_ping_pong.py -k NAME" in lines[-1]
+    assert lines[-1].startswith("A check's whole output") and "-m m03 -k NAME" in lines[-1]
 
 
 def test_grading_a_given_module_says_so(capsys):

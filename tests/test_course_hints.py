@@ -54,13 +54,13 @@ def test_grade_says_how_many_todos_were_written_without_a_hint_when_the_module_p
     from course.grade import _scorecard
     record(0, 2, 3, 0)
     passed = [{"test": f"t.py::test_{k}", "outcome": "passed", "reason": ""} for k in range(4)]
-    assert _scorecard(MODULES["05"], "steps", ["t.py"], passed, 0) == 0
+    assert _scorecard(MODULES["05"], "steps", passed, 0) == 0
     assert capsys.readouterr().out.splitlines()[-1] == \
         "4/4 checks pass; 2 of 4 TODOs without a hint, 1 with hint 1 or 2, 1 with hint 3"
     failed = passed[:3] + [{"test": "t.py::test_3", "outcome": "failed", "reason": "off", "hint": None}]
-    assert _scorecard(MODULES["05"], "steps", ["t.py"], failed, 1) == 1
+    assert _scorecard(MODULES["05"], "steps", failed, 1) == 1
     assert "3/4 checks pass\n" in capsys.readouterr().out  # nothing to say until it passes
-    _scorecard(MODULES["05"], "solutions", ["t.py"], passed, 0)
+    _scorecard(MODULES["05"], "solutions", passed, 0)
     assert capsys.readouterr().out.splitlines()[-1] == "4/4 checks pass"  # the reference derived nothing
 
 
@@ -69,7 +69,7 @@ def test_grade_passes_even_when_the_record_cannot_be_read(record, capsys):
     import course.hints
     course.hints.HINTS_SHOWN.write_text("not a record")
     passed = [{"test": "t.py::test_0", "outcome": "passed", "reason": ""}]
-    assert _scorecard(MODULES["05"], "steps", ["t.py"], passed, 0) == 0
+    assert _scorecard(MODULES["05"], "steps", passed, 0) == 0
     assert capsys.readouterr().out.splitlines()[-1].startswith("1/1 checks pass; which hints you saw is unknown: ")
 
 
