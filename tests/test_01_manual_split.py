@@ -104,11 +104,11 @@ def test_gradients_cross_the_boundary_exactly(cfg):
     assert boundary.grad is not None, \
         "the tensor part two received has no .grad after your train_step: was the loss backpropagated?"
     ratio = (boundary.grad.norm() / hidden.grad.norm()).item()
-    factor = (f"; {ratio:.4g} is the batch size, {cfg.batch}: the loss summed over the batch, not averaged?"
+    factor = (f" (the batch size: is the loss summed over the batch, not averaged?)"
               if abs(ratio - cfg.batch) < 1e-3 * cfg.batch else "")
     assert torch.equal(boundary.grad, hidden.grad), \
         (f"the gradient your train_step leaves at the boundary differs from the monolith's: |got| / |expected| = "
-         f"{ratio:.4g} (expected 1){factor}: the loss is F.cross_entropy's mean over the batch, backpropagated once, "
+         f"{ratio:.4g}, expected 1{factor}. The loss is F.cross_entropy's mean over the batch, backpropagated once, "
          "with no extra scaling")
     mine = [*(("part_one." + n, p) for n, p in part_one.named_parameters()),
             *(("part_two." + n, p) for n, p in part_two.named_parameters())]

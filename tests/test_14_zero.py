@@ -122,8 +122,8 @@ def _stages(mesh, n_microbatches, max_norm, cap):
                                       for k in ("exp_avg", "exp_avg_sq"))},
             "numels": [b.numel for b in ddp.buckets], "d": group.size, "axis": group.axis, "index": group.index,
             # where this rank's optimizer shards (views into the buckets' weights) start, and how long they are
-            "shards": [] if stage == 0 else [(s.storage_offset() - w.storage_offset(), s.numel(), w.numel())
-                                             for s, w in zip(ddp.parameters(), ddp.weights)]}
+            "shards": [] if stage == 0 else [(s.storage_offset() - w.storage_offset(), s.numel(), w.numel(),
+                                              s.stride(0)) for s, w in zip(ddp.parameters(), ddp.weights)]}
     return results
 
 
@@ -173,11 +173,12 @@ def test_zero_1_and_2_train_as_one_process_with_one_bucket_in_flight(config):
                                           f"process (tolerance {TOLERANCE:g}): DDP's path, your ready, your finish "
                                           f"or your train_step (test_14_data_parallel.py says more)")
                 continue
-            for k, (start, numel, padded) in enumerate(r["shards"]):
+            for k, (start, numel, padded, stride) in enumerate(r["shards"]):
                 n = padded // r["d"]
-                assert (start, numel) == (r["index"] * n, n), (
-                    f"{where}: this rank's optimizer updates values {start} .. {start + numel - 1} of bucket {k}'s "
-                    f"{padded} weights; the reduce-scatter delivers member {r['index']} of {r['d']} (its group index) "
+                assert (start, numel, stride) == (r["index"] * n, n, 1), (
+                    f"{where}: this rank's optimizer updates {numel} values of bucket {k}'s {padded} weights, from "
+                    f"value {start} on, every {stride}; the reduce-scatter delivers member {r['index']} of {r['d']} "
+                    f"(its group index) "
                     f"the gradient of values {r['index'] * n} .. {(r['index'] + 1) * n - 1}, and the all-gather puts "
                     f"its shard back there: your shard_range")
             if stage == 1:

@@ -272,4 +272,8 @@ PLANTS = [
     Plant(COSTS, "\"gradients\": (shard if stage == 2 else values) * b,",
           "\"gradients\": (shard if stage >= 1 else values) * b,",
           "ZeRO-1's gradients counted as a shard: it all-reduces, so every rank keeps them whole"),
+    Plant("m14_zero.py", "    size = padded_numel // d\n    return slice(index * size, (index + 1) * size)\n",
+          "    return slice(index, padded_numel, d)\n",
+          "the shard dealt out in turn (every d-th value) instead of one block: the reduce-scatter delivers a block, "
+          "so the optimizer steps on values whose gradients went to other members (a learner run)", new=True),
 ]
