@@ -62,20 +62,7 @@ def _one_step(sequence_parallel, n_microbatches):
     return measured_cost(tp.collectives.log, {"activations": kept})
 
 
-@pytest.mark.exercises("tp_traffic", "tp_activations_by_name")
-@pytest.mark.parametrize("world_size, sequence_parallel, n_microbatches", [(2, True, 2), (4, False, 1)])
-def test_the_formulas_equal_the_log_and_the_stores_of_a_real_step(world_size, sequence_parallel, n_microbatches):
-    # The reference model (trusted code: this grades the formulas alone): the calls and the bytes of one step's
-    # collectives (course/costs.py's measured_cost of its log), and what its blocks' stores hold after one
-    # microbatch's forward, against tp_traffic + tp_activation_bytes.
-    measured = run_ranks(_one_step, world_size, sequence_parallel, n_microbatches, timeout=30)[0]
-    args = (CFG, {"t": world_size}, 8, torch.float32, n_microbatches, sequence_parallel)
-    formula = costs.tp_traffic(*args) + costs.tp_activation_bytes(*args)
-    assert measured == formula, (f"one step of the reference model (given code) on t = {world_size} against the "
-                                 f"formulas, where they differ: " + differences(measured, formula, {
-                                     "calls": "tp_traffic", "sent": "tp_traffic", "memory": "tp_activations_by_name"}))
-
-
+# Name by name first: one wrong activation then shows by its name, before the whole step's totals.
 @pytest.mark.exercises("tp_activations_by_name")
 @pytest.mark.parametrize("world_size, sequence_parallel, dtype", [(2, True, torch.bfloat16), (4, False, torch.float32),
                                                                   (4, True, torch.float64)],
@@ -96,3 +83,17 @@ def test_the_activation_formula_is_what_the_block_keeps(world_size, sequence_par
                                        sequence_parallel=sequence_parallel)
     wrong = {name: (got.get(name), saved.get(name)) for name in set(got) | set(saved) if got.get(name) != saved.get(name)}
     assert not wrong, f"(formula, kept) bytes where they differ: {wrong}"
+
+
+@pytest.mark.exercises("tp_traffic", "tp_activations_by_name")
+@pytest.mark.parametrize("world_size, sequence_parallel, n_microbatches", [(2, True, 2), (4, False, 1)])
+def test_the_formulas_equal_the_log_and_the_stores_of_a_real_step(world_size, sequence_parallel, n_microbatches):
+    # The reference model (trusted code: this grades the formulas alone): the calls and the bytes of one step's
+    # collectives (course/costs.py's measured_cost of its log), and what its blocks' stores hold after one
+    # microbatch's forward, against tp_traffic + tp_activation_bytes.
+    measured = run_ranks(_one_step, world_size, sequence_parallel, n_microbatches, timeout=30)[0]
+    args = (CFG, {"t": world_size}, 8, torch.float32, n_microbatches, sequence_parallel)
+    formula = costs.tp_traffic(*args) + costs.tp_activation_bytes(*args)
+    assert measured == formula, (f"one step of the reference model (given code) on t = {world_size} against the "
+                                 f"formulas, where they differ: " + differences(measured, formula, {
+                                     "calls": "tp_traffic", "sent": "tp_traffic", "memory": "tp_activations_by_name"}))
