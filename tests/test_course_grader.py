@@ -5,8 +5,9 @@ directory (so a learner's work in steps/ never affects them):
 * the learner's starting point, every module a skeleton: every graded test fails fast on a TODO;
 * one module at a time a skeleton, the others solved: each of its graded tests fails on one of
   *its own* TODOs, so a module's grade measures that module's code.
-The first runs in the suite; the second, one pytest per module, is a long check (`python -m pytest
--m long`, run by .ci/run after the suite). Its subprocesses run four at a time: much of each one's
+Both are long checks (`python -m pytest -m long`, run by .ci/run after the suite): the first re-runs
+every graded test once more (about 85 s on two cores, a quarter of the suite's 6-minute budget), the
+second runs one pytest per module. The second's subprocesses run four at a time: much of each one's
 time is starting Python and waiting for its ranks, so on two cores four together finish in about
 half the time of one after another.
 """
@@ -67,12 +68,14 @@ def graded_alone(tmp_path_factory) -> dict:
         return {key: future.result() for key, future in futures.items()}
 
 
+@pytest.mark.long
 def test_the_skeleton_fails_every_graded_test_because_of_a_todo(skeleton_results):
     assert skeleton_results, "no graded test was collected"
     wrong = not_failed_on(skeleton_results, "TODO(m")
     assert not wrong, "graded tests that did not fail on a TODO:\n" + "\n".join(wrong)
 
 
+@pytest.mark.long
 def test_graded_tests_exist_for_every_module_with_todos(skeleton_results):
     graded_modules = {r["test"].split("/")[-1][5:7] for r in skeleton_results}
     missing = sorted(set(MODULES_WITH_TODOS) - graded_modules)
