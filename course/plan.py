@@ -13,7 +13,8 @@ steps/m18_*.py, `--impl`) and ranked by the predicted step time of docs/18-plann
 `python main.py plan --published` sets the planner beside the training runs papers published
 (m18_presets.PUBLISHED): each run's speed in its paper's convention, the planner's prediction on
 the run's own layout with the residual, and the planner's own top pick, as the markdown table of
-docs/18-planning.md.
+docs/18-planning.md; where a pick sends more data-parallel bytes, whether it is faster even charged all
+of them, and where each step's time goes.
 
 Bad arguments, a preset that does not exist, a GPU count no layout can use and contradictory
 options are refused in one line before the search starts; a model that fits no layout is told
@@ -284,10 +285,29 @@ def data_parallel_bytes(planned) -> float:
     return sum(planned.cost.sent_bytes(axis) for axis in ("d", "dc", "ed"))
 
 
+def data_parallel_seconds(step_time, planned) -> float:
+    """Seconds the step spends on the weights' traffic over d, dc and ed, all of it as if none hid."""
+    return sum(planned.time.comm.get(axis, 0.0) for axis in step_time.HIDDEN_AXES)
+
+
+def wins_without_its_traffic(step_time, own, top) -> bool:
+    """Whether the top pick is still faster with all its data-parallel traffic on the step and none of the
+    published layout's: then its win is made elsewhere (compute, recompute, bubble), not by hiding bytes."""
+    return top.time.step - top.time.exposed + data_parallel_seconds(step_time, top) < own.time.step - own.time.exposed
+
+
+def where_the_step_goes(step_time, planned) -> str:
+    """One row of the breakdown: compute, the model's axes, the bubble, the weights' traffic that waits, the step."""
+    axes = sum(planned.time.comm.get(axis, 0.0) for axis in step_time.EXPOSED_AXES)
+    return (f"`{planned.layout}` | {planned.time.compute:.2f} | {axes:.2f} | {planned.time.bubble:.1%} | "
+            f"{planned.time.exposed:.2f} of {data_parallel_seconds(step_time, planned):.2f} | {planned.time.step:.2f}")
+
+
 def print_published(presets, search, layout, step_time, costs):
     """docs/18-planning.md's table: each published run in its paper's convention, the planner on its layout
-    (the fields the paper states pinned, the rest the planner's fastest that fits), and its own top pick."""
-    rows = []
+    (the fields the paper states pinned, the rest the planner's fastest that fits), and its own top pick; then,
+    where the pick sends more data-parallel bytes, where each step's time goes."""
+    rows, more = [], []
     for run in presets.PUBLISHED:
         model, cfg = run.model, run.model.cfg
         time_model = step_time.TimeModel(**({} if run.overlapped else {"hidden": 0.0}))
@@ -307,8 +327,12 @@ def print_published(presets, search, layout, step_time, costs):
             continue
         own, top = own.fits[0], top.fits[0]
         speed = {name: tokens / planned.time.step / run.gpus for name, planned in (("own", own), ("top", top))}
-        flag = " (more, and faster)" if (data_parallel_bytes(top) > data_parallel_bytes(own)
-                                         and top.time.step < own.time.step) else ""
+        flag = ""
+        if data_parallel_bytes(top) > data_parallel_bytes(own) and top.time.step < own.time.step:
+            flag = " (more: faster " + ("even with all of it waited for" if wins_without_its_traffic(step_time, own, top)
+                                        else "by hiding it") + ")"
+            more += [f"| {run.source} | published | {where_the_step_goes(step_time, own)} |",
+                     f"| | top pick | {where_the_step_goes(step_time, top)} |"]
         theirs = " / ".join(f"{x:,.1f}" for x in published)
         residual = " / ".join(f"{speed['own'] / x - 1:+.0%}".replace("-0%", "0%").replace("+0%", "0%")
                               for x in published)
@@ -321,6 +345,11 @@ def print_published(presets, search, layout, step_time, costs):
           "data-parallel GB a step |")
     print("| --- " * 11 + "|")
     print("\n".join(rows))
+    if more:
+        print("\nWhere the step goes (seconds) where the top pick sends more data-parallel bytes:\n")
+        print("| run | | layout | compute | t, c, e, p | bubble | data-parallel s waited, of | step |")
+        print("| --- " * 8 + "|")
+        print("\n".join(more))
     for name, why in presets.NOT_PLANNED.items():
         print(f"\nNot planned: {name}: {why}.")
 

@@ -17,7 +17,8 @@ cuts it. What one optimizer step costs follows from what the code does, counted 
   the log      course/collectives.py records each collective's payload (for an all-gather or a
                reduce-scatter: one rank's shard) and what one rank sends with the ring algorithm:
                n - 1 payloads over n ranks; for an all-reduce, 2 (n - 1) / n of the tensor
-  the buffers  the full-size buffers ShardedWeights gathers blocks into, the whole outer weights
+  the buffers  the full-size buffers ShardedWeights gathers blocks into (those a step allocates: block l
+               goes to buffer l % 2), the whole outer weights
                during a microbatch, and the Notes' two shard-sized communication buffers (a block's)
                a collective sends from and receives into
 
@@ -68,16 +69,16 @@ def fsdp_traffic(cfg: LlamaConfig, sizes: dict[str, int], dtype: torch.dtype, n_
     #         what does `kept` save at each? (docs/07, "Payload and buffer arithmetic": the Notes' forward, worked.)
     # Hint 2: shard = ⌈(P + 2M) / d⌉, outer_shard = ⌈(2VM + M) / d⌉; passes 2m, turns 2m - 1; the blocks' all-gathers 2
     #         L m - kept (2m - 1), their reduce-scatters L m; the outer group's m each; a collective sends (d - 1)
-    #         payloads of its group's shard, b bytes a value; buffers (2 d shard + d outer_shard + 2 shard) b;
-    #         parameters (L shard + outer_shard) b, gradients as many, optimizer twice that.
+    #         payloads of its group's shard, b bytes a value; buffers (min(2, L) d shard + d outer_shard + 2 shard)
+    #         b; parameters (L shard + outer_shard) b, gradients as many, optimizer twice that.
     # Hint 3: shard, outer_shard = -(-block // d), -(-outer // d);  turns = 2m - 1
     #         for (size, all_gathers, reduce_scatters) in (shard, 2 * L * m - kept * turns, L * m)
     #                                                      and (outer_shard, m, m):
     #             calls = {("d", "all_gather"): all_gathers, ("d", "reduce_scatter"): reduce_scatters}
     #             cost += StepCost({key: n * (d - 1) * size * b for key, n in calls.items()}, calls)
     #         owned = (L * shard + outer_shard) * b
-    #         memory: buffers (2 * d * shard + d * outer_shard + 2 * shard) * b, parameters owned, gradients owned,
-    #                 optimizer 2 * owned;  return cost + StepCost(memory=memory)
+    #         memory: buffers (min(2, L) * d * shard + d * outer_shard + 2 * shard) * b, parameters owned,
+    #                 gradients owned, optimizer 2 * owned;  return cost + StepCost(memory=memory)
     shard, outer_shard = -(-block // d), -(-outer // d)
     turns = 2 * m - 1
     cost = StepCost()
@@ -85,7 +86,7 @@ def fsdp_traffic(cfg: LlamaConfig, sizes: dict[str, int], dtype: torch.dtype, n_
         calls = {("d", "all_gather"): all_gathers, ("d", "reduce_scatter"): reduce_scatters}
         cost += StepCost({key: n * (d - 1) * size * b for key, n in calls.items()}, calls)
     owned = (L * shard + outer_shard) * b
-    memory = {"buffers": (2 * d * shard + d * outer_shard + 2 * shard) * b, "parameters": owned, "gradients": owned,
-              "optimizer": 2 * owned}
+    memory = {"buffers": (min(2, L) * d * shard + d * outer_shard + 2 * shard) * b, "parameters": owned,
+              "gradients": owned, "optimizer": 2 * owned}
     return cost + StepCost(memory=memory)
     # <<<

@@ -1,5 +1,5 @@
 # Generated from solutions/m07_payload.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 07`. (skeleton d89c22d6fec2)
+# Grade your work with `python main.py grade 07`. (skeleton c36a5dda8d5e)
 """Module 07, part 2 - FSDP's communication and memory arithmetic, before running anything.
 
 A block holds P + 2M values (its seven matrices, P, and its two norm weights of M each: the
@@ -19,7 +19,8 @@ cuts it. What one optimizer step costs follows from what the code does, counted 
   the log      course/collectives.py records each collective's payload (for an all-gather or a
                reduce-scatter: one rank's shard) and what one rank sends with the ring algorithm:
                n - 1 payloads over n ranks; for an all-reduce, 2 (n - 1) / n of the tensor
-  the buffers  the full-size buffers ShardedWeights gathers blocks into, the whole outer weights
+  the buffers  the full-size buffers ShardedWeights gathers blocks into (those a step allocates: block l
+               goes to buffer l % 2), the whole outer weights
                during a microbatch, and the Notes' two shard-sized communication buffers (a block's)
                a collective sends from and receives into
 

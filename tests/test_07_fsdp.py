@@ -237,6 +237,17 @@ def test_buffers_and_state_count_the_padding():
     assert cost.n_calls("d", "all_reduce") == 0, "no weight is replicated: nothing is all-reduced"
 
 
+@pytest.mark.exercises("fsdp_traffic")
+def test_one_block_needs_one_full_buffer():
+    # One block: block l goes to buffer l % 2, so a step only ever fills buffer 0 (ShardedWeights allocates a buffer at
+    # its first gather). PADDED_CFG's block (59 values a shard over 4 ranks) and outer weights (770), bf16.
+    cost = payload.fsdp_traffic(dataclasses.replace(PADDED_CFG, n_layers=1), {"d": 4}, torch.bfloat16)
+    want = 1 * 4 * 118 + 4 * 1_540 + 2 * 118
+    assert cost.memory.get("buffers") == want, (
+        f"buffers: {cost.memory.get('buffers')} bytes with one block, expected {want}: how many of the two full-size "
+        "buffers does a step with a single block ever fill?")
+
+
 def _one_real_step(n_microbatches):
     """One step of the reference FSDP model: its log, and the bytes of what it keeps between steps."""
     group = data_group()

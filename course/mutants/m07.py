@@ -86,8 +86,8 @@ PLANTS = [
     Plant(PAYLOAD, "L * m), (outer_shard, m, m)):", "L * m), (outer_shard, 1, 1)):",
           "the outer weights gathered and reduce-scattered once a step: each microbatch gathers them and "
           "reduce-scatters their gradients (they are dropped at its end)"),
-    Plant(PAYLOAD, "\"buffers\": (2 * d * shard + d * outer_shard + 2 * shard) * b",
-          "\"buffers\": (2 * d * shard + 2 * shard) * b",
+    Plant(PAYLOAD, "\"buffers\": (min(2, L) * d * shard + d * outer_shard + 2 * shard) * b",
+          "\"buffers\": (min(2, L) * d * shard + 2 * shard) * b",
           "the buffers without the outer weights gathered whole: during a microbatch every rank holds all of them"),
     # Issue 36's divisor of every train_step, the other way to get it wrong (issue 37).
     Plant(FSDP, "        loss = sum(self.accumulate(tok, tgt, n_tokens) for tok, tgt in\n",
@@ -108,4 +108,7 @@ PLANTS = [
     Plant(FSDP, "        self.grad_shards[self.in_flight.layer].add_(self.in_flight.received)\n        self.in_flight = None\n",
           "        self.grad_shards[self.in_flight.layer].add_(self.in_flight.received)\n",
           "the settled reduce-scatter is not forgotten: the next finish adds the same slice again", new=True),
+    Plant(PAYLOAD, "\"buffers\": (min(2, L) * d * shard", "\"buffers\": (2 * d * shard",
+          "two full-size block buffers counted whatever L: a model of one block only ever fills buffer 0 (a learner "
+          "run's plant)", new=True),
 ]
