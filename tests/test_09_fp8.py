@@ -391,7 +391,8 @@ def test_one_linear_quantizes_its_input_and_gradient_once_and_reuses_the_cached_
     monkeypatch.setattr(matmul, "scaled_mm", lambda a, b, *args, **kw: operands.append(b.data.untyped_storage().data_ptr())
                         or scaled_mm(a, b, *args, **kw))
     fp8_forward_backward(x, w, dy, policy=policy)
-    culprit = ("FP8Matmul.prepare" if quantized[:1] != [("x", E4M3)] else
+    # x quantized again later: the copy prepare made is not the one that was kept (the store) or used
+    culprit = ("FP8Matmul.prepare" if quantized[:1] != [("x", E4M3)] or quantized.count(("x", E4M3)) > 1 else
                "FP8Matmul.forward" if ("dy", E5M2) not in quantized[1:2] else "FP8Matmul.backward")
     assert quantized == [("x", E4M3), ("dy", E5M2)], \
         (f"your {culprit}: self.quantize was called for {quantized}; expected x to e4m3 once (prepare) and dy to "

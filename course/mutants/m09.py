@@ -44,4 +44,7 @@ PLANTS = [
     Plant(MATMUL, "return scaled_mm(row_major(x_fp8), self.weights.row_major(w).t(), out_dtype=w.dtype, fast_accum=True)",
           "return scaled_mm(row_major(x_fp8), row_major(self.weights.row_major(w).t()), out_dtype=w.dtype, fast_accum=True)",
           "W^T copied into row-major order: the transposed view was already the column-major b", new=True),
+    Plant(MATMUL, "        store.save(name, x_fp8)\n", "        store.save(name, x)\n",
+          "the store keeps x, not its FP8 copy: the backward quantizes x again, and the store counts 2 bytes a value "
+          "(a learner run's plant, its later failures blamed on forward)", new=True),
 ]
