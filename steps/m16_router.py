@@ -1,5 +1,5 @@
 # Generated from solutions/m16_router.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 16`. (skeleton 09ddab2504be)
+# Grade your work with `python main.py grade 16`. (skeleton d1b60ac2024c)
 """Module 16, part 1 - the router: which k of the E experts each token goes to, with what weight,
 and the two ways of keeping the experts' loads even.
 
@@ -26,8 +26,8 @@ Load balancing. A router left alone sends most tokens to a few experts. Two reme
     its tokens are all-reduced over c before φ and π are formed.
   auxiliary-loss-free bias (DeepSeek-V3): after each optimizer step, every expert's load (the tokens
     the router sent it in the step, over the whole global batch: summed over every data rank) is
-    compared with the even share, and ρ_j moves by γ against the error: up for an underloaded
-    expert, down for an overloaded one. No gradient at all.
+    compared with the even share, and ρ_j moves by a fixed step γ so that the next step's loads are a
+    little more even. No gradient at all.
 
 Shapes: n is (N, M), the N tokens of one rank's microbatch, sequence after sequence (T rows each).
 """
@@ -153,12 +153,12 @@ def update_biases(biases: list[torch.Tensor], loads: torch.Tensor, moe: MoEConfi
     in place; loads (L, E) the tokens each layer's router sent each expert in the step, over the whole
     global batch (summed over every data rank by the caller)."""
     # TODO(m16): the auxiliary-loss-free bias update
-    # Contract: for every layer l, biases[l] moves in place by exactly γ (moe.bias_rate) per expert: up where expert j got
-    #   fewer tokens than the even share of the layer's load, down where it got more, unchanged where it got exactly
-    #   its share. Nothing is returned. The test checks two layers' biases by value and that the tensors are the same.
+    # Contract: afterwards every biases[l] is the same tensor, each expert's entry moved by the chapter's fixed step γ
+    #   (moe.bias_rate) or not at all, so that the experts this step crowded are a little less likely to be chosen next
+    #   step and those it left idle a little more; an expert that got exactly its even share of the layer's load keeps
+    #   its bias. Nothing is returned. The test checks two layers' biases by value and that the tensors are the same.
     # Maths: loads (L, E) counts slots; every token sends k of them.
-    # Question: what is the even share of a layer's load, and what one expression moves a bias by a fixed step against
-    #   its expert's error?
+    # Question: crowded against what, and which way must a bias move to make its expert less likely to be chosen?
     # Pitfalls: does `bias = ...` change the tensor the model holds? Whose loads are they: one rank's, or the whole
     #   global batch's (the caller sums them)?
     raise NotImplementedError('TODO(m16): the auxiliary-loss-free bias update')

@@ -172,9 +172,13 @@ def test_training_with_experts_over_ranks_reproduces_the_single_process_loss_cur
     for rank, result in enumerate(r[name] for r in runs):
         index, losses, _, routers, experts, biases, last_loads, last_dropped = result
         worst = max(abs(a - b) for a, b in zip(losses, expected, strict=True))
+        # the first step right and a later one wrong, with the bias: the step between them moved it
+        later = moe.balance == "bias" and abs(losses[0] - expected[0]) <= 1e-12
         assert worst <= 1e-12, \
             (f"{name}, rank {rank}: losses {losses} vs one process {expected}: off by {worst:.1e}"
-             f"{pad * ' (each microbatch divided by the real tokens of the whole global batch, not its own)'}")
+             f"{pad * ' (each microbatch divided by the real tokens of the whole global batch, not its own)'}"
+             f"{later * ' (the first step agrees, a later one does not: what moved between them besides the weights, '}"
+             f"{later * 'and from whose loads?)'}")
         wrong = [f"layer {l} router" for l, w in enumerate(routers) if not close(w, ref.weights[f"{l}.router"])]
         own = slice(index * 8 // e, (index + 1) * 8 // e)
         wrong += [f"layer {l} experts {own.start}..{own.stop - 1} {k}" for l, w in enumerate(experts)

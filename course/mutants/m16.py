@@ -150,5 +150,9 @@ PLANTS = [
           "    labels = torch.arange(received.shape[1], device=counts.device).repeat_interleave(e)"
           ".repeat_interleave(received.flatten())\n",
           "the regroup's labels numbered member by member instead of expert by expert (wrong with E/e > 1)", new=True),
+    Plant(MODEL, "update_biases(self.biases(), stats[3:].view(n_layers, n_experts), self.moe)",
+          "update_biases(self.biases(), loads.to(torch.float64), self.moe)",
+          "the biases moved by this rank's loads alone: the replicas' biases, and then their routing, drift apart "
+          "(a learner run's plant)", new=True),
 ]
 
