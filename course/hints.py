@@ -8,8 +8,10 @@ formula in the glossary's symbols, no code); `# Hint 3:` pseudo-code or code. (d
 "Writing a TODO", has the whole rule.) Each call shows the next level of one TODO; which levels were
 shown is remembered in a git-ignored file (HINTS_SHOWN), so regenerating the skeletons or pulling the
 course never resets it, and it never touches steps/. `python main.py grade NN` and `list` read it to
-say how many TODOs were written with no hint seen, with hint 1 or 2 at most, and with hint 3.
-The file is replaced whole on each save (never left half-written); one that does not hold such a
+say how many TODOs were written with no hint seen, with hint 1 or 2 at most, and with hint 3:
+when `grade` first passes a module it copies the module's levels to a second file (PASSED), and
+from then on they are the count, so hints read afterwards, to compare, do not change it.
+Each file is replaced whole on each save (never left half-written); one that does not hold such a
 record is named and left as it is, never silently reset. It is keyed by the TODOs' titles: a title
 renamed in solutions/ goes in RENAMED_TITLES, so that what a learner has seen follows it.
 
@@ -35,6 +37,7 @@ from course.catalog import Module
 from course.skeleton import TodoBlock, todo_blocks
 
 HINTS_SHOWN = REPO / ".course-hints.json"  # {"TODO(m05): ...": levels shown}
+PASSED = REPO / ".course-passed.json"      # {"05": {"TODO(m05): ...": levels shown when grade first passed 05}}
 # A TODO's old title -> its new one ("TODO(m14): ..." both), oldest renaming first: a record read
 # under an old title counts for the new one (the higher level seen, if it holds both).
 RENAMED_TITLES: dict[str, str] = {
@@ -231,16 +234,27 @@ class HintsSeen:
 
 
 def hints_seen(module: Module, shown: dict[str, int] | None = None) -> HintsSeen:
-    """The module's TODOs counted by the highest hint level seen (from the record, unless `shown` is
-    given); HintRecordError if the record cannot be read."""
-    levels = [(load_shown() if shown is None else shown).get(block.title, 0) for block in module_todos(module)]
+    """The module's TODOs counted by the highest hint level seen before `grade` first passed the module
+    (after that the learner reads hints to compare, not to write), or until now if it has not (from the
+    record, unless `shown` is given); HintRecordError if a record cannot be read."""
+    at_pass = load_passed().get(module.number)
+    if at_pass is None:
+        at_pass = load_shown() if shown is None else shown
+    levels = [at_pass.get(block.title, 0) for block in module_todos(module)]
     return HintsSeen(sum(level == 0 for level in levels), sum(1 <= level <= 2 for level in levels),
                      sum(level >= 3 for level in levels))
 
 
 def what_was_derived(module: Module) -> str:
-    """What `grade` adds to a passing module's total: how many TODOs were written without a hint."""
+    """What `grade` adds to a passing module's total: how many TODOs were written without a hint (the
+    levels seen until now are kept as those it was written with, if it had not passed before)."""
     try:
+        passed = load_passed()
+        if module.number not in passed:
+            shown = load_shown()
+            passed[module.number] = {block.title: shown[block.title] for block in module_todos(module)
+                                     if shown.get(block.title)}
+            _save(PASSED, passed, "which hints you had seen when the module passed")
         return str(hints_seen(module))
     except HintRecordError as exc:
         return f"which hints you saw is unknown: {exc}"
@@ -254,42 +268,66 @@ def _strip_comment(line: str) -> str:
     return "  " + re.sub(r"^\s*# ?", "", line)
 
 
-def load_shown() -> dict[str, int]:
-    """The record of hint levels seen: {} if there is none yet; HintError if it is not one."""
+def _read(path, what: str, shape: str, valid) -> dict:
+    """The record in `path`: {} if there is none yet; HintRecordError if it cannot be read or `valid`
+    refuses it (it is then left as it is)."""
     try:
-        data = HINTS_SHOWN.read_bytes()
+        data = path.read_bytes()
     except (FileNotFoundError, NotADirectoryError):  # none yet
         return {}
     except OSError as exc:  # e.g. a folder of that name
-        raise HintRecordError(f"the record of hints seen, {HINTS_SHOWN}, cannot be read ({exc.strerror or exc})") from None
+        raise HintRecordError(f"the record of {what}, {path}, cannot be read ({exc.strerror or exc})") from None
     try:
-        shown = json.loads(data.decode("utf-8"))
+        record = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError):
-        shown = None  # refused below, like JSON that is not a record (bytes that are not UTF-8 are no JSON)
-    if not (isinstance(shown, dict)
-            and all(isinstance(title, str) and type(levels) is int and levels >= 0 for title, levels in shown.items())):
-        raise HintRecordError(f"{HINTS_SHOWN} is not a record of hints seen ({{\"TODO(mNN): ...\": levels seen}}); "
-                              "it was left as it is: move it away to start a new one")
+        record = None  # refused below, like JSON that is not a record (bytes that are not UTF-8 are no JSON)
+    if not (isinstance(record, dict) and valid(record)):
+        raise HintRecordError(f"{path} is not a record of {what} ({shape}); it was left as it is: move it away to "
+                              "start a new one")
+    return record
+
+
+def _levels(record) -> bool:
+    return all(isinstance(title, str) and type(levels) is int and levels >= 0 for title, levels in record.items())
+
+
+def _renamed(shown: dict[str, int]) -> dict[str, int]:
     for old, new in RENAMED_TITLES.items():
         if old in shown:
             shown[new] = max(shown.pop(old), shown.get(new, 0))
     return shown
 
 
+def load_shown() -> dict[str, int]:
+    """The record of hint levels seen: {} if there is none yet; HintError if it is not one."""
+    return _renamed(_read(HINTS_SHOWN, "hints seen", '{"TODO(mNN): ...": levels seen}', _levels))
+
+
+def load_passed() -> dict[str, dict[str, int]]:
+    """The levels seen of each module `grade` has passed, when it first passed it: {} if none yet."""
+    passed = _read(PASSED, "hints seen when a module passed", '{"NN": {"TODO(mNN): ...": levels seen}}',
+                   lambda record: all(isinstance(levels, dict) and _levels(levels) for levels in record.values()))
+    return {number: _renamed(levels) for number, levels in passed.items()}
+
+
 def _save_shown(shown: dict[str, int]):
+    _save(HINTS_SHOWN, shown, "which hint levels you have seen")
+
+
+def _save(path, record: dict, what: str):
     """Write the record whole, then put it in place (os.replace): an interrupted save never
     leaves half a file, and the old record stays until the new one is complete."""
-    text = json.dumps(shown, indent=1, sort_keys=True) + "\n"
+    text = json.dumps(record, indent=1, sort_keys=True) + "\n"
     partial = None
     try:
-        fd, partial = tempfile.mkstemp(dir=HINTS_SHOWN.parent, prefix=HINTS_SHOWN.name, suffix=".partial")
+        fd, partial = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".partial")
         with os.fdopen(fd, "w") as f:
             f.write(text)
-        os.replace(partial, HINTS_SHOWN)
+        os.replace(partial, path)
     except BaseException as exc:  # a read-only checkout (OSError), or Ctrl-C: no partial file left
         if partial and os.path.exists(partial):
             os.unlink(partial)
         if not isinstance(exc, OSError):
             raise
-        raise HintRecordError(f"which hint levels you have seen could not be saved in {HINTS_SHOWN} "
-                              f"({exc.strerror or exc}): the next call shows this level again") from None
+        raise HintRecordError(f"{what} could not be saved in {path} ({exc.strerror or exc})"
+                              + (": the next call shows this level again" if path == HINTS_SHOWN else "")) from None

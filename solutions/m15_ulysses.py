@@ -137,8 +137,8 @@ class UlyssesAttention:
         # Pitfalls: which copying puts on rank j the key/value head its query heads read, each head's copies side by
         #   side or the whole set repeated? With two key/value heads a rank, does your lse keep (key/value head,
         #   group) in that order?
-        # Hint 1: the chapter's "Ulysses": which tensors cross before and after attention, and what shape must the
-        #         lse take to ride an all-to-all like an output with D = 1?
+        # Hint 1: the chapter's "Ulysses": which tensors cross before and after attention, and which of them is
+        #         not laid out like q, k, v and o: how can it cross by the same exchange?
         # Hint 2: the head-sharded lse (B, K_r, Q, T) lists this rank's heads as K_r Q in the global order: flatten
         #         them to one axis, put time first and add a last axis of 1, (B, T, heads/c, 1); back on this rank's
         #         positions it is (B, n, heads, 1): drop the last axis, time last, and regroup as (B, kv_heads,

@@ -23,6 +23,7 @@ mesh; then each rank builds the composed model and runs, in order:
 Tolerance: float64, the same sums in another order: within 1e-10 relative to each tensor's largest entry
 (measured 4e-16); the copies (shards, gathers) are compared bit for bit.
 """
+import dataclasses
 import functools
 import tempfile
 from pathlib import Path
@@ -33,6 +34,7 @@ import torch
 from composed_checks import m06, whole_model
 from course.dataset import load_text, random_batch
 from course.impl import load, reference
+from course.late_collectives import LateCollectives
 from course.launch import RankFailed, RankTimeout, run_ranks
 from course.mesh import Group, group_of, init_mesh
 
@@ -95,10 +97,22 @@ def _pieces(sizes, progress):
     tokens, targets = batch()
     rows, ys = model.share(tokens).chunk(M), model.share(targets).chunk(M)
 
+    def late(fn) -> list[str]:
+        """fn run with the fsdp group's collectives delivered late (course/late_collectives.py: a result is NaN
+        until waited for), and the labels of those it never waited for."""
+        on_time, fsdp = stage.groups, stage.groups.fsdp
+        stage.groups = dataclasses.replace(on_time, fsdp=Group(fsdp.axis, fsdp.index, fsdp.ranks, LateCollectives(
+            fsdp.collectives.group, fsdp.axis, fsdp.ranks)))
+        try:
+            fn()
+            return stage.groups.fsdp.collectives.never_waited()
+        finally:
+            stage.groups = on_time
+
     def one_pass():
         stage.begin_step(m06.real_tokens(targets), BATCH)
         stage.gather_outer = lambda: None  # gather() ends by calling it: called on its own below
-        piece("LlamaStage.gather", stage.gather)
+        out["unwaited"] = late(lambda: piece("LlamaStage.gather", stage.gather))
         del stage.gather_outer
         piece("LlamaStage.gather_outer", stage.gather_outer)
         buffers = {"weights": [copies(w.tensors()) for w in stage.weights], "full_grads": copies(stage.full_grads),
@@ -291,6 +305,10 @@ def test_gather_gives_each_block_its_t_slice_whole_and_zeroed_buffers_for_its_gr
     t, model = MESHES[name].get("t", 1), whole()
     for r in results:
         where = f"{name}, rank at d {r['place']['d']}, c {r['place']['c']}, t {r['place']['t']}"
+        assert not r["unwaited"], \
+            (f"{where}: your LlamaStage.gather returned while the all-gathers {r['unwaited']} were still in flight "
+             f"(never waited for): on a slow network their buffers are not filled yet when the first forward reads "
+             f"them")
         for key in [k for k in ("gathered", "regathered") if k in r]:
             buffers = r[key]
             assert len(buffers["weights"]) == CFG.n_layers, f"{where}: {len(buffers['weights'])} blocks gathered"

@@ -420,6 +420,7 @@ def hint_record(tmp_path, monkeypatch):
     import course.hints
     record = tmp_path / "hints.json"
     monkeypatch.setattr(course.hints, "HINTS_SHOWN", record)
+    monkeypatch.setattr(course.hints, "PASSED", tmp_path / "passed.json")
     return record
 
 

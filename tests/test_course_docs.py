@@ -28,7 +28,7 @@ DOCS = [REPO / "README.md", REPO / "docs" / "glossary.md", *sorted((REPO / "docs
 NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
 
 PATH_SUFFIXES = (".py", ".md", ".ipynb", ".json", ".txt", ".toml")
-GENERATED = ("results/", ".course-hints.json")  # written by `python main.py bench NN` and `hint`, git-ignored
+GENERATED = ("results/", ".course-hints.json", ".course-passed.json")  # by bench, hint and grade, git-ignored
 # Names the docs may call that are PyTorch's or Python's own, not the course's.
 KNOWN_CALLS = {
     "send", "recv", "isend", "irecv", "wait", "init_process_group", "destroy_process_group",

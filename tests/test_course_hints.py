@@ -17,6 +17,7 @@ def record(tmp_path, monkeypatch):
     import course.hints
     path = tmp_path / "hints.json"
     monkeypatch.setattr(course.hints, "HINTS_SHOWN", path)
+    monkeypatch.setattr(course.hints, "PASSED", tmp_path / "passed.json")
 
     monkeypatch.setattr(course.hints, "RENAMED_TITLES", {})
 
@@ -62,6 +63,24 @@ def test_grade_says_how_many_todos_were_written_without_a_hint_when_the_module_p
     assert "3/4 checks pass\n" in capsys.readouterr().out  # nothing to say until it passes
     _scorecard(MODULES["05"], "solutions", passed, 0)
     assert capsys.readouterr().out.splitlines()[-1] == "4/4 checks pass"  # the reference derived nothing
+
+
+def test_hints_read_after_the_module_passed_do_not_count(record, capsys):
+    # Two learner runs read every hint 1 after their module passed, to compare: grade had said "14 of 14 TODOs
+    # without a hint", and list then said 0/14/0. The levels seen at the first pass are the count from then on.
+    from course.grade import _scorecard
+    import course.hints
+    titles = record(0, 1, 0, 0)
+    passed = [{"test": f"t.py::test_{k}", "outcome": "passed", "reason": ""} for k in range(4)]
+    assert _scorecard(MODULES["05"], "steps", passed, 0) == 0
+    assert capsys.readouterr().out.splitlines()[-1].endswith("; 3 of 4 TODOs without a hint, 1 with hint 1 or 2")
+    course.hints.HINTS_SHOWN.write_text(json.dumps({title: 3 for title in titles}))  # every hint, afterwards
+    assert hints_seen(MODULES["05"]) == HintsSeen(without=3, up_to_2=1, with_3=0)
+    _scorecard(MODULES["05"], "steps", passed, 0)
+    assert capsys.readouterr().out.splitlines()[-1].endswith("; 3 of 4 TODOs without a hint, 1 with hint 1 or 2")
+    main.main(["list"])
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("05 "))
+    assert " 3/1/0  " in row, row
 
 
 def test_grade_passes_even_when_the_record_cannot_be_read(record, capsys):

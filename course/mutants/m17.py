@@ -172,4 +172,9 @@ PLANTS = [
           at_line(8, "self.shards = [self.layout.shard(self.layout.flatten(s), fsdp.index) for s in slices]"),
           "a block shard kept as a view of the whole flat buffer: every rank still holds the whole t slice's memory",
           new=True),
+    Plant(STAGE, "                 for full, shard, layer in zip(self.full, self.shards, self.layers, strict=True)]\n"
+                 "        for work in works:\n            work.wait()\n",
+          "                 for full, shard, layer in zip(self.full, self.shards, self.layers, strict=True)]\n",
+          "the blocks' all-gathers never waited for: the first forward may read buffers not yet filled (a learner "
+          "run's plant, seen before only as NaN losses, by a race)", new=True),
 ]
