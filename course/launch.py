@@ -283,11 +283,14 @@ def where_raised(exc: BaseException) -> str:
     (the innermost one in a file they fill in, and the innermost in another such file that led
     there: the bug is often in the caller), then where it was raised if that is given code; or ''.
     With no learner's frame on the stack: the innermost course frame and its caller in steps/ or
-    solutions/."""
+    solutions/. An error a check raised `from` the learner's ("your LlamaStage.forward raised ...") is
+    located where the learner's one was."""
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if _is_course_file(f.filename)]
+    mine = [f for f in frames if is_learners_file(f.filename) and not _is_given_function(f)]
+    if not mine and exc.__cause__ is not None and where_raised(exc.__cause__):
+        return where_raised(exc.__cause__)
     if not frames:
         return ""
-    mine = [f for f in frames if is_learners_file(f.filename) and not _is_given_function(f)]
     innermost = mine[-1] if mine else frames[-1]
     callers = [f for f in reversed(mine or frames) if f.filename != innermost.filename
                and (mine or _short(f.filename).startswith(("steps/", "solutions/")))]

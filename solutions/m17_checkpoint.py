@@ -317,7 +317,12 @@ def load(model, optimizer, train_state: dict, directory, description: dict):
     if saved != description:
         raise CheckpointError(f"{directory} was saved for another model or vocabulary: {saved['model']}")
     state = state_dict(model, optimizer, model.mesh.device_mesh, train_state)  # this mesh's pieces, to fill
-    dcp.load(state, storage_reader=dcp.FileSystemReader(directory))
+    try:
+        dcp.load(state, storage_reader=dcp.FileSystemReader(directory))
+    except dcp.CheckpointException as error:  # every rank's traceback at once: the first rank's error says what
+        rank = min(error.failures)
+        raise CheckpointError(f"{directory} does not fit this run's state (rank {rank}: {error.failures[rank][0]})"
+                              ) from None
     for stage in model.stages.values():
         params = stage.parameters()
         for prefix, tensors in (("model", {p: p for p in params}), ("optim.exp_avg", moments(optimizer, params, "exp_avg")),

@@ -1,5 +1,5 @@
 # Generated from solutions/m17_checkpoint.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 17`. (skeleton 17aadd3c52e8)
+# Grade your work with `python main.py grade 17`. (skeleton 9da89533014e)
 """Module 17, part 6 - checkpoints with torch.distributed.checkpoint (DCP): saved in the model's own
 shapes, loaded onto any mesh, never half-written.
 
@@ -273,7 +273,12 @@ def load(model, optimizer, train_state: dict, directory, description: dict):
     if saved != description:
         raise CheckpointError(f"{directory} was saved for another model or vocabulary: {saved['model']}")
     state = state_dict(model, optimizer, model.mesh.device_mesh, train_state)  # this mesh's pieces, to fill
-    dcp.load(state, storage_reader=dcp.FileSystemReader(directory))
+    try:
+        dcp.load(state, storage_reader=dcp.FileSystemReader(directory))
+    except dcp.CheckpointException as error:  # every rank's traceback at once: the first rank's error says what
+        rank = min(error.failures)
+        raise CheckpointError(f"{directory} does not fit this run's state (rank {rank}: {error.failures[rank][0]})"
+                              ) from None
     for stage in model.stages.values():
         params = stage.parameters()
         for prefix, tensors in (("model", {p: p for p in params}), ("optim.exp_avg", moments(optimizer, params, "exp_avg")),

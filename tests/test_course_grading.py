@@ -195,6 +195,18 @@ def test_a_failure_shows_the_learners_own_frame_first(monkeypatch):
                                    "steps/m11_executor.py:2 in _check)")
 
 
+def test_an_error_a_check_raises_from_the_learners_is_located_where_theirs_was(monkeypatch):
+    # A learner run (module 17): a check that names the piece it ran ("your LlamaStage.forward raised ...", raised
+    # from the learner's error) was located "in the check's own code, in piece", not in the learner's frames.
+    from course.launch import where_raised
+    cause = _raise_through(monkeypatch, ["steps/m17_stage.py", "steps/m12_tp_model.py"])
+    try:
+        raise RuntimeError(f"your LlamaStage.forward raised ValueError: {cause}") from cause
+    except RuntimeError as error:
+        where = where_raised(error)
+    assert where == " (at steps/m12_tp_model.py:2 in f0 <- steps/m17_stage.py:12 in f1)", where
+
+
 def test_a_helper_the_learner_defines_inside_a_todo_is_theirs(monkeypatch, tmp_path):
     # A learner run: a helper named `forward` inside module 05's one_f_one_b was reported as given code,
     # because the reference has a given function of that name.

@@ -177,4 +177,14 @@ PLANTS = [
           "                 for full, shard, layer in zip(self.full, self.shards, self.layers, strict=True)]\n",
           "the blocks' all-gathers never waited for: the first forward may read buffers not yet filled (a learner "
           "run's plant, seen before only as NaN losses, by a race)", new=True),
+    Plant(RUN, "        losses.append(model.train_step(tokens, targets, n_microbatches, optimizer))\n"
+               "        if checkpoint_dir and checkpoint_every and (step + 1) % checkpoint_every == 0:\n"
+               "            save(model, optimizer, training_state(generator, losses), checkpoint_dir, step + 1, description,\n"
+               "                 make_writer)\n",
+          "        if checkpoint_dir and checkpoint_every and (step + 1) % checkpoint_every == 0:\n"
+          "            save(model, optimizer, training_state(generator, losses), checkpoint_dir, step + 1, description,\n"
+          "                 make_writer)\n"
+          "        losses.append(model.train_step(tokens, targets, n_microbatches, optimizer))\n",
+          "checkpoint \"step k\" saved before the k-th step ran: it holds k - 1 steps' weights and losses (a learner "
+          "run's plant, its failure 110 lines of DCP tracebacks)", new=True),
 ]
