@@ -39,3 +39,15 @@ def differs(got: torch.Tensor, want: torch.Tensor, rtol: float = 1e-12) -> str |
     if not torch.isfinite(got64).all():
         return f"not finite at {torch.nonzero(~torch.isfinite(got64))[0].tolist()} ({text})"
     return text
+
+
+def first_difference(got: torch.Tensor, want: torch.Tensor, around: int = 3) -> str:
+    """Where two index lists part: 'from position 12 of 145: got [..], expected [..]' (a few entries before it
+    and after), instead of both lists whole."""
+    if got.shape != want.shape:
+        return f"{got.numel()} entries, expected {want.numel()}"
+    at = int((got != want).flatten().nonzero()[0])
+    window = slice(max(at - around, 0), at + around + 1)
+    return (f"from position {at} of {want.numel()}: got {got.flatten()[window].tolist()}, expected "
+            f"{want.flatten()[window].tolist()} (positions {window.start}..{min(window.stop, want.numel()) - 1})")
+

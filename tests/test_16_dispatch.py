@@ -6,7 +6,7 @@ import torch
 
 from course.impl import load
 
-from moe_checks import differs  # tests/moe_checks.py
+from moe_checks import differs, first_difference  # tests/moe_checks.py
 
 dispatch = load("m16_dispatch")
 f64 = torch.float64
@@ -47,8 +47,8 @@ def test_the_capacity_keeps_the_first_G_slots_of_each_expert_in_expert_major_ord
          f"expert keeps its first G slots in token order")
     assert torch.equal(plan.counts, counts), f"your plan_dispatch: counts {plan.counts.tolist()}, expected {counts.tolist()}"
     assert torch.equal(plan.slots, slots), \
-        (f"your plan_dispatch: the rows' slots {plan.slots.tolist()}, expected {slots.tolist()}: expert-major, each expert's slots in "
-         f"slot order (a stable sort)")
+        (f"your plan_dispatch: the rows' slots differ {first_difference(plan.slots, slots)}: expert-major, each "
+         f"expert's slots in slot order (a stable sort)")
     assert torch.equal(plan.tokens, slots // 2)
 
 

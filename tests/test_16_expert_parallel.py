@@ -12,6 +12,7 @@ import torch
 from course.impl import load
 from course.launch import run_ranks
 from course.mesh import init_mesh
+from moe_checks import first_difference  # tests/moe_checks.py
 
 parallel = load("m16_expert_parallel")
 N_EXPERTS = 8
@@ -98,7 +99,7 @@ def test_the_plan_has_both_sides_split_sizes_and_a_stable_regroup():
                 (f"{where}: recv_splits {list(exchange.recv_splits)}, expected {recv}; its own send sizes are "
                  f"{send} (whose counts say what arrives here?)")
             assert torch.equal(exchange.regroup, regroup), \
-                (f"{where}: regroup {exchange.regroup.tolist()}, expected {regroup.tolist()}: grouped = "
+                (f"{where}: regroup differs {first_difference(exchange.regroup, regroup)}: grouped = "
                  f"arrived[regroup] puts each local expert's rows side by side, member 0's first, each member's "
                  f"in the order it sent them")
 
