@@ -186,7 +186,7 @@ FORBIDDEN = {
             code("2 * L * m - kept * turns", "kept * (2 * m - 1)"),
             ("their reduce-scatters L m", "Lm reduce-scatters"),
             ("a collective sends (d - 1) payloads", "collectives x (d - 1) x payload"),
-            ("(2 d shard + d outer_shard + 2 shard) b", "2 x d x ceil", "2 d payloads + 2 payloads", "d ceil((P + 2M) / d) b"),
+            ("(min(2, L) d shard + d outer_shard + 2 shard)", "2 x d x ceil", "2 d payloads + 2 payloads", "d ceil((P + 2M) / d) b"),
             ("(L shard + outer_shard) b", "(L shard + replicated) b"),
             ("the outer group's m each", "(outer_shard, m, m)", "the outer's m each", "m all-gathers of the outer"),
         ],
