@@ -42,21 +42,11 @@ def hand_counted_bytes(cfg, tokens, act, stat):
 
 
 @pytest.mark.exercises("activation_bytes")
-@pytest.mark.parametrize("dtype, act, stat", [(torch.float32, 4, 4), (torch.bfloat16, 2, 4), (torch.float64, 8, 8)])
-def test_keeping_everything_costs_the_hand_counted_bytes(dtype, act, stat):
-    got = m10.kept_bytes(CFG, 3, 10, dtype, "none")
-    want = hand_counted_bytes(CFG, 30, act, stat)
-    assert got == want, (f"{dtype}: your activation_bytes sum to {got} bytes for 30 tokens, the block keeps {want}"
-                         + (f" ({got / want:.3g} times as many)" if want and got else ""))
-    assert m10.kept_bytes(CFG, 3, 10, dtype, "block") == 30 * CFG.dim * act, \
-        "your activation_bytes: 'block' keeps only the block input x, 30 tokens of dim values"
-
-
-@pytest.mark.exercises("activation_bytes")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_each_activation_has_the_bytes_the_block_saves_for_it(dtype):
     # Name by name, against what the reference block (module 06's solution, not the code graded
-    # here) really saves: a swap of two sizes (q and k, say) leaves every total above unchanged.
+    # here) really saves: a swap of two sizes (q and k, say) leaves every total below unchanged. First,
+    # so that a wrong size is named before a total says only how far off the sum is (a learner run).
     store = reference_block.ActivationStore()
     weights = reference_block.init_block_weights(CFG, torch.Generator().manual_seed(0), dtype)
     reference_block.LlamaBlock(CFG).forward(weights, torch.randn(2, 9, CFG.dim).to(dtype), store)
@@ -66,6 +56,17 @@ def test_each_activation_has_the_bytes_the_block_saves_for_it(dtype):
     wrong = {name: f"formula {got[name]}, saved {saved[name]} ({got[name] / saved[name]:.3g} times)"
              for name in saved if got[name] != saved[name]}
     assert not wrong, f"{dtype}: your activation_bytes differ from what the block saves, by name: {wrong}"
+
+
+@pytest.mark.exercises("activation_bytes")
+@pytest.mark.parametrize("dtype, act, stat", [(torch.float32, 4, 4), (torch.bfloat16, 2, 4), (torch.float64, 8, 8)])
+def test_keeping_everything_costs_the_hand_counted_bytes(dtype, act, stat):
+    got = m10.kept_bytes(CFG, 3, 10, dtype, "none")
+    want = hand_counted_bytes(CFG, 30, act, stat)
+    assert got == want, (f"{dtype}: your activation_bytes sum to {got} bytes for 30 tokens, the block keeps {want}"
+                         + (f" ({got / want:.3g} times as many)" if want and got else ""))
+    assert m10.kept_bytes(CFG, 3, 10, dtype, "block") == 30 * CFG.dim * act, \
+        "your activation_bytes: 'block' keeps only the block input x, 30 tokens of dim values"
 
 
 @pytest.mark.exercises("activation_bytes")
@@ -167,6 +168,9 @@ def test_fp8_recompute_quantizes_with_the_kept_abs_maxes(option):
         store.restore(fp8_matmul.abs_max_name(name), planted[name])
     block.recompute(weights, store)
     for name in recomputed:
+        assert hasattr(store[name], "scale"), \
+            (f"{option}: your RecomputeBlock.recompute put {name} back as a {type(store[name]).__name__}, not the FP8 "
+             f"copy the forward kept: how does the forward turn a linear input into what the store keeps?")
         want = fp8_matmul.quantize(torch.zeros(1), fp8_matmul.E4M3, planted[name]).scale  # depends on amax only
         assert torch.equal(store[name].scale, want), \
             (f"{option}: your RecomputeBlock.recompute's {name} has scale {store[name].scale.item()!r}, expected {want.item()!r} from the "
