@@ -98,8 +98,12 @@ def _scorecard(module: Module, impl: str, results: list[dict], returncode: int) 
     if passed == graded and impl == "steps":  # what the learner derived: TODOs written without a hint
         from course.hints import what_was_derived
         derived = f"; {what_was_derived(module)}"
+    unimported = sum(r["reason"].startswith("cannot import") for r in results if r["outcome"] == "failed")
     print(f"{passed}/{graded} checks pass" + (f" ({skipped} skipped)" if skipped else "")
-          + (" among those that ran before the one that hung" if stopped_on_hang else "") + derived)
+          + (" among those that ran before the one that hung" if stopped_on_hang else "")
+          + (" (a checks' file that could not be imported counts as one failed check: its checks did not run)"
+             if unimported == 1 else f" ({unimported} checks' files that could not be imported count as one failed "
+             "check each: their checks did not run)" if unimported else "") + derived)
     if passed < graded:
         # by the module's marker, not its test files: the learner runs the checks and need not open them
         print(f"A check's whole output (tracebacks, your prints): python -m pytest --impl {impl} -m m{module.number} "

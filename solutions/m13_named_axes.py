@@ -104,11 +104,12 @@ def all_reduce(arrow: str, x: Sharded) -> Sharded:
     check_matches(left, x, f"all_reduce {arrow!r}")
     axes = check_all_reduce(left, right, arrow)
     # >>> TODO(m13): the all-reduce the arrow asks for, over each of its mesh axes
-    # Contract: return Sharded(tensor, right, x.mesh), tensor the sum of x over the ranks of every axis in `axes` (one
-    #   all-reduce per axis, through x.mesh.group(axis).collectives.all_reduce(tensor, label), which sums in place). x
-    #   itself is left as it was: the caller may still read it (the test checks x afterwards).
-    # The question: a sum over two axes is a sum over each group in turn: which tensor do the collectives sum into?
-    # Pitfall: what does an in-place collective on x.tensor do to the caller's x?
+    # Contract: return Sharded(tensor, right, x.mesh), tensor the sum of x over the ranks of every axis in `axes`, each
+    #   axis's sum through that axis's group's collectives (course/collectives.py), labelled with the arrow as your
+    #   all_gather labels its own. Afterwards the caller's x still holds what it held: the test reads it again.
+    # The question: how does a sum over two mesh axes decompose into the collectives one group can run, and where do
+    #   those collectives leave their result?
+    # Pitfall: which tensors does a sum over a group write into?
     # Hint 1: which tensor may the collectives write into, and what does a sum over d and t decompose into? (docs/13,
     #         "The notation": the table's all_reduce row.)
     # Hint 2: total = a copy of x; total <- Σ over the ranks of each axis's group, one axis after the other.

@@ -1,5 +1,5 @@
 # Generated from solutions/m13_named_axes.py by `python -m course.skeleton`: fill in the TODOs.
-# Grade your work with `python main.py grade 13`. (skeleton f756aedf2ab0)
+# Grade your work with `python main.py grade 13`. (skeleton 3a27b27b25c9)
 """Module 13, part 2 - the collectives, each written from its arrow between two specs.
 
 m13_specs (given) parses a spec such as "B/d T M/t" (B split over the mesh axis d, M over t) and
@@ -68,11 +68,12 @@ def all_reduce(arrow: str, x: Sharded) -> Sharded:
     check_matches(left, x, f"all_reduce {arrow!r}")
     axes = check_all_reduce(left, right, arrow)
     # TODO(m13): the all-reduce the arrow asks for, over each of its mesh axes
-    # Contract: return Sharded(tensor, right, x.mesh), tensor the sum of x over the ranks of every axis in `axes` (one
-    #   all-reduce per axis, through x.mesh.group(axis).collectives.all_reduce(tensor, label), which sums in place). x
-    #   itself is left as it was: the caller may still read it (the test checks x afterwards).
-    # The question: a sum over two axes is a sum over each group in turn: which tensor do the collectives sum into?
-    # Pitfall: what does an in-place collective on x.tensor do to the caller's x?
+    # Contract: return Sharded(tensor, right, x.mesh), tensor the sum of x over the ranks of every axis in `axes`, each
+    #   axis's sum through that axis's group's collectives (course/collectives.py), labelled with the arrow as your
+    #   all_gather labels its own. Afterwards the caller's x still holds what it held: the test reads it again.
+    # The question: how does a sum over two mesh axes decompose into the collectives one group can run, and where do
+    #   those collectives leave their result?
+    # Pitfall: which tensors does a sum over a group write into?
     raise NotImplementedError('TODO(m13): the all-reduce the arrow asks for, over each of its mesh axes')
 
 

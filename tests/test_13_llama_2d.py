@@ -109,7 +109,11 @@ def collectives_counted(module):
             while frame.f_code.co_name in GIVEN_METHODS:
                 frame = frame.f_back
             caller = frame.f_code.co_name
-            issued[(f"Llama2D.{caller}" if hasattr(module.Llama2D, caller) else caller, op, str(arrow))] += 1
+            # spaces do not make another arrow: '{U_d} -> ' is the reference's '{U_d} ->'
+            spaced = [arrow] if isinstance(arrow, str) else list(arrow)
+            written = [" ".join(one.split()) for one in spaced]
+            issued[(f"Llama2D.{caller}" if hasattr(module.Llama2D, caller) else caller, op,
+                    written[0] if isinstance(arrow, str) else str(written))] += 1
             return originals[op](arrow, x, *label)
         return collective
     try:

@@ -133,11 +133,15 @@ def test_the_plan_equals_what_module_17s_run_measured(measured, name):
         if norms in got:   # this rank's shard's norm entries: at most all of them (see the module docstring)
             assert got[norms] <= want.get(norms, 0), f"{name}, rank {rank}: t all-reduce {got[norms]} > {want[norms]}"
             got[norms] = want[norms] = max(want[norms], 0)
+        differ = sorted({key for key in {*got, *want} if got.get(key) != want.get(key)})
+        # the weights' axes are data_cost's, the model's axes axes_cost's: the message names the one at fault
+        culprit = " and ".join(dict.fromkeys("your data_cost" if axis in ("d", "dc", "ed") else "your axes_cost"
+                                             for _, axis, _ in differ))
         assert got == want, (f"{name}, rank {rank}: module 17 measured {sorted(got.items())}, the plan says "
-                             f"{sorted(want.items())}")
+                             f"{sorted(want.items())}: they differ in {differ} ({culprit})")
         for kind, value in held.items():
             assert plan.memory.get(kind, 0) == value, (f"{name}, rank {rank}: module 17 holds {value} bytes of "
-                                                       f"{kind}, the plan says {plan.memory.get(kind, 0)}")
+                                                       f"{kind}, your data_cost says {plan.memory.get(kind, 0)}")
 
 
 @pytest.mark.exercises("axes_cost")
@@ -243,10 +247,15 @@ def test_zero2_reduce_scatters_the_gradients_of_every_microbatch():
     dense, _ = layouts.rank_parameters(TINY, layout)
     want = module_14s_traffic(dense, 4, 2, "d")
     got = costs.data_cost(TINY, layout, BATCH, layouts.COURSE)
+    differ = sorted(op for _, op in {*got.calls, *want.calls, *got.sent, *want.sent}
+                    if (got.calls.get(("d", op)), got.sent.get(("d", op))) != (want.calls.get(("d", op)),
+                                                                              want.sent.get(("d", op))))
+    question = {"reduce_scatter": "does data_cost give zero_traffic the m microbatches?",
+                "all_reduce": "which small all-reduces does the planned step send (it does not clip)?"}
     assert (got.sent, got.calls) == (want.sent, want.calls), (
         f"ZeRO-2 on d = 4 with m = {M}: module 14 reduce-scatters each microbatch's gradients ({want.calls}, "
-        f"{want.sent} bytes), the plan says {got.calls}, {got.sent}: does data_cost give zero_traffic the m "
-        "microbatches?")
+        f"{want.sent} bytes), your data_cost says {got.calls}, {got.sent}: they differ in {differ}; "
+        + " ".join(question.get(op, f"what does module 14 send as {op}?") for op in dict.fromkeys(differ)))
 
 
 @pytest.mark.exercises("data_cost")

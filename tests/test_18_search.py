@@ -56,8 +56,17 @@ def test_the_plan_is_the_brute_forces_ranking_of_what_fits():
     assert 0 < fitting < candidates, f"the case under test: some candidates fit and some do not ({fitting} of {candidates})"
     got = [dataclasses.astuple(planned.layout) for planned in plan.fits]   # steps' Layout is another class
     same = got == want   # compared outside the assert: pytest's diff of two long lists takes minutes
-    assert same, (f"{len(want)} layouts fit; the brute force ranks first {want[:3]}, the plan {got[:3]} "
-                         f"(p, d, c, t, e, zero, schedule, m, recompute, fp8, cp)")
+    if not same:   # where the two rankings part: the first place they differ, and what each holds there
+        at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+        shown = lambda ranking: ranking[at] if at < len(ranking) else "nothing"  # noqa: E731
+        missing = [w for w in want if w not in set(got)]
+        extra = [g for g in got if g not in set(want)]
+    assert same, (f"the brute force ranks {len(want)} families' layouts that fit, your search {len(got)}; they part at "
+                  f"place {at + 1 if not same else 0}: brute force {shown(want) if not same else ''}, yours "
+                  f"{shown(got) if not same else ''}" + (f"; missing from yours: {missing[:2]}" if not same and missing
+                                                         else "") + (f"; in yours only: {extra[:2]}" if not same and
+                                                                     extra else "")
+                  + " (p, d, c, t, e, zero, schedule, m, recompute, fp8, cp, ...)")
     assert plan.closest is None, (f"{fitting} of {candidates} candidates fit: there is no closest miss to report, "
                                   f"your search returns closest={plan.closest.layout}")
     assert plan.considered == candidates, f"the plan says it costed {plan.considered} candidates, not {candidates}"

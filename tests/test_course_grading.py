@@ -338,3 +338,17 @@ def test_no_form_of_a_frame_in_tests_reaches_the_scorecard():
     line = scorecard_line({"test": "tests/test_05_schedules.py", "outcome": "failed",
                            "reason": "cannot import the checks' file test_05_schedules.py: none of its checks ran"})
     assert "tests/" not in line, line
+
+
+def test_a_checks_file_that_cannot_be_imported_is_said_in_the_count(capsys):
+    # A learner run: an indentation error in their file left "10/18 checks pass", and the learner read it as
+    # checks dropped from the count. The line says what the failed entry stands for.
+    from course.catalog import MODULES
+    from course.grade import _scorecard
+    results = [{"test": f"t.py::test_{k}", "outcome": "passed", "reason": ""} for k in range(3)]
+    results.append({"test": "tests/test_05_schedules.py", "outcome": "failed", "hint": None,
+                    "reason": "cannot import the checks' file test_05_schedules.py: none of its checks ran"})
+    assert _scorecard(MODULES["05"], "steps", results, 1) == 1
+    line = next(line for line in capsys.readouterr().out.splitlines() if "checks pass" in line)
+    assert line.startswith("3/4 checks pass (a checks' file that could not be imported counts as one failed check: "
+                           "its checks did not run)"), line
