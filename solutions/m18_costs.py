@@ -201,9 +201,9 @@ def data_cost(model: Model, layout: Layout, batch: int, precision: Precision) ->
     #   values): sent/calls only over the axes that sum its gradients (`axis` for the dense weights, "ed" for an MoE
     #   model's experts), memory "parameters", "gradients", "optimizer" (with ZeRO 3 also "buffers"), each equal to
     #   what modules 17 (ZeRO 3) and 14 (ZeRO 0-2, on bucket_numels' buckets) send and keep on that mesh for the m
-    #   micro-steps of a step. layout.reduce_once: ZeRO 2 whose micro-steps accumulate whole gradients and
-    #   reduce-scatter them once a step. "optimizer": AdamW's moments of the values this rank updates, in the
-    #   precision's dtype (with precision.master: float32 moments and a float32 master copy).
+    #   micro-steps of a step (a step that does not clip). layout.reduce_once: ZeRO 2 whose micro-steps accumulate whole
+    #   gradients and reduce-scatter them once a step. "optimizer": AdamW's moments of the values this rank updates, in
+    #   the precision's dtype (with precision.master: float32 moments and a float32 master copy).
     # Question: ZeRO 2 once a step is not in module 14, but it is made of module 14's pieces: which of its formulas
     #   sends what it sends, and which keeps what it keeps, between and during the micro-steps?
     # Maths: a weight's gradient is summed over every rank that holds the same weight. The tests compare with real
