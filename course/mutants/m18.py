@@ -125,4 +125,12 @@ PLANTS = [
     Plant(SEARCH, "    return Plan(fits, None if fits else closest, len(layouts))",
           "    return Plan(fits, closest, len(layouts))",
           "a closest miss reported although some layouts fit", new=True),
+    Plant(COSTS, "cp_traffic(attention_view(stage, t), batch, model.cfg.max_seq_len, dtype",
+          "cp_traffic(attention_view(stage, t), batch, model.cfg.max_seq_len // c, dtype",
+          "the context exchange given each rank's piece of the sequence: cp_traffic takes the whole T and cuts it "
+          "itself (a learner run's plant, blamed on data_cost before)", new=True),
+    Plant(SEARCH, "        if planned.memory > budget:\n            if closest",
+          "        if planned.memory > gpu.memory:\n            if closest",
+          "the whole GPU's memory as the budget: no reserve for what the formulas do not count (a learner run's plant)",
+          new=True),
 ]
