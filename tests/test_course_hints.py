@@ -83,6 +83,18 @@ def test_hints_read_after_the_module_passed_do_not_count(record, capsys):
     assert " 3/1/0  " in row, row
 
 
+def test_a_pass_that_cannot_be_kept_is_counted_from_the_record_as_it_stands(record, capsys, tmp_path, monkeypatch):
+    # A read-only checkout: the first pass cannot be written down; the count is still the record's.
+    from course.grade import _scorecard
+    import course.hints
+    (tmp_path / "file").write_text("")
+    monkeypatch.setattr(course.hints, "PASSED", tmp_path / "file" / "passed.json")
+    record(0, 3, 0, 0)
+    passed = [{"test": "t.py::test_0", "outcome": "passed", "reason": ""}]
+    assert _scorecard(MODULES["05"], "steps", passed, 0) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "1/1 checks pass; 3 of 4 TODOs without a hint, 1 with hint 3"
+
+
 def test_grade_passes_even_when_the_record_cannot_be_read(record, capsys):
     from course.grade import _scorecard
     import course.hints
