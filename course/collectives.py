@@ -80,6 +80,17 @@ class _Done:
         return True
 
 
+def _check_blocks(op: str, label: str, role: str, whole: torch.Tensor, block: torch.Tensor, n: int, dim: int):
+    """One line before anything is sent: `whole` must be the group's n blocks side by side along `dim`
+    (sizes that do not fit make gloo abort the rank with a C++ shape check, or make a group of one
+    broadcast silently)."""
+    want = list(block.shape) or [1]   # a scalar's blocks lie along a dimension of their own
+    want[dim] *= n
+    if list(whole.shape) != want:
+        raise ValueError(f"{op} {label!r} over {n} ranks along dim {dim}: its {role} is {tuple(whole.shape)}, but "
+                         f"{n} blocks of {tuple(block.shape)} side by side along dim {dim} are {tuple(want)}")
+
+
 class Collectives:
     """The collectives over one group of ranks, logged in `self.log`.
 
@@ -110,6 +121,7 @@ class Collectives:
                    dim: int = 0):
         """output <- every rank's shard, in rank order, side by side along `dim` (the shard's size
         along `dim` times the group's size; the other dimensions the shard's)."""
+        _check_blocks("all_gather", label, "output", output, shard, self.size(), dim)
         self._record("all_gather", shard.nbytes, label)
         if self.size() == 1:
             output.copy_(shard)
@@ -131,6 +143,7 @@ class Collectives:
                        dim: int = 0):
         """shard <- the sum over ranks of this rank's block of full along `dim` (full cut into
         group-size equal blocks along `dim`, rank r receiving block r)."""
+        _check_blocks("reduce_scatter", label, "input", full, shard, self.size(), dim)
         self._record("reduce_scatter", shard.nbytes, label)
         if self.size() == 1:
             shard.copy_(full)

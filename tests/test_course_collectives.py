@@ -86,3 +86,28 @@ def test_over_a_group_of_one_the_result_is_the_ranks_own_and_nothing_is_issued()
     # Each call is logged (sending 0 bytes), so the counts of the modules' tests hold on any mesh,
     # but none reaches torch.distributed.
     assert run_ranks(_group_of_one, 1, timeout=30) == [(True, True, True, [0, 0, 0], 0)]
+
+
+def _mismatched_blocks():
+    # On 2 ranks: an output that is not the group's blocks side by side, and a reduce-scatter cut along the wrong
+    # dimension (a learner run: gloo aborted the rank with "Check failed: outputShape[0] * worldSize == ...").
+    group = dist.new_group([0, 1])
+    collectives = Collectives(group, "t", (0, 1))
+    errors = []
+    for call in (lambda: collectives.all_gather(torch.empty(3, 4), torch.ones(2, 2), label="M/t -> M", dim=1),
+                 lambda: collectives.reduce_scatter(torch.empty(2, 4), torch.ones(2, 4), label="M {U_t} -> M/t", dim=0)):
+        try:
+            call()
+        except ValueError as error:
+            errors.append(str(error))
+    return errors, collectives.log
+
+
+def test_blocks_that_do_not_fit_are_refused_in_one_line_before_anything_is_sent():
+    errors, log = run_ranks(_mismatched_blocks, 2, timeout=30)[0]
+    assert errors == [
+        "all_gather 'M/t -> M' over 2 ranks along dim 1: its output is (3, 4), but 2 blocks of (2, 2) side by side "
+        "along dim 1 are (2, 4)",
+        "reduce_scatter 'M {U_t} -> M/t' over 2 ranks along dim 0: its input is (2, 4), but 2 blocks of (2, 4) side "
+        "by side along dim 0 are (4, 4)"], errors
+    assert log == [], log
